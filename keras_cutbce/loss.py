@@ -1,0 +1,217 @@
+"""`CutBCELoss`: the Keras loss around `cut_binary_crossentropy`."""
+
+import inspect
+
+import keras
+from keras import ops
+from keras.src.losses.loss import reduce_weighted_values
+
+from keras_cutbce import ops as cut_ops
+
+
+def _variable_of(source, argument):
+    """The `keras.Variable` behind a variable or an Embedding-like layer."""
+    if isinstance(source, keras.layers.Layer):
+        variable = getattr(source, "embeddings", None)
+        if variable is None:
+            raise TypeError(
+                f"`{argument}` layer {source.name!r} has no `embeddings` variable "
+                "(is it built?)."
+            )
+        return variable
+    return source
+
+
+def _find_model_variable(path):
+    """Finds the variable at `path` in the Keras model being compiled or trained.
+
+    Looks up the call stack for a method of a `keras.Model` (such as
+    `compile_from_config` while `.keras` loading, or `compute_loss` in a
+    train step) and returns that model's variable with the given path.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.Model):
+                for variable in owner.variables:
+                    if variable.path == path:
+                        return variable
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+@keras.saving.register_keras_serializable(package="keras_cutbce")
+class CutBCELoss(keras.losses.Loss):
+    """Full-vocabulary binary cross-entropy of hidden states against item ids.
+
+    The model outputs hidden states `y_pred [..., D]`; the loss projects them
+    on the item table `E [V, D]` (plus an optional bias `[V]`) tile by tile
+    and compares the logits with the multi-hot of the integer target ids
+    `y_true [..., L]`, without materializing the `[positions, V]` logits. Its
+    value equals `keras.losses.BinaryCrossentropy(from_logits=True)` on the
+    dense logits (for `pos_weight=1`), and so do its gradients.
+
+    `y_true` stays integral (Keras's stock `Loss` would cast it to float,
+    which is exact only below 2**24). Ids outside `[0, V)` are padding;
+    duplicates count once. Keras masks on `y_pred` and `sample_weight` work
+    as for any loss; a `sample_weight` of lower rank than the per-position
+    loss is broadcast over the trailing positions.
+
+    The table is read when the loss is called, so inside a train step it is
+    the value being trained: tie it to the model's item embedding and the
+    table trains through the loss on every backend.
+
+    Args:
+        embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
+            `embeddings` (`keras.layers.Embedding`, `ReversibleEmbedding`).
+        bias: optional `keras.Variable` `[V]`.
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float weighting the positive terms.
+        chunk_size: vocabulary tile width, `None` for the default rule
+            (`keras_cutbce.tiling`).
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX) or
+            `"reference"` (dense).
+        reduction: any Keras reduction (`"sum_over_batch_size"`, `"sum"`,
+            `"mean"`, `"mean_with_sample_weight"`, `"none"`/`None`).
+        name: loss name.
+        dtype: dtype of the reduced loss (default: Keras's float dtype).
+
+    Example:
+
+    ```python
+    items = keras.layers.Embedding(num_items, 64, name="items")
+    ids = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.Dense(64)(items(ids))
+    model = keras.Model(ids, hidden)
+    model.compile(optimizer="adam", loss=CutBCELoss(items))
+    model.fit(sequences, next_items)   # next_items: int [batch, seq, 8]
+    ```
+    """
+
+    def __init__(
+        self,
+        embeddings,
+        bias=None,
+        *,
+        label_smoothing=0.0,
+        pos_weight=1.0,
+        chunk_size=None,
+        implementation="auto",
+        reduction="sum_over_batch_size",
+        name="cut_binary_crossentropy",
+        dtype=None,
+    ):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        cut_ops._check_implementation(implementation)
+        cut_ops._check_chunk_size(chunk_size)
+        if not 0.0 <= float(label_smoothing) <= 1.0:
+            raise ValueError(
+                f"`label_smoothing` must be in [0, 1]; received {label_smoothing!r}."
+            )
+        if not float(pos_weight) > 0.0:
+            raise ValueError(f"`pos_weight` must be > 0; received {pos_weight!r}.")
+        if embeddings is None:
+            raise ValueError("`embeddings` is required: the item table [V, D].")
+        self.embeddings = embeddings
+        self.bias = bias
+        self.label_smoothing = float(label_smoothing)
+        self.pos_weight = float(pos_weight)
+        self.chunk_size = chunk_size
+        self.implementation = implementation
+
+    def _resolve(self, source, argument):
+        if isinstance(source, str):
+            variable = _find_model_variable(source)
+            if variable is None:
+                raise ValueError(
+                    f"`{argument}` refers to the variable {source!r}, and no Keras "
+                    "model with that variable is being compiled or trained. Pass "
+                    "the variable or layer itself, or compile the model that owns it."
+                )
+            return variable
+        return _variable_of(source, argument)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        in_mask = keras.backend.get_keras_mask(y_pred)
+        with ops.name_scope(self.name):
+            y_pred = ops.convert_to_tensor(y_pred)
+            y_true = ops.convert_to_tensor(y_true)
+            losses = self.call(y_true, y_pred)
+            out_mask = keras.backend.get_keras_mask(losses)
+            masks = [m for m in (in_mask, out_mask) if m is not None]
+            mask = None
+            if masks:
+                mask = masks[0] if len(masks) == 1 else ops.logical_and(*masks)
+            if sample_weight is not None:
+                sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
+                while len(sample_weight.shape) < len(losses.shape):
+                    sample_weight = ops.expand_dims(sample_weight, -1)
+                if len(sample_weight.shape) == len(losses.shape):
+                    sample_weight = ops.broadcast_to(sample_weight, ops.shape(losses))
+            return reduce_weighted_values(
+                losses,
+                sample_weight=sample_weight,
+                mask=mask,
+                reduction=self.reduction,
+                dtype=self.dtype,
+            )
+
+    def call(self, y_true, y_pred):
+        """Per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
+        # Bring the table (and ids) to the hidden states' device if needed:
+        # ops.convert_to_tensor of a variable reads its current value.
+        embeddings = self._resolve(self.embeddings, "embeddings")
+        bias = None if self.bias is None else self._resolve(self.bias, "bias")
+        return cut_ops.cut_binary_crossentropy(
+            y_pred,
+            embeddings,
+            y_true,
+            bias,
+            label_smoothing=self.label_smoothing,
+            pos_weight=self.pos_weight,
+            chunk_size=self.chunk_size,
+            implementation=self.implementation,
+        )
+
+    @staticmethod
+    def _path_of(source, argument):
+        if source is None or isinstance(source, str):
+            return source
+        variable = _variable_of(source, argument)
+        path = getattr(variable, "path", None)
+        if path is None:
+            raise ValueError(
+                f"`{argument}` must be a keras.Variable or layer to be serialized; "
+                f"received {type(source).__name__}."
+            )
+        return path
+
+    def get_config(self):
+        """Config with the table (and bias) saved as variable paths.
+
+        On load inside `keras.saving.load_model`, the paths re-bind to the
+        loaded model's variables.
+        """
+        config = super().get_config()
+        config.update(
+            embeddings=self._path_of(self.embeddings, "embeddings"),
+            bias=self._path_of(self.bias, "bias"),
+            label_smoothing=self.label_smoothing,
+            pos_weight=self.pos_weight,
+            chunk_size=self.chunk_size,
+            implementation=self.implementation,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        for key in ("embeddings", "bias"):
+            if isinstance(config.get(key), str):
+                variable = _find_model_variable(config[key])
+                if variable is not None:
+                    config[key] = variable
+        return cls(**config)

@@ -1,0 +1,62 @@
+"""Dense reference formulas: the oracle for tests and `implementation="reference"`.
+
+Written with `keras.ops`, so they run (and differentiate) on every backend.
+They build the full `[rows, V]` logits: use them only on small shapes.
+"""
+
+from keras import ops
+
+from keras_cutbce.coefficients import bce_coefficients
+
+
+def multi_hot(ids, vocab_size):
+    """Float32 `[rows, V]` multi-hot of integer ids `[rows, L]`.
+
+    Ids outside `[0, V)` are ignored and duplicates count once.
+
+    Example:
+
+    >>> import numpy as np
+    >>> np.asarray(multi_hot(np.array([[0, 2, 2, -1]]), 4)).tolist()
+    [[1.0, 0.0, 1.0, 0.0]]
+    """
+    ids = ops.convert_to_tensor(ids)
+    rows = ops.shape(ids)[0]
+    if ids.shape[-1] == 0:
+        return ops.zeros((rows, vocab_size), "float32")
+    valid = ops.logical_and(ids >= 0, ids < vocab_size)
+    safe = ops.where(valid, ids, ops.zeros_like(ids))
+    hot = ops.one_hot(safe, vocab_size, dtype="float32")
+    hot = hot * ops.expand_dims(ops.cast(valid, "float32"), -1)
+    return ops.max(hot, axis=1)
+
+
+def logits(hidden, table, bias=None):
+    """Float32 `hidden @ table.T + bias`, computed densely."""
+    z = ops.matmul(ops.cast(hidden, "float32"), ops.transpose(ops.cast(table, "float32")))
+    if bias is not None:
+        z = z + ops.cast(bias, "float32")
+    return z
+
+
+def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0):
+    """Dense per-row loss `[rows]` of the CutBCE contract (see `DESIGN.md`).
+
+    Args:
+        hidden: float `[rows, D]`.
+        table: float `[V, D]`.
+        ids: integer `[rows, L]`.
+        bias: optional float `[V]`.
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float.
+
+    Returns:
+        Float32 `[rows]`.
+    """
+    coef = bce_coefficients(label_smoothing, pos_weight)
+    z = logits(hidden, table, bias)
+    y = multi_hot(ids, ops.shape(table)[0])
+    scale = coef.neg_scale + coef.delta_scale * y
+    target = coef.neg_target + coef.delta_target * y
+    terms = scale * ops.softplus(z) - target * z
+    return ops.mean(terms, axis=-1)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the virtualenv .venv in the repository and installs the
+# project with every backend, pinned by constraints.txt. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[all]"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi

@@ -1,0 +1,71 @@
+"""Backend-neutral helpers for tests: gradients and conversions on the active Keras backend."""
+
+import keras
+import numpy as np
+
+BACKEND = keras.backend.backend()
+
+
+def to_numpy(x):
+    """Converts a backend tensor (any dtype, bf16 included) to a float64/int numpy array."""
+    if BACKEND == "torch":
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu()
+            if x.dtype in (torch.bfloat16, torch.float16):
+                x = x.float()
+            return x.numpy()
+    x = keras.ops.convert_to_numpy(x)
+    if x.dtype.kind == "f" or str(x.dtype) == "bfloat16":
+        return np.asarray(x, dtype=np.float64)
+    return np.asarray(x)
+
+
+def value_and_grads(fn, *args):
+    """Value of `fn(*args)` (a scalar) and its gradients for every arg.
+
+    `args` are numpy arrays or backend tensors of float dtype; returns
+    `(value, [grad, ...])` as numpy arrays (gradients keep the arg's dtype
+    on the backend; `dtypes` of the gradients are checked by callers with
+    `grad_dtypes`).
+    """
+    value, grads = value_and_grads_tensors(fn, *args)
+    return to_numpy(value), [to_numpy(g) for g in grads]
+
+
+def value_and_grads_tensors(fn, *args):
+    """Like `value_and_grads` but returns backend tensors."""
+    if BACKEND == "jax":
+        import jax
+
+        tensors = [keras.ops.convert_to_tensor(a) for a in args]
+        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(args))))(*tensors)
+        return value, list(grads)
+    if BACKEND == "torch":
+        import torch
+
+        tensors = [
+            keras.ops.convert_to_tensor(a).detach().clone().requires_grad_(True) for a in args
+        ]
+        value = fn(*tensors)
+        grads = torch.autograd.grad(value, tensors, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+        return value.detach(), grads
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        tensors = [tf.convert_to_tensor(keras.ops.convert_to_tensor(a)) for a in args]
+        with tf.GradientTape() as tape:
+            for t in tensors:
+                tape.watch(t)
+            value = fn(*tensors)
+        grads = tape.gradient(value, tensors)
+        grads = [tf.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+        return value, grads
+    raise NotImplementedError(BACKEND)
+
+
+def dtype_name(x):
+    """Standardized Keras dtype name of a tensor."""
+    return keras.backend.standardize_dtype(x.dtype)
