@@ -271,6 +271,7 @@ def cut_binary_crossentropy(
     lead_shape = ops.shape(hidden)[:-1]
     flat_hidden, flat_ids = _flatten(hidden, target_ids)
     vocab_size = _dims(table)[0]
+    user_chunk_size = chunk_size
     if chunk_size is None:
         rows = _num_rows(_dims(hidden))
         chunk_size = default_chunk_size(rows or 4096, vocab_size or 2**20)
@@ -283,8 +284,9 @@ def cut_binary_crossentropy(
     elif implementation == "pallas":
         from keras_cutbce.backends.jax import pallas_tpu
 
+        # The Pallas kernels pick MXU-aligned tiles from the chip's VMEM themselves.
         loss = pallas_tpu.cut_bce(
-            flat_hidden, table, flat_ids, bias, chunk_size=chunk_size, **kwargs
+            flat_hidden, table, flat_ids, bias, chunk_size=user_chunk_size, **kwargs
         )
     else:
         loss = _chunked_module().cut_bce(

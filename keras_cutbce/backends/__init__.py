@@ -1,0 +1,1 @@
+"""Per-backend CutBCE kernels; ops.py picks one."""

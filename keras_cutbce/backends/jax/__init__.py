@@ -1,0 +1,1 @@
+"""jax kernels for CutBCE."""

@@ -1,0 +1,1 @@
+"""tensorflow kernels for CutBCE."""

@@ -1,0 +1,1 @@
+"""torch kernels for CutBCE."""
