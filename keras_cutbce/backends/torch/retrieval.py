@@ -1,0 +1,99 @@
+"""Top-k retrieval and threshold counts on torch, tile by tile over the vocabulary.
+
+A Python loop over vocabulary tiles under `torch.no_grad()`: one `[M, T]`
+tile of logits (from `chunked.tile_logits`, the one fused tile function) and
+the running result are alive at a time, so memory is O(M * (k + T)).
+"""
+
+import torch
+
+from keras_cutbce.backends.torch.chunked import tile_logits
+
+# Id reported for the slots of a top-k that no item can fill (score -inf).
+EMPTY_ID = -1
+
+
+def _tiles(vocab_size, chunk_size):
+    width = max(1, int(chunk_size))
+    for start in range(0, vocab_size, width):
+        yield start, min(start + width, vocab_size)
+
+
+def _excluded_mask(exclude_ids, start, stop):
+    """Bool `[M, T]`: True where the row excludes the column `start + j`."""
+    width = stop - start
+    local = exclude_ids.long() - start
+    local = torch.where((local >= 0) & (local < width), local, width)  # width: dropped
+    mask = torch.zeros(
+        (exclude_ids.shape[0], width + 1), dtype=torch.bool, device=exclude_ids.device
+    )
+    mask.scatter_(1, local, True)
+    return mask[:, :width]
+
+
+def _bias_tile(bias, start, stop):
+    return None if bias is None else bias[start:stop]
+
+
+@torch.no_grad()
+def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
+    """Exact top-k logits per row without the `[M, V]` logits.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        k: int in `[1, V]`.
+        bias: optional float `[V]`.
+        exclude_ids: optional int `[M, X]`: ids never returned for that row;
+            ids outside `[0, V)` are ignored.
+        chunk_size: vocabulary tile width.
+
+    Returns:
+        `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
+        lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
+        ids. Slots no item can fill (fewer than k items left after the
+        exclusions) have score `-inf` and id `EMPTY_ID` (-1).
+
+    Example:
+
+    >>> h = torch.ones((1, 2))
+    >>> table = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
+    >>> scores, ids = top_k(h, table, 2, chunk_size=2)
+    >>> ids.tolist(), scores.tolist()
+    ([[1, 2]], [[3.0, 2.0]])
+    """
+    rows, device = hidden.shape[0], hidden.device
+    best_scores = torch.full((rows, k), -torch.inf, dtype=torch.float32, device=device)
+    best_ids = torch.full((rows, k), EMPTY_ID, dtype=torch.int64, device=device)
+    for start, stop in _tiles(table.shape[0], chunk_size):
+        z = tile_logits(hidden, table[start:stop], _bias_tile(bias, start, stop))
+        if exclude_ids is not None:
+            z = z.masked_fill(_excluded_mask(exclude_ids, start, stop), -torch.inf)
+        columns = torch.arange(start, stop, device=device).expand(rows, -1)
+        scores = torch.cat([best_scores, z], dim=1)
+        ids = torch.cat([best_ids, columns], dim=1)
+        # torch.topk does not order ties; a stable descending sort keeps the
+        # running entries (lower ids) and, within the tile, lower ids first.
+        scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+        best_scores = scores[:, :k].contiguous()
+        best_ids = torch.gather(ids, 1, order[:, :k])
+    best_ids = torch.where(best_scores == -torch.inf, EMPTY_ID, best_ids)
+    return best_scores, best_ids.to(torch.int32)
+
+
+@torch.no_grad()
+def count_at_least(hidden, table, bias, threshold, *, chunk_size):
+    """Int32 `[M]`: how many of each row's V logits are `>= threshold`.
+
+    Example:
+
+    >>> h = torch.ones((1, 2))
+    >>> table = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
+    >>> count_at_least(h, table, None, 2.0, chunk_size=2).tolist()
+    [2]
+    """
+    counts = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+    for start, stop in _tiles(table.shape[0], chunk_size):
+        z = tile_logits(hidden, table[start:stop], _bias_tile(bias, start, stop))
+        counts += (z >= threshold).sum(dim=1)
+    return counts.to(torch.int32)
