@@ -1,0 +1,249 @@
+"""Pallas TPU kernels of CutBCE, run on CPU in the Pallas TPU interpreter.
+
+Every case checks the per-row loss and the gradients for hidden, table and
+bias under a random cotangent against the dense reference and (for
+`pos_weight=1`) Keras's own dense binary cross-entropy. Each case compiles
+the interpreted kernels once (about 10 s on a small CPU), so shapes are tiny
+and cases are few.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="Pallas kernels need the JAX backend"
+)
+
+
+def _inputs(rng, m, v, d, l, *, bias, dtype="float32", pad_frac=0.2, dup=True):
+    h = rng.normal(size=(m, d)) * 0.8
+    t = rng.normal(size=(v, d)) * 0.3
+    b = rng.normal(size=(v,)) if bias else None
+    ids = rng.integers(0, v, size=(m, l))
+    if l:
+        pad = rng.random(size=(m, l)) < pad_frac
+        ids = np.where(pad, rng.choice([-1, -7, v, v + 3], size=(m, l)), ids)
+        if dup and l > 1:
+            ids[::3, 1] = ids[::3, 0]  # duplicates (and duplicated padding)
+    g = rng.normal(size=(m,))
+    import ml_dtypes
+
+    cast = (lambda x: np.asarray(x, ml_dtypes.bfloat16)) if dtype == "bfloat16" else (
+        lambda x: np.asarray(x, np.float32)
+    )
+    return cast(h), cast(t), None if b is None else cast(b), ids, g.astype(np.float32)
+
+
+def _value_and_grads(loss_fn, h, t, b, g):
+    """Per-row loss and the gradients of `sum(g * loss)` for h, t (and b)."""
+    import jax
+    import jax.numpy as jnp
+
+    argnums = (0, 1) if b is None else (0, 1, 2)
+
+    def objective(h, t, b):
+        loss = loss_fn(h, t, b)
+        return jnp.sum(loss * g), loss
+
+    fn = jax.jit(jax.value_and_grad(objective, argnums=argnums, has_aux=True))
+    (_, loss), grads = fn(h, t, b)
+    return np.asarray(loss, np.float64), grads
+
+
+def _keras_dense(ids, v, ls):
+    """Per-row Keras BCE of the dense logits, as a function of (h, t, b)."""
+    from keras_cutbce.reference import multi_hot
+
+    y = multi_hot(ids, v)
+
+    def loss_fn(h, t, b):
+        z = keras.ops.matmul(keras.ops.cast(h, "float32"), keras.ops.cast(t, "float32").T)
+        if b is not None:
+            z = z + keras.ops.cast(b, "float32")
+        return keras.losses.binary_crossentropy(y, z, from_logits=True, label_smoothing=ls)
+
+    return loss_fn
+
+
+def _reference(ids, ls, pw):
+    from keras_cutbce import reference
+
+    def loss_fn(h, t, b):
+        f32 = lambda x: None if x is None else keras.ops.cast(x, "float32")  # noqa: E731
+        return reference.cut_bce(f32(h), f32(t), ids, f32(b), label_smoothing=ls, pos_weight=pw)
+
+    return loss_fn
+
+
+def _assert_close(got, want, rtol, name):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert np.all(np.isfinite(got)), name
+    scale = max(np.abs(want).max(), 1e-12)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=name)
+
+
+def _check(inputs, *, ls, pw, rtol, pallas_kwargs, keras_too):
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, b, ids, g = inputs
+    v = t.shape[0]
+
+    def pallas_fn(h, t, b):
+        return pallas_tpu.cut_bce(
+            h, t, ids, b, label_smoothing=ls, pos_weight=pw, **pallas_kwargs
+        )
+
+    loss, grads = _value_and_grads(pallas_fn, h, t, b, g)
+    for grad, x in zip(grads, (h, t, b)):
+        assert grad.dtype == x.dtype, (grad.dtype, x.dtype)
+    oracles = [("reference", _reference(ids, ls, pw))]
+    if keras_too:
+        oracles.append(("keras", _keras_dense(ids, v, ls)))
+    for name, oracle in oracles:
+        want_loss, want_grads = _value_and_grads(oracle, h, t, b, g)
+        _assert_close(loss, want_loss, rtol, f"{name} loss")
+        for arg, got, want in zip("htb", grads, want_grads):
+            _assert_close(got, want, rtol, f"{name} grad_{arg}")
+
+
+def test_odd_shapes_bias_smoothing_padding_duplicates(rng):
+    """M=130 over 128-row tiles, V=1000 over 256-wide tiles (masked last tile)."""
+    inputs = _inputs(rng, 130, 1000, 64, 4, bias=True)
+    _check(
+        inputs, ls=0.1, pw=1.0, rtol=2e-5,
+        pallas_kwargs=dict(block_rows=128, chunk_size=256), keras_too=True,
+    )
+
+
+def test_single_label_pos_weight_large_logits_through_ops(rng):
+    """One label a row, pos_weight, |z| >= 100, default tiles, via the public op."""
+    from keras_cutbce import ops
+
+    h, t, _, ids, g = _inputs(rng, 130, 1000, 64, 1, bias=False)
+    h[:5] *= 400.0  # logits far beyond +-100 on a few rows
+    ids = ids[:, 0]  # one id per position, [M]
+
+    def pallas_fn(h, t, b):
+        return ops.cut_binary_crossentropy(
+            h, t, ids, pos_weight=3.0, implementation="pallas"
+        )
+
+    z = h[:5].astype(np.float64) @ t.T.astype(np.float64)
+    assert np.abs(z).max() > 100.0
+    loss, grads = _value_and_grads(pallas_fn, h, t, None, g)
+    want_loss, want_grads = _value_and_grads(
+        _reference(ids[:, None], 0.0, 3.0), h, t, None, g
+    )
+    _assert_close(loss, want_loss, 2e-5, "loss")
+    for arg, got, want in zip("ht", grads, want_grads):
+        _assert_close(got, want, 2e-5, f"grad_{arg}")
+
+
+def test_bfloat16_inputs(rng):
+    inputs = _inputs(rng, 130, 1000, 64, 3, bias=True, dtype="bfloat16")
+    _check(
+        inputs, ls=0.05, pw=1.0, rtol=2e-2,
+        pallas_kwargs=dict(block_rows=128, chunk_size=512), keras_too=True,
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_randomized(seed):
+    """Random tiny shapes: V below one tile, L = 0, with or without bias."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(1, 40))
+    v = int(rng.integers(2, 300))
+    d = int(rng.choice([8, 16]))
+    l = 0 if seed == 1 else int(rng.integers(1, 6))
+    ls = float(rng.choice([0.0, 0.3]))
+    pw = float(rng.choice([1.0, 0.5]))
+    inputs = _inputs(rng, m, v, d, l, bias=seed == 2)
+    _check(
+        inputs, ls=ls, pw=pw, rtol=2e-5,
+        pallas_kwargs=dict(chunk_size=128), keras_too=pw == 1.0,
+    )
+
+
+def _count_pallas_calls(jaxpr):
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            count += 1
+        for param in eqn.params.values():
+            subs = param if isinstance(param, (list, tuple)) else [param]
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    count += _count_pallas_calls(getattr(inner, "jaxpr", inner))
+                elif hasattr(sub, "eqns"):
+                    count += _count_pallas_calls(sub)
+    return count
+
+
+def test_pallas_path_really_runs(rng):
+    """The op traces to one pallas_call forward and three with the gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_cutbce import ops
+
+    h, t, b, ids, _ = _inputs(rng, 10, 200, 8, 2, bias=True)
+
+    def loss(h, t, b, implementation):
+        return jnp.sum(ops.cut_binary_crossentropy(h, t, ids, b, implementation=implementation))
+
+    forward = jax.make_jaxpr(lambda *a: loss(*a, "pallas"))(h, t, b)
+    backward = jax.make_jaxpr(jax.grad(lambda *a: loss(*a, "pallas"), argnums=(0, 1, 2)))(h, t, b)
+    assert _count_pallas_calls(forward.jaxpr) == 1
+    assert _count_pallas_calls(backward.jaxpr) == 3
+    reference = jax.make_jaxpr(lambda *a: loss(*a, "reference"))(h, t, b)
+    assert _count_pallas_calls(reference.jaxpr) == 0
+
+
+def test_auto_never_picks_interpreted_pallas_off_tpu():
+    import jax
+
+    from keras_cutbce import ops
+
+    if jax.devices()[0].platform == "tpu":
+        assert ops.select_implementation("auto") == "pallas"
+    else:
+        assert ops.select_implementation("auto") == "chunked"
+        assert ops.select_implementation("pallas") == "pallas"
+
+
+def test_interpreter_is_the_default_off_tpu():
+    import jax
+    import jax.experimental.pallas.tpu as pltpu
+
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    if jax.devices()[0].platform == "tpu":
+        pytest.skip("on a TPU the kernels are compiled")
+    arg = pallas_tpu._interpret_arg(None)
+    params = getattr(pltpu, "InterpretParams", None)
+    assert isinstance(arg, params) if params is not None else arg is True
+    assert pallas_tpu._interpret_arg(False) is False
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "rows, vocab, dim, budget",
+    [(130, 1000, 64, 16 * 2**20), (8192, 10**6, 128, 16 * 2**20),
+     (4096, 10**5, 1024, 64 * 2**20), (3, 5, 4, 1)],
+)
+def test_tile_rule(rows, vocab, dim, budget, dtype):
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    tm, tv = pallas_tpu.choose_tiles(rows, vocab, dim, dtype, budget_bytes=budget)
+    assert tm % 128 == 0 and tv % 128 == 0
+    assert 128 <= tm <= max(128, -(-rows // 128) * 128)
+    assert 128 <= tv <= -(-vocab // 128) * 128
+    itemsize = 2 if dtype == "bfloat16" else 4
+    if budget > 1:
+        assert pallas_tpu._footprint_bytes(tm, tv, dim, itemsize) <= budget
+    else:
+        assert (tm, tv) == (128, 128)  # nothing fits: the smallest aligned tiles
