@@ -1,0 +1,245 @@
+"""`DetachBlock`: a sub-architecture with detached input/output and a local objective.
+
+A `DetachBlock` wraps a layer (or a whole nested model). In the forward pass it
+calls the layer on a stop-gradient copy of its input and returns a stop-gradient
+copy of the output, so no gradient crosses the block boundary. Instead the block
+owns a local objective, `loss_weight * loss(y_true, head(output))`, computed
+against the model's target. Its backward pass therefore depends on nothing
+downstream and can start as soon as the block's forward pass is done: this is
+what the ERASE train step of `keras_erase.EraseModel` exploits on torch.
+
+How the local loss reaches the model (all backends):
+
+- Standard step (JAX, TensorFlow, torch with `dispatch="standard"`): in a
+  training call the block keeps its head's prediction in a small pending list;
+  `EraseModel.compute_loss` (same trace, same step) consumes it, compares it
+  with the model's target and adds it to the main loss.
+- ERASE step (torch): the model installs a *step handler* (see `step_handler`)
+  before calling itself; a block that finds one hands its whole computation to
+  it (`handler.run_block(block, inputs)`), which computes the local loss right
+  after the block's forward pass and launches that loss's backward pass.
+
+Inference (`predict`, `training=False`) never computes a local loss.
+"""
+
+import contextlib
+import threading
+
+import keras
+from keras import ops
+from keras import tree
+
+_STATE = threading.local()
+
+
+def current_step_handler():
+    """The ERASE step handler installed on this thread, or `None`."""
+    stack = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def step_handler(handler):
+    """Installs `handler` for the training calls of `DetachBlock`s in this thread.
+
+    The handler must implement `run_block(block, inputs) -> outputs`. Used by
+    `EraseModel`'s torch train step; user code does not need it.
+    """
+    stack = getattr(_STATE, "stack", None)
+    if stack is None:
+        stack = _STATE.stack = []
+    stack.append(handler)
+    try:
+        yield handler
+    finally:
+        stack.pop()
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """Wraps a plain loss function `fn(y_true, y_pred)` into a `keras.losses.Loss`."""
+
+    def __init__(self, fn, name=None):
+        super().__init__(name=name or getattr(fn, "__name__", "loss"))
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+
+def _to_loss_object(loss):
+    if loss is None or isinstance(loss, keras.losses.Loss):
+        return loss
+    obj = keras.losses.get(loss)
+    if obj is None:
+        raise ValueError(f"DetachBlock: unknown `loss`. Received: loss={loss!r}")
+    if isinstance(obj, keras.losses.Loss):
+        return obj
+    if callable(obj):
+        return _FunctionLoss(obj)
+    raise TypeError(
+        f"DetachBlock: `loss` must be a string, a callable or a `keras.losses.Loss`. "
+        f"Received: loss={loss!r}"
+    )
+
+
+def _has_symbolic(structure):
+    return any(keras.backend.is_keras_tensor(t) for t in tree.flatten(structure))
+
+
+@keras.saving.register_keras_serializable(package="keras_erase")
+class DetachBlock(keras.layers.Layer):
+    """A detached sub-architecture with its own local objective (ERASE).
+
+    Args:
+        layer: the wrapped `keras.layers.Layer` (a nested model works too).
+        head: optional layer applied to the block's output to produce the
+            local prediction (e.g. `keras.layers.Dense(1, "sigmoid")`). Without
+            a head the block's output itself is compared with the target.
+        loss: local loss (string, function or `keras.losses.Loss`). Without a
+            loss the block has no local objective (it only detaches).
+        loss_weight: multiplier of the local loss in the model's total loss.
+        detach_input: stop the gradient at the block's input (default). With
+            `False` the input is not detached, so upstream layers also receive
+            the local loss's gradient.
+        target: which of the model's targets the local loss uses when the model
+            has several: an output name (dict targets or named outputs) or an
+            index. `None` uses the single target.
+        name: layer name; the local loss is logged as `"<name>_loss"`.
+
+    Example:
+
+    ```python
+    tower = DetachBlock(
+        keras.Sequential([keras.layers.Dense(64, "relu")]),
+        head=keras.layers.Dense(1, "sigmoid"),
+        loss="binary_crossentropy", loss_weight=0.1, name="tower_0")
+    inputs = keras.Input((16,))
+    outputs = keras.layers.Dense(1, "sigmoid")(tower(inputs))
+    model = keras_erase.EraseModel(inputs, outputs)
+    model.compile("adam", "binary_crossentropy")
+    model.fit(x, y)  # logs "loss" and "tower_0_loss"
+    ```
+    """
+
+    def __init__(
+        self,
+        layer,
+        head=None,
+        loss=None,
+        loss_weight=1.0,
+        detach_input=True,
+        target=None,
+        name=None,
+        **kwargs,
+    ):
+        super().__init__(name=name, **kwargs)
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                f"DetachBlock: `layer` must be a keras Layer or Model. Received: {layer!r}"
+            )
+        if head is not None and not isinstance(head, keras.layers.Layer):
+            raise TypeError(
+                f"DetachBlock: `head` must be a keras Layer or None. Received: {head!r}"
+            )
+        if target is not None and not isinstance(target, (str, int)):
+            raise TypeError(
+                f"DetachBlock: `target` must be an output name, an index or None. "
+                f"Received: target={target!r}"
+            )
+        self.layer = layer
+        self.head = head
+        self.loss_identifier = loss
+        self.loss_fn = _to_loss_object(loss)
+        self.loss_weight = float(loss_weight)
+        self.detach_input = bool(detach_input)
+        self.target = target
+        # Pending head predictions of training calls, consumed by
+        # EraseModel.compute_loss. Stored outside Keras's attribute tracking.
+        self.__dict__["_pending_predictions"] = []
+
+    @property
+    def has_local_loss(self):
+        """Whether the block contributes a local loss in training."""
+        return self.loss_fn is not None
+
+    def build(self, input_shape):
+        if not self.layer.built:
+            self.layer.build(input_shape)
+        if self.head is not None and not self.head.built:
+            self.head.build(self.layer.compute_output_shape(input_shape))
+        self.built = True
+
+    def compute_output_shape(self, input_shape):
+        return self.layer.compute_output_shape(input_shape)
+
+    # -- forward pieces (also used by the torch ERASE dispatchers) -----------
+
+    def forward_layer(self, inputs, training=None):
+        """The wrapped layer on (optionally) detached inputs; output not detached."""
+        if self.detach_input:
+            inputs = tree.map_structure(ops.stop_gradient, inputs)
+        if training is None:
+            return self.layer(inputs)
+        return self.layer(inputs, training=training)
+
+    def predict_local(self, outputs):
+        """The head's prediction for the local loss (the output itself without head)."""
+        return outputs if self.head is None else self.head(outputs)
+
+    def local_loss(self, y_true, y_pred, sample_weight=None):
+        """`loss_weight * loss(y_true, y_pred)` as a float32 scalar."""
+        value = self.loss_fn(y_true, y_pred, sample_weight=sample_weight)
+        return ops.multiply(ops.cast(value, "float32"), self.loss_weight)
+
+    @staticmethod
+    def detach(outputs):
+        return tree.map_structure(ops.stop_gradient, outputs)
+
+    def call(self, inputs, training=None):
+        train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)
+        if train_local:
+            handler = current_step_handler()
+            if handler is not None:
+                return handler.run_block(self, inputs)
+        outputs = self.forward_layer(inputs, training=training)
+        if train_local:
+            self._pending_predictions.append(self.predict_local(outputs))
+        return self.detach(outputs)
+
+    def pop_pending_predictions(self):
+        """Returns and clears the predictions kept by training calls."""
+        pending = list(self._pending_predictions)
+        self._pending_predictions.clear()
+        return pending
+
+    # -- serialization ---------------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "layer": keras.saving.serialize_keras_object(self.layer),
+                "head": (
+                    None if self.head is None else keras.saving.serialize_keras_object(self.head)
+                ),
+                "loss": (
+                    None
+                    if self.loss_identifier is None
+                    else keras.saving.serialize_keras_object(self.loss_identifier)
+                ),
+                "loss_weight": self.loss_weight,
+                "detach_input": self.detach_input,
+                "target": self.target,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["layer"] = keras.saving.deserialize_keras_object(config["layer"])
+        if config.get("head") is not None:
+            config["head"] = keras.saving.deserialize_keras_object(config["head"])
+        if config.get("loss") is not None:
+            config["loss"] = keras.saving.deserialize_keras_object(config["loss"])
+        return cls(**config)
