@@ -4,6 +4,7 @@ import inspect
 
 import keras
 from keras import ops
+from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses.loss import reduce_weighted_values
 
 from keras_cutbce import ops as cut_ops
@@ -135,12 +136,12 @@ class CutBCELoss(keras.losses.Loss):
         return _variable_of(source, argument)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        in_mask = keras.backend.get_keras_mask(y_pred)
-        with ops.name_scope(self.name):
+        in_mask = get_keras_mask(y_pred)
+        with keras.name_scope(self.name):
             y_pred = ops.convert_to_tensor(y_pred)
             y_true = ops.convert_to_tensor(y_true)
             losses = self.call(y_true, y_pred)
-            out_mask = keras.backend.get_keras_mask(losses)
+            out_mask = get_keras_mask(losses)
             masks = [m for m in (in_mask, out_mask) if m is not None]
             mask = None
             if masks:

@@ -159,7 +159,7 @@ def _flatten(hidden, ids):
     flat_hidden = ops.reshape(hidden, (-1, d))
     flat_ids = None
     if ids is not None:
-        flat_ids = ops.reshape(ids, (-1, ops.shape(ids)[-1]))
+        flat_ids = ops.reshape(ids, (ops.shape(flat_hidden)[0], ops.shape(ids)[-1]))
     return flat_hidden, flat_ids
 
 

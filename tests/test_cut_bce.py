@@ -1,0 +1,245 @@
+"""Cross-backend parity of `cut_binary_crossentropy` (every implementation on this backend).
+
+Each case checks the loss and the gradients for hidden, table and bias, under
+a random cotangent, against Keras's own dense `binary_crossentropy` and the
+dense reference formula.
+"""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_cutbce import cut_binary_crossentropy
+from keras_cutbce.reference import multi_hot
+from tests.backend_utils import BACKEND, dtype_name, to_numpy, value_and_grads, value_and_grads_tensors
+
+IMPLEMENTATIONS = ["reference", "chunked"]
+
+
+def make_case(rng, lead, dim, vocab, labels, *, bias=True, scale=1.0):
+    hidden = (rng.normal(size=lead + (dim,)) * scale / np.sqrt(dim)).astype("float32")
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    ids = rng.integers(-2, vocab + 3, size=lead + (labels,)).astype("int32")
+    if labels >= 2:  # a duplicate in every case
+        ids[..., 1] = ids[..., 0]
+    b = rng.normal(size=(vocab,)).astype("float32") if bias else None
+    cot = rng.uniform(-2.0, 2.0, size=lead).astype("float32")
+    return hidden, table, ids, b, cot
+
+
+def keras_dense_loss(hidden, table, ids, bias, label_smoothing=0.0):
+    """Per-position loss by Keras's own binary_crossentropy on the dense logits."""
+    d = ops.shape(hidden)[-1]
+    lead = ops.shape(hidden)[:-1]
+    flat = ops.reshape(hidden, (-1, d))
+    logits = ops.matmul(ops.cast(flat, "float32"), ops.transpose(ops.cast(table, "float32")))
+    if bias is not None:
+        logits = logits + ops.cast(bias, "float32")
+    flat_ids = ops.reshape(ids, (ops.shape(flat)[0], ops.shape(ids)[-1]))
+    targets = multi_hot(flat_ids, ops.shape(table)[0])
+    loss = keras.losses.binary_crossentropy(
+        targets, logits, from_logits=True, label_smoothing=label_smoothing
+    )
+    return ops.reshape(loss, lead)
+
+
+def weighted_sum(loss_fn, cot):
+    cot_t = ops.convert_to_tensor(cot)
+    return lambda *args: ops.sum(ops.cast(loss_fn(*args), "float32") * cot_t)
+
+
+def check_against_keras(impl, hidden, table, ids, bias, cot, *, label_smoothing=0.0, chunk_size=None, rtol=2e-5, atol=2e-6):
+    def cut(h, t, *b):
+        return cut_binary_crossentropy(
+            h, t, ids, b[0] if b else None, label_smoothing=label_smoothing,
+            chunk_size=chunk_size, implementation=impl,
+        )
+
+    def dense(h, t, *b):
+        return keras_dense_loss(h, t, ids, b[0] if b else None, label_smoothing)
+
+    args = (hidden, table) + ((bias,) if bias is not None else ())
+    per_pos = to_numpy(cut(*[ops.convert_to_tensor(a) for a in args]))
+    per_pos_dense = to_numpy(dense(*[ops.convert_to_tensor(a) for a in args]))
+    assert per_pos.shape == hidden.shape[:-1]
+    np.testing.assert_allclose(per_pos, per_pos_dense, rtol=rtol, atol=atol)
+    value, grads = value_and_grads(weighted_sum(cut, cot), *args)
+    value_d, grads_d = value_and_grads(weighted_sum(dense, cot), *args)
+    np.testing.assert_allclose(value, value_d, rtol=rtol, atol=atol)
+    for name, g, gd in zip(("hidden", "table", "bias"), grads, grads_d):
+        np.testing.assert_allclose(g, gd, rtol=1e-4, atol=1e-6, err_msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_match_keras_bce(impl, seed):
+    rng = np.random.default_rng(seed)
+    rank = int(rng.integers(1, 3))
+    lead = tuple(int(x) for x in rng.integers(1, 9, size=rank))
+    dim = int(rng.integers(1, 24))
+    vocab = int(rng.integers(1, 700))
+    labels = int(rng.integers(1, 6))
+    chunk = int(rng.choice([1, 7, 128, 256, 1024]))
+    case = make_case(rng, lead, dim, vocab, labels, bias=bool(seed % 2))
+    smoothing = float(rng.choice([0.0, 0.1]))
+    check_against_keras(impl, *case, label_smoothing=smoothing, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "vocab,chunk", [(300, 128), (100, 128), (256, 128), (1, 128), (513, None)]
+)
+def test_vocab_not_multiple_of_tile(impl, vocab, chunk):
+    case = make_case(np.random.default_rng(vocab), (5, 3), 16, vocab, 4)
+    check_against_keras(impl, *case, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_single_label_and_empty_targets(impl):
+    rng = np.random.default_rng(1)
+    hidden, table, ids, bias, cot = make_case(rng, (6,), 8, 50, 1)
+    check_against_keras(impl, hidden, table, ids, bias, cot, chunk_size=16)
+    empty = np.zeros((6, 0), "int32")
+    check_against_keras(impl, hidden, table, empty, bias, cot, chunk_size=16)
+    # One id per position may also be given without the trailing L axis.
+    a = to_numpy(cut_binary_crossentropy(hidden, table, ids[:, 0], bias, implementation=impl))
+    b = to_numpy(cut_binary_crossentropy(hidden, table, ids, bias, implementation=impl))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_padding_and_duplicates_are_ignored(impl):
+    rng = np.random.default_rng(2)
+    hidden, table, _, bias, _ = make_case(rng, (4,), 8, 40, 1)
+    clean = np.array([[3, -1, -1, -1], [0, 39, -1, -1], [5, -1, -1, -1], [-1, -1, -1, -1]], "int32")
+    noisy = np.array([[3, 3, 40, -7], [39, 0, 0, 1000], [5, 5, 5, 5], [40, 41, -1, -2]], "int32")
+    a = to_numpy(cut_binary_crossentropy(hidden, table, clean, bias, chunk_size=16, implementation=impl))
+    b = to_numpy(cut_binary_crossentropy(hidden, table, noisy, bias, chunk_size=16, implementation=impl))
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def numpy_loss(hidden, table, ids, bias, label_smoothing, pos_weight):
+    z = hidden.astype(np.float64) @ table.astype(np.float64).T
+    if bias is not None:
+        z = z + bias
+    v = table.shape[0]
+    y = np.zeros_like(z)
+    for r, row in enumerate(ids.reshape(-1, ids.shape[-1])):
+        for i in row:
+            if 0 <= i < v:
+                y[r, i] = 1.0
+    y = y * (1 - label_smoothing) + label_smoothing / 2
+    softplus = np.logaddexp(0.0, z)
+    return np.mean((1 + (pos_weight - 1) * y) * softplus - pos_weight * y * z, axis=-1)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("smoothing,pos_weight", [(0.0, 3.0), (0.2, 0.5), (1.0, 2.0)])
+def test_pos_weight_and_label_smoothing(impl, smoothing, pos_weight):
+    rng = np.random.default_rng(3)
+    hidden, table, ids, bias, cot = make_case(rng, (7,), 8, 200, 3)
+    out = to_numpy(cut_binary_crossentropy(
+        hidden, table, ids, bias, label_smoothing=smoothing, pos_weight=pos_weight,
+        chunk_size=64, implementation=impl))
+    np.testing.assert_allclose(out, numpy_loss(hidden, table, ids, bias, smoothing, pos_weight), rtol=2e-5)
+
+    def fn(h, t, b, implementation):
+        return cut_binary_crossentropy(h, t, ids, b, label_smoothing=smoothing,
+                                       pos_weight=pos_weight, chunk_size=64,
+                                       implementation=implementation)
+
+    _, grads = value_and_grads(weighted_sum(lambda h, t, b: fn(h, t, b, impl), cot), hidden, table, bias)
+    _, ref = value_and_grads(weighted_sum(lambda h, t, b: fn(h, t, b, "reference"), cot), hidden, table, bias)
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_huge_logits_are_finite_and_exact(impl):
+    rng = np.random.default_rng(4)
+    hidden, table, ids, bias, cot = make_case(rng, (6,), 4, 90, 3, scale=400.0)
+    z = hidden @ table.T + bias
+    assert np.abs(z).max() > 150
+    out = to_numpy(cut_binary_crossentropy(hidden, table, ids, bias, chunk_size=32, implementation=impl))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, numpy_loss(hidden, table, ids, bias, 0.0, 1.0), rtol=1e-5)
+    _, grads = value_and_grads(
+        weighted_sum(lambda h, t, b: cut_binary_crossentropy(h, t, ids, b, chunk_size=32, implementation=impl), cot),
+        hidden, table, bias)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_inputs(impl, dtype):
+    rng = np.random.default_rng(5)
+    hidden, table, ids, bias, cot = make_case(rng, (3, 5), 16, 300, 4)
+    low = [ops.cast(x, dtype) for x in (hidden, table, bias)]
+    rounded = [to_numpy(x).astype("float32") for x in low]
+
+    def loss_fn(h, t, b):
+        return cut_binary_crossentropy(h, t, ids, b, chunk_size=128, implementation=impl)
+
+    value, grads = value_and_grads_tensors(weighted_sum(loss_fn, cot), *low)
+    assert dtype_name(loss_fn(*low)) == "float32"
+    for g in grads:
+        assert dtype_name(g) == dtype
+    value32, grads32 = value_and_grads(weighted_sum(loss_fn, cot), *rounded)
+    np.testing.assert_allclose(to_numpy(value), value32, rtol=1e-4)
+    for g, g32 in zip(grads, grads32):
+        np.testing.assert_allclose(to_numpy(g), g32, rtol=0.05, atol=0.02 * np.abs(g32).max())
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_gradient_is_exact_for_any_cotangent(impl):
+    """reduction='none' then arbitrary per-position weights: the fused-loss bug class."""
+    rng = np.random.default_rng(6)
+    hidden, table, ids, bias, _ = make_case(rng, (4, 6), 8, 333, 5)
+    for cot in (rng.normal(size=(4, 6)), np.zeros((4, 6)), np.eye(4, 6) * 7.0):
+        check_against_keras(impl, hidden, table, ids, bias, cot.astype("float32"), chunk_size=100)
+
+
+def test_table_as_variable_and_layer():
+    rng = np.random.default_rng(7)
+    hidden, table, ids, bias, _ = make_case(rng, (2, 3), 8, 20, 2)
+    layer = keras.layers.Embedding(20, 8)
+    layer.build((None,))
+    layer.embeddings.assign(table)
+    variable = keras.Variable(table)
+    expected = to_numpy(cut_binary_crossentropy(hidden, table, ids))
+    for source in (layer, variable):
+        np.testing.assert_allclose(to_numpy(cut_binary_crossentropy(hidden, source, ids)), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        (dict(hidden=np.zeros((8,), "float32")), ValueError, ["hidden", "rank"]),
+        (dict(hidden=np.zeros((2, 5), "float32")), ValueError, ["hidden", "D", "(2, 5)"]),
+        (dict(ids=np.zeros((2, 1), "float32")), TypeError, ["target_ids", "integer", "float32"]),
+        (dict(ids=np.zeros((3, 1), "int32")), ValueError, ["target_ids", "(3, 1)"]),
+        (dict(bias=np.zeros((9,), "float32")), ValueError, ["bias", "[10]", "(9,)"]),
+        (dict(implementation="fast"), ValueError, ["implementation", "'fast'"]),
+        (dict(chunk_size=0), ValueError, ["chunk_size"]),
+        (dict(label_smoothing=1.5), ValueError, ["label_smoothing"]),
+        (dict(pos_weight=0.0), ValueError, ["pos_weight"]),
+    ],
+)
+def test_bad_input_raises_clear_errors(kwargs, error, words):
+    args = dict(hidden=np.zeros((2, 4), "float32"), table=np.zeros((10, 4), "float32"),
+                ids=np.zeros((2, 1), "int32"), bias=None)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in args}
+    args.update(kwargs)
+    with pytest.raises(error) as info:
+        cut_binary_crossentropy(args["hidden"], args["table"], args["ids"], args["bias"], **options)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_pallas_is_refused_off_jax():
+    if BACKEND == "jax":
+        pytest.skip("pallas is available on jax")
+    with pytest.raises(ValueError, match="JAX"):
+        cut_binary_crossentropy(np.zeros((2, 4), "float32"), np.zeros((10, 4), "float32"),
+                                np.zeros((2, 1), "int32"), implementation="pallas")

@@ -1,0 +1,190 @@
+"""`CutBCELoss` as a Keras loss: reductions, weights, masks, ids, serialization, fit."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_cutbce import CutBCELoss
+from keras_cutbce.reference import multi_hot
+from tests.backend_utils import BACKEND, to_numpy
+
+REDUCTIONS = ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none", None]
+
+
+def dense_logits_and_targets(hidden, table, ids):
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logits = (flat @ table.T).reshape(hidden.shape[:-1] + (table.shape[0],))
+    targets = to_numpy(multi_hot(ids.reshape(-1, ids.shape[-1]), table.shape[0]))
+    return logits.astype("float32"), targets.reshape(logits.shape).astype("float32")
+
+
+def case(seed=0, batch=4, steps=5, dim=8, vocab=37, labels=3):
+    rng = np.random.default_rng(seed)
+    hidden = rng.normal(size=(batch, steps, dim)).astype("float32")
+    table = rng.normal(size=(vocab, dim)).astype("float32") * 0.5
+    ids = rng.integers(-1, vocab, size=(batch, steps, labels)).astype("int32")
+    return hidden, table, ids
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("weights", [None, "per_position", "per_example"])
+def test_reductions_and_sample_weights_match_keras(reduction, weights):
+    hidden, table, ids = case()
+    logits, targets = dense_logits_and_targets(hidden, table, ids)
+    rng = np.random.default_rng(1)
+    sw = None
+    if weights == "per_position":
+        sw = rng.uniform(0, 2, size=hidden.shape[:2]).astype("float32")
+    elif weights == "per_example":
+        sw = rng.uniform(0, 2, size=hidden.shape[:1]).astype("float32")
+    ours = CutBCELoss(keras.Variable(table), reduction=reduction, chunk_size=16)(ids, hidden, sample_weight=sw)
+    keras_sw = None if sw is None else np.broadcast_to(sw.reshape(sw.shape + (1,) * (2 - sw.ndim)), hidden.shape[:2])
+    theirs = keras.losses.BinaryCrossentropy(from_logits=True, reduction=reduction)(
+        targets, logits, sample_weight=keras_sw)
+    np.testing.assert_allclose(to_numpy(ours), to_numpy(theirs), rtol=2e-5, atol=1e-6)
+
+
+def test_keras_mask_on_hidden_is_applied():
+    hidden, table, ids = case(seed=2)
+    mask = np.array([[1, 1, 1, 0, 0]] * 4, bool)
+    masked_hidden = ops.convert_to_tensor(hidden)
+    from keras.src.backend.common.masking import set_keras_mask
+
+    set_keras_mask(masked_hidden, ops.convert_to_tensor(mask))
+    loss = CutBCELoss(keras.Variable(table))
+    ours = to_numpy(loss(ids, masked_hidden))
+    per_pos = to_numpy(CutBCELoss(keras.Variable(table), reduction="none")(ids, hidden))
+    np.testing.assert_allclose(ours, per_pos[mask].mean(), rtol=1e-5)
+
+
+def test_ids_stay_integers_beyond_float32_precision():
+    vocab = 2**24 + 8
+    dim = 2
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    hidden = rng.normal(size=(1, dim)).astype("float32")
+    ids = np.array([[2**24 + 3]], "int64")  # float32(2**24 + 3) == 2**24 + 4
+    unit = hidden[0] / np.dot(hidden[0], hidden[0])
+    table[2**24 + 3] = 5000.0 * unit  # the true target scores +5000, its float32 twin -5000
+    table[2**24 + 4] = -5000.0 * unit
+    assert float(np.float32(ids[0, 0])) != ids[0, 0]
+    z = hidden.astype(np.float64) @ table.T.astype(np.float64)
+    background = np.logaddexp(0.0, z).sum()
+    exact = (background - z[0, ids[0, 0]]) / vocab
+    rounded = (background - z[0, int(np.float32(ids[0, 0]))]) / vocab
+    assert abs(exact - rounded) > 1e-9  # the test can tell the two apart
+    value = to_numpy(CutBCELoss(keras.Variable(table), chunk_size=8192)(ops.convert_to_tensor(ids), hidden))
+    assert abs(value - exact) < 0.01 * abs(exact - rounded), (value, exact, rounded)
+
+
+def test_float_ids_are_rejected():
+    hidden, table, ids = case()
+    with pytest.raises(TypeError, match="target_ids"):
+        CutBCELoss(keras.Variable(table))(ids.astype("float32"), hidden)
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(implementation="nope"), ["implementation", "'nope'"]),
+        (dict(label_smoothing=-0.1), ["label_smoothing"]),
+        (dict(pos_weight=-1.0), ["pos_weight"]),
+        (dict(chunk_size=-4), ["chunk_size"]),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        CutBCELoss(keras.Variable(np.zeros((4, 2), "float32")), **kwargs)
+    assert all(w in str(info.value) for w in words)
+
+
+class DenseLogits(keras.layers.Layer):
+    """hidden @ table.T with the table of a shared Embedding layer (the dense baseline)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, hidden):
+        return ops.matmul(hidden, ops.transpose(self.embedding.embeddings))
+
+
+def build_model(vocab, dim, dense=False, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((None,), dtype="int32")
+    items = keras.layers.Embedding(vocab, dim, name="items")
+    hidden = keras.layers.Dense(dim, name="proj")(items(inputs))
+    outputs = DenseLogits(items)(hidden) if dense else hidden
+    return keras.Model(inputs, outputs), items
+
+
+def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab, size=(batch, steps)).astype("int32")
+    y = (x[..., None] + np.arange(1, labels + 1)) % vocab  # learnable: next items
+    y[:, -1, -1] = -1  # padding
+    return x, y.astype("int32")
+
+
+def test_first_step_matches_dense_bce_and_loss_falls():
+    vocab, dim = 53, 8
+    x, y = fit_data(vocab)
+    cut_model, items = build_model(vocab, dim)
+    dense_model, _ = build_model(vocab, dim, dense=True)
+    dense_model.set_weights(cut_model.get_weights())
+    cut_model.compile(optimizer=keras.optimizers.SGD(1.0), loss=CutBCELoss(items, chunk_size=16))
+    dense_model.compile(optimizer=keras.optimizers.SGD(1.0),
+                        loss=keras.losses.BinaryCrossentropy(from_logits=True))
+    y_dense = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
+    w0 = [np.array(w) for w in cut_model.get_weights()]
+    l_cut = cut_model.train_on_batch(x, y)
+    l_dense = dense_model.train_on_batch(x, y_dense.astype("float32"))
+    np.testing.assert_allclose(l_cut, l_dense, rtol=1e-5)
+    for a, b, w in zip(cut_model.get_weights(), dense_model.get_weights(), w0):
+        assert np.abs(a - w).max() > 0  # the table (and the projection) trained
+        np.testing.assert_allclose(a - w, b - w, rtol=1e-4, atol=1e-7)  # same first-step gradients
+
+    model, items = build_model(vocab, dim, seed=1)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=CutBCELoss(items))
+    history = model.fit(x, y, epochs=8, batch_size=8, verbose=0).history["loss"]
+    assert history[-1] < 0.7 * history[0]
+
+
+def test_save_and_load_rebinds_the_table(tmp_path):
+    vocab, dim = 31, 4
+    x, y = fit_data(vocab)
+    model, items = build_model(vocab, dim)
+    model.compile(optimizer="adam", loss=CutBCELoss(items, label_smoothing=0.1, chunk_size=8))
+    model.fit(x, y, epochs=1, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loss = loaded.loss
+    assert isinstance(loss, CutBCELoss)
+    assert loss.embeddings is loaded.get_layer("items").embeddings
+    assert loss.label_smoothing == 0.1 and loss.chunk_size == 8
+    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-5)
+    before = to_numpy(loaded.get_layer("items").embeddings)
+    loaded.fit(x, y, epochs=1, verbose=0)
+    assert np.abs(to_numpy(loaded.get_layer("items").embeddings) - before).max() > 0
+
+
+def test_config_round_trip_without_a_model_fails_clearly():
+    table = keras.Variable(np.zeros((5, 2), "float32"), name="lonely")
+    config = CutBCELoss(table, pos_weight=2.0).get_config()
+    assert config["embeddings"] == table.path
+    restored = CutBCELoss.from_config(config)
+    assert restored.pos_weight == 2.0
+    with pytest.raises(ValueError, match="no Keras model"):
+        restored(np.zeros((1, 1), "int32"), np.zeros((1, 2), "float32"))
+
+
+def test_reversible_embedding_table():
+    layer = keras.layers.ReversibleEmbedding(11, 4)
+    layer.build((None,))
+    hidden = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
+    ids = np.array([[1], [2], [10]], "int32")
+    a = to_numpy(CutBCELoss(layer)(ids, hidden))
+    b = to_numpy(CutBCELoss(keras.Variable(to_numpy(layer.embeddings)))(ids, hidden))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
