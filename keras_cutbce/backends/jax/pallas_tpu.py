@@ -37,9 +37,10 @@ float32 row; blocks are `(tm, D)`, `(tv, D)`, `(1, tv)` and `(tm, 128)`.
 Tile rule (`chunk_size=None`, `block_rows=None`):
 
 - VMEM budget: half the chip's VMEM (`pltpu.get_tpu_info().vmem_capacity_bytes`
-  when this JAX has it and the device is a TPU), else 16 MiB (the smallest
-  default scoped VMEM of current TPUs). The kernels ask Mosaic for
-  `vmem_limit_bytes = 1.5 x budget` when the capacity is known.
+  when this JAX has it and the device is a TPU), and then the kernels ask
+  Mosaic for `vmem_limit_bytes = 3/4 x capacity`; else 12 MiB, three quarters
+  of 16 MiB, the smallest default scoped VMEM of current TPUs, leaving
+  headroom for Mosaic's own temporaries.
 - Row tile `tm`: `min(512, M rounded up to 128)`; vocabulary tile `tv`: the
   widest multiple of 128, at most 4096 and at most `V` rounded up to 128,
   whose estimated footprint fits the budget. The estimate counts
@@ -47,8 +48,9 @@ Tile rule (`chunk_size=None`, `block_rows=None`):
   float32 accumulators and output buffers (`3 (tm + tv) D * 4`) and five
   float32 `[tm, tv]` intermediates (logits, exponential, term, transposed
   gradient, temporary). If no `tv` fits, `tm` halves (down to 128).
-- Both tiles are multiples of 128 (MXU- and lane-aligned; a multiple of the
-  8/16 sublanes of float32/bfloat16). `chunk_size` overrides `tv` and
+- Both tiles are multiples of 128: MXU- and lane-aligned, a multiple of the
+  8/16 sublanes of float32/bfloat16, and the row tile is the lane axis of the
+  transposed gradient tile `dz.T` in kernel 3. `chunk_size` overrides `tv` and
   `block_rows` overrides `tm` (both rounded up to 128).
 
 Off TPU, and whenever `interpret=True`, the kernels run in the Pallas TPU
@@ -87,7 +89,8 @@ LANES = 128
 MAX_ROW_TILE = 512
 MIN_ROW_TILE = 128
 MAX_VOCAB_TILE = 4096
-DEFAULT_VMEM_BUDGET_BYTES = 16 * 2**20
+DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20
+DEFAULT_VMEM_BUDGET_BYTES = DEFAULT_SCOPED_VMEM_BYTES * 3 // 4
 
 # `x @ y.T` without materialising the transpose ("NT" matmul).
 _NT = (((1,), (1,)), ((), ()))
@@ -545,6 +548,11 @@ def cut_bce(
     table = jnp.asarray(table)
     ids = jnp.asarray(ids)
     bias = None if bias is None else jnp.asarray(bias)
+    # Mixed dtypes (e.g. bfloat16 activations on a float32 table under Keras
+    # mixed precision): the kernels see one promoted dtype; autodiff casts the
+    # gradients back to each input's dtype.
+    compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
+    hidden, table = hidden.astype(compute_dtype), table.astype(compute_dtype)
     num_rows, dim = hidden.shape
     vocab_size = table.shape[0]
     if ids.ndim == 1:
