@@ -1,0 +1,1 @@
+"""Multi-label SASRec trained with `keras_cutbce.CutBCELoss` (see `train.py`)."""

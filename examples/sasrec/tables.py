@@ -1,0 +1,34 @@
+"""Markdown table of SASRec results (no Keras import, used by `run_all`)."""
+
+
+def sasrec_table(results_by_loss):
+    """One row per loss run plus the most-popular baseline of the first run.
+
+    Args:
+        results_by_loss: `{"cutbce": results, "dense": results, ...}`, each
+            a `--json` results dict of `examples.sasrec`.
+
+    Returns:
+        A markdown table (hit@8, ndcg@10, recall@10, steps/s, peak RSS).
+
+    Example:
+
+    ```python
+    print(sasrec_table({"cutbce": json.load(open("runs/sasrec_cutbce.json"))}))
+    ```
+    """
+    lines = [
+        "| run | hit@8 | ndcg@10 | recall@10 | steps/s | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results_by_loss.items():
+        lines.append(
+            f"| {name} | {r['hit@8']:.4f} | {r['ndcg@10']:.4f} | {r['recall@10']:.4f} "
+            f"| {r['steps_per_second']:.2f} | {r['peak_memory_mb']:.0f} |"
+        )
+    first = next(iter(results_by_loss.values()))
+    lines.append(
+        f"| most popular | {first['popularity_hit@8']:.4f} | {first['popularity_ndcg@10']:.4f} "
+        f"| {first['popularity_recall@10']:.4f} | - | - |"
+    )
+    return "\n".join(lines)

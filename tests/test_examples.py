@@ -1,0 +1,421 @@
+"""The examples (SASRec with CutBCELoss, CTR with ERASE) end to end on tiny data.
+
+Every test runs on the active Keras backend; the loaders are tested on small
+files written here in the real formats.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from examples.ctr import data as ctr_data
+from examples.sasrec import data as seq_data
+
+BACKEND = keras.backend.backend()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SASREC_KEYS = {"loss", "hit@8", "ndcg@10", "recall@10", "popularity_hit@8",
+               "steps_per_second", "peak_memory_mb", "num_items"}
+CTR_KEYS = {"mode", "ne", "auc", "qps_p50", "qps_p90", "steps"}
+TINY_SASREC = ["--num-users", "40", "--num-items", "150", "--epochs", "1",
+               "--steps-per-epoch", "3", "--batch-size", "16", "--max-len", "12",
+               "--dim", "16", "--blocks", "1", "--verbose", "0"]
+TINY_CTR = ["--num-examples", "1200", "--batch-size", "128", "--buckets", "50",
+            "--embedding-dim", "4", "--width", "16", "--depth", "2",
+            "--steps-per-epoch", "4", "--warmup-steps", "1", "--verbose", "0"]
+
+
+def _has_metrics():
+    return importlib.util.find_spec("keras_cutbce.metrics") is not None
+
+
+needs_metrics = pytest.mark.skipif(
+    not _has_metrics(), reason="keras_cutbce.metrics (TopKRetrieval) not available yet"
+)
+
+
+# ----------------------------------------------------------------------------- SASRec data
+
+
+def test_synthetic_sequences_ids_order_and_seed():
+    a = seq_data.synthetic_sequences(num_users=50, num_items=300, seed=3)
+    b = seq_data.synthetic_sequences(num_users=50, num_items=300, seed=3)
+    c = seq_data.synthetic_sequences(num_users=50, num_items=300, seed=4)
+    assert len(a) == 50
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(len(x) == len(y) and np.array_equal(x, y) for x, y in zip(a, c))
+    for s in a:
+        assert s.dtype == np.int32 and s.min() >= 1 and s.max() <= 300
+        assert len(np.unique(s)) == len(s)  # each user sees an item once
+
+
+def test_synthetic_popularity_is_skewed():
+    seqs = seq_data.synthetic_sequences(num_users=400, num_items=500, seed=0)
+    counts = np.sort(seq_data.item_counts(seqs, 500)[1:])[::-1]
+    assert counts[:50].sum() > 3 * counts[-250:].sum()
+
+
+def test_split_training_and_evaluation_arrays():
+    seq = np.arange(1, 21, dtype=np.int32)  # 20 items
+    train, held = seq_data.split_leave_last_out([seq, np.array([5, 6], np.int32)], holdout=8)
+    assert len(train) == 1  # the 2-item user is dropped
+    np.testing.assert_array_equal(held[0], np.arange(13, 21))
+    x, y, w = seq_data.training_arrays(train, max_len=5, num_targets=3)
+    # windows from the end: [8..12], [3..7], [0, 0, 0, 1, 2]
+    np.testing.assert_array_equal(x[0], [8, 9, 10, 11, 12])
+    np.testing.assert_array_equal(x[2], [0, 0, 0, 1, 2])
+    np.testing.assert_array_equal(y[0, 0], [9, 10, 11])
+    np.testing.assert_array_equal(y[0, 3], [12, -1, -1])  # never a held-out item
+    np.testing.assert_array_equal(y[0, 4], [-1, -1, -1])
+    np.testing.assert_array_equal(w[0], [1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(w[2], [0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(y[1, -1], [8, 9, 10])  # targets cross the window
+    assert y.max() <= 12
+    inputs, held_out, seen = seq_data.evaluation_arrays(train, held, max_len=5)
+    np.testing.assert_array_equal(inputs[0], [8, 9, 10, 11, 12])
+    assert set(seen[0][seen[0] >= 0]) == set(range(0, 13))
+
+
+def _write_ratings(tmp_path, kind):
+    rows = [  # user, item, rating, time (out of order on purpose)
+        (7, 50, 4.0, 300), (7, 10, 3.5, 100), (7, 30, 5.0, 200),
+        (2, 30, 1.0, 20), (2, 999, 2.0, 10),
+        (9, 10, 4.0, 5),
+    ]
+    if kind == "csv":
+        path = tmp_path / "ratings.csv"
+        path.write_text("userId,movieId,rating,timestamp\n"
+                        + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in rows))
+    else:
+        sub = tmp_path / "ml-1m"
+        sub.mkdir()
+        path = sub / "ratings.dat"
+        path.write_text("".join(f"{u}::{i}::{int(r)}::{t}\n" for u, i, r, t in rows))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", ["csv", "dat"])
+def test_movielens_loader(tmp_path, kind):
+    folder = _write_ratings(tmp_path, kind)
+    sequences, num_items = seq_data.load_movielens(str(folder), min_interactions=2)
+    assert num_items == 4  # movies 10, 30, 50, 999 -> ids 1..4
+    # users sorted by id: 2 then 7 (9 has a single rating and is dropped)
+    assert [s.tolist() for s in sequences] == [[4, 2], [1, 2, 3]]
+
+
+def test_movielens_download_fails_clearly_offline(monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(keras.utils, "get_file", offline)
+    with pytest.raises(RuntimeError, match="--data-dir"):
+        seq_data.load_movielens(None)
+
+
+def test_yambda_loader(tmp_path):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        with pytest.raises(ImportError, match="pyarrow"):
+            seq_data.load_yambda(str(tmp_path))
+        return
+    table = pa.table({"uid": [1, 1, 1, 2, 2], "item_id": [500, 7, 500, 7, 8],
+                      "timestamp": [30, 10, 20, 2, 1], "played_ratio_pct": [1, 2, 3, 4, 5]})
+    pq.write_table(table, tmp_path / "listens.parquet")
+    sequences, num_items = seq_data.load_yambda(str(tmp_path), min_interactions=2)
+    assert num_items == 3
+    assert [s.tolist() for s in sequences] == [[1, 3, 3], [2, 1]]
+
+
+# ----------------------------------------------------------------------------- SASRec model
+
+
+def test_sasrec_forward_shape_and_causality():
+    from examples.sasrec.model import build_sasrec
+
+    keras.utils.set_random_seed(0)
+    model = build_sasrec(num_items=30, max_len=6, dim=8, num_blocks=1, dropout=0.0)
+    a = np.array([[0, 0, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]], np.int32)
+    b = a.copy()
+    b[:, -1] = 29  # change the last item only
+    ha = keras.ops.convert_to_numpy(model(a, training=False))
+    hb = keras.ops.convert_to_numpy(model(b, training=False))
+    assert ha.shape == (2, 6, 8)
+    np.testing.assert_allclose(ha[:, :-1], hb[:, :-1], atol=1e-5)
+    assert np.abs(ha[:, -1] - hb[:, -1]).max() > 1e-4
+    assert model.get_layer("items").embeddings.shape == (31, 8)
+
+
+def test_padding_keys_are_masked():
+    from examples.sasrec.model import build_sasrec
+
+    keras.utils.set_random_seed(1)
+    model = build_sasrec(num_items=30, max_len=5, dim=8, num_blocks=1, dropout=0.0)
+    base = np.array([[0, 0, 3, 4, 5]], np.int32)
+    # Item embeddings of row 0 change -> padded inputs must not see it.
+    items = model.get_layer("items")
+    before = keras.ops.convert_to_numpy(model(base, training=False))[0, 2:]
+    table = keras.ops.convert_to_numpy(items.embeddings).copy()
+    table[0] += 5.0
+    items.embeddings.assign(table)
+    after = keras.ops.convert_to_numpy(model(base, training=False))[0, 2:]
+    np.testing.assert_allclose(before, after, atol=1e-5)
+
+
+def test_dense_loss_matches_cut_loss():
+    from keras_cutbce import CutBCELoss
+
+    from examples.sasrec.model import DenseBCELoss
+
+    rng = np.random.default_rng(0)
+    items = keras.layers.Embedding(23, 6)
+    items.build((None,))
+    hidden = rng.normal(size=(3, 4, 6)).astype("float32")
+    targets = rng.integers(-1, 23, size=(3, 4, 8)).astype("int32")
+    targets[0, 0] = -1  # a position without targets
+    targets[1, 1, :3] = 5  # duplicates count once
+    weights = (rng.random((3, 4)) > 0.3).astype("float32")
+    dense = DenseBCELoss(items)(targets, hidden, sample_weight=weights)
+    cut = CutBCELoss(items)(targets, hidden, sample_weight=weights)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(dense), keras.ops.convert_to_numpy(cut), rtol=1e-5, atol=1e-6
+    )
+
+
+# ----------------------------------------------------------------------------- popularity
+
+
+def test_popularity_metrics_by_hand():
+    from examples.sasrec.train import popularity_metrics
+
+    counts = np.array([0, 50, 40, 30, 20, 10, 5, 4, 3, 2, 1, 0])  # id 0 = padding
+    held = np.array([[2, 9], [4, -1]])
+    seen = np.array([[0, 1, -1], [0, 2, 3]])
+    # user 0 ranking: 2 3 4 5 6 7 8 9 10 11 ; user 1: 1 4 5 ...
+    out = popularity_metrics(counts, held, seen, ks=(1, 8))
+    assert out["hit@1"] == pytest.approx(0.5)  # user 0 hits at rank 1, user 1 misses
+    assert out["hit@8"] == pytest.approx(1.0)
+    assert out["recall@8"] == pytest.approx((2 / 2 + 1) / 2)
+    ndcg0 = (1 + 1 / np.log2(9)) / (1 + 1 / np.log2(3))
+    ndcg1 = (1 / np.log2(3)) / 1
+    assert out["ndcg@8"] == pytest.approx((ndcg0 + ndcg1) / 2)
+
+
+@needs_metrics
+def test_popularity_metrics_agree_with_top_k_retrieval():
+    from keras_cutbce.metrics import TopKRetrieval
+
+    from examples.sasrec.train import popularity_metrics
+
+    seqs = seq_data.synthetic_sequences(num_users=60, num_items=200, seed=5)
+    train, held = seq_data.split_leave_last_out(seqs)
+    _, held_out, seen = seq_data.evaluation_arrays(train, held, max_len=10)
+    counts = seq_data.item_counts(train, 200)
+    ours = popularity_metrics(counts, held_out, seen)
+    table = keras.Variable(counts.astype("float32")[:, None])
+    metric = TopKRetrieval(table, k=(8, 10), exclude_ids=[0])
+    metric.update_state(held_out, np.ones((len(held_out), 1), "float32"), exclude_ids=seen)
+    theirs = {k: float(keras.ops.convert_to_numpy(v)) for k, v in metric.result().items()}
+    for key in ("hit@8", "recall@8", "ndcg@10", "recall@10"):
+        assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
+
+
+# ----------------------------------------------------------------------------- SASRec end to end
+
+
+@needs_metrics
+@pytest.mark.parametrize("loss", ["cutbce", "dense"])
+def test_sasrec_end_to_end(tmp_path, loss):
+    from examples.sasrec.train import main
+
+    path = tmp_path / "sasrec.json"
+    results = main(TINY_SASREC + ["--loss", loss, "--json", str(path)])
+    written = json.loads(path.read_text())
+    assert SASREC_KEYS <= set(written)
+    assert written["num_items"] == 150 and written["steps"] == 3
+    assert np.isfinite(written["loss"]) and written["loss"] > 0
+    for key in ("hit@8", "ndcg@10", "recall@10", "popularity_hit@8"):
+        assert 0.0 <= written[key] <= 1.0
+    assert written["peak_memory_mb"] > 10 and written["steps_per_second"] > 0
+    assert results["hit@8"] == written["hit@8"]
+
+
+@needs_metrics
+def test_sasrec_on_movielens_files(tmp_path):
+    from examples.sasrec.train import main
+
+    rng = np.random.default_rng(0)
+    lines = ["userId,movieId,rating,timestamp"]
+    for user in range(1, 25):
+        for t, movie in enumerate(rng.choice(np.arange(1, 400, 3), size=20, replace=False)):
+            lines.append(f"{user},{movie},4.0,{1000 + t}")
+    (tmp_path / "ratings.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "ml.json"
+    main(TINY_SASREC + ["--data", "movielens", "--data-dir", str(tmp_path), "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["data"] == "movielens" and written["num_items"] <= 133
+
+
+# ----------------------------------------------------------------------------- CTR data
+
+
+def test_synthetic_ctr_shapes_and_rate():
+    data = ctr_data.synthetic_ctr(20000, buckets=100, seed=0)
+    assert data["dense"].shape == (20000, 13) and data["dense"].dtype == np.float32
+    assert data["sparse"].shape == (20000, 26)
+    offsets = np.arange(26) * 100
+    assert ((data["sparse"] >= offsets) & (data["sparse"] < offsets + 100)).all()
+    ctr = data["label"].mean()
+    assert 0.03 <= ctr <= 0.25
+    again = ctr_data.synthetic_ctr(20000, buckets=100, seed=0)
+    np.testing.assert_array_equal(again["sparse"], data["sparse"])
+    np.testing.assert_array_equal(again["label"], data["label"])
+    other = ctr_data.synthetic_ctr(20000, buckets=100, seed=1)
+    assert abs(other["label"].mean() - ctr) < 0.02  # same teacher, same rate
+
+
+def _write_criteo(path, rows=40, seed=0):
+    rng = np.random.default_rng(seed)
+    lines = []
+    for r in range(rows):
+        fields = [str(int(rng.random() < 0.3))]
+        for i in range(13):
+            fields.append("" if rng.random() < 0.2 else str(int(rng.integers(-2, 500))))
+        for i in range(26):
+            fields.append("" if rng.random() < 0.2 else f"{rng.integers(0, 2**32):08x}")
+        lines.append("\t".join(fields))
+    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def test_criteo_loader_with_missing_values(tmp_path):
+    lines = _write_criteo(tmp_path / "train.txt")
+    data = ctr_data.load_criteo(str(tmp_path), buckets=64)
+    assert data["dense"].shape == (40, 13) and data["sparse"].shape == (40, 26)
+    first = lines[0].split("\t")
+    assert data["label"][0, 0] == float(first[0])
+    for i in range(13):
+        raw = first[1 + i]
+        expected = 0.0 if raw == "" else np.log1p(max(int(raw), 0))
+        assert data["dense"][0, i] == pytest.approx(expected, rel=1e-6)
+    for i in range(26):
+        local = data["sparse"][0, i] - i * 64
+        assert 0 <= local < 64
+        assert (local == 0) == (first[14 + i] == "")
+    # same string -> same bucket, deterministic across calls
+    again = ctr_data.load_criteo(str(tmp_path / "train.txt"), buckets=64, max_rows=10)
+    np.testing.assert_array_equal(again["sparse"], data["sparse"][:10])
+
+
+def test_normalized_entropy_metric():
+    from examples.ctr.model import NormalizedEntropy
+
+    y = np.array([[1.0], [0.0], [0.0], [1.0], [0.0]], "float32")
+    p = np.array([[0.8], [0.3], [0.1], [0.4], [0.2]], "float32")
+    metric = NormalizedEntropy()
+    metric.update_state(y[:2], p[:2])
+    metric.update_state(y[2:], p[2:])
+    ce = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    c = y.mean()
+    expected = ce / -(c * np.log(c) + (1 - c) * np.log(1 - c))
+    assert float(keras.ops.convert_to_numpy(metric.result())) == pytest.approx(expected, rel=1e-5)
+    constant = NormalizedEntropy()
+    constant.update_state(y, np.full_like(y, c))
+    assert float(keras.ops.convert_to_numpy(constant.result())) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_towers_shapes():
+    from examples.ctr.model import TOWERS, Tower
+
+    x = np.random.default_rng(0).normal(size=(5, 13 + 26 * 4)).astype("float32")
+    for kind in TOWERS:
+        out = Tower(kind, width=7, embedding_dim=4, depth=2)(x)
+        assert tuple(out.shape) == (5, 7), kind
+
+
+def test_baseline_has_no_local_losses_and_same_layers():
+    from examples.ctr.model import build_ctr_model
+
+    base = build_ctr_model(detached=False, buckets=10, embedding_dim=4, width=8, depth=2)
+    names = {layer.name for layer in base.layers}
+    assert {"bottom_mlp", "cross_network", "wide_linear", "ctr"} <= names
+
+
+# ----------------------------------------------------------------------------- CTR end to end
+
+
+def test_ctr_single_mode_json(tmp_path):
+    from examples.ctr.train import main
+
+    out = tmp_path / "ctr.json"
+    main(TINY_CTR + ["--mode", "detached", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert CTR_KEYS <= set(written)
+    assert written["mode"] == "detached" and written["steps"] == 4
+    assert 0 < written["ne"] < 5 and 0 <= written["auc"] <= 1
+    assert 0 < written["qps_p50"] <= written["qps_p90"]
+
+
+def test_ctr_compare_table_and_plot(tmp_path, capsys):
+    from examples.ctr.train import available_modes, main
+
+    plot = tmp_path / "ne.png"
+    out = tmp_path / "compare.json"
+    results = main(TINY_CTR + ["--compare", "--plot", str(plot), "--json", str(out)])
+    modes = available_modes()
+    assert [r["mode"] for r in results] == modes
+    if BACKEND == "torch":
+        assert {"erase-blocking", "erase-threaded"} <= set(modes)
+    printed = capsys.readouterr().out
+    table_rows = [line for line in printed.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in table_rows[1:]] == modes
+    assert "QPS gain p90" in table_rows[0] and "NE gap" in table_rows[0]
+    assert plot.exists() and plot.read_bytes()[:4] == b"\x89PNG"
+    written = json.loads(out.read_text())
+    assert [r["mode"] for r in written["runs"]] == modes
+    for run in written["runs"]:
+        assert CTR_KEYS <= set(run)
+    # Detaching changes the model; the ERASE schedules do not change the math.
+    by_mode = {r["mode"]: r for r in results}
+    for mode in modes[2:]:
+        assert by_mode[mode]["ne"] == pytest.approx(by_mode["detached"]["ne"], rel=1e-4)
+
+
+def test_ctr_unavailable_mode_is_a_clear_error():
+    from examples.ctr.train import available_modes, main
+
+    missing = [m for m in ("erase-streams", "erase-graphs") if m not in available_modes()]
+    if not missing:
+        pytest.skip("every mode is available here")
+    with pytest.raises(SystemExit, match="not available"):
+        main(TINY_CTR + ["--mode", missing[0]])
+
+
+def test_select_backend_sets_the_environment(monkeypatch):
+    from examples.sasrec.__main__ import _select_backend
+
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    _select_backend(["--epochs", "1", "--backend", "tensorflow", "--loss", "dense"])
+    assert os.environ["KERAS_BACKEND"] == "tensorflow"
+    _select_backend(["--epochs", "1"])  # no flag: the environment decides
+    assert os.environ["KERAS_BACKEND"] == "tensorflow"
+
+
+def test_backend_flag_selects_backend_before_import(tmp_path):
+    other = "jax" if BACKEND != "jax" else "torch"
+    env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=ROOT)
+    out = tmp_path / "ctr.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.ctr", "--backend", BACKEND, "--mode", "baseline",
+         "--json", str(out), *TINY_CTR],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"backend={BACKEND}" in proc.stdout
+    assert json.loads(out.read_text())["mode"] == "baseline"
