@@ -1,0 +1,395 @@
+"""The torch chunked CutBCE kernel against the dense reference and Keras BCE.
+
+Runs only under KERAS_BACKEND=torch; torch is imported inside the tests.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="torch chunked kernel: torch backend only"
+)
+
+
+def _chunked():
+    from keras_cutbce.backends.torch import chunked
+
+    return chunked
+
+
+def _tensors(rng, m, d, v, with_bias, dtype="float32", scale=0.5):
+    import torch
+
+    h = torch.tensor(rng.normal(size=(m, d)) * scale, dtype=getattr(torch, dtype))
+    e = torch.tensor(rng.normal(size=(v, d)) * scale, dtype=getattr(torch, dtype))
+    b = torch.tensor(rng.normal(size=(v,)), dtype=getattr(torch, dtype)) if with_bias else None
+    return h, e, b
+
+
+def _loss_and_grads(fn, h, e, b, cotangent):
+    """Loss `[M]` and grads of `sum(loss * cotangent)` for h, e and b (b may be None)."""
+    import torch
+
+    args = [x.detach().clone().requires_grad_(True) for x in (h, e) + ((b,) if b is not None else ())]
+    loss = fn(*args) if b is not None else fn(*args, None)
+    grads = torch.autograd.grad((loss * cotangent).sum(), args)
+    return loss.detach(), list(grads)
+
+
+def _np(x):
+    return x.detach().float().double().numpy()
+
+
+def _keras_bce(h, e, ids, b, label_smoothing):
+    """Keras dense BCE of the multi-hot target, per row, differentiable in torch."""
+    from keras_cutbce import reference
+
+    z = reference.logits(h, e, b)
+    y = reference.multi_hot(ids, e.shape[0])
+    return keras.losses.binary_crossentropy(
+        y, z, from_logits=True, label_smoothing=label_smoothing
+    )
+
+
+CASES = {
+    # name: (M, D, V, chunk, ids builder, bias, label_smoothing, pos_weight)
+    "v_not_multiple_of_tile": (9, 6, 37, 8, "mixed", True, 0.0, 1.0),
+    "v_smaller_than_tile": (5, 4, 10, 64, "mixed", False, 0.0, 1.0),
+    "single_label": (7, 5, 23, 5, "single", True, 0.0, 1.0),
+    "no_labels": (6, 5, 19, 4, "empty", True, 0.0, 1.0),
+    "duplicates_and_padding": (8, 3, 29, 7, "dups", False, 0.0, 1.0),
+    "label_smoothing": (6, 5, 31, 6, "mixed", True, 0.2, 1.0),
+    "pos_weight": (6, 5, 31, 6, "mixed", True, 0.0, 3.5),
+    "smoothing_and_pos_weight": (6, 5, 33, 10, "dups", False, 0.1, 0.3),
+    "tile_of_one": (4, 3, 6, 1, "mixed", True, 0.05, 2.0),
+}
+
+
+def _ids(kind, m, v, rng):
+    if kind == "single":
+        return rng.integers(0, v, size=(m, 1))
+    if kind == "empty":
+        return np.zeros((m, 0), dtype="int64")
+    ids = rng.integers(0, v, size=(m, 5))
+    if kind == "dups":
+        ids[:, 1] = ids[:, 0]  # duplicate in the same row
+        ids[0, :] = ids[0, 0]  # a row of one id repeated
+    ids[1, 2:] = [-1, v, v + 5]  # padding outside [0, V)
+    ids[2, :] = -1  # a row with no valid id
+    return ids
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_and_keras(name, rng):
+    import torch
+
+    from keras_cutbce import reference
+
+    m, d, v, chunk, kind, with_bias, a, p = CASES[name]
+    h, e, b = _tensors(rng, m, d, v, with_bias)
+    ids = torch.tensor(_ids(kind, m, v, rng))
+    cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
+    chunked = _chunked()
+
+    loss, grads = _loss_and_grads(
+        lambda h, e, b: chunked.cut_bce(
+            h, e, ids, b, label_smoothing=a, pos_weight=p, chunk_size=chunk
+        ),
+        h, e, b, cotangent,
+    )
+    ref_loss, ref_grads = _loss_and_grads(
+        lambda h, e, b: reference.cut_bce(h, e, ids, b, label_smoothing=a, pos_weight=p),
+        h, e, b, cotangent,
+    )
+    assert loss.dtype == torch.float32 and loss.shape == (m,)
+    np.testing.assert_allclose(_np(loss), _np(ref_loss), rtol=1e-5, atol=1e-6)
+    assert len(grads) == len(ref_grads) == (3 if with_bias else 2)
+    for got, want, x in zip(grads, ref_grads, (h, e, b)):
+        assert got.dtype == x.dtype and got.shape == x.shape
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
+
+    if p == 1.0:
+        keras_loss, keras_grads = _loss_and_grads(
+            lambda h, e, b: _keras_bce(h, e, ids, b, a), h, e, b, cotangent
+        )
+        np.testing.assert_allclose(_np(loss), _np(keras_loss), rtol=1e-5, atol=1e-6)
+        for got, want in zip(grads, keras_grads):
+            np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
+
+
+def test_pos_weight_changes_the_loss(rng):
+    """pos_weight != 1 is not silently ignored: it moves the loss of rows with positives."""
+    import torch
+
+    h, e, b = _tensors(rng, 4, 5, 20, True)
+    ids = torch.tensor([[1, 2], [3, -1], [-1, -1], [4, 4]])
+    chunked = _chunked()
+    one = chunked.cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=8)
+    three = chunked.cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=3.0, chunk_size=8)
+    changed = (one - three).abs() > 1e-6
+    assert changed.tolist() == [True, True, False, True]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "int64"])
+def test_any_integer_id_dtype(dtype, rng):
+    import torch
+
+    from keras_cutbce import reference
+
+    h, e, b = _tensors(rng, 5, 4, 40, True)
+    raw = np.array([[0, 3, 3], [39, 1, 2], [5, 6, 100], [7, 7, 7], [8, 9, 10]])
+    ids = torch.tensor(raw.astype(dtype))
+    got = _chunked().cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=16)
+    want = reference.cut_bce(h, e, torch.tensor(raw), b)
+    np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_inputs(rng):
+    import torch
+
+    from keras_cutbce import reference
+
+    m, d, v = 16, 8, 70
+    h, e, b = _tensors(rng, m, d, v, True, dtype="bfloat16")
+    ids = torch.tensor(_ids("dups", m, v, rng))
+    cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
+    loss, grads = _loss_and_grads(
+        lambda h, e, b: _chunked().cut_bce(
+            h, e, ids, b, label_smoothing=0.1, pos_weight=1.0, chunk_size=32
+        ),
+        h, e, b, cotangent,
+    )
+    # Reference on the same (bf16-rounded) values in float32.
+    ref_loss, ref_grads = _loss_and_grads(
+        lambda h, e, b: reference.cut_bce(h, e, ids, b, label_smoothing=0.1),
+        h.float(), e.float(), b.float(), cotangent,
+    )
+    assert loss.dtype == torch.float32
+    np.testing.assert_allclose(_np(loss), _np(ref_loss), rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.bfloat16
+        scale = np.abs(_np(want)).max()
+        np.testing.assert_allclose(_np(got), _np(want), rtol=2e-2, atol=1e-2 * scale)
+
+
+def test_extreme_logits_are_finite_and_exact():
+    import torch
+
+    # D = 1: logits are h * e exactly, so they hit +-200 (and 0).
+    h = torch.tensor([[1.0], [-1.0], [0.5]])
+    e = torch.tensor([[200.0], [-200.0], [100.0], [0.0], [-150.0]])
+    b = torch.tensor([0.0, 0.0, 100.0, 200.0, -50.0])
+    ids = torch.tensor([[0, 1], [1, -1], [4, 2]])
+    cotangent = torch.tensor([0.7, -1.3, 2.0])
+    loss, grads = _loss_and_grads(
+        lambda h, e, b: _chunked().cut_bce(
+            h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=2
+        ),
+        h, e, b, cotangent,
+    )
+    # Exact float64 values.
+    hn, en, bn = h.double().numpy(), e.double().numpy(), b.double().numpy()
+    z = hn @ en.T + bn
+    y = np.zeros_like(z)
+    for row, items in enumerate(ids.tolist()):
+        for item in items:
+            if 0 <= item < z.shape[1]:
+                y[row, item] = 1.0
+    v = z.shape[1]
+    want_loss = (np.logaddexp(0.0, z) - y * z).mean(1)
+    dz = cotangent.double().numpy()[:, None] * (1.0 / (1.0 + np.exp(-z)) - y) / v
+    assert all(torch.isfinite(x).all() for x in [loss] + grads)
+    np.testing.assert_allclose(loss.double().numpy(), want_loss, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_np(grads[0]), dz @ en, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_np(grads[1]), dz.T @ hn, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_np(grads[2]), dz.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_gradcheck_float64(rng):
+    import torch
+
+    h, e, b = _tensors(rng, 4, 3, 11, True, dtype="float64")
+    ids = torch.tensor([[0, 3, 3], [10, -1, 11], [2, 5, 7], [-2, -1, 4]])
+    chunked = _chunked()
+
+    def fn(h, e, b):
+        return chunked.cut_bce(
+            h, e, ids, b, label_smoothing=0.15, pos_weight=2.0, chunk_size=4
+        )
+
+    inputs = tuple(x.clone().requires_grad_(True) for x in (h, e, b))
+    assert fn(*inputs).dtype == torch.float64
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+class _OpRecorder:
+    """A TorchDispatchMode that records every aten op and the largest tensor it creates."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+                self.largest = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                self.ops.append(func.overloadpacket.__name__)
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.largest = max(self.largest, t.numel())
+                return out
+
+        return Recorder()
+
+
+def test_no_gradient_work_under_no_grad(rng):
+    import torch
+
+    h, e, b = _tensors(rng, 6, 4, 30, True)
+    args = [x.requires_grad_(True) for x in (h, e, b)]
+    ids = torch.tensor(_ids("mixed", 6, 30, rng))
+    recorder = _OpRecorder()
+    with torch.no_grad(), recorder:
+        loss = _chunked().cut_bce(
+            *args[:2], ids, args[2], label_smoothing=0.0, pos_weight=1.0, chunk_size=8
+        )
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert "sigmoid" not in recorder.ops and "sigmoid_" not in recorder.ops
+    assert "index_add" not in recorder.ops and "index_add_" not in recorder.ops
+
+
+def _count_matmuls(ops):
+    return sum(op in ("mm", "addmm", "addmm_", "mv", "addmv", "addmv_", "bmm") for op in ops)
+
+
+def test_only_needed_gradients_are_computed(rng):
+    import torch
+
+    from keras_cutbce import reference
+
+    m, d, v, chunk = 6, 4, 30, 8  # 4 tiles
+    h, e, b = _tensors(rng, m, d, v, True)
+    ids = torch.tensor(_ids("mixed", m, v, rng))
+    cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
+    chunked = _chunked()
+
+    def backward_ops(requires):
+        args = [x.detach().clone().requires_grad_(r) for x, r in zip((h, e, b), requires)]
+        loss = chunked.cut_bce(
+            args[0], args[1], ids, args[2], label_smoothing=0.0, pos_weight=1.0,
+            chunk_size=chunk,
+        )
+        recorder = _OpRecorder()
+        with recorder:
+            (loss * cotangent).sum().backward()
+        return args, recorder.ops
+
+    all_args, all_ops = backward_ops((True, True, True))
+    h_args, h_ops = backward_ops((True, False, False))
+    e_args, e_ops = backward_ops((False, True, False))
+    assert h_args[1].grad is None and h_args[2].grad is None
+    assert e_args[0].grad is None and e_args[2].grad is None
+    np.testing.assert_allclose(_np(h_args[0].grad), _np(all_args[0].grad), rtol=1e-6)
+    np.testing.assert_allclose(_np(e_args[1].grad), _np(all_args[1].grad), rtol=1e-6)
+    # Per tile: logits + one product per needed gradient (hidden, table, bias).
+    assert _count_matmuls(h_ops) < _count_matmuls(all_ops)
+    assert _count_matmuls(e_ops) < _count_matmuls(all_ops)
+    assert "index_add" not in h_ops and "index_add_" not in h_ops
+
+    _, ref_grads = _loss_and_grads(
+        lambda h, e, b: reference.cut_bce(h, e, ids, b), h, e, b, cotangent
+    )
+    np.testing.assert_allclose(_np(h_args[0].grad), _np(ref_grads[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_never_allocates_the_full_logits(rng):
+    import torch
+
+    m, d, v, chunk, length = 64, 8, 1000, 128, 4
+    h, e, b = _tensors(rng, m, d, v, True)
+    args = [x.requires_grad_(True) for x in (h, e, b)]
+    ids = torch.tensor(rng.integers(-1, v, size=(m, length)))
+    recorder = _OpRecorder()
+    with recorder:
+        loss = _chunked().cut_bce(
+            args[0], args[1], ids, args[2], label_smoothing=0.1, pos_weight=2.0,
+            chunk_size=chunk,
+        )
+        (loss * torch.linspace(-1, 1, m)).sum().backward()
+    assert all(x.grad is not None for x in args)
+    assert recorder.largest < m * v
+    assert recorder.largest <= max(m * chunk, v * d, m * length * d)
+
+
+def test_ops_dispatch_reaches_the_torch_kernel(rng, monkeypatch):
+    import torch
+
+    from keras_cutbce import ops as cut_ops
+    from keras_cutbce import reference
+
+    chunked = _chunked()
+    calls = []
+    original = chunked.cut_bce
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "cut_bce", spy)
+    h = torch.tensor(rng.normal(size=(2, 3, 5)), dtype=torch.float32)
+    e = torch.tensor(rng.normal(size=(41, 5)), dtype=torch.float32)
+    ids = torch.tensor(rng.integers(-1, 41, size=(2, 3, 4)))
+    got = cut_ops.cut_binary_crossentropy(
+        h, e, ids, label_smoothing=0.1, pos_weight=2.0, chunk_size=16,
+        implementation="chunked",
+    )
+    assert calls == [dict(label_smoothing=0.1, pos_weight=2.0, chunk_size=16)]
+    want = reference.cut_bce(
+        h.reshape(6, 5), e, ids.reshape(6, 4), label_smoothing=0.1, pos_weight=2.0
+    )
+    assert tuple(got.shape) == (2, 3)
+    np.testing.assert_allclose(_np(got).reshape(-1), _np(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
+def test_rejects_bad_chunk_size(chunk_size):
+    import torch
+
+    with pytest.raises(ValueError, match="chunk_size"):
+        _chunked().cut_bce(
+            torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
+            None, label_smoothing=0.0, pos_weight=1.0, chunk_size=chunk_size,
+        )
+
+
+def test_cuda_matches_cpu(rng):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    h, e, b = _tensors(rng, 33, 16, 500, True)
+    ids = torch.tensor(_ids("dups", 33, 500, rng))
+    cotangent = torch.tensor(rng.normal(size=(33,)), dtype=torch.float32)
+    chunked = _chunked()
+
+    def run(device):
+        return _loss_and_grads(
+            lambda h, e, b: chunked.cut_bce(
+                h, e, ids.to(device), b, label_smoothing=0.1, pos_weight=2.0, chunk_size=128
+            ),
+            h.to(device), e.to(device), b.to(device), cotangent.to(device),
+        )
+
+    cpu_loss, cpu_grads = run("cpu")
+    gpu_loss, gpu_grads = run("cuda")
+    assert gpu_loss.device.type == "cuda"
+    np.testing.assert_allclose(_np(gpu_loss.cpu()), _np(cpu_loss), rtol=1e-4, atol=1e-6)
+    for got, want in zip(gpu_grads, cpu_grads):
+        assert got.device.type == "cuda"
+        np.testing.assert_allclose(_np(got.cpu()), _np(want), rtol=1e-4, atol=1e-6)
