@@ -1,0 +1,322 @@
+"""CutBCE vs dense Keras BCE on CPU: forward+backward time and peak extra memory.
+
+For every backend (jax, torch, tensorflow) and shape (M, D, V), times, side by
+side in one run, each in its own subprocess:
+
+- `dense`: `keras.losses.binary_crossentropy(multi_hot, h @ E.T + b,
+  from_logits=True)` and its gradients for h, E, b (jit / tf.function);
+- `cutbce`: `cut_binary_crossentropy(..., implementation="chunked")`, same
+  gradients;
+- the floor: `matmuls` (the three products `h @ E.T`, `dZ @ E`, `dZ.T @ h` of
+  the same shapes, on the backend) plus `elementwise` (softplus and sigmoid of
+  M x V values in one jit-compiled XLA pass, measured once on JAX);
+- `topk_dense` / `topk_cut`: dense `top_k` of the logits vs `cut_top_k`.
+
+Peak extra memory is the process's peak RSS above its RSS once the inputs
+exist (Linux `/proc/self/clear_refs` resets the peak). A run whose RSS passes
+`--memory-cap-gb` is killed and reported as out of memory. Torch runs with
+`torch.set_num_threads(--threads)` (default: all cores, 2 here).
+
+Usage:
+    python benchmarks/cutbce_cpu.py            # full table (takes ~15 min)
+    python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
+
+Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = [(4096, 64, 32768), (4096, 64, 131072), (1024, 128, 262144)]
+QUICK_SHAPES = [(512, 32, 4096)]
+BACKENDS = ["jax", "torch", "tensorflow"]
+TOP_K = 10
+TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}
+
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _inputs(shape, seed=0):
+    import numpy as np
+
+    rows, dim, vocab = shape
+    rng = np.random.default_rng(seed)
+    hidden = (rng.normal(size=(rows, dim)) / np.sqrt(dim)).astype("float32")
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    bias = (rng.normal(size=(vocab,)) * 0.1).astype("float32")
+    ids = rng.integers(0, vocab, size=(rows, 8)).astype("int32")
+    return hidden, table, bias, ids
+
+
+def _value_and_grad_fn(backend, loss_fn):
+    """A compiled function (h, E, b) -> (loss, grads) on the active backend."""
+    if backend == "jax":
+        import jax
+
+        return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2)))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def step(h, t, b):
+            with tf.GradientTape() as tape:
+                tape.watch([h, t, b])
+                value = loss_fn(h, t, b)
+            return value, tape.gradient(value, [h, t, b])
+
+        return step
+    import torch
+
+    def step(h, t, b):
+        h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
+        value = loss_fn(h, t, b)
+        return value, torch.autograd.grad(value, (h, t, b))
+
+    return step
+
+
+def _block(result):
+    import keras
+
+    for x in keras.tree.flatten(result):
+        if hasattr(x, "block_until_ready"):
+            x.block_until_ready()
+        else:
+            keras.ops.convert_to_numpy(x) if not hasattr(x, "numpy") else x.numpy() if not hasattr(x, "detach") else x.detach()
+
+
+def _variant_fn(backend, variant, shape):
+    """Returns `(run, inputs)` for one variant; `run(*inputs)` does the timed work."""
+    import keras
+    from keras import ops
+
+    from keras_cutbce import cut_binary_crossentropy
+    from keras_cutbce.ops import cut_top_k
+    from keras_cutbce.reference import multi_hot
+
+    hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
+    rows, dim, vocab = shape
+    if variant == "dense":
+        targets = multi_hot(ids, vocab)
+
+        def loss(h, t, b):
+            logits = ops.matmul(h, ops.transpose(t)) + b
+            return ops.sum(keras.losses.binary_crossentropy(targets, logits, from_logits=True))
+
+        return _value_and_grad_fn(backend, loss), (hidden, table, bias)
+    if variant == "cutbce":
+
+        def loss(h, t, b):
+            return ops.sum(cut_binary_crossentropy(h, t, ids, b, implementation="chunked"))
+
+        return _value_and_grad_fn(backend, loss), (hidden, table, bias)
+    if variant == "matmuls":
+        grad_logits = ops.convert_to_tensor(
+            __import__("numpy").random.default_rng(1).normal(size=(rows, vocab)).astype("float32")
+        )
+
+        def three(h, t, dz):
+            return (ops.matmul(h, ops.transpose(t)), ops.matmul(dz, t), ops.matmul(ops.transpose(dz), h))
+
+        if backend == "jax":
+            import jax
+
+            three = jax.jit(three)
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            three = tf.function(three)
+        return three, (hidden, table, grad_logits)
+    if variant == "elementwise":
+        import jax
+        import jax.numpy as jnp
+
+        z = jnp.asarray(__import__("numpy").random.default_rng(1).normal(size=(rows, vocab)).astype("float32"))
+
+        @jax.jit
+        def softplus_and_sigmoid(z):
+            e = jnp.exp(-jnp.abs(z))
+            return jnp.maximum(z, 0) + jnp.log1p(e), jnp.where(z >= 0, 1.0, e) / (1.0 + e)
+
+        return softplus_and_sigmoid, (z,)
+    if variant == "topk_dense":
+
+        def dense_top_k(h, t, b):
+            return ops.top_k(ops.matmul(h, ops.transpose(t)) + b, TOP_K)
+
+        if backend == "jax":
+            import jax
+
+            dense_top_k = jax.jit(dense_top_k)
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            dense_top_k = tf.function(dense_top_k)
+        return dense_top_k, (hidden, table, bias)
+    if variant == "topk_cut":
+        run = lambda h, t, b: cut_top_k(h, t, TOP_K, bias=b)  # noqa: E731
+        if backend == "jax":
+            import jax
+
+            run = jax.jit(run)
+        elif backend == "tensorflow":
+            import tensorflow as tf
+
+            run = tf.function(run)
+        return run, (hidden, table, bias)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def worker(args):
+    """Runs one (backend, variant, shape) in this process and prints a JSON line."""
+    backend = os.environ["KERAS_BACKEND"]
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    run, inputs = _variant_fn(backend, args.variant, shape)
+    before = _status("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    if backend == "torch" and args.variant.startswith("topk"):
+        import torch
+
+        with torch.no_grad():
+            _block(run(*inputs))
+    else:
+        _block(run(*inputs))  # warm-up (compiles)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        _block(run(*inputs))
+        times.append(time.perf_counter() - start)
+    peak = _status("VmHWM")
+    print(json.dumps({
+        "median_s": statistics.median(times), "times_s": times, "first_s": first,
+        "peak_extra_mb": (peak - before) / 2**20,
+    }))
+
+
+def run_variant(backend, variant, shape, repeats, threads, cap_bytes):
+    """Runs `worker` in a subprocess, killing it if its RSS passes `cap_bytes`."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant,
+           "--shape", ",".join(map(str, shape)), "--repeats", str(repeats), "--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    killed = {"oom": False}
+
+    def watch():
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    rss = next((int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:")), 0)
+            except OSError:
+                return
+            if rss > cap_bytes:
+                killed["oom"] = True
+                proc.kill()
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+    out, err = proc.communicate()
+    if killed["oom"]:
+        return {"error": f"out of memory (RSS > {cap_bytes / 2**30:.0f} GiB, killed)"}
+    if proc.returncode != 0:
+        last = (err.strip().splitlines() or ["?"])[-1]
+        return {"error": f"failed: {last[:200]}"}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _fmt(entry, key="median_s", digits=3):
+    if entry is None:
+        return "-"
+    if "error" in entry:
+        return entry["error"]
+    return f"{entry[key]:.{digits}f}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one small shape, 2 repeats")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    parser.add_argument("--memory-cap-gb", type=float, default=16.0)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = 2 if args.quick else args.repeats
+    cap = args.memory_cap_gb * 2**30
+    results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "torch_threads": args.threads}, "rows": []}
+    lines = [
+        "| backend | M, D, V | dense s | cutbce s | cut/dense | target | matmuls s | elementwise s | cut/floor | dense extra MB | cut extra MB | cut/dense mem | top-k dense s | cut_top_k s | top-k dense MB | cut_top_k MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    elementwise = {shape: run_variant("jax", "elementwise", shape, repeats, args.threads, cap) for shape in shapes}
+    for backend in args.backends.split(","):
+        for shape in shapes:
+            row = {"backend": backend, "shape": shape, "elementwise": elementwise[shape]}
+            for variant in ("dense", "cutbce", "matmuls", "topk_dense", "topk_cut"):
+                reps = max(2, repeats // 2) if variant == "dense" else repeats
+                row[variant] = run_variant(backend, variant, shape, reps, args.threads, cap)
+                print(backend, shape, variant, row[variant], flush=True)
+            dense, cut, mm, ew = row["dense"], row["cutbce"], row["matmuls"], row["elementwise"]
+            ok = lambda e: e is not None and "error" not in e  # noqa: E731
+            row["time_ratio"] = cut["median_s"] / dense["median_s"] if ok(dense) and ok(cut) else None
+            row["floor_s"] = mm["median_s"] + ew["median_s"] if ok(mm) and ok(ew) else None
+            row["floor_ratio"] = cut["median_s"] / row["floor_s"] if ok(cut) and row["floor_s"] else None
+            row["memory_ratio"] = (cut["peak_extra_mb"] / dense["peak_extra_mb"]
+                                   if ok(dense) and ok(cut) and dense["peak_extra_mb"] > 0 else None)
+            results["rows"].append(row)
+            r = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+            lines.append(
+                f"| {backend} | {shape[0]}, {shape[1]}, {shape[2]} | {_fmt(dense)} | {_fmt(cut)} | "
+                f"{r(row['time_ratio'])} | <= {TARGETS.get(shape[2], '-')} | {_fmt(mm)} | {_fmt(ew)} | "
+                f"{r(row['floor_ratio'])} | {_fmt(dense, 'peak_extra_mb', 0)} | {_fmt(cut, 'peak_extra_mb', 0)} | "
+                f"{r(row['memory_ratio'])} | {_fmt(row['topk_dense'])} | {_fmt(row['topk_cut'])} | "
+                f"{_fmt(row['topk_dense'], 'peak_extra_mb', 0)} | {_fmt(row['topk_cut'], 'peak_extra_mb', 0)} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write("# CutBCE vs dense Keras BCE, forward+backward, float32, CPU\n\n")
+        f.write(f"{os.cpu_count()} cores; torch threads {args.threads}; medians of {repeats} runs "
+                "(dense: half as many) after one warm-up; floor = matmuls + elementwise; "
+                "memory = peak RSS above the inputs.\n\n")
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
