@@ -1,7 +1,14 @@
 """Exact binary cross-entropy over huge item vocabularies, without logits."""
 
 from keras_cutbce.loss import CutBCELoss
-from keras_cutbce.ops import cut_binary_crossentropy
+from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
+from keras_cutbce.ops import cut_binary_crossentropy, cut_top_k
 
-__all__ = ["CutBCELoss", "cut_binary_crossentropy"]
+__all__ = [
+    "CutBCELoss",
+    "ThresholdConfusion",
+    "TopKRetrieval",
+    "cut_binary_crossentropy",
+    "cut_top_k",
+]
 __version__ = "0.1.0"

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-.venv/bin/python -m examples.quickstart "$@"
+.venv/bin/python -m examples.run_all "$@"
