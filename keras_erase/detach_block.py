@@ -83,6 +83,11 @@ def _to_loss_object(loss):
 
 
 def _has_symbolic(structure):
+    """True for shape-inference calls (KerasTensors or Keras's symbolic scope)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    if in_symbolic_scope():
+        return True
     return any(keras.backend.is_keras_tensor(t) for t in tree.flatten(structure))
 
 
@@ -103,7 +108,8 @@ class DetachBlock(keras.layers.Layer):
             the local loss's gradient.
         target: which of the model's targets the local loss uses when the model
             has several: an output name (dict targets or named outputs) or an
-            index. `None` uses the single target.
+            index into `model.output_names` (Keras sorts dict outputs by
+            name). `None` uses the single target.
         name: layer name; the local loss is logged as `"<name>_loss"`.
 
     Example:

@@ -43,6 +43,7 @@ import time
 import keras
 from keras import ops
 from keras import tree
+from keras.src.models.functional import Functional
 
 from keras_erase.detach_block import DetachBlock
 from keras_erase.detach_block import step_handler
@@ -61,6 +62,14 @@ class LocalLossValue:
 
 def _is_torch():
     return keras.backend.backend() == "torch"
+
+
+def _functional_arguments(args, kwargs):
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
 
 
 class _EraseStep:
@@ -116,6 +125,14 @@ class EraseModel(keras.Model):
     ```
     """
 
+    def __new__(cls, *args, **kwargs):
+        # `EraseModel(inputs, outputs)` builds a `FunctionalEraseModel`. (Keras's own
+        # route for Functional subclasses rewrites the class's bases in place,
+        # which would break subclassing `EraseModel` afterwards.)
+        if cls is EraseModel and _functional_arguments(args, kwargs):
+            return FunctionalEraseModel.__new__(FunctionalEraseModel, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
     def __init__(
         self,
         *args,
@@ -126,6 +143,11 @@ class EraseModel(keras.Model):
         auto_steps=3,
         **kwargs,
     ):
+        if _functional_arguments(args, kwargs) and not isinstance(self, Functional):
+            raise TypeError(
+                f"{type(self).__name__} is called with inputs/outputs: a Functional subclass "
+                "must inherit from keras_erase.model.FunctionalEraseModel."
+            )
         super().__init__(*args, **kwargs)
         if dispatch not in DISPATCH_MODES:
             raise ValueError(
@@ -255,6 +277,8 @@ class EraseModel(keras.Model):
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         """Main (compiled) loss plus every block's pending local loss; logs each local loss."""
         total = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        # Local losses exist in training only: evaluate/validation logs leave them out.
+        self.__dict__["_local_losses_active"] = bool(training)
         trackers = self._erase_trackers
         batch = None
         for block in self.detach_blocks():
@@ -275,6 +299,13 @@ class EraseModel(keras.Model):
                 tracker.update_state(ops.stop_gradient(value), sample_weight=batch)
                 total = ops.add(total, ops.cast(value, total.dtype))
         return total
+
+    def get_metrics_result(self):
+        result = super().get_metrics_result()
+        if not self.__dict__.get("_local_losses_active", True):
+            for tracker in self._erase_trackers.values():
+                result.pop(tracker.name, None)
+        return result
 
     def __call__(self, *args, **kwargs):
         self._clear_pending()
@@ -483,3 +514,8 @@ class EraseModel(keras.Model):
             with torch.no_grad():
                 optimizer.apply(gradients, trainable_weights)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+@keras.saving.register_keras_serializable(package="keras_erase")
+class FunctionalEraseModel(EraseModel, Functional):
+    """The Functional form of `EraseModel`, built by `EraseModel(inputs, outputs, ...)`."""
