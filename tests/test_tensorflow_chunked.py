@@ -1,0 +1,297 @@
+"""The TensorFlow chunked CutBCE kernel (`keras_cutbce.backends.tensorflow.chunked`).
+
+Loss and gradients (hidden, table, bias) under random cotangents against the
+dense reference and Keras's `binary_crossentropy`, on odd shapes; eager,
+`tf.function` and XLA agree; unknown batch dimension; Keras `fit`.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_cutbce import reference
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="TensorFlow backend kernel"
+)
+
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    from keras_cutbce.backends.tensorflow import chunked
+
+
+def make_case(rng, rows, dim, vocab, labels, *, bias=True, id_dtype="int32"):
+    """Random inputs with a duplicate and padding ids (-1, V, V+5) mixed in."""
+    hidden = (rng.normal(size=(rows, dim)) / np.sqrt(dim)).astype("float32")
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    ids = rng.integers(0, vocab, size=(rows, labels))
+    if labels >= 2:
+        ids[::2, 1] = ids[::2, 0]  # duplicates count once
+    if labels >= 3:
+        pads = np.array([-1, vocab, vocab + 5])
+        ids[1::2, 2] = pads[np.arange(rows)[1::2] % 3]
+    b = rng.normal(size=(vocab,)).astype("float32") if bias else None
+    cot = rng.uniform(-2.0, 2.0, size=(rows,)).astype("float32")
+    return hidden, table, ids.astype(id_dtype), b, cot
+
+
+def loss_and_grads(fn, hidden, table, ids, bias, cot):
+    """`fn(h, t, ids, b)` [M] and the gradients of `sum(loss * cot)` for h, t, b."""
+    args = [tf.convert_to_tensor(hidden), tf.convert_to_tensor(table)]
+    if bias is not None:
+        args.append(tf.convert_to_tensor(bias))
+    ids = tf.convert_to_tensor(ids)
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        loss = fn(args[0], args[1], ids, args[2] if bias is not None else None)
+        total = tf.reduce_sum(tf.cast(loss, tf.float32) * tf.convert_to_tensor(cot))
+    grads = tape.gradient(total, args)
+    return loss, grads
+
+
+def chunked_fn(label_smoothing=0.0, pos_weight=1.0, chunk_size=128):
+    def fn(h, t, ids, b):
+        return chunked.cut_bce(
+            h, t, ids, b, label_smoothing=label_smoothing, pos_weight=pos_weight,
+            chunk_size=chunk_size,
+        )
+
+    return fn
+
+
+def reference_fn(label_smoothing=0.0, pos_weight=1.0):
+    def fn(h, t, ids, b):
+        return reference.cut_bce(
+            h, t, ids, b, label_smoothing=label_smoothing, pos_weight=pos_weight
+        )
+
+    return fn
+
+
+def keras_fn(label_smoothing=0.0):
+    def fn(h, t, ids, b):
+        z = reference.logits(h, t, b)
+        y = reference.multi_hot(ids, t.shape[0])
+        return keras.losses.binary_crossentropy(
+            y, z, from_logits=True, label_smoothing=label_smoothing
+        )
+
+    return fn
+
+
+def as_numpy(x):
+    return np.asarray(tf.cast(x, tf.float64))
+
+
+def assert_close(actual, expected, rtol, what):
+    actual, expected = as_numpy(actual), as_numpy(expected)
+    assert actual.shape == expected.shape, what
+    assert np.all(np.isfinite(actual)), what
+    err = np.max(np.abs(actual - expected), initial=0.0)
+    scale = np.max(np.abs(expected), initial=0.0) + 1e-30
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def assert_same(result, expected, rtol=2e-5):
+    (loss, grads), (ref_loss, ref_grads) = result, expected
+    assert loss.dtype == tf.float32
+    assert_close(loss, ref_loss, rtol, "loss")
+    for name, g, r in zip(("hidden", "table", "bias"), grads, ref_grads):
+        assert_close(g, r, rtol, f"d {name}")
+
+
+# (rows, dim, vocab, labels, chunk_size): V not a multiple of the tile, a
+# multiple, smaller than the tile, one tile exactly; L = 0, 1 and more.
+SHAPES = [
+    (9, 8, 300, 4, 128),
+    (6, 5, 256, 3, 64),
+    (5, 7, 50, 3, 128),
+    (4, 16, 128, 2, 128),
+    (7, 6, 130, 1, 32),
+    (5, 4, 90, 0, 32),
+]
+
+
+@pytest.mark.parametrize("rows,dim,vocab,labels,chunk", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_reference_and_keras(rows, dim, vocab, labels, chunk, with_bias):
+    rng = np.random.default_rng(rows * 1000 + vocab + labels)
+    h, t, ids, b, cot = make_case(rng, rows, dim, vocab, labels, bias=with_bias)
+    got = loss_and_grads(chunked_fn(chunk_size=chunk), h, t, ids, b, cot)
+    assert_same(got, loss_and_grads(reference_fn(), h, t, ids, b, cot))
+    assert_same(got, loss_and_grads(keras_fn(), h, t, ids, b, cot))
+    for g, x in zip(got[1], (h, t, b)):
+        assert g.dtype == tf.float32 and g.shape == x.shape
+
+
+@pytest.mark.parametrize(
+    "label_smoothing,pos_weight", [(0.1, 1.0), (0.0, 2.5), (0.3, 0.4), (1.0, 3.0)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_label_smoothing_and_pos_weight(label_smoothing, pos_weight, with_bias):
+    rng = np.random.default_rng(7)
+    h, t, ids, b, cot = make_case(rng, 8, 6, 200, 4, bias=with_bias)
+    fn = chunked_fn(label_smoothing, pos_weight, chunk_size=64)
+    got = loss_and_grads(fn, h, t, ids, b, cot)
+    ref = reference_fn(label_smoothing, pos_weight)
+    assert_same(got, loss_and_grads(ref, h, t, ids, b, cot))
+    if pos_weight == 1.0:
+        assert_same(got, loss_and_grads(keras_fn(label_smoothing), h, t, ids, b, cot))
+
+
+@pytest.mark.parametrize("id_dtype", ["int8", "int16", "int32", "int64", "uint8"])
+def test_id_dtypes(id_dtype):
+    rng = np.random.default_rng(3)
+    h, t, ids, b, cot = make_case(rng, 6, 4, 100, 3, id_dtype="int64")
+    ids = np.where(ids < 0, 120, ids)  # padding representable in every dtype
+    got = loss_and_grads(chunked_fn(chunk_size=32), h, t, ids.astype(id_dtype), b, cot)
+    assert_same(got, loss_and_grads(reference_fn(), h, t, ids, b, cot))
+
+
+def test_huge_padding_ids_stay_padding():
+    """int64 ids beyond int32 (e.g. 2**32 + 1) must not wrap onto valid ids."""
+    rng = np.random.default_rng(4)
+    h, t, _, b, cot = make_case(rng, 3, 4, 50, 0)
+    ids = np.array([[1, 2**32 + 1], [2**40, 3], [-(2**33), 2**31 + 2]], dtype="int64")
+    clean = np.where((ids >= 0) & (ids < 50), ids, -1)
+    got = loss_and_grads(chunked_fn(chunk_size=16), h, t, ids, b, cot)
+    assert_same(got, loss_and_grads(reference_fn(), h, t, clean, b, cot))
+
+
+def test_only_padding_and_duplicates():
+    rng = np.random.default_rng(5)
+    h, t, _, b, cot = make_case(rng, 4, 4, 40, 0)
+    ids = np.array([[-1, 40, 45, -7], [3, 3, 3, 3], [39, -1, 39, 0], [0, 0, 40, 0]])
+    got = loss_and_grads(chunked_fn(chunk_size=16), h, t, ids, b, cot)
+    assert_same(got, loss_and_grads(reference_fn(), h, t, ids, b, cot))
+    assert_same(got, loss_and_grads(keras_fn(), h, t, ids, b, cot))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_inputs(dtype):
+    rng = np.random.default_rng(6)
+    h, t, ids, b, cot = make_case(rng, 8, 16, 300, 4)
+    low = [tf.cast(x, dtype) for x in (h, t, b)]
+    got = loss_and_grads(chunked_fn(chunk_size=128), low[0], low[1], ids, low[2], cot)
+    assert got[0].dtype == tf.float32
+    for g in got[1]:
+        assert g.dtype == dtype
+    # Against the reference on the same (rounded) values, in float32.
+    up = [tf.cast(x, tf.float32) for x in low]
+    ref = loss_and_grads(reference_fn(), up[0], up[1], ids, up[2], cot)
+    assert_close(got[0], ref[0], 1e-5, "loss")  # float32 accumulation
+    for name, g, r in zip(("hidden", "table", "bias"), got[1], ref[1]):
+        assert_close(g, r, 2e-2, f"d {name}")
+
+
+def test_extreme_logits_are_finite_and_exact():
+    """Logits of +-200 (and 1000): softplus and sigmoid must not overflow."""
+    vocab, dim = 70, 2
+    h = np.array([[10.0, 0.0], [-10.0, 0.0], [0.0, 50.0]], "float32")
+    t = np.zeros((vocab, dim), "float32")
+    t[:, 0] = np.where(np.arange(vocab) % 2 == 0, 20.0, -20.0)  # z = +-200 for rows 0, 1
+    t[:, 1] = np.where(np.arange(vocab) % 3 == 0, 20.0, -20.0)  # z = +-1000 for row 2
+    ids = np.array([[0, 1, 2], [1, 3, -1], [0, 3, 5]])
+    cot = np.array([1.5, -0.5, 2.0], "float32")
+    loss, grads = loss_and_grads(chunked_fn(chunk_size=32), h, t, ids, None, cot)
+    z = h.astype(np.float64) @ t.T.astype(np.float64)
+    y = np.zeros_like(z)
+    for m, row in enumerate(ids):
+        y[m, row[(row >= 0) & (row < vocab)]] = 1.0
+    expected = np.mean(np.logaddexp(0.0, z) - y * z, axis=1)
+    assert_close(loss, expected, 1e-6, "loss")
+    dz = (0.5 * (1.0 + np.tanh(z / 2.0)) - y) * cot[:, None] / vocab  # sigmoid
+    assert_close(grads[0], dz @ t, 1e-5, "d hidden")
+    assert_close(grads[1], dz.T @ h, 1e-5, "d table")
+
+
+def test_eager_function_and_xla_agree():
+    rng = np.random.default_rng(8)
+    h, t, ids, b, cot = make_case(rng, 9, 8, 300, 4)
+    fn = chunked_fn(label_smoothing=0.1, pos_weight=2.0, chunk_size=128)
+
+    def run(h, t, ids, b):
+        return loss_and_grads(fn, h, t, ids, b, cot)
+
+    eager = run(h, t, ids, b)
+    graph = tf.function(run)(h, t, ids, b)
+    xla = tf.function(run, jit_compile=True)(h, t, ids, b)
+    for other in (graph, xla):
+        assert_same(other, eager, rtol=1e-5)
+    assert_same(eager, loss_and_grads(reference_fn(0.1, 2.0), h, t, ids, b, cot))
+
+
+def test_unknown_batch_dimension():
+    rng = np.random.default_rng(9)
+    dim, vocab = 8, 200
+    fn = chunked_fn(chunk_size=64)
+
+    @tf.function(
+        input_signature=[
+            tf.TensorSpec([None, dim], tf.float32),
+            tf.TensorSpec([vocab, dim], tf.float32),
+            tf.TensorSpec([None, None], tf.int32),
+            tf.TensorSpec([vocab], tf.float32),
+            tf.TensorSpec([None], tf.float32),
+        ]
+    )
+    def run(h, t, ids, b, cot):
+        return loss_and_grads(fn, h, t, ids, b, cot)
+
+    for rows, labels in [(5, 3), (11, 1)]:
+        h, t, ids, b, cot = make_case(rng, rows, dim, vocab, labels)
+        assert_same(run(h, t, ids, b, cot), loss_and_grads(reference_fn(), h, t, ids, b, cot))
+
+
+def test_public_op_dispatches_here(monkeypatch):
+    """`cut_binary_crossentropy(..., implementation="chunked")` reaches this kernel."""
+    from keras_cutbce import cut_binary_crossentropy
+
+    calls = []
+    original = chunked.cut_bce
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "cut_bce", spy)
+    rng = np.random.default_rng(10)
+    h, t, ids, b, cot = make_case(rng, 6, 4, 150, 3)
+    h3, ids3 = h.reshape(2, 3, 4), ids.reshape(2, 3, 3)
+
+    def public(h, t, _, b):
+        out = cut_binary_crossentropy(
+            tf.reshape(h, (2, 3, 4)), t, ids3, b, label_smoothing=0.2,
+            pos_weight=1.5, chunk_size=64, implementation="chunked",
+        )
+        return tf.reshape(out, (6,))
+
+    got = loss_and_grads(public, h3.reshape(6, 4), t, ids, b, cot)
+    assert calls == [dict(label_smoothing=0.2, pos_weight=1.5, chunk_size=64)]
+    assert_same(got, loss_and_grads(reference_fn(0.2, 1.5), h, t, ids, b, cot))
+
+
+def test_trains_tied_embedding_in_keras_fit():
+    """An Embedding table tied to `CutBCELoss` trains through the loss in `fit`."""
+    from keras_cutbce import CutBCELoss
+
+    vocab, dim, seq = 300, 8, 5
+    keras.utils.set_random_seed(0)
+    items = keras.layers.Embedding(vocab, dim, name="items")
+    inputs = keras.Input((seq,), dtype="int32")
+    model = keras.Model(inputs, keras.layers.Dense(dim)(items(inputs)))
+    model.compile(
+        optimizer=keras.optimizers.SGD(1.0),
+        loss=CutBCELoss(items, chunk_size=128, implementation="chunked"),
+    )
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, vocab, size=(32, seq)).astype("int32")
+    y = np.stack([x, np.roll(x, 1, axis=1), np.full_like(x, -1)], axis=-1)
+    before = keras.ops.convert_to_numpy(items.embeddings)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    losses = history.history["loss"]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    # Rows never used as input still move: they get gradient only through the loss.
+    unused = np.setdiff1d(np.arange(vocab), x)
+    assert np.abs(keras.ops.convert_to_numpy(items.embeddings)[unused] - before[unused]).max() > 0
