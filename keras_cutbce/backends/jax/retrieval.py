@@ -2,13 +2,16 @@
 
 Both functions loop over vocabulary tiles with `lax.fori_loop` and only ever
 hold one `[M, T]` tile of logits (from `chunked.tile_logits`, the one fused
-tile function) plus the running result, so they are jit-able and their
-memory is O(M * (k + T)) whatever V is.
+tile function) plus the running result, so their memory is O(M * (k + T))
+whatever V is. They are `jax.jit`-ed (k and the tile static), so eager calls
+reuse the compiled loop, and they nest in any outer `jit`.
 
 Tiles all have the same static width `T = min(chunk_size, V)`. The last tile
 starts at `V - T` instead of running past the table (no padded copy of the
 table); its columns that the previous tile already covered are masked out.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,7 @@ def _excluded_mask(exclude_ids, start, width):
     return mask.at[rows, local].set(True, mode="drop")
 
 
+@functools.partial(jax.jit, static_argnames=("k", "chunk_size"))
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     """Exact top-k logits per row without the `[M, V]` logits.
 
@@ -104,6 +108,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     return scores, jnp.where(scores == -jnp.inf, EMPTY_ID, ids)
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
 def count_at_least(hidden, table, bias, threshold, *, chunk_size):
     """Int32 `[M]`: how many of each row's V logits are `>= threshold`.
 

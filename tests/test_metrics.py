@@ -1,0 +1,284 @@
+"""`TopKRetrieval` and `ThresholdConfusion` against dense numpy computations, on every backend.
+
+Inputs are small multiples of 1/4, so every logit is exact in float32 and the
+retrieved ids (ties included) must match a dense stable sort.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
+from tests.backend_utils import to_numpy
+
+
+def quantized(rng, shape, scale=4):
+    return (rng.integers(-4, 5, size=shape) / scale).astype("float32")
+
+
+def dense_logits(hidden, table, bias=None):
+    z = hidden.astype(np.float64) @ table.astype(np.float64).T
+    return z if bias is None else z + bias
+
+
+def numpy_retrieval(hidden, table, targets, ks, weights, bias=None, exclude=None, constant=()):
+    """Weighted means of hit@k, recall@k, ndcg@k, one position a row."""
+    vocab_size = table.shape[0]
+    z = dense_logits(hidden, table, bias)
+    sums = {f"{m}@{k}": 0.0 for k in ks for m in ("hit", "recall", "ndcg")}
+    total = 0.0
+    for row in range(len(z)):
+        scores = z[row].copy()
+        dropped = list(constant) + ([] if exclude is None else list(exclude[row]))
+        dropped = [i for i in dropped if 0 <= i < vocab_size]
+        scores[dropped] = -np.inf
+        ranking = [i for i in np.argsort(-scores, kind="stable") if scores[i] > -np.inf]
+        wanted = {int(t) for t in targets[row] if 0 <= t < vocab_size and t not in constant}
+        if not wanted:
+            continue
+        total += weights[row]
+        for k in ks:
+            top = ranking[:k]
+            hits = sum(i in wanted for i in top)
+            dcg = sum(1.0 / math.log2(r + 2) for r, i in enumerate(top) if i in wanted)
+            ideal = sum(1.0 / math.log2(r + 2) for r in range(min(len(wanted), k)))
+            sums[f"hit@{k}"] += weights[row] * (hits > 0)
+            sums[f"recall@{k}"] += weights[row] * hits / len(wanted)
+            sums[f"ndcg@{k}"] += weights[row] * dcg / ideal
+    return {key: value / total for key, value in sums.items()}
+
+
+def numpy_confusion(hidden, table, targets, threshold, weights, bias=None):
+    """Weighted TP, FP, FN, TN of the dense logits at a probability threshold."""
+    vocab_size = table.shape[0]
+    z = dense_logits(hidden, table, bias)
+    predicted = 1.0 / (1.0 + np.exp(-z)) >= threshold
+    counts = np.zeros(4)
+    for row in range(len(z)):
+        truth = np.zeros(vocab_size, bool)
+        truth[[t for t in targets[row] if 0 <= t < vocab_size]] = True
+        p = predicted[row]
+        counts += weights[row] * np.array(
+            [np.sum(p & truth), np.sum(p & ~truth), np.sum(~p & truth), np.sum(~p & ~truth)]
+        )
+    return counts
+
+
+def table_variable(table):
+    return keras.Variable(table, name="items")
+
+
+def results(metric):
+    return {key: float(to_numpy(value)) for key, value in metric.result().items()}
+
+
+def assert_results(got, want):
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_top_k_retrieval_matches_numpy(rng):
+    batch, steps, depth, vocab_size = 4, 3, 4, 37
+    table = quantized(rng, (vocab_size, depth))
+    bias = quantized(rng, (vocab_size,), scale=8)
+    hidden = quantized(rng, (batch, steps, depth))
+    targets = rng.integers(-2, vocab_size + 2, size=(batch, steps, 4)).astype("int32")
+    targets[0, 0] = [-1, -1, vocab_size, -1]  # no valid target: weight 0
+    targets[1, 1] = [5, 5, 5, 6]  # duplicates count once
+    targets[2, 2] = [0, 0, -1, -1]  # only the constant exclusion: weight 0
+    exclude = rng.integers(-1, vocab_size, size=(batch, steps, 6)).astype("int32")
+    sample_weight = np.array([1.0, 0.5, 2.0, 0.0], "float32")
+    ks = (1, 3, 10, 50)  # 10 > tile, 50 > V
+
+    metric = TopKRetrieval(
+        table_variable(table), k=ks, exclude_ids=[0], bias=keras.Variable(bias), chunk_size=8
+    )
+    metric.update_state(targets, hidden, sample_weight=sample_weight, exclude_ids=exclude)
+    weights = np.repeat(sample_weight, steps)
+    want = numpy_retrieval(
+        hidden.reshape(-1, depth),
+        table,
+        targets.reshape(-1, 4),
+        ks,
+        weights,
+        bias=bias,
+        exclude=exclude.reshape(-1, 6),
+        constant=(0,),
+    )
+    assert_results(results(metric), want)
+    assert 0.0 < want["hit@10"] < 1.0 and want["ndcg@3"] > 0.0  # not a trivial case
+    np.testing.assert_allclose(want["hit@50"], 1.0)
+
+    # A second batch accumulates; reset_state clears.
+    metric.update_state(targets[:2, :, 0], hidden[:2], sample_weight=[3.0, 1.0])
+    both = numpy_retrieval(
+        np.concatenate([hidden.reshape(-1, depth), hidden[:2].reshape(-1, depth)]),
+        table,
+        np.concatenate([targets.reshape(-1, 4), np.pad(targets[:2, :, :1].reshape(-1, 1), ((0, 0), (0, 3)), constant_values=-1)]),
+        ks,
+        np.concatenate([weights, np.repeat([3.0, 1.0], steps)]),
+        bias=bias,
+        exclude=np.concatenate([exclude.reshape(-1, 6), -np.ones((2 * steps, 6), int)]),
+        constant=(0,),
+    )
+    assert_results(results(metric), both)
+    metric.reset_state()
+    assert all(v == 0.0 for v in results(metric).values())
+
+
+def test_top_k_retrieval_ties_and_masks(rng):
+    vocab_size, depth = 20, 3
+    base = quantized(rng, (5, depth))
+    table = np.concatenate([base] * 4)  # every item has three twins
+    hidden = quantized(rng, (2, 5, depth))
+    targets = rng.integers(0, vocab_size, size=(2, 5, 2)).astype("int32")
+    mask = np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1]], bool)
+
+    metric = TopKRetrieval(table_variable(table), k=(2, 4), chunk_size=4)
+    tensor = ops.convert_to_tensor(hidden)
+    try:
+        tensor._keras_mask = ops.convert_to_tensor(mask)
+    except AttributeError:  # tensors that take no attributes
+        keras.src.backend.common.masking.set_keras_mask(tensor, ops.convert_to_tensor(mask))
+    metric.update_state(targets, tensor)
+    want = numpy_retrieval(
+        hidden.reshape(-1, depth), table, targets.reshape(-1, 2), (2, 4), mask.reshape(-1) * 1.0
+    )
+    assert_results(results(metric), want)
+
+
+def test_threshold_confusion_matches_numpy(rng):
+    batch, steps, depth, vocab_size = 3, 4, 4, 29
+    table = quantized(rng, (vocab_size, depth))
+    bias = quantized(rng, (vocab_size,), scale=8)
+    hidden = quantized(rng, (batch, steps, depth))
+    targets = rng.integers(-2, vocab_size + 2, size=(batch, steps, 3)).astype("int32")
+    targets[0, 1] = [4, 4, -1]
+    sample_weight = np.array([1.0, 0.25, 2.0], "float32")
+    weights = np.repeat(sample_weight, steps)
+    for threshold, b in ((0.5, None), (0.5, bias), (0.7, bias)):
+        metric = ThresholdConfusion(
+            table_variable(table),
+            threshold=threshold,
+            bias=None if b is None else keras.Variable(b),
+            chunk_size=8,
+        )
+        metric.update_state(targets, hidden, sample_weight=sample_weight)
+        want = numpy_confusion(
+            hidden.reshape(-1, depth), table, targets.reshape(-1, 3), threshold, weights, b
+        )
+        got = [
+            float(to_numpy(v))
+            for v in (
+                metric.true_positives,
+                metric.false_positives,
+                metric.false_negatives,
+                metric.true_negatives,
+            )
+        ]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert want[0] > 0 and want[1] > 0 and want[2] > 0
+        tp, fp, fn, _ = want
+        precision, recall = tp / (tp + fp), tp / (tp + fn)
+        assert_results(
+            results(metric),
+            {
+                "precision": precision,
+                "recall": recall,
+                "f1": 2 * precision * recall / (precision + recall),
+            },
+        )
+    metric.reset_state()
+    assert float(to_numpy(metric.true_negatives)) == 0.0
+
+
+def test_argument_checks():
+    table = keras.Variable(np.zeros((5, 2), "float32"))
+    with pytest.raises(ValueError, match="`k`"):
+        TopKRetrieval(table, k=(0, 3))
+    with pytest.raises(ValueError, match="`threshold`"):
+        ThresholdConfusion(table, threshold=1.0)
+    metric = TopKRetrieval(table, k=2)
+    with pytest.raises(TypeError, match="y_true"):
+        metric.update_state(np.zeros((3, 1), "float32"), np.zeros((3, 2), "float32"))
+
+
+def test_get_config_from_config(rng):
+    items = keras.layers.Embedding(11, 3, name="items")
+    items.build()
+    table = quantized(rng, (11, 3))
+    items.embeddings.assign(table)
+    for metric in (
+        TopKRetrieval(items, k=[5, 2], exclude_ids=[0], chunk_size=4, name="retrieval"),
+        ThresholdConfusion(items, threshold=0.3, chunk_size=4, name="confusion"),
+    ):
+        config = metric.get_config()
+        assert config["embeddings"] == items.embeddings.path
+        clone = type(metric).from_config(config)
+        assert clone.get_config() == config
+        registered = f"keras_cutbce>{type(metric).__name__}"
+        assert keras.saving.get_registered_object(registered) is type(metric)
+        # Outside a model a path cannot be resolved: a clear error.
+        with pytest.raises(ValueError, match="items"):
+            clone.update_state(np.array([[1]]), quantized(rng, (1, 3)))
+        # Bound to the variable, the clone computes what the original does.
+        rebound = type(metric).from_config({**config, "embeddings": items})
+        hidden, ids = quantized(rng, (6, 3)), rng.integers(-1, 11, size=(6, 2))
+        metric.update_state(ids, hidden)
+        rebound.update_state(ids, hidden)
+        assert results(rebound) == results(metric)
+    assert TopKRetrieval(items, k=[5, 2]).k == (2, 5)
+
+
+def hidden_l2(y_true, y_pred):
+    """A per-example loss, so the metrics are tested on their own."""
+    return ops.mean(ops.square(y_pred), axis=(-2, -1))
+
+
+def test_metrics_in_compile_fit_evaluate(rng):
+    vocab_size, depth, steps, batch = 23, 4, 5, 6
+    ids_in = keras.Input((steps,), dtype="int32")
+    items = keras.layers.Embedding(vocab_size, depth, name="items")
+    hidden_out = keras.layers.Dense(depth, name="proj")(items(ids_in))
+    model = keras.Model(ids_in, hidden_out)
+    retrieval = TopKRetrieval(items, k=(1, 4, 9), exclude_ids=[0], chunk_size=8)
+    confusion = ThresholdConfusion(items, threshold=0.5, chunk_size=8)
+    # Keras gives sample weights to `weighted_metrics` only.
+    model.compile(
+        optimizer="sgd", loss=hidden_l2, metrics=[confusion], weighted_metrics=[retrieval]
+    )
+    x = rng.integers(0, vocab_size, size=(batch, steps)).astype("int32")
+    y = rng.integers(-1, vocab_size, size=(batch, steps, 3)).astype("int32")
+    sample_weight = rng.uniform(0.5, 2.0, size=(batch,)).astype("float32")
+
+    def expected():
+        hidden = model.predict(x, verbose=0).reshape(-1, depth).astype(np.float64)
+        table = to_numpy(items.embeddings)
+        weights = np.repeat(sample_weight, steps)
+        want = numpy_retrieval(hidden, table, y.reshape(-1, 3), (1, 4, 9), weights, constant=(0,))
+        tp, fp, fn, _ = numpy_confusion(
+            hidden, table, y.reshape(-1, 3), 0.5, np.ones_like(weights)
+        )
+        want.update(precision=tp / (tp + fp), recall=tp / (tp + fn))
+        want["f1"] = 2 * want["precision"] * want["recall"] / (want["precision"] + want["recall"])
+        return want
+
+    def check(logs, want):
+        for key, value in want.items():
+            np.testing.assert_allclose(logs[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+    logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
+    check(logs, expected())
+    # The table is read at every update: a new table gives new results (the
+    # compiled test step must not keep the table it was traced with).
+    items.embeddings.assign(items.embeddings * -1.5 + 0.25)
+    logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
+    check(logs, expected())
+    history = model.fit(x, y, sample_weight=sample_weight, epochs=2, batch_size=batch, verbose=0)
+    assert {"hit@4", "ndcg@9", "recall@1", "precision", "f1"} <= set(history.history)
+    logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
+    check(logs, expected())
