@@ -1,0 +1,237 @@
+"""Torch-only ERASE schedule tests: same weights for every dispatch mode, the threaded
+schedule's overlap and ordering (timestamps), failures in a block's backward, thread
+policy, and CUDA-only checks (skipped without CUDA)."""
+
+import faulthandler
+import logging
+import threading
+import traceback
+
+import keras
+import numpy as np
+import pytest
+
+from keras_erase import DetachBlock, EraseModel
+from tests.backend_utils import BACKEND, to_numpy
+from tests.test_erase import build_ctr, ctr_data, make_tower, train
+
+pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="ERASE dispatch runs on torch")
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+needs_cuda = pytest.mark.skipif(BACKEND != "torch" or not _cuda(), reason="needs CUDA")
+needs_cpu_only = pytest.mark.skipif(BACKEND != "torch" or _cuda(), reason="checks the no-CUDA error")
+
+
+@pytest.fixture
+def hang_guard():
+    """Kills the run with a traceback dump instead of hanging forever."""
+    faulthandler.dump_traceback_later(240, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _train_mode(dispatch, x, y, epochs=2, **kwargs):
+    model = build_ctr(dispatch, **kwargs)
+    history = train(model, x, y, optimizer=keras.optimizers.Adam(0.01), epochs=epochs)
+    return model, [to_numpy(w) for w in model.get_weights()], history
+
+
+@pytest.mark.parametrize("detach_input", [True, False])
+def test_every_dispatch_mode_gives_the_standard_weights_and_logs(detach_input, hang_guard):
+    x, y = ctr_data(64)
+    kwargs = dict(detach_input=detach_input, auto_steps=1)  # auto decides within 6 steps
+    _, reference, ref_history = _train_mode("standard", x, y, **kwargs)
+    initial = [to_numpy(w) for w in build_ctr("standard", **kwargs).get_weights()]
+    assert max(np.abs(a - b).max() for a, b in zip(reference, initial)) > 1e-3
+    for mode in ("blocking", "threaded", "auto"):
+        model, weights, history = _train_mode(mode, x, y, **kwargs)
+        for a, b in zip(weights, reference):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=mode)
+        assert set(history) == set(ref_history)
+        for key in ref_history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-6, err_msg=key)
+        if mode == "auto":
+            assert model.dispatch_choice in ("standard", "threaded")
+
+
+def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
+    import torch
+
+    x, y = ctr_data(128)
+    threads = torch.get_num_threads()
+    model = build_ctr("auto", auto_steps=2)
+    with caplog.at_level(logging.INFO, logger="keras_erase"):
+        train(model, x, y, epochs=2)  # 16 steps; the choice needs 3 x 3 = 9
+    candidates = model._auto["candidates"]
+    assert ("standard", threads) == candidates[0] and ("threaded", threads) in candidates
+    assert model.dispatch_choice == model._auto["choice"][0]
+    assert len(model.auto_timings) == len(candidates)
+    best = min(model.auto_timings.values())
+    mode, n = model._auto["choice"]
+    assert model.auto_timings[f"{mode}@{n}"] == best
+    assert any("dispatch='auto' chose" in r.getMessage() for r in caplog.records)
+    assert torch.get_num_threads() == threads  # restored after fit
+
+
+def test_threaded_thread_policy_applies_during_fit_and_is_restored():
+    import torch
+
+    seen = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    model = build_ctr("threaded", intra_op_threads=1)
+    x, y = ctr_data(32)
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Probe()])
+    assert seen == [1, 1]
+    assert torch.get_num_threads() == before
+
+
+def _trace_steps(events, blocks):
+    """Splits a trace into steps: each step holds one forward per block."""
+    forwards = [e for e in events if e["phase"] == "forward"]
+    steps = []
+    for i in range(0, len(forwards), len(blocks)):
+        window = forwards[i : i + len(blocks)]
+        start = window[0]["start"]
+        end = forwards[i + len(blocks)]["start"] if i + len(blocks) < len(forwards) else np.inf
+        steps.append([e for e in events if start <= e["start"] < end])
+    return steps
+
+
+def test_threaded_backward_overlaps_a_later_blocks_forward(hang_guard):
+    """Timestamps: some block's backward (worker) runs while a later block's forward runs."""
+    keras.utils.set_random_seed(0)
+    num_towers, width, dim = 4, 384, 256
+    model = build_ctr("threaded", num_towers=num_towers, width=width, depth=3, input_dim=dim)
+    x, y = ctr_data(512 * 3, input_dim=dim)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    events = model.start_trace()
+    model.fit(x, y, batch_size=512, epochs=1, shuffle=False, verbose=0)
+    model.stop_trace()
+    names = [f"tower_{i}" for i in range(num_towers)]
+    main = threading.get_ident()
+    overlaps = 0
+    for step in _trace_steps(events, names):
+        fwd = {e["block"]: e for e in step if e["phase"] == "forward"}
+        bwd = {e["block"]: e for e in step if e["phase"] == "backward"}
+        assert set(fwd) == set(bwd) == set(names)
+        assert all(e["thread"] == main for e in fwd.values())
+        assert all(e["thread"] != main for e in bwd.values())
+        for i, early in enumerate(names):
+            for later in names[i + 1 :]:
+                b, f = bwd[early], fwd[later]
+                if b["start"] < f["end"] and f["start"] < b["end"]:
+                    overlaps += 1
+    assert overlaps > 0, events
+
+
+def test_backward_submitted_before_next_forward_and_run_in_order(hang_guard):
+    model = build_ctr("threaded", num_towers=3)
+    x, y = ctr_data(48)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    events = model.start_trace()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.stop_trace()
+    names = ["tower_0", "tower_1", "tower_2"]
+    steps = _trace_steps(events, names)
+    assert len(steps) == 3
+    for step in steps:
+        fwd = [e for e in step if e["phase"] == "forward"]
+        sub = [e for e in step if e["phase"] == "submit"]
+        bwd = sorted((e for e in step if e["phase"] == "backward"), key=lambda e: e["start"])
+        assert [e["block"] for e in fwd] == names
+        assert [e["block"] for e in sub] == names
+        assert [e["block"] for e in bwd] == names  # FIFO worker
+        for b in range(len(names)):
+            assert fwd[b]["end"] <= sub[b]["start"] <= bwd[b]["start"]
+            if b + 1 < len(names):
+                assert sub[b]["start"] <= fwd[b + 1]["start"]
+
+
+class FailingBackward(keras.layers.Layer):
+    """Identity-like layer whose backward raises while `fail` is set."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fail = True
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, inputs):
+        import torch
+
+        layer = self
+
+        class _Boom(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                if layer.fail:
+                    raise RuntimeError("boom in a block's backward")
+                return grad
+
+        return _Boom.apply(inputs * self.scale)
+
+
+@pytest.mark.parametrize("dispatch", ["threaded", "blocking"])
+def test_error_in_block_backward_surfaces_and_next_fit_works(dispatch, hang_guard):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    boom = FailingBackward(name="boom")
+    good = DetachBlock(make_tower(8, 1), head=keras.layers.Dense(1), loss="mse", name="good")(
+        inputs
+    )
+    bad = DetachBlock(
+        keras.Sequential([keras.layers.Dense(8), boom]),
+        head=keras.layers.Dense(1),
+        loss="mse",
+        name="bad",
+    )(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.Concatenate()([good, bad]))
+    model = EraseModel(inputs, outputs, dispatch=dispatch)
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = ctr_data(32)
+    threads_before = threading.active_count()
+    with pytest.raises(RuntimeError, match="boom in a block's backward") as info:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert "backward" in "".join(traceback.format_exception(info.value))
+    boom.fail = False
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0).history
+    assert np.isfinite(history["bad_loss"]).all() and len(history["loss"]) == 2
+    assert all(np.isfinite(to_numpy(w)).all() for w in model.get_weights())
+    assert threading.active_count() <= threads_before + 1
+
+
+@needs_cpu_only
+def test_streams_and_cuda_graphs_need_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        build_ctr("streams")
+    with pytest.raises(ValueError, match="CUDA"):
+        build_ctr("threaded", cuda_graphs=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_streams_give_the_standard_weights(cuda_graphs):
+    x, y = ctr_data(64)
+    _, reference, ref_history = _train_mode("standard", x, y, epochs=3)
+    _, weights, history = _train_mode("streams", x, y, epochs=3, cuda_graphs=cuda_graphs,
+                                      num_streams=2)
+    for a, b in zip(weights, reference):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
