@@ -31,6 +31,33 @@ def _excluded_mask(exclude_ids, start, stop):
     return mask[:, :width]
 
 
+def _stable_top_k(x, k):
+    """Top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
+
+    `torch.topk` does not say which of equal values it keeps, so its answer
+    is only trusted when no tie straddles the k-th value (the usual case);
+    otherwise the tied columns are taken in column order. The k winners are
+    then ordered by a stable sort. NaN logits are not supported.
+    """
+    rows, width = x.shape
+    values, columns = torch.topk(x, k, dim=1, sorted=False)
+    kth = values.min(dim=1, keepdim=True).values
+    if bool(((x >= kth).sum(dim=1) > k).any()):
+        above = x > kth
+        tied = x == kth
+        room = k - above.sum(dim=1, keepdim=True)
+        chosen = above | (tied & (tied.cumsum(dim=1) <= room))
+        columns = chosen.nonzero()[:, 1]
+        if columns.numel() != rows * k:  # NaN somewhere: fall back to a full sort
+            values, columns = torch.sort(x, dim=1, descending=True, stable=True)
+            return values[:, :k], columns[:, :k]
+        columns = columns.view(rows, k)
+    else:
+        columns, _ = torch.sort(columns, dim=1)
+    values, order = torch.sort(x.gather(1, columns), dim=1, descending=True, stable=True)
+    return values, columns.gather(1, order)
+
+
 def _bias_tile(bias, start, stop):
     return None if bias is None else bias[start:stop]
 
@@ -72,11 +99,10 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         columns = torch.arange(start, stop, device=device).expand(rows, -1)
         scores = torch.cat([best_scores, z], dim=1)
         ids = torch.cat([best_ids, columns], dim=1)
-        # torch.topk does not order ties; a stable descending sort keeps the
-        # running entries (lower ids) and, within the tile, lower ids first.
-        scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
-        best_scores = scores[:, :k].contiguous()
-        best_ids = torch.gather(ids, 1, order[:, :k])
+        # Running entries come first and have lower ids than the tile's, and
+        # are ordered with ties by id: lower column means lower id among ties.
+        best_scores, order = _stable_top_k(scores, k)
+        best_ids = torch.gather(ids, 1, order)
     best_ids = torch.where(best_scores == -torch.inf, EMPTY_ID, best_ids)
     return best_scores, best_ids.to(torch.int32)
 
