@@ -21,8 +21,9 @@ Dispatch modes (torch):
   cores) when that differs from `T`. On CUDA: `"standard"` and `"streams"`.
   Steps are taken round robin over the candidates; the first round is warm-up,
   the next `auto_steps` rounds are timed, and the candidate with the smallest
-  median step time wins (ties go to the earlier candidate, so `"standard"` wins
-  unless another schedule is strictly faster). The choice is logged on the
+  median step time wins, except that the standard step (the first candidate)
+  is kept unless the winner's median is at least `AUTO_MARGIN` (3%) smaller:
+  a schedule that is not clearly faster is not worth its risk. The choice is logged on the
   `"keras_erase"` logger and kept in `model.dispatch_choice`, the timings in
   `model.auto_timings`. Every candidate computes the same gradients, so the
   measuring steps are ordinary training steps.
@@ -51,6 +52,9 @@ from keras_erase.detach_block import step_handler
 LOGGER = logging.getLogger("keras_erase")
 
 DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
+
+# "auto" leaves the standard step only for a schedule at least this much faster.
+AUTO_MARGIN = 0.03
 
 
 class LocalLossValue:
@@ -424,6 +428,9 @@ class EraseModel(keras.Model):
         if auto["step"] >= len(candidates) * (1 + max(1, self.auto_steps)):
             medians = {c: statistics.median(auto["times"][c]) for c in candidates}
             choice = min(candidates, key=lambda c: medians[c])  # first wins ties
+            baseline = candidates[0]
+            if medians[choice] > medians[baseline] * (1.0 - AUTO_MARGIN):
+                choice = baseline  # not clearly faster than the standard step: keep it
             auto["choice"] = choice
             self.__dict__["dispatch_choice"] = choice[0]
             self.__dict__["auto_timings"] = {

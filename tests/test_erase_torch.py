@@ -72,9 +72,16 @@ def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     assert ("standard", threads) == candidates[0] and ("threaded", threads) in candidates
     assert model.dispatch_choice == model._auto["choice"][0]
     assert len(model.auto_timings) == len(candidates)
-    best = min(model.auto_timings.values())
+    from keras_erase.model import AUTO_MARGIN
+
+    timings = model.auto_timings
+    standard = timings[f"standard@{threads}"]
+    best_name = min(timings, key=timings.get)
     mode, n = model._auto["choice"]
-    assert model.auto_timings[f"{mode}@{n}"] == best
+    if timings[best_name] <= standard * (1 - AUTO_MARGIN):
+        assert f"{mode}@{n}" == best_name
+    else:
+        assert (mode, n) == ("standard", threads)
     assert any("dispatch='auto' chose" in r.getMessage() for r in caplog.records)
     assert torch.get_num_threads() == threads  # restored after fit
 
