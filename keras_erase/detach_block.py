@@ -195,7 +195,8 @@ class DetachBlock(keras.layers.Layer):
     def local_loss(self, y_true, y_pred, sample_weight=None):
         """`loss_weight * loss(y_true, y_pred)` as a float32 scalar."""
         value = self.loss_fn(y_true, y_pred, sample_weight=sample_weight)
-        return ops.multiply(ops.cast(value, "float32"), self.loss_weight)
+        # A Python-scalar product (no host-to-device constant: CUDA Graph friendly).
+        return ops.cast(value, "float32") * self.loss_weight
 
     @staticmethod
     def detach(outputs):

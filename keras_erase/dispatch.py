@@ -117,7 +117,8 @@ class Dispatcher:
 
     def _timed_forward(self, block, inputs, y_true, sample_weight):
         start = time.perf_counter()
-        outputs, loss = _forward(block, inputs, y_true, sample_weight)
+        with torch.profiler.record_function(f"{block.name}/forward"):
+            outputs, loss = _forward(block, inputs, y_true, sample_weight)
         self._record(block, "forward", start, time.perf_counter())
         return outputs, loss
 
@@ -125,7 +126,8 @@ class Dispatcher:
         start = time.perf_counter()
         # A block whose input is not detached shares its upstream graph with the
         # main loss: keep that graph for the main backward.
-        torch.autograd.backward(loss, retain_graph=not block.detach_input)
+        with torch.profiler.record_function(f"{block.name}/backward"):
+            torch.autograd.backward(loss, retain_graph=not block.detach_input)
         self._record(block, "backward", start, time.perf_counter())
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
@@ -317,10 +319,11 @@ class StreamDispatcher(Dispatcher):
         with torch.cuda.stream(stream):
             for t in _tensors(inputs) + _tensors(y_true) + _tensors(sample_weight):
                 t.record_stream(stream)
-            if self.cuda_graphs:
-                outputs, loss = self._graphed_forward(block, inputs, y_true, sample_weight)
-            else:
-                outputs, loss = _forward(block, inputs, y_true, sample_weight)
+            with torch.profiler.record_function(f"{block.name}/forward"):
+                if self.cuda_graphs:
+                    outputs, loss = self._graphed_forward(block, inputs, y_true, sample_weight)
+                else:
+                    outputs, loss = _forward(block, inputs, y_true, sample_weight)
             ready = torch.cuda.Event()
             ready.record(stream)
             self._record(block, "forward", start, time.perf_counter())
