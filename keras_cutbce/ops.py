@@ -195,6 +195,18 @@ def _retrieval_module():
     return retrieval
 
 
+def _vocab_sharding(embeddings):
+    """The `VocabSharding` of a table split along V over a JAX mesh, else None.
+
+    Only on the JAX backend; see `keras_cutbce.backends.jax.sharded`.
+    """
+    if keras.backend.backend() != "jax":
+        return None
+    from keras_cutbce.backends.jax import sharded
+
+    return sharded.vocab_sharding_of(embeddings)
+
+
 def select_implementation(implementation="auto"):
     """Returns the implementation `"auto"` resolves to on this backend and device."""
     _check_implementation(implementation)
@@ -262,6 +274,9 @@ def cut_binary_crossentropy(
     if not float(pos_weight) > 0.0:
         raise ValueError(f"`pos_weight` must be > 0; received {pos_weight!r}.")
     hidden = ops.convert_to_tensor(hidden)
+    sharding = None
+    if implementation in ("auto", "chunked"):
+        sharding = _vocab_sharding(embeddings)
     table = resolve_embeddings(embeddings)
     bias = None if bias is None else resolve_embeddings(bias, "bias")
     target_ids = ops.convert_to_tensor(target_ids)
@@ -279,7 +294,14 @@ def cut_binary_crossentropy(
         label_smoothing=float(label_smoothing), pos_weight=float(pos_weight)
     )
     implementation = select_implementation(implementation)
-    if implementation == "reference":
+    if sharding is not None:  # table split along V over a JAX mesh
+        from keras_cutbce.backends.jax import sharded
+
+        loss = sharded.cut_bce(
+            flat_hidden, table, flat_ids, bias, sharding=sharding,
+            chunk_size=user_chunk_size, **kwargs
+        )
+    elif implementation == "reference":
         loss = reference.cut_bce(flat_hidden, table, flat_ids, bias, **kwargs)
     elif implementation == "pallas":
         from keras_cutbce.backends.jax import pallas_tpu
@@ -326,6 +348,7 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
     """
     _check_chunk_size(chunk_size)
     hidden = ops.convert_to_tensor(hidden)
+    sharding = _vocab_sharding(embeddings)
     table = resolve_embeddings(embeddings)
     bias = None if bias is None else resolve_embeddings(bias, "bias")
     _check_hidden_and_table(hidden, table, bias)
@@ -340,6 +363,14 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
         exclude_ids = _check_ids(ops.convert_to_tensor(exclude_ids), hidden, "exclude_ids")
     lead_shape = tuple(ops.shape(hidden)[:-1])
     flat_hidden, flat_exclude = _flatten(hidden, exclude_ids)
+    if sharding is not None:  # table split along V over a JAX mesh
+        from keras_cutbce.backends.jax import sharded
+
+        scores, ids = sharded.top_k(
+            flat_hidden, table, k, bias, flat_exclude, sharding=sharding,
+            chunk_size=chunk_size,
+        )
+        return ops.reshape(scores, lead_shape + (k,)), ops.reshape(ids, lead_shape + (k,))
     if chunk_size is None:
         rows = _num_rows(_dims(hidden))
         chunk_size = default_chunk_size(rows or 4096, vocab_size or 2**20)
