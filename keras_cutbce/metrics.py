@@ -87,6 +87,17 @@ def _resolve(source, argument):
     return ops.convert_to_tensor(variable)
 
 
+def _keep_untracked(metric, **sources):
+    """Stores the table and bias on the metric without Keras tracking them.
+
+    A `keras.Variable` set as a metric attribute would become one of the
+    metric's own variables: reset to zero by `reset_state`, and a second
+    copy of a model variable in the trainer's state.
+    """
+    for name, source in sources.items():
+        object.__setattr__(metric, name, source)
+
+
 def _path_of(source, argument):
     if source is None or isinstance(source, str):
         return source
@@ -240,8 +251,7 @@ class TopKRetrieval(keras.metrics.Metric):
         if embeddings is None:
             raise ValueError("`embeddings` is required: the item table [V, D].")
         cut_ops._check_chunk_size(chunk_size)
-        self.embeddings = embeddings
-        self.bias = bias
+        _keep_untracked(self, embeddings=embeddings, bias=bias)
         self.k = _check_k(k)
         self.exclude_ids = _check_exclude_ids(exclude_ids)
         self.chunk_size = chunk_size
@@ -410,8 +420,7 @@ class ThresholdConfusion(keras.metrics.Metric):
                 f"`threshold` must be a probability in (0, 1); received {threshold!r}."
             )
         cut_ops._check_chunk_size(chunk_size)
-        self.embeddings = embeddings
-        self.bias = bias
+        _keep_untracked(self, embeddings=embeddings, bias=bias)
         self.threshold = float(threshold)
         self.chunk_size = chunk_size
         self.logit_threshold = math.log(self.threshold) - math.log1p(-self.threshold)

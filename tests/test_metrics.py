@@ -128,6 +128,10 @@ def test_top_k_retrieval_matches_numpy(rng):
     assert_results(results(metric), both)
     metric.reset_state()
     assert all(v == 0.0 for v in results(metric).values())
+    # The table and bias are read, never owned: reset_state leaves them alone.
+    assert len(metric.variables) == 3 * len(ks) + 1
+    np.testing.assert_array_equal(to_numpy(metric.embeddings), table)
+    np.testing.assert_array_equal(to_numpy(metric.bias), bias)
 
 
 def test_top_k_retrieval_ties_and_masks(rng):
@@ -194,6 +198,8 @@ def test_threshold_confusion_matches_numpy(rng):
         )
     metric.reset_state()
     assert float(to_numpy(metric.true_negatives)) == 0.0
+    assert len(metric.variables) == 4
+    np.testing.assert_array_equal(to_numpy(metric.embeddings), table)
 
 
 def test_argument_checks():
@@ -234,12 +240,13 @@ def test_get_config_from_config(rng):
     assert TopKRetrieval(items, k=[5, 2]).k == (2, 5)
 
 
+@keras.saving.register_keras_serializable(package="keras_cutbce_tests")
 def hidden_l2(y_true, y_pred):
     """A per-example loss, so the metrics are tested on their own."""
     return ops.mean(ops.square(y_pred), axis=(-2, -1))
 
 
-def test_metrics_in_compile_fit_evaluate(rng):
+def test_metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
     vocab_size, depth, steps, batch = 23, 4, 5, 6
     ids_in = keras.Input((steps,), dtype="int32")
     items = keras.layers.Embedding(vocab_size, depth, name="items")
@@ -282,3 +289,8 @@ def test_metrics_in_compile_fit_evaluate(rng):
     assert {"hit@4", "ndcg@9", "recall@1", "precision", "f1"} <= set(history.history)
     logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
     check(logs, expected())
+    # Saved and loaded, the metrics re-bind to the loaded model's table.
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    again = loaded.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
+    check(again, logs)
