@@ -118,6 +118,35 @@ def test_matches_reference_and_keras(name, rng):
             np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("zero_rows", ["some", "all"])
+def test_rows_with_zero_cotangent(zero_rows, rng):
+    """Masked positions (cotangent 0) are skipped in the backward pass, exactly."""
+    import torch
+
+    from keras_cutbce import reference
+
+    m, d, v = 10, 4, 45
+    h, e, b = _tensors(rng, m, d, v, True)
+    ids = torch.tensor(_ids("dups", m, v, rng))
+    cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
+    cotangent[[0, 3, 4, 9] if zero_rows == "some" else slice(None)] = 0.0
+    _, grads = _loss_and_grads(
+        lambda h, e, b: _chunked().cut_bce(
+            h, e, ids, b, label_smoothing=0.1, pos_weight=2.0, chunk_size=16
+        ),
+        h, e, b, cotangent,
+    )
+    _, ref_grads = _loss_and_grads(
+        lambda h, e, b: reference.cut_bce(h, e, ids, b, label_smoothing=0.1, pos_weight=2.0),
+        h, e, b, cotangent,
+    )
+    for got, want in zip(grads, ref_grads):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
+    assert (grads[0][cotangent == 0] == 0).all()
+    if zero_rows == "all":
+        assert all((g == 0).all() for g in grads)
+
+
 def test_pos_weight_changes_the_loss(rng):
     """pos_weight != 1 is not silently ignored: it moves the loss of rows with positives."""
     import torch

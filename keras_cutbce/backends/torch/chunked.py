@@ -146,10 +146,18 @@ class _CutBCEFunction(torch.autograd.Function):
         coef = ctx.coef
         dtype = _compute_dtype(hidden, table, bias)
         device = hidden.device
-        num_rows, dim = hidden.shape
         vocab_size = table.shape[0]
         h = hidden.to(dtype)
         g = grad_loss.to(dtype) / vocab_size
+        # Rows with a zero cotangent (masked or padded positions) add nothing:
+        # drop them before the tile loop, scatter grad_hidden back at the end.
+        active_rows = None
+        active = g != 0
+        num_active = int(active.sum())
+        if num_active < g.shape[0]:
+            active_rows = active.nonzero().squeeze(1)
+            h, g, ids = h[active_rows], g[active_rows], ids[active_rows]
+        num_rows, dim = h.shape
         # Row weight of the dense term: dZ = (g / V) * neg_scale * sigmoid(z).
         row_weight = g * coef.neg_scale
 
@@ -199,6 +207,10 @@ class _CutBCEFunction(torch.autograd.Function):
             if need_b:
                 grad_b.index_add_(0, flat, dz.reshape(-1))
 
+        if need_h and active_rows is not None:
+            grad_h = torch.zeros(
+                hidden.shape, dtype=dtype, device=device
+            ).index_copy_(0, active_rows, grad_h)
         return (
             None if grad_h is None else grad_h.to(hidden.dtype),
             None if grad_e is None else grad_e.to(table.dtype),
