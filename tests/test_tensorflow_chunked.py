@@ -222,24 +222,28 @@ def test_eager_function_and_xla_agree():
     assert_same(eager, loss_and_grads(reference_fn(0.1, 2.0), h, t, ids, b, cot))
 
 
-def test_unknown_batch_dimension():
+@pytest.mark.parametrize("static_vocab", [True, False])
+def test_unknown_batch_dimension(static_vocab):
+    """`M` (and `L`) unknown at trace time; also `V` when `static_vocab` is False."""
     rng = np.random.default_rng(9)
-    dim, vocab = 8, 200
+    dim = 8
+    traced = 200 if static_vocab else None
     fn = chunked_fn(chunk_size=64)
 
     @tf.function(
         input_signature=[
             tf.TensorSpec([None, dim], tf.float32),
-            tf.TensorSpec([vocab, dim], tf.float32),
+            tf.TensorSpec([traced, dim], tf.float32),
             tf.TensorSpec([None, None], tf.int32),
-            tf.TensorSpec([vocab], tf.float32),
+            tf.TensorSpec([traced], tf.float32),
             tf.TensorSpec([None], tf.float32),
         ]
     )
     def run(h, t, ids, b, cot):
         return loss_and_grads(fn, h, t, ids, b, cot)
 
-    for rows, labels in [(5, 3), (11, 1)]:
+    cases = [(5, 3, 200), (11, 1, 200)] + ([] if static_vocab else [(4, 2, 128), (3, 3, 50)])
+    for rows, labels, vocab in cases:
         h, t, ids, b, cot = make_case(rng, rows, dim, vocab, labels)
         assert_same(run(h, t, ids, b, cot), loss_and_grads(reference_fn(), h, t, ids, b, cot))
 
@@ -272,8 +276,12 @@ def test_public_op_dispatches_here(monkeypatch):
     assert_same(got, loss_and_grads(reference_fn(0.2, 1.5), h, t, ids, b, cot))
 
 
-def test_trains_tied_embedding_in_keras_fit():
-    """An Embedding table tied to `CutBCELoss` trains through the loss in `fit`."""
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_trains_tied_embedding_in_keras_fit(jit_compile):
+    """An Embedding table tied to `CutBCELoss` trains through the loss in `fit`.
+
+    `jit_compile=True` is what Keras's "auto" picks on a GPU.
+    """
     from keras_cutbce import CutBCELoss
 
     vocab, dim, seq = 300, 8, 5
@@ -284,14 +292,15 @@ def test_trains_tied_embedding_in_keras_fit():
     model.compile(
         optimizer=keras.optimizers.SGD(1.0),
         loss=CutBCELoss(items, chunk_size=128, implementation="chunked"),
+        jit_compile=jit_compile,
     )
     rng = np.random.default_rng(11)
     x = rng.integers(0, vocab, size=(32, seq)).astype("int32")
     y = np.stack([x, np.roll(x, 1, axis=1), np.full_like(x, -1)], axis=-1)
-    before = keras.ops.convert_to_numpy(items.embeddings)
+    before = items.get_weights()[0]
     history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
     losses = history.history["loss"]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     # Rows never used as input still move: they get gradient only through the loss.
     unused = np.setdiff1d(np.arange(vocab), x)
-    assert np.abs(keras.ops.convert_to_numpy(items.embeddings)[unused] - before[unused]).max() > 0
+    assert np.abs(items.get_weights()[0][unused] - before[unused]).max() > 0

@@ -108,8 +108,9 @@ def _loop(tiling, body, state):
     return out[1:]
 
 
-def _dense_softplus_sum(h32, table, bias, tiling):
+def _dense_softplus_sum(h32, table, bias, tile):
     """`sum_v softplus(z_v)` per row `[M]`, tile by tile."""
+    tiling = _Tiling(table, tile)
 
     def tile_sum(e_tile, b_tile):
         return _tile_softplus_sum(h32, e_tile, b_tile)
@@ -123,8 +124,9 @@ def _dense_softplus_sum(h32, table, bias, tiling):
     return acc
 
 
-def _dense_sigmoid_grads(h32, table, bias, tiling, c):
+def _dense_sigmoid_grads(h32, table, bias, c, tile):
     """Gradients of `sum_m c_m sum_v softplus(z_mv)`: `(d h, d table, d bias)` in float32."""
+    tiling = _Tiling(table, tile)
     ch = c[:, None] * h32
 
     def tile_grads(e_tile, b_tile):
@@ -182,7 +184,7 @@ def _forward_and_grad(hidden, table, ids, bias, coef, tile):
     safe, weight = _positives(ids, tiling.vocab)
     z_pos, e_pos = _positive_logits(h32, table, bias, safe)
 
-    total = coef.neg_scale * _dense_softplus_sum(h32, table, bias, tiling)
+    total = coef.neg_scale * _dense_softplus_sum(h32, table, bias, tile)
     correction = coef.delta_scale * _softplus(z_pos) - coef.delta_target * z_pos
     total = total + tf.reduce_sum(weight * correction, axis=1)
     if coef.neg_target != 0.0:
@@ -195,7 +197,7 @@ def _forward_and_grad(hidden, table, ids, bias, coef, tile):
 
     def grad(g):
         g = tf.cast(g, tf.float32) * inv_v
-        dh, de, db = _dense_sigmoid_grads(h32, table, bias, tiling, coef.neg_scale * g)
+        dh, de, db = _dense_sigmoid_grads(h32, table, bias, coef.neg_scale * g, tile)
         # Positives: d/dz of the correction, scattered to their table rows.
         dz = g[:, None] * weight * (coef.delta_scale * tf.sigmoid(z_pos) - coef.delta_target)
         dh = dh + tf.einsum("ml,mld->md", dz, e_pos)
