@@ -41,16 +41,26 @@ def _problem(rng, rows, dim, vocab, length, scale=1.0, dtype="float32"):
     return hidden, table, bias, ids, cotangent
 
 
-def _value_and_grads(loss_fn, hidden, table, bias, cotangent):
-    """Jitted `sum(cotangent * loss)` and its gradients w.r.t. hidden, table (and bias)."""
+def _loss_value_and_grads(loss_fn, hidden, table, bias, cotangent):
+    """Jitted per-row loss, `sum(cotangent * loss)` and its gradients.
+
+    Gradients are w.r.t. hidden, table (and bias when it is not None).
+    """
     jax, jnp, _ = _jax()
     argnums = (0, 1) if bias is None else (0, 1, 2)
 
     def objective(h, t, b):
-        return jnp.vdot(jnp.asarray(cotangent), loss_fn(h, t, b))
+        loss = loss_fn(h, t, b)
+        return jnp.vdot(jnp.asarray(cotangent), loss), loss
 
-    fn = jax.jit(jax.value_and_grad(objective, argnums=argnums))
-    return fn(hidden, table, bias)
+    fn = jax.jit(jax.value_and_grad(objective, argnums=argnums, has_aux=True))
+    (value, loss), grads = fn(hidden, table, bias)
+    return loss, value, grads
+
+
+def _value_and_grads(loss_fn, hidden, table, bias, cotangent):
+    """`sum(cotangent * loss)` and its gradients (see `_loss_value_and_grads`)."""
+    return _loss_value_and_grads(loss_fn, hidden, table, bias, cotangent)[1:]
 
 
 def _dense_keras(ids, vocab, a):
@@ -78,12 +88,11 @@ CASES = [
     (9, 6, 37, 4, 8, True, 0.0, 1.0),  # V not a multiple of the tile
     (9, 6, 37, 4, 8, False, 0.0, 1.0),  # no bias
     (8, 5, 11, 3, 16, True, 0.0, 1.0),  # V < tile
-    (8, 5, 32, 3, 8, True, 0.0, 1.0),  # tile divides V
+    (8, 5, 32, 3, 8, True, 0.0, 3.5),  # tile divides V, pos_weight > 1
     (7, 4, 29, 0, 8, True, 0.0, 1.0),  # L = 0
     (7, 4, 29, 1, 8, False, 0.0, 1.0),  # L = 1
     (9, 6, 41, 5, 8, True, 0.2, 1.0),  # label smoothing
-    (9, 6, 41, 5, 8, True, 0.0, 3.5),  # pos_weight
-    (9, 6, 41, 5, 7, False, 0.3, 0.4),  # both, odd tile
+    (9, 6, 41, 5, 7, False, 0.3, 0.4),  # pos_weight < 1 and smoothing, odd tile
     (6, 3, 13, 2, 1, True, 0.1, 2.0),  # tile of one item
 ]
 
@@ -106,11 +115,12 @@ def test_matches_reference_and_keras(rows, dim, vocab, length, chunk, use_bias, 
     def ref(h, t, b):
         return reference.cut_bce(h, t, ids, b, label_smoothing=a, pos_weight=p)
 
-    loss = cut(hidden, table, bias)
+    loss, value, grads = _loss_value_and_grads(cut, hidden, table, bias, cotangent)
+    ref_loss, ref_value, ref_grads = _loss_value_and_grads(
+        ref, hidden, table, bias, cotangent
+    )
     assert loss.shape == (rows,) and str(loss.dtype) == "float32"
-    _assert_close(loss, ref(hidden, table, bias))
-    value, grads = _value_and_grads(cut, hidden, table, bias, cotangent)
-    ref_value, ref_grads = _value_and_grads(ref, hidden, table, bias, cotangent)
+    _assert_close(loss, ref_loss)
     _assert_close(value, ref_value)
     for got, want in zip(grads, ref_grads):
         _assert_close(got, want)
@@ -189,11 +199,10 @@ def test_low_precision_inputs(dtype):
     def ref(h, t, b):
         return reference.cut_bce(h, t, ids, b, label_smoothing=0.1)
 
-    loss = cut(*low)
+    loss, _, grads = _loss_value_and_grads(cut, *low, cotangent)
+    ref_loss, _, ref_grads = _loss_value_and_grads(ref, *exact, cotangent)
     assert str(loss.dtype) == "float32"
-    _assert_close(loss, ref(*exact), rtol=1e-5, atol=1e-6)  # float32 accumulation
-    _, grads = _value_and_grads(cut, *low, cotangent)
-    _, ref_grads = _value_and_grads(ref, *exact, cotangent)
+    _assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)  # float32 accumulation
     for got, want, x in zip(grads, ref_grads, low):
         assert got.dtype == x.dtype
         _assert_close(got.astype("float32"), want, rtol=2e-2, atol=2e-3)

@@ -15,9 +15,10 @@ is computed in two parts, so the `[M, V]` logits never exist:
 
 The backward pass (`jax.custom_vjp`) keeps only the inputs as residuals and
 recomputes the logits tile by tile: with `dZ = g / V * (scale sigmoid(z) -
-target)` it accumulates `grad_hidden += dZ @ E_tile`, emits `grad_table_tile
-= dZ.T @ h` and `grad_bias_tile = sum(dZ, 0)` as the scan's stacked outputs,
-then scatter-adds the positives' correction. Everything accumulates in
+target)` it accumulates `grad_hidden += dZ @ E_tile` in the scan's carry and
+emits `grad_table_tile = dZ.T @ h` and `grad_bias_tile = sum(dZ, 0)` as the
+scan's stacked outputs (one matmul gives both), then scatter-adds the
+positives' correction. Everything accumulates in
 float32; gradients come back in each input's dtype. The code is
 batch-polymorphic, so `jax.vmap` works over it.
 """
@@ -105,33 +106,37 @@ def _dense_loss_sum(hidden, table, bias, tile, coef):
 
 
 def _dense_grads(hidden, table, bias, tile, coef, row_scale):
-    """Gradients of `sum_m row_scale_m * dense_sum_m` for hidden, table, bias (float32)."""
-    hidden32 = hidden.astype(_F32)
+    """Gradients of `sum_m row_scale_m * dense_sum_m` for hidden, table, bias (float32).
+
+    Per tile, `dZ` is read by two matmuls only: `dZ @ E_tile` for hidden and
+    `[h, 1].T @ dZ` (`[D + 1, tile]`) for the table and, in its last row, the
+    bias. Both are plain (untransposed) matmuls for XLA's CPU backend; the
+    stacked `[D + 1, V]` result is transposed once at the end.
+    """
+    hidden_t = hidden.astype(_F32).T  # [D, M]
+    if bias is not None:
+        hidden_t = jnp.concatenate([hidden_t, jnp.ones_like(hidden_t[:1])], axis=0)
 
     def tile_grads(table_tile, bias_tile):
         z = tile_logits(hidden, table_tile, bias_tile)
         dz = row_scale[:, None] * _bce_slopes(z, coef.neg_scale, coef.neg_target)
-        grad_hidden = jnp.matmul(dz, table_tile.astype(_F32))
-        grad_table = jnp.matmul(dz.T, hidden32)
-        grad_bias = None if bias_tile is None else jnp.sum(dz, axis=0)
-        return grad_hidden, (grad_table, grad_bias)
+        return jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
     def step(grad_hidden, xs):
-        tile_hidden, tile_out = tile_grads(*xs)
-        return grad_hidden + tile_hidden, tile_out
+        tile_hidden, tile_table_t = tile_grads(*xs)
+        return grad_hidden + tile_hidden, tile_table_t
 
     tiles, rest = _split_tiles(table, bias, tile)
     init = jnp.zeros(hidden.shape, _F32)
-    grad_hidden, (grad_table, grad_bias) = jax.lax.scan(step, init, tiles)
-    grad_table = grad_table.reshape(-1, table.shape[1])
-    grad_bias = None if bias is None else grad_bias.reshape(-1)
+    grad_hidden, stacked = jax.lax.scan(step, init, tiles)  # [n, D(+1), tile]
+    grad_table_t = jnp.moveaxis(stacked, 1, 0).reshape(stacked.shape[1], -1)
     if rest is not None:
-        rest_hidden, (rest_table, rest_bias) = tile_grads(*rest)
+        rest_hidden, rest_table_t = tile_grads(*rest)
         grad_hidden = grad_hidden + rest_hidden
-        grad_table = jnp.concatenate([grad_table, rest_table], axis=0)
-        if bias is not None:
-            grad_bias = jnp.concatenate([grad_bias, rest_bias], axis=0)
-    return grad_hidden, grad_table, grad_bias
+        grad_table_t = jnp.concatenate([grad_table_t, rest_table_t], axis=1)
+    dim = table.shape[1]
+    grad_bias = None if bias is None else grad_table_t[dim]
+    return grad_hidden, grad_table_t[:dim].T, grad_bias
 
 
 # -------------------------------------------------------------- positives ---
