@@ -35,14 +35,16 @@ def _stable_top_k(x, k):
     """Top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
 
     `torch.topk` does not say which of equal values it keeps, so its answer
-    is only trusted when no tie straddles the k-th value (the usual case);
-    otherwise the tied columns are taken in column order. The k winners are
-    then ordered by a stable sort. NaN logits are not supported.
+    is trusted only when no tie straddles the k-th value (the usual case,
+    seen from the (k+1)-th value); otherwise the tied columns are taken in
+    column order. The k winners are then ordered by a stable sort.
     """
     rows, width = x.shape
-    values, columns = torch.topk(x, k, dim=1, sorted=False)
-    kth = values.min(dim=1, keepdim=True).values
-    if bool(((x >= kth).sum(dim=1) > k).any()):
+    if k >= width:
+        return torch.sort(x, dim=1, descending=True, stable=True)
+    values, columns = torch.topk(x, k + 1, dim=1, sorted=True)
+    kth = values[:, k - 1 : k]
+    if bool((values[:, k : k + 1] == kth).any()):
         above = x > kth
         tied = x == kth
         room = k - above.sum(dim=1, keepdim=True)
@@ -53,7 +55,7 @@ def _stable_top_k(x, k):
             return values[:, :k], columns[:, :k]
         columns = columns.view(rows, k)
     else:
-        columns, _ = torch.sort(columns, dim=1)
+        columns, _ = torch.sort(columns[:, :k], dim=1)
     values, order = torch.sort(x.gather(1, columns), dim=1, descending=True, stable=True)
     return values, columns.gather(1, order)
 
@@ -96,13 +98,14 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         z = tile_logits(hidden, table[start:stop], _bias_tile(bias, start, stop))
         if exclude_ids is not None:
             z = z.masked_fill(_excluded_mask(exclude_ids, start, stop), -torch.inf)
-        columns = torch.arange(start, stop, device=device).expand(rows, -1)
-        scores = torch.cat([best_scores, z], dim=1)
-        ids = torch.cat([best_ids, columns], dim=1)
-        # Running entries come first and have lower ids than the tile's, and
-        # are ordered with ties by id: lower column means lower id among ties.
-        best_scores, order = _stable_top_k(scores, k)
-        best_ids = torch.gather(ids, 1, order)
+        # The tile's own top k (ties to the lower id), then a stable merge:
+        # running entries first, as their ids are lower than the tile's.
+        tile_scores, tile_columns = _stable_top_k(z, min(k, stop - start))
+        scores = torch.cat([best_scores, tile_scores], dim=1)
+        ids = torch.cat([best_ids, tile_columns + start], dim=1)
+        scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
+        best_scores = scores[:, :k].contiguous()
+        best_ids = torch.gather(ids, 1, order[:, :k])
     best_ids = torch.where(best_scores == -torch.inf, EMPTY_ID, best_ids)
     return best_scores, best_ids.to(torch.int32)
 
