@@ -381,5 +381,16 @@ def test_cross_backend_same_weights(tmp_path):
         np.testing.assert_allclose(history["loss"], loss, rtol=1e-4, err_msg=other)
 
 
+
+def test_validation_logs_have_no_local_losses():
+    model = build_ctr("auto", num_towers=2)
+    x, y = ctr_data(32)
+    model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=16, epochs=1, validation_data=(x, y), verbose=0).history
+    assert {"loss", "accuracy", "tower_0_loss", "tower_1_loss", "val_loss", "val_accuracy"} == set(
+        history
+    )
+
+
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2])
