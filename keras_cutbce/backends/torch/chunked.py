@@ -64,6 +64,11 @@ def _compute_dtype(*tensors):
     return dtype
 
 
+def _capturing(tensor):
+    """Whether a CUDA graph capture is running on `tensor`'s device."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _positives(ids, vocab_size):
     """Safe item ids `[M, L]` and their 0/1 weights: valid, each id counted once.
 
@@ -151,12 +156,13 @@ class _CutBCEFunction(torch.autograd.Function):
         g = grad_loss.to(dtype) / vocab_size
         # Rows with a zero cotangent (masked or padded positions) add nothing:
         # drop them before the tile loop, scatter grad_hidden back at the end.
+        # (Not while a CUDA graph is being captured: counting them syncs.)
         active_rows = None
-        active = g != 0
-        num_active = int(active.sum())
-        if num_active < g.shape[0]:
-            active_rows = active.nonzero().squeeze(1)
-            h, g, ids = h[active_rows], g[active_rows], ids[active_rows]
+        if not _capturing(g):
+            active = g != 0
+            if int(active.sum()) < g.shape[0]:
+                active_rows = active.nonzero().squeeze(1)
+                h, g, ids = h[active_rows], g[active_rows], ids[active_rows]
         num_rows, dim = h.shape
         # Row weight of the dense term: dZ = (g / V) * neg_scale * sigmoid(z).
         row_weight = g * coef.neg_scale
