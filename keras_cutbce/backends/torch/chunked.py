@@ -118,7 +118,7 @@ class _CutBCEFunction(torch.autograd.Function):
             _tile_logits_into(
                 z, h, table[start:stop], None if bias is None else bias[start:stop]
             )
-            torch._C._nn.softplus(z, 1.0, threshold, out=z)
+            torch.ops.aten.softplus.out(z, 1.0, threshold, out=z)
             softplus_sum.addmv_(z, ones[: stop - start])
         loss = coef.neg_scale * softplus_sum
 
