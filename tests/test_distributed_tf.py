@@ -51,11 +51,14 @@ def _build(num_items, dim):
 
     keras.utils.set_random_seed(3)
     ids = keras.Input((None,), dtype="int32")
-    items = layers.Embedding(num_items, dim, name="items")
+    items = layers.Embedding(
+        num_items, dim, name="items",
+        embeddings_initializer=keras.initializers.RandomNormal(stddev=1.0),
+    )
     hidden = layers.Dense(dim, activation="tanh", name="mix")(items(ids))
     model = keras.Model(ids, layers.Dense(dim, name="out")(hidden))
     model.compile(
-        optimizer=keras.optimizers.SGD(0.5),
+        optimizer=keras.optimizers.SGD(2.0),
         loss=CutBCELoss(items, label_smoothing=0.1, chunk_size=16),
     )
     return model
@@ -111,8 +114,10 @@ def _child():
     assert one[2][0].shape == (num_items, dim)
     for a, b in zip(two[2], one[2]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg="trained weights")
-    # The table trained through the loss (not only through the lookup).
-    assert not np.allclose(one[2][0], one[0][0])
+    # The weights moved well beyond the tolerance, the loss went down.
+    for before, after in zip(one[0], one[2]):
+        assert np.max(np.abs(after - before)) > 1e-3
+    assert one[1][-1] < one[1][0]
     print(json.dumps({"replicas": 2, "losses": two[1]}))
 
 
