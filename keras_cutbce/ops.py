@@ -251,7 +251,9 @@ def cut_binary_crossentropy(
         chunk_size: vocabulary tile width; `None` uses
             `keras_cutbce.tiling.default_chunk_size`.
         implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX only) or
-            `"reference"` (dense, for tests and debugging).
+            `"reference"` (dense, for tests and debugging). With `"auto"` or
+            `"chunked"` on JAX, a table split along V over a mesh runs the
+            vocab-sharded kernel (`keras_cutbce.backends.jax.sharded`).
 
     Returns:
         Float32 loss of shape `hidden.shape[:-1]`.
