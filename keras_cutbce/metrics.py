@@ -300,8 +300,8 @@ class TopKRetrieval(keras.metrics.Metric):
         )
 
         lead_ndim = len(y_pred.shape) - 1
-        targets = ops.reshape(y_true, (-1, ops.shape(y_true)[-1]))
         top_ids = ops.reshape(top_ids, (-1, depth))
+        targets = ops.reshape(y_true, (ops.shape(top_ids)[0], ops.shape(y_true)[-1]))
         counted = _distinct_targets(targets, vocab_size, self.exclude_ids)  # [M, L]
         num_targets = ops.sum(ops.cast(counted, self.dtype), axis=1)  # [M]
         match = ops.expand_dims(top_ids, 2) == ops.expand_dims(ops.cast(targets, "int32"), 1)
@@ -450,7 +450,7 @@ class ThresholdConfusion(keras.metrics.Metric):
 
         depth = y_pred.shape[-1]
         hidden = ops.cast(ops.reshape(y_pred, (-1, depth)), "float32")
-        targets = ops.reshape(y_true, (-1, ops.shape(y_true)[-1]))
+        targets = ops.reshape(y_true, (ops.shape(hidden)[0], ops.shape(y_true)[-1]))
         counted = _distinct_targets(targets, vocab_size, ())
         safe = ops.where(counted, targets, ops.zeros_like(targets))
         rows = ops.cast(ops.take(table, safe, axis=0), "float32")  # [M, L, D]

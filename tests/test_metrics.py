@@ -294,3 +294,20 @@ def test_metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     again = loaded.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
     check(again, logs)
+
+
+def test_empty_target_lists(rng):
+    """L = 0: no position has a target; retrieval weighs nothing, confusion counts FP/TN."""
+    table = quantized(rng, (9, 3))
+    hidden = quantized(rng, (4, 3))
+    empty = np.zeros((4, 0), "int32")
+    retrieval = TopKRetrieval(table_variable(table), k=3, chunk_size=4)
+    retrieval.update_state(empty, hidden)
+    assert float(to_numpy(retrieval.total_weight)) == 0.0
+    assert all(v == 0.0 for v in results(retrieval).values())
+    confusion = ThresholdConfusion(table_variable(table), chunk_size=4)
+    confusion.update_state(empty, hidden)
+    want = numpy_confusion(hidden, table, empty, 0.5, np.ones(4))
+    got = [float(to_numpy(getattr(confusion, name))) for name in (
+        "true_positives", "false_positives", "false_negatives", "true_negatives")]
+    np.testing.assert_array_equal(got, want)

@@ -210,3 +210,16 @@ def test_top_k_under_tf_function(rng):
     want_scores, want_ids = dense_top_k(hidden, table, 12, None, exclude)
     np.testing.assert_array_equal(ids.numpy(), want_ids)
     np.testing.assert_array_equal(scores.numpy(), want_scores)
+
+
+def test_top_k_bfloat16_hidden(rng):
+    """bf16 hidden states (exact for these values) give the float32 answer."""
+    hidden = quantized(rng, (5, 4))
+    table = quantized(rng, (29, 4))
+    scores, ids = cut_top_k(
+        keras.ops.cast(hidden, "bfloat16"), table, 6, chunk_size=8
+    )
+    assert keras.backend.standardize_dtype(scores.dtype) == "float32"
+    want_scores, want_ids = dense_top_k(hidden, table, 6)
+    np.testing.assert_array_equal(to_numpy(ids), want_ids)
+    np.testing.assert_array_equal(to_numpy(scores), want_scores)
