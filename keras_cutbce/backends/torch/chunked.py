@@ -13,6 +13,14 @@ correction `(delta_scale, delta_target)`. So the work splits in three:
   + sum_v b_v)`, in closed form (it is non-zero only with label smoothing);
 - the positives, a gather of the table rows at the valid, de-duplicated ids.
 
+`cut_bce_weighted_sum` is the fused training path of a reduced loss: the
+row weights are constants, so the gradient for any upstream cotangent is a
+multiple of the gradient at 1, and the forward pass computes it in the same
+pass over the tiles as the loss (one matmul, one `softplus`, one `sigmoid`
+and one matmul per needed gradient per logit); the backward pass only scales
+it. Both paths share one tile loop (`_dense_pass`) and one closed-form part
+(`_sparse_terms`).
+
 Only `[M, T]` buffers exist per tile, and one of each is reused for every
 tile. Everything runs on the inputs' device in float32 (float64 when an input
 is float64), and each gradient comes back in its input's dtype.
@@ -20,6 +28,7 @@ is float64), and each gradient comes back in its input's dtype.
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from keras_cutbce.coefficients import bce_coefficients
 
@@ -96,47 +105,204 @@ def _positive_logits(hidden, table, bias, safe, dtype):
     return rows, z
 
 
+def _drop_zero_rows(weight, *row_tensors):
+    """Drops the rows whose weight is zero: they add nothing to a weighted sum.
+
+    Returns `(active_rows, weight, *row_tensors)`, where `active_rows` is
+    `None` when every row is kept. Counting the active rows syncs with the
+    device, so nothing is dropped while a CUDA graph is being captured.
+    """
+    if not _capturing(weight):
+        active = weight != 0
+        if int(active.sum()) < weight.shape[0]:
+            rows = active.nonzero().squeeze(1)
+            return (rows, weight[rows]) + tuple(t[rows] for t in row_tensors)
+    return (None, weight) + row_tensors
+
+
+def _scatter_rows(values, active_rows, num_rows):
+    """`values` `[K, D]` of the active rows back into zeros `[num_rows, D]`."""
+    if active_rows is None:
+        return values
+    full = torch.zeros((num_rows,) + values.shape[1:], dtype=values.dtype, device=values.device)
+    return full.index_copy_(0, active_rows, values)
+
+
+def _dense_pass(h, table, bias, chunk_size, *, loss, weight=None, need=(False, False, False)):
+    """One pass over the vocabulary tiles for the dense background.
+
+    Per tile, the logits `z` `[M, T]` are computed once (one matmul); then,
+    if `loss`, `softplus(z)` is summed per row, and, if `weight` is given,
+    `S = weight[:, None] * sigmoid(z)` (the derivative of
+    `sum_m weight_m sum_v softplus(z_mv)`) goes into the needed gradients:
+    `S @ E_tile` for `h`, `S.T @ h` for the table tile, `S.sum(0)` for the
+    bias tile. The row weights are folded into the products (`h` is
+    pre-scaled for the table, `grad_h` is scaled once at the end), so no
+    `[M, T]` pass is spent on them. Only `[M, T]` buffers are allocated (one
+    or two, reused for every tile).
+
+    Args:
+        h: `[M, D]` in the compute dtype.
+        table: `[V, D]`; tiles are cast to `h.dtype`.
+        bias: optional `[V]`.
+        chunk_size: tile width.
+        loss: whether to return the per-row `sum_v softplus(z_v)`.
+        weight: optional `[M]` row weights of the dense gradient.
+        need: which gradients to compute, for `(h, table, bias)`.
+
+    Returns:
+        `(softplus_sum, grad_h, grad_table, grad_bias)`, each `None` when
+        not asked for; gradients in the compute dtype.
+
+    Example:
+
+    >>> h, table = torch.randn(3, 4), torch.randn(10, 4)
+    >>> sp, gh, ge, gb = _dense_pass(h, table, None, 4, loss=True,
+    ...                              weight=torch.ones(3), need=(True, True, False))
+    >>> torch.allclose(sp, F.softplus(h @ table.T).sum(1)), gb is None
+    (True, True)
+    """
+    dtype, device = h.dtype, h.device
+    num_rows, dim = h.shape
+    vocab_size = table.shape[0]
+    need_h, need_e, need_b = need if weight is not None else (False, False, False)
+    grads = need_h or need_e or need_b
+    width = max(1, min(chunk_size, vocab_size))
+    logits_buffer = torch.empty(num_rows * width, dtype=dtype, device=device)
+    softplus_sum = None
+    if loss:
+        threshold = _softplus_threshold(dtype)
+        ones = torch.ones(width, dtype=dtype, device=device)
+        softplus_sum = torch.zeros(num_rows, dtype=dtype, device=device)
+        # With gradients the logits are still needed after softplus.
+        softplus_buffer = (
+            torch.empty(num_rows * width, dtype=dtype, device=device) if grads else logits_buffer
+        )
+    grad_h = torch.zeros(num_rows, dim, dtype=dtype, device=device) if need_h else None
+    grad_e = torch.empty(vocab_size, dim, dtype=dtype, device=device) if need_e else None
+    grad_b = torch.empty(vocab_size, dtype=dtype, device=device) if need_b else None
+    weighted_h = weight[:, None] * h if need_e else None
+
+    for start in range(0, vocab_size, width):
+        stop = min(start + width, vocab_size)
+        size = num_rows * (stop - start)
+        table_tile = table[start:stop].to(dtype)
+        z = logits_buffer[:size].view(num_rows, stop - start)
+        _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
+        if loss:
+            sp = softplus_buffer[:size].view(num_rows, stop - start)
+            torch.ops.aten.softplus.out(z, 1.0, threshold, out=sp)
+            softplus_sum.addmv_(sp, ones[: stop - start])
+        if grads:
+            s = z.sigmoid_()
+            if need_h:
+                grad_h.addmm_(s, table_tile)
+            if need_e:
+                torch.mm(s.T, weighted_h, out=grad_e[start:stop])
+            if need_b:
+                torch.mv(s.T, weight, out=grad_b[start:stop])
+    if need_h:
+        grad_h *= weight[:, None]
+    return softplus_sum, grad_h, grad_e, grad_b
+
+
+def _sparse_terms(h, table, bias, ids, coef, *, loss, weight=None, grads=(None, None, None)):
+    """The linear background and the positives' correction, in closed form.
+
+    The per-row loss is `(neg_scale * sum_v softplus(z_v) + terms) / V`;
+    this returns `terms` (`-neg_target * sum_v z_v` plus the positives'
+    `delta_scale * softplus(z_p) - delta_target * z_p`) if `loss`, and, if
+    `weight` is given, adds the gradient of `sum_m weight_m * terms_m` into
+    the `grads` buffers `(grad_h, grad_table, grad_bias)` (any may be None).
+
+    Example:
+
+    >>> coef = bce_coefficients(0.0, 1.0)
+    >>> h, table = torch.randn(2, 3), torch.randn(5, 3)
+    >>> terms = _sparse_terms(h, table, None, torch.tensor([[1], [-1]]), coef, loss=True)
+    >>> torch.allclose(terms, torch.stack([-(h[0] @ table[1]), torch.tensor(0.0)]))
+    True
+    """
+    dtype = h.dtype
+    num_rows, dim = h.shape
+    vocab_size = table.shape[0]
+    grad_h, grad_e, grad_b = grads if weight is not None else (None, None, None)
+    terms = torch.zeros(num_rows, dtype=dtype, device=h.device) if loss else None
+
+    # Linear background: d/dz of -neg_target * z is the constant -neg_target.
+    if coef.neg_target != 0.0 and (loss or any(g is not None for g in (grad_h, grad_e, grad_b))):
+        table_sum = table.sum(0, dtype=dtype)
+        if loss:
+            logit_sum = torch.mv(h, table_sum)
+            if bias is not None:
+                logit_sum += bias.sum(dtype=dtype)
+            terms -= coef.neg_target * logit_sum
+        if weight is not None:
+            const = weight * coef.neg_target
+            if grad_h is not None:
+                grad_h.addr_(const, table_sum, alpha=-1.0)
+            if grad_e is not None:
+                grad_e -= (const @ h)[None, :]
+            if grad_b is not None:
+                grad_b -= const.sum()
+
+    # Positives: dz = weight * (delta_scale * sigmoid(z) - delta_target).
+    if ids.shape[1] > 0:
+        safe, keep = _positives(ids, vocab_size)
+        rows, zp = _positive_logits(h, table, bias, safe, dtype)
+        if loss:
+            terms += ((coef.delta_scale * _stable_softplus(zp) - coef.delta_target * zp) * keep).sum(1)
+        if weight is not None and any(g is not None for g in (grad_h, grad_e, grad_b)):
+            dz = (coef.delta_scale * torch.sigmoid(zp) - coef.delta_target) * keep
+            dz *= weight[:, None]
+            flat = safe.reshape(-1)
+            if grad_h is not None:
+                grad_h += torch.bmm(dz.unsqueeze(1), rows).squeeze(1)
+            if grad_e is not None:
+                grad_e.index_add_(0, flat, (dz.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, dim))
+            if grad_b is not None:
+                grad_b.index_add_(0, flat, dz.reshape(-1))
+    return terms
+
+
+def _row_losses(h, table, bias, ids, coef, chunk_size, weight=None, need=(False, False, False)):
+    """Per-row losses `[M]` and, with `weight` (the cotangent), their gradients.
+
+    Everything in one pass over the vocabulary: the gradients are those of
+    `sum_m weight_m * loss_m`.
+    """
+    vocab_size = table.shape[0]
+    g = None if weight is None else weight / vocab_size
+    softplus_sum, grad_h, grad_e, grad_b = _dense_pass(
+        h, table, bias, chunk_size, loss=True,
+        weight=None if g is None else g * coef.neg_scale, need=need,
+    )
+    terms = _sparse_terms(h, table, bias, ids, coef, loss=True, weight=g, grads=(grad_h, grad_e, grad_b))
+    loss = (coef.neg_scale * softplus_sum + terms) / vocab_size
+    return loss, grad_h, grad_e, grad_b
+
+
+def _row_gradients(h, table, bias, ids, coef, chunk_size, weight, need):
+    """Gradients of `sum_m weight_m * loss_m` (no loss): the backward of `cut_bce`."""
+    g = weight / table.shape[0]
+    _, grad_h, grad_e, grad_b = _dense_pass(
+        h, table, bias, chunk_size, loss=False, weight=g * coef.neg_scale, need=need
+    )
+    _sparse_terms(h, table, bias, ids, coef, loss=False, weight=g, grads=(grad_h, grad_e, grad_b))
+    return grad_h, grad_e, grad_b
+
+
+def _cast(grad, like):
+    return None if grad is None else grad.to(like.dtype)
+
+
 class _CutBCEFunction(torch.autograd.Function):
     """Per-row CutBCE loss with exact, tile-by-tile gradients for any cotangent."""
 
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, coef, chunk_size):
         dtype = _compute_dtype(hidden, table, bias)
-        num_rows = hidden.shape[0]
-        vocab_size = table.shape[0]
-        h = hidden.to(dtype)
-        threshold = _softplus_threshold(dtype)
-
-        # Dense background: sum_v softplus(z_v), one reused [M, T] buffer.
-        width = max(1, min(chunk_size, vocab_size))
-        storage = torch.empty(num_rows * width, dtype=dtype, device=hidden.device)
-        ones = torch.ones(width, dtype=dtype, device=hidden.device)
-        softplus_sum = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
-        for start in range(0, vocab_size, width):
-            stop = min(start + width, vocab_size)
-            z = storage[: num_rows * (stop - start)].view(num_rows, stop - start)
-            _tile_logits_into(
-                z, h, table[start:stop], None if bias is None else bias[start:stop]
-            )
-            torch.ops.aten.softplus.out(z, 1.0, threshold, out=z)
-            softplus_sum.addmv_(z, ones[: stop - start])
-        loss = coef.neg_scale * softplus_sum
-
-        # Linear background: sum_v z_v in closed form.
-        if coef.neg_target != 0.0:
-            logit_sum = torch.mv(h, table.sum(0, dtype=dtype))
-            if bias is not None:
-                logit_sum += bias.sum(dtype=dtype)
-            loss -= coef.neg_target * logit_sum
-
-        # Positives: sparse correction.
-        if ids.shape[1] > 0:
-            safe, keep = _positives(ids, vocab_size)
-            _, zp = _positive_logits(h, table, bias, safe, dtype)
-            terms = coef.delta_scale * _stable_softplus(zp) - coef.delta_target * zp
-            loss += (terms * keep).sum(1)
-
-        loss /= vocab_size
+        loss, _, _, _ = _row_losses(hidden.to(dtype), table, bias, ids, coef, chunk_size)
         ctx.save_for_backward(hidden, table, bias, ids)
         ctx.coef = coef
         ctx.chunk_size = chunk_size
@@ -145,86 +311,56 @@ class _CutBCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, table, bias, ids = ctx.saved_tensors
-        need_h, need_e, need_b = ctx.needs_input_grad[:3]
-        if not (need_h or need_e or need_b):
+        need = tuple(ctx.needs_input_grad[:3])
+        if not any(need):
             return None, None, None, None, None, None
-        coef = ctx.coef
         dtype = _compute_dtype(hidden, table, bias)
-        device = hidden.device
-        vocab_size = table.shape[0]
-        h = hidden.to(dtype)
-        g = grad_loss.to(dtype) / vocab_size
         # Rows with a zero cotangent (masked or padded positions) add nothing:
         # drop them before the tile loop, scatter grad_hidden back at the end.
-        # (Not while a CUDA graph is being captured: counting them syncs.)
-        active_rows = None
-        if not _capturing(g):
-            active = g != 0
-            if int(active.sum()) < g.shape[0]:
-                active_rows = active.nonzero().squeeze(1)
-                h, g, ids = h[active_rows], g[active_rows], ids[active_rows]
-        num_rows, dim = h.shape
-        # Row weight of the dense term: dZ = (g / V) * neg_scale * sigmoid(z).
-        row_weight = g * coef.neg_scale
+        active_rows, g, h, ids = _drop_zero_rows(grad_loss.to(dtype), hidden.to(dtype), ids)
+        grad_h, grad_e, grad_b = _row_gradients(h, table, bias, ids, ctx.coef, ctx.chunk_size, g, need)
+        if grad_h is not None:
+            grad_h = _scatter_rows(grad_h, active_rows, hidden.shape[0])
+        return _cast(grad_h, hidden), _cast(grad_e, table), _cast(grad_b, bias), None, None, None
 
-        grad_h = torch.zeros(num_rows, dim, dtype=dtype, device=device) if need_h else None
-        grad_e = torch.empty(vocab_size, dim, dtype=dtype, device=device) if need_e else None
-        grad_b = torch.empty(vocab_size, dtype=dtype, device=device) if need_b else None
-        weighted_h = row_weight[:, None] * h if need_e else None
 
-        width = max(1, min(ctx.chunk_size, vocab_size))
-        storage = torch.empty(num_rows * width, dtype=dtype, device=device)
-        for start in range(0, vocab_size, width):
-            stop = min(start + width, vocab_size)
-            table_tile = table[start:stop].to(dtype)
-            z = storage[: num_rows * (stop - start)].view(num_rows, stop - start)
-            _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
-            s = z.sigmoid_()
-            if need_h:
-                grad_h.addmm_(s, table_tile)
-            if need_e:
-                torch.mm(s.T, weighted_h, out=grad_e[start:stop])
-            if need_b:
-                torch.mv(s.T, row_weight, out=grad_b[start:stop])
-        if need_h:
-            grad_h *= row_weight[:, None]
+class _CutBCEWeightedSumFunction(torch.autograd.Function):
+    """`sum_m w_m * loss_m` whose gradients are computed in the forward pass.
 
-        # Linear background: d/dz of -neg_target * z is the constant -neg_target.
-        if coef.neg_target != 0.0:
-            const = g * coef.neg_target
-            if need_h:
-                grad_h.addr_(const, table.sum(0, dtype=dtype), alpha=-1.0)
-            if need_e:
-                grad_e -= (const @ h)[None, :]
-            if need_b:
-                grad_b -= const.sum()
+    The row weights are constants, so the gradient for an upstream scalar
+    cotangent `c` is `c` times the gradient at `c = 1`: the forward pass
+    computes it along with the loss (one logits matmul per tile instead of
+    two) and the backward pass only scales it.
+    """
 
-        # Positives: dz = (g / V) * (delta_scale * sigmoid(z) - delta_target).
-        if ids.shape[1] > 0:
-            safe, keep = _positives(ids, vocab_size)
-            rows, zp = _positive_logits(h, table, bias, safe, dtype)
-            dz = (coef.delta_scale * torch.sigmoid(zp) - coef.delta_target) * keep
-            dz *= g[:, None]
-            flat = safe.reshape(-1)
-            if need_h:
-                grad_h += torch.bmm(dz.unsqueeze(1), rows).squeeze(1)
-            if need_e:
-                grad_e.index_add_(0, flat, (dz.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, dim))
-            if need_b:
-                grad_b.index_add_(0, flat, dz.reshape(-1))
+    @staticmethod
+    def forward(ctx, hidden, table, bias, ids, row_weights, coef, chunk_size, need):
+        dtype = _compute_dtype(hidden, table, bias)
+        active_rows, w, h, ids = _drop_zero_rows(row_weights.to(dtype), hidden.to(dtype), ids)
+        loss, grad_h, grad_e, grad_b = _row_losses(h, table, bias, ids, coef, chunk_size, w, need)
+        if grad_h is not None:
+            grad_h = _scatter_rows(grad_h, active_rows, hidden.shape[0])
+        ctx.save_for_backward(grad_h, grad_e, grad_b)
+        ctx.dtypes = (hidden.dtype, table.dtype, None if bias is None else bias.dtype)
+        return torch.dot(w, loss)
 
-        if need_h and active_rows is not None:
-            grad_h = torch.zeros(
-                hidden.shape, dtype=dtype, device=device
-            ).index_copy_(0, active_rows, grad_h)
-        return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_e is None else grad_e.to(table.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-            None,
-        )
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_total):
+        grads = []
+        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+            grads.append(None if grad is None else (grad * grad_total.to(grad.dtype)).to(dtype))
+        return tuple(grads) + (None,) * 5
+
+
+def _check_chunk_size(chunk_size):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"`chunk_size` must be a positive int; received {chunk_size!r}.")
+
+
+def _as_ids(ids, device):
+    ids = torch.as_tensor(ids, device=device)
+    return ids[:, None] if ids.ndim == 1 else ids
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size):
@@ -258,10 +394,72 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     >>> loss.sum().backward(); table.grad.shape
     torch.Size([100, 8])
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"`chunk_size` must be a positive int; received {chunk_size!r}.")
+    _check_chunk_size(chunk_size)
     coef = bce_coefficients(label_smoothing, pos_weight)
-    ids = torch.as_tensor(ids, device=hidden.device)
-    if ids.ndim == 1:
-        ids = ids[:, None]
+    ids = _as_ids(ids, hidden.device)
     return _CutBCEFunction.apply(hidden, table, bias, ids, coef, chunk_size)
+
+
+def cut_bce_weighted_sum(
+    hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight, chunk_size
+):
+    """`sum_m row_weights[m] * cut_bce(...)[m]`, with its gradients fused in.
+
+    What a reduced loss needs (sample weights, masks and the reduction's
+    divisor are the row weights, constants without gradient). When a
+    gradient is needed, the one pass over the vocabulary tiles that computes
+    the loss also computes the gradients of `hidden`, `table` and `bias`
+    (only those that require grad): per tile, one logits matmul, one
+    `softplus` and one `sigmoid` over the `[M, T]` logits, then one product
+    per gradient. The backward pass only scales them by the upstream
+    cotangent. Rows with a zero weight are skipped. Without gradients (under
+    `torch.no_grad` or when no input requires grad) only the loss is
+    computed.
+
+    Args:
+        hidden: float `[M, D]` (float32, bfloat16, float16 or float64).
+        table: float `[V, D]` item table.
+        ids: integer `[M, L]` target ids (any integer dtype, `L` may be 0).
+            Ids outside `[0, V)` are padding; repeated ids in a row count once.
+        bias: float `[V]` or None.
+        row_weights: float `[M]` weights of the rows (no gradient flows to them).
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float weighting the positive terms.
+        chunk_size: positive int, the width of a vocabulary tile.
+
+    Returns:
+        Float32 scalar (float64 if an input is float64); gradients come back
+        in each input's dtype.
+
+    Example:
+
+    >>> h = torch.randn(4, 8, requires_grad=True)
+    >>> table = torch.randn(100, 8, requires_grad=True)
+    >>> ids = torch.tensor([[1, 2], [3, -1], [5, 5], [7, 99]])
+    >>> w = torch.tensor([0.25, 0.25, 0.0, 0.5])
+    >>> total = cut_bce_weighted_sum(h, table, ids, None, w, label_smoothing=0.0,
+    ...                              pos_weight=1.0, chunk_size=32)
+    >>> per_row = cut_bce(h, table, ids, chunk_size=32)
+    >>> torch.allclose(total, (w * per_row).sum())
+    True
+    >>> total.backward(); h.grad[2].abs().max().item()
+    0.0
+    """
+    _check_chunk_size(chunk_size)
+    coef = bce_coefficients(label_smoothing, pos_weight)
+    ids = _as_ids(ids, hidden.device)
+    row_weights = torch.as_tensor(row_weights, device=hidden.device).detach().reshape(-1)
+    need = (
+        hidden.requires_grad,
+        table.requires_grad,
+        bias is not None and bias.requires_grad,
+    )
+    if torch.is_grad_enabled() and any(need):
+        return _CutBCEWeightedSumFunction.apply(
+            hidden, table, bias, ids, row_weights, coef, chunk_size, need
+        )
+    with torch.no_grad():
+        dtype = _compute_dtype(hidden, table, bias)
+        _, w, h, ids = _drop_zero_rows(row_weights.to(dtype), hidden.to(dtype), ids)
+        loss, _, _, _ = _row_losses(h, table, bias, ids, coef, chunk_size)
+        return torch.dot(w, loss)
