@@ -11,8 +11,8 @@ dense reference:
   and through `sharded.cut_bce`/`sharded.top_k` with V not divisible by the
   shard count (padded and masked);
 - `fit`: the SASRec example model under `keras.distribution.ModelParallel`
-  (item table `("model", None)`, batch over `"data"`) gives the same
-  per-step losses and weights as on one device.
+  (item table `("model", None)`, batch over `"data"`) and under
+  `DataParallel` gives the same per-step losses and weights as on one device.
 """
 
 import json
@@ -175,14 +175,14 @@ def _check_public_ops(mesh, rng, calls):
     _close(np.asarray(scores).reshape(-1, 6), want_scores, "top-k scores")
 
 
-def _check_uneven_vocab(mesh, rng):
+def _check_uneven_vocab(mesh, rng, bf16=False):
     """`sharded.cut_bce`/`top_k` with V = 37 over 2, 4 or 8 shards (padded and masked)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from keras_cutbce import reference
-    from keras_cutbce.backends.jax import chunked, retrieval, sharded
+    from keras_cutbce.backends.jax import chunked, sharded
 
     rows, dim, vocab = 8, 8, 37
     spec = sharded.VocabSharding(mesh, ("model",))
@@ -218,7 +218,21 @@ def _check_uneven_vocab(mesh, rng):
             for g, w in zip(got[1], want[1]):
                 _close(g, w, f"grads {case}")
 
-    # bf16 inputs: the same per-shard kernel, float32 accumulation.
+    if bf16:
+        _check_bf16(spec, hidden, table, rng)
+
+    # Top-k with ties across shards (rows 3 and 30 equal): the lower id wins.
+    _check_top_k(spec, hidden, table, bias, rng)
+
+
+def _check_bf16(spec, hidden, table, rng):
+    """bf16 inputs: the same per-shard kernel, float32 accumulation."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_cutbce.backends.jax import chunked, sharded
+
+    rows, vocab = hidden.shape[0], table.shape[0]
     h16, t16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(table, jnp.bfloat16)
     ids = _ids(rng, rows, 3, vocab)
     got = jax.jit(jax.value_and_grad(
@@ -233,7 +247,15 @@ def _check_uneven_vocab(mesh, rng):
         assert g.dtype == jnp.bfloat16
         _close(g, w, "bf16 grads", rtol=2e-2, atol=1e-3)
 
-    # Top-k with ties across shards (rows 3 and 30 equal): the lower id wins.
+
+def _check_top_k(spec, hidden, table, bias, rng):
+    """Top-k with ties across shards (rows 3 and 30 equal): the lower id wins."""
+    import jax
+    import numpy as np
+
+    from keras_cutbce.backends.jax import retrieval, sharded
+
+    rows, vocab = hidden.shape[0], table.shape[0]
     tied_table, tied_bias = table.copy(), bias.copy()
     tied_table[30], tied_bias[30] = tied_table[3], tied_bias[3]
     exclude = _ids(rng, rows, 2, vocab)
@@ -270,10 +292,10 @@ def _child_ops():
     assert sharded.vocab_sharding_of(np.zeros((8, 2), np.float32)) is None
     meshes = [((8,), ("model",), True), ((2, 4), ("data", "model"), False),
               ((4, 2), ("data", "model"), True)]
-    for shape, names, explicit in meshes:
+    for index, (shape, names, explicit) in enumerate(meshes):
         mesh = _mesh(shape, names, explicit)
         _check_public_ops(mesh, rng, calls)
-        _check_uneven_vocab(mesh, rng)
+        _check_uneven_vocab(mesh, rng, bf16=index == 0)
     print(json.dumps({
         "meshes": [list(m[0]) for m in meshes],
         "sharded_loss_calls": calls.get("cut_bce", 0),
@@ -329,6 +351,15 @@ def _child_fit():
         _close(a, b, "weights after 2 steps", rtol=1e-5, atol=1e-6)
     table = model.get_layer("items").embeddings.value
     assert tuple(table.sharding.spec) == ("model", None), table.sharding
+
+    # Data parallel only (replicated table): the plain kernel, same numbers.
+    before = calls["cut_bce"]
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    _, _, losses_dp, final_dp = train()
+    assert calls["cut_bce"] == before, "a replicated table is not vocab-sharded"
+    _close(losses_dp, losses_1, "data-parallel per-step losses", rtol=1e-6)
+    for a, b in zip(final_dp, final_1):
+        _close(a, b, "data-parallel weights", rtol=1e-5, atol=1e-6)
     print(json.dumps({
         "sharded_loss_calls": calls["cut_bce"],
         "vocab": num_items + 1,

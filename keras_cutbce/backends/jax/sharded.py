@@ -25,6 +25,29 @@ so its loss term is the constant `neg_scale * log(2)`, subtracted once, and
 it adds nothing to the hidden-state gradient; for top-k the padded rows get
 a bias of `-inf` and are never returned.
 
+Where the sharding is found (`vocab_sharding_of`, used by
+`keras_cutbce.ops` on the JAX backend, so `cut_binary_crossentropy`,
+`CutBCELoss` and `cut_top_k` take this path by themselves):
+
+- a Keras variable (or Embedding layer) laid out by the current
+  `keras.distribution` (e.g. `ModelParallel` with
+  `layout_map["items/embeddings"] = ("model", None)`): works inside the
+  traced Keras train step, because the layout belongs to the variable;
+- a concrete jax array with a `NamedSharding` that splits dimension 0;
+- a traced array on a mesh with explicit axes (`jax.make_mesh`'s default,
+  sharding-in-types), under `jit` too.
+
+A traced array on a mesh with automatic axes carries no sharding, so inside
+your own `jax.jit` with such a mesh, call `cut_bce`/`top_k` here with an
+explicit `VocabSharding(mesh, ("model",))`. Without the sharded path the
+result is still right (XLA partitions the single-device kernel), but each
+device then gathers the full table gradient (see
+`benchmarks/results/sharded_memory.md`).
+
+Keras and JAX cannot create a variable split unevenly, so under
+`ModelParallel` choose V (e.g. `num_items + 1`) divisible by the shard count;
+a table passed as an array with an explicit `VocabSharding` may have any V.
+
 Example:
 
 ```python
