@@ -5,7 +5,9 @@ import inspect
 import keras
 from keras import ops
 from keras.src.backend.common.masking import get_keras_mask
+from keras.src.losses.loss import apply_mask
 from keras.src.losses.loss import reduce_weighted_values
+from keras.src.losses.loss import scale_loss_for_distribution
 
 from keras_cutbce import ops as cut_ops
 
@@ -140,41 +142,74 @@ class CutBCELoss(keras.losses.Loss):
         with keras.name_scope(self.name):
             y_pred = ops.convert_to_tensor(y_pred)
             y_true = ops.convert_to_tensor(y_true)
-            losses = self.call(y_true, y_pred)
-            out_mask = get_keras_mask(losses)
-            masks = [m for m in (in_mask, out_mask) if m is not None]
-            mask = None
-            if masks:
-                mask = masks[0] if len(masks) == 1 else ops.logical_and(*masks)
-            if sample_weight is not None:
-                sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
-                while len(sample_weight.shape) < len(losses.shape):
-                    sample_weight = ops.expand_dims(sample_weight, -1)
-                if len(sample_weight.shape) == len(losses.shape):
-                    sample_weight = ops.broadcast_to(sample_weight, ops.shape(losses))
-            return reduce_weighted_values(
-                losses,
-                sample_weight=sample_weight,
-                mask=mask,
-                reduction=self.reduction,
-                dtype=self.dtype,
+            if self.reduction in (None, "none"):
+                losses = self.call(y_true, y_pred)
+                return reduce_weighted_values(
+                    losses, sample_weight=self._broadcast(sample_weight, losses.shape),
+                    mask=in_mask, reduction=self.reduction, dtype=self.dtype,
+                )
+            weights = self._row_weights(
+                ops.shape(y_pred)[:-1], sample_weight, in_mask
             )
+            embeddings, bias = self._tables()
+            total = cut_ops.weighted_loss_sum(
+                y_pred, embeddings, y_true, weights, bias, **self._op_kwargs()
+            )
+            total = ops.cast(total, self.dtype)
+            if self.reduction != "sum":
+                total = scale_loss_for_distribution(total)
+            return total
 
-    def call(self, y_true, y_pred):
-        """Per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
-        # Bring the table (and ids) to the hidden states' device if needed:
-        # ops.convert_to_tensor of a variable reads its current value.
+    def _broadcast(self, sample_weight, shape):
+        """`sample_weight` as `self.dtype`, broadcast over trailing positions."""
+        if sample_weight is None:
+            return None
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
+        while len(sample_weight.shape) < len(shape):
+            sample_weight = ops.expand_dims(sample_weight, -1)
+        return sample_weight * ops.ones(shape, self.dtype)  # a real copy, not a view
+
+    def _row_weights(self, lead_shape, sample_weight, mask):
+        """Per-position weights `w` with `reduction(losses) == sum(w * losses)`.
+
+        Follows Keras's `reduce_weighted_values`: the mask is merged into the
+        sample weight (`apply_mask`), then `"sum"` keeps it, `"mean"` and
+        `"sum_over_batch_size"` divide by the number of positions, and
+        `"mean_with_sample_weight"` by the sum of the (masked) weights.
+        """
+        ones = ops.ones(lead_shape, self.dtype)
+        weights = None
+        if sample_weight is not None:
+            weights = self._broadcast(sample_weight, lead_shape)
+        if mask is not None:
+            weights = apply_mask(weights, ops.cast(mask, self.dtype), self.dtype, self.reduction)
+            weights = ops.broadcast_to(weights, lead_shape)
+        if self.reduction == "sum":
+            return ones if weights is None else weights
+        if self.reduction == "mean_with_sample_weight" and weights is not None:
+            divisor = ops.sum(weights)
+        else:
+            divisor = ops.cast(ops.size(ones), self.dtype)
+        return ops.divide_no_nan(ones if weights is None else weights, divisor)
+
+    def _tables(self):
         embeddings = self._resolve(self.embeddings, "embeddings")
         bias = None if self.bias is None else self._resolve(self.bias, "bias")
-        return cut_ops.cut_binary_crossentropy(
-            y_pred,
-            embeddings,
-            y_true,
-            bias,
+        return embeddings, bias
+
+    def _op_kwargs(self):
+        return dict(
             label_smoothing=self.label_smoothing,
             pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,
             implementation=self.implementation,
+        )
+
+    def call(self, y_true, y_pred):
+        """Per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
+        embeddings, bias = self._tables()
+        return cut_ops.cut_binary_crossentropy(
+            y_pred, embeddings, y_true, bias, **self._op_kwargs()
         )
 
     @staticmethod

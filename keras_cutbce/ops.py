@@ -16,6 +16,7 @@ and picks the implementation.
 """
 
 import math
+from typing import NamedTuple
 
 import keras
 from keras import ops
@@ -267,6 +268,32 @@ def cut_binary_crossentropy(
     >>> cut_binary_crossentropy(h, table, ids).shape
     (2, 3)
     """
+    prepared = _prepare(
+        hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
+        chunk_size, implementation,
+    )
+    return ops.reshape(_per_row_loss(prepared), prepared.lead_shape)
+
+
+class _Prepared(NamedTuple):
+    """Checked, flattened arguments of the loss ops."""
+
+    hidden: object
+    table: object
+    ids: object
+    bias: object
+    lead_shape: tuple
+    chunk_size: int
+    user_chunk_size: object
+    implementation: str
+    sharding: object
+    label_smoothing: float
+    pos_weight: float
+
+
+def _prepare(hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
+             chunk_size, implementation):
+    """Checks every argument (before any kernel runs) and flattens to 2-D."""
     _check_implementation(implementation)
     _check_chunk_size(chunk_size)
     if not 0.0 <= float(label_smoothing) <= 1.0:
@@ -284,39 +311,89 @@ def cut_binary_crossentropy(
     target_ids = ops.convert_to_tensor(target_ids)
     _check_hidden_and_table(hidden, table, bias)
     target_ids = _check_ids(target_ids, hidden, "target_ids")
-
-    lead_shape = ops.shape(hidden)[:-1]
     flat_hidden, flat_ids = _flatten(hidden, target_ids)
-    vocab_size = _dims(table)[0]
     user_chunk_size = chunk_size
     if chunk_size is None:
         rows = _num_rows(_dims(hidden))
-        chunk_size = default_chunk_size(rows or 4096, vocab_size or 2**20)
-    kwargs = dict(
-        label_smoothing=float(label_smoothing), pos_weight=float(pos_weight)
+        chunk_size = default_chunk_size(rows or 4096, _dims(table)[0] or 2**20)
+    return _Prepared(
+        flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1], chunk_size,
+        user_chunk_size, select_implementation(implementation), sharding,
+        float(label_smoothing), float(pos_weight),
     )
-    implementation = select_implementation(implementation)
-    if sharding is not None:  # table split along V over a JAX mesh
+
+
+def _per_row_loss(p):
+    """Flat `[M]` loss of prepared arguments, on the selected implementation."""
+    kwargs = dict(label_smoothing=p.label_smoothing, pos_weight=p.pos_weight)
+    if p.sharding is not None:  # table split along V over a JAX mesh
         from keras_cutbce.backends.jax import sharded
 
-        loss = sharded.cut_bce(
-            flat_hidden, table, flat_ids, bias, sharding=sharding,
-            chunk_size=user_chunk_size, **kwargs
+        return sharded.cut_bce(
+            p.hidden, p.table, p.ids, p.bias, sharding=p.sharding,
+            chunk_size=p.user_chunk_size, **kwargs
         )
-    elif implementation == "reference":
-        loss = reference.cut_bce(flat_hidden, table, flat_ids, bias, **kwargs)
-    elif implementation == "pallas":
+    if p.implementation == "reference":
+        return reference.cut_bce(p.hidden, p.table, p.ids, p.bias, **kwargs)
+    if p.implementation == "pallas":
         from keras_cutbce.backends.jax import pallas_tpu
 
         # The Pallas kernels pick MXU-aligned tiles from the chip's VMEM themselves.
-        loss = pallas_tpu.cut_bce(
-            flat_hidden, table, flat_ids, bias, chunk_size=user_chunk_size, **kwargs
+        return pallas_tpu.cut_bce(
+            p.hidden, p.table, p.ids, p.bias, chunk_size=p.user_chunk_size, **kwargs
         )
-    else:
-        loss = _chunked_module().cut_bce(
-            flat_hidden, table, flat_ids, bias, chunk_size=chunk_size, **kwargs
-        )
-    return ops.reshape(loss, lead_shape)
+    return _chunked_module().cut_bce(
+        p.hidden, p.table, p.ids, p.bias, chunk_size=p.chunk_size, **kwargs
+    )
+
+
+def weighted_loss_sum(
+    hidden,
+    embeddings,
+    target_ids,
+    row_weights,
+    bias=None,
+    *,
+    label_smoothing=0.0,
+    pos_weight=1.0,
+    chunk_size=None,
+    implementation="auto",
+):
+    """`sum(row_weights * cut_binary_crossentropy(...))`: the scalar a reduced loss needs.
+
+    `CutBCELoss` reduces per-position losses with known weights (sample
+    weights, masks, the reduction's divisor), so only this scalar is
+    differentiated, and the gradient for any upstream cotangent `c` is `c`
+    times the gradient at `c = 1`. Backends with a fused kernel
+    (`chunked.cut_bce_weighted_sum`) compute that gradient in the same pass
+    over the vocabulary as the loss (one logits matmul and one `exp` per
+    logit instead of two); the others reduce `cut_binary_crossentropy`.
+    `row_weights` (shape `hidden.shape[:-1]`) are constants: no gradient.
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = np.ones((2, 4), "float32"); table = np.ones((10, 4), "float32")
+    >>> ids = np.array([[1], [2]])
+    >>> round(float(weighted_loss_sum(h, table, ids, np.array([0.5, 0.5]))), 3)
+    3.618
+    """
+    p = _prepare(
+        hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
+        chunk_size, implementation,
+    )
+    weights = ops.reshape(
+        ops.stop_gradient(ops.cast(row_weights, "float32")), (ops.shape(p.hidden)[0],)
+    )
+    fused = None
+    if p.implementation == "chunked" and p.sharding is None:
+        fused = getattr(_chunked_module(), "cut_bce_weighted_sum", None)
+    if fused is None:
+        return ops.sum(weights * ops.cast(_per_row_loss(p), "float32"))
+    return fused(
+        p.hidden, p.table, p.ids, p.bias, weights, chunk_size=p.chunk_size,
+        label_smoothing=p.label_smoothing, pos_weight=p.pos_weight,
+    )
 
 
 def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=None):
