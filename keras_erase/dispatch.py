@@ -102,6 +102,10 @@ class Dispatcher:
 
     def __init__(self):
         self.trace = None
+        # Called as `after_backward(block)` right after each block's backward, on the
+        # thread (and CUDA stream) that ran it, in block order (used for the
+        # torch.distributed gradient all-reduce; see `keras_erase.distributed`).
+        self.after_backward = None
 
     def _record(self, block, phase, start, end=None):
         if self.trace is not None:
@@ -129,6 +133,8 @@ class Dispatcher:
         with torch.profiler.record_function(f"{block.name}/backward"):
             torch.autograd.backward(loss, retain_graph=not block.detach_input)
         self._record(block, "backward", start, time.perf_counter())
+        if self.after_backward is not None:
+            self.after_backward(block)
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         raise NotImplementedError

@@ -37,6 +37,7 @@ mode; `None` never touches it. The thread count in place before `fit` is
 restored when `fit` returns.
 """
 
+import contextlib
 import logging
 import statistics
 import time
@@ -182,6 +183,8 @@ class EraseModel(keras.Model):
         state["_dispatchers"] = {}
         state["_auto"] = None
         state["_trace"] = None
+        state["_grad_sync"] = None  # keras_erase.distributed.GradientSync under a process group
+        state["_needs_broadcast"] = True
         if _is_torch() and (dispatch == "streams" or cuda_graphs):
             from keras_erase.dispatch import require_cuda
 
@@ -363,6 +366,7 @@ class EraseModel(keras.Model):
         import torch
 
         threads = torch.get_num_threads()
+        self.__dict__["_needs_broadcast"] = True  # rank 0's weights at the start of training
         try:
             return super().fit(*args, **kwargs)
         finally:
@@ -427,6 +431,11 @@ class EraseModel(keras.Model):
         auto["step"] += 1
         if auto["step"] >= len(candidates) * (1 + max(1, self.auto_steps)):
             medians = {c: statistics.median(auto["times"][c]) for c in candidates}
+            sync = self._gradient_sync()
+            if sync is not None:  # every rank must choose the same schedule
+                from keras_erase.distributed import mean_over_ranks
+
+                medians = dict(zip(candidates, mean_over_ranks([medians[c] for c in candidates])))
             choice = min(candidates, key=lambda c: medians[c])  # first wins ties
             baseline = candidates[0]
             if medians[choice] > medians[baseline] * (1.0 - AUTO_MARGIN):
@@ -456,6 +465,16 @@ class EraseModel(keras.Model):
         dispatcher.trace = self._trace
         return dispatcher
 
+    def _gradient_sync(self):
+        """The `GradientSync` when a multi-rank torch.distributed group is initialized."""
+        from keras_erase import distributed
+
+        if not distributed.active():
+            return None
+        if self._grad_sync is None:
+            self.__dict__["_grad_sync"] = distributed.GradientSync()
+        return self._grad_sync
+
     def train_step(self, *args, **kwargs):
         if not _is_torch():  # JAX (state, data) and TensorFlow (data): the stock step
             return super().train_step(*args, **kwargs)
@@ -472,18 +491,28 @@ class EraseModel(keras.Model):
         if timing and self._cuda():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        if mode == "standard":
+        sync = self._gradient_sync()
+        if sync is not None and self._needs_broadcast:
+            sync.broadcast_parameters(self)
+            self.__dict__["_needs_broadcast"] = False
+        if mode == "standard" and sync is None:
             logs = super().train_step(data)
-        else:
-            logs = self._erase_step(data, self._dispatcher(mode))
+        else:  # the standard step under a process group: no dispatcher, one backward
+            dispatcher = None if mode == "standard" else self._dispatcher(mode)
+            logs = self._erase_step(data, dispatcher, sync)
         if timing:
             if self._cuda():
                 torch.cuda.synchronize()
             self._observe(schedule, time.perf_counter() - start)
         return logs
 
-    def _erase_step(self, data, dispatcher):
-        """One ERASE step: zero grads, forward with early block backwards, main backward, update."""
+    def _erase_step(self, data, dispatcher, sync=None):
+        """One ERASE step: zero grads, forward with early block backwards, main backward, update.
+
+        Without a dispatcher, the standard schedule (one backward). With a
+        `GradientSync`, each block's gradients are all-reduced right after its
+        backward, the rest after the final backward, all waited before the update.
+        """
         import torch
         from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -492,9 +521,13 @@ class EraseModel(keras.Model):
         self.zero_grad(set_to_none=True)
         optimizer = self.optimizer
         scale = optimizer.scale_loss if optimizer is not None else (lambda loss: loss)
-        handler = _EraseStep(self, dispatcher, y, sample_weight, scale)
+        handler = None if dispatcher is None else _EraseStep(self, dispatcher, y, sample_weight, scale)
+        if dispatcher is not None:
+            dispatcher.after_backward = None if sync is None else sync.block_done
+        if sync is not None:
+            sync.start_step(self)
         try:
-            with step_handler(handler):
+            with step_handler(handler) if handler is not None else contextlib.nullcontext():
                 if self._call_has_training_arg:
                     y_pred = self(x, training=True)
                 else:
@@ -507,13 +540,20 @@ class EraseModel(keras.Model):
                 loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0]
             )
             scaled = scale(loss)
-            if handler.shares_graph:
+            if handler is not None and handler.shares_graph:
                 dispatcher.finish()  # blocks reach upstream layers: finish them first
             if scaled.requires_grad:
                 scaled.backward()
-            dispatcher.finish()
+            if dispatcher is not None:
+                dispatcher.finish()
+            if sync is not None:  # after the worker drained: one thread issues at a time
+                sync.reduce_rest()
+                sync.finish()
         except BaseException:
-            dispatcher.abort()
+            if dispatcher is not None:
+                dispatcher.abort()
+            if sync is not None:
+                sync.abort()
             raise
         trainable_weights = self.trainable_weights[:]
         if trainable_weights:
