@@ -257,7 +257,8 @@ def test_sasrec_on_movielens_files(tmp_path):
             lines.append(f"{user},{movie},4.0,{1000 + t}")
     (tmp_path / "ratings.csv").write_text("\n".join(lines) + "\n")
     out = tmp_path / "ml.json"
-    main(TINY_SASREC + ["--data", "movielens", "--data-dir", str(tmp_path), "--json", str(out)])
+    main(TINY_SASREC + ["--data", "movielens", "--data-dir", str(tmp_path), "--loss", "dense",
+                        "--json", str(out)])
     written = json.loads(out.read_text())
     assert written["data"] == "movielens" and written["num_items"] <= 133
 
@@ -413,7 +414,7 @@ def test_backend_flag_selects_backend_before_import(tmp_path):
     out = tmp_path / "ctr.json"
     proc = subprocess.run(
         [sys.executable, "-m", "examples.ctr", "--backend", BACKEND, "--mode", "baseline",
-         "--json", str(out), *TINY_CTR],
+         "--json", str(out), *TINY_CTR, "--steps-per-epoch", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

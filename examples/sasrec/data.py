@@ -42,7 +42,7 @@ def synthetic_sequences(
     num_clusters=None,
     min_len=24,
     max_len=80,
-    zipf_exponent=1.1,
+    zipf_exponent=0.7,
     stay_probability=0.3,
     seed=0,
 ):
@@ -60,7 +60,7 @@ def synthetic_sequences(
     Args:
         num_users: number of users.
         num_items: catalogue size (ids `1..num_items`).
-        num_clusters: number of clusters, default `max(4, num_items // 40)`.
+        num_clusters: number of clusters, default `max(4, num_items // 20)`.
         min_len, max_len: range of raw walk lengths (before dropping repeats).
         zipf_exponent: exponent `s` of the popularity `1 / rank**s`.
         stay_probability: probability of staying in the same cluster.
@@ -77,7 +77,7 @@ def synthetic_sequences(
     ```
     """
     rng = np.random.default_rng(seed)
-    num_clusters = num_clusters or max(4, num_items // 40)
+    num_clusters = num_clusters or max(4, num_items // 20)
     num_clusters = min(num_clusters, num_items)
     # Global Zipf popularity over a random permutation of the ids.
     ranks = rng.permutation(num_items) + 1

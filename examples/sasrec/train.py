@@ -43,15 +43,15 @@ def build_parser():
     parser.add_argument("--loss", choices=["cutbce", "dense"], default="cutbce")
     parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"], default="synthetic")
     parser.add_argument("--data-dir", default=None, help="folder with the real data files")
-    parser.add_argument("--num-items", type=int, default=3000,
+    parser.add_argument("--num-items", type=int, default=2000,
                         help="synthetic catalogue size")
-    parser.add_argument("--num-users", type=int, default=1500, help="synthetic users")
+    parser.add_argument("--num-users", type=int, default=1200, help="synthetic users")
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--max-len", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=30)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--learning-rate", type=float, default=5e-3)
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--steps-per-epoch", type=int, default=None,
                         help="cap on steps per epoch (quick runs)")
