@@ -3,24 +3,19 @@
 Two ranks, each on its half of every batch, must end with the same weights as one
 process on the full batches (mean-reduced main and local losses, SGD), for the
 "standard", "blocking", "threaded" and "auto" dispatches with detached block
-inputs, and "blocking"/"threaded" with non-detached ones. Rank 1 starts from different weights: the broadcast
-from rank 0 at the start of `fit` must fix them. The ranks also report the order
+inputs, and "blocking"/"threaded" with non-detached ones. Rank 1 starts from
+different weights: the broadcast from rank 0 at the start of `fit` must fix them. The ranks also report the order
 in which they launched their gradient all-reduces (block order, then the rest).
 
-This file is also the rank's entry point: `python -m tests.test_distributed_torch
-RANK WORLD PORT WORKDIR` (run by the test in subprocesses).
+The ranks are spawned by `keras_erase.launch.run_local` (gloo on 127.0.0.1, one
+torch thread each, a timeout so that nothing hangs).
 """
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (dispatch, detach_input): every schedule with detached inputs; the early
 # schedules also with non-detached inputs (local losses reach the shared stem).
 CASES = (
@@ -72,26 +67,8 @@ def _train(dispatch, detach_input, x, y, batch_size, initial=None, seed=0):
     return model
 
 
-def _rank_main(rank, world, port, workdir):
-    """One rank: trains every (mode, detach_input) case on its shard, saves the weights."""
-    os.environ.update(
-        KERAS_BACKEND="torch",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    import datetime
-
-    import torch
-
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
+def _rank_main(rank, world, workdir):
+    """One rank (process group initialized by `run_local`): trains every case on its shard."""
     from tests.backend_utils import to_numpy
     from tests.test_erase import ctr_data
 
@@ -119,45 +96,7 @@ def _rank_main(rank, world, port, workdir):
                 "launch_order": model._grad_sync.launch_order,
                 "choice": model.dispatch_choice,
             }
-    np.savez(os.path.join(workdir, f"rank{rank}.npz"), **results)
-    with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(world, workdir, timeout=240):
-    port = _free_port()
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.test_distributed_torch", str(r), str(world),
-             str(port), str(workdir)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("distributed ranks timed out:\n" + "\n".join(o[-3000:] for o in outputs))
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{outputs[r][-4000:]}"
+    return results, report
 
 
 def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_path):
@@ -178,10 +117,11 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
         moved = max(np.abs(a - b).max() for a, b in zip(references[detach_input], initial))
         assert moved > 1e-2
 
-    _launch(2, tmp_path)
+    from keras_erase.launch import run_local
 
-    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    outputs = run_local(_rank_main, 2, args=(str(tmp_path),), threads_per_rank=1, timeout_s=240)
+    ranks = [weights for weights, _ in outputs]
+    reports = [report for _, report in outputs]
     blocks = [f"tower_{i}" for i in range(TOWERS)]
     for detach_input in DETACH:
         reference = references[detach_input]
@@ -204,6 +144,3 @@ def test_gradient_sync_is_inactive_without_a_process_group():
 
     assert not distributed.active()
 
-
-if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

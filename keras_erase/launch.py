@@ -1,0 +1,154 @@
+"""Run a function on N local torch.distributed ranks (gloo on 127.0.0.1).
+
+`run_local(fn, nproc)` spawns `nproc` processes, initializes a gloo process
+group among them on the loopback address (a free port), calls
+`fn(rank, world_size, *args)` in each and returns the ranks' results in rank
+order. Each rank runs with `KERAS_BACKEND=torch` and `threads_per_rank` torch
+intra-op threads (default: the cores divided by `nproc`). Under the process
+group, `keras_erase.EraseModel` averages gradients over the ranks (see
+`keras_erase.distributed`), so `fn` only has to build the model and train it on
+its shard of the data.
+
+`fn` must be importable by the spawned processes (a module-level function of
+an importable module, not a lambda or a function of `__main__` run without the
+`if __name__ == "__main__":` guard) and its result picklable.
+
+Example:
+
+```python
+from keras_erase.launch import run_local
+
+def train(rank, world, x, y):           # in an importable module
+    model = build_model()
+    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+    start = time.perf_counter()
+    model.fit(x[rank::world], y[rank::world], batch_size=256)
+    return len(x[rank::world]) / (time.perf_counter() - start)
+
+qps = sum(run_local(train, 2, args=(x, y)))   # global samples per second
+```
+"""
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import traceback
+
+_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "KERAS_BACKEND")
+
+
+def free_port():
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results):
+    try:
+        os.environ["RANK"] = str(rank)
+        os.environ["LOCAL_RANK"] = str(rank)
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            value = fn(rank, world, *args, **kwargs)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local(fn, nproc, args=(), kwargs=None, threads_per_rank=None, timeout_s=600):
+    """Runs `fn(rank, nproc, *args, **kwargs)` on `nproc` local gloo ranks; returns the results.
+
+    Args:
+        fn: importable, picklable function of `(rank, world_size, *args, **kwargs)`.
+        nproc: number of ranks (processes), >= 1.
+        args, kwargs: extra arguments (picklable), the same for every rank.
+        threads_per_rank: torch intra-op threads per rank (default: cores // nproc, >= 1).
+        timeout_s: the whole run's limit in seconds, also the process group's
+            collective timeout; on expiry every rank is killed and `TimeoutError` raised.
+
+    Returns:
+        The list of the ranks' return values, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (the message carries its traceback) or died.
+        TimeoutError: the ranks did not finish within `timeout_s`.
+
+    Example: `run_local(train, 2, args=(x, y))` -> `[rank0_result, rank1_result]`.
+    """
+    nproc = int(nproc)
+    if nproc < 1:
+        raise ValueError(f"run_local: `nproc` must be >= 1. Received: nproc={nproc}")
+    kwargs = dict(kwargs or {})
+    threads = int(threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nproc),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "KERAS_BACKEND": "torch",
+    }
+    saved = {k: os.environ.get(k) for k in _ENV}
+    os.environ.update(env)  # inherited by the spawned ranks
+    procs = []
+    try:
+        for rank in range(nproc):
+            p = context.Process(
+                target=_rank_entry,
+                args=(fn, rank, nproc, tuple(args), kwargs, threads, timeout_s, results),
+                name=f"keras_erase-rank{rank}",
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    outputs, errors = {}, {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    try:
+        while len(outputs) + len(errors) < nproc:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            if left <= 0:
+                raise TimeoutError(f"run_local: {nproc} ranks did not finish in {timeout_s} s")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"run_local: rank process {dead[0].name} died "
+                        f"(exit code {dead[0].exitcode})"
+                    ) from None
+                continue
+            (outputs if ok else errors)[rank] = value
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=0 if errors or len(outputs) < nproc else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise RuntimeError(f"run_local: rank {rank} failed:\n{errors[rank]}")
+    return [outputs[r] for r in range(nproc)]
