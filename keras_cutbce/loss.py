@@ -141,7 +141,7 @@ class CutBCELoss(keras.losses.Loss):
         in_mask = get_keras_mask(y_pred)
         with keras.name_scope(self.name):
             y_pred = ops.convert_to_tensor(y_pred)
-            y_true = ops.convert_to_tensor(y_true)
+            y_true = self._integral_ids(ops.convert_to_tensor(y_true))
             if self.reduction in (None, "none"):
                 losses = self.call(y_true, y_pred)
                 return reduce_weighted_values(
@@ -159,6 +159,22 @@ class CutBCELoss(keras.losses.Loss):
             if self.reduction != "sum":
                 total = scale_loss_for_distribution(total)
             return total
+
+    @staticmethod
+    def _integral_ids(y_true):
+        """Ids as given, except the float placeholder of a tf.distribute build.
+
+        Under a `tf.distribute` strategy Keras builds the compiled loss once,
+        in cross-replica context, from the replicas' mean of the first batch:
+        a float tensor where only the shape matters. Anywhere else float ids
+        are an error (raised by the op).
+        """
+        if keras.backend.backend() == "tensorflow" and not cut_ops._is_int(y_true):
+            import tensorflow as tf
+
+            if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+                return ops.cast(y_true, "int32")
+        return y_true
 
     def _broadcast(self, sample_weight, shape):
         """`sample_weight` as `self.dtype`, broadcast over trailing positions."""

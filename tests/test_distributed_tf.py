@@ -69,12 +69,9 @@ def _train(strategy, x, y, batch, num_items, dim):
     import tensorflow as tf
 
     with strategy.scope():
+        # Keras builds the compiled loss from the replicas' mean of the first
+        # batch (float ids): CutBCELoss must accept that build.
         model = _build(num_items, dim)
-        # Under a tf.distribute strategy, Keras builds the compiled loss
-        # symbolically from the replicas' MEAN of the first batch, which
-        # turns the integer ids into floats (CutBCELoss rejects float ids).
-        # Building it once with real ids first skips that step.
-        model.compute_loss(x=None, y=tf.constant(y[:batch]), y_pred=model(x[:batch]))
     initial = [np.array(w) for w in model.weights]
     losses = []
     record = keras.callbacks.LambdaCallback(
