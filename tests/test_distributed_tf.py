@@ -66,7 +66,6 @@ def _build(num_items, dim):
 
 def _train(strategy, x, y, batch, num_items, dim):
     import numpy as np
-    import tensorflow as tf
 
     with strategy.scope():
         # Keras builds the compiled loss from the replicas' mean of the first
