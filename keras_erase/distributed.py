@@ -22,8 +22,9 @@ in sync with a `GradientSync`:
 
 Why this is correct with several backward calls per step: a block's input and
 output are detached, so its weights receive gradient only from its own local
-loss, through its own `torch.autograd.backward` call. When that call returns
-(and the block is not called again in the step, which is checked), the
+loss, through its own `torch.autograd.backward` call (as long as the block's
+layers are not also called outside it). When that call returns (and the block
+is not called again in the step, which is checked), the
 block's `.grad` are final for the step and can be reduced at once, whatever
 the other backward calls do later. The remainder's gradients may receive
 contributions from several backward calls (the main loss and, with

@@ -96,7 +96,39 @@ def _rank_main(rank, world, workdir):
                 "launch_order": model._grad_sync.launch_order,
                 "choice": model.dispatch_choice,
             }
+    report["presence"] = _presence_check(rank)
     return results, report
+
+
+def _presence_check(rank):
+    """A gradient that is None on rank 1 counts as zero there; None on every rank stays None."""
+    import keras
+    import torch
+
+    from keras_erase.distributed import GradientSync
+
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    kernel, bias = layer.trainable_weights
+
+    class _Model:
+        trainable_weights = [kernel, bias]
+
+        def detach_blocks(self):
+            return []
+
+    kernel.value.grad = torch.full(tuple(kernel.shape), 3.0) if rank == 0 else None
+    bias.value.grad = None
+    sync = GradientSync()
+    sync.start_step(_Model())
+    sync.reduce_rest()
+    sync.finish()
+    grad = kernel.value.grad
+    return {
+        "kernel": None if grad is None else grad.tolist(),
+        "bias_is_none": bias.value.grad is None,
+        "order": sync.launch_order,
+    }
 
 
 def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_path):
@@ -137,6 +169,10 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
             assert choice[0] == choice[1], key  # "auto" picks the same schedule everywhere
             expected = ["remainder"] if choice[0] == "standard" else blocks + ["remainder"]
             assert order[0] == expected, key
+    for report in reports:
+        presence = report["presence"]
+        np.testing.assert_array_equal(np.asarray(presence["kernel"]), np.full((3, 2), 1.5))
+        assert presence["bias_is_none"] and presence["order"] == ["remainder"]
 
 
 def test_gradient_sync_is_inactive_without_a_process_group():
