@@ -15,6 +15,7 @@ leading dimensions, resolves `chunk_size=None` with `tiling.default_chunk_size`
 and picks the implementation.
 """
 
+import importlib
 import math
 from typing import NamedTuple
 
@@ -170,30 +171,20 @@ def _on_tpu():
     return jax.devices()[0].platform == "tpu"
 
 
-def _chunked_module():
+def _backend_module(name):
+    """`keras_cutbce.backends.<backend>.<name>` for the active Keras backend."""
     backend = keras.backend.backend()
-    if backend == "jax":
-        from keras_cutbce.backends.jax import chunked
-    elif backend == "torch":
-        from keras_cutbce.backends.torch import chunked
-    elif backend == "tensorflow":
-        from keras_cutbce.backends.tensorflow import chunked
-    else:
+    if backend not in ("jax", "torch", "tensorflow"):
         raise NotImplementedError(f"CutBCE has no kernel for the {backend!r} backend.")
-    return chunked
+    return importlib.import_module(f"keras_cutbce.backends.{backend}.{name}")
+
+
+def _chunked_module():
+    return _backend_module("chunked")
 
 
 def _retrieval_module():
-    backend = keras.backend.backend()
-    if backend == "jax":
-        from keras_cutbce.backends.jax import retrieval
-    elif backend == "torch":
-        from keras_cutbce.backends.torch import retrieval
-    elif backend == "tensorflow":
-        from keras_cutbce.backends.tensorflow import retrieval
-    else:
-        raise NotImplementedError(f"CutBCE has no kernel for the {backend!r} backend.")
-    return retrieval
+    return _backend_module("retrieval")
 
 
 def _vocab_sharding(embeddings):
