@@ -13,14 +13,18 @@ is computed in two parts, so the `[M, V]` logits never exist:
   de-duplicated target ids are gathered, their logits computed and the
   weights `(delta_scale, delta_target)` added.
 
-The backward pass (`jax.custom_vjp`) keeps only the inputs as residuals and
-recomputes the logits tile by tile: with `dZ = g / V * (scale sigmoid(z) -
-target)` it accumulates `grad_hidden += dZ @ E_tile` in the scan's carry and
-emits `grad_table_tile = dZ.T @ h` and `grad_bias_tile = sum(dZ, 0)` as the
-scan's stacked outputs (one matmul gives both), then scatter-adds the
-positives' correction. Everything accumulates in
-float32; gradients come back in each input's dtype. The code is
-batch-polymorphic, so `jax.vmap` works over it.
+`cut_bce` (per-row loss, `jax.custom_vjp`) keeps only the inputs as
+residuals; its backward pass recomputes the logits tile by tile: with
+`dZ = g / V * (scale sigmoid(z) - target)` it accumulates
+`grad_hidden += dZ @ E_tile` in the scan's carry and emits
+`[h, 1].T @ dZ` (the table gradient tile, transposed, and the bias gradient
+tile in its last row) as the scan's stacked outputs, then scatter-adds the
+positives' correction. `cut_bce_weighted_sum` (a scalar, the training path of
+a reduced loss) computes the loss and the gradients at cotangent 1 in one
+scan instead, and its backward pass only scales them. Both run the same
+per-tile function (`_tile_pass`). Everything accumulates in float32;
+gradients come back in each input's dtype. `cut_bce` is batch-polymorphic, so
+`jax.vmap` works over it.
 """
 
 import functools
@@ -42,26 +46,30 @@ def tile_logits(hidden, table_tile, bias_tile=None):
     return z
 
 
-def _softplus(z):
-    """Stable `log(1 + exp(z))`: one `exp` and one `log1p`, finite for any finite z."""
-    return jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
+def _exp_neg_abs(z):
+    """`exp(-|z|)`: the one exponential that softplus and sigmoid share."""
+    return jnp.exp(-jnp.abs(z))
 
 
-def _sigmoid(z):
-    """Stable `1 / (1 + exp(-z))` from the same `exp(-|z|)`."""
-    e = jnp.exp(-jnp.abs(z))
+def _softplus(z, e):
+    """Stable `log(1 + exp(z))` from `e = exp(-|z|)`: finite for any finite z."""
+    return jnp.maximum(z, 0.0) + jnp.log1p(e)
+
+
+def _sigmoid(z, e):
+    """Stable `1 / (1 + exp(-z))` from `e = exp(-|z|)`."""
     return jnp.where(z >= 0, 1.0, e) / (1.0 + e)
 
 
-def _bce_terms(z, scale, target):
+def _bce_terms(z, e, scale, target):
     """`scale * softplus(z) - target * z`, skipping terms whose weight is 0."""
-    out = _softplus(z) if scale == 1.0 else scale * _softplus(z)
+    out = _softplus(z, e) if scale == 1.0 else scale * _softplus(z, e)
     return out if target == 0.0 else out - target * z
 
 
-def _bce_slopes(z, scale, target):
+def _bce_slopes(z, e, scale, target):
     """`d/dz` of `_bce_terms`: `scale * sigmoid(z) - target`."""
-    out = _sigmoid(z) if scale == 1.0 else scale * _sigmoid(z)
+    out = _sigmoid(z, e) if scale == 1.0 else scale * _sigmoid(z, e)
     return out if target == 0.0 else out - target
 
 
@@ -88,55 +96,86 @@ def _split_tiles(table, bias, tile):
     return tiles, rest
 
 
-def _dense_loss_sum(hidden, table, bias, tile, coef):
-    """`sum_v [neg_scale softplus(z_v) - neg_target z_v]` per row, `[M]` float32."""
+def _tile_pass(hidden, hidden_t, table_tile, bias_tile, coef, *, loss, row_scale):
+    """One vocabulary tile with the negative weights: the per-tile math, written once.
 
-    def tile_sum(table_tile, bias_tile):
-        z = tile_logits(hidden, table_tile, bias_tile)
-        return jnp.sum(_bce_terms(z, coef.neg_scale, coef.neg_target), axis=1)
+    Computes the tile's logits `z` (one matmul) and `e = exp(-|z|)` once, then
+    what is asked for:
 
-    def step(total, xs):
-        return total + tile_sum(*xs), None
+    - `loss=True`: the per-row sum of `neg_scale softplus(z) - neg_target z`
+      (`[M]` float32), else `None`;
+    - `row_scale` (`[M]` float32) given: with
+      `dZ = row_scale[:, None] * (neg_scale sigmoid(z) - neg_target)`, the
+      tile's part of the hidden gradient `dZ @ E_tile` (`[M, D]`) and
+      `hidden_t @ dZ` (`[D (+1), tile]`: the table gradient, transposed, and
+      in its last row the bias gradient when `hidden_t` carries a row of
+      ones), else `None, None`.
 
-    tiles, rest = _split_tiles(table, bias, tile)
-    total, _ = jax.lax.scan(step, jnp.zeros(hidden.shape[:1], _F32), tiles)
-    if rest is not None:
-        total = total + tile_sum(*rest)
-    return total
-
-
-def _dense_grads(hidden, table, bias, tile, coef, row_scale):
-    """Gradients of `sum_m row_scale_m * dense_sum_m` for hidden, table, bias (float32).
-
-    Per tile, `dZ` is read by two matmuls only: `dZ @ E_tile` for hidden and
-    `[h, 1].T @ dZ` (`[D + 1, tile]`) for the table and, in its last row, the
-    bias. Both are plain (untransposed) matmuls for XLA's CPU backend; the
-    stacked `[D + 1, V]` result is transposed once at the end.
+    Per tile, `dZ` is read by two matmuls only, both plain (untransposed)
+    for XLA's CPU backend.
     """
-    hidden_t = hidden.astype(_F32).T  # [D, M]
-    if bias is not None:
-        hidden_t = jnp.concatenate([hidden_t, jnp.ones_like(hidden_t[:1])], axis=0)
+    z = tile_logits(hidden, table_tile, bias_tile)
+    e = _exp_neg_abs(z)
+    loss_rows = None
+    if loss:
+        loss_rows = jnp.sum(_bce_terms(z, e, coef.neg_scale, coef.neg_target), axis=1)
+    if row_scale is None:
+        return loss_rows, None, None
+    dz = row_scale[:, None] * _bce_slopes(z, e, coef.neg_scale, coef.neg_target)
+    return loss_rows, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
-    def tile_grads(table_tile, bias_tile):
-        z = tile_logits(hidden, table_tile, bias_tile)
-        dz = row_scale[:, None] * _bce_slopes(z, coef.neg_scale, coef.neg_target)
-        return jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
-    def step(grad_hidden, xs):
-        tile_hidden, tile_table_t = tile_grads(*xs)
-        return grad_hidden + tile_hidden, tile_table_t
+def _dense_pass(hidden, table, bias, tile, coef, *, loss, row_scale=None):
+    """The dense background over every tile, in one `lax.scan`.
 
+    Returns `(loss_rows, grads)`: `loss_rows` is the per-row
+    `sum_v [neg_scale softplus(z_v) - neg_target z_v]` (`[M]` float32) when
+    `loss`, else `None`; `grads` is `None` without `row_scale`, else the
+    float32 gradients `(hidden, table, bias or None)` of
+    `sum_m row_scale_m * loss_rows_m`. The per-row loss sum and the hidden
+    gradient ride in the scan's carry, the transposed table gradient tiles are
+    its stacked outputs (transposed once at the end).
+    """
+    want_grads = row_scale is not None
+    hidden_t = None
+    if want_grads:
+        hidden_t = hidden.astype(_F32).T  # [D, M]
+        if bias is not None:
+            hidden_t = jnp.concatenate([hidden_t, jnp.ones_like(hidden_t[:1])], axis=0)
+
+    def tile_pass(table_tile, bias_tile):
+        return _tile_pass(
+            hidden, hidden_t, table_tile, bias_tile, coef, loss=loss, row_scale=row_scale
+        )
+
+    def add(a, b):
+        return None if a is None else a + b
+
+    def step(carry, xs):
+        loss_rows, grad_hidden = carry
+        tile_loss, tile_hidden, tile_table_t = tile_pass(*xs)
+        return (add(loss_rows, tile_loss), add(grad_hidden, tile_hidden)), tile_table_t
+
+    rows = hidden.shape[0]
+    init = (
+        jnp.zeros((rows,), _F32) if loss else None,
+        jnp.zeros(hidden.shape, _F32) if want_grads else None,
+    )
     tiles, rest = _split_tiles(table, bias, tile)
-    init = jnp.zeros(hidden.shape, _F32)
-    grad_hidden, stacked = jax.lax.scan(step, init, tiles)  # [n, D(+1), tile]
-    grad_table_t = jnp.moveaxis(stacked, 1, 0).reshape(stacked.shape[1], -1)
+    (loss_rows, grad_hidden), stacked = jax.lax.scan(step, init, tiles)
+    rest_table_t = None
     if rest is not None:
-        rest_hidden, rest_table_t = tile_grads(*rest)
-        grad_hidden = grad_hidden + rest_hidden
+        rest_loss, rest_hidden, rest_table_t = tile_pass(*rest)
+        loss_rows = add(loss_rows, rest_loss)
+        grad_hidden = add(grad_hidden, rest_hidden)
+    if not want_grads:
+        return loss_rows, None
+    grad_table_t = jnp.moveaxis(stacked, 1, 0).reshape(stacked.shape[1], -1)  # [D(+1), cut]
+    if rest_table_t is not None:
         grad_table_t = jnp.concatenate([grad_table_t, rest_table_t], axis=1)
     dim = table.shape[1]
     grad_bias = None if bias is None else grad_table_t[dim]
-    return grad_hidden, grad_table_t[:dim].T, grad_bias
+    return loss_rows, (grad_hidden, grad_table_t[:dim].T, grad_bias)
 
 
 # -------------------------------------------------------------- positives ---
@@ -165,18 +204,68 @@ def _positive_logits(hidden, table, bias, index):
     return z, rows
 
 
-# ------------------------------------------------------------- custom_vjp ---
+def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=None):
+    """Adds the positives' correction `(delta_scale, delta_target)` to a dense pass.
+
+    `loss_rows` (`[M]`, or `None`) gets the per-row correction; `grads`
+    (`(hidden, table, bias or None)` float32, or `None`) get the gradient of
+    `sum_m row_scale_m * correction_m`. Returns the updated `(loss_rows, grads)`.
+    """
+    if ids.shape[-1] == 0:
+        return loss_rows, grads
+    vocab = table.shape[0]
+    index, keep = _positives(ids, vocab)
+    z, rows = _positive_logits(hidden, table, bias, index)
+    e = _exp_neg_abs(z)
+    if loss_rows is not None:
+        terms = _bce_terms(z, e, coef.delta_scale, coef.delta_target)
+        loss_rows = loss_rows + jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
+    if grads is not None:
+        grad_hidden, grad_table, grad_bias = grads
+        slopes = _bce_slopes(z, e, coef.delta_scale, coef.delta_target)
+        dz = jnp.where(keep, row_scale[:, None] * slopes, 0.0)
+        grad_hidden = grad_hidden + jnp.sum(dz[..., None] * rows.astype(_F32), axis=1)
+        drop = jnp.where(keep, index, vocab)  # out of range: dropped by the scatter
+        updates = dz[..., None] * hidden.astype(_F32)[:, None, :]
+        grad_table = grad_table.at[drop].add(updates, mode="drop")
+        if bias is not None:
+            grad_bias = grad_bias.at[drop].add(dz, mode="drop")
+        grads = (grad_hidden, grad_table, grad_bias)
+    return loss_rows, grads
+
+
+def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None):
+    """Per-row loss `[M]` (or `None`) and the float32 gradients (or `None`).
+
+    The gradients are those of `sum_m row_scale_m * V * loss_m`, i.e. of
+    `sum_m row_scale_m * (dense + positives)_m`: `row_scale` already holds
+    the `1 / V`.
+    """
+    loss_rows, grads = _dense_pass(hidden, table, bias, tile, coef, loss=loss, row_scale=row_scale)
+    loss_rows, grads = _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale)
+    if loss_rows is not None:
+        loss_rows = loss_rows / table.shape[0]
+    return loss_rows, grads
+
+
+def _cast_grads(grads, hidden, table, bias, factor=None):
+    """Gradients in each input's dtype, optionally times a scalar cotangent first."""
+    grad_hidden, grad_table, grad_bias = grads
+    if factor is not None:
+        grad_hidden, grad_table = factor * grad_hidden, factor * grad_table
+        grad_bias = None if grad_bias is None else factor * grad_bias
+    return (
+        grad_hidden.astype(hidden.dtype),
+        grad_table.astype(table.dtype),
+        None if bias is None else grad_bias.astype(bias.dtype),
+    )
+
+
+# ------------------------------------------------- custom_vjp: per-row loss ---
 
 
 def _loss(hidden, table, ids, bias, coef, tile):
-    vocab = table.shape[0]
-    total = _dense_loss_sum(hidden, table, bias, tile, coef)
-    if ids.shape[-1] > 0:
-        index, keep = _positives(ids, vocab)
-        z, _ = _positive_logits(hidden, table, bias, index)
-        terms = _bce_terms(z, coef.delta_scale, coef.delta_target)
-        total = total + jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
-    return total / vocab
+    return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -190,34 +279,69 @@ def _cut_bce_fwd(hidden, table, ids, bias, coef, tile):
 
 def _cut_bce_bwd(coef, tile, residuals, g):
     hidden, table, ids, bias = residuals
-    vocab = table.shape[0]
-    row_scale = g.astype(_F32) / vocab
-    grad_hidden, grad_table, grad_bias = _dense_grads(
-        hidden, table, bias, tile, coef, row_scale
+    row_scale = g.astype(_F32) / table.shape[0]
+    _, grads = _loss_and_grads(
+        hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale
     )
-    if ids.shape[-1] > 0:
-        index, keep = _positives(ids, vocab)
-        z, rows = _positive_logits(hidden, table, bias, index)
-        slopes = _bce_slopes(z, coef.delta_scale, coef.delta_target)
-        dz = jnp.where(keep, row_scale[:, None] * slopes, 0.0)
-        grad_hidden = grad_hidden + jnp.sum(dz[..., None] * rows.astype(_F32), axis=1)
-        drop = jnp.where(keep, index, vocab)  # out of range: dropped by the scatter
-        updates = dz[..., None] * hidden.astype(_F32)[:, None, :]
-        grad_table = grad_table.at[drop].add(updates, mode="drop")
-        if bias is not None:
-            grad_bias = grad_bias.at[drop].add(dz, mode="drop")
-    return (
-        grad_hidden.astype(hidden.dtype),
-        grad_table.astype(table.dtype),
-        None,
-        None if bias is None else grad_bias.astype(bias.dtype),
-    )
+    grad_hidden, grad_table, grad_bias = _cast_grads(grads, hidden, table, bias)
+    return grad_hidden, grad_table, None, grad_bias
 
 
 _cut_bce.defvjp(_cut_bce_fwd, _cut_bce_bwd)
 
 # Compiled as one XLA program even when called eagerly; a no-op inside `jit`.
 _cut_bce_jit = jax.jit(_cut_bce, static_argnums=(4, 5))
+
+
+# ------------------------------------------- custom_vjp: fused weighted sum ---
+
+
+def _weighted_sum(hidden, table, ids, bias, row_weights, coef, tile):
+    loss_rows = _loss(hidden, table, ids, bias, coef, tile)
+    return jnp.vdot(row_weights.astype(_F32), loss_rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused(hidden, table, ids, bias, row_weights, coef, tile):
+    # Plain evaluation (no gradient asked): the loss alone.
+    return _weighted_sum(hidden, table, ids, bias, row_weights, coef, tile)
+
+
+def _fused_fwd(hidden, table, ids, bias, row_weights, coef, tile):
+    # The scalar's gradient at cotangent 1, in the same pass as the loss.
+    weights = row_weights.astype(_F32)
+    loss_rows, grads = _loss_and_grads(
+        hidden, table, ids, bias, coef, tile, loss=True, row_scale=weights / table.shape[0]
+    )
+    total = jnp.vdot(weights, loss_rows)
+    zero_weights = jnp.zeros_like(row_weights)
+    return total, (grads, hidden, table, bias, zero_weights)
+
+
+def _fused_bwd(coef, tile, residuals, c):
+    grads, hidden, table, bias, zero_weights = residuals
+    grad_hidden, grad_table, grad_bias = _cast_grads(
+        grads, hidden, table, bias, factor=c.astype(_F32)
+    )
+    return grad_hidden, grad_table, None, grad_bias, zero_weights
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+_fused_jit = jax.jit(_fused, static_argnums=(5, 6))
+
+
+def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
+    hidden = jnp.asarray(hidden)
+    table = jnp.asarray(table)
+    ids = jnp.asarray(ids)
+    bias = None if bias is None else jnp.asarray(bias)
+    vocab = table.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden.shape[0], vocab)
+    tile = max(1, min(int(chunk_size), vocab))
+    coef = bce_coefficients(label_smoothing, pos_weight)
+    return hidden, table, ids, bias, coef, tile
 
 
 def cut_bce(
@@ -249,13 +373,61 @@ def cut_bce(
     >>> cut_bce(h, table, np.array([[1, 2], [3, -1], [5, 5]]), chunk_size=32).shape
     (3,)
     """
-    hidden = jnp.asarray(hidden)
-    table = jnp.asarray(table)
-    ids = jnp.asarray(ids)
-    bias = None if bias is None else jnp.asarray(bias)
-    vocab = table.shape[0]
-    if chunk_size is None:
-        chunk_size = default_chunk_size(hidden.shape[0], vocab)
-    tile = max(1, min(int(chunk_size), vocab))
-    coef = bce_coefficients(label_smoothing, pos_weight)
-    return _cut_bce_jit(hidden, table, ids, bias, coef, tile)
+    args = _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size)
+    return _cut_bce_jit(*args)
+
+
+def cut_bce_weighted_sum(
+    hidden,
+    table,
+    ids,
+    bias,
+    row_weights,
+    *,
+    label_smoothing=0.0,
+    pos_weight=1.0,
+    chunk_size=None,
+):
+    """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
+
+    The fused training path of a reduced loss (`keras_cutbce.ops.weighted_loss_sum`).
+    The output is a scalar, so the gradient for an upstream cotangent `c` is
+    `c` times the gradient at `c = 1`: when a gradient is asked for, one
+    `lax.scan` over the vocabulary tiles computes the loss and the three
+    gradients together (per tile one logits matmul, one `exp(-|z|)` shared
+    by softplus and sigmoid, and the two gradient matmuls; nothing is
+    recomputed in the backward pass, which only scales the saved gradients by
+    `c`). Plain evaluation computes the loss alone.
+
+    Args:
+        hidden: float `[M, D]` (float32, bfloat16 or float16).
+        table: float `[V, D]`.
+        ids: integer `[M, L]` target ids (`L` may be 0); ids outside `[0, V)`
+            are padding, a repeated id in a row counts once.
+        bias: optional float `[V]` (or `None`).
+        row_weights: float `[M]` per-row weights; constants (their gradient is 0).
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float weighting the positive terms.
+        chunk_size: vocabulary tile width (a positive int); `None` uses
+            `keras_cutbce.tiling.default_chunk_size`.
+
+    Returns:
+        A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`
+        under `jit`, `grad` and `value_and_grad` (gradients in each input's dtype).
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = np.random.normal(size=(3, 8)).astype("float32")
+    >>> table = np.random.normal(size=(100, 8)).astype("float32")
+    >>> ids = np.array([[1, 2], [3, -1], [5, 5]])
+    >>> w = np.array([1.0, 0.0, 0.5], "float32")
+    >>> total = cut_bce_weighted_sum(h, table, ids, None, w, chunk_size=32)
+    >>> bool(np.isclose(total, np.sum(w * cut_bce(h, table, ids, chunk_size=32)), rtol=1e-5))
+    True
+    """
+    hidden, table, ids, bias, coef, tile = _prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
+    )
+    row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
+    return _fused_jit(hidden, table, ids, bias, row_weights, coef, tile)
