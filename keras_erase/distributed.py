@@ -5,8 +5,10 @@ CUDA) with more than one rank, `EraseModel`'s torch train step keeps the ranks
 in sync with a `GradientSync`:
 
 1. At the start of training (the first train step of every `fit`, and the
-   first train step ever) every model variable is broadcast from rank 0, so
-   all ranks start from rank 0's weights. Optimizer state is not broadcast:
+   first train step ever) every model weight (`model.weights`: trainable and
+   non-trainable, e.g. batch-norm statistics; not the random seed states, so
+   dropout masks differ between ranks) is broadcast from rank 0, so all ranks
+   start from rank 0's weights. Optimizer state is not broadcast:
    ranks start from the same optimizer state (fresh, or the same checkpoint)
    and it then evolves identically because the averaged gradients are.
 2. During the step, as soon as a `DetachBlock`'s early backward ends, the
@@ -138,10 +140,10 @@ class GradientSync:
     # -- parameters --------------------------------------------------------------
 
     def broadcast_parameters(self, model):
-        """Copies every variable of `model` from rank 0 to all ranks (in place)."""
+        """Copies every weight of `model` (`model.weights`) from rank 0 to all ranks, in place."""
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
-            for variable in model.variables:
+            for variable in model.weights:
                 value = variable.value
                 if isinstance(value, torch.Tensor):
                     dist.broadcast(value.data, src=src, group=self.group)

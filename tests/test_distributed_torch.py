@@ -180,3 +180,15 @@ def test_gradient_sync_is_inactive_without_a_process_group():
 
     assert not distributed.active()
 
+
+
+def test_run_local_reports_a_failing_rank_with_its_traceback():
+    import operator
+
+    from keras_erase.launch import run_local
+
+    # operator.getitem(rank, world) raises TypeError on every rank.
+    with pytest.raises(RuntimeError, match=r"(?s)rank [01] failed:.*not subscriptable"):
+        run_local(operator.getitem, 2, threads_per_rank=1, timeout_s=120)
+    with pytest.raises(ValueError, match="nproc"):
+        run_local(operator.getitem, 0)
