@@ -360,7 +360,19 @@ def test_ctr_single_mode_json(tmp_path):
     assert CTR_KEYS <= set(written)
     assert written["mode"] == "detached" and written["steps"] == 4
     assert 0 < written["ne"] < 5 and 0 <= written["auc"] <= 1
-    assert 0 < written["qps_p50"] <= written["qps_p90"]
+    assert 0 < written["qps_p90"] <= written["qps_p50"]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.distributed ranks")
+def test_ctr_nproc_two_ranks_sum_their_throughput(tmp_path):
+    from examples.ctr.train import main
+
+    out = tmp_path / "ctr.json"
+    main(TINY_CTR + ["--mode", "erase-threaded", "--nproc", "2", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["nproc"] == 2 and len(written["rank_qps_p50"]) == 2
+    assert written["qps_p50"] == pytest.approx(sum(written["rank_qps_p50"]))
+    assert 0 < written["ne"] < 5
 
 
 def test_ctr_compare_table_and_plot(tmp_path, capsys):

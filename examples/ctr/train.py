@@ -105,6 +105,8 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--verbose", type=int, default=1, help="fit's verbosity (1: progress bar)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="torch: N local gloo ranks, data parallel; QPS is summed over ranks")
     return parser
 
 
@@ -126,9 +128,12 @@ class Throughput(keras.callbacks.Callback):
             self.ne.append(float(logs["ne"]))
 
     def percentiles(self, warmup):
+        """`(p50, p90)` examples/s: the batch over the median and the 90th-percentile
+        step time (p90 is the throughput 90% of steps reach, as in the benchmarks)."""
         seconds = np.asarray(self.seconds[warmup:] if len(self.seconds) > warmup else self.seconds)
-        qps = self.batch_size / np.maximum(seconds, 1e-12)
-        return float(np.percentile(qps, 50)), float(np.percentile(qps, 90))
+        seconds = np.maximum(seconds, 1e-12)
+        return (float(self.batch_size / np.percentile(seconds, 50)),
+                float(self.batch_size / np.percentile(seconds, 90)))
 
 
 def load_data(args):
@@ -246,6 +251,47 @@ def plot_ne(results, path):
     return path
 
 
+def shard(train, rank, world, batch_size):
+    """Rank `rank`'s equal share of the training rows (every rank takes the same steps)."""
+    per_rank = (len(train["label"]) // (world * batch_size)) * batch_size
+    if per_rank == 0:
+        raise SystemExit(
+            f"Too few training examples for --nproc {world} x --batch-size {batch_size}."
+        )
+    return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in train.items()}
+
+
+def run_rank(rank, world, mode, args):
+    """One rank of `--nproc`: trains `mode` on its shard (weights broadcast from rank 0)."""
+    train, test = load_data(args)  # same seed: the same data on every rank
+    if rank > 0:
+        args.verbose = 0
+    return run_mode(mode, args, shard(train, rank, world, args.batch_size), test)
+
+
+def run_distributed(mode, args):
+    """`--nproc N`: N local gloo ranks; global QPS = sum over ranks; NE/AUC of rank 0."""
+    from keras_erase.launch import run_local
+
+    if keras.backend.backend() != "torch":
+        raise SystemExit("--nproc needs --backend torch (torch.distributed, gloo).")
+    ranks = run_local(run_rank, args.nproc, args=(mode, args))
+    result = dict(ranks[0])
+    result.update(
+        nproc=args.nproc,
+        qps_p50=sum(r["qps_p50"] for r in ranks),
+        qps_p90=sum(r["qps_p90"] for r in ranks),
+        rank_qps_p50=[r["qps_p50"] for r in ranks],
+    )
+    return result
+
+
+def _run(mode, args, train, test):
+    if args.nproc > 1:
+        return run_distributed(mode, args)
+    return run_mode(mode, args, train, test)
+
+
 def _summary(result):
     return {k: v for k, v in result.items() if k != "train_ne_per_step"}
 
@@ -254,14 +300,14 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     train, test = load_data(args)
     if args.compare:
-        results = [run_mode(mode, args, train, test) for mode in available_modes()]
+        results = [_run(mode, args, train, test) for mode in available_modes()]
         table = compare_table(results)
         print(table)
         if args.plot:
             print(f"NE per step plot: {plot_ne(results, args.plot)}")
         output = {"runs": [_summary(r) for r in results], "table": table}
     else:
-        result = run_mode(args.mode, args, train, test)
+        result = _run(args.mode, args, train, test)
         print(compare_table([result]))
         output = _summary(result)
         results = [result]
