@@ -229,7 +229,7 @@ def test_work_per_tile_and_no_recompute(use_bias):
 
 
 def test_no_rows_by_vocab_array():
-    jax, jnp, _ = _jax()
+    jax, _, _ = _jax()
     rows, dim, vocab = 16, 6, 67  # M * V = 1072 > V * D = 402 > M * tile
     hidden, table, bias, ids, weights = _problem(np.random.default_rng(7), rows, dim, vocab, 3)
     fused, dense, _ = _objectives(ids, weights, 0.1, 1.0, 8)
