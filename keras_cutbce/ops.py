@@ -24,6 +24,7 @@ from keras import ops
 
 from keras_cutbce import reference
 from keras_cutbce.tiling import default_chunk_size
+from keras_cutbce.tiling import tile_budget_bytes
 
 IMPLEMENTATIONS = ("auto", "chunked", "pallas", "reference")
 
@@ -171,6 +172,28 @@ def _on_tpu():
     return jax.devices()[0].platform == "tpu"
 
 
+def _platform(tensor):
+    """"cpu", "gpu", "tpu", ... where the active backend runs `tensor`."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend()
+    if backend == "torch":
+        return "gpu" if tensor.device.type == "cuda" else tensor.device.type
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    return "cpu"
+
+
+def _default_chunk_size(hidden, table):
+    rows = _num_rows(_dims(hidden))
+    budget = tile_budget_bytes(keras.backend.backend(), _platform(hidden))
+    return default_chunk_size(rows or 4096, _dims(table)[0] or 2**20, budget)
+
+
 def _backend_module(name):
     """`keras_cutbce.backends.<backend>.<name>` for the active Keras backend."""
     backend = keras.backend.backend()
@@ -305,8 +328,7 @@ def _prepare(hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
     flat_hidden, flat_ids = _flatten(hidden, target_ids)
     user_chunk_size = chunk_size
     if chunk_size is None:
-        rows = _num_rows(_dims(hidden))
-        chunk_size = default_chunk_size(rows or 4096, _dims(table)[0] or 2**20)
+        chunk_size = _default_chunk_size(hidden, table)
     return _Prepared(
         flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1], chunk_size,
         user_chunk_size, select_implementation(implementation), sharding,
@@ -442,8 +464,7 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
         )
         return ops.reshape(scores, lead_shape + (k,)), ops.reshape(ids, lead_shape + (k,))
     if chunk_size is None:
-        rows = _num_rows(_dims(hidden))
-        chunk_size = default_chunk_size(rows or 4096, vocab_size or 2**20)
+        chunk_size = _default_chunk_size(hidden, table)
     scores, ids = _retrieval_module().top_k(
         flat_hidden, table, k, bias, flat_exclude, chunk_size=chunk_size
     )
@@ -471,8 +492,7 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
     lead_shape = ops.shape(hidden)[:-1]
     flat_hidden, _ = _flatten(hidden, None)
     if chunk_size is None:
-        rows = _num_rows(_dims(hidden))
-        chunk_size = default_chunk_size(rows or 4096, _dims(table)[0] or 2**20)
+        chunk_size = _default_chunk_size(hidden, table)
     counts = _retrieval_module().count_at_least(
         flat_hidden, table, bias, float(threshold), chunk_size=chunk_size
     )

@@ -2,16 +2,22 @@
 
 The rule (`chunk_size=None`): a tile holds about four float32 `[rows, tile]`
 intermediates (logits, their exponential, the loss or gradient term, and one
-temporary), and those must fit in `DEFAULT_TILE_BUDGET_BYTES` (64 MiB). So
+temporary), and those must fit in a budget:
 
     tile = budget / (16 * rows), rounded down to a multiple of 128,
            clamped to [128, 8192], and never wider than V rounded up to 128.
 
-At 4096 rows that is 1024 items a tile; at 1024 rows, 4096. Memory of the loss
-is then O(rows * tile + V * D) whatever V is.
+The budget is 64 MiB (`DEFAULT_TILE_BUDGET_BYTES`: 1024 items a tile at 4096
+rows, 4096 at 1024 rows), except for JAX and TensorFlow on CPU, where a tile
+that stays in cache is faster: 16 MiB (`CPU_CACHE_TILE_BUDGET_BYTES`: 256
+items at 4096 rows, 1024 at 1024 rows). Measured on 2 cores, forward+backward
+at (4096, 64, 32768): JAX 1.0-1.2 s at tile 256 vs 1.25-1.56 s at 1024;
+TensorFlow 1.85-2.08 s vs 2.30-2.86 s; torch 1.65-1.73 s vs 1.56-1.57 s (so
+torch keeps 64 MiB). Memory of the loss is O(rows * tile + V * D) whatever V is.
 """
 
 DEFAULT_TILE_BUDGET_BYTES = 64 * 2**20
+CPU_CACHE_TILE_BUDGET_BYTES = 16 * 2**20
 TILE_MULTIPLE = 128
 MIN_TILE = 128
 MAX_TILE = 8192
@@ -20,6 +26,19 @@ MAX_TILE = 8192
 def round_up(value, multiple):
     """Rounds `value` up to a multiple of `multiple`."""
     return -(-int(value) // multiple) * multiple
+
+
+def tile_budget_bytes(backend, platform):
+    """The tile budget of the rule above for a Keras backend on a platform.
+
+    Example:
+
+    >>> tile_budget_bytes("jax", "cpu") // 2**20, tile_budget_bytes("torch", "cpu") // 2**20
+    (16, 64)
+    """
+    if platform == "cpu" and backend in ("jax", "tensorflow"):
+        return CPU_CACHE_TILE_BUDGET_BYTES
+    return DEFAULT_TILE_BUDGET_BYTES
 
 
 def default_chunk_size(num_rows, vocab_size, budget_bytes=DEFAULT_TILE_BUDGET_BYTES):

@@ -34,8 +34,14 @@ import jax.numpy as jnp
 
 from keras_cutbce.coefficients import bce_coefficients
 from keras_cutbce.tiling import default_chunk_size
+from keras_cutbce.tiling import tile_budget_bytes
 
 _F32 = jnp.float32
+
+
+def tile_budget():
+    """The `keras_cutbce.tiling` budget for JAX on its default platform."""
+    return tile_budget_bytes("jax", jax.default_backend())
 
 
 def tile_logits(hidden, table_tile, bias_tile=None):
@@ -338,7 +344,7 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
     bias = None if bias is None else jnp.asarray(bias)
     vocab = table.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(hidden.shape[0], vocab)
+        chunk_size = default_chunk_size(hidden.shape[0], vocab, tile_budget())
     tile = max(1, min(int(chunk_size), vocab))
     coef = bce_coefficients(label_smoothing, pos_weight)
     return hidden, table, ids, bias, coef, tile

@@ -281,7 +281,7 @@ def cut_bce(
     rows = _row_axes(sharding, num_rows)
     rows_per_device = num_rows // math.prod(mesh.shape[a] for a in rows)
     if chunk_size is None:
-        chunk_size = default_chunk_size(rows_per_device, local)
+        chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
     kwargs = dict(
         label_smoothing=label_smoothing, pos_weight=pos_weight, chunk_size=chunk_size
     )
@@ -396,7 +396,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size
     rows = _row_axes(sharding, num_rows)
     if chunk_size is None:
         rows_per_device = num_rows // math.prod(mesh.shape[a] for a in rows)
-        chunk_size = default_chunk_size(rows_per_device, local)
+        chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
 
     def shard_top_k(h, t, x=None, b=None):
         offset = _shard_offset(vocab_axes, local)
