@@ -71,8 +71,21 @@ def _inputs(shape, seed=0):
     return hidden, table, bias, ids
 
 
+def _multi_hot_numpy(ids, vocab):
+    """Float32 `[rows, V]` multi-hot built by a scatter (no `[rows, L, V]` one-hot)."""
+    import numpy as np
+
+    targets = np.zeros((ids.shape[0], vocab), "float32")
+    targets[np.arange(ids.shape[0])[:, None], ids] = 1.0
+    return targets
+
+
 def _value_and_grad_fn(backend, loss_fn):
-    """A compiled function (h, E, b) -> (loss, grads) on the active backend."""
+    """A compiled function `(h, E, b, *constants) -> (loss, grads of h, E, b)`.
+
+    Large constants (the dense targets) are arguments, not closures: a jitted
+    closure would embed them in the program.
+    """
     if backend == "jax":
         import jax
 
@@ -81,18 +94,18 @@ def _value_and_grad_fn(backend, loss_fn):
         import tensorflow as tf
 
         @tf.function
-        def step(h, t, b):
+        def step(h, t, b, *constants):
             with tf.GradientTape() as tape:
                 tape.watch([h, t, b])
-                value = loss_fn(h, t, b)
+                value = loss_fn(h, t, b, *constants)
             return value, tape.gradient(value, [h, t, b])
 
         return step
     import torch
 
-    def step(h, t, b):
+    def step(h, t, b, *constants):
         h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
-        value = loss_fn(h, t, b)
+        value = loss_fn(h, t, b, *constants)
         return value, torch.autograd.grad(value, (h, t, b))
 
     return step
@@ -115,18 +128,17 @@ def _variant_fn(backend, variant, shape):
 
     from keras_cutbce import cut_binary_crossentropy
     from keras_cutbce.ops import cut_top_k
-    from keras_cutbce.reference import multi_hot
 
     hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
     rows, dim, vocab = shape
     if variant == "dense":
-        targets = multi_hot(ids, vocab)
+        targets = ops.convert_to_tensor(_multi_hot_numpy(_inputs(shape)[3], vocab))
 
-        def loss(h, t, b):
+        def loss(h, t, b, targets):
             logits = ops.matmul(h, ops.transpose(t)) + b
             return ops.sum(keras.losses.binary_crossentropy(targets, logits, from_logits=True))
 
-        return _value_and_grad_fn(backend, loss), (hidden, table, bias)
+        return _value_and_grad_fn(backend, loss), (hidden, table, bias, targets)
     if variant == "cutbce":
 
         def loss(h, t, b):
