@@ -256,6 +256,9 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
 
         @tf.custom_gradient
         def loss_without_bias(h, e, i):
+            # stop_gradient: an eager GradientTape would otherwise record every
+            # tile's ops and keep their [M, tile] intermediates alive.
+            h, e = tf.stop_gradient(h), tf.stop_gradient(e)
             loss, grad = _forward_and_grad(h, e, i, None, coef, tile)
 
             def grad_fn(g):
@@ -270,6 +273,7 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
 
     @tf.custom_gradient
     def loss_with_bias(h, e, i, b):
+        h, e, b = tf.stop_gradient(h), tf.stop_gradient(e), tf.stop_gradient(b)  # see above
         loss, grad = _forward_and_grad(h, e, i, b, coef, tile)
 
         def grad_fn(g):
