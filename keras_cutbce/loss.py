@@ -46,6 +46,30 @@ def _find_model_variable(path):
     return None
 
 
+def variable_path(source, argument):
+    """The path of the variable behind `source` (None and paths pass through)."""
+    if source is None or isinstance(source, str):
+        return source
+    path = getattr(_variable_of(source, argument), "path", None)
+    if path is None:
+        raise ValueError(
+            f"`{argument}` must be a keras.Variable or layer to be serialized; "
+            f"received {type(source).__name__}."
+        )
+    return path
+
+
+def rebind_variables(config):
+    """`config` with its `embeddings`/`bias` paths bound to the model being loaded."""
+    config = dict(config)
+    for key in ("embeddings", "bias"):
+        if isinstance(config.get(key), str):
+            variable = _find_model_variable(config[key])
+            if variable is not None:
+                config[key] = variable
+    return config
+
+
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class CutBCELoss(keras.losses.Loss):
     """Full-vocabulary binary cross-entropy of hidden states against item ids.
@@ -228,19 +252,6 @@ class CutBCELoss(keras.losses.Loss):
             y_pred, embeddings, y_true, bias, **self._op_kwargs()
         )
 
-    @staticmethod
-    def _path_of(source, argument):
-        if source is None or isinstance(source, str):
-            return source
-        variable = _variable_of(source, argument)
-        path = getattr(variable, "path", None)
-        if path is None:
-            raise ValueError(
-                f"`{argument}` must be a keras.Variable or layer to be serialized; "
-                f"received {type(source).__name__}."
-            )
-        return path
-
     def get_config(self):
         """Config with the table (and bias) saved as variable paths.
 
@@ -249,8 +260,8 @@ class CutBCELoss(keras.losses.Loss):
         """
         config = super().get_config()
         config.update(
-            embeddings=self._path_of(self.embeddings, "embeddings"),
-            bias=self._path_of(self.bias, "bias"),
+            embeddings=variable_path(self.embeddings, "embeddings"),
+            bias=variable_path(self.bias, "bias"),
             label_smoothing=self.label_smoothing,
             pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,
@@ -260,10 +271,4 @@ class CutBCELoss(keras.losses.Loss):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        for key in ("embeddings", "bias"):
-            if isinstance(config.get(key), str):
-                variable = _find_model_variable(config[key])
-                if variable is not None:
-                    config[key] = variable
-        return cls(**config)
+        return cls(**rebind_variables(config))

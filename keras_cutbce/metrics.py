@@ -23,7 +23,7 @@ from keras.src.backend.common import stateless_scope
 from keras.src.backend.common.masking import get_keras_mask
 
 from keras_cutbce import ops as cut_ops
-from keras_cutbce.loss import _find_model_variable, _variable_of
+from keras_cutbce.loss import _find_model_variable, _variable_of, rebind_variables, variable_path
 
 _JAX_STEPS = ("train_step", "test_step", "predict_step")
 
@@ -98,28 +98,6 @@ def _keep_untracked(metric, **sources):
         object.__setattr__(metric, name, source)
 
 
-def _path_of(source, argument):
-    if source is None or isinstance(source, str):
-        return source
-    path = getattr(_variable_of(source, argument), "path", None)
-    if path is None:
-        raise ValueError(
-            f"`{argument}` must be a keras.Variable or layer to be serialized; "
-            f"received {type(source).__name__}."
-        )
-    return path
-
-
-def _rebind(config):
-    config = dict(config)
-    for key in ("embeddings", "bias"):
-        if isinstance(config.get(key), str):
-            variable = _find_model_variable(config[key])
-            if variable is not None:
-                config[key] = variable
-    return config
-
-
 def _position_weights(sample_weight, mask, lead_ndim, like, dtype):
     """Per-position weights `[M]`: `sample_weight` broadcast over positions, times the mask."""
     weights = ops.ones_like(like, dtype=dtype)
@@ -184,8 +162,43 @@ def _prepare(y_true, y_pred):
     return y_true, y_pred, mask
 
 
+class _ItemTableMetric(keras.metrics.Metric):
+    """A metric that reads an item table (and bias) when it updates.
+
+    Holds the table untracked (see `_keep_untracked`), resets its own
+    variables to zero, and saves the table as a variable path that re-binds
+    to the loaded model's variable.
+    """
+
+    def __init__(self, embeddings, bias, chunk_size, name, dtype):
+        super().__init__(name=name, dtype=dtype or "float32")
+        if embeddings is None:
+            raise ValueError("`embeddings` is required: the item table [V, D].")
+        cut_ops._check_chunk_size(chunk_size)
+        _keep_untracked(self, embeddings=embeddings, bias=bias)
+        self.chunk_size = chunk_size
+
+    def reset_state(self):
+        for variable in self.variables:
+            variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))
+
+    def get_config(self):
+        """Config with the table (and bias) saved as variable paths."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "embeddings": variable_path(self.embeddings, "embeddings"),
+            "bias": variable_path(self.bias, "bias"),
+            "chunk_size": self.chunk_size,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**rebind_variables(config))
+
+
 @keras.saving.register_keras_serializable(package="keras_cutbce")
-class TopKRetrieval(keras.metrics.Metric):
+class TopKRetrieval(_ItemTableMetric):
     """hit@k, recall@k and ndcg@k of full-vocabulary retrieval, without logits.
 
     For every position, the top `max(k)` items by logit `h . E_v + b_v` are
@@ -247,14 +260,9 @@ class TopKRetrieval(keras.metrics.Metric):
         name="top_k_retrieval",
         dtype=None,
     ):
-        super().__init__(name=name, dtype=dtype or "float32")
-        if embeddings is None:
-            raise ValueError("`embeddings` is required: the item table [V, D].")
-        cut_ops._check_chunk_size(chunk_size)
-        _keep_untracked(self, embeddings=embeddings, bias=bias)
+        super().__init__(embeddings, bias, chunk_size, name, dtype)
         self.k = _check_k(k)
         self.exclude_ids = _check_exclude_ids(exclude_ids)
-        self.chunk_size = chunk_size
         self._sums = {}
         for cut in self.k:
             for measure in ("hit", "recall", "ndcg"):
@@ -342,29 +350,16 @@ class TopKRetrieval(keras.metrics.Metric):
             for key, variable in self._sums.items()
         }
 
-    def reset_state(self):
-        for variable in self.variables:
-            variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))
-
     def get_config(self):
-        """Config with the table (and bias) saved as variable paths."""
         return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "embeddings": _path_of(self.embeddings, "embeddings"),
-            "bias": _path_of(self.bias, "bias"),
+            **super().get_config(),
             "k": list(self.k),
             "exclude_ids": list(self.exclude_ids) or None,
-            "chunk_size": self.chunk_size,
         }
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**_rebind(config))
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
-class ThresholdConfusion(keras.metrics.Metric):
+class ThresholdConfusion(_ItemTableMetric):
     """Precision, recall and F1 of every item at a probability threshold, without logits.
 
     Each position predicts item v when `sigmoid(h . E_v + b_v) >= threshold`,
@@ -412,17 +407,12 @@ class ThresholdConfusion(keras.metrics.Metric):
         name="threshold_confusion",
         dtype=None,
     ):
-        super().__init__(name=name, dtype=dtype or "float32")
-        if embeddings is None:
-            raise ValueError("`embeddings` is required: the item table [V, D].")
         if not 0.0 < float(threshold) < 1.0:
             raise ValueError(
                 f"`threshold` must be a probability in (0, 1); received {threshold!r}."
             )
-        cut_ops._check_chunk_size(chunk_size)
-        _keep_untracked(self, embeddings=embeddings, bias=bias)
+        super().__init__(embeddings, bias, chunk_size, name, dtype)
         self.threshold = float(threshold)
-        self.chunk_size = chunk_size
         self.logit_threshold = math.log(self.threshold) - math.log1p(-self.threshold)
         for name_ in ("true_positives", "false_positives", "false_negatives", "true_negatives"):
             setattr(
@@ -482,21 +472,5 @@ class ThresholdConfusion(keras.metrics.Metric):
         f1 = ops.divide_no_nan(2.0 * precision * recall, precision + recall)
         return {"precision": precision, "recall": recall, "f1": f1}
 
-    def reset_state(self):
-        for variable in self.variables:
-            variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))
-
     def get_config(self):
-        """Config with the table (and bias) saved as variable paths."""
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "embeddings": _path_of(self.embeddings, "embeddings"),
-            "bias": _path_of(self.bias, "bias"),
-            "threshold": self.threshold,
-            "chunk_size": self.chunk_size,
-        }
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**_rebind(config))
+        return {**super().get_config(), "threshold": self.threshold}
