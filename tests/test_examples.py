@@ -415,12 +415,12 @@ def test_ctr_unavailable_mode_is_a_clear_error():
 
 
 def test_select_backend_sets_the_environment(monkeypatch):
-    from examples.sasrec.__main__ import _select_backend
+    from examples import select_backend
 
     monkeypatch.setenv("KERAS_BACKEND", "jax")
-    _select_backend(["--epochs", "1", "--backend", "tensorflow", "--loss", "dense"])
+    select_backend(["--epochs", "1", "--backend", "tensorflow", "--loss", "dense"])
     assert os.environ["KERAS_BACKEND"] == "tensorflow"
-    _select_backend(["--epochs", "1"])  # no flag: the environment decides
+    select_backend(["--epochs", "1"])  # no flag: the environment decides
     assert os.environ["KERAS_BACKEND"] == "tensorflow"
 
 
