@@ -69,3 +69,28 @@ def value_and_grads_tensors(fn, *args):
 def dtype_name(x):
     """Standardized Keras dtype name of a tensor."""
     return keras.backend.standardize_dtype(x.dtype)
+
+
+class TorchOpRecorder:
+    """A TorchDispatchMode that records every aten op and the largest tensor it creates."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recorder(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+                self.largest = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                self.ops.append(func.overloadpacket.__name__)
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.largest = max(self.largest, t.numel())
+                return out
+
+        return Recorder()

@@ -7,6 +7,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.backend_utils import TorchOpRecorder
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch chunked kernel: torch backend only"
 )
@@ -252,38 +254,13 @@ def test_gradcheck_float64(rng):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-class _OpRecorder:
-    """A TorchDispatchMode that records every aten op and the largest tensor it creates."""
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Recorder(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.ops = []
-                self.largest = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import torch
-
-                out = func(*args, **(kwargs or {}))
-                self.ops.append(func.overloadpacket.__name__)
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        self.largest = max(self.largest, t.numel())
-                return out
-
-        return Recorder()
-
-
 def test_no_gradient_work_under_no_grad(rng):
     import torch
 
     h, e, b = _tensors(rng, 6, 4, 30, True)
     args = [x.requires_grad_(True) for x in (h, e, b)]
     ids = torch.tensor(_ids("mixed", 6, 30, rng))
-    recorder = _OpRecorder()
+    recorder = TorchOpRecorder()
     with torch.no_grad(), recorder:
         loss = _chunked().cut_bce(
             *args[:2], ids, args[2], label_smoothing=0.0, pos_weight=1.0, chunk_size=8
@@ -314,7 +291,7 @@ def test_only_needed_gradients_are_computed(rng):
             args[0], args[1], ids, args[2], label_smoothing=0.0, pos_weight=1.0,
             chunk_size=chunk,
         )
-        recorder = _OpRecorder()
+        recorder = TorchOpRecorder()
         with recorder:
             (loss * cotangent).sum().backward()
         return args, recorder.ops
@@ -344,7 +321,7 @@ def test_never_allocates_the_full_logits(rng):
     h, e, b = _tensors(rng, m, d, v, True)
     args = [x.requires_grad_(True) for x in (h, e, b)]
     ids = torch.tensor(rng.integers(-1, v, size=(m, length)))
-    recorder = _OpRecorder()
+    recorder = TorchOpRecorder()
     with recorder:
         loss = _chunked().cut_bce(
             args[0], args[1], ids, args[2], label_smoothing=0.1, pos_weight=2.0,

@@ -9,6 +9,8 @@ import keras
 import numpy as np
 import pytest
 
+from tests.backend_utils import TorchOpRecorder
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch fused kernel: torch backend only"
 )
@@ -231,31 +233,6 @@ def test_extreme_logits_are_finite_and_exact():
     np.testing.assert_allclose(_np(grads[2]), dz.sum(0), rtol=1e-5, atol=1e-6)
 
 
-class _OpRecorder:
-    """A TorchDispatchMode that records every aten op and the largest tensor it creates."""
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Recorder(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.ops = []
-                self.largest = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import torch
-
-                out = func(*args, **(kwargs or {}))
-                self.ops.append(func.overloadpacket.__name__)
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        self.largest = max(self.largest, t.numel())
-                return out
-
-        return Recorder()
-
-
 MATMULS = ("mm", "addmm", "addmm_", "mv", "addmv", "addmv_", "bmm", "dot", "addr", "addr_")
 TILE_OPS = ("sigmoid", "sigmoid_", "softplus", "index_add", "index_add_") + MATMULS
 
@@ -278,7 +255,7 @@ def test_no_gradient_work_without_gradients(mode, rng):
     chunked = _chunked()
 
     def ops_of(fn):
-        recorder = _OpRecorder()
+        recorder = TorchOpRecorder()
         with torch.no_grad() if mode == "no_grad" else torch.enable_grad(), recorder:
             out = fn()
         return out, recorder.ops
@@ -309,20 +286,20 @@ def test_one_pass_and_a_backward_without_tile_work(rng):
     chunked = _chunked()
     args = [x.detach().clone().requires_grad_(True) for x in (h, e, b)]
 
-    forward = _OpRecorder()
+    forward = TorchOpRecorder()
     with forward:
         value = chunked.cut_bce_weighted_sum(
             args[0], args[1], ids, args[2], w, label_smoothing=0.1, pos_weight=2.0,
             chunk_size=chunk,
         )
-    backward = _OpRecorder()
+    backward = TorchOpRecorder()
     with backward:
         (UPSTREAM * value).backward()
     assert all(a.grad is not None for a in args)
     assert not any(op in TILE_OPS for op in backward.ops), backward.ops
 
     per_row_args = [x.detach().clone().requires_grad_(True) for x in (h, e, b)]
-    two_pass = _OpRecorder()
+    two_pass = TorchOpRecorder()
     with two_pass:
         loss = chunked.cut_bce(
             per_row_args[0], per_row_args[1], ids, per_row_args[2], label_smoothing=0.1,
@@ -354,7 +331,7 @@ def test_only_needed_gradients_are_computed(requires, rng):
     ids = torch.tensor(_ids("dups", m, v, rng))
     w = _row_weights(rng, m)
 
-    recorder = _OpRecorder()
+    recorder = TorchOpRecorder()
     with recorder:
         _, grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b), requires)
     _, all_grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
@@ -379,7 +356,7 @@ def test_never_allocates_the_full_logits(rng):
     h, e, b = _tensors(rng, m, d, v, True)
     ids = torch.tensor(rng.integers(-1, v, size=(m, length)))
     w = _row_weights(rng, m)
-    recorder = _OpRecorder()
+    recorder = TorchOpRecorder()
     with recorder:
         _, grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
     assert all(g is not None for g in grads)
