@@ -150,6 +150,8 @@ def test_sasrec_forward_shape_and_causality():
     np.testing.assert_allclose(ha[:, :-1], hb[:, :-1], atol=1e-5)
     assert np.abs(ha[:, -1] - hb[:, -1]).max() > 1e-4
     assert model.get_layer("items").embeddings.shape == (31, 8)
+    bias = keras.ops.convert_to_numpy(model.get_layer("item_bias").bias)
+    np.testing.assert_allclose(bias, np.full(31, np.log(8 / 30)), rtol=1e-6)  # prior log-odds
 
 
 def test_padding_keys_are_masked():
@@ -166,6 +168,35 @@ def test_padding_keys_are_masked():
     items.embeddings.assign(table)
     after = keras.ops.convert_to_numpy(model(base, training=False))[0, 2:]
     np.testing.assert_allclose(before, after, atol=1e-5)
+
+
+def test_sasrec_with_cut_loss_round_trips_through_keras_file(tmp_path):
+    from keras_cutbce import CutBCELoss
+
+    from examples.sasrec.model import build_sasrec
+
+    keras.utils.set_random_seed(2)
+    model = build_sasrec(num_items=40, max_len=6, dim=8, num_blocks=1, dropout=0.0)
+    bias = model.get_layer("item_bias").bias
+    model.compile(optimizer="adam", loss=CutBCELoss(model.get_layer("items"), bias))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 41, size=(16, 6)).astype("int32")
+    y = rng.integers(-1, 41, size=(16, 6, 8)).astype("int32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    trained_bias = keras.ops.convert_to_numpy(bias)
+    assert np.abs(trained_bias - np.log(8 / 40)).max() > 1e-4  # the bias trains through the loss
+    path = str(tmp_path / "sasrec.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(loaded.get_layer("item_bias").bias), trained_bias
+    )
+    assert loaded.loss.bias is loaded.get_layer("item_bias").bias  # re-bound, not a copy
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(loaded.evaluate(x, y, verbose=0, return_dict=True)["loss"]),
+        keras.ops.convert_to_numpy(model.evaluate(x, y, verbose=0, return_dict=True)["loss"]),
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("pos_weight,use_bias", [(1.0, False), (7.5, False), (3.0, True)])

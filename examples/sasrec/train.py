@@ -46,7 +46,7 @@ def build_parser():
     parser.add_argument("--num-items", type=int, default=2000,
                         help="synthetic catalogue size")
     parser.add_argument("--num-users", type=int, default=1200, help="synthetic users")
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=30)
     parser.add_argument("--dim", type=int, default=64)
@@ -150,28 +150,29 @@ def ranking_metrics(top, held_out, ks=KS):
     return out
 
 
-def retrieval_metrics(model, items, inputs, held_out, seen, batch_size=256):
+def retrieval_metrics(model, items, bias, inputs, held_out, seen, batch_size=256):
     """Model metrics through `keras_cutbce.metrics.TopKRetrieval`.
 
     The hidden state at the last position of each user's input is scored
-    against the whole item table (the `items` Embedding), seen ids excluded.
+    against the whole item table (the `items` Embedding) plus the output
+    `bias`, seen ids excluded.
     """
     from keras_cutbce.metrics import TopKRetrieval
 
     hidden = model.predict(inputs, batch_size=batch_size, verbose=0)[:, -1, :]
-    metric = TopKRetrieval(items, k=KS, exclude_ids=[0])  # row 0 is padding
+    metric = TopKRetrieval(items, bias=bias, k=KS, exclude_ids=[0])  # row 0 is padding
     for start in range(0, len(hidden), batch_size):
         stop = start + batch_size
         metric.update_state(held_out[start:stop], hidden[start:stop], exclude_ids=seen[start:stop])
     return {name: float(keras.ops.convert_to_numpy(value)) for name, value in metric.result().items()}
 
 
-def make_loss(kind, items, pos_weight=1.0):
+def make_loss(kind, items, bias, pos_weight=1.0):
     if kind == "cutbce":
         from keras_cutbce import CutBCELoss
 
-        return CutBCELoss(items, pos_weight=pos_weight)
-    return DenseBCELoss(items, pos_weight=pos_weight)
+        return CutBCELoss(items, bias, pos_weight=pos_weight)
+    return DenseBCELoss(items, bias, pos_weight=pos_weight)
 
 
 def run(args):
@@ -188,11 +189,15 @@ def run(args):
     )
 
     keras.utils.set_random_seed(args.seed)
-    model = build_sasrec(num_items, args.max_len, args.dim, args.blocks, dropout=args.dropout)
+    model = build_sasrec(
+        num_items, args.max_len, args.dim, args.blocks, dropout=args.dropout,
+        num_targets=NUM_TARGETS,
+    )
     items = model.get_layer("items")
+    bias = model.get_layer("item_bias").bias
     model.compile(
         optimizer=keras.optimizers.Adam(args.learning_rate),
-        loss=make_loss(args.loss, items, args.pos_weight),
+        loss=make_loss(args.loss, items, bias, args.pos_weight),
     )
     timer = StepTimer()
     history = model.fit(
@@ -207,7 +212,7 @@ def run(args):
         verbose=args.verbose,
     )
 
-    model_metrics = retrieval_metrics(model, items, eval_inputs, eval_held_out, seen)
+    model_metrics = retrieval_metrics(model, items, bias, eval_inputs, eval_held_out, seen)
     counts = data_lib.item_counts(train, num_items)
     popular = popularity_metrics(counts, eval_held_out, seen)
     results = {
