@@ -15,6 +15,12 @@ step time, p90 = batch / 90th-percentile step time). Modes:
 Target (issue 3): on 2 cores, `auto` p90 >= 0.98x `standard` p90 at torch's default
 threads on every configuration and >= 1.10x on (512, 256).
 
+Cells run one after another, so a change of the machine's load between two cells
+shows up as a difference between them. The target comparison is therefore also
+measured side by side: at torch's default threads, one `standard` and one `auto`
+model (each warmed up, `auto` through its measuring steps) take alternate steps,
+and their p50/p90 come from those interleaved steps ("paired" table).
+
 Usage:
 
     KERAS_BACKEND=torch python benchmarks/erase_cpu.py            # full run, writes
@@ -42,6 +48,7 @@ from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
 from keras_erase import DetachBlock  # noqa: E402
 from keras_erase import EraseModel  # noqa: E402
+from keras_erase.model import AUTO_STEPS  # noqa: E402
 
 CONFIGS = [(512, 256), (1024, 256), (2048, 512)]
 MODES = ["undetached", "standard", "blocking", "threaded", "auto"]
@@ -141,6 +148,48 @@ def run_cell(mode, threads, batch_size, width, args):
     return row
 
 
+def run_paired(threads, batch_size, width, args):
+    """`standard` and `auto` at `threads`, warmed up, then timed on alternate steps."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x, y = synthetic_ctr_batch(batch_size, args.input_dim)
+    x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+    models = {}
+    for mode in ("standard", "auto"):
+        model = model_for(mode, width, args.input_dim, args.towers, args.depth)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
+        models[mode] = model
+
+    def step(mode):
+        torch.set_num_threads(threads)  # auto may have left its own count
+        models[mode].train_on_batch(x, y)
+
+    for _ in range(args.warmup):
+        for mode in models:
+            step(mode)
+    seconds = {mode: [] for mode in models}
+    for _ in range(args.steps):
+        for mode in models:
+            seconds[mode] += time_steps(lambda: step(mode), 0, 1)
+    stats = {mode: throughput_stats(seconds[mode], batch_size) for mode in models}
+    auto = models["auto"]
+    torch.set_num_threads(threads)
+    return {
+        "batch": batch_size,
+        "width": width,
+        "threads": threads,
+        "auto_choice": f"{auto.dispatch_choice}@{auto._auto['choice'][1]}",
+        "standard_p50": stats["standard"]["p50"],
+        "standard_p90": stats["standard"]["p90"],
+        "auto_p50": stats["auto"]["p50"],
+        "auto_p90": stats["auto"]["p90"],
+        "auto_over_standard_p50": stats["auto"]["p50"] / stats["standard"]["p50"],
+        "auto_over_standard_p90": stats["auto"]["p90"] / stats["standard"]["p90"],
+        "auto_timings_s": dict(auto.auto_timings),
+    }
+
+
 def summarize(rows, default_threads, configs):
     """auto vs standard at torch's default threads, per configuration."""
     lines = []
@@ -175,7 +224,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run, results in /tmp")
-    parser.add_argument("--warmup", type=int, default=15, help="untimed steps (>= auto's trials)")
+    parser.add_argument("--warmup", type=int, default=30, help="untimed steps (>= auto's trials)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per cell")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
@@ -186,11 +235,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     default_threads = torch.get_num_threads()
     configs = CONFIGS
+    trials = 3 * (1 + AUTO_STEPS)  # at most 3 candidates on CPU
     if args.quick:
         configs = [(256, 64)]
-        args.warmup, args.steps, args.input_dim = 13, 5, 64
+        args.warmup, args.steps, args.input_dim = trials, 5, 64
         if args.out == parser.get_default("out"):
             args.out = "/tmp/erase_cpu_quick"
+    if args.warmup < trials:
+        parser.error(f"--warmup must cover auto's measuring steps (>= {trials})")
     rows = []
     for batch, width in configs:
         for threads in args.threads:
@@ -203,6 +255,17 @@ def main(argv=None):
                     + (f" auto->{row['auto_choice']}@{row['auto_threads']}" if mode == "auto" else ""),
                     flush=True,
                 )
+    paired = []
+    if "auto" in args.modes:
+        for batch, width in configs:
+            pair = run_paired(default_threads, batch, width, args)
+            paired.append(pair)
+            print(
+                f"paired batch={batch} width={width} threads={default_threads}: auto->"
+                f"{pair['auto_choice']} auto/standard p90={pair['auto_over_standard_p90']:.3f} "
+                f"p50={pair['auto_over_standard_p50']:.3f}",
+                flush=True,
+            )
     torch.set_num_threads(default_threads)
     summary = summarize(rows, default_threads, configs)
     columns = ["batch", "width", "threads", "mode", "p50", "p90", "step_ms_p50", "step_ms_p90"]
@@ -243,11 +306,29 @@ def main(argv=None):
                 "best_cell_over_standard_p90",
             ],
         ),
+        "",
+        f"## Paired: standard and auto on alternate steps at torch's default threads "
+        f"({default_threads}), {args.steps} timed steps each",
+        "",
+        markdown_table(
+            paired,
+            [
+                "batch",
+                "width",
+                "auto_choice",
+                "standard_p90",
+                "auto_p90",
+                "auto_over_standard_p50",
+                "auto_over_standard_p90",
+            ],
+        ),
     ]
     report = "\n".join(text)
     print(report)
     write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "rows": rows, "summary": summary})
+    write_json(
+        args.out + ".json", {"machine": info, "rows": rows, "summary": summary, "paired": paired}
+    )
     print(f"wrote {args.out}.md and {args.out}.json")
 
 

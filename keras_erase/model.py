@@ -19,14 +19,18 @@ Dispatch modes (torch):
   schedule. Candidates on CPU: `"standard"` at the current torch thread count
   `T`, `"threaded"` at `T`, and `"threaded"` at `threads_for_worker()` (half the
   cores) when that differs from `T`. On CUDA: `"standard"` and `"streams"`.
-  Steps are taken round robin over the candidates; the first round is warm-up,
-  the next `auto_steps` rounds are timed, and the candidate with the smallest
-  median step time wins, except that the standard step (the first candidate)
-  is kept unless the winner's median is at least `AUTO_MARGIN` (3%) smaller:
-  a schedule that is not clearly faster is not worth its risk. The choice is logged on the
-  `"keras_erase"` logger and kept in `model.dispatch_choice`, the timings in
-  `model.auto_timings`. Every candidate computes the same gradients, so the
-  measuring steps are ordinary training steps.
+  Steps are taken round robin over the candidates (so a slow drift of the
+  machine's load hits every candidate alike); the first round is warm-up, the
+  next `auto_steps` rounds (default 8) are timed. Rule: a candidate replaces
+  the standard step (the first candidate) only if both its median and its
+  90th-percentile step time are at least `AUTO_MARGIN` (3%) below the
+  standard step's; among those, the smallest 90th percentile wins. The
+  target is tail throughput (p90 examples/s) and a schedule that is not
+  clearly faster on both counts is not worth its risk. The choice is logged
+  on the `"keras_erase"` logger and kept in `model.dispatch_choice`, the
+  timings (median and p90 seconds per candidate) in `model.auto_timings`.
+  Every candidate computes the same gradients, so the measuring steps are
+  ordinary training steps.
 
 Intra-op threads (torch CPU): `torch.set_num_threads` is process-wide, so the
 worker thread shares the main thread's pool. `intra_op_threads="auto"` uses
@@ -52,10 +56,21 @@ from keras_erase.detach_block import step_handler
 
 LOGGER = logging.getLogger("keras_erase")
 
+
+def _percentile(samples, q):
+    """The `q`-th percentile of `samples`, linearly interpolated (as numpy's default)."""
+    ordered = sorted(samples)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
 DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
 
 # "auto" leaves the standard step only for a schedule at least this much faster.
 AUTO_MARGIN = 0.03
+# Timed rounds per candidate for "auto" (after one warm-up round).
+AUTO_STEPS = 8
 
 
 class LocalLossValue:
@@ -113,7 +128,8 @@ class EraseModel(keras.Model):
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see the module docstring).
-        auto_steps: timed rounds per candidate for `dispatch="auto"`.
+        auto_steps: timed rounds per candidate for `dispatch="auto"` (more
+            rounds make the choice steadier).
         *args, **kwargs: as for `keras.Model`.
 
     Example:
@@ -145,7 +161,7 @@ class EraseModel(keras.Model):
         num_streams=4,
         cuda_graphs=False,
         intra_op_threads="auto",
-        auto_steps=3,
+        auto_steps=AUTO_STEPS,
         **kwargs,
     ):
         if _functional_arguments(args, kwargs) and not isinstance(self, Functional):
@@ -430,28 +446,42 @@ class EraseModel(keras.Model):
             auto["times"].setdefault(schedule, []).append(seconds)
         auto["step"] += 1
         if auto["step"] >= len(candidates) * (1 + max(1, self.auto_steps)):
-            medians = {c: statistics.median(auto["times"][c]) for c in candidates}
-            sync = self._gradient_sync()
-            if sync is not None:  # every rank must choose the same schedule
-                from keras_erase.distributed import mean_over_ranks
+            self._choose(candidates, auto)
 
-                medians = dict(zip(candidates, mean_over_ranks([medians[c] for c in candidates])))
-            choice = min(candidates, key=lambda c: medians[c])  # first wins ties
-            baseline = candidates[0]
-            if medians[choice] > medians[baseline] * (1.0 - AUTO_MARGIN):
-                choice = baseline  # not clearly faster than the standard step: keep it
-            auto["choice"] = choice
-            self.__dict__["dispatch_choice"] = choice[0]
-            self.__dict__["auto_timings"] = {
-                f"{mode}@{threads}": medians[(mode, threads)] for mode, threads in candidates
-            }
-            LOGGER.info(
-                "keras_erase: dispatch='auto' chose %r with intra_op_threads=%s "
-                "(median step seconds: %s)",
-                choice[0],
-                choice[1],
-                self.auto_timings,
-            )
+    def _choose(self, candidates, auto):
+        """Applies the `"auto"` rule (module docstring) to the timed rounds."""
+        stats = [
+            (statistics.median(auto["times"][c]), _percentile(auto["times"][c], 90))
+            for c in candidates
+        ]
+        sync = self._gradient_sync()
+        if sync is not None:  # every rank must choose the same schedule
+            from keras_erase.distributed import mean_over_ranks
+
+            flat = mean_over_ranks([value for pair in stats for value in pair])
+            stats = list(zip(flat[0::2], flat[1::2]))
+        timings = dict(zip(candidates, stats))
+        base_median, base_p90 = timings[candidates[0]]
+        limit = 1.0 - AUTO_MARGIN
+        faster = [
+            c for c in candidates[1:]
+            if timings[c][0] <= base_median * limit and timings[c][1] <= base_p90 * limit
+        ]
+        choice = min(faster, key=lambda c: timings[c][1]) if faster else candidates[0]
+        auto["choice"] = choice
+        self.__dict__["dispatch_choice"] = choice[0]
+        self.__dict__["auto_timings"] = {
+            f"{mode}@{threads}": {"median_s": timings[(mode, threads)][0],
+                                  "p90_s": timings[(mode, threads)][1]}
+            for mode, threads in candidates
+        }
+        LOGGER.info(
+            "keras_erase: dispatch='auto' chose %r with intra_op_threads=%s "
+            "(step seconds per candidate: %s)",
+            choice[0],
+            choice[1],
+            self.auto_timings,
+        )
 
     def _dispatcher(self, mode):
         from keras_erase import dispatch as dispatch_lib
