@@ -12,8 +12,8 @@ Why the bias, initialised to the prior log-odds `log(L / V)`: with the full
 catalogue as negatives, BCE wants every logit near `log(L / V)` (about -5.5
 for 8 positives among 2000 items). Without a bias the tied embeddings and the
 hidden states must spend a shared direction on that offset, and the model
-stalls at the most-popular ranking (measured: hit@8 0.36 = popularity on the
-default synthetic data after 300 steps, 0.60 with the bias).
+stalls at the most-popular ranking (measured on the default synthetic data,
+jax, 10 epochs: hit@8 0.40 without the bias, most popular 0.405; 0.62 with it).
 
 Example:
 
