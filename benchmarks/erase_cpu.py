@@ -15,10 +15,11 @@ step time, p90 = batch / 90th-percentile step time). Modes:
 Target (issue 3): on 2 cores, `auto` p90 >= 0.98x `standard` p90 at torch's default
 threads on every configuration and >= 1.10x on (512, 256).
 
-Cells run one after another, each model alone in the process. (Interleaving a
-`standard` and an `auto` model step by step was tried and rejected: after a
-threaded step, the worker thread's OpenMP team keeps spinning for a while and
-slows whatever runs next, which biased the comparison by 1.6-1.8x.)
+Each cell runs in its own process: a threaded worker whose OpenMP team spans the
+machine (threaded at 2 threads on 2 cores) was measured to slow every later
+2-thread step of its process about 2x, so cells sharing a process would bias each
+other. (Interleaving a `standard` and an `auto` model step by step was rejected
+for the same reason.)
 
 Usage:
 
@@ -28,7 +29,9 @@ Usage:
 """
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -147,6 +150,21 @@ def run_cell(mode, threads, batch_size, width, args):
     return row
 
 
+def run_cell_in_process(mode, threads, batch_size, width, args):
+    """`run_cell` in a fresh Python process (see the module docstring); returns its row."""
+    command = [
+        sys.executable, os.path.abspath(__file__), "--cell", f"{mode},{threads},{batch_size},{width}",
+        "--warmup", str(args.warmup), "--steps", str(args.steps), "--towers", str(args.towers),
+        "--depth", str(args.depth), "--input-dim", str(args.input_dim),
+    ]
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"cell {mode}@{threads} ({batch_size}, {width}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])
+
+
 def summarize(rows, default_threads, configs):
     """auto vs standard at torch's default threads, per configuration."""
     lines = []
@@ -187,6 +205,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=30, help="untimed steps (>= auto's trials)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per cell")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # mode,threads,batch,width
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--towers", type=int, default=6)
     parser.add_argument("--depth", type=int, default=3)
@@ -195,7 +214,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     default_threads = torch.get_num_threads()
     configs = CONFIGS
-    trials = 3 * (1 + AUTO_STEPS)  # at most 3 candidates on CPU
+    trials = 2 * (1 + AUTO_STEPS)  # two candidates on CPU
     if args.quick:
         configs = [(256, 64)]
         args.warmup, args.steps, args.input_dim = trials, 5, 64
@@ -203,11 +222,16 @@ def main(argv=None):
             args.out = "/tmp/erase_cpu_quick"
     if args.warmup < trials:
         parser.error(f"--warmup must cover auto's measuring steps (>= {trials})")
+    if args.cell:  # one cell, in this (child) process
+        mode, threads, batch, width = args.cell.split(",")
+        row = run_cell(mode, int(threads), int(batch), int(width), args)
+        print("ROW " + json.dumps(row, default=str), flush=True)
+        return
     rows = []
     for batch, width in configs:
         for threads in args.threads:
             for mode in args.modes:
-                row = run_cell(mode, threads, batch, width, args)
+                row = run_cell_in_process(mode, threads, batch, width, args)
                 rows.append(row)
                 print(
                     f"batch={batch} width={width} threads={threads} {mode:<10} "

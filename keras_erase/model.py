@@ -17,8 +17,10 @@ Dispatch modes (torch):
   also captures each block as CUDA Graphs.
 - `"auto"` (default): measures its first training steps and keeps the fastest
   schedule. Candidates on CPU: `"standard"` at the current torch thread count
-  `T`, `"threaded"` at `T`, and `"threaded"` at `threads_for_worker()` (half the
-  cores) when that differs from `T`. On CUDA: `"standard"` and `"streams"`.
+  `T` and `"threaded"` at `min(T, threads_for_worker())` (at most half the
+  cores: a worker whose OpenMP team spans the machine was measured to slow all
+  later steps of the process, so it is not even tried). On CUDA: `"standard"`
+  and `"streams"`.
   Steps are taken round robin over the candidates (so a slow drift of the
   machine's load hits every candidate alike); the first round is warm-up, the
   next `auto_steps` rounds (default 8) are timed. Rule: a candidate replaces
@@ -414,11 +416,10 @@ class EraseModel(keras.Model):
         if self._cuda():
             return [("standard", None), ("streams", None)]
         default = torch.get_num_threads()
-        candidates = [("standard", default), ("threaded", default)]
-        half = dispatch_lib.threads_for_worker()
-        if half != default:
-            candidates.append(("threaded", half))
-        return candidates
+        # "threaded" only at most half the cores: a worker thread whose OpenMP team is
+        # as wide as the machine slowed every later 2-thread step of the process about 2x
+        # (measured on 2 cores), so even trying it would cost the standard step.
+        return [("standard", default), ("threaded", min(default, dispatch_lib.threads_for_worker()))]
 
     def _next_schedule(self):
         """(mode, threads) for this step; with "auto", the trial schedule or the choice."""
