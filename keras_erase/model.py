@@ -45,10 +45,10 @@ restored when `fit` returns.
 
 import contextlib
 import logging
-import statistics
 import time
 
 import keras
+import numpy as np
 from keras import ops
 from keras import tree
 from keras.src.models.functional import Functional
@@ -58,14 +58,6 @@ from keras_erase.detach_block import step_handler
 
 LOGGER = logging.getLogger("keras_erase")
 
-
-def _percentile(samples, q):
-    """The `q`-th percentile of `samples`, linearly interpolated (as numpy's default)."""
-    ordered = sorted(samples)
-    position = (len(ordered) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
 
@@ -452,7 +444,7 @@ class EraseModel(keras.Model):
     def _choose(self, candidates, auto):
         """Applies the `"auto"` rule (module docstring) to the timed rounds."""
         stats = [
-            (statistics.median(auto["times"][c]), _percentile(auto["times"][c], 90))
+            (float(np.median(auto["times"][c])), float(np.percentile(auto["times"][c], 90)))
             for c in candidates
         ]
         sync = self._gradient_sync()
