@@ -94,3 +94,28 @@ class TorchOpRecorder:
                 return out
 
         return Recorder()
+
+
+def fit_tied_table_model():
+    """Fits a tiny model whose `CutBCELoss` reads its input Embedding (chunked kernel).
+
+    Each of 64 rows of 4 ids targets the next two ids; 3 epochs of Adam.
+    Returns `(losses per epoch, table before fit, table after fit)` as numpy.
+    """
+    import keras_cutbce
+
+    rng = np.random.default_rng(10)
+    vocab, dim = 50, 8
+    items = keras.layers.Embedding(vocab, dim, name="items")
+    inputs = keras.Input((4,), dtype="int32")
+    hidden = keras.layers.Dense(dim)(items(inputs))
+    model = keras.Model(inputs, hidden)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.05),
+        loss=keras_cutbce.CutBCELoss(items, chunk_size=16, implementation="chunked"),
+    )
+    x = rng.integers(0, vocab, size=(64, 4)).astype("int32")
+    y = np.stack([(x + 1) % vocab, (x + 2) % vocab], axis=-1).astype("int32")
+    before = to_numpy(items.embeddings)
+    history = model.fit(x, y, epochs=3, batch_size=16, verbose=0)
+    return history.history["loss"], before, to_numpy(items.embeddings)

@@ -245,8 +245,8 @@ def test_no_rows_by_vocab_array():
 
 
 def test_cut_bce_loss_fit_uses_the_fused_path(monkeypatch):
-    import keras_cutbce
     from keras_cutbce.backends.jax import chunked
+    from tests.backend_utils import fit_tied_table_model
 
     calls = []
     original = chunked.cut_bce_weighted_sum
@@ -256,21 +256,7 @@ def test_cut_bce_loss_fit_uses_the_fused_path(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(chunked, "cut_bce_weighted_sum", spy)
-    rng = np.random.default_rng(10)
-    vocab, dim = 50, 8
-    items = keras.layers.Embedding(vocab, dim, name="items")
-    inputs = keras.Input((4,), dtype="int32")
-    hidden = keras.layers.Dense(dim)(items(inputs))
-    model = keras.Model(inputs, hidden)
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.05),
-        loss=keras_cutbce.CutBCELoss(items, chunk_size=16, implementation="chunked"),
-    )
-    x = rng.integers(0, vocab, size=(64, 4)).astype("int32")
-    y = np.stack([(x + 1) % vocab, (x + 2) % vocab], axis=-1).astype("int32")
-    before = np.array(items.embeddings.numpy())
-    history = model.fit(x, y, epochs=3, batch_size=16, verbose=0)
-    losses = history.history["loss"]
+    losses, before, after = fit_tied_table_model()
     assert calls, "CutBCELoss did not take the fused path"
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-    assert np.abs(np.array(items.embeddings.numpy()) - before).max() > 1e-3
+    assert np.abs(after - before).max() > 1e-3
