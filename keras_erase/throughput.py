@@ -1,0 +1,80 @@
+"""Throughput the way the ERASE paper reports it: percentiles of per-step examples/s.
+
+The paper's "p90 QPS" is the post-warm-up 90th percentile of per-step samples per
+second: the *fast* end (90% of steps are slower), unlike a p90 latency. Every
+benchmark, example and table in this project computes QPS here, so the definition
+is written once.
+
+Example:
+
+>>> stats = throughput_percentiles([0.010, 0.020, 0.040], batch_size=100)
+>>> round(stats["p50"]), round(stats["p90"])
+(5000, 9000)
+"""
+
+import numpy as np
+
+
+def examples_per_second(step_seconds, batch_size):
+    """Per-step examples/s: `batch_size / t` for each step time `t` (seconds).
+
+    Args:
+        step_seconds: sequence of positive step durations in seconds.
+        batch_size: examples processed per step (the global batch when the steps
+            are global steps; see `global_step_seconds`).
+
+    Returns:
+        A float64 numpy array, one entry per step.
+    """
+    seconds = np.asarray(step_seconds, dtype=np.float64).reshape(-1)
+    if seconds.size == 0:
+        raise ValueError("`step_seconds` is empty: time at least one step.")
+    if np.any(~np.isfinite(seconds)) or np.any(seconds <= 0):
+        raise ValueError(f"Step times must be finite and > 0; got {seconds.tolist()}.")
+    return float(batch_size) / seconds
+
+
+def throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90)):
+    """Percentiles of per-step examples/s (p90 = the fast end, as in the ERASE paper).
+
+    Args:
+        step_seconds: sequence of post-warm-up step durations in seconds.
+        batch_size: examples per step.
+        percentiles: which percentiles (0-100) to return.
+
+    Returns:
+        A dict `{"p50": ..., "p90": ..., "steps": n}` (keys `f"p{q}"`), examples/s.
+
+    Example:
+
+    >>> throughput_percentiles([0.5, 0.25], batch_size=10, percentiles=(100,))
+    {'p100': 40.0, 'steps': 2}
+    """
+    rates = examples_per_second(step_seconds, batch_size)
+    stats = {f"p{q:g}": float(np.percentile(rates, q)) for q in percentiles}
+    stats["steps"] = int(rates.size)
+    return stats
+
+
+def global_step_seconds(per_rank_step_seconds):
+    """Global step times of a data-parallel run: for each step, the slowest rank.
+
+    A synchronous step ends when its last rank ends, so the global examples/s of a
+    step is `world_size * batch / max_over_ranks(t)`. Percentiles of per-rank
+    throughput must never be summed into a global one (percentiles do not add).
+
+    Args:
+        per_rank_step_seconds: one sequence of step times per rank, same length.
+
+    Returns:
+        A float64 numpy array of per-step global step times.
+
+    Example:
+
+    >>> global_step_seconds([[1.0, 2.0], [1.5, 1.0]]).tolist()
+    [1.5, 2.0]
+    """
+    table = np.asarray(per_rank_step_seconds, dtype=np.float64)
+    if table.ndim != 2:
+        raise ValueError("Expected one equal-length sequence of step times per rank.")
+    return table.max(axis=0)
