@@ -9,7 +9,9 @@ def sasrec_table(results_by_loss):
             a `--json` results dict of `examples.sasrec`.
 
     Returns:
-        A markdown table (hit@8, ndcg@10, recall@10, steps/s, peak RSS).
+        A markdown table: hit@8, ndcg@10, recall@10 of the leave-last-8-out
+        evaluation (whole catalogue, seen items excluded), training steps/s
+        (1 / median step time after 2 warm-up steps) and the process's peak host RSS.
 
     Example:
 
@@ -18,7 +20,7 @@ def sasrec_table(results_by_loss):
     ```
     """
     lines = [
-        "| run | hit@8 | ndcg@10 | recall@10 | steps/s | peak RSS (MiB) |",
+        "| loss | hit@8 | ndcg@10 | recall@10 | train steps/s | peak RSS (MiB) |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in results_by_loss.items():

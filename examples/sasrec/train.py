@@ -1,18 +1,23 @@
 """Train and evaluate the multi-label SASRec: `python -m examples.sasrec`.
 
-Every non-padding position predicts its next 8 items; the loss is the exact
-full-catalogue BCE (`--loss cutbce`, `keras_cutbce.CutBCELoss`, no logits
-tensor) or the same BCE through the full logits (`--loss dense`). The
-evaluation holds out each user's last 8 items: the hidden state at the last
-training position is ranked against the whole catalogue with
-`keras_cutbce.metrics.TopKRetrieval` (items the user has already seen
-excluded) and the most-popular-items baseline is scored on the same split.
+Every non-padding position predicts its next 8 items. `--loss` picks how:
+`cutbce` is the exact full-catalogue BCE (`keras_cutbce.CutBCELoss`, no logits
+tensor), `dense` the same BCE through the full logits, `sampled` BCE on each
+positive plus `--num-negatives` uniformly drawn negatives (the original SASRec
+recipe with 1), `softmax` full-catalogue softmax cross-entropy. Every loss
+trains the same model (tied item table, learned per-item output bias) and is
+scored by the same evaluation: each user's last 8 items are held out, the
+hidden state at the last training position is ranked against the whole
+catalogue with `keras_cutbce.metrics.TopKRetrieval` (items the user has
+already seen excluded), and the most-popular-items baseline is scored on the
+same split.
 
 Example:
 
 ```
 python -m examples.sasrec --backend torch --epochs 3 --json runs/sasrec.json
 python -m examples.sasrec --data movielens --data-dir ~/data/ml-latest-small --loss dense
+python -m examples.sasrec --loss sampled --num-negatives 256 --eval-each-epoch
 ```
 """
 
@@ -27,40 +32,103 @@ import keras
 import numpy as np
 
 from examples.sasrec import data as data_lib
+from examples.sasrec.losses import NegativeSamplingBatches, SampledBCELoss, SoftmaxCrossEntropyLoss
 from examples.sasrec.model import DenseBCELoss, build_sasrec
 from examples.sasrec.tables import sasrec_table
 
 NUM_TARGETS = 8  # L: next items per position, and held-out items per user
+LOSSES = ("cutbce", "dense", "sampled", "softmax")
 KS = (8, 10)
+
+
+def positive_int(text):
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def unit_interval(text):
+    """argparse type: a float in [0, 1)."""
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def default_verbosity():
+    """fit's verbosity: a progress bar on a terminal, one line per epoch otherwise (logs)."""
+    return 1 if sys.stdout.isatty() else 2
 
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m examples.sasrec", description=__doc__.split("\n\n")[0]
+        prog="python -m examples.sasrec", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
-                        help="Keras backend (default: $KERAS_BACKEND)")
-    parser.add_argument("--loss", choices=["cutbce", "dense"], default="cutbce")
-    parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"], default="synthetic")
-    parser.add_argument("--data-dir", default=None, help="folder with the real data files")
-    parser.add_argument("--num-items", type=int, default=2000,
+                        help="Keras backend (None: $KERAS_BACKEND)")
+    parser.add_argument("--loss", choices=LOSSES, default="cutbce",
+                        help="cutbce: exact full-catalogue BCE without logits; dense: the same "
+                             "BCE through the full logits; sampled: BCE on each positive and "
+                             "--num-negatives uniform negatives; softmax: full-catalogue "
+                             "softmax cross-entropy")
+    parser.add_argument("--num-negatives", type=positive_int, default=1,
+                        help="--loss sampled: negatives per target (1: the SASRec recipe)")
+    parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"],
+                        default="synthetic", help="dataset")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with the real data files (movielens: None downloads "
+                             "ml-latest-small)")
+    parser.add_argument("--num-items", type=positive_int, default=2000,
                         help="synthetic catalogue size")
-    parser.add_argument("--num-users", type=int, default=1200, help="synthetic users")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=30)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
-    parser.add_argument("--pos-weight", type=float, default=1.0,
-                        help="weight of the positive BCE terms (same for cutbce and dense)")
-    parser.add_argument("--dropout", type=float, default=0.2)
-    parser.add_argument("--steps-per-epoch", type=int, default=None,
-                        help="cap on steps per epoch (quick runs)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-users", type=positive_int, default=1200, help="synthetic users")
+    parser.add_argument("--epochs", type=positive_int, default=10, help="training epochs")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="windows per step")
+    parser.add_argument("--max-len", type=positive_int, default=30,
+                        help="sequence length (items per input window)")
+    parser.add_argument("--dim", type=positive_int, default=64,
+                        help="embedding and hidden width (even: 2 attention heads)")
+    parser.add_argument("--blocks", type=positive_int, default=2, help="transformer blocks")
+    parser.add_argument("--learning-rate", type=positive_float, default=5e-3,
+                        help="Adam learning rate")
+    parser.add_argument("--pos-weight", type=positive_float, default=1.0,
+                        help="weight of the positive BCE terms (cutbce and dense)")
+    parser.add_argument("--dropout", type=unit_interval, default=0.2, help="dropout rate")
+    parser.add_argument("--steps-per-epoch", type=positive_int, default=None,
+                        help="cap on steps per epoch (quick runs; None: the whole data)")
+    parser.add_argument("--eval-each-epoch", action="store_true",
+                        help="evaluate after every epoch (adds the per-epoch metrics to --json)")
+    parser.add_argument("--eval-users", type=positive_int, default=None,
+                        help="evaluate the first N users only (None: all)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--verbose", type=int, default=1, help="fit's verbosity (1: progress bar)")
+    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
+                        help="fit's verbosity: 1 progress bar, 2 one line per epoch "
+                             "(default: %(default)s here; 1 on a terminal, else 2)")
     return parser
+
+
+def parse_args(argv=None):
+    """Parses and checks the arguments (errors exit with a usage message)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dim % 2:
+        parser.error(f"--dim must be even (two attention heads), got {args.dim}")
+    if args.loss != "sampled" and args.num_negatives != 1:
+        parser.error("--num-negatives applies to --loss sampled only")
+    if args.data == "synthetic" and args.num_items < 2:
+        parser.error("--num-items must be >= 2")
+    return args
 
 
 def load_sequences(args):
@@ -91,8 +159,10 @@ class StepTimer(keras.callbacks.Callback):
         self.times.append(time.perf_counter() - self._start)
 
     def steps_per_second(self, warmup=2):
+        """1 / median step time after `warmup` steps (a recompile, e.g. for the
+        last partial batch, does not count)."""
         times = self.times[warmup:] if len(self.times) > warmup else self.times
-        return float(len(times) / max(sum(times), 1e-12))
+        return float(1.0 / max(np.median(times), 1e-12))
 
 
 def peak_memory_mb():
@@ -167,25 +237,51 @@ def retrieval_metrics(model, items, bias, inputs, held_out, seen, batch_size=256
     return {name: float(keras.ops.convert_to_numpy(value)) for name, value in metric.result().items()}
 
 
-def make_loss(kind, items, bias, pos_weight=1.0):
+def make_loss(kind, items, bias, pos_weight=1.0, num_negatives=1):
+    """The `--loss` object, reading the model's item table and output bias."""
     if kind == "cutbce":
         from keras_cutbce import CutBCELoss
 
         return CutBCELoss(items, bias, pos_weight=pos_weight)
-    return DenseBCELoss(items, bias, pos_weight=pos_weight)
+    if kind == "dense":
+        return DenseBCELoss(items, bias, pos_weight=pos_weight)
+    if kind == "sampled":
+        return SampledBCELoss(items, bias, num_targets=NUM_TARGETS, num_negatives=num_negatives)
+    if kind == "softmax":
+        return SoftmaxCrossEntropyLoss(items, bias, padding_id=0)
+    raise ValueError(f"Unknown loss {kind!r}; expected one of {LOSSES}.")
+
+
+class EpochRetrieval(keras.callbacks.Callback):
+    """Leave-last-out metrics after every epoch (`evaluate()` returns a metrics dict)."""
+
+    def __init__(self, evaluate):
+        super().__init__()
+        self.evaluate = evaluate
+        self.history = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.history.append(self.evaluate())
 
 
 def run(args):
     """Trains and evaluates; returns the results dict (the `--json` content)."""
+    start = time.perf_counter()
     sequences, num_items = load_sequences(args)
     train, held_out = data_lib.split_leave_last_out(sequences, holdout=NUM_TARGETS)
     if not train:
         raise SystemExit(f"No user has more than {NUM_TARGETS + 1} interactions.")
     inputs, targets, weights = data_lib.training_arrays(train, args.max_len, NUM_TARGETS)
     eval_inputs, eval_held_out, seen = data_lib.evaluation_arrays(train, held_out, args.max_len)
+    if args.eval_users:
+        eval_inputs, eval_held_out, seen = (
+            a[: args.eval_users] for a in (eval_inputs, eval_held_out, seen)
+        )
+    negatives = f" num_negatives={args.num_negatives}" if args.loss == "sampled" else ""
     print(
-        f"[sasrec] backend={keras.backend.backend()} data={args.data} loss={args.loss} "
-        f"users={len(train)} items={num_items} windows={len(inputs)} max_len={args.max_len}"
+        f"[sasrec] backend={keras.backend.backend()} data={args.data} loss={args.loss}"
+        f"{negatives} users={len(train)} items={num_items} windows={len(inputs)} "
+        f"max_len={args.max_len}"
     )
 
     keras.utils.set_random_seed(args.seed)
@@ -197,26 +293,43 @@ def run(args):
     bias = model.get_layer("item_bias").bias
     model.compile(
         optimizer=keras.optimizers.Adam(args.learning_rate),
-        loss=make_loss(args.loss, items, bias, args.pos_weight),
-    )
-    timer = StepTimer()
-    history = model.fit(
-        inputs,
-        targets,
-        sample_weight=weights,
-        batch_size=args.batch_size,
-        epochs=args.epochs,
-        steps_per_epoch=args.steps_per_epoch,
-        shuffle=True,
-        callbacks=[timer],
-        verbose=args.verbose,
+        loss=make_loss(args.loss, items, bias, args.pos_weight, args.num_negatives),
     )
 
-    model_metrics = retrieval_metrics(model, items, bias, eval_inputs, eval_held_out, seen)
+    def evaluate():
+        return retrieval_metrics(model, items, bias, eval_inputs, eval_held_out, seen)
+
+    timer = StepTimer()
+    callbacks = [timer]
+    per_epoch = EpochRetrieval(evaluate) if args.eval_each_epoch else None
+    if per_epoch is not None:
+        callbacks.append(per_epoch)
+    if args.loss == "sampled":
+        data = NegativeSamplingBatches(
+            inputs, targets, weights, args.batch_size, num_items, args.num_negatives,
+            seed=args.seed,
+        )
+        fit_args = (data,)
+        fit_kwargs = {}
+    else:
+        fit_args = (inputs, targets)
+        fit_kwargs = {"sample_weight": weights, "batch_size": args.batch_size, "shuffle": True}
+    history = model.fit(
+        *fit_args,
+        epochs=args.epochs,
+        steps_per_epoch=args.steps_per_epoch,
+        callbacks=callbacks,
+        verbose=args.verbose,
+        **fit_kwargs,
+    )
+
+    model_metrics = per_epoch.history[-1] if per_epoch is not None else evaluate()
     counts = data_lib.item_counts(train, num_items)
     popular = popularity_metrics(counts, eval_held_out, seen)
     results = {
-        "loss": float(history.history["loss"][-1]),
+        "loss": args.loss,
+        "num_negatives": args.num_negatives if args.loss == "sampled" else None,
+        "train_loss": float(history.history["loss"][-1]),
         "hit@8": model_metrics["hit@8"],
         "ndcg@10": model_metrics["ndcg@10"],
         "recall@10": model_metrics["recall@10"],
@@ -225,22 +338,37 @@ def run(args):
         "popularity_recall@10": popular["recall@10"],
         "steps_per_second": timer.steps_per_second(),
         "peak_memory_mb": peak_memory_mb(),
+        "wall_seconds": time.perf_counter() - start,
         "num_items": int(num_items),
         "num_users": len(train),
+        "eval_users": len(eval_inputs),
         "loss_kind": args.loss,
         "data": args.data,
         "backend": keras.backend.backend(),
+        "epochs": args.epochs,
         "steps": len(timer.times),
     }
+    if per_epoch is not None:
+        for key in ("hit@8", "ndcg@10", "recall@10"):
+            results[f"{key}_per_epoch"] = [m[key] for m in per_epoch.history]
     return results
 
 
+def run_name(results):
+    """Row name of a run: the loss, with the negatives for `sampled`."""
+    if results.get("loss") == "sampled":
+        return f"sampled ({results['num_negatives']} neg.)"
+    return results.get("loss", results.get("loss_kind"))
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     results = run(args)
-    print(sasrec_table({args.loss: results}))
+    print(sasrec_table({run_name(results): results}))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+        path = os.path.abspath(args.json)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(results, f, indent=2)
+        print(f"[sasrec] results written to {path}")
     return results

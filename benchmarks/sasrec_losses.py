@@ -1,0 +1,257 @@
+"""Which loss should SASRec train with, and what does it cost? Every loss, one model.
+
+Runs `python -m examples.sasrec` once per (dataset, loss), each in its own process
+(so peak memory is its own) under an address-space cap (`--memory-cap-gib`,
+default 12 GiB), with the same model, seed, batch and evaluation for every loss:
+
+- `cutbce` (exact full-catalogue BCE, no logits), `dense` (the same BCE through the
+  logits), `sampled` with 1 negative per target (the original SASRec / keras-rs
+  recipe) and with 256, `softmax` (full-catalogue softmax cross-entropy);
+- on MovieLens `ml-latest-small` (`--movielens-dir`, read in place) for
+  `--epochs` epochs, evaluated after every epoch (leave-last-8-out, whole
+  catalogue, seen items excluded): the quality comparison;
+- on synthetic catalogues of 10^5 and 10^6 items for a few training steps: the
+  cost comparison (steps/s, peak RSS, whether it runs at all under the cap).
+  Quality after so few steps is not a result.
+
+Writes a markdown table and JSON to `benchmarks/results/sasrec_losses.{md,json}` and
+the ndcg@10-per-epoch curves to `benchmarks/results/sasrec_losses.png`.
+
+Usage (hold the benchmark lock; about 20-25 minutes on 2 cores):
+
+    flock /tmp/bench.lock env KERAS_BACKEND=jax python benchmarks/sasrec_losses.py \\
+        --movielens-dir ../shared/data/ml-latest-small
+    python benchmarks/sasrec_losses.py --quick     # smoke run, tiny data, results in /tmp
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks.common import machine_info  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import write_text  # noqa: E402
+
+LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1)]
+
+
+def loss_name(loss, num_negatives):
+    return f"sampled ({num_negatives} neg.)" if loss == "sampled" else loss
+
+
+def run_case(dataset, loss, num_negatives, example_args, args, backend):
+    """One example run in a capped subprocess; returns its results row."""
+    cap = int(args.memory_cap_gib * 2**30)
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    row = {"dataset": dataset, "loss": loss_name(loss, num_negatives)}
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "result.json")
+        command = [sys.executable, "-m", "examples.sasrec", "--loss", loss, *example_args,
+                   "--json", path, "--verbose", "2", "--seed", "0"]
+        if loss == "sampled":
+            command += ["--num-negatives", str(num_negatives)]
+        env = dict(os.environ, KERAS_BACKEND=backend)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+        print("$ " + " ".join(command[1:]), flush=True)
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(
+                command, cwd=REPO, env=env, capture_output=True, text=True,
+                preexec_fn=limit_memory, timeout=args.timeout,
+            )
+        except subprocess.TimeoutExpired:
+            row.update(status=f"timed out (> {args.timeout} s)",
+                       wall_seconds=time.perf_counter() - start)
+            return row
+        row["wall_seconds"] = time.perf_counter() - start
+        if done.returncode == 0:
+            with open(path) as f:
+                result = json.load(f)
+            row.update({k: result.get(k) for k in (
+                "hit@8", "ndcg@10", "recall@10", "steps_per_second", "peak_memory_mb", "steps",
+                "epochs", "num_items", "num_users", "eval_users", "ndcg@10_per_epoch",
+                "hit@8_per_epoch", "popularity_hit@8", "popularity_ndcg@10",
+                "popularity_recall@10", "train_loss",
+            )})
+            row["status"] = "trained"
+            return row
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    memory_words = ("memory", "alloc", "resource_exhausted", "bad_alloc")
+    error = next((line for line in reversed(lines) if any(w in line.lower() for w in memory_words)),
+                 lines[-1] if lines else f"exit code {done.returncode}")
+    out_of_memory = any(w in error.lower() for w in memory_words) or done.returncode == -9
+    row.update(
+        status=f"out of memory (cap {args.memory_cap_gib:g} GiB)" if out_of_memory
+        else f"failed (exit {done.returncode})",
+        error=error.strip()[:300],
+    )
+    return row
+
+
+def _number(value, fmt):
+    return "" if value is None else format(value, fmt)
+
+
+def study_table(rows):
+    """Markdown table: one row per (dataset, loss), plus each dataset's most-popular row."""
+    lines = [
+        "| data | loss | status | hit@8 | ndcg@10 | recall@10 | train steps/s "
+        "| peak RSS (MiB) | wall time (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    popular = {}
+    for r in rows:
+        lines.append(
+            f"| {r['dataset']} | {r['loss']} | {r['status']} | {_number(r.get('hit@8'), '.4f')} "
+            f"| {_number(r.get('ndcg@10'), '.4f')} | {_number(r.get('recall@10'), '.4f')} "
+            f"| {_number(r.get('steps_per_second'), '.3g')} "
+            f"| {_number(r.get('peak_memory_mb'), ',.0f')} "
+            f"| {_number(r.get('wall_seconds'), '.0f')} |"
+        )
+        if r.get("popularity_hit@8") is not None:
+            popular.setdefault(r["dataset"], r)
+    for dataset, r in popular.items():
+        lines.append(
+            f"| {dataset} | most popular | - | {r['popularity_hit@8']:.4f} "
+            f"| {r['popularity_ndcg@10']:.4f} | {r['popularity_recall@10']:.4f} | - | - | - |"
+        )
+    return "\n".join(lines)
+
+
+def plot_curves(rows, path, dataset):
+    """PNG of ndcg@10 after every epoch, one line per loss of `dataset`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    popular = None
+    for r in rows:
+        curve = r.get("ndcg@10_per_epoch")
+        if r["dataset"] != dataset or not curve:
+            continue
+        axis.plot(range(1, len(curve) + 1), curve, marker="o", label=r["loss"])
+        popular = r.get("popularity_ndcg@10", popular)
+    if popular is not None:
+        axis.axhline(popular, color="grey", linestyle="--", label="most popular")
+    axis.set_xlabel("epoch")
+    axis.set_ylabel("ndcg@10 (leave-last-8-out)")
+    axis.set_title(f"SASRec on {dataset}: ndcg@10 after each epoch, per loss")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def datasets(args):
+    """`[(name, example arguments)]` of the study."""
+    common = ["--batch-size", str(args.batch_size)]
+    out = []
+    if args.movielens_dir:
+        out.append(("ml-latest-small", [
+            "--data", "movielens", "--data-dir", os.path.abspath(args.movielens_dir),
+            "--max-len", str(args.max_len), "--epochs", str(args.epochs), "--eval-each-epoch",
+            *common]))
+    for num_items, steps in ((100_000, args.steps_1e5), (1_000_000, args.steps_1e6)):
+        if steps:
+            out.append((f"synthetic {num_items:,} items", [
+                "--num-items", str(num_items), "--num-users", str(args.num_users),
+                "--max-len", "30", "--epochs", "1", "--steps-per-epoch", str(steps),
+                "--eval-users", str(args.eval_users), *common]))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--movielens-dir", default=None,
+                        help="folder of ml-latest-small (ratings.csv); None skips MovieLens")
+    parser.add_argument("--epochs", type=int, default=4, help="MovieLens epochs (every loss)")
+    parser.add_argument("--max-len", type=int, default=50, help="MovieLens sequence length")
+    parser.add_argument("--batch-size", type=int, default=64, help="windows per step")
+    parser.add_argument("--steps-1e5", type=int, default=20,
+                        help="training steps at 10^5 items (0 skips)")
+    parser.add_argument("--steps-1e6", type=int, default=6,
+                        help="training steps at 10^6 items (0 skips)")
+    parser.add_argument("--num-users", type=int, default=1200, help="synthetic users")
+    parser.add_argument("--eval-users", type=int, default=200,
+                        help="synthetic: users evaluated (quality there is not a result)")
+    parser.add_argument("--memory-cap-gib", type=float, default=12.0,
+                        help="address-space cap of every run")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run, results in /tmp")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results",
+                                                      "sasrec_losses"),
+                        help="output path without extension (.md, .json, .png)")
+    args = parser.parse_args(argv)
+    backend = os.environ.get("KERAS_BACKEND", "jax")
+    cases = datasets(args)
+    if args.quick:
+        cases = [("synthetic 300 items", ["--num-items", "300", "--num-users", "60",
+                                          "--max-len", "12", "--dim", "16", "--blocks", "1",
+                                          "--epochs", "2", "--steps-per-epoch", "3",
+                                          "--batch-size", "16", "--eval-each-epoch"])]
+        if args.out == parser.get_default("out"):
+            args.out = "/tmp/sasrec_losses_quick"
+    start = time.perf_counter()
+    rows = []
+    for dataset, example_args in cases:
+        for loss, negatives in LOSSES:
+            row = run_case(dataset, loss, negatives, example_args, args, backend)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("_per_epoch")}),
+                  flush=True)
+    info = machine_info(
+        backend=backend, epochs=args.epochs, max_len=args.max_len, batch_size=args.batch_size,
+        steps_1e5=args.steps_1e5, steps_1e6=args.steps_1e6, memory_cap_gib=args.memory_cap_gib,
+        total_seconds=round(time.perf_counter() - start),
+        load="other helpers' niced processes were running on the same 2 cores",
+    )
+    table = study_table(rows)
+    report = "\n".join([
+        "# SASRec: every loss, same model, same data, same evaluation",
+        "",
+        "hit@8, ndcg@10, recall@10: leave-last-8-out (each user's last 8 items held out, the "
+        "whole catalogue ranked, items the user has seen excluded), after the last epoch. "
+        "train steps/s: 1 / median step time after 2 warm-up steps. peak RSS: the whole process (host). wall time: "
+        "the whole run (start-up, data, training, evaluation). Each run in its own process, "
+        f"capped at {args.memory_cap_gib:g} GiB of address space. On the synthetic catalogues "
+        "a run is only a few steps: its metrics are not a quality result, only its cost and "
+        "whether it runs.",
+        "",
+        "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
+        "",
+        table,
+    ])
+    errors = [f"- {r['dataset']}, {r['loss']}: `{r['error']}`" for r in rows if "error" in r]
+    if errors:
+        report += "\n\nErrors:\n\n" + "\n".join(errors)
+    print(report)
+    write_text(args.out + ".md", report)
+    write_json(args.out + ".json", {"machine": info, "rows": rows})
+    curves = [d for d, _ in cases if any(r["dataset"] == d and r.get("ndcg@10_per_epoch")
+                                         for r in rows)]
+    if curves:
+        print(f"wrote {plot_curves(rows, args.out + '.png', curves[0])}")
+    print(f"wrote {args.out}.md and {args.out}.json")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
