@@ -3,6 +3,10 @@
 import argparse
 import os
 
+# Where the examples and the main job write results unless told otherwise:
+# `runs/` at the repository root (not the current directory).
+DEFAULT_OUTPUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs")
+
 
 def select_backend(argv):
     """Sets KERAS_BACKEND from a `--backend` flag in `argv`, before Keras is imported.

@@ -5,17 +5,23 @@
 
 1. SASRec with `CutBCELoss` (`--loss cutbce`) on the synthetic catalogue;
 2. the same SASRec with dense full-logits BCE (`--loss dense`), same seed;
-3. the CTR model in every ERASE mode available here (`--compare`),
+3. the same SASRec with BCE on one sampled negative per target
+   (`--loss sampled`, the original SASRec recipe), same seed;
+4. the CTR model in every ERASE mode available here (`--compare`), with
+   `erase-auto` (`EraseModel(dispatch="auto")`) on every backend,
 
-then prints the SASRec table (cutbce vs dense vs most popular) and the CTR
-table (QPS gain and NE gap against the undetached baseline). Results are
-written under `--out` (default `runs/`). Extra arguments after `--` go to
-both examples (e.g. `-- --epochs 1`).
+then prints the SASRec table (each loss vs most popular) and the CTR table
+(QPS gain and NE gap against the undetached baseline). The JSON results and
+the plot are written under `--out` (default: `runs/` at the repository root,
+whatever the current directory); their paths are printed. Extra arguments go
+to one example through `--sasrec-args` / `--ctr-args`, e.g.
+`--sasrec-args "--epochs 1" --ctr-args "--num-examples 20000"`.
 
 Example:
 
 ```
 python -m examples.run_all --backend torch
+python -m examples.run_all --out /tmp/runs --sasrec-args "--epochs 2"
 ```
 """
 
@@ -25,6 +31,11 @@ import os
 import subprocess
 import sys
 import time
+
+from examples import DEFAULT_OUTPUT_DIR
+from examples.sasrec.tables import run_name, sasrec_table
+
+SASREC_RUNS = (("cutbce", []), ("dense", []), ("sampled", ["--num-negatives", "1"]))
 
 
 def _run(module, args, env):
@@ -36,13 +47,18 @@ def _run(module, args, env):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m examples.run_all", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.run_all",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
-                        help="Keras backend (default: $KERAS_BACKEND, else torch)")
-    parser.add_argument("--out", default="runs", help="folder for the JSON results and the plot")
+                        help="Keras backend (None: $KERAS_BACKEND, else torch)")
+    parser.add_argument("--out", default=DEFAULT_OUTPUT_DIR,
+                        help="folder for the JSON results and the plot")
     parser.add_argument("--sasrec-args", default="", help="extra arguments for examples.sasrec")
     parser.add_argument("--ctr-args", default="", help="extra arguments for examples.ctr")
-    parser.add_argument("--verbose", type=int, default=1, help="fit's verbosity in both examples")
+    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=None,
+                        help="fit's verbosity in both examples (None: 1 on a terminal, "
+                             "else 2, one line per epoch)")
     return parser
 
 
@@ -52,21 +68,27 @@ def main(argv=None):
     env["KERAS_BACKEND"] = args.backend or env.get("KERAS_BACKEND") or "torch"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    os.makedirs(args.out, exist_ok=True)
-    verbose = ["--verbose", str(args.verbose)]
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    print(f"[run_all] results go to {out}", flush=True)
+    verbose = ["--verbose", str(args.verbose)] if args.verbose is not None else []
     sasrec_extra = args.sasrec_args.split()
     ctr_extra = args.ctr_args.split()
     seconds = {}
     sasrec = {}
-    for loss in ("cutbce", "dense"):
-        path = os.path.join(args.out, f"sasrec_{loss}.json")
+    written = []
+    for loss, loss_args in SASREC_RUNS:
+        path = os.path.join(out, f"sasrec_{loss}.json")
         seconds[f"sasrec {loss}"] = _run(
-            "examples.sasrec", ["--loss", loss, "--json", path, *verbose, *sasrec_extra], env
+            "examples.sasrec",
+            ["--loss", loss, *loss_args, "--json", path, *verbose, *sasrec_extra], env,
         )
         with open(path) as f:
-            sasrec[loss] = json.load(f)
-    ctr_json = os.path.join(args.out, "ctr_compare.json")
-    plot = os.path.join(args.out, "ctr_ne.png")
+            result = json.load(f)
+        sasrec[run_name(result)] = result
+        written.append(path)
+    ctr_json = os.path.join(out, "ctr_compare.json")
+    plot = os.path.join(out, "ctr_ne.png")
     seconds["ctr compare"] = _run(
         "examples.ctr",
         ["--compare", "--json", ctr_json, "--plot", plot, *verbose, *ctr_extra],
@@ -74,12 +96,12 @@ def main(argv=None):
     )
     with open(ctr_json) as f:
         ctr = json.load(f)
+    written += [ctr_json, plot]
 
-    from examples.sasrec.tables import sasrec_table
-
+    first = next(iter(sasrec.values()))
     print()
     print(f"## SASRec, next-8 items, leave-last-8-out (backend {env['KERAS_BACKEND']}, "
-          f"{sasrec['cutbce']['num_items']} items, {sasrec['cutbce']['num_users']} users)")
+          f"{first['num_items']} items, {first['num_users']} users, {first['epochs']} epochs)")
     print(sasrec_table(sasrec))
     print()
     print(f"## CTR with ERASE (backend {env['KERAS_BACKEND']}); NE per step: {plot}")
@@ -87,7 +109,8 @@ def main(argv=None):
     print()
     print("wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
           + f", total {sum(seconds.values()):.0f} s")
-    return {"sasrec": sasrec, "ctr": ctr, "seconds": seconds}
+    print("written: " + ", ".join(written))
+    return {"sasrec": sasrec, "ctr": ctr, "seconds": seconds, "written": written}
 
 
 if __name__ == "__main__":

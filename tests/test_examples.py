@@ -4,6 +4,7 @@ Every test runs on the active Keras backend; the loaders are tested on small
 files written here in the real formats.
 """
 
+import argparse
 import importlib.util
 import json
 import os
@@ -19,8 +20,8 @@ from examples.sasrec import data as seq_data
 
 BACKEND = keras.backend.backend()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SASREC_KEYS = {"loss", "hit@8", "ndcg@10", "recall@10", "popularity_hit@8",
-               "steps_per_second", "peak_memory_mb", "num_items"}
+SASREC_KEYS = {"loss", "num_negatives", "train_loss", "hit@8", "ndcg@10", "recall@10",
+               "popularity_hit@8", "steps_per_second", "peak_memory_mb", "num_items"}
 CTR_KEYS = {"mode", "ne", "auc", "qps_p50", "qps_p90", "steps"}
 TINY_SASREC = ["--num-users", "40", "--num-items", "150", "--epochs", "1",
                "--steps-per-epoch", "3", "--batch-size", "16", "--max-len", "12",
@@ -265,7 +266,7 @@ def test_popularity_metrics_agree_with_top_k_retrieval():
 
 
 @needs_metrics
-@pytest.mark.parametrize("loss", ["cutbce", "dense"])
+@pytest.mark.parametrize("loss", ["cutbce", "dense", "sampled", "softmax"])
 def test_sasrec_end_to_end(tmp_path, loss):
     from examples.sasrec.train import main
 
@@ -273,8 +274,10 @@ def test_sasrec_end_to_end(tmp_path, loss):
     results = main(TINY_SASREC + ["--loss", loss, "--json", str(path)])
     written = json.loads(path.read_text())
     assert SASREC_KEYS <= set(written)
+    assert written["loss"] == loss
+    assert written["num_negatives"] == (1 if loss == "sampled" else None)
     assert written["num_items"] == 150 and written["steps"] == 3
-    assert np.isfinite(written["loss"]) and written["loss"] > 0
+    assert np.isfinite(written["train_loss"]) and written["train_loss"] > 0
     for key in ("hit@8", "ndcg@10", "recall@10", "popularity_hit@8"):
         assert 0.0 <= written[key] <= 1.0
     assert written["peak_memory_mb"] > 10 and written["steps_per_second"] > 0
@@ -386,27 +389,35 @@ def test_baseline_has_no_local_losses_and_same_layers():
 # ----------------------------------------------------------------------------- CTR end to end
 
 
-def test_ctr_single_mode_json(tmp_path):
+def test_ctr_default_mode_is_erase_auto_and_runs_on_every_backend(tmp_path):
     from examples.ctr.train import main
 
     out = tmp_path / "ctr.json"
-    main(TINY_CTR + ["--mode", "detached", "--json", str(out)])
+    main(TINY_CTR + ["--json", str(out)])  # no --mode: the default
     written = json.loads(out.read_text())
     assert CTR_KEYS <= set(written)
-    assert written["mode"] == "detached" and written["steps"] == 4
+    assert written["mode"] == "erase-auto" and written["steps"] == 4
+    assert written["timed_steps"] == 3  # 4 steps - 1 warm-up
     assert 0 < written["ne"] < 5 and 0 <= written["auc"] <= 1
-    assert 0 < written["qps_p90"] <= written["qps_p50"]
+    # Percentiles of per-step examples/s: p90 is the fast end.
+    assert 0 < written["qps_p50"] <= written["qps_p90"]
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.distributed ranks")
-def test_ctr_nproc_two_ranks_sum_their_throughput(tmp_path):
+def test_ctr_nproc_global_qps_is_the_slowest_rank_per_step(tmp_path):
+    from keras_erase.throughput import global_step_seconds, throughput_percentiles
+
     from examples.ctr.train import main
 
     out = tmp_path / "ctr.json"
     main(TINY_CTR + ["--mode", "erase-threaded", "--nproc", "2", "--json", str(out)])
     written = json.loads(out.read_text())
     assert written["nproc"] == 2 and len(written["rank_qps_p50"]) == 2
-    assert written["qps_p50"] == pytest.approx(sum(written["rank_qps_p50"]))
+    per_rank = written["rank_step_seconds"]
+    assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1]) == 3
+    expected = throughput_percentiles(global_step_seconds(per_rank), 2 * 128)
+    assert written["qps_p50"] == pytest.approx(expected["p50"])
+    assert written["qps_p90"] == pytest.approx(expected["p90"])
     assert 0 < written["ne"] < 5
 
 
@@ -422,8 +433,10 @@ def test_ctr_compare_table_and_plot(tmp_path, capsys):
         assert {"erase-blocking", "erase-threaded"} <= set(modes)
     printed = capsys.readouterr().out
     table_rows = [line for line in printed.splitlines() if line.startswith("| ")]
-    assert [row.split("|")[1].strip() for row in table_rows[1:]] == modes
+    assert [row.split("|")[1].strip().split(" (")[0] for row in table_rows[1:]] == modes
     assert "QPS gain p90" in table_rows[0] and "NE gap" in table_rows[0]
+    assert "erase-auto" in modes
+    assert "90th percentile of per-step examples/s" in written_table(out)
     assert plot.exists() and plot.read_bytes()[:4] == b"\x89PNG"
     written = json.loads(out.read_text())
     assert [r["mode"] for r in written["runs"]] == modes
@@ -433,6 +446,10 @@ def test_ctr_compare_table_and_plot(tmp_path, capsys):
     by_mode = {r["mode"]: r for r in results}
     for mode in modes[2:]:
         assert by_mode[mode]["ne"] == pytest.approx(by_mode["detached"]["ne"], rel=1e-4)
+
+
+def written_table(path):
+    return json.loads(path.read_text())["table"]
 
 
 def test_ctr_unavailable_mode_is_a_clear_error():
@@ -467,3 +484,268 @@ def test_backend_flag_selects_backend_before_import(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"backend={BACKEND}" in proc.stdout
     assert json.loads(out.read_text())["mode"] == "baseline"
+
+
+# ----------------------------------------------------------------------------- SASRec losses
+
+
+def _softplus(z):
+    return np.logaddexp(0.0, z)
+
+
+def _tiny_table(rows=23, dim=6, seed=0):
+    items = keras.layers.Embedding(rows, dim)
+    items.build((None,))
+    table = np.random.default_rng(seed).normal(size=(rows, dim)).astype("float32")
+    items.embeddings.assign(table)
+    return items, table
+
+
+def test_sampled_bce_matches_numpy():
+    from examples.sasrec.losses import SampledBCELoss
+
+    rng = np.random.default_rng(1)
+    items, table = _tiny_table()
+    bias = rng.normal(size=(23,)).astype("float32")
+    hidden = rng.normal(size=(2, 3, 6)).astype("float32")
+    targets = rng.integers(1, 23, size=(2, 3, 2)).astype("int32")
+    targets[0, 0, 1] = -1  # padding target
+    targets[1, 2] = -1  # a position without targets
+    negatives = rng.integers(1, 23, size=(2, 3, 2 * 3)).astype("int32")
+    loss = SampledBCELoss(items, keras.Variable(bias), num_targets=2, num_negatives=3,
+                          reduction=None)
+    got = keras.ops.convert_to_numpy(loss(np.concatenate([targets, negatives], -1), hidden))
+    expected = np.zeros((2, 3))
+    for b in range(2):
+        for t in range(3):
+            terms = []
+            for j in range(2):
+                if targets[b, t, j] < 0:
+                    continue
+                z = lambda i: hidden[b, t] @ table[i] + bias[i]  # noqa: E731
+                negs = negatives[b, t, j * 3:(j + 1) * 3]
+                terms.append((_softplus(-z(targets[b, t, j])) + sum(_softplus(z(n)) for n in negs))
+                             / 4.0)
+            expected[b, t] = np.mean(terms) if terms else 0.0
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_cross_entropy_matches_numpy_and_excludes_padding_row():
+    from examples.sasrec.losses import SoftmaxCrossEntropyLoss
+
+    rng = np.random.default_rng(2)
+    items, table = _tiny_table(seed=3)
+    hidden = rng.normal(size=(2, 3, 6)).astype("float32")
+    targets = rng.integers(1, 23, size=(2, 3, 2)).astype("int32")
+    targets[0, 1, 0] = -1
+    targets[1, 0] = [0, -1]  # only the padding row: no valid target
+    loss = SoftmaxCrossEntropyLoss(items, padding_id=0, reduction=None)
+    got = keras.ops.convert_to_numpy(loss(targets, hidden))
+    logits = hidden @ table.T
+    logits[..., 0] = -np.inf  # the padding row is not a class
+    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                keepdims=True)) - logits.max(-1, keepdims=True)
+    expected = np.zeros((2, 3))
+    for b in range(2):
+        for t in range(3):
+            valid = [i for i in targets[b, t] if i > 0]
+            expected[b, t] = -np.mean([log_probs[b, t, i] for i in valid]) if valid else 0.0
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_negative_sampling_batches_draw_fresh_uniform_negatives():
+    from examples.sasrec.losses import NegativeSamplingBatches
+
+    inputs = np.arange(10 * 4, dtype="int32").reshape(10, 4)
+    targets = np.arange(10 * 4 * 2, dtype="int32").reshape(10, 4, 2)
+    weights = np.ones((10, 4), "float32")
+    batches = NegativeSamplingBatches(inputs, targets, weights, batch_size=4, num_items=50,
+                                      num_negatives=3, seed=0)
+    assert len(batches) == 3
+    x, y, w = batches[0]
+    assert x.shape == (4, 4) and y.shape == (4, 4, 2 + 6) and w.shape == (4, 4)
+    rows = [int(np.argmax((inputs == r).all(axis=1))) for r in x]
+    np.testing.assert_array_equal(y[..., :2], targets[rows])  # targets kept, same windows
+    negatives = y[..., 2:]
+    assert negatives.min() >= 1 and negatives.max() <= 50
+    again = batches[0][1][..., 2:]
+    assert not np.array_equal(negatives, again)  # fresh draws every batch
+    seen = set()
+    batches.on_epoch_end()
+    for i in range(len(batches)):
+        seen.update(int(r[0]) for r in batches[i][0])
+    assert seen == set(inputs[:, 0].tolist())  # every window once per epoch
+
+
+@needs_metrics
+def test_sasrec_eval_each_epoch_records_the_curve(tmp_path):
+    from examples.sasrec.train import main
+
+    args = TINY_SASREC.copy()
+    args[args.index("--epochs") + 1] = "2"
+    results = main(args + ["--loss", "sampled", "--num-negatives", "4", "--eval-each-epoch"])
+    assert len(results["ndcg@10_per_epoch"]) == 2
+    assert results["ndcg@10_per_epoch"][-1] == results["ndcg@10"]
+    assert results["steps"] == 6 and results["num_negatives"] == 4
+
+
+# ----------------------------------------------------------------------------- a new user's first hour
+
+
+def _parsers():
+    from examples import run_all
+    from examples.ctr.train import build_parser as ctr_parser
+    from examples.sasrec.train import build_parser as sasrec_parser
+
+    return {"sasrec": sasrec_parser(), "ctr": ctr_parser(), "run_all": run_all.build_parser()}
+
+
+@pytest.mark.parametrize("name,shown", [
+    ("sasrec", ["(default: 2000)", "(default: 10)", "(default: 30)", "(default: cutbce)"]),
+    ("ctr", ["(default: erase-auto)", "(default: 60000)", "(default: 10)", "runs/ctr_ne.png)"]),
+    ("run_all", ["runs)"]),
+])
+def test_help_shows_every_default(name, shown):
+    parser = _parsers()[name]
+    assert parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter
+    for action in parser._actions:  # every option has a help line, so its default is shown
+        assert action.help, f"{name} {action.option_strings} has no help text"
+    text = " ".join(parser.format_help().split())
+    for fragment in shown:
+        assert fragment in text, (name, fragment)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--epochs", "0"], ["--batch-size", "0"], ["--max-len", "-1"], ["--num-negatives", "0"],
+    ["--dropout", "1.5"], ["--learning-rate", "0"], ["--dim", "15"],
+    ["--loss", "dense", "--num-negatives", "5"], ["--steps-per-epoch", "0"],
+])
+def test_sasrec_rejects_bad_arguments(argv, capsys):
+    from examples.sasrec.train import main
+
+    with pytest.raises(SystemExit) as error:
+        main(argv)
+    assert error.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--epochs", "0"], ["--batch-size", "0"], ["--warmup-steps", "-1"], ["--nproc", "0"],
+    ["--num-examples", "0"], ["--steps-per-epoch", "0"],
+])
+def test_ctr_rejects_bad_arguments(argv, capsys):
+    from examples.ctr.train import main
+
+    with pytest.raises(SystemExit) as error:
+        main(argv)
+    assert error.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_ctr_refuses_to_time_only_warm_up_steps():
+    from examples.ctr.train import main
+
+    args = TINY_CTR.copy()
+    args[args.index("--warmup-steps") + 1] = "4"  # 4 steps, 4 warm-up steps
+    with pytest.raises(SystemExit, match="warm-up"):
+        main(args)
+
+
+def test_verbosity_is_one_line_per_epoch_off_a_terminal(monkeypatch):
+    from examples.ctr.train import default_verbosity as ctr_default
+    from examples.sasrec.train import default_verbosity as sasrec_default
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert sasrec_default() == ctr_default() == 2
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert sasrec_default() == ctr_default() == 1
+
+
+def test_throughput_synchronizes_before_every_clock_read_and_reports_the_fast_end():
+    from examples.ctr.train import Throughput, make_synchronizer
+
+    calls = []
+    meter = Throughput(batch_size=100, synchronize=lambda: calls.append(1))
+    for step in range(3):
+        meter.on_train_batch_begin(step)
+        meter.on_train_batch_end(step)
+    assert len(calls) == 6
+    meter.seconds = [1.0, 0.1, 0.2, 0.4]  # first step: warm-up
+    p50, p90 = meter.percentiles(warmup=1)
+    assert p50 == pytest.approx(500.0)  # median of 1000, 500, 250 examples/s
+    assert p90 == pytest.approx(900.0)  # the fast end
+    if BACKEND != "torch":
+        assert make_synchronizer() is None
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="CUDA synchronization is a torch matter")
+def test_synchronizer_is_cuda_synchronize_on_a_cuda_device(monkeypatch):
+    import torch
+
+    from examples.ctr.train import make_synchronizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert make_synchronizer() is torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert make_synchronizer() is None
+
+
+def test_run_all_docstring_and_output_folder():
+    from examples import DEFAULT_OUTPUT_DIR, run_all
+
+    assert "-- --epochs" not in run_all.__doc__
+    assert "--sasrec-args" in run_all.__doc__
+    default = run_all.build_parser().get_default("out")
+    assert default == DEFAULT_OUTPUT_DIR == os.path.join(ROOT, "runs")
+    assert ("sampled", ["--num-negatives", "1"]) in run_all.SASREC_RUNS
+
+
+@needs_metrics
+def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
+    """The main job end to end at tiny size (each example in this process)."""
+    from examples import run_all
+    from examples.ctr.train import main as ctr_main
+    from examples.sasrec.train import main as sasrec_main
+
+    def run_here(module, args, env):
+        (sasrec_main if module == "examples.sasrec" else ctr_main)(args)
+        return 1.0
+
+    monkeypatch.setattr(run_all, "_run", run_here)
+    out = tmp_path / "out"
+    ctr_args = " ".join(a for a in TINY_CTR if a not in ("--verbose", "0"))
+    sasrec_args = " ".join(a for a in TINY_SASREC if a not in ("--verbose", "0"))
+    result = run_all.main(["--out", str(out), "--verbose", "0",
+                           "--sasrec-args", sasrec_args, "--ctr-args", ctr_args])
+    printed = capsys.readouterr().out
+    assert list(result["sasrec"]) == ["cutbce", "dense", "sampled (1 neg.)"]
+    assert "| sampled (1 neg.) |" in printed and "| most popular |" in printed
+    assert "| erase-auto" in printed
+    assert f"results go to {out}" in printed
+    for path in result["written"]:
+        assert os.path.exists(path) and path in printed
+
+
+# ----------------------------------------------------------------------------- the loss study
+
+
+def test_loss_study_table_and_plot(tmp_path):
+    sys.path.insert(0, ROOT)
+    from benchmarks.sasrec_losses import LOSSES, plot_curves, study_table
+
+    assert ("sampled", 1) in LOSSES and ("sampled", 256) in LOSSES and len(LOSSES) == 5
+    rows = [
+        {"dataset": "ml", "loss": "cutbce", "status": "trained", "hit@8": 0.3, "ndcg@10": 0.08,
+         "recall@10": 0.08, "steps_per_second": 3.1, "peak_memory_mb": 1279.0,
+         "wall_seconds": 61.0, "ndcg@10_per_epoch": [0.04, 0.06, 0.08],
+         "popularity_hit@8": 0.19, "popularity_ndcg@10": 0.04, "popularity_recall@10": 0.04},
+        {"dataset": "1e6", "loss": "dense", "status": "out of memory (cap 12 GiB)",
+         "wall_seconds": 30.0},
+    ]
+    table = study_table(rows).splitlines()
+    assert table[0].startswith("| data | loss | status | hit@8 | ndcg@10 | recall@10")
+    assert table[2] == "| ml | cutbce | trained | 0.3000 | 0.0800 | 0.0800 | 3.1 | 1,279 | 61 |"
+    assert table[3] == "| 1e6 | dense | out of memory (cap 12 GiB) |  |  |  |  |  | 30 |"
+    assert table[4].startswith("| ml | most popular |")
+    path = plot_curves(rows, str(tmp_path / "curves.png"), "ml")
+    assert open(path, "rb").read(4) == b"\x89PNG"

@@ -6,21 +6,27 @@ Modes (the same network and initial weights in every mode):
 |---|---|
 | `baseline` | no detachment, Keras's standard step (the quality baseline) |
 | `detached` | `EraseModel(dispatch="standard")`: detached towers, standard step |
+| `erase-auto` | `EraseModel(dispatch="auto")`: times its first steps and keeps the fastest schedule (every backend; the default) |
 | `erase-blocking` | early backward of each tower, inline (torch) |
 | `erase-threaded` | early backward on a worker thread (torch) |
 | `erase-streams` | early backward on CUDA streams (torch + CUDA) |
 | `erase-graphs` | streams with each tower captured as a CUDA Graph (torch + CUDA) |
 
 Reported: normalized entropy (NE) and AUC on a held-out split, and the
-training throughput after warm-up: examples/s of every step (from
-`on_train_batch_begin` to `on_train_batch_end`), p50 and p90 over steps (the
-p90 is the 90th percentile of per-step examples/s). `--compare` runs every
-mode available here and prints one table with each mode's QPS gain and NE
-gap against `baseline`, and saves a plot of the training NE per step.
+training throughput after `--warmup-steps`: examples/s of every step (from
+`on_train_batch_begin` to `on_train_batch_end`, CUDA synchronized before each
+clock read on a CUDA device), p50 and p90 over steps as the ERASE paper
+reports them (`keras_erase.throughput`: p90 is the 90th percentile of
+per-step examples/s, the fast end). With `--nproc N` a global step lasts as
+long as its slowest rank: global QPS is `N * batch / max over ranks` per step,
+then percentiles (per-rank percentiles are never summed). `--compare` runs
+every mode available here and prints one table with each mode's QPS gain and
+NE gap against `baseline`, and saves a plot of the training NE per step.
 
 Example:
 
 ```
+python -m examples.ctr --backend jax --json runs/ctr.json      # --mode erase-auto
 python -m examples.ctr --backend torch --mode erase-threaded --json runs/ctr.json
 python -m examples.ctr --backend torch --compare --plot runs/ctr_ne.png
 ```
@@ -28,18 +34,23 @@ python -m examples.ctr --backend torch --compare --plot runs/ctr_ne.png
 
 import argparse
 import json
+import math
 import os
+import sys
 import time
 
 import keras
 import numpy as np
 
+from examples import DEFAULT_OUTPUT_DIR
 from examples.ctr import data as data_lib
 from examples.ctr.model import NormalizedEntropy, build_ctr_model
+from keras_erase.throughput import global_step_seconds, throughput_percentiles
 
 MODES = (
     "baseline",
     "detached",
+    "erase-auto",
     "erase-blocking",
     "erase-threaded",
     "erase-streams",
@@ -47,6 +58,7 @@ MODES = (
 )
 ERASE_OPTIONS = {
     "detached": {"dispatch": "standard"},
+    "erase-auto": {"dispatch": "auto"},
     "erase-blocking": {"dispatch": "blocking"},
     "erase-threaded": {"dispatch": "threaded"},
     "erase-streams": {"dispatch": "streams"},
@@ -65,11 +77,11 @@ def _cuda_available():
 def available_modes():
     """Modes that run on this backend and device.
 
-    The early-backward schedules exist on torch only (JAX and TensorFlow
-    train an `EraseModel` with the standard step, i.e. `detached`); streams
-    and CUDA Graphs need CUDA.
+    `erase-auto` runs everywhere (on JAX and TensorFlow `EraseModel` trains
+    with the standard step); the fixed early-backward schedules exist on torch
+    only; streams and CUDA Graphs need CUDA.
     """
-    modes = ["baseline", "detached"]
+    modes = ["baseline", "detached", "erase-auto"]
     if keras.backend.backend() == "torch":
         modes += ["erase-blocking", "erase-threaded"]
         if _cuda_available():
@@ -77,63 +89,150 @@ def available_modes():
     return modes
 
 
+def positive_int(text):
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def non_negative_int(text):
+    """argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def default_verbosity():
+    """fit's verbosity: a progress bar on a terminal, one line per epoch otherwise (logs)."""
+    return 1 if sys.stdout.isatty() else 2
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m examples.ctr", description=__doc__.split("\n\n")[0]
+        prog="python -m examples.ctr", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
-                        help="Keras backend (default: $KERAS_BACKEND)")
-    parser.add_argument("--mode", choices=MODES, default="erase-threaded")
+                        help="Keras backend (None: $KERAS_BACKEND)")
+    parser.add_argument("--mode", choices=MODES, default="erase-auto",
+                        help="model and schedule (see the table above; erase-auto runs on "
+                             "every backend)")
     parser.add_argument("--compare", action="store_true",
                         help="run every available mode and print the comparison table")
-    parser.add_argument("--plot", default="runs/ctr_ne.png",
+    parser.add_argument("--plot", default=os.path.join(DEFAULT_OUTPUT_DIR, "ctr_ne.png"),
                         help="--compare: PNG of the training NE per step and mode")
-    parser.add_argument("--data", choices=["synthetic", "criteo"], default="synthetic")
+    parser.add_argument("--data", choices=["synthetic", "criteo"], default="synthetic",
+                        help="dataset")
     parser.add_argument("--data-dir", default=None, help="Criteo TSV file or folder")
-    parser.add_argument("--num-examples", type=int, default=60_000,
+    parser.add_argument("--num-examples", type=positive_int, default=60_000,
                         help="synthetic examples (train + test), or max Criteo rows")
-    parser.add_argument("--buckets", type=int, default=1000, help="hashed ids per feature")
-    parser.add_argument("--embedding-dim", type=int, default=16)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--steps-per-epoch", type=int, default=None)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=10,
-                        help="steps left out of the throughput")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--buckets", type=positive_int, default=1000,
+                        help="hashed ids per feature")
+    parser.add_argument("--embedding-dim", type=positive_int, default=16,
+                        help="categorical embedding width")
+    parser.add_argument("--width", type=positive_int, default=128, help="tower width")
+    parser.add_argument("--depth", type=positive_int, default=3, help="tower depth")
+    parser.add_argument("--batch-size", type=positive_int, default=512, help="examples per step")
+    parser.add_argument("--epochs", type=positive_int, default=1, help="training epochs")
+    parser.add_argument("--steps-per-epoch", type=positive_int, default=None,
+                        help="cap on steps per epoch (None: the whole training split)")
+    parser.add_argument("--learning-rate", type=positive_float, default=1e-3,
+                        help="Adam learning rate")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=10,
+                        help="first steps left out of the throughput (must be fewer than the "
+                             "training steps)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--verbose", type=int, default=1, help="fit's verbosity (1: progress bar)")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="torch: N local gloo ranks, data parallel; QPS is summed over ranks")
+    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
+                        help="fit's verbosity: 1 progress bar, 2 one line per epoch "
+                             "(default: %(default)s here; 1 on a terminal, else 2)")
+    parser.add_argument("--nproc", type=positive_int, default=1,
+                        help="torch: N local gloo ranks, data parallel; global QPS per step is "
+                             "N * batch / the slowest rank's step time")
     return parser
 
 
-class Throughput(keras.callbacks.Callback):
-    """Per-step examples/s (`on_train_batch_begin` to `_end`) and NE per step."""
+def make_synchronizer():
+    """`torch.cuda.synchronize` when training on a CUDA device (torch), else None.
 
-    def __init__(self, batch_size):
+    CUDA kernels run asynchronously: without a synchronize before each clock
+    read a step's time would be the time to *launch* its kernels.
+    """
+    if _cuda_available():
+        import torch
+
+        return torch.cuda.synchronize
+    return None
+
+
+class Throughput(keras.callbacks.Callback):
+    """Per-step seconds (`on_train_batch_begin` to `_end`) and the running NE per step.
+
+    Args:
+        batch_size: examples per step.
+        synchronize: called before each clock read (e.g. `torch.cuda.synchronize`).
+    """
+
+    def __init__(self, batch_size, synchronize=None):
         super().__init__()
         self.batch_size = batch_size
+        self.synchronize = synchronize
         self.seconds = []
         self.ne = []
 
+    def _clock(self):
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter()
+
     def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
+        self._start = self._clock()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
+        self.seconds.append(self._clock() - self._start)
         if logs and "ne" in logs:
             self.ne.append(float(logs["ne"]))
 
+    def timed_seconds(self, warmup):
+        """Step seconds after the first `warmup` steps."""
+        return self.seconds[warmup:]
+
     def percentiles(self, warmup):
-        """`(p50, p90)` examples/s: the batch over the median and the 90th-percentile
-        step time (p90 is the throughput 90% of steps reach, as in the benchmarks)."""
-        seconds = np.asarray(self.seconds[warmup:] if len(self.seconds) > warmup else self.seconds)
-        seconds = np.maximum(seconds, 1e-12)
-        return (float(self.batch_size / np.percentile(seconds, 50)),
-                float(self.batch_size / np.percentile(seconds, 90)))
+        """`(p50, p90)` of per-step examples/s after `warmup` steps (p90: the fast end)."""
+        stats = throughput_percentiles(self.timed_seconds(warmup), self.batch_size)
+        return stats["p50"], stats["p90"]
+
+
+def training_steps(args, num_train):
+    """Steps `fit` will run: epochs x (steps per epoch, or batches in the training split)."""
+    per_epoch = math.ceil(num_train / args.batch_size)
+    if args.steps_per_epoch is not None:
+        per_epoch = min(per_epoch, args.steps_per_epoch)
+    return args.epochs * per_epoch
+
+
+def check_warmup(args, num_train):
+    """Refuses a run whose throughput would be measured on warm-up steps only."""
+    per_rank = (num_train // (args.nproc * args.batch_size)) * args.batch_size
+    steps = training_steps(args, per_rank if args.nproc > 1 else num_train)
+    if steps <= args.warmup_steps:
+        raise SystemExit(
+            f"Only {steps} training steps for --warmup-steps {args.warmup_steps}: the "
+            "throughput would time nothing after warm-up. Train more steps (--epochs, "
+            "--steps-per-epoch, --num-examples) or lower --warmup-steps."
+        )
+    return steps
 
 
 def load_data(args):
@@ -176,7 +275,7 @@ def run_mode(mode, args, train, test):
         loss=keras.losses.BinaryCrossentropy(),
         metrics=[NormalizedEntropy(name="ne"), keras.metrics.AUC(name="auc")],
     )
-    meter = Throughput(args.batch_size)
+    meter = Throughput(args.batch_size, synchronize=make_synchronizer())
     features = {"dense": train["dense"], "sparse": train["sparse"]}
     print(f"[ctr] backend={keras.backend.backend()} mode={mode} train={len(train['label'])} "
           f"test={len(test['label'])} ctr={train['label'].mean():.3f}")
@@ -200,18 +299,29 @@ def run_mode(mode, args, train, test):
     qps_p50, qps_p90 = meter.percentiles(args.warmup_steps)
     return {
         "mode": mode,
+        "dispatch_choice": getattr(model, "dispatch_choice", None),
         "ne": float(scores["ne"]),
         "auc": float(scores["auc"]),
         "qps_p50": qps_p50,
         "qps_p90": qps_p90,
         "steps": len(meter.seconds),
+        "timed_steps": len(meter.timed_seconds(args.warmup_steps)),
+        "step_seconds": meter.timed_seconds(args.warmup_steps),
         "train_ne_per_step": meter.ne,
         "backend": keras.backend.backend(),
     }
 
 
+TABLE_NOTE = (
+    "QPS: training examples/s of each step after warm-up (CPU: wall clock; CUDA: synchronized); "
+    "p50 = median step, p90 = 90th percentile of per-step examples/s (the fast end, as the "
+    "ERASE paper reports it); gains and NE gap are relative to the first mode (baseline). "
+    "NE and AUC: held-out split, lower NE is better."
+)
+
+
 def compare_table(results):
-    """Markdown table of the modes' results with gains against `baseline`."""
+    """Markdown table of the modes' results with gains against `baseline` (+ a note)."""
     base = next((r for r in results if r["mode"] == "baseline"), results[0])
     lines = [
         "| mode | NE | AUC | QPS p50 | QPS p90 | QPS gain p50 | QPS gain p90 | NE gap |",
@@ -221,11 +331,14 @@ def compare_table(results):
         gain50 = 100.0 * (r["qps_p50"] / base["qps_p50"] - 1.0)
         gain90 = 100.0 * (r["qps_p90"] / base["qps_p90"] - 1.0)
         gap = 100.0 * (r["ne"] / base["ne"] - 1.0)
+        name = r["mode"]
+        if r.get("dispatch_choice") and r["mode"] == "erase-auto":
+            name += f" ({r['dispatch_choice']})"
         lines.append(
-            f"| {r['mode']} | {r['ne']:.4f} | {r['auc']:.4f} | {r['qps_p50']:.0f} "
+            f"| {name} | {r['ne']:.4f} | {r['auc']:.4f} | {r['qps_p50']:.0f} "
             f"| {r['qps_p90']:.0f} | {gain50:+.1f}% | {gain90:+.1f}% | {gap:+.2f}% |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + TABLE_NOTE
 
 
 def plot_ne(results, path):
@@ -248,7 +361,7 @@ def plot_ne(results, path):
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-    return path
+    return os.path.abspath(path)
 
 
 def shard(train, rank, world, batch_size):
@@ -270,18 +383,26 @@ def run_rank(rank, world, mode, args):
 
 
 def run_distributed(mode, args):
-    """`--nproc N`: N local gloo ranks; global QPS = sum over ranks; NE/AUC of rank 0."""
+    """`--nproc N`: N local gloo ranks; NE/AUC of rank 0; QPS of the global steps.
+
+    A global step ends when its slowest rank ends: per step, global examples/s
+    is `N * batch / max over ranks(step seconds)` (`global_step_seconds`), and
+    p50/p90 are taken over those global steps, never summed over ranks.
+    """
     from keras_erase.launch import run_local
 
     if keras.backend.backend() != "torch":
         raise SystemExit("--nproc needs --backend torch (torch.distributed, gloo).")
     ranks = run_local(run_rank, args.nproc, args=(mode, args))
     result = dict(ranks[0])
+    per_rank = [r["step_seconds"] for r in ranks]
+    stats = throughput_percentiles(global_step_seconds(per_rank), args.nproc * args.batch_size)
     result.update(
         nproc=args.nproc,
-        qps_p50=sum(r["qps_p50"] for r in ranks),
-        qps_p90=sum(r["qps_p90"] for r in ranks),
+        qps_p50=stats["p50"],
+        qps_p90=stats["p90"],
         rank_qps_p50=[r["qps_p50"] for r in ranks],
+        rank_step_seconds=per_rank,
     )
     return result
 
@@ -293,18 +414,19 @@ def _run(mode, args, train, test):
 
 
 def _summary(result):
-    return {k: v for k, v in result.items() if k != "train_ne_per_step"}
+    return {k: v for k, v in result.items() if k not in ("train_ne_per_step", "step_seconds")}
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     train, test = load_data(args)
+    check_warmup(args, len(train["label"]))
     if args.compare:
         results = [_run(mode, args, train, test) for mode in available_modes()]
         table = compare_table(results)
         print(table)
         if args.plot:
-            print(f"NE per step plot: {plot_ne(results, args.plot)}")
+            print(f"[ctr] NE per step plot written to {plot_ne(results, args.plot)}")
         output = {"runs": [_summary(r) for r in results], "table": table}
     else:
         result = _run(args.mode, args, train, test)
@@ -312,7 +434,9 @@ def main(argv=None):
         output = _summary(result)
         results = [result]
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
+        path = os.path.abspath(args.json)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(output, f, indent=2)
+        print(f"[ctr] results written to {path}")
     return results

@@ -1,6 +1,19 @@
 """Markdown table of SASRec results (no Keras import, used by `run_all`)."""
 
 
+def run_name(results):
+    """Row name of a run: its loss, with the negatives for `sampled`.
+
+    Example:
+
+    >>> run_name({"loss": "sampled", "num_negatives": 1})
+    'sampled (1 neg.)'
+    """
+    if results.get("loss") == "sampled":
+        return f"sampled ({results['num_negatives']} neg.)"
+    return results.get("loss", results.get("loss_kind"))
+
+
 def sasrec_table(results_by_loss):
     """One row per loss run plus the most-popular baseline of the first run.
 

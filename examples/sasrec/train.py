@@ -34,7 +34,7 @@ import numpy as np
 from examples.sasrec import data as data_lib
 from examples.sasrec.losses import NegativeSamplingBatches, SampledBCELoss, SoftmaxCrossEntropyLoss
 from examples.sasrec.model import DenseBCELoss, build_sasrec
-from examples.sasrec.tables import sasrec_table
+from examples.sasrec.tables import run_name, sasrec_table
 
 NUM_TARGETS = 8  # L: next items per position, and held-out items per user
 LOSSES = ("cutbce", "dense", "sampled", "softmax")
@@ -352,13 +352,6 @@ def run(args):
         for key in ("hit@8", "ndcg@10", "recall@10"):
             results[f"{key}_per_epoch"] = [m[key] for m in per_epoch.history]
     return results
-
-
-def run_name(results):
-    """Row name of a run: the loss, with the negatives for `sampled`."""
-    if results.get("loss") == "sampled":
-        return f"sampled ({results['num_negatives']} neg.)"
-    return results.get("loss", results.get("loss_kind"))
 
 
 def main(argv=None):
