@@ -91,8 +91,8 @@ def run_case(dataset, loss, num_negatives, example_args, args, backend):
     return row
 
 
-MEMORY_WORDS = ("out of memory", "resource_exhausted", "cannot allocate", "can't allocate",
-                "bad_alloc", "memoryerror", "failed to allocate")
+MEMORY_WORDS = ("out of memory", "memory allocating", "resource_exhausted", "cannot allocate",
+                "can't allocate", "bad_alloc", "memoryerror", "failed to allocate")
 
 
 def failure(stderr, returncode, cap_gib):
