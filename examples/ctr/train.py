@@ -316,7 +316,8 @@ TABLE_NOTE = (
     "QPS: training examples/s of each step after warm-up (CPU: wall clock; CUDA: synchronized); "
     "p50 = median step, p90 = 90th percentile of per-step examples/s (the fast end, as the "
     "ERASE paper reports it); gains and NE gap are relative to the first mode (baseline). "
-    "NE and AUC: held-out split, lower NE is better."
+    "NE and AUC: held-out split, lower NE is better. erase-auto (its choice in brackets) tries each "
+    "candidate schedule during its first steps; those past the warm-up count in its QPS."
 )
 
 
