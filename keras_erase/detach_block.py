@@ -29,6 +29,8 @@ import keras
 from keras import ops
 from keras import tree
 
+from keras_erase import _keras_private
+
 _STATE = threading.local()
 
 
@@ -84,9 +86,7 @@ def _to_loss_object(loss):
 
 def _has_symbolic(structure):
     """True for shape-inference calls (KerasTensors or Keras's symbolic scope)."""
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
-    if in_symbolic_scope():
+    if _keras_private.in_symbolic_scope():
         return True
     return any(keras.backend.is_keras_tensor(t) for t in tree.flatten(structure))
 

@@ -42,7 +42,6 @@ worker's backward each use about half of the machine instead of both
 oversubscribing it.
 """
 
-import os
 import queue
 import threading
 import time
@@ -50,18 +49,9 @@ import warnings
 
 import torch
 
-DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
-
-
-def threads_for_worker():
-    """Intra-op thread count used on CPU with the threaded schedule: half the cores, at least 1."""
-    return max(1, (os.cpu_count() or 1) // 2)
-
-
-def set_intra_op_threads(n):
-    """Sets torch's (process-wide) intra-op thread count if `n` differs from the current one."""
-    if n is not None and int(n) != torch.get_num_threads():
-        torch.set_num_threads(int(n))
+from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
+from keras_erase.threads import set_intra_op_threads  # noqa: F401 - re-exported
+from keras_erase.threads import threads_for_worker  # noqa: F401 - re-exported
 
 
 def _detach(structure):

@@ -93,7 +93,7 @@ def _rank_main(rank, world, workdir):
             for i, w in enumerate(model.get_weights()):
                 results[f"{mode}_{detach_input}_{i}"] = to_numpy(w)
             report[f"{mode}_{detach_input}"] = {
-                "launch_order": model._grad_sync.launch_order,
+                "launch_order": model._erase.grad_sync.launch_order,
                 "choice": model.dispatch_choice,
             }
     report["presence"] = _presence_check(rank)
