@@ -45,6 +45,7 @@ Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
 
 import logging
 import threading
+import weakref
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -260,9 +261,35 @@ class RecordingCapture:
         return Capture(replay, outputs, ops=tape.names)
 
 
+_CAPTURE_FACTORY = None
+_RUNNERS = weakref.WeakSet()
+
+
+def set_default_capture(factory):
+    """Sets what runners built without a capture use (`None`: `CudaGraphCapture`); returns the old one.
+
+    `set_default_capture(RecordingCapture)` lets `EraseModel(cuda_graphs=True)`
+    run its graph logic on a CPU machine (the tests and the GPU benchmark's
+    `--cpu-dry-run` do this); real runs never need it.
+    """
+    global _CAPTURE_FACTORY
+    previous, _CAPTURE_FACTORY = _CAPTURE_FACTORY, factory
+    return previous
+
+
 def default_capture():
-    """The capture used by a runner built without one: `CudaGraphCapture()` (needs CUDA)."""
+    """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
+    if _CAPTURE_FACTORY is not None:
+        return _CAPTURE_FACTORY()
+    from keras_erase.dispatch import require_cuda
+
+    require_cuda("cuda_graphs=True")
     return CudaGraphCapture()
+
+
+def live_runners():
+    """Every `CudaGraphRunner` still alive (benchmarks read their counters)."""
+    return list(_RUNNERS)
 
 
 def untimed_steps(warmup):
@@ -382,6 +409,7 @@ class CudaGraphRunner:
         self._pool = None
         self._lock = threading.Lock()
         self._function = _replay_function()
+        _RUNNERS.add(self)
 
     def _count(self, name):
         with self._lock:
