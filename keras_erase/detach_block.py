@@ -26,6 +26,7 @@ import contextlib
 import threading
 
 import keras
+import numpy as np
 from keras import ops
 from keras import tree
 
@@ -193,8 +194,20 @@ class DetachBlock(keras.layers.Layer):
         return outputs if self.head is None else self.head(outputs)
 
     def local_loss(self, y_true, y_pred, sample_weight=None):
-        """`loss_weight * loss(y_true, y_pred)` as a float32 scalar."""
-        value = self.loss_fn(y_true, y_pred, sample_weight=sample_weight)
+        """`loss_weight * loss(y_true, y_pred, sample_weight)` as a float32 scalar.
+
+        The same value as Keras's `Loss.__call__`. On torch it is computed
+        without any tensor made from host data and without host syncs (so a
+        CUDA Graph can capture it, see `keras_erase.cuda_graphs`): the loss's
+        per-sample values (`Loss.call`), weighted and reduced with device ops
+        and Python constants (`capture_safe_loss`). Masked predictions, losses
+        that override `__call__`, and JAX/TensorFlow (which trace host
+        constants into their graphs) use `Loss.__call__`.
+        """
+        if _torch_backend() and _capture_safe(self.loss_fn, y_pred):
+            value = capture_safe_loss(self.loss_fn, y_true, y_pred, sample_weight)
+        else:
+            value = self.loss_fn(y_true, y_pred, sample_weight=sample_weight)
         # A Python-scalar product (no host-to-device constant: CUDA Graph friendly).
         return ops.cast(value, "float32") * self.loss_weight
 
@@ -250,3 +263,70 @@ class DetachBlock(keras.layers.Layer):
         if config.get("loss") is not None:
             config["loss"] = keras.saving.deserialize_keras_object(config["loss"])
         return cls(**config)
+
+
+def _torch_backend():
+    return keras.backend.backend() == "torch"
+
+
+def _capture_safe(loss_fn, y_pred):
+    from keras_erase._keras_private import keras_mask
+
+    overrides_call = type(loss_fn).__call__ is not keras.losses.Loss.__call__
+    masked = any(keras_mask(t) is not None for t in tree.flatten(y_pred))
+    return not overrides_call and not masked
+
+
+def _match_rank(values, weight):
+    """Squeezes/expands a trailing 1 so `values` and `weight` have the same rank (as Keras)."""
+    values_rank, weight_rank = len(values.shape), len(weight.shape)
+    if values_rank == weight_rank + 1 and values.shape[-1] == 1:
+        if weight_rank == 1:
+            weight = ops.expand_dims(weight, -1)
+        else:
+            values = ops.squeeze(values, -1)
+    elif weight_rank == values_rank + 1 and weight.shape[-1] == 1:
+        if values_rank == 1:
+            values = ops.expand_dims(values, -1)
+        else:
+            weight = ops.squeeze(weight, -1)
+    return values, weight
+
+
+def capture_safe_loss(loss_fn, y_true, y_pred, sample_weight=None):
+    """`loss_fn(y_true, y_pred, sample_weight)` for an unmasked `keras.losses.Loss`, host-data free.
+
+    Computes the per-sample values with `loss_fn.call`, weights them and
+    applies `loss_fn.reduction` exactly as `Loss.__call__` does, but divides
+    by Python constants (the static element count) instead of a tensor built
+    from the shape, and never calls `divide_no_nan` with a Python scalar.
+
+    Example:
+
+    >>> loss = keras.losses.MeanSquaredError()
+    >>> y_true, y_pred = np.array([[1.0], [0.0]]), np.array([[0.5], [0.5]])
+    >>> float(capture_safe_loss(loss, y_true, y_pred))
+    0.25
+    """
+    dtype = loss_fn.dtype
+    y_pred = tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
+    y_true = tree.map_structure(lambda t: ops.cast(t, dtype), y_true)
+    values = ops.cast(loss_fn.call(y_true, y_pred), dtype)
+    weight = None
+    if sample_weight is not None:
+        weight = ops.cast(sample_weight, values.dtype)
+        values, weight = _match_rank(values, weight)
+        values = values * weight
+    reduction = loss_fn.reduction
+    shape = tuple(values.shape)
+    if reduction in (None, "none") or shape in ((), (0,)):
+        return values
+    total = ops.sum(values)
+    if reduction not in ("sum_over_batch_size", "mean", "mean_with_sample_weight"):
+        return total  # "sum"
+    if reduction == "mean_with_sample_weight" and weight is not None:
+        divisor = ops.sum(weight)
+        nonzero = ops.cast(divisor != 0, total.dtype)
+        return total * nonzero / (divisor + (1 - nonzero))  # divide_no_nan
+    count = int(np.prod(shape))
+    return total / count if count else total * 0
