@@ -71,6 +71,8 @@ HOST_SYNC_OPS = frozenset(
     }
 )
 CAPTURE_FORBIDDEN_OPS = HOST_DATA_OPS | HOST_SYNC_OPS
+# Eager steps per block and input signature before its graphs are captured.
+DEFAULT_WARMUP = 2
 
 
 class CaptureRefused(RuntimeError):
@@ -395,7 +397,7 @@ class CudaGraphRunner:
         disabled: whether graphs are off for the rest of the run.
     """
 
-    def __init__(self, capture=None, warmup=2):
+    def __init__(self, capture=None, warmup=DEFAULT_WARMUP):
         self._capture = capture if capture is not None else default_capture()
         self.warmup = int(warmup)
         self.captures = 0

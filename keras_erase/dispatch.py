@@ -241,7 +241,7 @@ def require_cuda(what):
         )
 
 
-def make_dispatcher(mode, num_streams=4, cuda_graphs=False, graph_capture=None, graph_warmup=2):
+def make_dispatcher(mode, num_streams=4, cuda_graphs=False, graph_capture=None, graph_warmup=None):
     """Builds the dispatcher for a concrete mode (`"blocking"`, `"threaded"` or `"streams"`).
 
     With `cuda_graphs=True` the dispatcher (any mode) gets a
@@ -263,9 +263,11 @@ def make_dispatcher(mode, num_streams=4, cuda_graphs=False, graph_capture=None, 
             f"Unknown dispatch mode {mode!r}; expected 'blocking', 'threaded' or 'streams'."
         )
     if cuda_graphs:
+        from keras_erase.cuda_graphs import DEFAULT_WARMUP
         from keras_erase.cuda_graphs import CudaGraphRunner
 
-        dispatcher.graphs = CudaGraphRunner(capture=graph_capture, warmup=graph_warmup)
+        warmup = DEFAULT_WARMUP if graph_warmup is None else graph_warmup
+        dispatcher.graphs = CudaGraphRunner(capture=graph_capture, warmup=warmup)
     return dispatcher
 
 

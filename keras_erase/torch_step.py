@@ -97,9 +97,19 @@ def next_schedule(runtime):
             from keras_erase.distributed import mean_over_ranks
 
             combine = mean_over_ranks
+        candidates = auto_candidates(torch.get_num_threads())
+        extra_warmup = None
+        if config.cuda_graphs:  # graph warm-up and capture steps are never timed (ERASE-GPU)
+            from keras_erase.cuda_graphs import DEFAULT_WARMUP, untimed_steps
+
+            extra_warmup = {
+                c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if c[0] != "standard"
+            }
         runtime.selector = ScheduleSelector(
-            auto_candidates(torch.get_num_threads()),
+            candidates,
             timed_rounds=config.auto_steps,
+            warmup_rounds=1,
+            extra_warmup=extra_warmup,
             combine=combine,
             early_stop_rounds=None,
         )
@@ -177,6 +187,12 @@ def erase_step(model, data, dispatcher, sync=None):
     import torch
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if dispatcher is not None:  # targets on the weights' device once per step, not per block
+        from keras_erase.cuda_graphs import to_device
+
+        weights = model.trainable_weights
+        if weights:
+            y, sample_weight = to_device((y, sample_weight), weights[0].value.device)
     # Zero BEFORE the forward pass: blocks write their gradients during it.
     model.zero_grad(set_to_none=True)
     optimizer = model.optimizer

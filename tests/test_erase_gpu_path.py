@@ -81,7 +81,7 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
 # -- EraseModel(cuda_graphs=True) in every mode, CPU stand-in capture ---------------------------
 
 
-def _mlp_model(mode, graphs, detach_input=True):
+def _mlp_model(mode, graphs, detach_input=True, **kwargs):
     from keras_erase import DetachBlock, EraseModel
 
     keras.utils.set_random_seed(3)
@@ -97,7 +97,7 @@ def _mlp_model(mode, graphs, detach_input=True):
             name=f"block_{b}",
         )(h)
     outputs = keras.layers.Dense(1, "sigmoid")(h)
-    model = EraseModel(inputs, outputs, dispatch=mode, cuda_graphs=graphs)
+    model = EraseModel(inputs, outputs, dispatch=mode, cuda_graphs=graphs, **kwargs)
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
     return model
 
@@ -136,3 +136,59 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-5, atol=1e-6)
     for key in eager_history:
         np.testing.assert_allclose(history[key], eager_history[key], rtol=1e-5, err_msg=key)
+
+
+@torch_only
+def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
+    """B1/B5: the torch step moves y/sample_weight once; every block gets that same tensor."""
+    from keras_erase import cuda_graphs, dispatch
+
+    calls, seen = [], []
+    real_to_device = cuda_graphs.to_device
+
+    def spy(structure, device):
+        moved = real_to_device(structure, device)
+        calls.append(moved)
+        return moved
+
+    real_run_block = dispatch.BlockingDispatcher.run_block
+
+    def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
+        seen.append(y_true)
+        return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
+
+    monkeypatch.setattr(cuda_graphs, "to_device", spy)
+    monkeypatch.setattr(dispatch.BlockingDispatcher, "run_block", run_block)
+    model = _mlp_model("blocking", False)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = (rng.random((16, 1)) < 0.4).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(calls) == 2 and len(seen) == 6  # 2 steps, 3 blocks
+    for step in range(2):
+        assert all(t is calls[step][0] for t in seen[3 * step : 3 * step + 3])
+
+
+@torch_only
+def test_auto_with_graphs_never_times_warm_up_or_capture_steps():
+    """B5: `dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
+    from keras_erase import cuda_graphs
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * 14, 6)).astype("float32")
+    y = (rng.random((8 * 14, 1)) < 0.4).astype("float32")
+    previous = cuda_graphs.set_default_capture(cuda_graphs.RecordingCapture)
+    try:
+        model = _mlp_model("auto", True, auto_steps=2)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    finally:
+        cuda_graphs.set_default_capture(previous)
+    selector = model._erase.selector
+    graphed = [c for c in selector.candidates if c[0] != "standard"]
+    assert graphed, selector.candidates
+    for candidate in graphed:
+        # one auto warm-up round + the graph warm-up steps + the capture step
+        assert selector.warmup[candidate] == cuda_graphs.untimed_steps(cuda_graphs.DEFAULT_WARMUP)
+        assert len(selector.times[candidate]) == selector.seen[candidate] - selector.warmup[candidate]
+    runner = model._erase.dispatchers[graphed[0][0]].graphs
+    assert runner.captures == 3 and not runner.disabled
