@@ -7,6 +7,8 @@ and input signature (shapes, dtypes, devices and `requires_grad` of the block's
 inputs, target and sample weight) it:
 
 1. runs `warmup` ordinary eager steps (real training steps, no extra passes);
+   the last one records its aten ops and refuses graphs (clearly, before any
+   capture is tried) if they include what a capture cannot hold;
 2. captures two graphs on static tensors: the forward (block, head, local
    loss) and the backward of the local loss (the gradients of the block's
    trainable weights and, for `detach_input=False` blocks, of its inputs, which
@@ -447,8 +449,10 @@ class CudaGraphRunner:
         if graph is None:
             count = self._seen.get(key, 0) + 1
             self._seen[key] = count
-            if count <= self.warmup:
+            if count < self.warmup:
                 return eager_forward(block, inputs, y_true, sample_weight)
+            if count == self.warmup:  # the last eager step also checks what capture would refuse
+                return self._checked_eager(block, inputs, y_true, sample_weight, eager_forward)
             try:
                 graph = self._capture_block(block, inputs, y_true, sample_weight, eager_forward)
             except Exception as error:  # noqa: BLE001 - eager is always correct
@@ -463,6 +467,26 @@ class CudaGraphRunner:
         from keras import tree
 
         return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
+
+    def _checked_eager(self, block, inputs, y_true, sample_weight, eager_forward):
+        """An eager forward that records its aten ops; refuses graphs if capture could not hold them.
+
+        This turns a capture failure deep inside CUDA into a clear message before
+        any capture is attempted (e.g. a Keras regularizer or `activity_regularizer`
+        makes a tensor from a Python float in every call).
+        """
+        tape = _OpTape(refuse=False)
+        with tape:
+            result = eager_forward(block, inputs, y_true, sample_weight)
+        found = forbidden_ops(tape.names)
+        if found:
+            self.failures += 1
+            self.disable(
+                f"block {block.name!r} runs {', '.join('aten.' + n for n in found)} in its forward "
+                "or local loss (a tensor made from host data or a host sync), which a CUDA Graph "
+                "cannot capture"
+            )
+        return result
 
     def _capture_block(self, block, inputs, y_true, sample_weight, eager_forward):
         import torch

@@ -400,6 +400,26 @@ def test_a_block_with_a_host_sync_is_refused_and_trains_eagerly():
     assert np.isfinite(float(loss)) and block.trainable_weights[0].value.grad is not None
 
 
+@torch_only
+def test_host_data_in_a_block_is_refused_before_any_capture(caplog):
+    """A Keras weight regularizer converts its Python factor each call: refused with a clear reason."""
+    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+
+    layer = keras.Sequential(
+        [keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.5))]
+    )
+    block = make_block(layer=layer)
+    dispatcher, _ = make_dispatcher("blocking", graphs=False)
+    capture = RecordingCapture()
+    dispatcher.graphs = runner = CudaGraphRunner(capture=capture, warmup=1)
+    with caplog.at_level(logging.WARNING, logger="keras_erase"):
+        for x, y, sw in batches(3):
+            dispatcher.run_block(block, x, y, sw, lambda v: v)
+    assert runner.disabled and "aten.lift_fresh" in runner.disabled_reason
+    assert "'block'" in runner.disabled_reason and capture.captured == []  # never tried
+    assert sum("CUDA Graphs disabled" in r.getMessage() for r in caplog.records) == 1
+
+
 class _FakeCudaGraph:
     fail_in = None
 
