@@ -35,6 +35,14 @@ from keras_erase import _keras_private
 _STATE = threading.local()
 
 
+class PendingPrediction:
+    """A training call's head prediction and the block's own losses, kept for `compute_loss`."""
+
+    def __init__(self, prediction, own_losses=None):
+        self.prediction = prediction
+        self.own_losses = own_losses
+
+
 def current_step_handler():
     """The ERASE step handler installed on this thread, or `None`."""
     stack = getattr(_STATE, "stack", None)
@@ -215,6 +223,26 @@ class DetachBlock(keras.layers.Layer):
     def detach(outputs):
         return tree.map_structure(ops.stop_gradient, outputs)
 
+    def own_losses(self):
+        """The block's own `losses` summed as a float32 scalar, or `None` when it has none.
+
+        These are the weight regularizers of its layer and head and the
+        `add_loss` values (e.g. `activity_regularizer`) of its current call.
+        They belong to the block's local objective: on torch they are
+        back-propagated by the block's early backward, never by the main one.
+        """
+        total = None
+        for loss in self.losses:
+            loss = ops.cast(loss, "float32")
+            total = loss if total is None else total + loss
+        return total
+
+    def local_objective(self, y_true, outputs, sample_weight=None):
+        """What the block's early backward differentiates: its local loss plus its own `losses`."""
+        value = self.local_loss(y_true, self.predict_local(outputs), sample_weight)
+        own = self.own_losses()
+        return value if own is None else value + own
+
     def call(self, inputs, training=None):
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)
         if train_local:
@@ -223,7 +251,9 @@ class DetachBlock(keras.layers.Layer):
                 return handler.run_block(self, inputs)
         outputs = self.forward_layer(inputs, training=training)
         if train_local:
-            self._pending_predictions.append(self.predict_local(outputs))
+            self._pending_predictions.append(
+                PendingPrediction(self.predict_local(outputs), self.own_losses())
+            )
         return self.detach(outputs)
 
     def pop_pending_predictions(self):

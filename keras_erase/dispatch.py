@@ -74,7 +74,7 @@ def _tensors(structure):
 
 def _forward(block, inputs, y_true, sample_weight):
     outputs = block.forward_layer(inputs, training=True)
-    loss = block.local_loss(y_true, block.predict_local(outputs), sample_weight)
+    loss = block.local_objective(y_true, outputs, sample_weight)
     return outputs, loss
 
 

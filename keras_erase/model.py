@@ -1,8 +1,12 @@
 """`EraseModel`: a `keras.Model` whose loss includes every `DetachBlock`'s local loss.
 
 On every backend the total loss is the compiled (main) loss plus each block's
-`loss_weight * loss(y_true, head(output))`, and `fit` logs each local loss as
-`"<block name>_loss"` (a `keras.metrics.Mean`, reset every epoch). On JAX and
+`loss_weight * loss(y_true, head(output))` plus `model.losses` (regularizers,
+`add_loss`), and `fit` logs each block's local loss plus its own `losses` (the
+regularizers and `add_loss` values of its layer and head) as
+`"<block name>_loss"` (a `keras.metrics.Mean`, reset every epoch). A block's
+own losses belong to its local objective: on torch its early backward
+differentiates them, the main backward does not. On JAX and
 TensorFlow the standard train step trains the model. On torch, `train_step`
 runs the ERASE schedule (`keras_erase.torch_step`): each block's backward pass
 is launched right after its forward pass and local loss (see
@@ -39,6 +43,7 @@ from keras_erase.config import EraseConfig
 from keras_erase.auto import AUTO_MARGIN  # noqa: F401 - re-exported
 from keras_erase.detach_block import DetachBlock
 from keras_erase.local_losses import add_local_losses
+from keras_erase.local_losses import losses_outside_blocks
 from keras_erase.runtime import EraseRuntime
 
 LOGGER = logging.getLogger("keras_erase")
@@ -197,6 +202,14 @@ class EraseModel(keras.Model):
             sample_weight,
             getattr(self, "output_names", None),
         )
+
+    @property
+    def losses(self):
+        """As `keras.Model.losses`; during a torch ERASE step, without the blocks' own losses."""
+        erase = self.__dict__.get("_erase")
+        if erase is None or not erase.blocks_own_losses:
+            return super().losses
+        return losses_outside_blocks(self, [b for b in self.detach_blocks() if b.has_local_loss])
 
     def get_metrics_result(self):
         result = super().get_metrics_result()

@@ -154,7 +154,7 @@ def train_step(model, runtime, data, standard_step):
         logs = standard_step(data)
     else:  # the standard step under a process group: no dispatcher, one backward
         dispatcher = None if mode == "standard" else dispatcher_for(runtime, mode)
-        logs = erase_step(model, data, dispatcher, sync)
+        logs = erase_step(model, runtime, data, dispatcher, sync)
     if timing:
         if cuda:
             torch.cuda.synchronize()
@@ -177,7 +177,7 @@ def _log_choice(runtime):
     )
 
 
-def erase_step(model, data, dispatcher, sync=None):
+def erase_step(model, runtime, data, dispatcher, sync=None):
     """One ERASE step: zero grads, forward with early block backwards, main backward, update.
 
     Without a dispatcher, the standard schedule (one backward). With a
@@ -208,8 +208,13 @@ def erase_step(model, data, dispatcher, sync=None):
                 y_pred = model(x, training=True)
             else:
                 y_pred = model(x)
-        # Main loss + the blocks' local losses as constants (already back-propagated).
-        loss = _keras_private.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        # Main loss (without the blocks' own losses) + the blocks' objectives as
+        # constants (already back-propagated).
+        runtime.blocks_own_losses = runner is not None
+        try:
+            loss = _keras_private.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        finally:
+            runtime.blocks_own_losses = False
         _keras_private.loss_tracker(model).update_state(
             loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0]
         )

@@ -36,9 +36,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -- builders shared with test_erase_torch.py ---------------------------------------
 
 
-def make_tower(width, depth=2, name=None):
+def make_tower(width, depth=2, name=None, regularized=False):
+    """`depth` Dense layers; `regularized`: each with an L2 kernel regularizer and the
+    first with an L1 activity regularizer (an `add_loss` in every call)."""
+    extra = lambda i: (  # noqa: E731
+        dict(kernel_regularizer=keras.regularizers.L2(0.05),
+             activity_regularizer=keras.regularizers.L1(0.01) if i == 0 else None)
+        if regularized else {}
+    )
     return keras.Sequential(
-        [keras.layers.Dense(width, activation="relu") for _ in range(depth)], name=name
+        [keras.layers.Dense(width, activation="relu", **extra(i)) for i in range(depth)],
+        name=name,
     )
 
 
@@ -51,16 +59,20 @@ def build_ctr(
     loss_weight=0.5,
     detach_input=True,
     seed=0,
+    regularized=False,
     **model_kwargs,
 ):
-    """Small CTR-style EraseModel: parallel detached towers, a top MLP, BCE losses."""
+    """Small CTR-style EraseModel: parallel detached towers, a top MLP, BCE losses.
+
+    `regularized`: the towers' layers carry regularizers (see `make_tower`) and
+    so does the top layer (a loss outside every block)."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((input_dim,), name="features")
     features = keras.layers.Dense(input_dim, name="stem")(inputs) if not detach_input else inputs
     outs = []
     for i in range(num_towers):
         block = DetachBlock(
-            make_tower(width, depth, name=f"mlp_{i}"),
+            make_tower(width, depth, name=f"mlp_{i}", regularized=regularized),
             head=keras.layers.Dense(1, name=f"head_{i}"),
             loss=keras.losses.BinaryCrossentropy(from_logits=True),
             loss_weight=loss_weight,
@@ -69,7 +81,10 @@ def build_ctr(
         )
         outs.append(block(features))
     hidden = keras.layers.Concatenate()(outs) if len(outs) > 1 else outs[0]
-    hidden = keras.layers.Dense(8, activation="relu", name="top_0")(hidden)
+    top_regularizer = keras.regularizers.L2(0.05) if regularized else None
+    hidden = keras.layers.Dense(
+        8, activation="relu", name="top_0", kernel_regularizer=top_regularizer
+    )(hidden)
     outputs = keras.layers.Dense(1, activation="sigmoid", name="ctr")(hidden)
     return EraseModel(inputs, outputs, dispatch=dispatch, **model_kwargs)
 
@@ -153,6 +168,27 @@ def test_total_loss_is_main_plus_local_and_logged():
     for name, value in local.items():
         np.testing.assert_allclose(history[f"{name}_loss"][0], value, rtol=1e-5)
     np.testing.assert_allclose(history["loss"][0], main + sum(local.values()), rtol=1e-5)
+
+
+def test_block_regularizers_and_add_loss_are_in_its_logged_objective():
+    """A block's own losses (weight regularizers, activity regularizer) are logged with its
+    local loss; the total is still main + local + every regularizer (Keras's loss)."""
+    model = build_ctr("standard", num_towers=2, regularized=True)
+    x, y = ctr_data(32)
+    main, local = _expected_losses(model, x, y)
+    reg = {}
+    for block in model.detach_blocks():
+        kernels = [layer.kernel for layer in block.layer.layers]
+        hidden = to_numpy(block.layer.layers[0](x))
+        reg[block.name] = sum(0.05 * float(np.sum(to_numpy(k) ** 2)) for k in kernels) + (
+            0.01 * float(np.sum(np.abs(hidden))) / len(x)
+        )
+    top = 0.05 * float(np.sum(to_numpy(model.get_layer("top_0").kernel) ** 2))
+    history = train(model, x, y, optimizer=keras.optimizers.SGD(0.0), batch_size=32, epochs=1)
+    for name in local:
+        np.testing.assert_allclose(history[f"{name}_loss"][0], local[name] + reg[name], rtol=1e-5)
+    total = main + sum(local.values()) + sum(reg.values()) + top
+    np.testing.assert_allclose(history["loss"][0], total, rtol=1e-5)
 
 
 def test_local_losses_train_the_towers_and_reset_per_epoch():

@@ -60,6 +60,21 @@ def test_every_dispatch_mode_gives_the_standard_weights_and_logs(detach_input, h
             assert model.dispatch_choice in ("standard", "threaded")
 
 
+def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guard):
+    """A block's regularizers and activity regularizer (`add_loss`) are part of its early
+    backward: every mode gives the standard weights and logs (used to crash: "Trying to
+    backward through the graph a second time")."""
+    x, y = ctr_data(64)
+    kwargs = dict(num_towers=2, regularized=True, auto_steps=1)
+    _, reference, ref_history = _train_mode("standard", x, y, **kwargs)
+    for mode in ("blocking", "threaded", "auto"):
+        _, weights, history = _train_mode(mode, x, y, **kwargs)
+        for a, b in zip(weights, reference):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=mode)
+        for key in ref_history:
+            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-6, err_msg=key)
+
+
 def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     import torch
 
