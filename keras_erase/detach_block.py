@@ -24,6 +24,7 @@ Inference (`predict`, `training=False`) never computes a local loss.
 
 import contextlib
 import threading
+import warnings
 
 import keras
 import numpy as np
@@ -47,6 +48,38 @@ def current_step_handler():
     """The ERASE step handler installed on this thread, or `None`."""
     stack = getattr(_STATE, "stack", None)
     return stack[-1] if stack else None
+
+
+def current_collector():
+    """The `EraseModel` whose call is running on this thread (it consumes local losses), or `None`."""
+    stack = getattr(_STATE, "collectors", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def collecting(model):
+    """Marks `model` (an `EraseModel`) as the consumer of its blocks' local losses during a call."""
+    stack = getattr(_STATE, "collectors", None)
+    if stack is None:
+        stack = _STATE.collectors = []
+    stack.append(model)
+    try:
+        yield model
+    finally:
+        stack.pop()
+
+
+def _warn_outside_erase_model(block):
+    if block.__dict__.get("_warned_outside"):
+        return
+    block.__dict__["_warned_outside"] = True
+    warnings.warn(
+        f"DetachBlock {block.name!r} was called in training outside a keras_erase.EraseModel: "
+        "its local loss is neither computed nor trained (the block only stops the gradient, "
+        "so its layers do not train at all). Build the model with "
+        "keras_erase.EraseModel(inputs, outputs) or subclass keras_erase.EraseModel.",
+        stacklevel=3,
+    )
 
 
 @contextlib.contextmanager
@@ -249,6 +282,9 @@ class DetachBlock(keras.layers.Layer):
             handler = current_step_handler()
             if handler is not None:
                 return handler.run_block(self, inputs)
+        if train_local and current_collector() is None:
+            _warn_outside_erase_model(self)  # nothing is kept: no consumer
+            train_local = False
         outputs = self.forward_layer(inputs, training=training)
         if train_local:
             self._pending_predictions.append(

@@ -42,6 +42,7 @@ from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
 from keras_erase.config import EraseConfig
 from keras_erase.auto import AUTO_MARGIN  # noqa: F401 - re-exported
 from keras_erase.detach_block import DetachBlock
+from keras_erase.detach_block import collecting
 from keras_erase.local_losses import add_local_losses
 from keras_erase.local_losses import losses_outside_blocks
 from keras_erase.runtime import EraseRuntime
@@ -220,11 +221,13 @@ class EraseModel(keras.Model):
 
     def __call__(self, *args, **kwargs):
         self._clear_pending()
-        return super().__call__(*args, **kwargs)
+        with collecting(self):
+            return super().__call__(*args, **kwargs)
 
     def stateless_call(self, *args, **kwargs):
         self._clear_pending()
-        return super().stateless_call(*args, **kwargs)
+        with collecting(self):
+            return super().stateless_call(*args, **kwargs)
 
     # -- tracing (torch) ------------------------------------------------------------
 

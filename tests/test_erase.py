@@ -219,6 +219,25 @@ def test_inference_computes_no_local_loss():
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0), main, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_block_outside_an_erase_model_warns_and_keeps_nothing(kind):
+    """In a plain keras.Model the local loss has no consumer: say so, keep no prediction."""
+    keras.utils.set_random_seed(0)
+    block = DetachBlock(make_tower(8, 1), head=keras.layers.Dense(1), loss="mse", name="lone")
+    if kind == "functional":
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(block(inputs)))
+    else:
+        model = keras.Sequential([keras.Input((8,)), block, keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = ctr_data(48)
+    with pytest.warns(UserWarning, match=r"lone.*outside a keras_erase\.EraseModel"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert block._pending_predictions == []  # nothing kept (on torch: no graph per step)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert block._pending_predictions == []
+
+
 def _two_target_model(dispatch="auto"):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((6,))
