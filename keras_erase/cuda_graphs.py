@@ -135,7 +135,8 @@ class CudaGraphCapture:
     The capture runs on a dedicated side stream that first waits for the
     current stream, with `capture_error_mode="thread_local"` (other threads may
     keep launching work), and the caller's current stream is restored in a
-    `finally` whatever happens. Graphs of one runner share one memory pool.
+    `finally` whatever happens. `pool`: the memory pool to capture into (`None`: a
+    new private pool; the runner gives each block's forward/backward pair one).
     """
 
     def __init__(self):
@@ -231,12 +232,14 @@ class RecordingCapture:
 
     Attributes:
         captured: the recorded op names of every capture, in order.
+        pools: the memory pool of every capture (a new one when none was given).
         replays: how many replays ran.
     """
 
     def __init__(self, fail_after=None):
         self.fail_after = fail_after
         self.captured = []
+        self.pools = []
         self.replays = 0
 
     def __call__(self, fn, pool=None):
@@ -249,6 +252,8 @@ class RecordingCapture:
         with tape:
             outputs = fn()
         self.captured.append(tuple(tape.names))
+        pool = pool if pool is not None else object()  # like a new private memory pool
+        self.pools.append(pool)
         records = tape.records
 
         def replay():
@@ -262,7 +267,7 @@ class RecordingCapture:
                         if _is_tensor(old) and _is_tensor(new) and not _same_storage(old, new):
                             old.copy_(new)
 
-        return Capture(replay, outputs, ops=tape.names)
+        return Capture(replay, outputs, pool=pool, ops=tape.names)
 
 
 _CAPTURE_FACTORY = None
@@ -410,7 +415,6 @@ class CudaGraphRunner:
         self.disabled_reason = None
         self._seen = {}
         self._graphs = {}
-        self._pool = None
         self._lock = threading.Lock()
         self._function = _replay_function()
         _RUNNERS.add(self)
@@ -519,9 +523,11 @@ class CudaGraphRunner:
             structure["outputs"] = outputs
             return flat_out
 
-        forward = self._capture(forward_region, self._pool)
-        if getattr(forward, "pool", None) is not None:
-            self._pool = forward.pool
+        # One memory pool per block, shared by its forward and backward graph only: a
+        # pool may be shared only by graphs replayed in capture order and never
+        # concurrently, and ERASE replays other blocks' graphs between a block's
+        # forward and its backward (and concurrently, on the worker or other streams).
+        forward = self._capture(forward_region, None)
         loss = forward.outputs[-1]
         if not loss.requires_grad:
             raise CaptureRefused(f"the local loss of block {block.name!r} does not require grad")
@@ -532,7 +538,7 @@ class CudaGraphRunner:
             grads = torch.autograd.grad(loss, wrt, grad_outputs=grad_loss, allow_unused=True)
             return tuple(None if g is None else g for g in grads)
 
-        backward = self._capture(backward_region, self._pool)
+        backward = self._capture(backward_region, forward.pool)
         slots = [None] * len(static_inputs)
         for position, index in enumerate(needs_grad):
             slots[index] = position

@@ -302,6 +302,24 @@ def test_graphs_give_eager_weights_in_every_mode(mode, detach_input):
 
 
 @torch_only
+def test_each_block_has_its_own_memory_pool_shared_only_with_its_backward():
+    """A pool may only be shared by graphs replayed in capture order: never across blocks."""
+    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+
+    dispatcher, _ = make_dispatcher("threaded", graphs=False)
+    capture = RecordingCapture()
+    dispatcher.graphs = CudaGraphRunner(capture=capture, warmup=0)
+    blocks = [make_block(), make_block(seed=2, name="other")]
+    x, y, sw = batches(1)[0]
+    for block in blocks:
+        dispatcher.run_block(block, x, y, sw, lambda v: v)
+    dispatcher.finish()
+    dispatcher.close()
+    forward_a, backward_a, forward_b, backward_b = capture.pools
+    assert backward_a is forward_a and backward_b is forward_b and forward_a is not forward_b
+
+
+@torch_only
 def test_graph_capture_keeps_the_inputs_requires_grad():
     """B3: a detach_input=False block's static inputs require grad like the real ones."""
     import torch
