@@ -13,7 +13,7 @@ Models (`--models`):
 
 Modes (`--modes`): `undetached` (the same network without DetachBlocks, standard
 step), `standard`, `blocking`, `threaded`, `streams`, each of the last three also as
-`<mode>+graphs` (`cuda_graphs=True`), and `auto`. Every cell builds a fresh model,
+`<mode>+graphs` (`cuda_graphs=True`), and `auto` (also `auto+graphs`). Every cell builds a fresh model,
 runs `--warmup` untimed steps (more than the graph warm-up and capture steps), then
 `--steps` timed steps; the clock is read after `torch.cuda.synchronize()`.
 
@@ -59,7 +59,7 @@ from benchmarks.common import write_text  # noqa: E402
 MODELS = ("ctr", "mlp30")
 GPU_MODES = (
     "undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs",
-    "streams", "streams+graphs", "auto",
+    "streams", "streams+graphs", "auto", "auto+graphs",
 )
 CPU_MODES = ("undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs")
 GPU_BATCHES = (2048, 8192)
@@ -69,12 +69,11 @@ MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
 def parse_mode(mode):
     """`"threaded+graphs"` -> `("threaded", True)`; validates the name."""
     base, _, suffix = mode.partition("+")
-    if base not in ("undetached", "standard", "blocking", "threaded", "streams", "auto") or suffix not in (
-        "", "graphs"
-    ):
+    bases = ("undetached", "standard", "blocking", "threaded", "streams", "auto")
+    if base not in bases or suffix not in ("", "graphs"):
         raise ValueError(f"unknown mode {mode!r}; expected one of {GPU_MODES}")
-    if suffix and base in ("undetached", "standard", "auto"):
-        raise ValueError(f"{mode!r}: graphs apply to blocking, threaded and streams")
+    if suffix and base in ("undetached", "standard"):
+        raise ValueError(f"{mode!r}: graphs apply to blocking, threaded, streams and auto")
     return base, suffix == "graphs"
 
 
@@ -154,7 +153,7 @@ def run_cell(model_name, mode, batch, args, sync):
     model, x, y = prepared(model_name, mode, batch, args)
     seconds = time_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps, sync=sync)
     row = {"model": model_name, "batch": batch, "mode": mode, **throughput_stats(seconds, batch)}
-    if mode == "auto":
+    if parse_mode(mode)[0] == "auto":
         row["auto_choice"] = model.dispatch_choice
     if parse_mode(mode)[1]:
         runners = [r for r in cuda_graphs.live_runners() if id(r) not in before]

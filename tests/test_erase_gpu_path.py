@@ -41,7 +41,8 @@ def test_benchmark_arguments():
 
     assert erase_gpu.parse_mode("threaded+graphs") == ("threaded", True)
     assert erase_gpu.parse_mode("standard") == ("standard", False)
-    for bad in ("standard+graphs", "fast", "threaded+compile"):
+    assert erase_gpu.parse_mode("auto+graphs") == ("auto", True)
+    for bad in ("standard+graphs", "undetached+graphs", "fast", "threaded+compile"):
         with pytest.raises(ValueError):
             erase_gpu.parse_mode(bad)
     args = erase_gpu.build_parser().parse_args([])
