@@ -53,16 +53,26 @@ def current_step_handler():
 def current_collector():
     """The `EraseModel` whose call is running on this thread (it consumes local losses), or `None`."""
     stack = getattr(_STATE, "collectors", None)
-    return stack[-1] if stack else None
+    return stack[-1][0] if stack else None
+
+
+def _collector_training():
+    stack = getattr(_STATE, "collectors", None)
+    return stack[-1][1] if stack else None
 
 
 @contextlib.contextmanager
-def collecting(model):
-    """Marks `model` (an `EraseModel`) as the consumer of its blocks' local losses during a call."""
+def collecting(model, training=None):
+    """Marks `model` (an `EraseModel`) as the consumer of its blocks' local losses during a call.
+
+    `training`: the value a block called with `training=None` uses (`True` in
+    a train step, so that a model whose `call` has no `training` argument still
+    trains its blocks).
+    """
     stack = getattr(_STATE, "collectors", None)
     if stack is None:
         stack = _STATE.collectors = []
-    stack.append(model)
+    stack.append((model, training))
     try:
         yield model
     finally:
@@ -277,6 +287,8 @@ class DetachBlock(keras.layers.Layer):
         return value if own is None else value + own
 
     def call(self, inputs, training=None):
+        if training is None:
+            training = _collector_training()
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)
         if train_local:
             handler = current_step_handler()

@@ -221,13 +221,20 @@ class EraseModel(keras.Model):
 
     def __call__(self, *args, **kwargs):
         self._clear_pending()
-        with collecting(self):
+        with collecting(self, self._block_training_default()):
             return super().__call__(*args, **kwargs)
 
     def stateless_call(self, *args, **kwargs):
         self._clear_pending()
-        with collecting(self):
+        with collecting(self, self._block_training_default()):
             return super().stateless_call(*args, **kwargs)
+
+    def _block_training_default(self):
+        # A subclass whose `call` has no `training` argument: Keras's trainers call
+        # it without `training`, so its blocks would see `training=None` and never
+        # train. In a train step they default to `training=True` (other layers keep
+        # Keras's behaviour).
+        return True if self._erase.in_train_step else None
 
     # -- tracing (torch) ------------------------------------------------------------
 
@@ -261,12 +268,16 @@ class EraseModel(keras.Model):
             return super().fit(*args, **kwargs)
 
     def train_step(self, *args, **kwargs):
-        if not _is_torch():  # JAX (state, data) and TensorFlow (data): the stock step
-            return super().train_step(*args, **kwargs)
-        from keras_erase import torch_step
+        self._erase.in_train_step = True
+        try:
+            if not _is_torch():  # JAX (state, data) and TensorFlow (data): the stock step
+                return super().train_step(*args, **kwargs)
+            from keras_erase import torch_step
 
-        (data,) = args
-        return torch_step.train_step(self, self._erase, data, super().train_step)
+            (data,) = args
+            return torch_step.train_step(self, self._erase, data, super().train_step)
+        finally:
+            self._erase.in_train_step = False
 
 
 @keras.saving.register_keras_serializable(package="keras_erase")

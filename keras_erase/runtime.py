@@ -20,6 +20,8 @@ class EraseRuntime:
         grad_sync: the `GradientSync` under a torch.distributed group.
         needs_broadcast: broadcast rank 0's weights at the next step.
         local_losses_active: whether the last `compute_loss` was in training.
+        in_train_step: set during `train_step`: the model's `DetachBlock`s
+            called with `training=None` then train (a `call` without `training`).
         blocks_own_losses: while set (torch ERASE step), `model.losses` leaves
             out the blocks' own losses (back-propagated by their early backward).
     """
@@ -37,3 +39,4 @@ class EraseRuntime:
         self.needs_broadcast = True
         self.local_losses_active = True
         self.blocks_own_losses = False
+        self.in_train_step = False

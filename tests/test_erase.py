@@ -345,6 +345,28 @@ def test_subclassed_erase_model():
     assert history["sub_tower_0_loss"][1] < history["sub_tower_0_loss"][0]
 
 
+class SubclassedWithoutTraining(SubclassedCTR):
+    """`call` without a `training` argument: the blocks still train (training=True is passed on)."""
+
+    def call(self, inputs):
+        return self.out(self.concat([t(inputs) for t in self.towers]))
+
+
+def test_subclassed_erase_model_whose_call_has_no_training_argument():
+    keras.utils.set_random_seed(5)
+    model = SubclassedWithoutTraining(dispatch="auto", auto_steps=1)
+    x, y = ctr_data(32)
+    model(x)  # build
+    before = [to_numpy(w) for w in model.towers[0].trainable_weights]
+    history = train(model, x, y, optimizer=keras.optimizers.SGD(0.5), epochs=2)
+    after = [to_numpy(w) for w in model.towers[0].trainable_weights]
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(after, before))
+    assert history["sub_tower_0_loss"][0] > 0.1
+    assert history["sub_tower_0_loss"][1] < history["sub_tower_0_loss"][0]
+    model.predict(x, verbose=0)
+    assert all(not t._pending_predictions for t in model.towers)  # inference: no local loss
+
+
 def test_keras_file_round_trip(tmp_path):
     model = build_ctr("blocking", num_streams=2, auto_steps=5)
     x, y = ctr_data(32)
