@@ -393,6 +393,24 @@ def test_a_capture_failure_disables_graphs_for_the_run_logged_once(caplog):
 
 
 @torch_only
+def test_a_failure_after_other_captures_sends_every_block_back_to_eager():
+    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+
+    dispatcher, _ = make_dispatcher("blocking", graphs=False)
+    capture = RecordingCapture(fail_after=3)  # block A's two graphs succeed, block B's fails
+    dispatcher.graphs = runner = CudaGraphRunner(capture=capture, warmup=0)
+    blocks = [make_block(), make_block(seed=2, name="other")]
+    replays = []
+    for x, y, sw in batches(3):
+        for block in blocks:
+            dispatcher.run_block(block, x, y, sw, lambda v: v)
+        replays.append(runner.replays)
+    assert runner.captures == 1 and runner.failures == 1 and runner.disabled
+    assert replays == [1, 1, 1]  # block A's graph is not used after the failure
+    assert runner._graphs == {}
+
+
+@torch_only
 def test_a_block_with_a_host_sync_is_refused_and_trains_eagerly():
     """A region with `.item()` (like Keras's seeded Dropout) cannot be captured: eager fallback."""
     from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
@@ -605,6 +623,43 @@ def test_cuda_graphs_capture_and_replay_on_gpu(mode):
     assert runner.captures == 1 and runner.replays == 3 and runner.backward_replays == 3
     for a, b in zip(graphed, eager):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["blocking", "threaded", "streams"])
+def test_erase_model_fit_with_cuda_graphs_on_gpu(mode):
+    """On a GPU: `EraseModel(cuda_graphs=True)` captures every block and trains like eager."""
+    from keras_erase import EraseModel, cuda_graphs
+
+    def build(graphs):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((5,))
+        h = inputs
+        for b in range(3):
+            h = DetachBlock(
+                keras.Sequential([keras.layers.Dense(16, "relu"), keras.layers.Dense(5)]),
+                head=keras.layers.Dense(1),
+                loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                name=f"block_{b}",
+            )(h)
+        model = EraseModel(inputs, keras.layers.Dense(1, "sigmoid")(h), dispatch=mode,
+                           cuda_graphs=graphs, num_streams=2)
+        model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = (rng.random((64, 1)) < 0.4).astype("float32")
+    eager = build(False)
+    eager.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    before = set(map(id, cuda_graphs.live_runners()))
+    graphed = build(True)
+    graphed.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    (runner,) = [r for r in cuda_graphs.live_runners() if id(r) not in before]
+    assert not runner.disabled, runner.disabled_reason
+    assert runner.captures == 3 and runner.replays == 3 * (8 - 2)
+    for a, b in zip(graphed.get_weights(), eager.get_weights()):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda
