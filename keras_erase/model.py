@@ -75,6 +75,9 @@ class EraseModel(keras.Model):
             standard step.
         num_streams: number of CUDA streams for `"streams"` (round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
+            `"streams"` and `cuda_graphs=True` need CUDA to train on torch (the
+            first train step raises otherwise); building, loading, `predict`
+            and `evaluate` work anywhere.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see `keras_erase.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"` (more
@@ -124,10 +127,6 @@ class EraseModel(keras.Model):
         super().__init__(*args, **kwargs)
         # One plain object, outside Keras's and torch's attribute tracking.
         self.__dict__["_erase"] = EraseRuntime(config, _is_torch())
-        if _is_torch() and config.needs_cuda:
-            from keras_erase.dispatch import require_cuda
-
-            require_cuda("dispatch='streams'" if dispatch == "streams" else "cuda_graphs=True")
         if self.built:
             self._erase.trackers.ensure(self.detach_blocks())
 

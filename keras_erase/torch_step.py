@@ -137,6 +137,11 @@ def train_step(model, runtime, data, standard_step):
     """
     import torch
 
+    if runtime.config.needs_cuda:  # checked here, not at construction: loading works anywhere
+        from keras_erase.dispatch import require_cuda
+
+        config = runtime.config
+        require_cuda("dispatch='streams'" if config.dispatch == "streams" else "cuda_graphs=True")
     schedule = next_schedule(runtime)
     mode, threads = schedule
     set_intra_op_threads(threads)

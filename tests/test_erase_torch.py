@@ -253,11 +253,27 @@ def test_error_in_block_backward_surfaces_and_next_fit_works(dispatch, hang_guar
 
 
 @needs_cpu_only
-def test_streams_and_cuda_graphs_need_cuda():
-    with pytest.raises(ValueError, match="CUDA"):
-        build_ctr("streams")
-    with pytest.raises(ValueError, match="CUDA"):
-        build_ctr("threaded", cuda_graphs=True)
+@pytest.mark.parametrize("dispatch,cuda_graphs", [("streams", False), ("threaded", True)])
+def test_cuda_models_load_predict_evaluate_on_cpu_and_refuse_to_train(
+    dispatch, cuda_graphs, tmp_path
+):
+    """Saved with streams/CUDA Graphs: loads, predicts and evaluates without CUDA; the first
+    torch train step refuses with the clear message."""
+    model = build_ctr(dispatch, cuda_graphs=cuda_graphs)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    x, y = ctr_data(32)
+    path = str(tmp_path / "cuda.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert (loaded.dispatch, loaded.cuda_graphs) == (dispatch, cuda_graphs)
+    np.testing.assert_allclose(
+        to_numpy(loaded.predict(x, verbose=0)), to_numpy(model.predict(x, verbose=0)), rtol=1e-6
+    )
+    assert np.isfinite(loaded.evaluate(x, y, verbose=0))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        loaded.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        model.train_on_batch(x, y)
 
 
 @needs_cuda
