@@ -22,15 +22,25 @@ Example:
 
 ```python
 from keras_erase.launch import run_local
+from keras_erase.throughput import global_step_seconds, throughput_percentiles
+
+class StepTimes(keras.callbacks.Callback):   # per-step seconds of this rank
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
 
 def train(rank, world, x, y):           # in an importable module
     model = build_model()
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-    start = time.perf_counter()
-    model.fit(x[rank::world], y[rank::world], batch_size=256)
-    return len(x[rank::world]) / (time.perf_counter() - start)
+    timer = StepTimes()
+    timer.times = []
+    model.fit(x[rank::world], y[rank::world], batch_size=256, callbacks=[timer])
+    return timer.times
 
-qps = sum(run_local(train, 2, args=(x, y)))   # global samples per second
+per_rank = run_local(train, 2, args=(x, y))
+# Global QPS: a step ends with its slowest rank; never add per-rank percentiles.
+qps = throughput_percentiles(global_step_seconds(per_rank)[5:], batch_size=2 * 256)
 ```
 """
 
