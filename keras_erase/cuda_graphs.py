@@ -286,13 +286,22 @@ def set_default_capture(factory):
     return previous
 
 
+def require_capture():
+    """Raises `require_cuda`'s clear error when graphs cannot be captured here.
+
+    Graphs need CUDA, unless a CPU stand-in was set with `set_default_capture`.
+    """
+    if _CAPTURE_FACTORY is None:
+        from keras_erase.dispatch import require_cuda
+
+        require_cuda("cuda_graphs=True")
+
+
 def default_capture():
     """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
+    require_capture()
     if _CAPTURE_FACTORY is not None:
         return _CAPTURE_FACTORY()
-    from keras_erase.dispatch import require_cuda
-
-    require_cuda("cuda_graphs=True")
     return CudaGraphCapture()
 
 
