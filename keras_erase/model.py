@@ -266,6 +266,14 @@ class EraseModel(keras.Model):
         with restored_intra_op_threads():
             return super().fit(*args, **kwargs)
 
+    def train_on_batch(self, *args, **kwargs):
+        if not _is_torch():
+            return super().train_on_batch(*args, **kwargs)
+        from keras_erase.threads import restored_intra_op_threads
+
+        with restored_intra_op_threads():
+            return super().train_on_batch(*args, **kwargs)
+
     def train_step(self, *args, **kwargs):
         self._erase.in_train_step = True
         try:

@@ -132,6 +132,31 @@ def test_threaded_thread_policy_applies_during_fit_and_is_restored():
     assert torch.get_num_threads() == before
 
 
+@pytest.fixture
+def two_threads():
+    """The main thread at 2 intra-op threads during the test, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield 2
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dispatch", ["threaded", "blocking", "auto"])
+def test_train_on_batch_restores_the_thread_count(dispatch, two_threads):
+    import torch
+
+    model = build_ctr(dispatch, intra_op_threads=1, auto_steps=1)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    x, y = ctr_data(16)
+    for _ in range(3):
+        model.train_on_batch(x, y)
+        assert torch.get_num_threads() == two_threads
+    model.fit(x, y, epochs=1, verbose=0)
+    assert torch.get_num_threads() == two_threads
+
+
 def _trace_steps(events, blocks):
     """Splits a trace into steps: each step holds one forward per block."""
     forwards = [e for e in events if e["phase"] == "forward"]
