@@ -22,7 +22,8 @@ Schedules:
   `torch.autograd.backward`; Keras state (thread-local scopes) is never touched
   from the worker. An error in the worker is re-raised by `finish()` in the
   main thread; the worker keeps serving (and is restarted if it ever died), so
-  the next step works and nothing hangs.
+  the next step works and nothing hangs. `close()` (or garbage collection of
+  the dispatcher) ends the thread (`keras_erase.worker`).
 - `StreamDispatcher` (`"streams"`, CUDA; in `keras_erase.streams`): each
   block's forward and backward on its own CUDA stream.
 
@@ -33,12 +34,12 @@ eager steps per block and input signature, replayed afterwards; the backward
 graph is replayed by the same `torch.autograd.backward` call, on the thread and
 stream the mode uses).
 
-Intra-op threads on CPU: `torch.set_num_threads` is process-wide, the worker
-thread cannot keep a smaller pool than the main thread. `threads_for_worker()`
-returns the policy used by `"threaded"` when `EraseModel(intra_op_threads=
-"auto")`: half of the cores (at least 1), so the main thread's forward and the
-worker's backward each use about half of the machine instead of both
-oversubscribing it.
+Intra-op threads on CPU: OpenMP teams are per thread (see
+`keras_erase.worker`); the threaded worker sets its own count itself
+(`worker_threads`). With `EraseModel(intra_op_threads="auto")` the main thread
+and the worker each use `threads_for_worker()` (half the cores), so the main
+thread's forward and the worker's backward split the machine instead of
+oversubscribing it (`keras_erase.threads`).
 """
 
 import queue
@@ -50,6 +51,7 @@ import torch
 from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
 from keras_erase.threads import set_intra_op_threads  # noqa: F401 - re-exported
 from keras_erase.threads import threads_for_worker  # noqa: F401 - re-exported
+from keras_erase.worker import BackwardWorker
 
 
 def _detach(structure):
@@ -159,63 +161,27 @@ class BlockingDispatcher(Dispatcher):
         return _detach(outputs), loss.detach()
 
 
-class _Worker:
-    """One FIFO worker thread running submitted closures; errors are kept for `wait()`."""
-
-    def __init__(self, name="keras_erase-backward"):
-        self._name = name
-        self._queue = queue.Queue()
-        self._errors = []
-        self._thread = None
-        self._lock = threading.Lock()
-
-    def _ensure_alive(self):
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-
-    def _loop(self):
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if not self._errors:  # after an error, the rest of the step is skipped
-                    job()
-            except BaseException as error:  # noqa: BLE001 - re-raised by wait()
-                self._errors.append(error)
-            finally:
-                self._queue.task_done()
-
-    def submit(self, job):
-        self._ensure_alive()
-        self._queue.put(job)
-
-    def wait(self):
-        """Blocks until every submitted job ran; re-raises the first error."""
-        if self._thread is not None and not self._thread.is_alive() and self._queue.unfinished_tasks:
-            self._ensure_alive()  # never wait on a dead worker
-        self._queue.join()
-        errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-
-    def stop(self):
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
-        self._thread = None
-
-
 class ThreadedDispatcher(Dispatcher):
-    """Backward of each block submitted to one FIFO worker thread (pure torch autograd)."""
+    """Backward of each block submitted to one FIFO worker thread (pure torch autograd).
+
+    Args:
+        worker_threads: torch intra-op threads of the worker thread, set by the
+            worker itself (`None`: left alone). See `keras_erase.worker`.
+    """
 
     name = "threaded"
 
-    def __init__(self):
+    def __init__(self, worker_threads=None):
         super().__init__()
-        self._worker = _Worker()
+        self._worker = BackwardWorker(threads=worker_threads)
+
+    @property
+    def worker_threads(self):
+        return self._worker.threads
+
+    @worker_threads.setter
+    def worker_threads(self, value):
+        self._worker.threads = value
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         outputs, loss = self._timed_forward(block, inputs, y_true, sample_weight)
@@ -241,7 +207,10 @@ def require_cuda(what):
         )
 
 
-def make_dispatcher(mode, num_streams=4, cuda_graphs=False, graph_capture=None, graph_warmup=None):
+def make_dispatcher(
+    mode, num_streams=4, cuda_graphs=False, graph_capture=None, graph_warmup=None,
+    worker_threads=None,
+):
     """Builds the dispatcher for a concrete mode (`"blocking"`, `"threaded"` or `"streams"`).
 
     With `cuda_graphs=True` the dispatcher (any mode) gets a
@@ -249,11 +218,12 @@ def make_dispatcher(mode, num_streams=4, cuda_graphs=False, graph_capture=None, 
     with `graph_capture` (default: `cuda_graphs.default_capture()`, which
     raises `require_cuda`'s error without CUDA) after
     `graph_warmup` eager steps per block and input signature.
+    `worker_threads`: intra-op threads of the `"threaded"` worker thread.
     """
     if mode == "blocking":
         dispatcher = BlockingDispatcher()
     elif mode == "threaded":
-        dispatcher = ThreadedDispatcher()
+        dispatcher = ThreadedDispatcher(worker_threads=worker_threads)
     elif mode == "streams":
         from keras_erase.streams import StreamDispatcher
 

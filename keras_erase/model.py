@@ -261,10 +261,14 @@ class EraseModel(keras.Model):
         if not _is_torch():
             return super().fit(*args, **kwargs)
         from keras_erase.threads import restored_intra_op_threads
+        from keras_erase.torch_step import close_dispatchers
 
         self._erase.needs_broadcast = True  # rank 0's weights at the start of training
-        with restored_intra_op_threads():
-            return super().fit(*args, **kwargs)
+        try:
+            with restored_intra_op_threads():
+                return super().fit(*args, **kwargs)
+        finally:
+            close_dispatchers(self._erase)  # training ended: no idle worker thread
 
     def train_on_batch(self, *args, **kwargs):
         if not _is_torch():

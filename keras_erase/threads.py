@@ -7,11 +7,13 @@
   `threads_for_worker()` threads each (half the cores), so the two split the
   machine instead of oversubscribing it; other schedules keep the current
   count.
-- an int: that count for every torch schedule.
+- an int: that count for the main thread in every torch schedule, and for the
+  worker thread.
 - `None`: never touches thread counts.
 
-Whatever is changed on the main thread is restored when `fit` or
-`train_on_batch` returns.
+OpenMP teams are per thread: the worker thread sets its own count, in its own
+thread (`keras_erase.worker` says what was measured). Whatever is changed on
+the main thread is restored when `fit` or `train_on_batch` returns.
 """
 
 import contextlib
@@ -37,6 +39,15 @@ def main_thread_count(mode, policy, cuda):
         return None
     if policy == "auto":
         return threads_for_worker() if mode == "threaded" and not cuda else None
+    return int(policy)
+
+
+def worker_thread_count(policy, cuda):
+    """The threaded worker's own intra-op count under `policy` (`None`: leave it)."""
+    if policy is None:
+        return None
+    if policy == "auto":
+        return None if cuda else threads_for_worker()
     return int(policy)
 
 

@@ -29,6 +29,7 @@ from keras_erase.targets import select_target
 from keras_erase.threads import main_thread_count
 from keras_erase.threads import set_intra_op_threads
 from keras_erase.threads import threads_for_worker
+from keras_erase.threads import worker_thread_count
 
 
 def cuda_available():
@@ -123,7 +124,10 @@ def dispatcher_for(runtime, mode):
     if dispatcher is None:
         config = runtime.config
         dispatcher = dispatch_lib.make_dispatcher(
-            mode, num_streams=config.num_streams, cuda_graphs=config.cuda_graphs
+            mode,
+            num_streams=config.num_streams,
+            cuda_graphs=config.cuda_graphs,
+            worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
         )
         runtime.dispatchers[mode] = dispatcher
     dispatcher.trace = runtime.trace
@@ -166,8 +170,16 @@ def train_step(model, runtime, data, standard_step):
         selector.record(schedule, time.perf_counter() - start)
         if selector.done:
             runtime.dispatch_choice = selector.choice[0]
+            close_dispatchers(runtime, keep=runtime.dispatch_choice)  # the trials' workers
             _log_choice(runtime)
     return logs
+
+
+def close_dispatchers(runtime, keep=None):
+    """Closes every dispatcher (its worker thread ends) except `keep`'s; a later step reopens."""
+    for mode, dispatcher in list(runtime.dispatchers.items()):
+        if mode != keep:
+            dispatcher.close()
 
 
 def _log_choice(runtime):

@@ -3,7 +3,9 @@ schedule's overlap and ordering (timestamps), failures in a block's backward, th
 policy, and CUDA-only checks (skipped without CUDA)."""
 
 import faulthandler
+import gc
 import logging
+import time
 import threading
 import traceback
 
@@ -155,6 +157,109 @@ def test_train_on_batch_restores_the_thread_count(dispatch, two_threads):
         assert torch.get_num_threads() == two_threads
     model.fit(x, y, epochs=1, verbose=0)
     assert torch.get_num_threads() == two_threads
+
+
+def _live_workers():
+    from keras_erase.worker import NAME
+
+    return [t for t in threading.enumerate() if t.name == NAME and t.is_alive()]
+
+
+def _wait_for(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_worker_threads_end_with_their_model_and_with_training(hang_guard):
+    x, y = ctr_data(16)
+    assert _wait_for(lambda: not _live_workers())
+    models = []
+    for _ in range(3):
+        model = build_ctr("threaded", num_towers=2)
+        model.compile(optimizer="sgd", loss="binary_crossentropy")
+        model.train_on_batch(x, y)  # a worker per model, alive between steps
+        models.append(model)
+    assert len(_live_workers()) == 3
+    del models, model
+    gc.collect()
+    assert _wait_for(lambda: not _live_workers()), _live_workers()  # garbage-collected
+    model = build_ctr("threaded", num_towers=2)
+    train(model, x, y, epochs=1)
+    assert _wait_for(lambda: not _live_workers())  # fit ended: the worker ended
+    history = train(model, x, y, epochs=1)  # and the next fit starts a new one
+    assert np.isfinite(history["loss"]).all()
+
+
+def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
+    import torch
+
+    from keras_erase.auto import ScheduleSelector
+    from keras_erase.torch_step import auto_candidates
+
+    model = build_ctr("auto", num_towers=2)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    candidates = auto_candidates(torch.get_num_threads())
+    assert candidates[1][0] == "threaded"
+    # margin 0.99: the standard step is kept unless threaded is 100x faster
+    model._erase.selector = ScheduleSelector(candidates, timed_rounds=1, margin=0.99)
+    x, y = ctr_data(16)
+    model.train_on_batch(x, y)  # standard (warm-up)
+    model.train_on_batch(x, y)  # threaded (warm-up): its worker starts
+    assert len(_live_workers()) == 1
+    while not model._erase.selector.done:
+        model.train_on_batch(x, y)
+    assert model.dispatch_choice == "standard"
+    assert _wait_for(lambda: not _live_workers())
+
+
+def test_worker_sets_its_own_intra_op_team_size(two_threads):
+    """OpenMP teams are per thread (measured): a thread keeps the count it had at its first
+    parallel op, whatever the main thread sets later; so the worker sets its own."""
+    import torch
+
+    from keras_erase.dispatch import ThreadedDispatcher
+
+    def count_in_worker(dispatcher):
+        seen = []
+        dispatcher._worker.submit(lambda: seen.append(torch.get_num_threads()))
+        dispatcher.finish()
+        return seen[0]
+
+    # What the policy is built on: a plain worker started while the main thread had 1
+    # thread keeps 1 after the main thread goes back to 2.
+    torch.set_num_threads(1)
+    plain = ThreadedDispatcher()
+    assert count_in_worker(plain) == 1
+    torch.set_num_threads(2)
+    assert count_in_worker(plain) == 1
+    plain.close()
+    # The worker with its own count: 2 although it started while the main thread had 1,
+    # then 1 when asked, while the main thread stays at 2.
+    torch.set_num_threads(1)
+    own = ThreadedDispatcher(worker_threads=2)
+    assert count_in_worker(own) == 2
+    torch.set_num_threads(2)
+    own.worker_threads = 1
+    assert count_in_worker(own) == 1
+    assert torch.get_num_threads() == 2
+    own.close()
+
+
+def test_threaded_model_worker_uses_the_policy_count(two_threads):
+    import torch
+
+    model = build_ctr("threaded", intra_op_threads=1)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    x, y = ctr_data(16)
+    model.train_on_batch(x, y)
+    dispatcher = model._erase.dispatchers["threaded"]
+    seen = []
+    dispatcher._worker.submit(lambda: seen.append(torch.get_num_threads()))
+    dispatcher.finish()
+    assert seen == [1] and torch.get_num_threads() == two_threads
+    dispatcher.close()
 
 
 def _trace_steps(events, blocks):
