@@ -19,7 +19,9 @@ How the local loss reaches the model (all backends):
   it (`handler.run_block(block, inputs)`), which computes the local loss right
   after the block's forward pass and launches that loss's backward pass.
 
-Inference (`predict`, `training=False`) never computes a local loss.
+`predict` and inference calls never compute a local loss; a test step
+(`evaluate`, validation) computes and logs it (`val_<block name>_loss`), so
+`val_loss` is comparable with `loss`.
 """
 
 import contextlib
@@ -56,23 +58,24 @@ def current_collector():
     return stack[-1][0] if stack else None
 
 
-def _collector_training():
+def _collector_setting(index, default=None):
     stack = getattr(_STATE, "collectors", None)
-    return stack[-1][1] if stack else None
+    return stack[-1][index] if stack else default
 
 
 @contextlib.contextmanager
-def collecting(model, training=None):
+def collecting(model, training=None, evaluating=False):
     """Marks `model` (an `EraseModel`) as the consumer of its blocks' local losses during a call.
 
     `training`: the value a block called with `training=None` uses (`True` in
     a train step, so that a model whose `call` has no `training` argument still
-    trains its blocks).
+    trains its blocks). `evaluating`: a test step, where blocks also keep their
+    head's prediction (inference mode) so validation losses include them.
     """
     stack = getattr(_STATE, "collectors", None)
     if stack is None:
         stack = _STATE.collectors = []
-    stack.append((model, training))
+    stack.append((model, training, evaluating))
     try:
         yield model
     finally:
@@ -288,7 +291,7 @@ class DetachBlock(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         if training is None:
-            training = _collector_training()
+            training = _collector_setting(1)
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)
         if train_local:
             handler = current_step_handler()
@@ -297,8 +300,15 @@ class DetachBlock(keras.layers.Layer):
         if train_local and current_collector() is None:
             _warn_outside_erase_model(self)  # nothing is kept: no consumer
             train_local = False
+        # A test step (evaluate, validation) also logs the local losses.
+        keep = train_local or (
+            not training
+            and self.has_local_loss
+            and _collector_setting(2, False)
+            and not _has_symbolic(inputs)
+        )
         outputs = self.forward_layer(inputs, training=training)
-        if train_local:
+        if keep:
             self._pending_predictions.append(
                 PendingPrediction(self.predict_local(outputs), self.own_losses())
             )

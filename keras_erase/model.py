@@ -4,7 +4,9 @@ On every backend the total loss is the compiled (main) loss plus each block's
 `loss_weight * loss(y_true, head(output))` plus `model.losses` (regularizers,
 `add_loss`), and `fit` logs each block's local loss plus its own `losses` (the
 regularizers and `add_loss` values of its layer and head) as
-`"<block name>_loss"` (a `keras.metrics.Mean`, reset every epoch). A block's
+`"<block name>_loss"` (a `keras.metrics.Mean`, reset every epoch); `evaluate`
+and validation compute them too (`val_loss` includes them as `loss` does; each
+logged as `"val_<block name>_loss"`). A block's
 own losses belong to its local objective: on torch its early backward
 differentiates them, the main backward does not. On JAX and
 TensorFlow the standard train step trains the model. On torch, `train_step`
@@ -192,8 +194,6 @@ class EraseModel(keras.Model):
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         """Main (compiled) loss plus every block's pending local loss; logs each local loss."""
         total = super().compute_loss(x, y, y_pred, sample_weight, training=training)
-        # Local losses exist in training only: evaluate/validation logs leave them out.
-        self._erase.local_losses_active = bool(training)
         return add_local_losses(
             total,
             self.detach_blocks(),
@@ -211,21 +211,14 @@ class EraseModel(keras.Model):
             return super().losses
         return losses_outside_blocks(self, [b for b in self.detach_blocks() if b.has_local_loss])
 
-    def get_metrics_result(self):
-        result = super().get_metrics_result()
-        if not self._erase.local_losses_active:
-            for name in self._erase.trackers.names():
-                result.pop(name, None)
-        return result
-
     def __call__(self, *args, **kwargs):
         self._clear_pending()
-        with collecting(self, self._block_training_default()):
+        with collecting(self, self._block_training_default(), self._erase.in_test_step):
             return super().__call__(*args, **kwargs)
 
     def stateless_call(self, *args, **kwargs):
         self._clear_pending()
-        with collecting(self, self._block_training_default()):
+        with collecting(self, self._block_training_default(), self._erase.in_test_step):
             return super().stateless_call(*args, **kwargs)
 
     def _block_training_default(self):
@@ -277,6 +270,15 @@ class EraseModel(keras.Model):
 
         with restored_intra_op_threads():
             return super().train_on_batch(*args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        # Blocks keep their head's prediction in inference mode too: `val_loss`
+        # includes the local losses as `loss` does, each logged as `val_<block>_loss`.
+        self._erase.in_test_step = True
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            self._erase.in_test_step = False
 
     def train_step(self, *args, **kwargs):
         self._erase.in_train_step = True

@@ -19,7 +19,8 @@ class EraseRuntime:
         trace: the event list while tracing, else `None`.
         grad_sync: the `GradientSync` under a torch.distributed group.
         needs_broadcast: broadcast rank 0's weights at the next step.
-        local_losses_active: whether the last `compute_loss` was in training.
+        in_test_step: set during `test_step`: blocks then keep their head's
+            prediction in inference mode (validation logs the local losses).
         in_train_step: set during `train_step`: the model's `DetachBlock`s
             called with `training=None` then train (a `call` without `training`).
         blocks_own_losses: while set (torch ERASE step), `model.losses` leaves
@@ -37,6 +38,6 @@ class EraseRuntime:
         self.trace = None
         self.grad_sync = None
         self.needs_broadcast = True
-        self.local_losses_active = True
+        self.in_test_step = False
         self.blocks_own_losses = False
         self.in_train_step = False

@@ -214,9 +214,14 @@ def test_inference_computes_no_local_loss():
     assert all(len(b._pending_predictions) == 1 for b in model.detach_blocks())
     model(x, training=False)
     assert all(not b._pending_predictions for b in model.detach_blocks())
-    # evaluate's loss is the main loss only
-    main, _ = _expected_losses(model, x, y)
-    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), main, rtol=1e-5)
+    # evaluate's loss is the main loss plus the local losses, each logged
+    main, local = _expected_losses(model, x, y)
+    results = model.evaluate(x, y, verbose=0, return_dict=True)
+    np.testing.assert_allclose(results["loss"], main + sum(local.values()), rtol=1e-5)
+    for name, value in local.items():
+        np.testing.assert_allclose(results[f"{name}_loss"], value, rtol=1e-5)
+    model.predict(x, verbose=0)
+    assert all(not b._pending_predictions for b in model.detach_blocks())
 
 
 @pytest.mark.parametrize("kind", ["functional", "sequential"])
@@ -459,14 +464,18 @@ def test_cross_backend_same_weights(tmp_path):
 
 
 
-def test_validation_logs_have_no_local_losses():
-    model = build_ctr("auto", num_towers=2)
+def test_validation_loss_is_comparable_and_logs_each_local_loss():
+    """Validation on the training batch with a zero learning rate: every val_ log equals
+    its training log (val_loss includes the local losses as loss does)."""
+    model = build_ctr("auto", num_towers=2, regularized=True)
     x, y = ctr_data(32)
-    model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=1, validation_data=(x, y), verbose=0).history
-    assert {"loss", "accuracy", "tower_0_loss", "tower_1_loss", "val_loss", "val_accuracy"} == set(
-        history
-    )
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=1, validation_data=(x, y), verbose=0).history
+    names = {"loss", "accuracy", "tower_0_loss", "tower_1_loss"}
+    assert set(history) == names | {f"val_{name}" for name in names}
+    for name in names:
+        np.testing.assert_allclose(history[f"val_{name}"], history[name], rtol=1e-5, err_msg=name)
 
 
 if __name__ == "__main__":
