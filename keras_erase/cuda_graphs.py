@@ -186,6 +186,8 @@ class _OpTape:
                 super().__init__()
                 self.records = []
                 self.names = []
+                self.created = set()
+                self.saved = {}
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 import torch
@@ -203,11 +205,41 @@ class _OpTape:
                         f"aten.{name} inside a captured region (tensor from host data or a host "
                         "sync); a CUDA Graph capture would fail here."
                     )
+                if refuse:  # capture executes nothing: remember what this op overwrites
+                    for tensor in _written_args(func, args, kwargs):
+                        if id(tensor) not in self.created and id(tensor) not in self.saved:
+                            self.saved[id(tensor)] = (tensor, tensor.detach().clone())
                 out = func(*args, **kwargs)
                 self.records.append((func, args, kwargs, out))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.created.add(id(t))
                 return out
 
+            def undo(self):
+                """Restores every pre-existing tensor the region wrote (e.g. batch-norm statistics)."""
+                import torch
+
+                with torch.no_grad():
+                    for tensor, value in reversed(list(self.saved.values())):
+                        tensor.data.copy_(value)  # `.data`: no autograd version bump
+
         return Tape()
+
+
+def _written_args(func, args, kwargs):
+    """The tensor arguments an aten op writes in place (its schema's mutable arguments)."""
+    import torch
+
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
 
 
 def _same_storage(a, b):
@@ -223,8 +255,10 @@ class RecordingCapture:
     Like a CUDA graph, the replay reruns the same ops on the same (static)
     tensors: values read through Python at capture time stay frozen, new data
     must be copied into the static inputs. The capture refuses the ops a CUDA
-    capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. Unlike a
-    CUDA capture it also executes the region once while recording.
+    capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. It has to
+    execute the region once while recording, but then restores every tensor
+    that existed before and that the region wrote in place (batch-norm moving
+    statistics, seed states), so like a CUDA capture it leaves no side effect.
 
     Args:
         fail_after: make the capture number `fail_after` (1-based) raise
@@ -251,6 +285,7 @@ class RecordingCapture:
         tape = _OpTape()
         with tape:
             outputs = fn()
+        tape.undo()  # a CUDA capture runs nothing: leave no side effect (e.g. batch-norm stats)
         self.captured.append(tuple(tape.names))
         pool = pool if pool is not None else object()  # like a new private memory pool
         self.pools.append(pool)

@@ -302,6 +302,34 @@ def test_graphs_give_eager_weights_in_every_mode(mode, detach_input):
 
 
 @torch_only
+@pytest.mark.parametrize("mode", ["blocking", "threaded"])
+def test_graphs_add_no_batch_norm_update(mode):
+    """Warm-up steps are real steps and capture runs nothing: moving statistics match eager."""
+    def train(graphs):
+        keras.utils.set_random_seed(4)  # before the layer: Keras draws initializer seeds here
+        layer = keras.Sequential(
+            [keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(4)]
+        )
+        block = make_block(layer=layer)
+        dispatcher, _ = make_dispatcher(mode, graphs)
+        for x, y, sw in batches(4):
+            zero_(block.trainable_weights)
+            dispatcher.run_block(block, x, y, sw, lambda v: v)
+            dispatcher.finish()
+            sgd_(block.trainable_weights)
+        dispatcher.close()
+        return block, dispatcher
+
+    eager, _ = train(False)
+    graphed, dispatcher = train(True)
+    assert dispatcher.graphs.captures == 1 and dispatcher.graphs.replays == 3
+    moving = [v for v in graphed.weights if "moving" in v.path]
+    assert len(moving) == 2
+    for a, b in zip(graphed.weights, eager.weights):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
+@torch_only
 def test_each_block_has_its_own_memory_pool_shared_only_with_its_backward():
     """A pool may only be shared by graphs replayed in capture order: never across blocks."""
     from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
