@@ -111,8 +111,7 @@ def next_schedule(runtime):
             timed_rounds=config.auto_steps,
             warmup_rounds=1,
             extra_warmup=extra_warmup,
-            combine=combine,
-            early_stop_rounds=None,
+            combine=combine,  # with combine (several ranks) early stop is off
         )
     return runtime.selector.next_schedule()
 

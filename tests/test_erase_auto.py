@@ -55,3 +55,34 @@ def test_round_robin_and_extra_untimed_warmup_per_candidate():
     assert order.count("standard") == 4 and order.count("graphs") == 6
     assert selector.times["graphs"] == [0.5] * 3  # the 3 untimed steps are not in the timings
     assert selector.choice == "graphs"
+
+
+def test_a_slower_candidate_is_dropped_after_three_timed_rounds():
+    """Early stop: measuring a losing schedule costs 1 warm-up + 3 timed steps, not 1 + 8."""
+    selector = ScheduleSelector(["standard", "threaded"], timed_rounds=8)
+    choice = run(selector, {"standard": [1.0] * 8, "threaded": [1.3] * 8})
+    assert choice == "standard"
+    assert selector.dropped == ["threaded"]
+    assert len(selector.times["threaded"]) == 3
+    assert selector.steps == 2 * (1 + 3)
+    # The cost bound of the docstring: (1 + 3) steps, each at most 30% slower here.
+    assert selector.seen["threaded"] == 4
+
+
+def test_a_faster_candidate_is_measured_fully_and_wins():
+    selector = ScheduleSelector(["standard", "threaded"], timed_rounds=8)
+    assert run(selector, {"standard": [1.0] * 8, "threaded": [0.8] * 8}) == "threaded"
+    assert selector.steps == 2 * (1 + 8) and not selector.dropped
+
+
+def test_no_early_stop_when_ranks_combine_their_timings():
+    """Ranks must run the same schedule at every step: no local early stop, combined stats."""
+    seen = []
+
+    def combine(values):
+        seen.append(list(values))
+        return [v * 1.0 for v in values]
+
+    selector = ScheduleSelector(["standard", "threaded"], timed_rounds=8, combine=combine)
+    assert run(selector, {"standard": [1.0] * 8, "threaded": [1.3] * 8}) == "standard"
+    assert selector.steps == 18 and len(seen) == 1 and len(seen[0]) == 4
