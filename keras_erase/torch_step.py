@@ -144,7 +144,12 @@ def train_step(model, runtime, data, standard_step):
         from keras_erase.dispatch import require_cuda
 
         config = runtime.config
-        require_cuda("dispatch='streams'" if config.dispatch == "streams" else "cuda_graphs=True")
+        if config.dispatch == "streams":
+            require_cuda("dispatch='streams'")
+        if config.cuda_graphs:  # CUDA, or the CPU stand-in capture (tests, dry runs)
+            from keras_erase.cuda_graphs import require_capture
+
+            require_capture()
     schedule = next_schedule(runtime)
     mode, threads = schedule
     set_intra_op_threads(threads)
