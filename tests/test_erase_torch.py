@@ -399,7 +399,8 @@ def test_cuda_models_load_predict_evaluate_on_cpu_and_refuse_to_train(
     np.testing.assert_allclose(
         to_numpy(loaded.predict(x, verbose=0)), to_numpy(model.predict(x, verbose=0)), rtol=1e-6
     )
-    assert np.isfinite(loaded.evaluate(x, y, verbose=0))
+    results = loaded.evaluate(x, y, verbose=0, return_dict=True)
+    assert np.isfinite(results["loss"]) and "tower_0_loss" in results
     with pytest.raises(ValueError, match="needs a CUDA device"):
         loaded.fit(x, y, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="needs a CUDA device"):
