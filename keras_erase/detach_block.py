@@ -38,6 +38,35 @@ from keras_erase import _keras_private
 _STATE = threading.local()
 
 
+def weight_penalty(regularizer, weight):
+    """`regularizer(weight)`; Keras's L1, L2 and L1L2 with Python-float factors.
+
+    Same value as Keras's (which casts each factor to a tensor: a tensor made
+    from host data at every call, which a CUDA Graph cannot capture). Any other
+    regularizer is called as is.
+
+    Example:
+
+    >>> w = keras.Variable([[1.0, -2.0]])
+    >>> float(weight_penalty(keras.regularizers.L1L2(l1=0.5, l2=0.25), w))
+    2.75
+    """
+    kind = type(regularizer)
+    if kind is keras.regularizers.L1:
+        return regularizer.l1 * ops.sum(ops.absolute(weight))
+    if kind is keras.regularizers.L2:
+        return regularizer.l2 * ops.sum(ops.square(weight))
+    if kind is keras.regularizers.L1L2:
+        total = None
+        if regularizer.l1 != 0.0:
+            total = regularizer.l1 * ops.sum(ops.absolute(weight))
+        if regularizer.l2 != 0.0:
+            term = regularizer.l2 * ops.sum(ops.square(weight))
+            total = term if total is None else total + term
+        return ops.zeros((), weight.dtype) if total is None else total
+    return regularizer(weight)
+
+
 class PendingPrediction:
     """A training call's head prediction and the block's own losses, kept for `compute_loss`."""
 
@@ -277,8 +306,14 @@ class DetachBlock(keras.layers.Layer):
         They belong to the block's local objective: on torch they are
         back-propagated by the block's early backward, never by the main one.
         """
+        losses = []
+        for layer in _keras_private.sublayers(self, include_self=True):
+            losses.extend(_keras_private.own_added_losses(layer))
+        for weight in self.trainable_weights:
+            if weight.regularizer is not None:
+                losses.append(weight_penalty(weight.regularizer, weight))
         total = None
-        for loss in self.losses:
+        for loss in losses:
             loss = ops.cast(loss, "float32")
             total = loss if total is None else total + loss
         return total
@@ -399,7 +434,10 @@ def capture_safe_loss(loss_fn, y_true, y_pred, sample_weight=None):
     dtype = loss_fn.dtype
     y_pred = tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
     y_true = tree.map_structure(lambda t: ops.cast(t, dtype), y_true)
-    values = ops.cast(loss_fn.call(y_true, y_pred), dtype)
+    values = loss_fn.call(y_true, y_pred)
+    if _keras_private.keras_mask(values) is not None:  # a masking loss: Keras's own path
+        return loss_fn(y_true, y_pred, sample_weight=sample_weight)
+    values = ops.cast(values, dtype)
     weight = None
     if sample_weight is not None:
         weight = ops.cast(sample_weight, values.dtype)

@@ -417,3 +417,35 @@ def test_streams_give_the_standard_weights(cuda_graphs):
     for a, b in zip(weights, reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-5)
+
+
+def test_block_weight_penalties_make_no_tensor_from_host_data():
+    """A block's L1/L2/L1L2 weight penalties (its own losses, in its early backward) are
+    computed with Python-float factors: no op a CUDA Graph capture refuses. Keras's own
+    regularizer call (the control) casts its factor to a tensor from host data."""
+    import torch
+
+    from keras_erase.cuda_graphs import forbidden_ops
+    from tests.backend_utils import TorchOpRecorder
+
+    layer = keras.Sequential([
+        keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.05)),
+        keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L1L2(0.01, 0.02),
+                           bias_regularizer=keras.regularizers.L1(0.03)),
+    ])
+    block = DetachBlock(layer, head=keras.layers.Dense(1), loss="mse", name="reg")
+    block.build((None, 3))
+    weights = [v.value for v in block.trainable_weights]
+    recorder = TorchOpRecorder()
+    with recorder:
+        penalty = block.own_losses()
+        torch.autograd.grad(penalty, weights, allow_unused=True)
+    assert forbidden_ops(recorder.ops) == []
+    expected = sum(
+        float(v.regularizer(v)) for v in block.trainable_weights if v.regularizer is not None
+    )
+    np.testing.assert_allclose(float(penalty), expected, rtol=1e-6)
+    control = TorchOpRecorder()
+    with control:
+        keras.regularizers.L2(0.05)(block.trainable_weights[0])
+    assert forbidden_ops(control.ops) != []
