@@ -13,6 +13,10 @@ One step (`train_step`):
    Otherwise `erase_step`: zero the gradients, forward with each
    `DetachBlock` handed to the dispatcher (its forward, local loss and
    backward), the main loss and backward, wait for the blocks, update.
+   It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
+   `compute_loss`, loss tracker, backward, `optimizer.apply`,
+   `compute_metrics`); it has to own the step because the block backwards
+   start inside the forward pass and the main backward must wait for them.
 """
 
 import contextlib
