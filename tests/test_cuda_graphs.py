@@ -62,6 +62,27 @@ def test_capture_safe_loss_matches_keras_loss_call(loss, weights, rng):
     )
 
 
+def test_capture_safe_loss_keeps_keras_masking(rng):
+    """Masked predictions or per-sample values with a mask take Keras's own (masked) path."""
+    from keras.src.backend.common.masking import set_keras_mask
+
+    from keras_erase.detach_block import capture_safe_loss
+
+    class MaskingLoss(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            values = keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+            set_keras_mask(values, keras.ops.convert_to_tensor([True, False, True, True]))
+            return values
+
+    y_true = rng.normal(size=(4, 2)).astype("float32")
+    y_pred = rng.normal(size=(4, 2)).astype("float32")
+    loss = MaskingLoss()
+    expected = to_numpy(loss(y_true, y_pred))
+    np.testing.assert_allclose(to_numpy(capture_safe_loss(loss, y_true, y_pred)), expected, rtol=1e-6)
+    unmasked = to_numpy(keras.losses.MeanSquaredError()(y_true, y_pred))
+    assert abs(float(expected) - float(unmasked)) > 1e-4  # the mask matters here
+
+
 # -- helpers (torch) ----------------------------------------------------------------------
 
 
