@@ -35,11 +35,11 @@ What a block needs to be capturable: fixed shapes per signature, no host data
 inside the block (build constants as tensors at build time), no host syncs
 (`.item()`, `float(tensor)`, data-dependent shapes), no Python randomness
 seeded per call (Keras's seeded `Dropout` does a host sync: such a block makes
-capture fail and the run falls back to eager). Keras's weight regularizers and
-`activity_regularizer` make a tensor from a Python number in every call (Keras
-3.15), so a block using them is refused (before any capture, with the reason
-logged) and trains eagerly; `Dropout` without a seed and batch normalization
-capture fine.
+capture fail and the run falls back to eager). Keras's `activity_regularizer`
+makes a tensor from the batch size in every call (Keras 3.15), so a block using
+it is refused (before any capture, with the reason logged) and trains eagerly;
+weight regularizers (computed by `DetachBlock.own_losses` with Python-float
+factors), `Dropout` without a seed and batch normalization capture fine.
 
 Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
 

@@ -487,12 +487,10 @@ def test_a_block_with_a_host_sync_is_refused_and_trains_eagerly():
 
 @torch_only
 def test_host_data_in_a_block_is_refused_before_any_capture(caplog):
-    """A Keras weight regularizer converts its Python factor each call: refused with a clear reason."""
+    """Keras's activity_regularizer casts the batch size in every call: refused with a clear reason."""
     from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
 
-    layer = keras.Sequential(
-        [keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.5))]
-    )
+    layer = keras.Sequential([keras.layers.Dense(4, activity_regularizer="l2")])
     block = make_block(layer=layer)
     dispatcher, _ = make_dispatcher("blocking", graphs=False)
     capture = RecordingCapture()
@@ -503,6 +501,37 @@ def test_host_data_in_a_block_is_refused_before_any_capture(caplog):
     assert runner.disabled and "aten.lift_fresh" in runner.disabled_reason
     assert "'block'" in runner.disabled_reason and capture.captured == []  # never tried
     assert sum("CUDA Graphs disabled" in r.getMessage() for r in caplog.records) == 1
+
+
+@torch_only
+@pytest.mark.parametrize("mode", ["blocking", "threaded"])
+def test_a_block_with_weight_regularizers_is_graphed_like_eager(mode):
+    """Weight penalties are part of the captured local objective (no host data): same weights."""
+    def train(graphs):
+        keras.utils.set_random_seed(4)
+        layer = keras.Sequential([
+            keras.layers.Dense(8, "relu", kernel_regularizer=keras.regularizers.L2(0.5)),
+            keras.layers.Dense(4, bias_regularizer=keras.regularizers.L1L2(0.1, 0.2)),
+        ])
+        return train_block_with(layer, mode, graphs)
+
+    eager, _ = train(False)
+    graphed, runner = train(True)
+    assert runner.captures == 1 and not runner.disabled, runner.disabled_reason
+    for a, b in zip(graphed, eager):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def train_block_with(layer, mode, graphs, steps=4):
+    block = make_block(layer=layer)
+    dispatcher, _ = make_dispatcher(mode, graphs)
+    for x, y, sw in batches(steps):
+        zero_(block.trainable_weights)
+        dispatcher.run_block(block, x, y, sw, lambda v: v)
+        dispatcher.finish()
+        sgd_(block.trainable_weights)
+    dispatcher.close()
+    return [to_numpy(v) for v in block.weights], dispatcher.graphs
 
 
 class _FakeCudaGraph:
