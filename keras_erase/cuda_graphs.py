@@ -382,8 +382,12 @@ class BlockGraph:
         self.grad_loss = grad_loss
         self.grad_slots = grad_slots  # per static input: index into backward outputs or None
 
-    def params_moved(self):
-        return any(p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs))
+    def stale(self):
+        """Whether the block's trainable weights changed (re-created, or (un)frozen) since capture."""
+        current = _params(self.block)
+        return [id(p) for p in current] != [id(p) for p in self.params] or any(
+            p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
+        )
 
     def load(self, flat_inputs):
         import torch
@@ -494,8 +498,8 @@ class CudaGraphRunner:
         flat = _flat(inputs) + _flat(y_true) + _flat(sample_weight)
         key = _signature(block, flat)
         graph = self._graphs.get(key)
-        if graph is not None and graph.params_moved():  # weights re-created: capture again
-            graph = self._graphs.pop(key)
+        if graph is not None and graph.stale():  # weights re-created or (un)frozen: capture again
+            del self._graphs[key]
             graph = None
             self._seen[key] = self.warmup
         if graph is None:
@@ -509,7 +513,9 @@ class CudaGraphRunner:
                 graph = self._capture_block(block, inputs, y_true, sample_weight, eager_forward)
             except Exception as error:  # noqa: BLE001 - eager is always correct
                 self.failures += 1
-                self.disable(f"capture of block {block.name!r} failed: {type(error).__name__}: {error}")
+                self.disable(
+                    f"capture of block {block.name!r} failed: {type(error).__name__}: {error}"
+                )
                 return eager_forward(block, inputs, y_true, sample_weight)
             self._graphs[key] = graph
             self.captures += 1

@@ -369,6 +369,26 @@ def test_each_block_has_its_own_memory_pool_shared_only_with_its_backward():
 
 
 @torch_only
+def test_freezing_a_layer_after_capture_captures_again():
+    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+
+    block = make_block()
+    dispatcher, _ = make_dispatcher("blocking", graphs=False)
+    dispatcher.graphs = runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
+    data = batches(4)
+    for x, y, sw in data[:2]:
+        dispatcher.run_block(block, x, y, sw, lambda v: v)
+    assert runner.captures == 1
+    block.head.trainable = False
+    for x, y, sw in data[2:]:
+        zero_(block.weights)
+        dispatcher.run_block(block, x, y, sw, lambda v: v)
+    assert runner.captures == 2 and not runner.disabled
+    assert block.head.kernel.value.grad is None  # frozen: no gradient from the new graph
+    assert block.layer.weights[0].value.grad is not None
+
+
+@torch_only
 def test_graph_capture_keeps_the_inputs_requires_grad():
     """B3: a detach_input=False block's static inputs require grad like the real ones."""
     import torch
