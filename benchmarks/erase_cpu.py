@@ -27,6 +27,8 @@ Usage:
     KERAS_BACKEND=torch python benchmarks/erase_cpu.py          # writes
         benchmarks/results/erase_cpu.{md,json}
     KERAS_BACKEND=torch python benchmarks/erase_cpu.py --quick  # smoke run (/tmp)
+    KERAS_BACKEND=torch python benchmarks/erase_cpu.py --modes standard auto \
+        --configs 512,256 --out benchmarks/results/erase_cpu_auto   # the auto check
 """
 
 import argparse
@@ -222,12 +224,15 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=3, help="processes per cell")
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # mode,batch,width
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--configs", nargs="+", default=None, help="batch,width pairs")
     parser.add_argument("--towers", type=int, default=6)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--input-dim", type=int, default=256)
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "erase_cpu"))
     args = parser.parse_args(argv)
     configs = CONFIGS
+    if args.configs:
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     if args.quick:
         configs = [(128, 64)]
         args.epoch_steps, args.warmup, args.reps, args.input_dim = 30, 5, 1, 64

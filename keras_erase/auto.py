@@ -14,12 +14,13 @@ Rule:
   schedule), are not timed.
 - Early stop (single process only): once the baseline and a challenger both
   have `early_stop_rounds` timed steps, a challenger whose median is not
-  below the baseline's is dropped (it cannot win clearly); when every
-  challenger is dropped the baseline is kept at once. This bounds what
-  measuring a losing schedule costs: a challenger `s` times slower than the
-  baseline runs `warmup_rounds + early_stop_rounds` (1 + 3) steps, so an epoch
-  loses `4 * (s - 1)` baseline steps (2% of a 100-step epoch at `s = 1.5`);
-  one about as fast as the baseline costs nothing whichever way it goes.
+  already `margin` below the baseline's is dropped (it is not winning
+  clearly); when every challenger is dropped the baseline is kept at once.
+  This bounds what measuring a losing schedule costs: a challenger `s` times
+  slower than the baseline runs `warmup_rounds + early_stop_rounds` (1 + 2)
+  steps, so an epoch loses `3 * (s - 1)` baseline steps (1.5% of a 100-step
+  epoch at `s = 1.5`). Only a challenger clearly faster in its first timed
+  steps is measured fully, and those steps are faster ones.
 - After `timed_rounds` timed steps of every remaining candidate: a challenger
   replaces the baseline only if both its median and its 90th-percentile step
   time are at least `margin` below the baseline's; among those the smallest
@@ -44,8 +45,8 @@ import numpy as np
 
 # A schedule replaces the baseline only when this much faster (median and p90).
 AUTO_MARGIN = 0.03
-# Timed steps after which a challenger not faster than the baseline is dropped.
-EARLY_STOP_ROUNDS = 3
+# Timed steps after which a challenger not clearly faster than the baseline is dropped.
+EARLY_STOP_ROUNDS = 2
 
 
 def label(schedule):
@@ -65,8 +66,9 @@ class ScheduleSelector:
         extra_warmup: optional `{candidate: n}`, `n` more untimed steps for
             that candidate (e.g. CUDA Graph capture).
         margin: relative gain on median and p90 needed to leave the baseline.
-        early_stop_rounds: timed steps after which a challenger no faster than
-            the baseline (median) is dropped; `None` disables early stop.
+        early_stop_rounds: timed steps after which a challenger whose median
+            is not `margin` below the baseline's is dropped; `None` disables
+            early stop.
         combine: optional function from a list of floats to a list of floats
             (same length) applied to the statistics before the final choice.
     """
@@ -134,9 +136,9 @@ class ScheduleSelector:
         base = self.candidates[0]
         if rounds is None or len(self.times[base]) < rounds:
             return
-        base_median = np.median(self.times[base])
+        limit = np.median(self.times[base]) * (1.0 - self.margin)
         for c in self.active[1:]:
-            if len(self.times[c]) >= rounds and np.median(self.times[c]) >= base_median:
+            if len(self.times[c]) >= rounds and np.median(self.times[c]) > limit:
                 self.active.remove(c)
                 self.dropped.append(c)
         if len(self.active) == 1:
