@@ -1,9 +1,14 @@
 """Small generic helpers for the benchmark scripts: step timing statistics, markdown
 tables and JSON output. Nothing here knows about a particular model.
 
-Throughput convention: `p50` is `batch / median(step seconds)` and `p90` is
-`batch / 90th percentile(step seconds)`, i.e. the examples per second that 90% of
-the steps reach or beat (the tail-latency view used for "p90 QPS").
+Throughput convention (the ERASE paper's, defined once in `keras_erase.throughput`):
+`p50` and `p90` are the 50th and 90th percentiles of per-step examples per second
+(`batch / step seconds` for each timed step). `p90` is therefore the *fast* end: 90%
+of the steps are slower. Step-time percentiles (`step_ms_p50`, `step_ms_p90`, the
+latency view, where p90 is the slow end) are reported next to them. For a
+data-parallel run, per-step global times come from
+`keras_erase.throughput.global_step_seconds` (the slowest rank of each step);
+per-rank percentiles are never summed. `QPS_NOTE` says this in one line for tables.
 
 Example:
 
@@ -16,9 +21,21 @@ print(markdown_table([{"mode": "standard", **stats}], ["mode", "p50", "p90"]))
 import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+from keras_erase.throughput import throughput_percentiles  # noqa: E402
+
+QPS_NOTE = (
+    "p50/p90 = 50th/90th percentile of per-step examples/s after warm-up (p90 is the fast "
+    "end, as in the ERASE paper); step_ms_p50/p90 = step-time percentiles (p90 = slow end)."
+)
 
 
 def percentile(samples, q):
@@ -27,15 +44,19 @@ def percentile(samples, q):
 
 
 def throughput_stats(step_seconds, batch_size):
-    """p50/p90 examples per second and step-time percentiles for a list of step times."""
+    """p50/p90 of per-step examples/s (`keras_erase.throughput`) and step-time percentiles.
+
+    Returns a dict with `steps`, `p50`, `p90` (examples/s; p90 = the fast end) and
+    `step_ms_p50`, `step_ms_p90` (milliseconds; p90 = the slow end).
+    """
     step_seconds = [float(s) for s in step_seconds]
-    p50_s, p90_s = percentile(step_seconds, 50), percentile(step_seconds, 90)
+    rates = throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90))
     return {
-        "steps": len(step_seconds),
-        "step_ms_p50": 1e3 * p50_s,
-        "step_ms_p90": 1e3 * p90_s,
-        "p50": batch_size / p50_s,
-        "p90": batch_size / p90_s,
+        "steps": rates["steps"],
+        "step_ms_p50": 1e3 * percentile(step_seconds, 50),
+        "step_ms_p90": 1e3 * percentile(step_seconds, 90),
+        "p50": rates["p50"],
+        "p90": rates["p90"],
     }
 
 

@@ -1,25 +1,38 @@
-"""ERASE on a CUDA GPU (torch): the CPU benchmark's cells plus `"streams"` and CUDA Graphs,
-a torch profiler chrome trace of one step and a PNG timeline of it.
+"""ERASE on a CUDA GPU (torch): every early-backward mode with and without CUDA Graphs, a
+profiler trace of one step and its overlap timeline.
 
-Modes: `undetached` (plain model, standard step), `standard`, `blocking`, `threaded`,
-`streams`, `streams+graphs` (`cuda_graphs=True`) and `auto`, per (batch, width)
-configuration; p50/p90 examples/s from per-step times after warm-up (the clock is
-read after `torch.cuda.synchronize()`). The paper's best gain is +9.51% p90 QPS;
-the table reports every mode's p90 over `standard`.
+Models (`--models`):
 
-The trace: one training step of `--trace-mode` (default `streams`, one stream per
-tower) under `torch.profiler` (CPU + CUDA) is written as a chrome trace
-(`<out>_trace.json`, open in chrome://tracing or Perfetto). The PNG
-(`<out>_timeline.png`) draws, per stream (GPU) or thread (CPU), the
-`"<block>/forward"` and `"<block>/backward"` ranges the dispatchers annotate with
-`torch.profiler.record_function`, like the paper's trace figure.
+- `ctr`: the CTR example (`examples/ctr/model.py`): a shared embedding table, six
+  detached towers (DLRM/DCN/FM/wide interactions, `detach_input=False` so the local
+  losses train the table), a top MLP; synthetic Criteo-shaped data
+  (`examples/ctr/data.py`).
+- `mlp30`: the sanity check of ERASE's overlap: a 30-layer MLP cut into 6 detached
+  blocks of 5 Dense layers (a chain, each block with a logistic head and BCE), so
+  each block's backward can overlap the forward of the blocks after it.
+
+Modes (`--modes`): `undetached` (the same network without DetachBlocks, standard
+step), `standard`, `blocking`, `threaded`, `streams`, each of the last three also as
+`<mode>+graphs` (`cuda_graphs=True`), and `auto` (also `auto+graphs`). Every cell builds a fresh model,
+runs `--warmup` untimed steps (more than the graph warm-up and capture steps), then
+`--steps` timed steps; the clock is read after `torch.cuda.synchronize()`.
+
+Reported per cell (`benchmarks.common.QPS_NOTE`): p50/p90 = percentiles of per-step
+examples/s (p90 = the fast end, as the paper's "+9.51% p90 QPS"), step-time p50/p90
+in ms, p90 over `standard`, and for graph modes the number of captured block graphs
+and replays (a graph mode that captured nothing is flagged: `--strict` makes it an
+error, as `scripts/gpu_check.sh` does).
+
+Trace: one training step of `--trace-mode` (default `threaded+graphs` on CUDA) under
+`torch.profiler` as a chrome trace (`<out>_trace.json`) and a PNG (`<out>_timeline.png`)
+of the `"<block>/forward"` and `"<block>/backward"` ranges per stream or thread.
 
 Usage:
 
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py             # on a CUDA machine
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --quick     # short run
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --cpu-dry-run  # CPU modes only,
-        checks the script, the trace and the plot without a GPU (results in /tmp)
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py               # CUDA machine
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --quick       # short run
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --cpu-dry-run # no GPU: CPU modes,
+        graphs through the CPU stand-in capture, tiny sizes, results in /tmp
 """
 
 import argparse
@@ -33,55 +46,138 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
+from benchmarks.common import QPS_NOTE  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
 from benchmarks.common import throughput_stats  # noqa: E402
 from benchmarks.common import time_steps  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
-from benchmarks.erase_cpu import build_ctr_model  # noqa: E402
-from benchmarks.erase_cpu import synthetic_ctr_batch  # noqa: E402
 
-GPU_CONFIGS = [(2048, 512), (8192, 1024), (16384, 1024)]
-GPU_MODES = ["undetached", "standard", "blocking", "threaded", "streams", "streams+graphs", "auto"]
-CPU_MODES = ["undetached", "standard", "blocking", "threaded", "auto"]
+MODELS = ("ctr", "mlp30")
+GPU_MODES = (
+    "undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs",
+    "streams", "streams+graphs", "auto", "auto+graphs",
+)
+CPU_MODES = ("undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs")
+GPU_BATCHES = (2048, 8192)
+MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
 
 
-def make_model(mode, width, args):
-    common = dict(width=width, num_towers=args.towers, depth=args.depth, input_dim=args.input_dim)
-    if mode == "undetached":
-        return build_ctr_model(detached=False, **common)
-    if mode == "streams+graphs":
-        return build_ctr_model(
-            dispatch="streams", cuda_graphs=True, num_streams=args.num_streams, **common
+def parse_mode(mode):
+    """`"threaded+graphs"` -> `("threaded", True)`; validates the name."""
+    base, _, suffix = mode.partition("+")
+    bases = ("undetached", "standard", "blocking", "threaded", "streams", "auto")
+    if base not in bases or suffix not in ("", "graphs"):
+        raise ValueError(f"unknown mode {mode!r}; expected one of {GPU_MODES}")
+    if suffix and base in ("undetached", "standard"):
+        raise ValueError(f"{mode!r}: graphs apply to blocking, threaded, streams and auto")
+    return base, suffix == "graphs"
+
+
+def build_mlp30(width, input_dim, detached=True, **model_kwargs):
+    """The 30-layer MLP sanity check: 6 chained detached blocks of 5 Dense layers."""
+    from keras_erase import DetachBlock, EraseModel
+
+    inputs = keras.Input((input_dim,))
+    h = inputs
+    for b in range(MLP_BLOCKS):
+        stack = keras.Sequential(
+            [keras.layers.Dense(width, "relu") for _ in range(MLP_LAYERS_PER_BLOCK)],
+            name=f"mlp_{b}",
         )
-    return build_ctr_model(dispatch=mode, num_streams=args.num_streams, **common)
+        if detached:
+            stack = DetachBlock(stack, head=keras.layers.Dense(1), name=f"block_{b}",
+                                loss=keras.losses.BinaryCrossentropy(from_logits=True))
+        h = stack(h)
+    outputs = keras.layers.Dense(1, "sigmoid", name="out")(h)
+    if not detached:
+        return keras.Model(inputs, outputs, name="mlp30_baseline")
+    return EraseModel(inputs, outputs, name="mlp30_erase", **model_kwargs)
 
 
-def prepared(mode, batch, width, args):
-    model = make_model(mode, width, args)
+def make_model(model_name, mode, args):
+    base, graphs = parse_mode(mode)
+    detached = base != "undetached"
+    kwargs = {} if not detached else {
+        "dispatch": base, "cuda_graphs": graphs, "num_streams": args.num_streams
+    }
+    keras.utils.set_random_seed(0)
+    if model_name == "ctr":
+        from examples.ctr.model import build_ctr_model
+
+        return build_ctr_model(detached, buckets=args.buckets, width=args.width, depth=3, **kwargs)
+    return build_mlp30(args.width, args.input_dim, detached, **kwargs)
+
+
+def make_batch(model_name, batch, args):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if model_name == "ctr":
+        from examples.ctr.data import synthetic_ctr
+
+        data = synthetic_ctr(batch, buckets=args.buckets, seed=1)
+        x = {"dense": data["dense"].astype("float32"), "sparse": data["sparse"].astype("int32")}
+        y = data["label"].astype("float32").reshape(-1, 1)
+    else:
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(batch, args.input_dim)).astype("float32")
+        y = (rng.random((batch, 1)) < 0.3).astype("float32")
+    to = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+    return keras.tree.map_structure(to, x), to(y)
+
+
+def prepared(model_name, mode, batch, args):
+    model = make_model(model_name, mode, args)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
-    x, y = synthetic_ctr_batch(batch, args.input_dim)
-    x, y = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+    x, y = make_batch(model_name, batch, args)
     return model, x, y
 
 
-def run_cell(mode, batch, width, args, sync):
-    model, x, y = prepared(mode, batch, width, args)
+def graph_counters(runners):
+    captures = sum(r.captures for r in runners)
+    return {
+        "graphs_captured": captures,
+        "graph_replays": sum(r.replays for r in runners),
+        "graphs_disabled": any(r.disabled for r in runners),
+    }
+
+
+def run_cell(model_name, mode, batch, args, sync):
+    from keras_erase import cuda_graphs
+
+    before = set(map(id, cuda_graphs.live_runners()))
+    model, x, y = prepared(model_name, mode, batch, args)
     seconds = time_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps, sync=sync)
-    row = {"batch": batch, "width": width, "mode": mode, **throughput_stats(seconds, batch)}
-    if mode == "auto":
+    row = {"model": model_name, "batch": batch, "mode": mode, **throughput_stats(seconds, batch)}
+    if parse_mode(mode)[0] == "auto":
         row["auto_choice"] = model.dispatch_choice
+    if parse_mode(mode)[1]:
+        runners = [r for r in cuda_graphs.live_runners() if id(r) not in before]
+        row.update(graph_counters(runners))
     return row
 
 
-def profile_one_step(mode, batch, width, args, cuda, trace_path):
+def graph_problems(rows):
+    """Graph cells that did not really run on graphs (the GPU check must not pass silently)."""
+    return [
+        f"{r['model']} batch={r['batch']} {r['mode']}: captured={r.get('graphs_captured')} "
+        f"replays={r.get('graph_replays')} disabled={r.get('graphs_disabled')}"
+        for r in rows
+        if parse_mode(r["mode"])[1]
+        and (not r.get("graphs_captured") or not r.get("graph_replays") or r.get("graphs_disabled"))
+    ]
+
+
+def profile_one_step(model_name, mode, batch, args, cuda, trace_path):
     """Chrome trace of one training step (after warm-up) of `mode`."""
     import torch
 
-    model, x, y = prepared(mode, batch, width, args)
-    for _ in range(max(3, args.warmup // 3)):
+    model, x, y = prepared(model_name, mode, batch, args)
+    for _ in range(max(4, args.warmup // 3)):
         model.train_on_batch(x, y)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -141,14 +237,12 @@ def plot_timeline(trace_path, png_path, title):
     cmap = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(rows)))
     for label, block, phase, start, dur in ranges:
-        y = rows.index(label)
-        color = cmap(blocks.index(block) % 10)
         ax.barh(
-            y,
+            rows.index(label),
             dur / 1e3,
             left=(start - t0) / 1e3,
             height=0.35 if phase == "forward" else 0.7,
-            color=color,
+            color=cmap(blocks.index(block) % 10),
             alpha=1.0 if phase == "forward" else 0.45,
             edgecolor="black",
             linewidth=0.3,
@@ -166,83 +260,135 @@ def plot_timeline(trace_path, png_path, title):
     return png_path
 
 
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one batch size, fewer steps")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="no GPU: CPU modes, graphs via the CPU stand-in capture, /tmp output")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 if a graph mode did not capture and replay graphs")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument("--batches", nargs="+", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--input-dim", type=int, default=512, help="mlp30 input width")
+    parser.add_argument("--buckets", type=int, default=1000, help="ctr hashed ids per feature")
+    parser.add_argument("--num-streams", type=int, default=6)
+    parser.add_argument("--trace-mode", default=None)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "erase_gpu"))
+    return parser
+
+
+def resolve(args, cuda):
+    """Fills the defaults that depend on CUDA / the dry run; validates modes."""
+    if not cuda and not args.cpu_dry_run:
+        raise SystemExit("erase_gpu.py needs CUDA (use --cpu-dry-run to check it on CPU)")
+    args.modes = list(args.modes or (GPU_MODES if cuda else CPU_MODES))
+    for mode in args.modes:
+        base, _ = parse_mode(mode)
+        if base == "streams" and not cuda:
+            raise SystemExit(f"{mode!r} needs CUDA")
+    args.trace_mode = args.trace_mode or ("threaded+graphs" if cuda else "threaded")
+    parse_mode(args.trace_mode)
+    if args.batches is None:
+        args.batches = [GPU_BATCHES[0]] if (args.quick or not cuda) else list(GPU_BATCHES)
+        if not cuda:
+            args.batches = [32]
+    if args.cpu_dry_run:
+        args.warmup, args.steps = min(args.warmup, 4), min(args.steps, 3)
+        args.width, args.input_dim, args.buckets = min(args.width, 16), min(args.input_dim, 16), 20
+        if args.out == build_parser().get_default("out"):
+            args.out = "/tmp/erase_gpu_dry_run"
+    elif args.quick:
+        args.warmup, args.steps = min(args.warmup, 10), min(args.steps, 20)
+    return args
+
+
 def main(argv=None):
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="no GPU: CPU modes, /tmp output")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--towers", type=int, default=6)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--input-dim", type=int, default=512)
-    parser.add_argument("--num-streams", type=int, default=6)
-    parser.add_argument("--modes", nargs="+", default=None)
-    parser.add_argument("--trace-mode", default=None)
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "erase_gpu"))
-    args = parser.parse_args(argv)
+    from keras_erase import cuda_graphs
+
+    args = build_parser().parse_args(argv)
     cuda = torch.cuda.is_available()
-    if not cuda and not args.cpu_dry_run:
-        raise SystemExit("erase_gpu.py needs CUDA (use --cpu-dry-run to check it on CPU)")
-    configs = GPU_CONFIGS
-    modes = args.modes or (GPU_MODES if cuda else CPU_MODES)
-    trace_mode = args.trace_mode or ("streams" if cuda else "threaded")
-    if args.quick or args.cpu_dry_run:
-        configs = [(2048, 512)] if cuda else [(256, 64)]
-        args.warmup, args.steps = 13, (20 if cuda else 5)
+    args = resolve(args, cuda)
+    previous = None
+    if not cuda:  # graph modes run through the CPU stand-in capture (checks the code path)
+        previous = cuda_graphs.set_default_capture(cuda_graphs.RecordingCapture)
+    try:
+        rows = run_all(args, cuda)
+    finally:
         if not cuda:
-            args.input_dim = 64
-    if args.cpu_dry_run and args.out == parser.get_default("out"):
-        args.out = "/tmp/erase_gpu_dry_run"
+            cuda_graphs.set_default_capture(previous)
+    problems = graph_problems(rows)
+    for line in problems:
+        print("GRAPHS NOT USED:", line, flush=True)
+    if args.strict and problems:
+        raise SystemExit(1)
+    return rows
+
+
+def run_all(args, cuda):
+    import torch
+
     sync = torch.cuda.synchronize if cuda else None
     rows = []
-    for batch, width in configs:
-        for mode in modes:
-            row = run_cell(mode, batch, width, args, sync)
-            rows.append(row)
-            print(f"batch={batch} width={width} {mode:<15} p50={row['p50']:,.0f}/s "
-                  f"p90={row['p90']:,.0f}/s", flush=True)
-        standard = [r for r in rows if (r["batch"], r["width"], r["mode"]) == (batch, width, "standard")]
-        for r in rows:
-            if standard and (r["batch"], r["width"]) == (batch, width):
-                r["p90_vs_standard"] = r["p90"] / standard[0]["p90"]
-    batch, width = configs[0]
-    trace_path = profile_one_step(trace_mode, batch, width, args, cuda, args.out + "_trace.json")
+    for model_name in args.models:
+        for batch in args.batches:
+            cell_rows = []
+            for mode in args.modes:
+                row = run_cell(model_name, mode, batch, args, sync)
+                cell_rows.append(row)
+                print(f"{model_name} batch={batch} {mode:<16} p50={row['p50']:,.0f}/s "
+                      f"p90={row['p90']:,.0f}/s", flush=True)
+            standard = [r for r in cell_rows if r["mode"] == "standard"]
+            for r in cell_rows:
+                if standard:
+                    r["p90_vs_standard"] = r["p90"] / standard[0]["p90"]
+            rows.extend(cell_rows)
+    model_name, batch = args.models[0], args.batches[0]
+    trace_path = profile_one_step(model_name, args.trace_mode, batch, args, cuda,
+                                  args.out + "_trace.json")
     png_path = plot_timeline(
         trace_path, args.out + "_timeline.png",
-        f"one ERASE step, dispatch={trace_mode!r}, batch={batch}, width={width}",
+        f"one ERASE step, {model_name}, {args.trace_mode}, batch={batch}",
     )
     info = machine_info(
         torch=torch.__version__,
         keras=keras.__version__,
-        device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
-        towers=args.towers,
-        depth=args.depth,
-        input_dim=args.input_dim,
+        device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run: not a measurement)",
+        width=args.width,
         num_streams=args.num_streams,
         warmup=args.warmup,
         steps=args.steps,
     )
-    columns = ["batch", "width", "mode", "p50", "p90", "p90_vs_standard", "step_ms_p50", "step_ms_p90"]
+    columns = ["model", "batch", "mode", "p50", "p90", "p90_vs_standard", "step_ms_p50",
+               "step_ms_p90", "graphs_captured", "graph_replays", "auto_choice"]
     report = "\n".join(
         [
-            "# ERASE on GPU: CTR model, six detached towers (torch)",
+            "# ERASE on GPU: every early-backward mode, with and without CUDA Graphs (torch)",
             "",
-            "p50/p90 = examples/s at the median / 90th-percentile step time; paper's best: +9.51% p90.",
+            QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best "
+            "non-blocking row is +9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%).",
+            "",
+            "graphs_captured / graph_replays: block graphs captured and forward replays in the "
+            "timed cell (a graph mode with 0 did not use graphs).",
             "",
             "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
             "",
             markdown_table(rows, columns),
             "",
-            f"Trace of one `{trace_mode}` step: `{os.path.basename(trace_path)}`, "
-            f"timeline `{os.path.basename(png_path)}`.",
+            f"Trace of one `{args.trace_mode}` step ({model_name}, batch {batch}): "
+            f"`{os.path.basename(trace_path)}`, timeline `{os.path.basename(png_path)}`.",
         ]
     )
     print(report)
     write_text(args.out + ".md", report)
     write_json(args.out + ".json", {"machine": info, "rows": rows, "trace": trace_path})
     print(f"wrote {args.out}.md, .json, {trace_path}, {png_path}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -22,46 +22,36 @@ Schedules:
   `torch.autograd.backward`; Keras state (thread-local scopes) is never touched
   from the worker. An error in the worker is re-raised by `finish()` in the
   main thread; the worker keeps serving (and is restarted if it ever died), so
-  the next step works and nothing hangs.
-- `StreamDispatcher` (`"streams"`, CUDA): each block's forward and backward run
-  on its own CUDA stream (`num_streams` streams, round robin). The block's stream
-  waits for the main stream before reading the inputs, cross-stream tensors are
-  protected with `record_stream`, the main stream waits on an event recorded
-  right after the block's forward (not after its backward) before using the
-  outputs, and `finish()` makes the main stream wait for every block stream.
-  With `cuda_graphs=True` each block (forward + local loss, and its backward)
-  is captured once per input shape with `torch.cuda.make_graphed_callables`
-  after `graph_warmup` eager calls; a batch of an unseen shape runs eagerly
-  first, and a block that fails to capture falls back to eager with a warning.
+  the next step works and nothing hangs. `close()` (or garbage collection of
+  the dispatcher) ends the thread (`keras_erase.worker`).
+- `StreamDispatcher` (`"streams"`, CUDA; in `keras_erase.streams`): each
+  block's forward and backward on its own CUDA stream.
 
-Intra-op threads on CPU: `torch.set_num_threads` is process-wide, the worker
-thread cannot keep a smaller pool than the main thread. `threads_for_worker()`
-returns the policy used by `"threaded"` when `EraseModel(intra_op_threads=
-"auto")`: half of the cores (at least 1), so the main thread's forward and the
-worker's backward each use about half of the machine instead of both
-oversubscribing it.
+CUDA Graphs (`cuda_graphs=True`, any mode): `make_dispatcher` gives the
+dispatcher a `keras_erase.cuda_graphs.CudaGraphRunner` as `graphs`; the block
+forward of every mode then goes through it (captured after `graph_warmup`
+eager steps per block and input signature, replayed afterwards; the backward
+graph is replayed by the same `torch.autograd.backward` call, on the thread and
+stream the mode uses).
+
+Intra-op threads on CPU: OpenMP teams are per thread (see
+`keras_erase.worker`); the threaded worker sets its own count itself
+(`worker_threads`). With `EraseModel(intra_op_threads="auto")` the main thread
+and the worker each use `threads_for_worker()` (half the cores), so the main
+thread's forward and the worker's backward split the machine instead of
+oversubscribing it (`keras_erase.threads`).
 """
 
-import os
 import queue
 import threading
 import time
-import warnings
 
 import torch
 
-DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
-
-
-def threads_for_worker():
-    """Intra-op thread count used on CPU with the threaded schedule: half the cores, at least 1."""
-    return max(1, (os.cpu_count() or 1) // 2)
-
-
-def set_intra_op_threads(n):
-    """Sets torch's (process-wide) intra-op thread count if `n` differs from the current one."""
-    if n is not None and int(n) != torch.get_num_threads():
-        torch.set_num_threads(int(n))
+from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
+from keras_erase.threads import set_intra_op_threads  # noqa: F401 - re-exported
+from keras_erase.threads import threads_for_worker  # noqa: F401 - re-exported
+from keras_erase.worker import BackwardWorker
 
 
 def _detach(structure):
@@ -86,7 +76,7 @@ def _tensors(structure):
 
 def _forward(block, inputs, y_true, sample_weight):
     outputs = block.forward_layer(inputs, training=True)
-    loss = block.local_loss(y_true, block.predict_local(outputs), sample_weight)
+    loss = block.local_objective(y_true, outputs, sample_weight)
     return outputs, loss
 
 
@@ -106,6 +96,9 @@ class Dispatcher:
         # thread (and CUDA stream) that ran it, in block order (used for the
         # torch.distributed gradient all-reduce; see `keras_erase.distributed`).
         self.after_backward = None
+        # A `keras_erase.cuda_graphs.CudaGraphRunner` (set by `make_dispatcher` when
+        # `cuda_graphs=True`): every mode's block forward then goes through it.
+        self.graphs = None
 
     def _record(self, block, phase, start, end=None):
         if self.trace is not None:
@@ -122,7 +115,10 @@ class Dispatcher:
     def _timed_forward(self, block, inputs, y_true, sample_weight):
         start = time.perf_counter()
         with torch.profiler.record_function(f"{block.name}/forward"):
-            outputs, loss = _forward(block, inputs, y_true, sample_weight)
+            if self.graphs is None:
+                outputs, loss = _forward(block, inputs, y_true, sample_weight)
+            else:
+                outputs, loss = self.graphs.forward(block, inputs, y_true, sample_weight, _forward)
         self._record(block, "forward", start, time.perf_counter())
         return outputs, loss
 
@@ -165,63 +161,27 @@ class BlockingDispatcher(Dispatcher):
         return _detach(outputs), loss.detach()
 
 
-class _Worker:
-    """One FIFO worker thread running submitted closures; errors are kept for `wait()`."""
-
-    def __init__(self, name="keras_erase-backward"):
-        self._name = name
-        self._queue = queue.Queue()
-        self._errors = []
-        self._thread = None
-        self._lock = threading.Lock()
-
-    def _ensure_alive(self):
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                self._thread.start()
-
-    def _loop(self):
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if not self._errors:  # after an error, the rest of the step is skipped
-                    job()
-            except BaseException as error:  # noqa: BLE001 - re-raised by wait()
-                self._errors.append(error)
-            finally:
-                self._queue.task_done()
-
-    def submit(self, job):
-        self._ensure_alive()
-        self._queue.put(job)
-
-    def wait(self):
-        """Blocks until every submitted job ran; re-raises the first error."""
-        if self._thread is not None and not self._thread.is_alive() and self._queue.unfinished_tasks:
-            self._ensure_alive()  # never wait on a dead worker
-        self._queue.join()
-        errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-
-    def stop(self):
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
-        self._thread = None
-
-
 class ThreadedDispatcher(Dispatcher):
-    """Backward of each block submitted to one FIFO worker thread (pure torch autograd)."""
+    """Backward of each block submitted to one FIFO worker thread (pure torch autograd).
+
+    Args:
+        worker_threads: torch intra-op threads of the worker thread, set by the
+            worker itself (`None`: left alone). See `keras_erase.worker`.
+    """
 
     name = "threaded"
 
-    def __init__(self):
+    def __init__(self, worker_threads=None):
         super().__init__()
-        self._worker = _Worker()
+        self._worker = BackwardWorker(threads=worker_threads)
+
+    @property
+    def worker_threads(self):
+        return self._worker.threads
+
+    @worker_threads.setter
+    def worker_threads(self, value):
+        self._worker.threads = value
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         outputs, loss = self._timed_forward(block, inputs, y_true, sample_weight)
@@ -238,117 +198,6 @@ class ThreadedDispatcher(Dispatcher):
         self._worker.stop()
 
 
-class StreamDispatcher(Dispatcher):
-    """Each block's forward and backward on its own CUDA stream, optionally as CUDA Graphs."""
-
-    name = "streams"
-
-    def __init__(self, num_streams=4, cuda_graphs=False, graph_warmup=2):
-        super().__init__()
-        require_cuda("streams" if not cuda_graphs else "cuda_graphs=True")
-        if int(num_streams) < 1:
-            raise ValueError(f"`num_streams` must be >= 1. Received: num_streams={num_streams}")
-        self.streams = [torch.cuda.Stream() for _ in range(int(num_streams))]
-        self.cuda_graphs = bool(cuda_graphs)
-        self.graph_warmup = int(graph_warmup)
-        self._next = 0
-        self._block_stream = {}
-        self._used = []
-        self._seen = {}
-        self._graphed = {}
-
-    def _stream_for(self, block):
-        key = id(block)
-        if key not in self._block_stream:
-            self._block_stream[key] = self.streams[self._next % len(self.streams)]
-            self._next += 1
-        return self._block_stream[key]
-
-    def _graph_key(self, block, inputs, y_true, sample_weight):
-        tensors = _tensors(inputs) + _tensors(y_true) + _tensors(sample_weight)
-        return (id(block),) + tuple((tuple(t.shape), t.dtype) for t in tensors)
-
-    def _graphed_forward(self, block, inputs, y_true, sample_weight):
-        """Forward + local loss through a CUDA Graph once the shape has been seen enough."""
-        key = self._graph_key(block, inputs, y_true, sample_weight)
-        graphed = self._graphed.get(key)
-        if graphed is None:
-            count = self._seen.get(key, 0) + 1
-            self._seen[key] = count
-            if count <= self.graph_warmup:
-                return _forward(block, inputs, y_true, sample_weight)
-            graphed = self._capture(block, inputs, y_true, sample_weight)
-            self._graphed[key] = graphed
-        if graphed is False:
-            return _forward(block, inputs, y_true, sample_weight)
-        flat = _tensors(inputs) + _tensors(y_true) + _tensors(sample_weight)
-        outputs, loss = graphed(*flat)
-        return outputs, loss
-
-    def _capture(self, block, inputs, y_true, sample_weight):
-        n_in, n_y = len(_tensors(inputs)), len(_tensors(y_true))
-        single = isinstance(inputs, torch.Tensor)
-
-        class _Graphable(torch.nn.Module):
-            def __init__(self, inner):
-                super().__init__()
-                self.inner = inner
-
-            def forward(self, *flat):
-                x = flat[0] if single else list(flat[:n_in])
-                y = flat[n_in] if n_y == 1 else list(flat[n_in : n_in + n_y])
-                sw = flat[n_in + n_y] if len(flat) > n_in + n_y else None
-                outputs, loss = _forward(self.inner, x, y, sw)
-                return outputs.detach(), loss
-
-        sample = tuple(
-            t.detach().clone() for t in _tensors(inputs) + _tensors(y_true) + _tensors(sample_weight)
-        )
-        try:
-            torch.cuda.synchronize()
-            return torch.cuda.make_graphed_callables(_Graphable(block), sample)
-        except Exception as error:  # capture is best effort: eager is always correct
-            warnings.warn(
-                f"keras_erase: CUDA Graph capture of block {block.name!r} failed "
-                f"({type(error).__name__}: {error}); running it eagerly.",
-                stacklevel=2,
-            )
-            return False
-
-    def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
-        main = torch.cuda.current_stream()
-        stream = self._stream_for(block)
-        stream.wait_stream(main)
-        if stream not in self._used:
-            self._used.append(stream)
-        start = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for t in _tensors(inputs) + _tensors(y_true) + _tensors(sample_weight):
-                t.record_stream(stream)
-            with torch.profiler.record_function(f"{block.name}/forward"):
-                if self.cuda_graphs:
-                    outputs, loss = self._graphed_forward(block, inputs, y_true, sample_weight)
-                else:
-                    outputs, loss = _forward(block, inputs, y_true, sample_weight)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-            self._record(block, "forward", start, time.perf_counter())
-            if loss.requires_grad:
-                self._record(block, "submit", time.perf_counter())
-                self._timed_backward(block, scale_loss(loss))
-        main.wait_event(ready)
-        outputs, loss = _detach(outputs), loss.detach()
-        for t in _tensors(outputs) + [loss]:
-            t.record_stream(main)
-        return outputs, loss
-
-    def finish(self):
-        main = torch.cuda.current_stream()
-        for stream in self._used:
-            main.wait_stream(stream)
-        self._used = []
-
-
 def require_cuda(what):
     """Raises a clear `ValueError` when `what` needs CUDA and torch has none."""
     if not torch.cuda.is_available():
@@ -358,14 +207,43 @@ def require_cuda(what):
         )
 
 
-def make_dispatcher(mode, num_streams=4, cuda_graphs=False):
-    """Builds the dispatcher for a concrete mode (`"blocking"`, `"threaded"` or `"streams"`)."""
+def make_dispatcher(
+    mode, num_streams=4, cuda_graphs=False, graph_capture=None, graph_warmup=None,
+    worker_threads=None,
+):
+    """Builds the dispatcher for a concrete mode (`"blocking"`, `"threaded"` or `"streams"`).
+
+    With `cuda_graphs=True` the dispatcher (any mode) gets a
+    `keras_erase.cuda_graphs.CudaGraphRunner` as `dispatcher.graphs`, capturing
+    with `graph_capture` (default: `cuda_graphs.default_capture()`, which
+    raises `require_cuda`'s error without CUDA) after
+    `graph_warmup` eager steps per block and input signature.
+    `worker_threads`: intra-op threads of the `"threaded"` worker thread.
+    """
     if mode == "blocking":
-        return BlockingDispatcher()
-    if mode == "threaded":
-        return ThreadedDispatcher()
-    if mode == "streams":
-        return StreamDispatcher(num_streams=num_streams, cuda_graphs=cuda_graphs)
-    raise ValueError(
-        f"Unknown dispatch mode {mode!r}; expected 'blocking', 'threaded' or 'streams'."
-    )
+        dispatcher = BlockingDispatcher()
+    elif mode == "threaded":
+        dispatcher = ThreadedDispatcher(worker_threads=worker_threads)
+    elif mode == "streams":
+        from keras_erase.streams import StreamDispatcher
+
+        dispatcher = StreamDispatcher(num_streams=num_streams)
+    else:
+        raise ValueError(
+            f"Unknown dispatch mode {mode!r}; expected 'blocking', 'threaded' or 'streams'."
+        )
+    if cuda_graphs:
+        from keras_erase.cuda_graphs import DEFAULT_WARMUP
+        from keras_erase.cuda_graphs import CudaGraphRunner
+
+        warmup = DEFAULT_WARMUP if graph_warmup is None else graph_warmup
+        dispatcher.graphs = CudaGraphRunner(capture=graph_capture, warmup=warmup)
+    return dispatcher
+
+
+def __getattr__(name):  # `dispatch.StreamDispatcher` lives in `keras_erase.streams`
+    if name == "StreamDispatcher":
+        from keras_erase.streams import StreamDispatcher
+
+        return StreamDispatcher
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,9 +48,11 @@ threads never issue collectives concurrently and the order never depends on
 thread timing. With `dispatch="auto"` the ranks average their step timings
 (one all-reduce) before choosing, so all ranks pick the same schedule.
 
-Each buffer carries one presence flag per weight: a weight whose gradient is
-`None` on some rank counts as zero there, and stays `None` only if it is
-`None` on every rank (Keras optimizers skip `None` gradients).
+Each buffer carries one presence flag per weight (made on the device, no tensor
+from host data): a weight whose gradient is `None` on some rank counts as zero
+there, and stays `None` only if it is `None` on every rank (Keras optimizers
+skip `None` gradients). Only a rank that lacks some gradient reads the flags
+back (one host read in `finish`); launching a block's reduction never syncs.
 
 The `"standard"` dispatch under a process group runs one forward and one
 backward, then all-reduces every trainable gradient the same way.
@@ -104,6 +106,7 @@ class _Pending:
         self.params = params
         self.flat = flat
         self.work = work
+        self.all_present = False
 
 
 class GradientSync:
@@ -205,18 +208,24 @@ class GradientSync:
                 for p in group
             ]
             flag_dtype = _flag_dtype(dtype)
-            flags = torch.tensor(
-                [0.0 if p.grad is None else 1.0 for p in group], dtype=flag_dtype, device=device
-            )
+            # Presence flags made on the device (fills, no tensor from host data: no
+            # host-to-device copy and no sync per block, which would end the overlap).
+            flags = [
+                (torch.zeros if p.grad is None else torch.ones)(1, dtype=flag_dtype, device=device)
+                for p in group
+            ]
+            all_present = all(p.grad is not None for p in group)
             if flag_dtype == dtype:
-                flat = torch.cat(pieces + [flags])
+                flat = torch.cat(pieces + flags)
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
-                self._pending.append(_Pending(label, group, (flat, None), work))
+                pending = _Pending(label, group, (flat, None), work)
             else:  # integer gradients do not exist in practice; kept for completeness
-                flat = torch.cat(pieces)
+                flat, flags = torch.cat(pieces), torch.cat(flags)
                 w1 = dist.all_reduce(flat, group=self.group, async_op=True)
                 w2 = dist.all_reduce(flags, group=self.group, async_op=True)
-                self._pending.append(_Pending(label, group, (flat, flags), (w1, w2)))
+                pending = _Pending(label, group, (flat, flags), (w1, w2))
+            pending.all_present = all_present
+            self._pending.append(pending)
 
     def finish(self):
         """Waits for every reduction, averages, and writes the gradients back."""
@@ -231,9 +240,10 @@ class GradientSync:
                 if cuda and flat.is_cuda:
                     flat.record_stream(torch.cuda.current_stream(flat.device))
                 n = sum(p.numel() for p in item.params)
-                if flags is None:
-                    flags = flat[n:]
-                present = flags.tolist()
+                if item.all_present:  # every weight had a gradient here: no need to read flags
+                    present = [1.0] * len(item.params)
+                else:  # one host read, only on a rank that lacks some gradient
+                    present = (flat[n:] if flags is None else flags).tolist()
                 values = flat[:n].div_(self.world_size)
                 offset = 0
                 for p, seen in zip(item.params, present):

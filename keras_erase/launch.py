@@ -1,13 +1,18 @@
-"""Run a function on N local torch.distributed ranks (gloo on 127.0.0.1).
+"""Run a function on N local torch.distributed ranks (gloo, or NCCL with one GPU per rank).
 
-`run_local(fn, nproc)` spawns `nproc` processes, initializes a gloo process
-group among them on the loopback address (a free port), calls
+`run_local(fn, nproc)` spawns `nproc` processes, initializes a process group
+among them on the loopback address (a free port), calls
 `fn(rank, world_size, *args)` in each and returns the ranks' results in rank
 order. Each rank runs with `KERAS_BACKEND=torch` and `threads_per_rank` torch
 intra-op threads (default: the cores divided by `nproc`). Under the process
 group, `keras_erase.EraseModel` averages gradients over the ranks (see
 `keras_erase.distributed`), so `fn` only has to build the model and train it on
 its shard of the data.
+
+Backend: with at least `nproc` CUDA devices, NCCL, rank `r` on `cuda:r`
+(`torch.cuda.set_device` before the group is made, so Keras and NCCL use that
+device); otherwise gloo on CPU. `backend=` forces one. The choice is logged
+on the `"keras_erase"` logger (`process_group_backend` is the rule).
 
 `fn` must be importable by the spawned processes (a module-level function of
 an importable module, not a lambda or a function of `__main__` run without the
@@ -17,24 +22,37 @@ Example:
 
 ```python
 from keras_erase.launch import run_local
+from keras_erase.throughput import global_step_seconds, throughput_percentiles
+
+class StepTimes(keras.callbacks.Callback):   # per-step seconds of this rank
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
 
 def train(rank, world, x, y):           # in an importable module
     model = build_model()
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-    start = time.perf_counter()
-    model.fit(x[rank::world], y[rank::world], batch_size=256)
-    return len(x[rank::world]) / (time.perf_counter() - start)
+    timer = StepTimes()
+    timer.times = []
+    model.fit(x[rank::world], y[rank::world], batch_size=256, callbacks=[timer])
+    return timer.times
 
-qps = sum(run_local(train, 2, args=(x, y)))   # global samples per second
+per_rank = run_local(train, 2, args=(x, y))
+# Global QPS: a step ends with its slowest rank; never add per-rank percentiles.
+qps = throughput_percentiles(global_step_seconds(per_rank)[5:], batch_size=2 * 256)
 ```
 """
 
 import datetime
+import logging
 import multiprocessing
 import os
 import queue
 import socket
 import traceback
+
+LOGGER = logging.getLogger("keras_erase")
 
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "KERAS_BACKEND")
 
@@ -46,7 +64,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results):
+def process_group_backend(cuda_devices, nproc):
+    """`("nccl", [device per rank])` with at least one CUDA device per rank, else `("gloo", None)`.
+
+    Example: `process_group_backend(cuda_devices=8, nproc=2)` -> `("nccl", [0, 1])`.
+    """
+    if cuda_devices >= nproc >= 1:
+        return "nccl", list(range(nproc))
+    return "gloo", None
+
+
+def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results, backend, devices):
     try:
         os.environ["RANK"] = str(rank)
         os.environ["LOCAL_RANK"] = str(rank)
@@ -54,8 +82,10 @@ def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results):
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        if devices is not None:  # one GPU per rank, before anything touches CUDA
+            torch.cuda.set_device(devices[rank])
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -70,8 +100,10 @@ def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_local(fn, nproc, args=(), kwargs=None, threads_per_rank=None, timeout_s=600):
-    """Runs `fn(rank, nproc, *args, **kwargs)` on `nproc` local gloo ranks; returns the results.
+def run_local(
+    fn, nproc, args=(), kwargs=None, threads_per_rank=None, timeout_s=600, backend=None
+):
+    """Runs `fn(rank, nproc, *args, **kwargs)` on `nproc` local ranks; returns the results.
 
     Args:
         fn: importable, picklable function of `(rank, world_size, *args, **kwargs)`.
@@ -80,6 +112,8 @@ def run_local(fn, nproc, args=(), kwargs=None, threads_per_rank=None, timeout_s=
         threads_per_rank: torch intra-op threads per rank (default: cores // nproc, >= 1).
         timeout_s: the whole run's limit in seconds, also the process group's
             collective timeout; on expiry every rank is killed and `TimeoutError` raised.
+        backend: `"gloo"`, `"nccl"` or `None` (NCCL with one CUDA device per
+            rank when there are enough, else gloo; see `process_group_backend`).
 
     Returns:
         The list of the ranks' return values, in rank order.
@@ -95,6 +129,29 @@ def run_local(fn, nproc, args=(), kwargs=None, threads_per_rank=None, timeout_s=
         raise ValueError(f"run_local: `nproc` must be >= 1. Received: nproc={nproc}")
     kwargs = dict(kwargs or {})
     threads = int(threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
+    import torch
+
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    chosen, devices = process_group_backend(cuda_devices, nproc)
+    if backend is not None and backend != chosen:
+        if backend == "nccl":
+            if cuda_devices < nproc:
+                raise ValueError(
+                    f"run_local: backend='nccl' needs one CUDA device per rank; "
+                    f"{cuda_devices} for {nproc} ranks."
+                )
+            devices = list(range(nproc))
+        elif backend == "gloo":
+            devices = None
+        else:
+            raise ValueError(
+                f"run_local: `backend` must be 'gloo', 'nccl' or None. Received: {backend!r}"
+            )
+        chosen = backend
+    LOGGER.info(
+        "keras_erase.launch: %d ranks on backend %r%s", nproc, chosen,
+        "" if devices is None else f" (rank r on cuda:r, devices {devices})",
+    )
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     env = {
@@ -111,7 +168,8 @@ def run_local(fn, nproc, args=(), kwargs=None, threads_per_rank=None, timeout_s=
         for rank in range(nproc):
             p = context.Process(
                 target=_rank_entry,
-                args=(fn, rank, nproc, tuple(args), kwargs, threads, timeout_s, results),
+                args=(fn, rank, nproc, tuple(args), kwargs, threads, timeout_s, results,
+                      chosen, devices),
                 name=f"keras_erase-rank{rank}",
             )
             p.start()

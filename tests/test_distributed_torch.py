@@ -3,7 +3,9 @@
 Two ranks, each on its half of every batch, must end with the same weights as one
 process on the full batches (mean-reduced main and local losses, SGD), for the
 "standard", "blocking", "threaded" and "auto" dispatches with detached block
-inputs, and "blocking"/"threaded" with non-detached ones. Rank 1 starts from
+inputs, and "blocking"/"threaded" with non-detached ones. Every tower carries weight
+and activity regularizers (its own losses, reduced with its early backward) and
+so does a layer outside the towers. Rank 1 starts from
 different weights: the broadcast from rank 0 at the start of `fit` must fix them. The ranks also report the order
 in which they launched their gradient all-reduces (block order, then the rest).
 
@@ -59,6 +61,7 @@ def _train(dispatch, detach_input, x, y, batch_size, initial=None, seed=0):
         seed=seed,
         auto_steps=1,
         intra_op_threads=None,
+        regularized=True,  # block regularizers and add_loss: part of the early backward
     )
     if initial is not None:
         model.set_weights(initial)
@@ -93,7 +96,7 @@ def _rank_main(rank, world, workdir):
             for i, w in enumerate(model.get_weights()):
                 results[f"{mode}_{detach_input}_{i}"] = to_numpy(w)
             report[f"{mode}_{detach_input}"] = {
-                "launch_order": model._grad_sync.launch_order,
+                "launch_order": model._erase.grad_sync.launch_order,
                 "choice": model.dispatch_choice,
             }
     report["presence"] = _presence_check(rank)
@@ -140,7 +143,8 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
     initials, references = {}, {}
     for detach_input in DETACH:
         initial = [to_numpy(w) for w in build_ctr("standard", num_towers=TOWERS,
-                                                   detach_input=detach_input).get_weights()]
+                                                   detach_input=detach_input,
+                                                   regularized=True).get_weights()]
         np.savez(tmp_path / f"initial_{detach_input}.npz",
                  **{f"w{i}": w for i, w in enumerate(initial)})
         initials[detach_input] = initial

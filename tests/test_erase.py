@@ -36,9 +36,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -- builders shared with test_erase_torch.py ---------------------------------------
 
 
-def make_tower(width, depth=2, name=None):
+def make_tower(width, depth=2, name=None, regularized=False):
+    """`depth` Dense layers; `regularized`: each with an L2 kernel regularizer and the
+    first with an L1 activity regularizer (an `add_loss` in every call)."""
+    extra = lambda i: (  # noqa: E731
+        dict(kernel_regularizer=keras.regularizers.L2(0.05),
+             activity_regularizer=keras.regularizers.L1(0.01) if i == 0 else None)
+        if regularized else {}
+    )
     return keras.Sequential(
-        [keras.layers.Dense(width, activation="relu") for _ in range(depth)], name=name
+        [keras.layers.Dense(width, activation="relu", **extra(i)) for i in range(depth)],
+        name=name,
     )
 
 
@@ -51,16 +59,20 @@ def build_ctr(
     loss_weight=0.5,
     detach_input=True,
     seed=0,
+    regularized=False,
     **model_kwargs,
 ):
-    """Small CTR-style EraseModel: parallel detached towers, a top MLP, BCE losses."""
+    """Small CTR-style EraseModel: parallel detached towers, a top MLP, BCE losses.
+
+    `regularized`: the towers' layers carry regularizers (see `make_tower`) and
+    so does the top layer (a loss outside every block)."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((input_dim,), name="features")
     features = keras.layers.Dense(input_dim, name="stem")(inputs) if not detach_input else inputs
     outs = []
     for i in range(num_towers):
         block = DetachBlock(
-            make_tower(width, depth, name=f"mlp_{i}"),
+            make_tower(width, depth, name=f"mlp_{i}", regularized=regularized),
             head=keras.layers.Dense(1, name=f"head_{i}"),
             loss=keras.losses.BinaryCrossentropy(from_logits=True),
             loss_weight=loss_weight,
@@ -69,7 +81,10 @@ def build_ctr(
         )
         outs.append(block(features))
     hidden = keras.layers.Concatenate()(outs) if len(outs) > 1 else outs[0]
-    hidden = keras.layers.Dense(8, activation="relu", name="top_0")(hidden)
+    top_regularizer = keras.regularizers.L2(0.05) if regularized else None
+    hidden = keras.layers.Dense(
+        8, activation="relu", name="top_0", kernel_regularizer=top_regularizer
+    )(hidden)
     outputs = keras.layers.Dense(1, activation="sigmoid", name="ctr")(hidden)
     return EraseModel(inputs, outputs, dispatch=dispatch, **model_kwargs)
 
@@ -155,6 +170,27 @@ def test_total_loss_is_main_plus_local_and_logged():
     np.testing.assert_allclose(history["loss"][0], main + sum(local.values()), rtol=1e-5)
 
 
+def test_block_regularizers_and_add_loss_are_in_its_logged_objective():
+    """A block's own losses (weight regularizers, activity regularizer) are logged with its
+    local loss; the total is still main + local + every regularizer (Keras's loss)."""
+    model = build_ctr("standard", num_towers=2, regularized=True)
+    x, y = ctr_data(32)
+    main, local = _expected_losses(model, x, y)
+    reg = {}
+    for block in model.detach_blocks():
+        kernels = [layer.kernel for layer in block.layer.layers]
+        hidden = to_numpy(block.layer.layers[0](x))
+        reg[block.name] = sum(0.05 * float(np.sum(to_numpy(k) ** 2)) for k in kernels) + (
+            0.01 * float(np.sum(np.abs(hidden))) / len(x)
+        )
+    top = 0.05 * float(np.sum(to_numpy(model.get_layer("top_0").kernel) ** 2))
+    history = train(model, x, y, optimizer=keras.optimizers.SGD(0.0), batch_size=32, epochs=1)
+    for name in local:
+        np.testing.assert_allclose(history[f"{name}_loss"][0], local[name] + reg[name], rtol=1e-5)
+    total = main + sum(local.values()) + sum(reg.values()) + top
+    np.testing.assert_allclose(history["loss"][0], total, rtol=1e-5)
+
+
 def test_local_losses_train_the_towers_and_reset_per_epoch():
     model = build_ctr("auto")
     x, y = ctr_data(64)
@@ -178,9 +214,33 @@ def test_inference_computes_no_local_loss():
     assert all(len(b._pending_predictions) == 1 for b in model.detach_blocks())
     model(x, training=False)
     assert all(not b._pending_predictions for b in model.detach_blocks())
-    # evaluate's loss is the main loss only
-    main, _ = _expected_losses(model, x, y)
-    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), main, rtol=1e-5)
+    # evaluate's loss is the main loss plus the local losses, each logged
+    main, local = _expected_losses(model, x, y)
+    results = model.evaluate(x, y, verbose=0, return_dict=True)
+    np.testing.assert_allclose(results["loss"], main + sum(local.values()), rtol=1e-5)
+    for name, value in local.items():
+        np.testing.assert_allclose(results[f"{name}_loss"], value, rtol=1e-5)
+    model.predict(x, verbose=0)
+    assert all(not b._pending_predictions for b in model.detach_blocks())
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_block_outside_an_erase_model_warns_and_keeps_nothing(kind):
+    """In a plain keras.Model the local loss has no consumer: say so, keep no prediction."""
+    keras.utils.set_random_seed(0)
+    block = DetachBlock(make_tower(8, 1), head=keras.layers.Dense(1), loss="mse", name="lone")
+    if kind == "functional":
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(block(inputs)))
+    else:
+        model = keras.Sequential([keras.Input((8,)), block, keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = ctr_data(48)
+    with pytest.warns(UserWarning, match=r"lone.*outside a keras_erase\.EraseModel"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert block._pending_predictions == []  # nothing kept (on torch: no graph per step)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert block._pending_predictions == []
 
 
 def _two_target_model(dispatch="auto"):
@@ -290,6 +350,28 @@ def test_subclassed_erase_model():
     assert history["sub_tower_0_loss"][1] < history["sub_tower_0_loss"][0]
 
 
+class SubclassedWithoutTraining(SubclassedCTR):
+    """`call` without a `training` argument: the blocks still train (training=True is passed on)."""
+
+    def call(self, inputs):
+        return self.out(self.concat([t(inputs) for t in self.towers]))
+
+
+def test_subclassed_erase_model_whose_call_has_no_training_argument():
+    keras.utils.set_random_seed(5)
+    model = SubclassedWithoutTraining(dispatch="auto", auto_steps=1)
+    x, y = ctr_data(32)
+    model(x)  # build
+    before = [to_numpy(w) for w in model.towers[0].trainable_weights]
+    history = train(model, x, y, optimizer=keras.optimizers.SGD(0.5), epochs=2)
+    after = [to_numpy(w) for w in model.towers[0].trainable_weights]
+    assert all(np.abs(a - b).max() > 0 for a, b in zip(after, before))
+    assert history["sub_tower_0_loss"][0] > 0.1
+    assert history["sub_tower_0_loss"][1] < history["sub_tower_0_loss"][0]
+    model.predict(x, verbose=0)
+    assert all(not t._pending_predictions for t in model.towers)  # inference: no local loss
+
+
 def test_keras_file_round_trip(tmp_path):
     model = build_ctr("blocking", num_streams=2, auto_steps=5)
     x, y = ctr_data(32)
@@ -382,14 +464,18 @@ def test_cross_backend_same_weights(tmp_path):
 
 
 
-def test_validation_logs_have_no_local_losses():
-    model = build_ctr("auto", num_towers=2)
+def test_validation_loss_is_comparable_and_logs_each_local_loss():
+    """Validation on the training batch with a zero learning rate: every val_ log equals
+    its training log (val_loss includes the local losses as loss does)."""
+    model = build_ctr("auto", num_towers=2, regularized=True)
     x, y = ctr_data(32)
-    model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=1, validation_data=(x, y), verbose=0).history
-    assert {"loss", "accuracy", "tower_0_loss", "tower_1_loss", "val_loss", "val_accuracy"} == set(
-        history
-    )
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="binary_crossentropy",
+                  metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=1, validation_data=(x, y), verbose=0).history
+    names = {"loss", "accuracy", "tower_0_loss", "tower_1_loss"}
+    assert set(history) == names | {f"val_{name}" for name in names}
+    for name in names:
+        np.testing.assert_allclose(history[f"val_{name}"], history[name], rtol=1e-5, err_msg=name)
 
 
 if __name__ == "__main__":

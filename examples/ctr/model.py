@@ -159,6 +159,9 @@ class Tower(layers.Layer):
         elif self.kind == "dot_interaction":
             self.dense_to_embedding.build((batch, NUM_DENSE))
             self.project.build((batch, len(self.pair_index) + e))
+            # A device tensor made once: converting the numpy index in every call would
+            # copy host data each step (which a CUDA Graph capture refuses).
+            self.pair_index_tensor = ops.convert_to_tensor(self.pair_index)
         elif self.kind == "factorization_machine":
             self.project.build((batch, e + NUM_DENSE))
         else:
@@ -181,7 +184,7 @@ class Tower(layers.Layer):
             vectors = ops.concatenate([d[:, None, :], embedded], axis=1)  # [B, 27, E]
             gram = ops.matmul(vectors, ops.transpose(vectors, (0, 2, 1)))
             n = NUM_SPARSE + 1
-            pairs = ops.take(ops.reshape(gram, (-1, n * n)), self.pair_index, axis=1)
+            pairs = ops.take(ops.reshape(gram, (-1, n * n)), self.pair_index_tensor, axis=1)
             return self.project(ops.concatenate([pairs, d], axis=1))
         if self.kind == "factorization_machine":
             total = ops.sum(embedded, axis=1)

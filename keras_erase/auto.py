@@ -1,0 +1,177 @@
+"""`ScheduleSelector`: the measuring rule of `EraseModel(dispatch="auto")`.
+
+The selector knows nothing about models: it hands out the schedule for the
+next training step, receives the step's duration, and after enough steps
+keeps one schedule for the rest of training.
+
+Rule:
+
+- Steps go round robin over the candidates still measured (a slow drift of the
+  machine's load hits every candidate alike). The first candidate is the
+  baseline (the standard step).
+- The first `warmup_rounds` steps of each candidate, plus `extra_warmup[c]`
+  more for candidate `c` (e.g. the CUDA Graph capture steps of a graphed
+  schedule), are not timed.
+- Early stop (single process only): once the baseline and a challenger both
+  have `early_stop_rounds` timed steps, a challenger whose median is not
+  already `margin` below the baseline's is dropped (it is not winning
+  clearly); when every challenger is dropped the baseline is kept at once.
+  This bounds what measuring a losing schedule costs: a challenger `s` times
+  slower than the baseline runs `warmup_rounds + early_stop_rounds` (1 + 2)
+  steps, so an epoch loses `3 * (s - 1)` baseline steps (1.5% of a 100-step
+  epoch at `s = 1.5`). Only a challenger clearly faster in its first timed
+  steps is measured fully, and those steps are faster ones.
+- After `timed_rounds` timed steps of every remaining candidate: a challenger
+  replaces the baseline only if both its median and its 90th-percentile step
+  time are at least `margin` below the baseline's; among those the smallest
+  90th percentile wins.
+
+With `combine` (e.g. the mean over torch.distributed ranks) the statistics are
+combined before deciding, so every rank keeps the same schedule; early stop is
+then off (ranks must run the same schedule at every step).
+
+Example:
+
+>>> from keras_erase.auto import ScheduleSelector
+>>> selector = ScheduleSelector([("standard", 2), ("threaded", 1)], timed_rounds=3)
+>>> while not selector.done:
+...     schedule = selector.next_schedule()
+...     selector.record(schedule, 1.0 if schedule[0] == "standard" else 0.5)
+>>> selector.choice, selector.steps
+(('threaded', 1), 8)
+"""
+
+import numpy as np
+
+# A schedule replaces the baseline only when this much faster (median and p90).
+AUTO_MARGIN = 0.03
+# Timed steps after which a challenger not clearly faster than the baseline is dropped.
+EARLY_STOP_ROUNDS = 2
+
+
+def label(schedule):
+    """`("threaded", 1)` -> `"threaded@1"` (the key of `EraseModel.auto_timings`)."""
+    if isinstance(schedule, tuple):
+        return "@".join(str(part) for part in schedule)
+    return str(schedule)
+
+
+class ScheduleSelector:
+    """Chooses one of several training-step schedules by timing them (see the module docstring).
+
+    Args:
+        candidates: hashable schedules; the first is the baseline.
+        timed_rounds: timed steps per candidate before the final choice.
+        warmup_rounds: untimed steps per candidate before its timed ones.
+        extra_warmup: optional `{candidate: n}`, `n` more untimed steps for
+            that candidate (e.g. CUDA Graph capture).
+        margin: relative gain on median and p90 needed to leave the baseline.
+        early_stop_rounds: timed steps after which a challenger whose median
+            is not `margin` below the baseline's is dropped; `None` disables
+            early stop.
+        combine: optional function from a list of floats to a list of floats
+            (same length) applied to the statistics before the final choice.
+    """
+
+    def __init__(
+        self,
+        candidates,
+        timed_rounds=8,
+        warmup_rounds=1,
+        extra_warmup=None,
+        margin=AUTO_MARGIN,
+        early_stop_rounds=EARLY_STOP_ROUNDS,
+        combine=None,
+    ):
+        if not candidates:
+            raise ValueError("ScheduleSelector needs at least one candidate.")
+        self.candidates = list(candidates)
+        self.timed_rounds = max(1, int(timed_rounds))
+        self.warmup = {
+            c: int(warmup_rounds) + int((extra_warmup or {}).get(c, 0)) for c in self.candidates
+        }
+        self.margin = float(margin)
+        self.early_stop_rounds = None if combine is not None else early_stop_rounds
+        self.combine = combine
+        self.times = {c: [] for c in self.candidates}
+        self.seen = {c: 0 for c in self.candidates}
+        self.active = list(self.candidates)
+        self.dropped = []
+        self.choice = self.candidates[0] if len(self.candidates) == 1 else None
+        self.combined = None  # the statistics the choice was made on
+        self.steps = 0
+        self._turn = 0
+
+    @property
+    def done(self):
+        """Whether the choice is made."""
+        return self.choice is not None
+
+    def _needs(self, candidate):
+        return self.seen[candidate] < self.warmup[candidate] + self.timed_rounds
+
+    def next_schedule(self):
+        """The schedule for the next step: a trial, or the choice once made."""
+        if self.done:
+            return self.choice
+        waiting = [c for c in self.active if self._needs(c)]
+        schedule = waiting[self._turn % len(waiting)]
+        return schedule
+
+    def record(self, schedule, seconds):
+        """Counts a step of `schedule` that took `seconds`; may make the choice."""
+        if self.done:
+            return
+        self.steps += 1
+        self._turn += 1
+        self.seen[schedule] += 1
+        if self.seen[schedule] > self.warmup[schedule]:
+            self.times[schedule].append(float(seconds))
+        self._early_stop()
+        if not self.done and not any(self._needs(c) for c in self.active):
+            self._decide()
+
+    def _early_stop(self):
+        rounds = self.early_stop_rounds
+        base = self.candidates[0]
+        if rounds is None or len(self.times[base]) < rounds:
+            return
+        limit = np.median(self.times[base]) * (1.0 - self.margin)
+        for c in self.active[1:]:
+            if len(self.times[c]) >= rounds and np.median(self.times[c]) > limit:
+                self.active.remove(c)
+                self.dropped.append(c)
+        if len(self.active) == 1:
+            self.choice = base
+
+    def statistics(self):
+        """`{candidate: (median_s, p90_s)}` over the timed steps (candidates with any)."""
+        return {
+            c: (float(np.median(t)), float(np.percentile(t, 90)))
+            for c, t in self.times.items()
+            if t
+        }
+
+    def _decide(self):
+        stats = self.statistics()
+        if self.combine is not None:
+            keys = [c for c in self.candidates if c in stats]
+            flat = self.combine([v for c in keys for v in stats[c]])
+            stats = {c: (flat[2 * i], flat[2 * i + 1]) for i, c in enumerate(keys)}
+        self.combined = stats
+        base = self.candidates[0]
+        base_median, base_p90 = stats[base]
+        limit = 1.0 - self.margin
+        faster = [
+            c for c in self.active[1:]
+            if stats[c][0] <= base_median * limit and stats[c][1] <= base_p90 * limit
+        ]
+        self.choice = min(faster, key=lambda c: stats[c][1]) if faster else base
+
+    def timings(self):
+        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` for every timed candidate."""
+        stats = self.combined or self.statistics()
+        return {
+            label(c): {"median_s": m, "p90_s": p, "steps": len(self.times[c])}
+            for c, (m, p) in stats.items()
+        }

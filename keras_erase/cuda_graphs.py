@@ -1,0 +1,607 @@
+"""CUDA Graphs for `DetachBlock`s: capture a block's forward + local loss and its backward once, replay them.
+
+A `CudaGraphRunner` sits in front of a dispatcher's eager block forward (see
+`keras_erase.dispatch.Dispatcher.graphs`), so graphs work with every
+early-backward mode (`"blocking"`, `"threaded"`, `"streams"`). For each block
+and input signature (shapes, dtypes, devices and `requires_grad` of the block's
+inputs, target and sample weight) it:
+
+1. runs `warmup` ordinary eager steps (real training steps, no extra passes);
+   the last one records its aten ops and refuses graphs (clearly, before any
+   capture is tried) if they include what a capture cannot hold;
+2. captures two graphs on static tensors: the forward (block, head, local
+   loss) and the backward of the local loss (the gradients of the block's
+   trainable weights and, for `detach_input=False` blocks, of its inputs, which
+   are captured with the real inputs' `requires_grad`);
+3. from then on replays them through one autograd node: the forward copies the
+   step's tensors into the static inputs (a CPU tensor is moved to the device
+   here, outside the graph) and replays the forward graph; the node's backward
+   (run by `torch.autograd.backward` on whichever thread and stream the
+   dispatcher uses) copies the incoming loss gradient in and replays the
+   backward graph, so gradients accumulate into `.grad` as in eager mode.
+
+Capture is pluggable: `CudaGraphCapture` (CUDA) captures on a side stream with
+`capture_error_mode="thread_local"` (the worker thread of `"threaded"` may run
+other blocks' backwards meanwhile) and restores the current stream in a
+`finally`; `RecordingCapture` is the CPU stand-in the tests use: it records
+the aten ops the region runs, refuses what a CUDA capture refuses (tensors made
+from host data, host syncs; `CAPTURE_FORBIDDEN_OPS`) and replays the recorded
+ops on the same tensors, which is what a CUDA graph does. After any capture
+failure the runner disables graphs for the rest of the run (logged once on the
+`"keras_erase"` logger) and every block runs eagerly; a failed capture never
+leaves a half-built graph in use.
+
+What a block needs to be capturable: fixed shapes per signature, no host data
+inside the block (build constants as tensors at build time), no host syncs
+(`.item()`, `float(tensor)`, data-dependent shapes), no Python randomness
+seeded per call (Keras's seeded `Dropout` does a host sync: such a block makes
+capture fail and the run falls back to eager). Keras's `activity_regularizer`
+makes a tensor from the batch size in every call (Keras 3.15), so a block using
+it is refused (before any capture, with the reason logged) and trains eagerly;
+weight regularizers (computed by `DetachBlock.own_losses` with Python-float
+factors), `Dropout` without a seed and batch normalization capture fine.
+
+Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
+
+>>> import torch
+>>> runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
+>>> runner.captures, runner.disabled
+(0, False)
+"""
+
+import logging
+import threading
+import weakref
+
+LOGGER = logging.getLogger("keras_erase")
+
+# aten ops a CUDA Graph capture refuses or silently freezes: tensors built from host
+# (Python/numpy) data, host <-> device synchronisations and data-dependent shapes.
+HOST_DATA_OPS = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor", "_to_copy_from_host"})
+HOST_SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "item",
+        "is_nonzero",
+        "equal",
+        "nonzero",
+        "nonzero_static",
+        "masked_select",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "repeat_interleave",
+        "_assert_async",
+    }
+)
+CAPTURE_FORBIDDEN_OPS = HOST_DATA_OPS | HOST_SYNC_OPS
+# Eager steps per block and input signature before its graphs are captured.
+DEFAULT_WARMUP = 2
+
+
+class CaptureRefused(RuntimeError):
+    """A region did something a CUDA Graph capture cannot hold (host data or a host sync)."""
+
+
+def forbidden_ops(op_names):
+    """The names among `op_names` (aten overload packet names) that a capture refuses, sorted."""
+    return sorted(set(op_names) & CAPTURE_FORBIDDEN_OPS)
+
+
+def _flat(structure):
+    from keras import tree
+
+    return list(tree.flatten(structure)) if structure is not None else []
+
+
+def _is_tensor(value):
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def to_device(structure, device):
+    """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
+
+    Used once per step for the target and sample weight, and for block inputs
+    from a CPU `DataLoader` in `"streams"` mode.
+
+    Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
+    """
+    import torch
+    from keras import tree
+
+    device = torch.device(device)
+
+    def move(t):
+        if isinstance(t, torch.Tensor) and t.device != device:
+            return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
+        return t
+
+    return tree.map_structure(move, structure) if structure is not None else None
+
+
+class Capture:
+    """One captured region: `replay()` reruns it; `outputs` are its static output tensors."""
+
+    def __init__(self, replay, outputs, pool=None, ops=()):
+        self.replay = replay
+        self.outputs = outputs
+        self.pool = pool
+        self.ops = tuple(ops)
+
+
+class CudaGraphCapture:
+    """Captures a region as a `torch.cuda.CUDAGraph` (the default capture on CUDA).
+
+    The capture runs on a dedicated side stream that first waits for the
+    current stream, with `capture_error_mode="thread_local"` (other threads may
+    keep launching work), and the caller's current stream is restored in a
+    `finally` whatever happens. `pool`: the memory pool to capture into (`None`: a
+    new private pool; the runner gives each block's forward/backward pair one).
+    """
+
+    def __init__(self):
+        import torch
+
+        self.stream = torch.cuda.Stream()
+        self.lock = threading.Lock()  # one capture at a time in the process
+
+    def __call__(self, fn, pool=None):
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        previous = torch.cuda.current_stream()
+        with self.lock:
+            self.stream.wait_stream(previous)
+            torch.cuda.synchronize()
+            try:
+                torch.cuda.set_stream(self.stream)
+                if pool is None:
+                    graph.capture_begin(capture_error_mode="thread_local")
+                else:
+                    graph.capture_begin(pool, capture_error_mode="thread_local")
+                failed = True
+                try:
+                    outputs = fn()
+                    failed = False
+                finally:
+                    try:
+                        graph.capture_end()
+                    except Exception:
+                        if not failed:  # otherwise keep the region's own error
+                            raise
+            finally:
+                torch.cuda.set_stream(previous)
+            previous.wait_stream(self.stream)
+        return Capture(graph.replay, outputs, pool=graph.pool())
+
+
+class _OpTape:
+    """A TorchDispatchMode that records (op, args, kwargs, outputs) and refuses capture-breaking ops."""
+
+    def __new__(cls, refuse=True):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Tape(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.records = []
+                self.names = []
+                self.created = set()
+                self.saved = {}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                kwargs = kwargs or {}
+                name = func.overloadpacket.__name__
+                if name in ("_to_copy", "copy_"):
+                    source = args[1] if name == "copy_" else args[0]
+                    target = args[0].device if name == "copy_" else kwargs.get("device")
+                    if target is not None and source.device != torch.device(target):
+                        name = "_to_copy_from_host" if source.device.type == "cpu" else name
+                self.names.append(name)
+                if refuse and name in CAPTURE_FORBIDDEN_OPS:
+                    raise CaptureRefused(
+                        f"aten.{name} inside a captured region (tensor from host data or a host "
+                        "sync); a CUDA Graph capture would fail here."
+                    )
+                if refuse:  # capture executes nothing: remember what this op overwrites
+                    for tensor in _written_args(func, args, kwargs):
+                        if id(tensor) not in self.created and id(tensor) not in self.saved:
+                            self.saved[id(tensor)] = (tensor, tensor.detach().clone())
+                out = func(*args, **kwargs)
+                self.records.append((func, args, kwargs, out))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.created.add(id(t))
+                return out
+
+            def undo(self):
+                """Restores every pre-existing tensor the region wrote (e.g. batch-norm statistics)."""
+                import torch
+
+                with torch.no_grad():
+                    for tensor, value in reversed(list(self.saved.values())):
+                        tensor.data.copy_(value)  # `.data`: no autograd version bump
+
+        return Tape()
+
+
+def _written_args(func, args, kwargs):
+    """The tensor arguments an aten op writes in place (its schema's mutable arguments)."""
+    import torch
+
+    written = []
+    for index, argument in enumerate(func._schema.arguments):
+        alias = argument.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
+
+
+def _same_storage(a, b):
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
+
+
+class RecordingCapture:
+    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them.
+
+    Like a CUDA graph, the replay reruns the same ops on the same (static)
+    tensors: values read through Python at capture time stay frozen, new data
+    must be copied into the static inputs. The capture refuses the ops a CUDA
+    capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. It has to
+    execute the region once while recording, but then restores every tensor
+    that existed before and that the region wrote in place (batch-norm moving
+    statistics, seed states), so like a CUDA capture it leaves no side effect.
+
+    Args:
+        fail_after: make the capture number `fail_after` (1-based) raise
+            `CaptureRefused` (to test failure handling), `None` for never.
+
+    Attributes:
+        captured: the recorded op names of every capture, in order.
+        pools: the memory pool of every capture (a new one when none was given).
+        replays: how many replays ran.
+    """
+
+    def __init__(self, fail_after=None):
+        self.fail_after = fail_after
+        self.captured = []
+        self.pools = []
+        self.replays = 0
+
+    def __call__(self, fn, pool=None):
+        import torch
+
+        if self.fail_after is not None and len(self.captured) + 1 >= self.fail_after:
+            self.captured.append(("<injected failure>",))
+            raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
+        tape = _OpTape()
+        with tape:
+            outputs = fn()
+        tape.undo()  # a CUDA capture runs nothing: leave no side effect (e.g. batch-norm stats)
+        self.captured.append(tuple(tape.names))
+        pool = pool if pool is not None else object()  # like a new private memory pool
+        self.pools.append(pool)
+        records = tape.records
+
+        def replay():
+            self.replays += 1
+            with torch.no_grad():
+                for func, args, kwargs, out in records:
+                    fresh = func(*args, **kwargs)
+                    olds = out if isinstance(out, (tuple, list)) else (out,)
+                    news = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
+                    for old, new in zip(olds, news):
+                        if _is_tensor(old) and _is_tensor(new) and not _same_storage(old, new):
+                            old.copy_(new)
+
+        return Capture(replay, outputs, pool=pool, ops=tape.names)
+
+
+_CAPTURE_FACTORY = None
+_RUNNERS = weakref.WeakSet()
+
+
+def set_default_capture(factory):
+    """Sets what runners built without a capture use (`None`: `CudaGraphCapture`); returns the old one.
+
+    `set_default_capture(RecordingCapture)` lets `EraseModel(cuda_graphs=True)`
+    run its graph logic on a CPU machine (the tests and the GPU benchmark's
+    `--cpu-dry-run` do this); real runs never need it.
+    """
+    global _CAPTURE_FACTORY
+    previous, _CAPTURE_FACTORY = _CAPTURE_FACTORY, factory
+    return previous
+
+
+def require_capture():
+    """Raises `require_cuda`'s clear error when graphs cannot be captured here.
+
+    Graphs need CUDA, unless a CPU stand-in was set with `set_default_capture`.
+    """
+    if _CAPTURE_FACTORY is None:
+        from keras_erase.dispatch import require_cuda
+
+        require_cuda("cuda_graphs=True")
+
+
+def default_capture():
+    """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
+    require_capture()
+    if _CAPTURE_FACTORY is not None:
+        return _CAPTURE_FACTORY()
+    return CudaGraphCapture()
+
+
+def live_runners():
+    """Every `CudaGraphRunner` still alive (benchmarks read their counters)."""
+    return list(_RUNNERS)
+
+
+def untimed_steps(warmup):
+    """Steps of one schedule that include graph warm-up or capture (never time them)."""
+    return int(warmup) + 1
+
+
+def _signature(block, flat):
+    return (id(block),) + tuple(
+        (tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)) if _is_tensor(t) else repr(t)
+        for t in flat
+    )
+
+
+def _params(block):
+    values = [v.value for v in block.trainable_weights]
+    unique = {id(p): p for p in values if _is_tensor(p) and p.requires_grad}
+    return list(unique.values())
+
+
+class BlockGraph:
+    """The forward and backward graphs of one block for one input signature."""
+
+    def __init__(self, block, static_inputs, params, forward, backward, grad_loss, grad_slots,
+                 output_structure=None):
+        self.block = block
+        self.output_structure = output_structure
+        self.static_inputs = static_inputs
+        self.params = params
+        self.param_ptrs = [p.data_ptr() for p in params]
+        self.forward = forward  # Capture: outputs = (flat block outputs..., loss)
+        self.backward = backward  # Capture: outputs = gradients (None where unused)
+        self.grad_loss = grad_loss
+        self.grad_slots = grad_slots  # per static input: index into backward outputs or None
+
+    def stale(self):
+        """Whether the block's trainable weights changed (re-created, or (un)frozen) since capture."""
+        current = _params(self.block)
+        return [id(p) for p in current] != [id(p) for p in self.params] or any(
+            p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
+        )
+
+    def load(self, flat_inputs):
+        import torch
+
+        with torch.no_grad():
+            for static, value in zip(self.static_inputs, flat_inputs):
+                if _is_tensor(static) and not _same_storage(static, value):
+                    static.copy_(value, non_blocking=True)
+
+
+def _replay_function():
+    import torch
+
+    class ReplayBlock(torch.autograd.Function):
+        """Forward: replay the forward graph. Backward: replay the backward graph."""
+
+        @staticmethod
+        def forward(ctx, graph, runner, *tensors):
+            n = len(graph.static_inputs)
+            graph.load(tensors[:n])
+            graph.forward.replay()
+            runner._count("replays")
+            ctx.graph, ctx.runner = graph, runner
+            *outputs, loss = graph.forward.outputs
+            outputs = [o.clone() for o in outputs]
+            ctx.mark_non_differentiable(*outputs)
+            return (*outputs, loss.clone())
+
+        @staticmethod
+        def backward(ctx, *grads):
+            graph = ctx.graph
+            grad_loss = grads[-1]
+            with torch.no_grad():
+                if grad_loss is None:
+                    graph.grad_loss.zero_()
+                else:
+                    graph.grad_loss.copy_(grad_loss)
+            graph.backward.replay()
+            ctx.runner._count("backward_replays")
+            results = graph.backward.outputs
+            input_grads = [
+                None if slot is None or results[slot] is None else results[slot].detach()
+                for slot in graph.grad_slots
+            ]
+            n_params = len(graph.params)
+            param_grads = [
+                None if g is None else g.detach() for g in results[len(results) - n_params :]
+            ]
+            return (None, None, *input_grads, *param_grads)
+
+    return ReplayBlock
+
+
+class CudaGraphRunner:
+    """Runs each block's forward + local loss through captured graphs (see the module docstring).
+
+    Args:
+        capture: the capture function (`CudaGraphCapture()` by default, which
+            needs CUDA; `RecordingCapture()` on CPU for tests).
+        warmup: eager steps per block and signature before capturing.
+
+    Attributes:
+        captures: block graphs (forward + backward) captured.
+        replays: forward replays; `backward_replays`: backward replays.
+        failures: failed captures (after the first, graphs are off for the run).
+        disabled: whether graphs are off for the rest of the run.
+    """
+
+    def __init__(self, capture=None, warmup=DEFAULT_WARMUP):
+        self._capture = capture if capture is not None else default_capture()
+        self.warmup = int(warmup)
+        self.captures = 0
+        self.replays = 0
+        self.backward_replays = 0
+        self.failures = 0
+        self.disabled = False
+        self.disabled_reason = None
+        self._seen = {}
+        self._graphs = {}
+        self._lock = threading.Lock()
+        self._function = _replay_function()
+        _RUNNERS.add(self)
+
+    def _count(self, name):
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+    def disable(self, reason):
+        """Turns graphs off for the rest of the run (logged once) and drops every graph."""
+        if not self.disabled:
+            self.disabled = True
+            self.disabled_reason = reason
+            LOGGER.warning(
+                "keras_erase: CUDA Graphs disabled for the rest of the run (%s); "
+                "every block now runs eagerly.",
+                reason,
+            )
+        self._graphs.clear()
+
+    def forward(self, block, inputs, y_true, sample_weight, eager_forward):
+        """`(outputs, local_loss)` of `block`, replayed from its graphs once captured.
+
+        `eager_forward(block, inputs, y_true, sample_weight)` is the dispatcher's
+        eager forward (block, head, local objective); it is what gets captured.
+        """
+        if self.disabled:
+            return eager_forward(block, inputs, y_true, sample_weight)
+        flat = _flat(inputs) + _flat(y_true) + _flat(sample_weight)
+        key = _signature(block, flat)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.stale():  # weights re-created or (un)frozen: capture again
+            del self._graphs[key]
+            graph = None
+            self._seen[key] = self.warmup
+        if graph is None:
+            count = self._seen.get(key, 0) + 1
+            self._seen[key] = count
+            if count < self.warmup:
+                return eager_forward(block, inputs, y_true, sample_weight)
+            if count == self.warmup:  # the last eager step also checks what capture would refuse
+                return self._checked_eager(block, inputs, y_true, sample_weight, eager_forward)
+            try:
+                graph = self._capture_block(block, inputs, y_true, sample_weight, eager_forward)
+            except Exception as error:  # noqa: BLE001 - eager is always correct
+                self.failures += 1
+                self.disable(
+                    f"capture of block {block.name!r} failed: {type(error).__name__}: {error}"
+                )
+                return eager_forward(block, inputs, y_true, sample_weight)
+            self._graphs[key] = graph
+            self.captures += 1
+        params = graph.params
+        results = self._function.apply(graph, self, *flat, *params)
+        *outputs, loss = results
+        from keras import tree
+
+        return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
+
+    def _checked_eager(self, block, inputs, y_true, sample_weight, eager_forward):
+        """An eager forward that records its aten ops; refuses graphs if capture could not hold them.
+
+        This turns a capture failure deep inside CUDA into a clear message before
+        any capture is attempted (e.g. a Keras regularizer or `activity_regularizer`
+        makes a tensor from a Python float in every call).
+        """
+        tape = _OpTape(refuse=False)
+        with tape:
+            result = eager_forward(block, inputs, y_true, sample_weight)
+        found = forbidden_ops(tape.names)
+        if found:
+            self.failures += 1
+            self.disable(
+                f"block {block.name!r} runs {', '.join('aten.' + n for n in found)} in its forward "
+                "or local loss (a tensor made from host data or a host sync), which a CUDA Graph "
+                "cannot capture"
+            )
+        return result
+
+    def _capture_block(self, block, inputs, y_true, sample_weight, eager_forward):
+        import torch
+        from keras import tree
+
+        def static_copy(t):
+            if not _is_tensor(t):
+                return t
+            copy = t.detach().clone()
+            # B3: a detach_input=False block's inputs require grad; so must the sample.
+            return copy.requires_grad_(t.requires_grad) if t.is_floating_point() else copy
+
+        s_inputs = tree.map_structure(static_copy, inputs)
+        s_y = None if y_true is None else tree.map_structure(static_copy, y_true)
+        s_sw = None if sample_weight is None else tree.map_structure(static_copy, sample_weight)
+        static_inputs = _flat(s_inputs) + _flat(s_y) + _flat(s_sw)
+        params = _params(block)
+        needs_grad = [i for i, t in enumerate(static_inputs) if _is_tensor(t) and t.requires_grad]
+
+        def run_forward():
+            with torch.enable_grad():
+                outputs, loss = eager_forward(block, s_inputs, s_y, s_sw)
+            flat_out = [o.detach() for o in _flat(outputs)]
+            return (*flat_out, loss), outputs
+
+        structure = {}
+
+        def forward_region():
+            flat_out, outputs = run_forward()
+            structure["outputs"] = outputs
+            return flat_out
+
+        # One memory pool per block, shared by its forward and backward graph only: a
+        # pool may be shared only by graphs replayed in capture order and never
+        # concurrently, and ERASE replays other blocks' graphs between a block's
+        # forward and its backward (and concurrently, on the worker or other streams).
+        forward = self._capture(forward_region, None)
+        loss = forward.outputs[-1]
+        if not loss.requires_grad:
+            raise CaptureRefused(f"the local loss of block {block.name!r} does not require grad")
+        grad_loss = torch.ones_like(loss).detach()
+        wrt = [static_inputs[i] for i in needs_grad] + params
+
+        def backward_region():
+            grads = torch.autograd.grad(loss, wrt, grad_outputs=grad_loss, allow_unused=True)
+            return tuple(None if g is None else g for g in grads)
+
+        backward = self._capture(backward_region, forward.pool)
+        slots = [None] * len(static_inputs)
+        for position, index in enumerate(needs_grad):
+            slots[index] = position
+        return BlockGraph(
+            block, static_inputs, params, forward, backward, grad_loss, slots,
+            output_structure=tree.map_structure(lambda _: 0, structure["outputs"]),
+        )
+
+    def close(self):
+        """Drops every graph (frees their memory once unreferenced)."""
+        self._graphs.clear()
+        self._seen.clear()

@@ -1,0 +1,43 @@
+"""`EraseRuntime`: everything an `EraseModel` changes while it trains, in one plain object.
+
+Kept outside Keras's and torch's attribute tracking (the model stores it once,
+as `model._erase`), so none of it is saved, tracked as a layer or a weight.
+"""
+
+from keras_erase.local_losses import LocalLossTrackers
+
+
+class EraseRuntime:
+    """Runtime state of one `EraseModel`.
+
+    Attributes:
+        config: the model's `EraseConfig`.
+        dispatch_choice: the schedule in use (`None` while `"auto"` measures).
+        selector: the `ScheduleSelector` of `"auto"` (created at the first step).
+        trackers: the local-loss `LocalLossTrackers`.
+        dispatchers: `{mode: Dispatcher}` built so far (torch).
+        trace: the event list while tracing, else `None`.
+        grad_sync: the `GradientSync` under a torch.distributed group.
+        needs_broadcast: broadcast rank 0's weights at the next step.
+        in_test_step: set during `test_step`: blocks then keep their head's
+            prediction in inference mode (validation logs the local losses).
+        in_train_step: set during `train_step`: the model's `DetachBlock`s
+            called with `training=None` then train (a `call` without `training`).
+        blocks_own_losses: while set (torch ERASE step), `model.losses` leaves
+            out the blocks' own losses (back-propagated by their early backward).
+    """
+
+    def __init__(self, config, is_torch):
+        self.config = config
+        self.dispatch_choice = (
+            "standard" if not is_torch else (None if config.dispatch == "auto" else config.dispatch)
+        )
+        self.selector = None
+        self.trackers = LocalLossTrackers()
+        self.dispatchers = {}
+        self.trace = None
+        self.grad_sync = None
+        self.needs_broadcast = True
+        self.in_test_step = False
+        self.blocks_own_losses = False
+        self.in_train_step = False

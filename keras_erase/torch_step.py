@@ -1,0 +1,267 @@
+"""The torch train step of `EraseModel`: schedule, early block backwards, distributed sync.
+
+One step (`train_step`):
+
+1. The schedule: the configured `dispatch`, or with `"auto"` the trial
+   schedule handed out by the model's `ScheduleSelector` (then its choice).
+2. The main thread's intra-op thread count for that schedule
+   (`keras_erase.threads`).
+3. Under a multi-rank torch.distributed group: rank 0's weights are broadcast
+   at the start of training, and a `GradientSync` all-reduces each block's
+   gradients right after its backward and the rest after the main backward.
+4. `"standard"` without a process group: Keras's own torch `train_step`.
+   Otherwise `erase_step`: zero the gradients, forward with each
+   `DetachBlock` handed to the dispatcher (its forward, local loss and
+   backward), the main loss and backward, wait for the blocks, update.
+   It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
+   `compute_loss`, loss tracker, backward, `optimizer.apply`,
+   `compute_metrics`); it has to own the step because the block backwards
+   start inside the forward pass and the main backward must wait for them.
+"""
+
+import contextlib
+import time
+
+from keras import tree
+import keras
+
+from keras_erase import _keras_private
+from keras_erase.auto import ScheduleSelector
+from keras_erase.detach_block import step_handler
+from keras_erase.local_losses import LocalLossValue
+from keras_erase.targets import select_target
+from keras_erase.threads import main_thread_count
+from keras_erase.threads import set_intra_op_threads
+from keras_erase.threads import threads_for_worker
+from keras_erase.threads import worker_thread_count
+
+
+def cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class BlockRunner:
+    """The step handler installed for the `DetachBlock`s during one ERASE step."""
+
+    def __init__(self, model, dispatcher, y, sample_weight, scale_loss):
+        self.model = model
+        self.dispatcher = dispatcher
+        self.y = y
+        self.sample_weight = sample_weight
+        self.scale_loss = scale_loss
+        self.shares_graph = False
+
+    def run_block(self, block, inputs):
+        y_true, sample_weight = select_target(
+            block, self.y, self.sample_weight, getattr(self.model, "output_names", None)
+        )
+        outputs, loss = self.dispatcher.run_block(
+            block, inputs, y_true, sample_weight, self.scale_loss
+        )
+        self.shares_graph = self.shares_graph or not block.detach_input
+        block._pending_predictions.append(LocalLossValue(loss))
+        return outputs
+
+
+def auto_candidates(threads):
+    """The `"auto"` candidates: `(mode, main-thread intra-op count)`, baseline first."""
+    if cuda_available():
+        return [("standard", None), ("streams", None)]
+    # "threaded" only at most half the cores: a worker thread whose OpenMP team is
+    # as wide as the machine slowed every later 2-thread step of the process about 2x
+    # (measured on 2 cores), so even trying it would cost the standard step.
+    return [("standard", threads), ("threaded", min(threads, threads_for_worker()))]
+
+
+def gradient_sync(runtime):
+    """The `GradientSync` when a multi-rank torch.distributed group is initialized."""
+    from keras_erase import distributed
+
+    if not distributed.active():
+        return None
+    if runtime.grad_sync is None:
+        runtime.grad_sync = distributed.GradientSync()
+    return runtime.grad_sync
+
+
+def next_schedule(runtime):
+    """`(mode, threads)` for this step."""
+    config = runtime.config
+    if config.dispatch != "auto":
+        return config.dispatch, main_thread_count(
+            config.dispatch, config.intra_op_threads, cuda_available()
+        )
+    if runtime.selector is None:
+        import torch
+
+        sync = gradient_sync(runtime)
+        combine = None
+        if sync is not None:  # every rank must choose the same schedule
+            from keras_erase.distributed import mean_over_ranks
+
+            combine = mean_over_ranks
+        candidates = auto_candidates(torch.get_num_threads())
+        extra_warmup = None
+        if config.cuda_graphs:  # graph warm-up and capture steps are never timed (ERASE-GPU)
+            from keras_erase.cuda_graphs import DEFAULT_WARMUP, untimed_steps
+
+            extra_warmup = {
+                c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if c[0] != "standard"
+            }
+        runtime.selector = ScheduleSelector(
+            candidates,
+            timed_rounds=config.auto_steps,
+            warmup_rounds=1,
+            extra_warmup=extra_warmup,
+            combine=combine,  # with combine (several ranks) early stop is off
+        )
+    return runtime.selector.next_schedule()
+
+
+def dispatcher_for(runtime, mode):
+    from keras_erase import dispatch as dispatch_lib
+
+    dispatcher = runtime.dispatchers.get(mode)
+    if dispatcher is None:
+        config = runtime.config
+        dispatcher = dispatch_lib.make_dispatcher(
+            mode,
+            num_streams=config.num_streams,
+            cuda_graphs=config.cuda_graphs,
+            worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
+        )
+        runtime.dispatchers[mode] = dispatcher
+    dispatcher.trace = runtime.trace
+    return dispatcher
+
+
+def train_step(model, runtime, data, standard_step):
+    """One torch training step of `model` (see the module docstring).
+
+    `standard_step(data)` is Keras's own torch `train_step`.
+    """
+    import torch
+
+    if runtime.config.needs_cuda:  # checked here, not at construction: loading works anywhere
+        from keras_erase.dispatch import require_cuda
+
+        config = runtime.config
+        if config.dispatch == "streams":
+            require_cuda("dispatch='streams'")
+        if config.cuda_graphs:  # CUDA, or the CPU stand-in capture (tests, dry runs)
+            from keras_erase.cuda_graphs import require_capture
+
+            require_capture()
+    schedule = next_schedule(runtime)
+    mode, threads = schedule
+    set_intra_op_threads(threads)
+    selector = runtime.selector
+    timing = selector is not None and not selector.done
+    cuda = cuda_available()
+    if timing and cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    sync = gradient_sync(runtime)
+    if sync is not None and runtime.needs_broadcast:
+        sync.broadcast_parameters(model)
+        runtime.needs_broadcast = False
+    if mode == "standard" and sync is None:
+        logs = standard_step(data)
+    else:  # the standard step under a process group: no dispatcher, one backward
+        dispatcher = None if mode == "standard" else dispatcher_for(runtime, mode)
+        logs = erase_step(model, runtime, data, dispatcher, sync)
+    if timing:
+        if cuda:
+            torch.cuda.synchronize()
+        selector.record(schedule, time.perf_counter() - start)
+        if selector.done:
+            runtime.dispatch_choice = selector.choice[0]
+            close_dispatchers(runtime, keep=runtime.dispatch_choice)  # the trials' workers
+            _log_choice(runtime)
+    return logs
+
+
+def close_dispatchers(runtime, keep=None):
+    """Closes every dispatcher (its worker thread ends) except `keep`'s; a later step reopens."""
+    for mode, dispatcher in list(runtime.dispatchers.items()):
+        if mode != keep:
+            dispatcher.close()
+
+
+def _log_choice(runtime):
+    from keras_erase.model import LOGGER
+
+    LOGGER.info(
+        "keras_erase: dispatch='auto' chose %r with intra_op_threads=%s "
+        "(step seconds per candidate: %s)",
+        runtime.selector.choice[0],
+        runtime.selector.choice[1],
+        runtime.selector.timings(),
+    )
+
+
+def erase_step(model, runtime, data, dispatcher, sync=None):
+    """One ERASE step: zero grads, forward with early block backwards, main backward, update.
+
+    Without a dispatcher, the standard schedule (one backward). With a
+    `GradientSync`, each block's gradients are all-reduced right after its
+    backward, the rest after the final backward, all waited before the update.
+    """
+    import torch
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if dispatcher is not None:  # targets on the weights' device once per step, not per block
+        from keras_erase.cuda_graphs import to_device
+
+        weights = model.trainable_weights
+        if weights:
+            y, sample_weight = to_device((y, sample_weight), weights[0].value.device)
+    # Zero BEFORE the forward pass: blocks write their gradients during it.
+    model.zero_grad(set_to_none=True)
+    optimizer = model.optimizer
+    scale = optimizer.scale_loss if optimizer is not None else (lambda loss: loss)
+    runner = None if dispatcher is None else BlockRunner(model, dispatcher, y, sample_weight, scale)
+    if dispatcher is not None:
+        dispatcher.after_backward = None if sync is None else sync.block_done
+    if sync is not None:
+        sync.start_step(model)
+    try:
+        with step_handler(runner) if runner is not None else contextlib.nullcontext():
+            if _keras_private.call_has_training_arg(model):
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+        # Main loss (without the blocks' own losses) + the blocks' objectives as
+        # constants (already back-propagated).
+        runtime.blocks_own_losses = runner is not None
+        try:
+            loss = _keras_private.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        finally:
+            runtime.blocks_own_losses = False
+        _keras_private.loss_tracker(model).update_state(
+            loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0]
+        )
+        scaled = scale(loss)
+        if runner is not None and runner.shares_graph:
+            dispatcher.finish()  # blocks reach upstream layers: finish them first
+        if scaled.requires_grad:
+            scaled.backward()
+        if dispatcher is not None:
+            dispatcher.finish()
+        if sync is not None:  # after the worker drained: one thread issues at a time
+            sync.reduce_rest()
+            sync.finish()
+    except BaseException:
+        if dispatcher is not None:
+            dispatcher.abort()
+        if sync is not None:
+            sync.abort()
+        raise
+    trainable_weights = model.trainable_weights[:]
+    if trainable_weights:
+        gradients = [v.value.grad for v in trainable_weights]
+        with torch.no_grad():
+            optimizer.apply(gradients, trainable_weights)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

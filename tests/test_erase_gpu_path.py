@@ -1,0 +1,195 @@
+"""The GPU check's CPU-checkable parts: `benchmarks/erase_gpu.py` (argument handling, a tiny
+CPU dry run through the graph code path), `scripts/gpu_check.sh`, `benchmarks/common.py`'s
+QPS convention, and `EraseModel(cuda_graphs=True)` in every mode with the CPU stand-in
+capture."""
+
+import os
+import re
+import subprocess
+
+import keras
+import numpy as np
+import pytest
+
+from tests.backend_utils import BACKEND, to_numpy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
+
+
+def test_benchmark_qps_is_the_fast_end_of_per_step_rates():
+    from benchmarks.common import throughput_stats
+    from keras_erase.throughput import throughput_percentiles
+
+    steps = [0.1] * 9 + [0.01]
+    stats = throughput_stats(steps, batch_size=10)
+    assert stats["p90"] == throughput_percentiles(steps, 10)["p90"] > stats["p50"]
+    assert stats["step_ms_p90"] == pytest.approx(100.0)  # the latency view: slow end
+
+
+def test_gpu_check_script_parses_and_names_existing_files():
+    script = os.path.join(REPO, "scripts", "gpu_check.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    text = open(script).read()
+    for path in re.findall(r"(?:tests|benchmarks)/[\w/]+\.py", text):
+        assert os.path.exists(os.path.join(REPO, path)), path
+
+
+@torch_only
+def test_benchmark_arguments():
+    from benchmarks import erase_gpu
+
+    assert erase_gpu.parse_mode("threaded+graphs") == ("threaded", True)
+    assert erase_gpu.parse_mode("standard") == ("standard", False)
+    assert erase_gpu.parse_mode("auto+graphs") == ("auto", True)
+    for bad in ("standard+graphs", "undetached+graphs", "fast", "threaded+compile"):
+        with pytest.raises(ValueError):
+            erase_gpu.parse_mode(bad)
+    args = erase_gpu.build_parser().parse_args([])
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        erase_gpu.resolve(args, cuda=False)
+    args = erase_gpu.resolve(erase_gpu.build_parser().parse_args(["--cpu-dry-run"]), cuda=False)
+    assert "streams" not in args.modes and "threaded+graphs" in args.modes
+    assert args.out.startswith("/tmp/")
+    args = erase_gpu.resolve(erase_gpu.build_parser().parse_args([]), cuda=True)
+    assert {"streams+graphs", "threaded+graphs", "blocking+graphs", "streams"} <= set(args.modes)
+    rows = [{"model": "ctr", "batch": 8, "mode": "threaded+graphs", "graphs_captured": 0,
+             "graph_replays": 0, "graphs_disabled": False},
+            {"model": "ctr", "batch": 8, "mode": "threaded", }]
+    assert len(erase_gpu.graph_problems(rows)) == 1
+
+
+@torch_only
+def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
+    from benchmarks import erase_gpu
+
+    out = str(tmp_path / "erase_gpu")
+    rows = erase_gpu.main([
+        "--cpu-dry-run", "--strict", "--models", "mlp30", "ctr", "--batches", "8",
+        "--modes", "standard", "threaded+graphs", "--steps", "2", "--warmup", "4", "--out", out,
+    ])
+    graphed = [r for r in rows if r["mode"] == "threaded+graphs"]
+    assert len(graphed) == 2
+    for row in graphed:  # the CTR towers (detach_input=False) and the MLP chain both capture
+        assert row["graphs_captured"] == 6, row  # six blocks in both models
+        assert row["graph_replays"] > 0 and not row["graphs_disabled"]
+        assert row["p90"] >= row["p50"] > 0
+    for suffix in (".md", ".json", "_trace.json", "_timeline.png"):
+        assert os.path.getsize(out + suffix) > 0
+    assert "fast end" in open(out + ".md").read()
+
+
+# -- EraseModel(cuda_graphs=True) in every mode, CPU stand-in capture ---------------------------
+
+
+def _mlp_model(mode, graphs, detach_input=True, **kwargs):
+    from keras_erase import DetachBlock, EraseModel
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((6,))
+    upstream = keras.layers.Dense(6, name="upstream")(inputs)
+    h = upstream
+    for b in range(3):
+        h = DetachBlock(
+            keras.Sequential([keras.layers.Dense(8, "relu"), keras.layers.Dense(6)]),
+            head=keras.layers.Dense(1),
+            loss=keras.losses.BinaryCrossentropy(from_logits=True),
+            detach_input=detach_input,
+            name=f"block_{b}",
+        )(h)
+    outputs = keras.layers.Dense(1, "sigmoid")(h)
+    model = EraseModel(inputs, outputs, dispatch=mode, cuda_graphs=graphs, **kwargs)
+    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+    return model
+
+
+@torch_only
+@pytest.mark.parametrize("mode", ["blocking", "threaded"])
+@pytest.mark.parametrize("detach_input", [True, False])
+def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
+    """B2/B3 end to end: `fit` with graphs in each CPU mode gives the eager weights and logs."""
+    from keras_erase import cuda_graphs
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 6)).astype("float32")
+    y = (rng.random((48, 1)) < 0.4).astype("float32")
+    eager = _mlp_model(mode, False, detach_input)
+    eager_history = eager.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    captures = []
+
+    def factory():
+        captures.append(cuda_graphs.RecordingCapture())
+        return captures[-1]
+
+    previous = cuda_graphs.set_default_capture(factory)
+    try:
+        graphed = _mlp_model(mode, True, detach_input)
+        history = graphed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    finally:
+        cuda_graphs.set_default_capture(previous)
+    runners = [r for r in cuda_graphs.live_runners() if r._capture in captures]
+    assert len(runners) == 1
+    runner = runners[0]
+    assert not runner.disabled, runner.disabled_reason
+    assert runner.captures == 3  # one graph pair per block
+    assert runner.replays == runner.backward_replays == 3 * (12 - 2)  # 12 steps, 2 eager warm-up
+    for a, b in zip(graphed.get_weights(), eager.get_weights()):
+        np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-5, atol=1e-6)
+    for key in eager_history:
+        np.testing.assert_allclose(history[key], eager_history[key], rtol=1e-5, err_msg=key)
+
+
+@torch_only
+def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
+    """B1/B5: the torch step moves y/sample_weight once; every block gets that same tensor."""
+    from keras_erase import cuda_graphs, dispatch
+
+    calls, seen = [], []
+    real_to_device = cuda_graphs.to_device
+
+    def spy(structure, device):
+        moved = real_to_device(structure, device)
+        calls.append(moved)
+        return moved
+
+    real_run_block = dispatch.BlockingDispatcher.run_block
+
+    def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
+        seen.append(y_true)
+        return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
+
+    monkeypatch.setattr(cuda_graphs, "to_device", spy)
+    monkeypatch.setattr(dispatch.BlockingDispatcher, "run_block", run_block)
+    model = _mlp_model("blocking", False)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = (rng.random((16, 1)) < 0.4).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(calls) == 2 and len(seen) == 6  # 2 steps, 3 blocks
+    for step in range(2):
+        assert all(t is calls[step][0] for t in seen[3 * step : 3 * step + 3])
+
+
+@torch_only
+def test_auto_with_graphs_never_times_warm_up_or_capture_steps():
+    """B5: `dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
+    from keras_erase import cuda_graphs
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8 * 14, 6)).astype("float32")
+    y = (rng.random((8 * 14, 1)) < 0.4).astype("float32")
+    previous = cuda_graphs.set_default_capture(cuda_graphs.RecordingCapture)
+    try:
+        model = _mlp_model("auto", True, auto_steps=2)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    finally:
+        cuda_graphs.set_default_capture(previous)
+    selector = model._erase.selector
+    graphed = [c for c in selector.candidates if c[0] != "standard"]
+    assert graphed, selector.candidates
+    for candidate in graphed:
+        # one auto warm-up round + the graph warm-up steps + the capture step
+        assert selector.warmup[candidate] == cuda_graphs.untimed_steps(cuda_graphs.DEFAULT_WARMUP)
+        assert len(selector.times[candidate]) == selector.seen[candidate] - selector.warmup[candidate]
+    runner = model._erase.dispatchers[graphed[0][0]].graphs
+    assert runner.captures == 3 and not runner.disabled
