@@ -39,7 +39,8 @@ def test_reductions_and_sample_weights_match_keras(reduction, weights):
     elif weights == "per_example":
         sw = rng.uniform(0, 2, size=hidden.shape[:1]).astype("float32")
     ours = CutBCELoss(keras.Variable(table), reduction=reduction, chunk_size=16)(ids, hidden, sample_weight=sw)
-    keras_sw = None if sw is None else np.broadcast_to(sw.reshape(sw.shape + (1,) * (2 - sw.ndim)), hidden.shape[:2])
+    # A weight per example given as [B] is Keras's [B, 1] (Keras's own form for [B, T] losses).
+    keras_sw = None if sw is None else sw.reshape(sw.shape + (1,) * (2 - sw.ndim))
     theirs = keras.losses.BinaryCrossentropy(from_logits=True, reduction=reduction)(
         targets, logits, sample_weight=keras_sw)
     np.testing.assert_allclose(to_numpy(ours), to_numpy(theirs), rtol=2e-5, atol=1e-6)
