@@ -99,7 +99,7 @@ class CutBCELoss(keras.losses.Loss):
                     y_pred, table, y_true, bias, **self._op_kwargs()
                 )
                 return _keras_private.reduce_weighted_values(
-                    losses, sample_weight=sample_weight, mask=mask,
+                    losses, sample_weight=self._merge_mask(sample_weight, mask),
                     reduction=self.reduction, dtype=self.dtype,
                 )
             weights = self._row_weights(y_pred, sample_weight, mask)
@@ -153,8 +153,25 @@ class CutBCELoss(keras.losses.Loss):
             while 0 < len(effective) < len(loss_dims):
                 sample_weight = ops.expand_dims(sample_weight, -1)
                 effective = effective + (1,)
-        validation.check_sample_weight(effective, loss_dims)
+        validation.check_sample_weight(effective, loss_dims, received=dims)
         return sample_weight
+
+    def _merge_mask(self, sample_weight, mask):
+        """Keras's `apply_mask` (the mask merged into the sample weight), out of place.
+
+        (Keras multiplies in place, which fails on torch for a `[B, 1]` weight
+        and a `[B, T]` mask.)
+        """
+        if mask is None:
+            return sample_weight
+        mask = ops.convert_to_tensor(mask, dtype=self.dtype)
+        float_mask = _keras_private.apply_mask(None, mask, self.dtype, self.reduction)
+        if sample_weight is None:
+            return float_mask
+        float_mask, sample_weight = _keras_private.squeeze_or_expand_to_same_rank(
+            float_mask, ops.cast(sample_weight, self.dtype)
+        )
+        return sample_weight * float_mask
 
     def _row_weights(self, y_pred, sample_weight, mask):
         """Per-position weights `w` with `reduction(losses) == sum(w * losses)`.
@@ -167,8 +184,7 @@ class CutBCELoss(keras.losses.Loss):
         (in their own shape: a weight per example counts once, as in Keras).
         """
         ones = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
-        mask = None if mask is None else ops.convert_to_tensor(mask, dtype=self.dtype)
-        weights = _keras_private.apply_mask(sample_weight, mask, self.dtype, self.reduction)
+        weights = self._merge_mask(sample_weight, mask)
         if weights is None:
             values = ones
         else:

@@ -260,12 +260,13 @@ def checked_ids(ids, hidden, vocab_size, argument):
     return check_ids(ids, hidden, argument)
 
 
-def check_sample_weight(weight_dims, loss_dims):
+def check_sample_weight(weight_dims, loss_dims, received=None):
     """Raises unless `sample_weight` dims broadcast onto the per-position loss dims.
 
     `weight_dims` are the dims after Keras's rank adjustment (a trailing
     size-1 axis squeezed, or the weight expanded over trailing positions).
-    Unknown (None) dims are not checked.
+    Unknown (None) dims are not checked. `received` is the shape the caller
+    gave, for the message (default `weight_dims`).
     """
     ok = len(weight_dims) <= len(loss_dims)
     if ok:
@@ -278,7 +279,7 @@ def check_sample_weight(weight_dims, loss_dims):
             "`sample_weight` must broadcast to the per-position loss of shape "
             f"{loss_dims} (y_pred.shape[:-1]); it may be a scalar, one weight per "
             "example or per position, with an optional trailing axis of size 1. "
-            f"Received sample_weight of shape {weight_dims}."
+            f"Received sample_weight of shape {weight_dims if received is None else received}."
         )
 
 
