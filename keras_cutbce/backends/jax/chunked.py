@@ -23,7 +23,7 @@ residuals; its backward pass recomputes the logits tile by tile: with
 `dZ = g / V * (scale sigmoid(z) - target)` it accumulates
 `grad_hidden += dZ @ E_tile` in the scan's carry and emits
 `[h, 1].T @ dZ` (the table gradient tile, transposed, and the bias gradient
-tile in its last row) as the scan's stacked outputs, then scatter-adds the
+tile in its last row) into a `[D + 1, V]` carry in place, then scatter-adds the
 positives' gradients. `cut_bce_weighted_sum` (a scalar, the training path of
 a reduced loss) computes the loss and the gradients at cotangent 1 in one
 scan instead, and its backward pass only scales them. Both run the same
@@ -168,8 +168,8 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     negatives (`[M]` float32) when `loss`, else `None`; `grads` is `None`
     without `row_scale`, else the float32 gradients
     `(hidden, table, bias or None)` of `sum_m row_scale_m * loss_rows_m`.
-    The per-row loss sum and the hidden gradient ride in the scan's carry,
-    the transposed table gradient tiles are its stacked outputs. Tiles are
+    The per-row loss sum, the hidden gradient and the transposed table
+    gradient (updated in place, tile by tile) ride in the scan's carry. Tiles are
     sliced out of the table inside the loop (`dynamic_slice`), plus one
     narrower tile for the remainder when `tile` does not divide `V`: the
     table is never copied, padded or masked.
@@ -192,31 +192,35 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     def add(a, b):
         return None if a is None else a + b
 
-    def step(carry, index):
-        loss_rows, grad_hidden = carry
-        tile_loss, tile_hidden, tile_table_t = tile_pass(index * tile, tile)
-        return (add(loss_rows, tile_loss), add(grad_hidden, tile_hidden)), tile_table_t
+    def accumulate(carry, start, width):
+        loss_rows, grad_hidden, grad_table_t = carry
+        tile_loss, tile_hidden, tile_table_t = tile_pass(start, width)
+        if grad_table_t is not None:
+            grad_table_t = jax.lax.dynamic_update_slice_in_dim(
+                grad_table_t, tile_table_t, start, axis=1
+            )
+        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table_t
 
     rows = hidden.shape[0]
     vocab = table.shape[0]
     num_tiles, rest = divmod(vocab, tile)
-    init = (
+    carry = (
         jnp.zeros((rows,), _F32) if loss else None,
         jnp.zeros(hidden.shape, _F32) if want_grads else None,
+        # The transposed table (and bias) gradient, written tile by tile in
+        # place: no stacked tiles, no concatenation, one [D (+1), V] buffer.
+        jnp.zeros((hidden_t.shape[0], vocab), _F32) if want_grads else None,
     )
-    (loss_rows, grad_hidden), stacked = jax.lax.scan(
-        step, init, jnp.arange(num_tiles, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(
+        lambda carry, index: (accumulate(carry, index * tile, tile), None),
+        carry,
+        jnp.arange(num_tiles, dtype=jnp.int32),
     )
-    rest_table_t = None
     if rest:
-        rest_loss, rest_hidden, rest_table_t = tile_pass(num_tiles * tile, rest)
-        loss_rows = add(loss_rows, rest_loss)
-        grad_hidden = add(grad_hidden, rest_hidden)
+        carry = accumulate(carry, num_tiles * tile, rest)
+    loss_rows, grad_hidden, grad_table_t = carry
     if not want_grads:
         return loss_rows, None
-    grad_table_t = jnp.moveaxis(stacked, 1, 0).reshape(stacked.shape[1], -1)  # [D(+1), cut]
-    if rest_table_t is not None:
-        grad_table_t = jnp.concatenate([grad_table_t, rest_table_t], axis=1)
     dim = table.shape[1]
     grad_bias = None if bias is None else grad_table_t[dim]
     return loss_rows, (grad_hidden, grad_table_t[:dim].T, grad_bias)
