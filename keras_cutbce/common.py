@@ -8,6 +8,8 @@
   an int64 id such as `2**32 + 16` to the valid item 16.
 """
 
+import numbers
+
 import numpy as np
 
 EMPTY_ID = -1
@@ -49,8 +51,9 @@ def ids_as_int32(ids, vocab_size):
 
     Args:
         ids: integer ids of any shape, NumPy or backend tensor.
-        vocab_size: V; may be None when unknown, then only ids outside the
-            int32 range become `EMPTY_ID`.
+        vocab_size: V, a Python int or a scalar integer tensor (a dynamic
+            V); None when unknown, then only ids outside the int32 range
+            become `EMPTY_ID`.
 
     Returns:
         An int32 tensor of the active backend, same shape.
@@ -64,12 +67,22 @@ def ids_as_int32(ids, vocab_size):
     """
     from keras import ops
 
-    upper = np.iinfo(np.int32).max + 1 if vocab_size is None else int(vocab_size)
+    int32_limit = int(np.iinfo(np.int32).max) + 1
     if is_host_array(ids):
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"ids must be integers; received dtype {ids.dtype}.")
+        upper = int(vocab_size) if isinstance(vocab_size, numbers.Integral) else int32_limit
         ids = np.where((ids >= 0) & (ids < upper), ids, EMPTY_ID).astype(np.int32)
         return ops.convert_to_tensor(ids)
-    inside = ops.logical_and(ids >= 0, ids < upper)
+    import keras
+
+    dtype = keras.backend.standardize_dtype(ids.dtype)
+    if vocab_size is None:
+        vocab_size = int32_limit
+    inside = ids >= 0
+    if not isinstance(vocab_size, numbers.Integral):  # a dynamic V
+        inside = ops.logical_and(inside, ids < ops.cast(vocab_size, dtype))
+    elif int(vocab_size) <= int(np.iinfo(dtype).max):  # else no id of this dtype reaches V
+        inside = ops.logical_and(inside, ids < int(vocab_size))
     return ops.cast(ops.where(inside, ids, ops.full_like(ids, EMPTY_ID)), "int32")

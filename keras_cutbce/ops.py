@@ -208,7 +208,7 @@ def _prepare_loss(hidden, embeddings, target_ids, bias, label_smoothing, pos_wei
     bias = None if bias is None else resolve_embeddings(bias, "bias")
     validation.check_hidden_and_table(hidden, table.value, bias)
     ids = validation.checked_ids(
-        target_ids, hidden, validation.static_dims(table.value)[0], "target_ids"
+        target_ids, hidden, validation.vocab_size_of(table.value), "target_ids"
     )
     flat_hidden, flat_ids = _flatten(hidden, ids)
     return _LossArgs(
@@ -381,7 +381,7 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
     k = validation.check_k(k, validation.static_dims(table.value)[0])
     if exclude_ids is not None:
         exclude_ids = validation.checked_ids(
-            exclude_ids, hidden, validation.static_dims(table.value)[0], "exclude_ids"
+            exclude_ids, hidden, validation.vocab_size_of(table.value), "exclude_ids"
         )
     lead_shape = tuple(ops.shape(hidden)[:-1])
     flat_hidden, flat_exclude = _flatten(hidden, exclude_ids)

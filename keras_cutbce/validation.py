@@ -246,6 +246,12 @@ def check_ids(ids, hidden, argument):
     return ids
 
 
+def vocab_size_of(table):
+    """V of a `[V, D]` table: a Python int when static, else a scalar tensor."""
+    static = static_dims(table)[0]
+    return static if static is not None else ops.shape(table)[0]
+
+
 def checked_ids(ids, hidden, vocab_size, argument):
     """Checked ids `[..., L]` as int32, every id outside `[0, V)` set to `EMPTY_ID`.
 
