@@ -319,3 +319,44 @@ def test_empty_target_lists(rng):
     got = [float(to_numpy(getattr(confusion, name))) for name in (
         "true_positives", "false_positives", "false_negatives", "true_negatives")]
     np.testing.assert_array_equal(got, want)
+
+
+def test_two_retrieval_metrics_log_under_their_names():
+    """A5: a metric named `name=` logs its keys under that name; two metrics never overwrite."""
+    vocab, dim = 19, 4
+    rng = np.random.default_rng(0)
+    items = keras.layers.Embedding(vocab, dim, name="items")
+    inputs = keras.Input((3,), dtype="int32")
+    model = keras.Model(inputs, keras.layers.Dense(dim)(items(inputs)))
+    from keras_cutbce import CutBCELoss
+
+    model.compile(
+        optimizer="sgd",
+        loss=CutBCELoss(items, chunk_size=8),
+        metrics=[TopKRetrieval(items, k=5, chunk_size=8)],
+        weighted_metrics=[TopKRetrieval(items, k=5, chunk_size=8, name="weighted")],
+    )
+    x = rng.integers(0, vocab, size=(12, 3))
+    y = rng.integers(0, vocab, size=(12, 3, 2))
+    sample_weight = np.where(np.arange(12) < 6, 1.0, 0.0)  # the weighted metric sees half the rows
+    logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
+    assert {"hit@5", "weighted_hit@5", "recall@5", "weighted_recall@5"} <= set(logs)
+    hidden = model.predict(x, verbose=0)
+    plain = TopKRetrieval(items, k=5, chunk_size=8)
+    plain.update_state(y, hidden)
+    weighted = TopKRetrieval(items, k=5, chunk_size=8)
+    weighted.update_state(y, hidden, sample_weight=sample_weight)
+    assert logs["hit@5"] == pytest.approx(float(to_numpy(plain.result()["hit@5"])), abs=1e-6)
+    assert logs["weighted_hit@5"] == pytest.approx(
+        float(to_numpy(weighted.result()["hit@5"])), abs=1e-6
+    )
+    named = ThresholdConfusion(items, name="at_half")
+    assert set(named.result()) == {"at_half_precision", "at_half_recall", "at_half_f1"}
+
+
+def test_cutoff_beyond_the_vocabulary_raises(rng):
+    """A5: `k > V` raises like `cut_top_k` instead of reporting hit@k computed at depth V."""
+    table = quantized(rng, (7, 3))
+    metric = TopKRetrieval(table_variable(table), k=(3, 12))
+    with pytest.raises(ValueError, match=r"`k`.*V = 7"):
+        metric.update_state(np.zeros((2, 1), "int32"), quantized(rng, (2, 3)))
