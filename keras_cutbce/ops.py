@@ -135,8 +135,7 @@ def _route(op, implementation, sharding):
     """The implementation that runs `op`: sharded tables first, then the chosen one."""
     if sharding is not None and implementation in ("auto", "chunked"):
         return "sharded"
-    implementation = select_implementation(implementation)
-    return implementation if (op, implementation) in _MODULES else "chunked"
+    return select_implementation(implementation)
 
 
 def _kernel(op, implementation):
@@ -386,7 +385,7 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
     lead_shape = tuple(ops.shape(hidden)[:-1])
     flat_hidden, flat_exclude = _flatten(hidden, exclude_ids)
     scores, ids = _dispatch(
-        "top_k", "auto", flat_hidden, table, k, bias, flat_exclude, chunk_size=chunk_size
+        "top_k", "chunked", flat_hidden, table, k, bias, flat_exclude, chunk_size=chunk_size
     )
     scores, ids = ops.cast(scores, "float32"), ops.cast(ids, "int32")
     # One NaN rule on every backend: a NaN hidden state has no ranking.
@@ -421,7 +420,7 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
     lead_shape = ops.shape(hidden)[:-1]
     flat_hidden, _ = _flatten(hidden)
     counts = _dispatch(
-        "count_at_least", "auto", flat_hidden, table, bias, float(threshold),
+        "count_at_least", "chunked", flat_hidden, table, bias, float(threshold),
         chunk_size=chunk_size,
     )
     return ops.reshape(ops.cast(counts, "int32"), lead_shape)
