@@ -28,18 +28,26 @@ class CutBCELoss(keras.losses.Loss):
     dense logits (for `pos_weight=1`), and so do its gradients.
 
     `y_true` stays integral (Keras's stock `Loss` would cast it to float,
-    which is exact only below 2**24). Ids outside `[0, V)` are padding;
-    duplicates count once. Keras masks on `y_pred` and `sample_weight` work
-    as for any loss; a `sample_weight` of lower rank than the per-position
-    loss is broadcast over the trailing positions.
+    which is exact only below 2**24). Ids outside `[0, V)` are padding, of
+    any integer width (an int64 `2**32 + 16` is padding, not item 16);
+    duplicates count once. Keras masks on `y_pred` and `sample_weight` give
+    Keras's numbers and shapes for every reduction (a trailing size-1 axis as
+    in Keras; a `[B]` weight over `[B, T]` losses is one weight per example,
+    Keras's `[B, 1]`); a weight that cannot broadcast raises a `ValueError`
+    naming both shapes.
 
     The table is read when the loss is called, so inside a train step it is
     the value being trained: tie it to the model's item embedding and the
-    table trains through the loss on every backend.
+    table trains through the loss on every backend. In a JAX custom loop
+    (`model.stateless_call` under `jax.grad`), call the loss inside
+    `keras.StatelessScope(state_mapping=...)` with the values being
+    differentiated (or use `model.stateless_compute_loss`); without them the
+    loss raises instead of silently dropping the table's gradient.
 
     Args:
         embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
-            `embeddings` (`keras.layers.Embedding`, `ReversibleEmbedding`).
+            `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
+            `ReversibleEmbedding`).
         bias: optional `keras.Variable` `[V]`.
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
