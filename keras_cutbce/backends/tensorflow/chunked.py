@@ -26,6 +26,8 @@ backward pass only scales them. The table gradient is assembled from the
 tiles with one `TensorArray.concat`. Everything accumulates in float32.
 """
 
+import functools
+
 import tensorflow as tf
 
 from keras_cutbce.backends.targets import distinct_targets
@@ -237,10 +239,15 @@ def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, g=None):
     return loss_rows, grads
 
 
+def _scaled(x, factor):
+    """`factor * x`, without a new `[V, D]` buffer when `factor` is 1 (the usual cotangent)."""
+    return tf.cond(tf.equal(factor, 1.0), lambda: tf.identity(x), lambda: factor * x)
+
+
 def _cast_grads(grads, hidden, table, bias, factor=None):
     dh, de, db = grads
     if factor is not None:
-        dh, de, db = factor * dh, factor * de, factor * db
+        dh, de, db = factor * dh, _scaled(de, factor), factor * db
     return (
         tf.cast(dh, hidden.dtype),
         tf.cast(de, table.dtype),
@@ -338,6 +345,26 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
     return _with_gradient(per_row, hidden, table, ids, bias)
 
 
+@functools.lru_cache(maxsize=32)
+def _fused_program(coef, tile, has_bias):
+    """`(h, e, ids, b, w) -> (sum_m w_m loss_m, dh, de, db)`, compiled by XLA.
+
+    XLA runs the tile loop with the table gradient written in place into one
+    buffer (TensorFlow's graph executor would keep the tiles and their
+    stacked copy, and copy again for the positives' scatter-add): measured at
+    (1024, 128, 262144), about 280 MB above the inputs instead of 480, and
+    faster. Shapes are compiled per concrete size (an unknown batch is fine).
+    """
+
+    @tf.function(jit_compile=True, autograph=False)
+    def program(h, e, i, b, w):
+        loss, (dh, de, db) = _loss_and_grads(h, e, i, b if has_bias else None, coef, tile,
+                                             loss=True, g=w)
+        return tf.reduce_sum(w * loss), dh, de, db
+
+    return program
+
+
 def cut_bce_weighted_sum(
     hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight, chunk_size
 ):
@@ -347,8 +374,8 @@ def cut_bce_weighted_sum(
     reduction's divisor are the row weights, constants without gradient).
     One pass over the vocabulary tiles computes the loss and the gradients
     at cotangent 1 (per tile one logits matmul, one softplus, one sigmoid
-    and the three gradient products); the backward pass only scales them by
-    the upstream cotangent. The gradients are computed even when none is
+    and the three gradient products), compiled by XLA (`_fused_program`);
+    the backward pass only scales them by the upstream cotangent. The gradients are computed even when none is
     asked for (TensorFlow cannot tell in the forward pass): call `cut_bce`
     for evaluation.
 
@@ -387,8 +414,7 @@ def cut_bce_weighted_sum(
     weights = tf.stop_gradient(tf.reshape(tf.cast(row_weights, tf.float32), [-1]))
 
     def fused(h, e, i, b):
-        loss, grads = _loss_and_grads(h, e, i, b, coef, tile, loss=True, g=weights)
-        total = tf.reduce_sum(weights * loss)
+        total, *grads = _fused_program(coef, tile, b is not None)(h, e, i, b, weights)
 
         def grad(upstream):
             return _cast_grads(grads, h, e, b, factor=tf.cast(upstream, tf.float32))
