@@ -273,7 +273,9 @@ def _dense_pass(
                 torch.mv(s.T, weight, out=grad_b[start:stop])
     if need_h:
         grad_h *= weight[:, None]
-    grad_e = grad_e_t.T if need_e else None  # a view; made contiguous by the callers
+    # A transposed view of the `[D, V]` buffer: no second `[V, D]` copy (the
+    # optimizer's update, or autograd accumulating into `.grad`, reads it as is).
+    grad_e = grad_e_t.T if need_e else None
     return softplus_sum, grad_h, grad_e, grad_b
 
 
@@ -356,7 +358,7 @@ def _row_losses(h, table, bias, ids, coef, chunk_size, weight=None, need=(False,
     )
     terms = _sparse_terms(h, table, bias, ids, coef, loss=True, weight=g, grads=(grad_h, grad_e, grad_b))
     loss = (coef.neg_scale * softplus_sum + terms) / vocab_size
-    return loss, grad_h, _contiguous(grad_e), grad_b
+    return loss, grad_h, grad_e, grad_b
 
 
 def _row_gradients(h, table, bias, ids, coef, chunk_size, weight, need):
@@ -428,9 +430,15 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
+        # The usual cotangent is exactly 1 (a loss's own backward): then the
+        # saved gradients are returned as they are, without a second
+        # `[V, D]` buffer for the product.
+        unit = not _capturing(grad_total) and bool(grad_total == 1)
         grads = []
         for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
-            grads.append(None if grad is None else (grad * grad_total.to(grad.dtype)).to(dtype))
+            if grad is not None and not unit:
+                grad = grad * grad_total.to(grad.dtype)
+            grads.append(None if grad is None else grad.to(dtype))
         return tuple(grads) + (None,) * 5
 
 
