@@ -14,7 +14,13 @@ shard inside `jax.shard_map`, and one collective combines the results:
   no device ever holds the full table or its full gradient.
 - top-k: each device takes its shard's top-k with global ids, one
   `all_gather` of the `[rows, k]` candidates over the vocabulary axes, and
-  a merge (ties: the lower id, as on one device).
+  a merge (ties: the lower id, as on one device);
+- `count_at_least` (the metrics' false positives): each device counts its
+  shard, one `psum` of the `[rows]` counts.
+
+Each public function builds its `shard_map`/`custom_vjp` program once per
+configuration (mesh, shapes, settings; `functools.lru_cache`) and jits it,
+so eager calls reuse the compiled program instead of rebuilding closures.
 
 Rows are split over the remaining mesh axes (data parallelism) when their
 number divides the row count, otherwise replicated.
