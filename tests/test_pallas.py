@@ -379,3 +379,25 @@ def test_int64_ids_beyond_int32_stay_padding(rng):
     got = pallas_tpu.cut_bce(h, t, wide, None, chunk_size=128)
     want = pallas_tpu.cut_bce(h, t, clean, None, chunk_size=128)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fused_falls_back_to_three_passes_when_rows_do_not_fit(rng, monkeypatch):
+    """Rows too many for VMEM: the fused path runs kernels 1-3, same numbers."""
+    import jax
+
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, b, ids, g = _inputs(rng, 20, 300, 8, 2, bias=True)
+    w = np.abs(g)
+
+    def fused(h, t, b):
+        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, w, chunk_size=128, label_smoothing=0.1)
+
+    grad_fn = jax.value_and_grad(fused, argnums=(0, 1, 2))
+    want_value, want_grads = grad_fn(h, t, b)
+    monkeypatch.setattr(pallas_tpu, "_fused_fits", lambda *args: False)
+    assert _count_pallas_calls(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr) == 3
+    value, grads = grad_fn(h, t, b)
+    _assert_close(value, want_value, 1e-5, "value")
+    for arg, got, want in zip("htb", grads, want_grads):
+        _assert_close(got, want, 1e-5, f"grad_{arg}")
