@@ -161,8 +161,9 @@ def vocab_sharding_of(embeddings):
     """
     import keras
 
-    if isinstance(embeddings, keras.layers.Layer):
-        embeddings = getattr(embeddings, "embeddings", None)
+    from keras_cutbce.validation import table_variable
+
+    embeddings = table_variable(embeddings)  # a layer's table variable (LoRA too)
     if isinstance(embeddings, keras.Variable):
         layout = _keras_layout(embeddings)
         if layout is None:
