@@ -9,7 +9,8 @@ is computed in two parts, so the `[M, V]` logits never exist:
   over tile indices (each tile a `dynamic_slice` of the table, plus one
   narrower tile for the remainder when `tile` does not divide `V`: the table
   is never copied or padded), with the row's positives masked out inside
-  each tile (`positives_in_tile`, one O(M L) scatter per tile);
+  each tile (`positives_in_tile`: L compares per logit for up to 16 ids a
+  row, else one O(M L) scatter per tile);
 - the positives: the table rows of the valid, de-duplicated target ids
   (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
   gathered and their exact terms `pos_minus softplus(-z) + pos_plus
@@ -104,14 +105,30 @@ def _positive_slopes(z, e, coef):
     return out
 
 
+# Up to this many ids per row, the tile mask is L compares per logit (fused
+# into the tile's elementwise pass); beyond, one O(M L) scatter per tile.
+MAX_COMPARED_IDS = 16
+
+
 def positives_in_tile(ids, start, width):
     """Bool `[M, width]`: which logits of the tile `[start, start + width)` are positives.
 
-    One scatter of the `[M, L]` ids (O(M L), duplicates and padding harmless:
-    ids outside the tile are dropped).
+    Duplicates and padding are harmless (ids outside the tile match no
+    column). With few ids per row (`L <= MAX_COMPARED_IDS`) each id column
+    is compared with the tile's columns, which XLA fuses into the tile's
+    elementwise pass (no `[M, width]` buffer); otherwise one scatter of the
+    `[M, L]` ids (O(M L) per tile).
     """
-    rows = ids.shape[0]
+    rows, length = ids.shape
     local = ids - start
+    if length == 0:
+        return jnp.zeros((rows, width), bool)
+    if length <= MAX_COMPARED_IDS:
+        columns = jax.lax.broadcasted_iota(local.dtype, (1, width), 1)
+        mask = local[:, :1] == columns
+        for k in range(1, length):
+            mask = mask | (local[:, k : k + 1] == columns)
+        return mask
     column = jnp.where((local >= 0) & (local < width), local, width).astype(jnp.int32)
     mask = jnp.zeros((rows, width), bool)
     return mask.at[jnp.arange(rows)[:, None], column].set(True, mode="drop")
