@@ -16,8 +16,12 @@ side in one run, each in its own subprocess:
   M x V values in one jit-compiled XLA pass, measured once on JAX);
 - `topk_dense` / `topk_cut`: dense `top_k` of the logits vs `cut_top_k`.
 
-Peak extra memory is the process's peak RSS above its RSS once the inputs
-exist (Linux `/proc/self/clear_refs` resets the peak). A run whose RSS passes
+Peak extra memory is the process's peak RSS during the timed runs above its
+RSS once the inputs exist (Linux `/proc/self/clear_refs` resets the peak
+after the warm-up, so what tracing and compilation alone needed is left out;
+memory the warm-up left allocated, e.g. allocator pools, still counts). The
+JSON also keeps `first_call_peak_extra_mb`, the warm-up call's peak with
+tracing and compilation. A run whose RSS passes
 `--memory-cap-gb` is killed and reported as out of memory. Torch runs with
 `torch.set_num_threads(--threads)` (default: all cores, 2 here).
 
@@ -29,6 +33,7 @@ Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
 """
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -111,10 +116,22 @@ def _value_and_grad_fn(backend, loss_fn):
     return step
 
 
+def _leaves(result):
+    """The tensors of a nested tuple/list result.
+
+    (Not `keras.tree.flatten`: on torch its recursive helper closures form a
+    reference cycle that keeps the result, e.g. a 128 MB table gradient,
+    alive until the garbage collector runs, inflating the next run's peak.)
+    """
+    if isinstance(result, (tuple, list)):
+        return [leaf for item in result for leaf in _leaves(item)]
+    return [] if result is None else [result]
+
+
 def _block(result):
     import keras
 
-    for x in keras.tree.flatten(result):
+    for x in _leaves(result):
         if hasattr(x, "block_until_ready"):
             x.block_until_ready()
         else:
@@ -231,8 +248,11 @@ def worker(args):
     else:
         _block(run(*inputs))  # warm-up (compiles)
     first = time.perf_counter() - start
+    first_peak = _status("VmHWM")
+    _reset_peak()  # the timed runs' own peak (tracing/compilation excluded)
     times = []
     for _ in range(args.repeats):
+        gc.collect()  # untimed: the previous result is gone before the next run
         start = time.perf_counter()
         _block(run(*inputs))
         times.append(time.perf_counter() - start)
@@ -240,6 +260,7 @@ def worker(args):
     print(json.dumps({
         "median_s": statistics.median(times), "times_s": times, "first_s": first,
         "peak_extra_mb": (peak - before) / 2**20,
+        "first_call_peak_extra_mb": (first_peak - before) / 2**20,
     }))
 
 
@@ -286,6 +307,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape, 2 repeats")
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: all three)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0)
@@ -298,6 +320,8 @@ def main():
         return worker(args)
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
     repeats = 2 if args.quick else args.repeats
     cap = args.memory_cap_gb * 2**30
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -342,7 +366,9 @@ def main():
         f.write("# CutBCE vs dense Keras BCE, forward+backward, float32, CPU\n\n")
         f.write(f"{os.cpu_count()} cores; torch threads {args.threads}; medians of {repeats} runs "
                 "(dense: half as many) after one warm-up; floor = matmuls + elementwise; "
-                "memory = peak RSS above the inputs.\n\n")
+                "memory = peak RSS of the timed runs above the inputs (the JSON also has the "
+                "warm-up's, with tracing and compilation). Other helpers' niced jobs shared "
+                "the machine.\n\n")
         f.write(table + "\n")
 
 

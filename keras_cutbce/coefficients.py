@@ -1,29 +1,45 @@
 """The per-logit weights of binary cross-entropy, written once for every backend.
 
 For one logit `z` with smoothed target `y' = y (1 - a) + a / 2` and positive
-weight `p`, the loss term is `scale * softplus(z) - target * z` and its
-derivative is `scale * sigmoid(z) - target`, with `scale = 1 + (p - 1) y'` and
-`target = p y'`. Every vocabulary entry gets the negative weights (`y = 0`);
-the positives add a sparse correction `(delta_scale, delta_target)`.
+weight `p`, the loss term is
+
+    p y' softplus(-z) + (1 - y') softplus(z)
+
+(`= scale * softplus(z) - target * z` with `scale = 1 + (p - 1) y'` and
+`target = p y'`), and its derivative is
+`(1 - y') sigmoid(z) - p y' sigmoid(-z)`.
+
+The kernels split the vocabulary in two:
+
+- the negatives (`y = 0`), summed densely tile by tile with
+  `neg_scale * softplus(z) - neg_target * z` (`neg_target = p a / 2` is 0
+  without label smoothing, so this is exact for any `z`);
+- the positives, which the dense tiles skip (they are masked inside each
+  tile, never added and subtracted back), with the cancellation-free form
+  `pos_minus * softplus(-z) + pos_plus * softplus(z)` and the derivative
+  `pos_plus * sigmoid(z) - pos_minus * sigmoid(-z)`: both terms are
+  non-negative, so a positive's loss and gradient keep full float32
+  precision at any `|z|` (e.g. `softplus(-100) ~ 3.7e-44`), whatever `V`.
 """
 
 from typing import NamedTuple
 
 
 class BCECoefficients(NamedTuple):
-    """Weights of `scale * softplus(z) - target * z` per logit.
+    """Weights of the loss terms of a negative and of a positive logit.
 
     Attributes:
-        neg_scale: `scale` of a negative (`y = 0`) logit.
+        neg_scale: `scale` of a negative (`y = 0`) logit: its term is
+            `neg_scale * softplus(z) - neg_target * z`.
         neg_target: `target` of a negative logit.
-        delta_scale: what a positive adds to `scale`.
-        delta_target: what a positive adds to `target`.
+        pos_minus: weight of `softplus(-z)` in a positive's term (`p y'`).
+        pos_plus: weight of `softplus(z)` in a positive's term (`1 - y'`).
     """
 
     neg_scale: float
     neg_target: float
-    delta_scale: float
-    delta_target: float
+    pos_minus: float
+    pos_plus: float
 
 
 def bce_coefficients(label_smoothing=0.0, pos_weight=1.0):
@@ -32,16 +48,15 @@ def bce_coefficients(label_smoothing=0.0, pos_weight=1.0):
     Example:
 
     >>> bce_coefficients(0.0, 1.0)
-    BCECoefficients(neg_scale=1.0, neg_target=0.0, delta_scale=0.0, delta_target=1.0)
+    BCECoefficients(neg_scale=1.0, neg_target=0.0, pos_minus=1.0, pos_plus=0.0)
     """
     a = float(label_smoothing)
     p = float(pos_weight)
     neg_y = a / 2.0
     pos_y = 1.0 - a / 2.0
-    neg_scale = 1.0 + (p - 1.0) * neg_y
-    neg_target = p * neg_y
-    pos_scale = 1.0 + (p - 1.0) * pos_y
-    pos_target = p * pos_y
     return BCECoefficients(
-        neg_scale, neg_target, pos_scale - neg_scale, pos_target - neg_target
+        neg_scale=1.0 + (p - 1.0) * neg_y,
+        neg_target=p * neg_y,
+        pos_minus=p * pos_y,
+        pos_plus=1.0 - pos_y,
     )

@@ -1,73 +1,19 @@
 """`CutBCELoss`: the Keras loss around `cut_binary_crossentropy`."""
 
-import inspect
-
 import keras
 from keras import ops
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.losses.loss import apply_mask
-from keras.src.losses.loss import reduce_weighted_values
-from keras.src.losses.loss import scale_loss_for_distribution
 
+from keras_cutbce import _keras_private
 from keras_cutbce import ops as cut_ops
+from keras_cutbce import validation
 
 
-def _variable_of(source, argument):
-    """The `keras.Variable` behind a variable or an Embedding-like layer."""
-    if isinstance(source, keras.layers.Layer):
-        variable = getattr(source, "embeddings", None)
-        if variable is None:
-            raise TypeError(
-                f"`{argument}` layer {source.name!r} has no `embeddings` variable "
-                "(is it built?)."
-            )
-        return variable
-    return source
+def _is_jax_tracer(x):
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
 
-
-def _find_model_variable(path):
-    """Finds the variable at `path` in the Keras model being compiled or trained.
-
-    Looks up the call stack for a method of a `keras.Model` (such as
-    `compile_from_config` while `.keras` loading, or `compute_loss` in a
-    train step) and returns that model's variable with the given path.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, keras.Model):
-                for variable in owner.variables:
-                    if variable.path == path:
-                        return variable
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
-
-
-def variable_path(source, argument):
-    """The path of the variable behind `source` (None and paths pass through)."""
-    if source is None or isinstance(source, str):
-        return source
-    path = getattr(_variable_of(source, argument), "path", None)
-    if path is None:
-        raise ValueError(
-            f"`{argument}` must be a keras.Variable or layer to be serialized; "
-            f"received {type(source).__name__}."
-        )
-    return path
-
-
-def rebind_variables(config):
-    """`config` with its `embeddings`/`bias` paths bound to the model being loaded."""
-    config = dict(config)
-    for key in ("embeddings", "bias"):
-        if isinstance(config.get(key), str):
-            variable = _find_model_variable(config[key])
-            if variable is not None:
-                config[key] = variable
-    return config
+    return isinstance(x, jax.core.Tracer)
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
@@ -82,18 +28,26 @@ class CutBCELoss(keras.losses.Loss):
     dense logits (for `pos_weight=1`), and so do its gradients.
 
     `y_true` stays integral (Keras's stock `Loss` would cast it to float,
-    which is exact only below 2**24). Ids outside `[0, V)` are padding;
-    duplicates count once. Keras masks on `y_pred` and `sample_weight` work
-    as for any loss; a `sample_weight` of lower rank than the per-position
-    loss is broadcast over the trailing positions.
+    which is exact only below 2**24). Ids outside `[0, V)` are padding, of
+    any integer width (an int64 `2**32 + 16` is padding, not item 16);
+    duplicates count once. Keras masks on `y_pred` and `sample_weight` give
+    Keras's numbers and shapes for every reduction (a trailing size-1 axis as
+    in Keras; a `[B]` weight over `[B, T]` losses is one weight per example,
+    Keras's `[B, 1]`); a weight that cannot broadcast raises a `ValueError`
+    naming both shapes.
 
     The table is read when the loss is called, so inside a train step it is
     the value being trained: tie it to the model's item embedding and the
-    table trains through the loss on every backend.
+    table trains through the loss on every backend. In a JAX custom loop
+    (`model.stateless_call` under `jax.grad`), call the loss inside
+    `keras.StatelessScope(state_mapping=...)` with the values being
+    differentiated (or use `model.stateless_compute_loss`); without them the
+    loss raises instead of silently dropping the table's gradient.
 
     Args:
         embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
-            `embeddings` (`keras.layers.Embedding`, `ReversibleEmbedding`).
+            `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
+            `ReversibleEmbedding`).
         bias: optional `keras.Variable` `[V]`.
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
@@ -132,110 +86,157 @@ class CutBCELoss(keras.losses.Loss):
         dtype=None,
     ):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
-        cut_ops._check_implementation(implementation)
-        cut_ops._check_chunk_size(chunk_size)
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise ValueError(
-                f"`label_smoothing` must be in [0, 1]; received {label_smoothing!r}."
-            )
-        if not float(pos_weight) > 0.0:
-            raise ValueError(f"`pos_weight` must be > 0; received {pos_weight!r}.")
         if embeddings is None:
             raise ValueError("`embeddings` is required: the item table [V, D].")
         self.embeddings = embeddings
         self.bias = bias
-        self.label_smoothing = float(label_smoothing)
-        self.pos_weight = float(pos_weight)
-        self.chunk_size = chunk_size
-        self.implementation = implementation
-
-    def _resolve(self, source, argument):
-        if isinstance(source, str):
-            variable = _find_model_variable(source)
-            if variable is None:
-                raise ValueError(
-                    f"`{argument}` refers to the variable {source!r}, and no Keras "
-                    "model with that variable is being compiled or trained. Pass "
-                    "the variable or layer itself, or compile the model that owns it."
-                )
-            return variable
-        return _variable_of(source, argument)
+        self.label_smoothing = validation.check_label_smoothing(label_smoothing)
+        self.pos_weight = validation.check_pos_weight(pos_weight)
+        self.chunk_size = validation.check_chunk_size(chunk_size)
+        self.implementation = validation.check_implementation(implementation)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        in_mask = get_keras_mask(y_pred)
+        mask = _keras_private.get_keras_mask(y_pred)
         with keras.name_scope(self.name):
             y_pred = ops.convert_to_tensor(y_pred)
-            y_true = self._integral_ids(ops.convert_to_tensor(y_true))
+            y_true = self._integral_ids(y_true)
+            table, bias = self._tables(y_pred)
+            sample_weight = self._sample_weight(sample_weight, y_pred)
             if self.reduction in (None, "none"):
-                losses = self.call(y_true, y_pred)
-                return reduce_weighted_values(
-                    losses, sample_weight=self._broadcast(sample_weight, losses.shape),
-                    mask=in_mask, reduction=self.reduction, dtype=self.dtype,
+                losses = cut_ops.cut_binary_crossentropy(
+                    y_pred, table, y_true, bias, **self._op_kwargs()
                 )
-            weights = self._row_weights(
-                ops.shape(y_pred)[:-1], sample_weight, in_mask
-            )
-            embeddings, bias = self._tables()
+                return _keras_private.reduce_weighted_values(
+                    losses, sample_weight=self._merge_mask(sample_weight, mask),
+                    reduction=self.reduction, dtype=self.dtype,
+                )
+            weights = self._row_weights(y_pred, sample_weight, mask)
             total = cut_ops.weighted_loss_sum(
-                y_pred, embeddings, y_true, weights, bias, **self._op_kwargs()
+                y_pred, table, y_true, weights, bias, **self._op_kwargs()
             )
             total = ops.cast(total, self.dtype)
             if self.reduction != "sum":
-                total = scale_loss_for_distribution(total)
+                total = _keras_private.scale_loss_for_distribution(total)
             return total
 
     @staticmethod
     def _integral_ids(y_true):
         """Ids as given, except the float placeholder of a tf.distribute build.
 
-        Under a `tf.distribute` strategy Keras builds the compiled loss once,
-        in cross-replica context, from the replicas' mean of the first batch:
-        a float tensor where only the shape matters. Anywhere else float ids
-        are an error (raised by the op).
+        Host (NumPy) ids stay on the host, so int64 ids are range-checked
+        before any conversion could wrap them. Under a `tf.distribute`
+        strategy Keras builds the compiled loss once, in cross-replica
+        context, from the replicas' mean of the first batch: a float tensor
+        where only the shape matters. Anywhere else float ids are an error
+        (raised by the op).
         """
-        if keras.backend.backend() == "tensorflow" and not cut_ops._is_int(y_true):
-            import tensorflow as tf
+        if keras.backend.backend() != "tensorflow" or not hasattr(y_true, "dtype"):
+            return y_true
+        if validation.is_int(y_true) or not keras.ops.is_tensor(y_true):
+            return y_true
+        import tensorflow as tf
 
-            if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-                return ops.cast(y_true, "int32")
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            return ops.cast(y_true, "int32")
         return y_true
 
-    def _broadcast(self, sample_weight, shape):
-        """`sample_weight` as `self.dtype`, broadcast over trailing positions."""
+    def _sample_weight(self, sample_weight, y_pred):
+        """`sample_weight` as `self.dtype` with the rank Keras's reduction expects.
+
+        As in Keras, a trailing size-1 axis is dropped (`[B, 1]` for `[B]`
+        losses is kept for Keras's own rank adjustment); a weight of lower
+        rank than the per-position loss (one a sequence, `[B]` for `[B, T]`)
+        is expanded over the trailing positions. Raises a `ValueError` naming
+        both shapes when it cannot broadcast.
+        """
         if sample_weight is None:
             return None
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
-        while len(sample_weight.shape) < len(shape):
-            sample_weight = ops.expand_dims(sample_weight, -1)
-        return sample_weight * ops.ones(shape, self.dtype)  # a real copy, not a view
+        loss_dims = validation.static_dims(y_pred)[:-1]
+        dims = validation.static_dims(sample_weight)
+        if len(dims) == len(loss_dims) + 1 and dims[-1] == 1:
+            effective = dims[:-1]
+        else:
+            effective = dims
+            while 0 < len(effective) < len(loss_dims):
+                sample_weight = ops.expand_dims(sample_weight, -1)
+                effective = effective + (1,)
+        validation.check_sample_weight(effective, loss_dims, received=dims)
+        return sample_weight
 
-    def _row_weights(self, lead_shape, sample_weight, mask):
+    def _merge_mask(self, sample_weight, mask):
+        """Keras's `apply_mask` (the mask merged into the sample weight), out of place.
+
+        (Keras multiplies in place, which fails on torch for a `[B, 1]` weight
+        and a `[B, T]` mask.)
+        """
+        if mask is None:
+            return sample_weight
+        mask = ops.convert_to_tensor(mask, dtype=self.dtype)
+        float_mask = _keras_private.apply_mask(None, mask, self.dtype, self.reduction)
+        if sample_weight is None:
+            return float_mask
+        float_mask, sample_weight = _keras_private.squeeze_or_expand_to_same_rank(
+            float_mask, ops.cast(sample_weight, self.dtype)
+        )
+        return sample_weight * float_mask
+
+    def _row_weights(self, y_pred, sample_weight, mask):
         """Per-position weights `w` with `reduction(losses) == sum(w * losses)`.
 
-        Follows Keras's `reduce_weighted_values`: the mask is merged into the
-        sample weight (`apply_mask`), then `"sum"` keeps it, `"mean"` and
-        `"sum_over_batch_size"` divide by the number of positions, and
-        `"mean_with_sample_weight"` by the sum of the (masked) weights.
+        Keras's `reduce_weighted_values` step by step, on a tensor of ones in
+        place of the losses: the mask merged into the sample weight
+        (`apply_mask`), Keras's rank adjustment, then `"sum"` keeps the
+        weights, `"mean"`/`"sum_over_batch_size"` divide by the number of
+        positions and `"mean_with_sample_weight"` by the sum of the weights
+        (in their own shape: a weight per example counts once, as in Keras).
         """
-        ones = ops.ones(lead_shape, self.dtype)
-        weights = None
-        if sample_weight is not None:
-            weights = self._broadcast(sample_weight, lead_shape)
-        if mask is not None:
-            weights = apply_mask(weights, ops.cast(mask, self.dtype), self.dtype, self.reduction)
-            weights = ops.broadcast_to(weights, lead_shape)
+        ones = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
+        weights = self._merge_mask(sample_weight, mask)
+        if weights is None:
+            values = ones
+        else:
+            ones, weights = _keras_private.squeeze_or_expand_to_same_rank(ones, weights)
+            values = ones * ops.cast(weights, self.dtype)
         if self.reduction == "sum":
-            return ones if weights is None else weights
+            return values
         if self.reduction == "mean_with_sample_weight" and weights is not None:
-            divisor = ops.sum(weights)
+            divisor = ops.sum(ops.cast(weights, self.dtype))
         else:
             divisor = ops.cast(ops.size(ones), self.dtype)
-        return ops.divide_no_nan(ones if weights is None else weights, divisor)
+        return ops.divide_no_nan(values, divisor)
 
-    def _tables(self):
-        embeddings = self._resolve(self.embeddings, "embeddings")
-        bias = None if self.bias is None else self._resolve(self.bias, "bias")
-        return embeddings, bias
+    def _tables(self, y_pred):
+        """The table (an `ItemTable`) and bias values the loss reads now.
+
+        On JAX, a table held in a `keras.Variable` whose value is concrete
+        while `y_pred` is traced (`jax.grad`/`jax.jit` over
+        `model.stateless_call` without a `keras.StatelessScope`) would be
+        baked in as a constant: its gradient silently dropped. That raises.
+        """
+        source = validation.table_source(self.embeddings, "embeddings")
+        table = cut_ops.resolve_table(source)
+        bias = None
+        if self.bias is not None:
+            bias_source = validation.table_source(self.bias, "bias")
+            bias = validation.read_table(bias_source, "bias")
+        stored = isinstance(source, (keras.Variable, keras.layers.Layer))
+        if (
+            stored
+            and _is_jax_tracer(y_pred)
+            and not _is_jax_tracer(table.value)
+            and not _keras_private.in_symbolic_scope()
+        ):
+            raise RuntimeError(
+                "CutBCELoss reads its item table from a keras.Variable, and inside "
+                "this JAX transformation (jax.grad/jax.jit over `model.stateless_call`) "
+                "the variable holds a concrete value: the table would get no gradient "
+                "and be frozen at trace time. Call the loss inside "
+                "`keras.StatelessScope(state_mapping=list(zip(model.trainable_variables, "
+                "trainable_variables)) + ...)` (the values being differentiated), or use "
+                "`model.stateless_compute_loss`, as Keras's own train step does."
+            )
+        return table, bias
 
     def _op_kwargs(self):
         return dict(
@@ -247,21 +248,21 @@ class CutBCELoss(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         """Per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
-        embeddings, bias = self._tables()
+        table, bias = self._tables(y_pred)
         return cut_ops.cut_binary_crossentropy(
-            y_pred, embeddings, y_true, bias, **self._op_kwargs()
+            y_pred, table, y_true, bias, **self._op_kwargs()
         )
 
     def get_config(self):
         """Config with the table (and bias) saved as variable paths.
 
         On load inside `keras.saving.load_model`, the paths re-bind to the
-        loaded model's variables.
+        loaded model's variables (or to the LoRA-enabled layer that owns it).
         """
         config = super().get_config()
         config.update(
-            embeddings=variable_path(self.embeddings, "embeddings"),
-            bias=variable_path(self.bias, "bias"),
+            embeddings=validation.variable_path(self.embeddings, "embeddings"),
+            bias=validation.variable_path(self.bias, "bias"),
             label_smoothing=self.label_smoothing,
             pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,
@@ -271,4 +272,4 @@ class CutBCELoss(keras.losses.Loss):
 
     @classmethod
     def from_config(cls, config):
-        return cls(**rebind_variables(config))
+        return cls(**validation.bind_variable_paths(config))

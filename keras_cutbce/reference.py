@@ -28,7 +28,7 @@ def multi_hot(ids, vocab_size):
     safe = ops.where(valid, ids, ops.zeros_like(ids))
     hot = ops.one_hot(safe, vocab_size, dtype="float32")
     hot = hot * ops.expand_dims(ops.cast(valid, "float32"), -1)
-    return ops.max(hot, axis=1)
+    return ops.minimum(ops.sum(hot, axis=1), 1.0)  # (a max fails on zero rows on torch and TF)
 
 
 def logits(hidden, table, bias=None):
@@ -56,7 +56,11 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     coef = bce_coefficients(label_smoothing, pos_weight)
     z = logits(hidden, table, bias)
     y = multi_hot(ids, ops.shape(table)[0])
-    scale = coef.neg_scale + coef.delta_scale * y
-    target = coef.neg_target + coef.delta_target * y
-    terms = scale * ops.softplus(z) - target * z
+    # `p y' softplus(-z) + (1 - y') softplus(z)`: two non-negative parts, no
+    # cancellation at saturated logits (see `keras_cutbce.coefficients`).
+    weight_minus = coef.neg_target + (coef.pos_minus - coef.neg_target) * y
+    weight_plus = (coef.neg_scale - coef.neg_target) + (
+        coef.pos_plus - (coef.neg_scale - coef.neg_target)
+    ) * y
+    terms = weight_minus * ops.softplus(-z) + weight_plus * ops.softplus(z)
     return ops.mean(terms, axis=-1)

@@ -16,16 +16,13 @@ TensorFlow 1.85-2.08 s vs 2.30-2.86 s; torch 1.65-1.73 s vs 1.56-1.57 s (so
 torch keeps 64 MiB). Memory of the loss is O(rows * tile + V * D) whatever V is.
 """
 
+from keras_cutbce.common import round_up
+
 DEFAULT_TILE_BUDGET_BYTES = 64 * 2**20
 CPU_CACHE_TILE_BUDGET_BYTES = 16 * 2**20
 TILE_MULTIPLE = 128
 MIN_TILE = 128
 MAX_TILE = 8192
-
-
-def round_up(value, multiple):
-    """Rounds `value` up to a multiple of `multiple`."""
-    return -(-int(value) // multiple) * multiple
 
 
 def tile_budget_bytes(backend, platform):

@@ -243,3 +243,34 @@ def test_pallas_is_refused_off_jax():
     with pytest.raises(ValueError, match="JAX"):
         cut_binary_crossentropy(np.zeros((2, 4), "float32"), np.zeros((10, 4), "float32"),
                                 np.zeros((2, 1), "int32"), implementation="pallas")
+
+
+def test_dispatch_table_runs_the_named_implementation(monkeypatch):
+    """`implementation=` picks the kernel module of the dispatch table; "reference" never runs a kernel."""
+    import importlib
+
+    from keras_cutbce import ops as cut_ops
+
+    chunked = importlib.import_module(f"keras_cutbce.backends.{BACKEND}.chunked")
+    calls = []
+    for name in ("cut_bce", "cut_bce_weighted_sum"):
+        original = getattr(chunked, name, None)
+        if original is None:
+            continue
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(chunked, name, spy)
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(4, 3)).astype("float32")
+    table = rng.normal(size=(9, 3)).astype("float32")
+    ids = rng.integers(-1, 9, size=(4, 2))
+    weights = np.full((4,), 0.25, "float32")
+    ref = cut_ops.weighted_loss_sum(hidden, table, ids, weights, implementation="reference")
+    cut_ops.cut_binary_crossentropy(hidden, table, ids, implementation="reference")
+    assert calls == []
+    got = cut_ops.weighted_loss_sum(hidden, table, ids, weights, implementation="chunked")
+    assert calls and set(calls) <= {"cut_bce", "cut_bce_weighted_sum"}
+    np.testing.assert_allclose(to_numpy(got), to_numpy(ref), rtol=1e-5)

@@ -271,6 +271,61 @@ def _check_top_k(spec, hidden, table, bias, rng):
         assert tuple(top.shape) == (rows, k)
 
 
+def _check_count_and_cache(mesh, rng):
+    """D1: sharded `count_at_least` (V = 37, uneven) matches one device, gathers no table;
+    D2: eager calls reuse one cached, jitted program per configuration."""
+    import math
+    import re
+
+    import jax
+    import numpy as np
+
+    from keras_cutbce.backends.jax import retrieval, sharded
+
+    rows, dim, vocab = 8, 8, 37
+    spec = sharded.VocabSharding(mesh, ("model",))
+    hidden = rng.normal(size=(rows, dim)).astype(np.float32)
+    table = rng.normal(size=(vocab, dim)).astype(np.float32)
+    bias = rng.normal(size=(vocab,)).astype(np.float32)
+    for b in (bias, None):
+        for threshold in (0.0, 1.5, -math.inf, math.inf):
+            got = sharded.count_at_least(hidden, table, b, threshold, sharding=spec, chunk_size=4)
+            want = retrieval.count_at_least(hidden, table, b, threshold, chunk_size=4)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            assert got.dtype == np.int32
+    # Compiled on a table placed P("model", None) (V = 40: JAX places only even
+    # splits): no all-gather of the table.
+    vocab = 40
+    placed = jax.device_put(
+        rng.normal(size=(vocab, dim)).astype(np.float32),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model", None)),
+    )
+    for fn in (
+        lambda h, t: sharded.count_at_least(h, t, None, 0.0, sharding=spec, chunk_size=4),
+        lambda h, t: sharded.top_k(h, t, 5, sharding=spec, chunk_size=4),
+    ):
+        hlo = jax.jit(fn).lower(hidden, placed).compile().as_text()
+        gathered = re.findall(r"= \S+\[([0-9,]+)\][^=]*? all-gather", hlo)
+        assert not any(int(shape.split(",")[0]) >= vocab // 2 for shape in gathered), gathered
+        assert f"f32[{vocab},{dim}]" not in " ".join(
+            line for line in hlo.splitlines() if "all-gather" in line
+        )
+
+    # D2: the second eager call with the same configuration builds nothing.
+    ids = _ids(rng, rows, 3, table.shape[0])
+    for build, call in (
+        (sharded._loss_program, lambda: sharded.cut_bce(hidden, table, ids, bias, sharding=spec, chunk_size=4)),
+        (sharded._retrieval_program, lambda: sharded.top_k(hidden, table, 3, bias, ids, sharding=spec, chunk_size=4)),
+        (sharded._retrieval_program, lambda: sharded.count_at_least(hidden, table, bias, 0.5, sharding=spec)),
+    ):
+        first = call()
+        misses, hits = build.cache_info().misses, build.cache_info().hits
+        second = call()
+        assert build.cache_info().misses == misses, "an eager call rebuilt its program"
+        assert build.cache_info().hits == hits + 1
+        jax.tree_util.tree_map(np.testing.assert_array_equal, first, second)
+
+
 def _child_ops():
     import jax
     import numpy as np
@@ -296,6 +351,7 @@ def _child_ops():
         mesh = _mesh(shape, names, explicit)
         _check_public_ops(mesh, rng, calls)
         _check_uneven_vocab(mesh, rng, bf16=index == 0)
+        _check_count_and_cache(mesh, rng)
     print(json.dumps({
         "meshes": [list(m[0]) for m in meshes],
         "sharded_loss_calls": calls.get("cut_bce", 0),

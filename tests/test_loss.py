@@ -39,7 +39,8 @@ def test_reductions_and_sample_weights_match_keras(reduction, weights):
     elif weights == "per_example":
         sw = rng.uniform(0, 2, size=hidden.shape[:1]).astype("float32")
     ours = CutBCELoss(keras.Variable(table), reduction=reduction, chunk_size=16)(ids, hidden, sample_weight=sw)
-    keras_sw = None if sw is None else np.broadcast_to(sw.reshape(sw.shape + (1,) * (2 - sw.ndim)), hidden.shape[:2])
+    # A weight per example given as [B] is Keras's [B, 1] (Keras's own form for [B, T] losses).
+    keras_sw = None if sw is None else sw.reshape(sw.shape + (1,) * (2 - sw.ndim))
     theirs = keras.losses.BinaryCrossentropy(from_logits=True, reduction=reduction)(
         targets, logits, sample_weight=keras_sw)
     np.testing.assert_allclose(to_numpy(ours), to_numpy(theirs), rtol=2e-5, atol=1e-6)
@@ -221,3 +222,31 @@ def test_reduced_loss_gradients_match_keras_with_weights_and_mask(reduction, imp
     np.testing.assert_allclose(value, value_k, rtol=2e-5)
     for g, gk in zip(grads, grads_k):
         np.testing.assert_allclose(g, gk, rtol=1e-4, atol=1e-7)
+
+
+def test_lora_embedding_table_trains_saves_and_loads(tmp_path):
+    """A6: a LoRA-enabled Embedding as the table: the loss reads the merged table, saves, reloads."""
+    vocab, dim = 31, 4
+    x, y = fit_data(vocab)
+    model, items = build_model(vocab, dim)
+    items.enable_lora(2)
+    loss = CutBCELoss(items, chunk_size=8)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss)
+    lora_b = to_numpy(items.lora_embeddings_b)
+    model.fit(x, y, epochs=2, verbose=0)
+    assert np.abs(to_numpy(items.lora_embeddings_b) - lora_b).max() > 0  # LoRA trains through the loss
+    hidden = to_numpy(model.predict(x, verbose=0))
+    merged = to_numpy(items.embeddings)
+    np.testing.assert_allclose(
+        to_numpy(loss(y, hidden)),
+        to_numpy(CutBCELoss(keras.Variable(merged), chunk_size=8)(y, hidden)),
+        rtol=1e-5,
+    )
+    assert loss.get_config()["embeddings"] == items.weights[0].path
+    path = tmp_path / "lora.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded.loss, CutBCELoss)
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-5
+    )

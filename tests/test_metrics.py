@@ -92,7 +92,7 @@ def test_top_k_retrieval_matches_numpy(rng):
     targets[2, 2] = [0, 0, -1, -1]  # only the constant exclusion: weight 0
     exclude = rng.integers(-1, vocab_size, size=(batch, steps, 6)).astype("int32")
     sample_weight = np.array([1.0, 0.5, 2.0, 0.0], "float32")
-    ks = (1, 3, 10, 50)  # 10 > tile, 50 > V
+    ks = (1, 3, 10, vocab_size)  # 10 > tile, the last is the whole vocabulary
 
     metric = TopKRetrieval(
         table_variable(table), k=ks, exclude_ids=[0], bias=keras.Variable(bias), chunk_size=8
@@ -111,7 +111,7 @@ def test_top_k_retrieval_matches_numpy(rng):
     )
     assert_results(results(metric), want)
     assert 0.0 < want["hit@10"] < 1.0 and want["ndcg@3"] > 0.0  # not a trivial case
-    np.testing.assert_allclose(want["hit@50"], 1.0)
+    np.testing.assert_allclose(want[f"hit@{vocab_size}"], 1.0)
 
     # A second batch accumulates; reset_state clears.
     metric.update_state(targets[:2, :, 0], hidden[:2], sample_weight=[3.0, 1.0])
@@ -319,3 +319,44 @@ def test_empty_target_lists(rng):
     got = [float(to_numpy(getattr(confusion, name))) for name in (
         "true_positives", "false_positives", "false_negatives", "true_negatives")]
     np.testing.assert_array_equal(got, want)
+
+
+def test_two_retrieval_metrics_log_under_their_names():
+    """A5: a metric named `name=` logs its keys under that name; two metrics never overwrite."""
+    vocab, dim = 19, 4
+    rng = np.random.default_rng(0)
+    items = keras.layers.Embedding(vocab, dim, name="items")
+    inputs = keras.Input((3,), dtype="int32")
+    model = keras.Model(inputs, keras.layers.Dense(dim)(items(inputs)))
+    from keras_cutbce import CutBCELoss
+
+    model.compile(
+        optimizer="sgd",
+        loss=CutBCELoss(items, chunk_size=8),
+        metrics=[TopKRetrieval(items, k=5, chunk_size=8)],
+        weighted_metrics=[TopKRetrieval(items, k=5, chunk_size=8, name="weighted")],
+    )
+    x = rng.integers(0, vocab, size=(12, 3))
+    y = rng.integers(0, vocab, size=(12, 3, 2))
+    sample_weight = np.where(np.arange(12) < 6, 1.0, 0.0)  # the weighted metric sees half the rows
+    logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
+    assert {"hit@5", "weighted_hit@5", "recall@5", "weighted_recall@5"} <= set(logs)
+    hidden = model.predict(x, verbose=0)
+    plain = TopKRetrieval(items, k=5, chunk_size=8)
+    plain.update_state(y, hidden)
+    weighted = TopKRetrieval(items, k=5, chunk_size=8)
+    weighted.update_state(y, hidden, sample_weight=sample_weight)
+    assert logs["hit@5"] == pytest.approx(float(to_numpy(plain.result()["hit@5"])), abs=1e-6)
+    assert logs["weighted_hit@5"] == pytest.approx(
+        float(to_numpy(weighted.result()["hit@5"])), abs=1e-6
+    )
+    named = ThresholdConfusion(items, name="at_half")
+    assert set(named.result()) == {"at_half_precision", "at_half_recall", "at_half_f1"}
+
+
+def test_cutoff_beyond_the_vocabulary_raises(rng):
+    """A5: `k > V` raises like `cut_top_k` instead of reporting hit@k computed at depth V."""
+    table = quantized(rng, (7, 3))
+    metric = TopKRetrieval(table_variable(table), k=(3, 12))
+    with pytest.raises(ValueError, match=r"`k`.*V = 7"):
+        metric.update_state(np.zeros((2, 1), "int32"), quantized(rng, (2, 3)))

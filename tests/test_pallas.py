@@ -247,3 +247,157 @@ def test_tile_rule(rows, vocab, dim, budget, dtype):
         assert pallas_tpu._footprint_bytes(tm, tv, dim, itemsize) <= budget
     else:
         assert (tm, tv) == (128, 128)  # nothing fits: the smallest aligned tiles
+
+
+def _walk(jaxpr, inside_pallas=False):
+    """Yields `(eqn, inside_pallas)` for every equation, sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        yield eqn, inside_pallas
+        nested = inside_pallas or eqn.primitive.name == "pallas_call"
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    yield from _walk(getattr(inner, "jaxpr", inner), nested)
+                elif hasattr(sub, "eqns"):
+                    yield from _walk(sub, nested)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
+    """Issue 11 D3: the reduced loss's loss and gradients come from ONE pallas_call.
+
+    M = 130 over 128-row tiles (two row tiles, so the resident rows
+    accumulate across the grid), V = 1000 over 256-wide tiles (a partial,
+    masked last tile), label smoothing and pos_weight.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, b, ids, g = _inputs(rng, 130, 1000, 64, 4, bias=with_bias)
+    w = np.abs(g)
+    kwargs = dict(label_smoothing=0.1, pos_weight=2.0, chunk_size=256, block_rows=128)
+    argnums = (0, 1, 2) if with_bias else (0, 1)
+
+    def fused(h, t, b):
+        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
+
+    def oracle(h, t, b):
+        return jnp.sum(w * _reference(ids, 0.1, 2.0)(h, t, b))
+
+    grad_fn = jax.value_and_grad(fused, argnums=argnums)
+    assert _count_pallas_calls(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr) == 1
+    assert _count_pallas_calls(jax.make_jaxpr(fused)(h, t, b).jaxpr) == 1  # loss only
+    value, grads = jax.jit(grad_fn)(h, t, b)
+    want_value, want_grads = jax.value_and_grad(oracle, argnums=argnums)(h, t, b)
+    _assert_close(value, want_value, 2e-5, "fused value")
+    for arg, got, want in zip("htb", grads, want_grads):
+        _assert_close(got, want, 2e-5, f"fused grad_{arg}")
+    # A cotangent other than 1 scales the saved gradients.
+    scaled = jax.grad(lambda h, t, b: 3.0 * fused(h, t, b), argnums=argnums)(h, t, b)
+    for got, want in zip(scaled, grads):
+        _assert_close(got, 3.0 * np.asarray(want), 2e-6, "scaled")
+
+
+def test_table_is_never_padded(rng):
+    """Issue 11 D3: V = 1000 over 256-wide tiles: no `[1024, D]` copy of the table.
+
+    The last tile is partial and masked in the kernels; the forward, the
+    per-row backward and the fused path are checked.
+    """
+    import jax
+
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, b, ids, g = _inputs(rng, 10, 1000, 8, 2, bias=True)
+    kwargs = dict(chunk_size=256)
+
+    def per_row(h, t, b):
+        return (pallas_tpu.cut_bce(h, t, ids, b, **kwargs) * g).sum()
+
+    def fused(h, t, b):
+        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, g, **kwargs)
+
+    for fn in (per_row, fused):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, argnums=(0, 1, 2)))(h, t, b).jaxpr
+        shapes = [
+            tuple(v.aval.shape) for eqn, inside in _walk(jaxpr) if not inside
+            for v in eqn.outvars if hasattr(v.aval, "shape")
+        ]
+        assert (1024, 8) not in shapes and (1, 1024) not in shapes and (1024,) not in shapes
+        assert _count_pallas_calls(jaxpr) >= 1
+
+
+def test_mixed_precision_does_not_promote_to_float32_highest(rng):
+    """Issue 11 D3: bf16 hidden with an f32 table: every kernel matmul runs in bf16.
+
+    The loss and gradients still match the reference (at bf16 accuracy) and
+    come back in each input's dtype.
+    """
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, b, ids, g = _inputs(rng, 20, 300, 16, 2, bias=True)
+    h = np.asarray(h, ml_dtypes.bfloat16)
+
+    def fused(h, t, b):
+        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, np.abs(g), chunk_size=128)
+
+    grad_fn = jax.value_and_grad(fused, argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad_fn)(h, t, b).jaxpr
+    dots = [eqn for eqn, inside in _walk(jaxpr) if inside and eqn.primitive.name == "dot_general"]
+    assert dots, "no matmul found inside the kernels"
+    for eqn in dots:
+        assert all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars), eqn
+        assert eqn.params["precision"] in (None, (None, None)) or all(
+            p in (None, jax.lax.Precision.DEFAULT) for p in eqn.params["precision"]
+        ), eqn.params["precision"]
+    value, grads = grad_fn(h, t, b)
+    assert [x.dtype for x in grads] == [jnp.bfloat16, jnp.float32, jnp.float32]
+
+    def oracle(h, t, b):
+        return jnp.sum(np.abs(g) * _reference(ids, 0.0, 1.0)(h, t, b))
+
+    want_value, want_grads = jax.value_and_grad(oracle, argnums=(0, 1, 2))(h, t, b)
+    _assert_close(value, want_value, 2e-2, "value")
+    for arg, got, want in zip("htb", grads, want_grads):
+        _assert_close(np.asarray(got, np.float32), want, 3e-2, f"grad_{arg}")
+
+
+def test_int64_ids_beyond_int32_stay_padding(rng):
+    """Issue 11 B1: an int64 id 2**32 + k is padding, not item k (no `astype(int32)` wrap)."""
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, _, _, _ = _inputs(rng, 3, 200, 8, 1, bias=False)
+    wide = np.array([[2**32 + 5, 7], [2**31, -1], [2**32 + 16, 2**33]], np.int64)
+    clean = np.array([[-1, 7], [-1, -1], [-1, -1]], np.int32)
+    got = pallas_tpu.cut_bce(h, t, wide, None, chunk_size=128)
+    want = pallas_tpu.cut_bce(h, t, clean, None, chunk_size=128)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fused_falls_back_to_three_passes_when_rows_do_not_fit(rng, monkeypatch):
+    """Rows too many for VMEM: the fused path runs kernels 1-3, same numbers."""
+    import jax
+
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t, b, ids, g = _inputs(rng, 20, 300, 8, 2, bias=True)
+    w = np.abs(g)
+
+    def fused(h, t, b):
+        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, w, chunk_size=128, label_smoothing=0.1)
+
+    grad_fn = jax.value_and_grad(fused, argnums=(0, 1, 2))
+    want_value, want_grads = grad_fn(h, t, b)
+    monkeypatch.setattr(pallas_tpu, "_fused_fits", lambda *args: False)
+    assert _count_pallas_calls(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr) == 3
+    value, grads = grad_fn(h, t, b)
+    _assert_close(value, want_value, 1e-5, "value")
+    for arg, got, want in zip("htb", grads, want_grads):
+        _assert_close(got, want, 1e-5, f"grad_{arg}")

@@ -304,3 +304,35 @@ def test_trains_tied_embedding_in_keras_fit(jit_compile):
     # Rows never used as input still move: they get gradient only through the loss.
     unused = np.setdiff1d(np.arange(vocab), x)
     assert np.abs(items.get_weights()[0][unused] - before[unused]).max() > 0
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_fused_weighted_sum_matches_per_row_and_scales(with_bias):
+    """Issue 11 E: `cut_bce_weighted_sum` (one XLA-compiled pass for loss and gradients).
+
+    Same value and gradients as `sum(w * cut_bce)`, a non-unit upstream
+    cotangent scales them, and an unknown batch size works in `tf.function`.
+    """
+    rng = np.random.default_rng(12)
+    h, t, ids, b, _ = make_case(rng, 9, 8, 203, 3, bias=with_bias)
+    w = rng.uniform(0.0, 2.0, size=(9,)).astype("float32")
+    kwargs = dict(label_smoothing=0.1, pos_weight=2.0, chunk_size=64)
+
+    @tf.function(input_signature=[
+        tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([203, 8], tf.float32),
+        tf.TensorSpec([None, 3], tf.int32), tf.TensorSpec([None], tf.float32),
+    ] + ([tf.TensorSpec([203], tf.float32)] if with_bias else []))
+    def fused_and_reference(h, t, ids, w, *b):
+        b = b[0] if b else None
+        watched = [h, t] + ([b] if with_bias else [])
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(watched)
+            fused = 3.0 * chunked.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
+            per_row = 3.0 * tf.reduce_sum(w * chunked.cut_bce(h, t, ids, b, **kwargs))
+        return fused, per_row, tape.gradient(fused, watched), tape.gradient(per_row, watched)
+
+    args = [h, t, ids.astype("int32"), w] + ([b] if with_bias else [])
+    fused, per_row, fused_grads, per_row_grads = fused_and_reference(*args)
+    np.testing.assert_allclose(fused.numpy(), per_row.numpy(), rtol=1e-5)
+    for got, want in zip(fused_grads, per_row_grads):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)

@@ -4,22 +4,28 @@ The loss of one row is `(1 / V) * sum_v [scale_v softplus(z_v) - target_v z_v]`
 with `z = h @ E.T + b` (see `DESIGN.md` and `keras_cutbce.coefficients`). It
 is computed in two parts, so the `[M, V]` logits never exist:
 
-- the dense background: every item with the negative weights
+- the negatives: every item with the negative weights
   `(neg_scale, neg_target)`, one vocabulary tile at a time in a `lax.scan`
-  over the table reshaped to `[num_tiles, tile, D]` (plus one narrower tile
-  for the remainder when `tile` does not divide `V`, so nothing is padded and
-  nothing is masked);
-- a sparse correction at the positives: the table rows of the valid,
-  de-duplicated target ids are gathered, their logits computed and the
-  weights `(delta_scale, delta_target)` added.
+  over tile indices (each tile a `dynamic_slice` of the table, plus one
+  narrower tile for the remainder when `tile` does not divide `V`: the table
+  is never copied or padded), with the row's positives masked out inside
+  each tile (`positives_in_tile`: L compares per logit for up to 16 ids a
+  row, else one O(M L) scatter per tile);
+- the positives: the table rows of the valid, de-duplicated target ids
+  (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
+  gathered and their exact terms `pos_minus softplus(-z) + pos_plus
+  softplus(z)` added (gradient `pos_plus sigmoid(z) - pos_minus
+  sigmoid(-z)`). Nothing is added and subtracted back, so a saturated
+  positive (|z| = 1e4, or a row whose loss is 1e-43) keeps full float32
+  precision whatever V.
 
 `cut_bce` (per-row loss, `jax.custom_vjp`) keeps only the inputs as
 residuals; its backward pass recomputes the logits tile by tile: with
 `dZ = g / V * (scale sigmoid(z) - target)` it accumulates
 `grad_hidden += dZ @ E_tile` in the scan's carry and emits
 `[h, 1].T @ dZ` (the table gradient tile, transposed, and the bias gradient
-tile in its last row) as the scan's stacked outputs, then scatter-adds the
-positives' correction. `cut_bce_weighted_sum` (a scalar, the training path of
+tile in its last row) into a `[D + 1, V]` carry in place, then scatter-adds the
+positives' gradients. `cut_bce_weighted_sum` (a scalar, the training path of
 a reduced loss) computes the loss and the gradients at cotangent 1 in one
 scan instead, and its backward pass only scales them. Both run the same
 per-tile function (`_tile_pass`). Everything accumulates in float32;
@@ -32,6 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from keras_cutbce.backends.targets import distinct_targets
 from keras_cutbce.coefficients import bce_coefficients
 from keras_cutbce.tiling import default_chunk_size
 from keras_cutbce.tiling import tile_budget_bytes
@@ -79,43 +86,80 @@ def _bce_slopes(z, e, scale, target):
     return out if target == 0.0 else out - target
 
 
+def _positive_terms(z, e, coef):
+    """A positive's exact term `pos_minus softplus(-z) + pos_plus softplus(z)`.
+
+    Both parts are non-negative, so nothing cancels at any `|z|`.
+    """
+    log_part = (coef.pos_minus + coef.pos_plus) * jnp.log1p(e)
+    return coef.pos_minus * jnp.maximum(-z, 0.0) + coef.pos_plus * jnp.maximum(z, 0.0) + log_part
+
+
+def _positive_slopes(z, e, coef):
+    """`d/dz` of `_positive_terms`: `pos_plus sigmoid(z) - pos_minus sigmoid(-z)`."""
+    inv = 1.0 / (1.0 + e)
+    sigmoid_neg = jnp.where(z >= 0, e, 1.0) * inv  # sigmoid(-z)
+    out = -coef.pos_minus * sigmoid_neg
+    if coef.pos_plus != 0.0:
+        out = out + coef.pos_plus * jnp.where(z >= 0, 1.0, e) * inv
+    return out
+
+
+# Up to this many ids per row, the tile mask is L compares per logit (fused
+# into the tile's elementwise pass); beyond, one O(M L) scatter per tile.
+MAX_COMPARED_IDS = 16
+
+
+def positives_in_tile(ids, start, width):
+    """Bool `[M, width]`: which logits of the tile `[start, start + width)` are positives.
+
+    Duplicates and padding are harmless (ids outside the tile match no
+    column). With few ids per row (`L <= MAX_COMPARED_IDS`) each id column
+    is compared with the tile's columns, which XLA fuses into the tile's
+    elementwise pass (no `[M, width]` buffer); otherwise one scatter of the
+    `[M, L]` ids (O(M L) per tile).
+    """
+    rows, length = ids.shape
+    local = ids - start
+    if length == 0:
+        return jnp.zeros((rows, width), bool)
+    if length <= MAX_COMPARED_IDS:
+        columns = jax.lax.broadcasted_iota(local.dtype, (1, width), 1)
+        mask = local[:, :1] == columns
+        for k in range(1, length):
+            mask = mask | (local[:, k : k + 1] == columns)
+        return mask
+    column = jnp.where((local >= 0) & (local < width), local, width).astype(jnp.int32)
+    mask = jnp.zeros((rows, width), bool)
+    return mask.at[jnp.arange(rows)[:, None], column].set(True, mode="drop")
+
+
 # ----------------------------------------------------------------- tiling ---
 
 
-def _split_tiles(table, bias, tile):
-    """Splits the vocabulary into full tiles `[n, tile, ...]` and a remainder.
-
-    Returns `((table_tiles, bias_tiles), (table_rest, bias_rest))`; the
-    remainder is `None` when `tile` divides `V`, bias parts are `None`
-    without bias.
-    """
-    vocab, dim = table.shape
-    num_tiles = vocab // tile
-    cut = num_tiles * tile
-    tiles = (
-        table[:cut].reshape(num_tiles, tile, dim),
-        None if bias is None else bias[:cut].reshape(num_tiles, tile),
-    )
-    rest = None
-    if cut < vocab:
-        rest = (table[cut:], None if bias is None else bias[cut:])
-    return tiles, rest
+def _tile_at(table, bias, start, width):
+    """The tile `[start, start + width)` of the table and bias: a slice, never a copy of the table."""
+    table_tile = jax.lax.dynamic_slice_in_dim(table, start, width, axis=0)
+    bias_tile = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, width)
+    return table_tile, bias_tile
 
 
-def _tile_pass(hidden, hidden_t, table_tile, bias_tile, coef, *, loss, row_scale):
-    """One vocabulary tile with the negative weights: the per-tile math, written once.
+def _tile_pass(hidden, hidden_t, table_tile, bias_tile, positive, coef, *, loss, row_scale):
+    """One vocabulary tile's negatives: the per-tile math, written once.
 
-    Computes the tile's logits `z` (one matmul) and `e = exp(-|z|)` once, then
-    what is asked for:
+    Computes the tile's logits `z` (one matmul) and `e = exp(-|z|)` once; the
+    positives (`positive`, bool `[M, tile]`) are masked out, so their terms
+    are never added here (the positives' pass adds them exactly). Then what
+    is asked for:
 
     - `loss=True`: the per-row sum of `neg_scale softplus(z) - neg_target z`
-      (`[M]` float32), else `None`;
+      over the tile's negatives (`[M]` float32), else `None`;
     - `row_scale` (`[M]` float32) given: with
-      `dZ = row_scale[:, None] * (neg_scale sigmoid(z) - neg_target)`, the
-      tile's part of the hidden gradient `dZ @ E_tile` (`[M, D]`) and
-      `hidden_t @ dZ` (`[D (+1), tile]`: the table gradient, transposed, and
-      in its last row the bias gradient when `hidden_t` carries a row of
-      ones), else `None, None`.
+      `dZ = row_scale[:, None] * (neg_scale sigmoid(z) - neg_target)` (0 at
+      the positives), the tile's part of the hidden gradient `dZ @ E_tile`
+      (`[M, D]`) and `hidden_t @ dZ` (`[D (+1), tile]`: the table gradient,
+      transposed, and in its last row the bias gradient when `hidden_t`
+      carries a row of ones), else `None, None`.
 
     Per tile, `dZ` is read by two matmuls only, both plain (untransposed)
     for XLA's CPU backend.
@@ -124,23 +168,28 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, coef, *, loss, row_scale
     e = _exp_neg_abs(z)
     loss_rows = None
     if loss:
-        loss_rows = jnp.sum(_bce_terms(z, e, coef.neg_scale, coef.neg_target), axis=1)
+        terms = jnp.where(positive, 0.0, _bce_terms(z, e, coef.neg_scale, coef.neg_target))
+        loss_rows = jnp.sum(terms, axis=1)
     if row_scale is None:
         return loss_rows, None, None
-    dz = row_scale[:, None] * _bce_slopes(z, e, coef.neg_scale, coef.neg_target)
+    slopes = jnp.where(positive, 0.0, _bce_slopes(z, e, coef.neg_scale, coef.neg_target))
+    dz = row_scale[:, None] * slopes
     return loss_rows, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
 
-def _dense_pass(hidden, table, bias, tile, coef, *, loss, row_scale=None):
-    """The dense background over every tile, in one `lax.scan`.
+def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
+    """The negatives of every tile, in one `lax.scan` over tile indices.
 
     Returns `(loss_rows, grads)`: `loss_rows` is the per-row
-    `sum_v [neg_scale softplus(z_v) - neg_target z_v]` (`[M]` float32) when
-    `loss`, else `None`; `grads` is `None` without `row_scale`, else the
-    float32 gradients `(hidden, table, bias or None)` of
-    `sum_m row_scale_m * loss_rows_m`. The per-row loss sum and the hidden
-    gradient ride in the scan's carry, the transposed table gradient tiles are
-    its stacked outputs (transposed once at the end).
+    `sum_v [neg_scale softplus(z_v) - neg_target z_v]` over the row's
+    negatives (`[M]` float32) when `loss`, else `None`; `grads` is `None`
+    without `row_scale`, else the float32 gradients
+    `(hidden, table, bias or None)` of `sum_m row_scale_m * loss_rows_m`.
+    The per-row loss sum, the hidden gradient and the transposed table
+    gradient (updated in place, tile by tile) ride in the scan's carry. Tiles are
+    sliced out of the table inside the loop (`dynamic_slice`), plus one
+    narrower tile for the remainder when `tile` does not divide `V`: the
+    table is never copied, padded or masked.
     """
     want_grads = row_scale is not None
     hidden_t = None
@@ -149,56 +198,52 @@ def _dense_pass(hidden, table, bias, tile, coef, *, loss, row_scale=None):
         if bias is not None:
             hidden_t = jnp.concatenate([hidden_t, jnp.ones_like(hidden_t[:1])], axis=0)
 
-    def tile_pass(table_tile, bias_tile):
+    def tile_pass(start, width):
+        table_tile, bias_tile = _tile_at(table, bias, start, width)
+        positive = positives_in_tile(ids, start, width)
         return _tile_pass(
-            hidden, hidden_t, table_tile, bias_tile, coef, loss=loss, row_scale=row_scale
+            hidden, hidden_t, table_tile, bias_tile, positive, coef,
+            loss=loss, row_scale=row_scale,
         )
 
     def add(a, b):
         return None if a is None else a + b
 
-    def step(carry, xs):
-        loss_rows, grad_hidden = carry
-        tile_loss, tile_hidden, tile_table_t = tile_pass(*xs)
-        return (add(loss_rows, tile_loss), add(grad_hidden, tile_hidden)), tile_table_t
+    def accumulate(carry, start, width):
+        loss_rows, grad_hidden, grad_table_t = carry
+        tile_loss, tile_hidden, tile_table_t = tile_pass(start, width)
+        if grad_table_t is not None:
+            grad_table_t = jax.lax.dynamic_update_slice_in_dim(
+                grad_table_t, tile_table_t, start, axis=1
+            )
+        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table_t
 
     rows = hidden.shape[0]
-    init = (
+    vocab = table.shape[0]
+    num_tiles, rest = divmod(vocab, tile)
+    carry = (
         jnp.zeros((rows,), _F32) if loss else None,
         jnp.zeros(hidden.shape, _F32) if want_grads else None,
+        # The transposed table (and bias) gradient, written tile by tile in
+        # place: no stacked tiles, no concatenation, one [D (+1), V] buffer.
+        jnp.zeros((hidden_t.shape[0], vocab), _F32) if want_grads else None,
     )
-    tiles, rest = _split_tiles(table, bias, tile)
-    (loss_rows, grad_hidden), stacked = jax.lax.scan(step, init, tiles)
-    rest_table_t = None
-    if rest is not None:
-        rest_loss, rest_hidden, rest_table_t = tile_pass(*rest)
-        loss_rows = add(loss_rows, rest_loss)
-        grad_hidden = add(grad_hidden, rest_hidden)
+    carry, _ = jax.lax.scan(
+        lambda carry, index: (accumulate(carry, index * tile, tile), None),
+        carry,
+        jnp.arange(num_tiles, dtype=jnp.int32),
+    )
+    if rest:
+        carry = accumulate(carry, num_tiles * tile, rest)
+    loss_rows, grad_hidden, grad_table_t = carry
     if not want_grads:
         return loss_rows, None
-    grad_table_t = jnp.moveaxis(stacked, 1, 0).reshape(stacked.shape[1], -1)  # [D(+1), cut]
-    if rest_table_t is not None:
-        grad_table_t = jnp.concatenate([grad_table_t, rest_table_t], axis=1)
     dim = table.shape[1]
     grad_bias = None if bias is None else grad_table_t[dim]
     return loss_rows, (grad_hidden, grad_table_t[:dim].T, grad_bias)
 
 
 # -------------------------------------------------------------- positives ---
-
-
-def _positives(ids, vocab_size):
-    """Gather indices `[M, L]` int32 and the 0/1 weight of each (valid, first occurrence)."""
-    wide = jnp.int64 if ids.dtype.itemsize == 8 else jnp.int32
-    ids = ids.astype(wide)
-    valid = (ids >= 0) & (ids < vocab_size)
-    key = jnp.where(valid, ids, -1)
-    length = ids.shape[-1]
-    earlier = jnp.tril(jnp.ones((length, length), bool), -1)  # [j, k]: k < j
-    repeated = jnp.any((key[:, :, None] == key[:, None, :]) & earlier, axis=-1)
-    keep = valid & ~repeated
-    index = jnp.where(keep, ids, 0).astype(jnp.int32)
-    return index, keep
 
 
 def _positive_logits(hidden, table, bias, index):
@@ -211,25 +256,25 @@ def _positive_logits(hidden, table, bias, index):
 
 
 def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=None):
-    """Adds the positives' correction `(delta_scale, delta_target)` to a dense pass.
+    """Adds the positives' exact terms to a dense pass over the negatives.
 
-    `loss_rows` (`[M]`, or `None`) gets the per-row correction; `grads`
+    `loss_rows` (`[M]`, or `None`) gets each row's
+    `sum_p pos_minus softplus(-z_p) + pos_plus softplus(z_p)`; `grads`
     (`(hidden, table, bias or None)` float32, or `None`) get the gradient of
-    `sum_m row_scale_m * correction_m`. Returns the updated `(loss_rows, grads)`.
+    `sum_m row_scale_m * positives_m`. Returns the updated `(loss_rows, grads)`.
     """
     if ids.shape[-1] == 0:
         return loss_rows, grads
     vocab = table.shape[0]
-    index, keep = _positives(ids, vocab)
+    index, keep = distinct_targets(ids, vocab)
     z, rows = _positive_logits(hidden, table, bias, index)
     e = _exp_neg_abs(z)
     if loss_rows is not None:
-        terms = _bce_terms(z, e, coef.delta_scale, coef.delta_target)
+        terms = _positive_terms(z, e, coef)
         loss_rows = loss_rows + jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
     if grads is not None:
         grad_hidden, grad_table, grad_bias = grads
-        slopes = _bce_slopes(z, e, coef.delta_scale, coef.delta_target)
-        dz = jnp.where(keep, row_scale[:, None] * slopes, 0.0)
+        dz = jnp.where(keep, row_scale[:, None] * _positive_slopes(z, e, coef), 0.0)
         grad_hidden = grad_hidden + jnp.sum(dz[..., None] * rows.astype(_F32), axis=1)
         drop = jnp.where(keep, index, vocab)  # out of range: dropped by the scatter
         updates = dz[..., None] * hidden.astype(_F32)[:, None, :]
@@ -247,7 +292,9 @@ def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=Non
     `sum_m row_scale_m * (dense + positives)_m`: `row_scale` already holds
     the `1 / V`.
     """
-    loss_rows, grads = _dense_pass(hidden, table, bias, tile, coef, loss=loss, row_scale=row_scale)
+    loss_rows, grads = _dense_pass(
+        hidden, table, bias, ids, tile, coef, loss=loss, row_scale=row_scale
+    )
     loss_rows, grads = _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale)
     if loss_rows is not None:
         loss_rows = loss_rows / table.shape[0]

@@ -1,38 +1,54 @@
-"""CutBCE as Pallas TPU (Mosaic) kernels, forward and backward, under `jax.custom_vjp`.
+"""CutBCE as Pallas TPU (Mosaic) kernels, under `jax.custom_vjp`.
 
-The loss of a row is `(1 / V) * (dense + sparse)`:
+The loss of a row is `(1 / V) * (negatives + positives)`:
 
-- `dense = sum_v neg_scale * softplus(z_v) - neg_target * z_v` over the whole
-  vocabulary, computed by Pallas kernels over a grid of (row tiles, vocabulary
-  tiles). A `[tm, tv]` logits tile exists only in VMEM; float32 accumulators
-  live in VMEM scratch.
-- `sparse = sum_{v in P} delta_scale * softplus(z_v) - delta_target * z_v` over
-  the row's valid, de-duplicated positives `P`: a gather of `L` table rows per
-  position, in plain JAX (small).
+- `negatives = sum_{v not in P} neg_scale * softplus(z_v) - neg_target * z_v`,
+  computed by Pallas kernels over a grid of (row tiles, vocabulary tiles). A
+  `[tm, tv]` logits tile exists only in VMEM; float32 accumulators live in
+  VMEM. The row's positives `P` are masked inside each tile (its `[tm, L]`
+  ids compared with the tile's columns, `L` vector compares per logit), so a
+  positive is never added and subtracted back.
+- `positives = sum_{v in P} pos_minus softplus(-z_v) + pos_plus softplus(z_v)`
+  over the row's valid, de-duplicated positives
+  (`keras_cutbce.backends.targets.distinct_targets`): a gather of `L` table
+  rows per position, in plain JAX (small). Both parts are non-negative, so a
+  saturated positive (|z| = 1e4, a row of loss 1e-43) keeps float32
+  precision; its gradient is `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
 
 The coefficients come from `keras_cutbce.coefficients.bce_coefficients`.
 One `exp` and one `log1p` per logit (`e = exp(-|z|)`, `softplus(z) =
 max(z, 0) + log1p(e)`, `sigmoid(z) = 1 / (1 + e)` or `e / (1 + e)`), all in
 float32, so the loss and its gradients stay finite for any `|z|`.
 
-Kernels (all recompute the logits `z = h @ E.T + b`; matmuls run in the input
-dtype with float32 accumulation, `Precision.HIGHEST` for float32 inputs):
+Kernels (all recompute the logits `z = h @ E.T + b`; matmuls run in the
+matmul dtype with float32 accumulation: the hidden states' dtype when it is
+16-bit (Keras mixed precision: bfloat16 activations, float32 table; the
+table tile is cast in VMEM), else the promoted dtype; `Precision.HIGHEST`
+only when that is float32):
 
-1. forward, grid `(rows, vocab)`: the per-row dense sum, accumulated over the
-   vocabulary axis (`"arbitrary"`); padded vocabulary columns are masked with
-   the true `V`.
-2. `grad_hidden`, grid `(rows, vocab)`: `sum_v dz[m, v] E_v` accumulated over
-   vocabulary tiles, `dz = g_m (neg_scale * sigmoid(z) - neg_target)`.
+1. forward, grid `(rows, vocab)`: the per-row sum over the negatives.
+2. `grad_hidden`, grid `(rows, vocab)`: `sum_v dz[m, v] E_v`,
+   `dz = g_m (neg_scale * sigmoid(z) - neg_target)` at the negatives.
 3. `grad_table` and `grad_bias`, grid `(vocab, rows)` (transposed):
    `sum_m dz[m, v] h_m` and `sum_m dz[m, v]` accumulated over row tiles.
-   Padded rows have a zero cotangent, so they add nothing.
+4. fused (the training path of a reduced loss, `cut_bce_weighted_sum`),
+   grid `(vocab, rows)`: the loss and the three gradients for constant row
+   weights in ONE pass over the logits. The table and bias gradient blocks
+   accumulate over the inner row axis; the loss and hidden gradient of every
+   row stay resident in VMEM for the whole grid (`[M, 128 + D]` float32).
+   When they do not fit in a quarter of the VMEM budget, the fused path runs
+   kernels 1-3 instead (three logits passes).
 
-The sparse correction's gradients are added in float32 in the backward pass
-and every gradient is cast once to its input's dtype.
+The table is never padded or copied: the grid covers `cdiv(V, tv)` tiles and
+the last, partial tile is masked in the kernels (its out-of-range rows are
+zeroed before any product, its columns masked out of every sum). Only the
+rows (hidden states, ids, cotangent: `O(M (D + L))`) are padded to the row
+tile; padded rows have zero weight.
 
 Layout: per-row vectors (the forward output, the cotangent) travel
 lane-broadcast as `[rows, 128]` float32 arrays, the bias as a `[1, V]`
-float32 row; blocks are `(tm, D)`, `(tv, D)`, `(1, tv)` and `(tm, 128)`.
+float32 row; blocks are `(tm, D)`, `(tv, D)`, `(1, tv)`, `(tm, L)` and
+`(tm, 128)`.
 
 Tile rule (`chunk_size=None`, `block_rows=None`):
 
@@ -83,7 +99,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from keras_cutbce.coefficients import bce_coefficients
+from keras_cutbce.backends.targets import distinct_targets
+from keras_cutbce.coefficients import BCECoefficients, bce_coefficients
+from keras_cutbce.common import ids_as_int32
+from keras_cutbce.common import on_tpu as _on_tpu
+from keras_cutbce.common import round_up as _round_up
 
 LANES = 128
 MAX_ROW_TILE = 512
@@ -95,17 +115,6 @@ DEFAULT_VMEM_BUDGET_BYTES = DEFAULT_SCOPED_VMEM_BYTES * 3 // 4
 # `x @ y.T` without materialising the transpose ("NT" matmul).
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
-
-
-def _round_up(value, multiple):
-    return -(-int(value) // multiple) * multiple
-
-
-def _on_tpu():
-    try:
-        return jax.devices()[0].platform == "tpu"
-    except RuntimeError:
-        return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,16 +180,16 @@ def _compiler_params(semantics, interpret):
     return cls(**kwargs)
 
 
+
 class _Config(NamedTuple):
     """Static (hashable) settings of one call."""
 
     vocab_size: int
-    neg_scale: float
-    neg_target: float
-    delta_scale: float
-    delta_target: float
+    coef: BCECoefficients
     row_tile: int
     vocab_tile: int
+    num_ids: int
+    mm_dtype: str
     interpret: bool
 
 
@@ -189,47 +198,79 @@ class _Config(NamedTuple):
 # ----------------------------------------------------------------------------
 
 
-def _tile_logits(h, t, b_ref):
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _matmul(x, y, dims, cfg):
+    """`dot_general` in the matmul dtype, float32 accumulation."""
+    dtype = jnp.dtype(cfg.mm_dtype)
+    return lax.dot_general(
+        x.astype(dtype), y.astype(dtype), dims, precision=_precision(dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _table_tile(t_ref, j, cfg):
+    """The table tile; rows past V (the last, partial tile) are zeroed."""
+    t = t_ref[...]
+    if cfg.vocab_size % cfg.vocab_tile:
+        rows = lax.broadcasted_iota(jnp.int32, t.shape, 0) + j * cfg.vocab_tile
+        t = jnp.where(rows < cfg.vocab_size, t, jnp.zeros_like(t))
+    return t
+
+
+def _negatives(ids_ref, shape, j, cfg):
+    """Bool `[tm, tv]`: the tile's logits that count as negatives.
+
+    Columns past V and the row's positives (its ids, compared one id column
+    at a time) are excluded.
+    """
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + j * cfg.vocab_tile
+    keep = cols < cfg.vocab_size
+    for k in range(cfg.num_ids):
+        keep = jnp.logical_and(keep, cols != ids_ref[:, k : k + 1])
+    return keep
+
+
+def _tile_logits(h, t, b_ref, cfg):
     """Float32 logits `[tm, tv]` of a row tile `h` against a vocabulary tile `t`."""
-    precision = lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
-    z = lax.dot_general(h, t, _NT, precision=precision, preferred_element_type=jnp.float32)
+    z = _matmul(h, t, _NT, cfg)
     if b_ref is not None:
         z = z + b_ref[...]
     return z
 
 
-def _softplus_term(z, scale, target):
-    """`scale * softplus(z) - target * z` with one exp and one log1p."""
+def _negative_terms(z, coef):
+    """`neg_scale * softplus(z) - neg_target * z` with one exp and one log1p."""
     softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
-    term = softplus if scale == 1.0 else scale * softplus
-    return term if target == 0.0 else term - target * z
+    term = softplus if coef.neg_scale == 1.0 else coef.neg_scale * softplus
+    return term if coef.neg_target == 0.0 else term - coef.neg_target * z
 
 
-def _sigmoid_grad(z, scale, target):
-    """`scale * sigmoid(z) - target` with one exp."""
+def _negative_slopes(z, coef):
+    """`neg_scale * sigmoid(z) - neg_target` with one exp."""
     e = jnp.exp(-jnp.abs(z))
     inv = 1.0 / (1.0 + e)
     sigmoid = jnp.where(z >= 0, inv, e * inv)
-    grad = sigmoid if scale == 1.0 else scale * sigmoid
-    return grad if target == 0.0 else grad - target
+    grad = sigmoid if coef.neg_scale == 1.0 else coef.neg_scale * sigmoid
+    return grad if coef.neg_target == 0.0 else grad - coef.neg_target
 
 
-def _column_mask(shape, tile_index, cfg):
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + tile_index * cfg.vocab_tile
-    return cols < cfg.vocab_size
-
-
-def _needs_mask(cfg):
-    return cfg.vocab_size % cfg.vocab_tile != 0
-
-
-def _unpack(refs, has_bias, has_cotangent):
-    """Splits kernel refs into `(h, t, bias | None, g | None, outputs_and_scratch)`."""
+def _unpack(refs, has_bias, has_weights):
+    """Splits kernel refs into `(h, t, ids, bias | None, g | None, outputs_and_scratch)`."""
     refs = list(refs)
-    h_ref, t_ref = refs.pop(0), refs.pop(0)
+    h_ref, t_ref, ids_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     b_ref = refs.pop(0) if has_bias else None
-    g_ref = refs.pop(0) if has_cotangent else None
-    return h_ref, t_ref, b_ref, g_ref, refs
+    g_ref = refs.pop(0) if has_weights else None
+    return h_ref, t_ref, ids_ref, b_ref, g_ref, refs
+
+
+def _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg):
+    """`(h, t, z, negatives)` of one (row tile, vocabulary tile)."""
+    h, t = h_ref[...], _table_tile(t_ref, j, cfg)
+    z = _tile_logits(h, t, b_ref, cfg)
+    return h, t, z, _negatives(ids_ref, z.shape, j, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -238,17 +279,15 @@ def _unpack(refs, has_bias, has_cotangent):
 
 
 def _forward_kernel(*refs, cfg, has_bias):
-    h_ref, t_ref, b_ref, _, (out_ref, acc_ref) = _unpack(refs, has_bias, False)
+    h_ref, t_ref, ids_ref, b_ref, _, (out_ref, acc_ref) = _unpack(refs, has_bias, False)
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    z = _tile_logits(h_ref[...], t_ref[...], b_ref)
-    term = _softplus_term(z, cfg.neg_scale, cfg.neg_target)
-    if _needs_mask(cfg):
-        term = jnp.where(_column_mask(term.shape, j, cfg), term, 0.0)
+    _, _, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    term = jnp.where(negative, _negative_terms(z, cfg.coef), 0.0)
     acc_ref[...] += jnp.sum(term, axis=1, keepdims=True)
 
     @pl.when(j == pl.num_programs(1) - 1)
@@ -257,22 +296,16 @@ def _forward_kernel(*refs, cfg, has_bias):
 
 
 def _grad_hidden_kernel(*refs, cfg, has_bias):
-    h_ref, t_ref, b_ref, g_ref, (out_ref, acc_ref) = _unpack(refs, has_bias, True)
+    h_ref, t_ref, ids_ref, b_ref, g_ref, (out_ref, acc_ref) = _unpack(refs, has_bias, True)
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    t = t_ref[...]
-    z = _tile_logits(h_ref[...], t, b_ref)
-    dz = g_ref[:, :1] * _sigmoid_grad(z, cfg.neg_scale, cfg.neg_target)
-    if _needs_mask(cfg):  # Padded table rows are zero; the mask makes it explicit.
-        dz = jnp.where(_column_mask(dz.shape, j, cfg), dz, 0.0)
-    precision = lax.Precision.HIGHEST if t.dtype == jnp.float32 else None
-    acc_ref[...] += lax.dot_general(
-        dz.astype(t.dtype), t, _NN, precision=precision, preferred_element_type=jnp.float32
-    )
+    _, t, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    dz = jnp.where(negative, g_ref[:, :1] * _negative_slopes(z, cfg.coef), 0.0)
+    acc_ref[...] += _matmul(dz, t, _NN, cfg)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _store():
@@ -280,12 +313,12 @@ def _grad_hidden_kernel(*refs, cfg, has_bias):
 
 
 def _grad_table_kernel(*refs, cfg, has_bias):
-    h_ref, t_ref, b_ref, g_ref, outs = _unpack(refs, has_bias, True)
+    h_ref, t_ref, ids_ref, b_ref, g_ref, outs = _unpack(refs, has_bias, True)
     if has_bias:
         dt_ref, db_ref, acc_t_ref, acc_b_ref = outs
     else:
         (dt_ref, acc_t_ref), db_ref, acc_b_ref = outs, None, None
-    i = pl.program_id(1)  # Row tile: the reduction axis of this transposed grid.
+    j, i = pl.program_id(0), pl.program_id(1)  # i: the reduction axis of this transposed grid.
 
     @pl.when(i == 0)
     def _init():
@@ -293,14 +326,47 @@ def _grad_table_kernel(*refs, cfg, has_bias):
         if has_bias:
             acc_b_ref[...] = jnp.zeros_like(acc_b_ref)
 
-    h = h_ref[...]
-    z = _tile_logits(h, t_ref[...], b_ref)
+    h, _, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
     # Padded rows carry a zero cotangent, so they add nothing.
-    dz = g_ref[:, :1] * _sigmoid_grad(z, cfg.neg_scale, cfg.neg_target)
-    precision = lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
-    acc_t_ref[...] += lax.dot_general(
-        dz.T.astype(h.dtype), h, _NN, precision=precision, preferred_element_type=jnp.float32
-    )
+    dz = jnp.where(negative, g_ref[:, :1] * _negative_slopes(z, cfg.coef), 0.0)
+    acc_t_ref[...] += _matmul(dz.T, h, _NN, cfg)
+    if has_bias:
+        acc_b_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
+
+    @pl.when(i == pl.num_programs(1) - 1)
+    def _store():
+        dt_ref[...] = acc_t_ref[...]
+        if has_bias:
+            db_ref[...] = acc_b_ref[...]
+
+
+def _fused_kernel(*refs, cfg, has_bias):
+    """Loss and all gradients in one pass; grid (vocab tile j, row tile i)."""
+    h_ref, t_ref, ids_ref, b_ref, g_ref, outs = _unpack(refs, has_bias, True)
+    if has_bias:
+        loss_ref, dh_ref, dt_ref, db_ref, acc_t_ref, acc_b_ref = outs
+    else:
+        (loss_ref, dh_ref, dt_ref, acc_t_ref), db_ref, acc_b_ref = outs, None, None
+    j, i = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(pl.multiple_of(i * cfg.row_tile, cfg.row_tile), cfg.row_tile)
+
+    @pl.when(j == 0)
+    def _init_rows():  # resident [M, .] outputs: first visit of these rows
+        loss_ref[rows, :] = jnp.zeros((cfg.row_tile, LANES), jnp.float32)
+        dh_ref[rows, :] = jnp.zeros((cfg.row_tile, dh_ref.shape[1]), jnp.float32)
+
+    @pl.when(i == 0)
+    def _init_tile():
+        acc_t_ref[...] = jnp.zeros_like(acc_t_ref)
+        if has_bias:
+            acc_b_ref[...] = jnp.zeros_like(acc_b_ref)
+
+    h, t, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    term = jnp.where(negative, _negative_terms(z, cfg.coef), 0.0)
+    loss_ref[rows, :] += jnp.sum(term, axis=1, keepdims=True) + jnp.zeros((1, LANES), jnp.float32)
+    dz = jnp.where(negative, g_ref[:, :1] * _negative_slopes(z, cfg.coef), 0.0)
+    dh_ref[rows, :] += _matmul(dz, t, _NN, cfg)
+    acc_t_ref[...] += _matmul(dz.T, h, _NN, cfg)
     if has_bias:
         acc_b_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
 
@@ -312,155 +378,193 @@ def _grad_table_kernel(*refs, cfg, has_bias):
 
 
 # ----------------------------------------------------------------------------
-# pallas_call wrappers on padded inputs.
+# pallas_call wrappers: rows padded to the row tile, the table never padded.
 # ----------------------------------------------------------------------------
 
 
-def _pad_rows(x, rows):
+def _pad_rows(x, rows, value=0):
     extra = rows - x.shape[0]
-    return x if extra == 0 else jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+    if extra == 0:
+        return x
+    return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
 
 
-def _padded_inputs(h, t, b, cfg):
+def _row_inputs(h, ids, g, cfg):
+    """Hidden states, ids and (lane-broadcast) row weights padded to the row tile."""
     mp = _round_up(h.shape[0], cfg.row_tile)
-    vp = _round_up(t.shape[0], cfg.vocab_tile)
-    hp, tp = _pad_rows(h, mp), _pad_rows(t, vp)
-    bp = None if b is None else _pad_rows(b.astype(jnp.float32), vp).reshape(1, vp)
-    return hp, tp, bp
+    hp, idsp = _pad_rows(h, mp), _pad_rows(ids, mp, -1)
+    gp = None
+    if g is not None:
+        gp = jnp.broadcast_to(_pad_rows(g.astype(jnp.float32), mp)[:, None], (mp, LANES))
+    return hp, idsp, gp
 
 
-def _row_major_specs(cfg, d, has_bias):
-    """BlockSpecs of (h, t[, b]) for a grid (row tile i, vocab tile j)."""
-    tm, tv = cfg.row_tile, cfg.vocab_tile
+def _bias_row(b):
+    return None if b is None else b.astype(jnp.float32).reshape(1, -1)
+
+
+def _grid_sizes(mp, cfg):
+    return mp // cfg.row_tile, pl.cdiv(cfg.vocab_size, cfg.vocab_tile)
+
+
+def _specs(cfg, d, has_bias, has_weights, transposed):
+    """BlockSpecs of (h, t, ids[, b][, g]) for grid (i, j), or (j, i) when `transposed`."""
+    tm, tv, length = cfg.row_tile, cfg.vocab_tile, cfg.num_ids
+
+    def at(fn):
+        return (lambda j, i: fn(i, j)) if transposed else fn
+
     specs = [
-        pl.BlockSpec((tm, d), lambda i, j: (i, 0)),
-        pl.BlockSpec((tv, d), lambda i, j: (j, 0)),
+        pl.BlockSpec((tm, d), at(lambda i, j: (i, 0))),
+        pl.BlockSpec((tv, d), at(lambda i, j: (j, 0))),
+        pl.BlockSpec((tm, length), at(lambda i, j: (i, 0))),
     ]
     if has_bias:
-        specs.append(pl.BlockSpec((1, tv), lambda i, j: (0, j)))
+        specs.append(pl.BlockSpec((1, tv), at(lambda i, j: (0, j))))
+    if has_weights:
+        specs.append(pl.BlockSpec((tm, LANES), at(lambda i, j: (i, 0))))
     return specs
 
 
-def _dense_forward(h, t, b, cfg):
-    """Per-row dense sums `[M]` float32 (kernel 1)."""
-    hp, tp, bp = _padded_inputs(h, t, b, cfg)
-    mp, d = hp.shape
-    tm, has_bias = cfg.row_tile, b is not None
-    grid = (mp // tm, tp.shape[0] // cfg.vocab_tile)
-    out = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg, has_bias=has_bias),
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, semantics, cfg, has_bias):
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg, has_bias=has_bias),
         grid=grid,
-        in_specs=_row_major_specs(cfg, d, has_bias),
-        out_specs=pl.BlockSpec((tm, LANES), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((mp, LANES), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((tm, LANES), jnp.float32)],
-        compiler_params=_compiler_params(("parallel", "arbitrary"), cfg.interpret),
-        interpret=_interpret_arg(cfg.interpret),
-        name="cutbce_forward",
-    )(*([hp, tp] + ([bp] if has_bias else [])))
-    return out[: h.shape[0], 0]
-
-
-def _dense_backward(h, t, b, g, cfg):
-    """Float32 `(grad_hidden [M, D], grad_table [V, D], grad_bias [V] | None)` (kernels 2, 3)."""
-    hp, tp, bp = _padded_inputs(h, t, b, cfg)
-    (mp, d), vp = hp.shape, tp.shape[0]
-    tm, tv, has_bias = cfg.row_tile, cfg.vocab_tile, b is not None
-    gp = jnp.broadcast_to(_pad_rows(g.astype(jnp.float32), mp)[:, None], (mp, LANES))
-    inputs = [hp, tp] + ([bp] if has_bias else []) + [gp]
-    interpret = _interpret_arg(cfg.interpret)
-
-    grad_h = pl.pallas_call(
-        functools.partial(_grad_hidden_kernel, cfg=cfg, has_bias=has_bias),
-        grid=(mp // tm, vp // tv),
-        in_specs=_row_major_specs(cfg, d, has_bias)
-        + [pl.BlockSpec((tm, LANES), lambda i, j: (i, 0))],
-        out_specs=pl.BlockSpec((tm, d), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((mp, d), jnp.float32),
-        scratch_shapes=[pltpu.VMEM((tm, d), jnp.float32)],
-        compiler_params=_compiler_params(("parallel", "arbitrary"), cfg.interpret),
-        interpret=interpret,
-        name="cutbce_grad_hidden",
-    )(*inputs)
-
-    # Transposed grid (vocab tile j, row tile i): the table gradient is
-    # accumulated over row tiles while its block stays in VMEM.
-    in_specs = [
-        pl.BlockSpec((tm, d), lambda j, i: (i, 0)),
-        pl.BlockSpec((tv, d), lambda j, i: (j, 0)),
-    ]
-    if has_bias:
-        in_specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, j)))
-    in_specs.append(pl.BlockSpec((tm, LANES), lambda j, i: (i, 0)))
-    out_specs = [pl.BlockSpec((tv, d), lambda j, i: (j, 0))]
-    out_shape = [jax.ShapeDtypeStruct((vp, d), jnp.float32)]
-    scratch = [pltpu.VMEM((tv, d), jnp.float32)]
-    if has_bias:
-        out_specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, j)))
-        out_shape.append(jax.ShapeDtypeStruct((1, vp), jnp.float32))
-        scratch.append(pltpu.VMEM((1, tv), jnp.float32))
-    outs = pl.pallas_call(
-        functools.partial(_grad_table_kernel, cfg=cfg, has_bias=has_bias),
-        grid=(vp // tv, mp // tm),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
-        compiler_params=_compiler_params(("parallel", "arbitrary"), cfg.interpret),
-        interpret=interpret,
-        name="cutbce_grad_table",
-    )(*inputs)
-    vocab = t.shape[0]
-    grad_t = outs[0][:vocab]
-    grad_b = outs[1][0, :vocab] if has_bias else None
-    return grad_h[: h.shape[0]], grad_t, grad_b
-
-
-# ----------------------------------------------------------------------------
-# Sparse correction over the positives (plain JAX).
-# ----------------------------------------------------------------------------
-
-
-def _positives(ids, vocab_size):
-    """Sorted safe ids `[M, L]` and a mask of valid first occurrences."""
-    ids = ids.astype(jnp.int32)
-    valid = (ids >= 0) & (ids < vocab_size)
-    # Invalid ids become -1 and sort first; duplicates become neighbours.
-    ids = jnp.sort(jnp.where(valid, ids, -1), axis=1)
-    first = jnp.concatenate(
-        [jnp.ones_like(ids[:, :1], dtype=bool), ids[:, 1:] != ids[:, :-1]], axis=1
+        compiler_params=_compiler_params(semantics, cfg.interpret),
+        interpret=_interpret_arg(cfg.interpret),
+        name=name,
     )
-    keep = first & (ids >= 0)
-    return jnp.where(keep, ids, 0), keep
 
 
-def _positive_logits(h, t, b, safe):
+def _table_grad_outputs(cfg, d, has_bias, index):
+    """Out specs/shapes/scratch of the table (and bias) gradient, blocks at vocab tile `index`."""
+    tv, vocab = cfg.vocab_tile, cfg.vocab_size
+    specs = [pl.BlockSpec((tv, d), lambda j, i: (index(j, i), 0))]
+    shapes = [jax.ShapeDtypeStruct((vocab, d), jnp.float32)]
+    scratch = [pltpu.VMEM((tv, d), jnp.float32)]
+    if has_bias:
+        specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, index(j, i))))
+        shapes.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
+        scratch.append(pltpu.VMEM((1, tv), jnp.float32))
+    return specs, shapes, scratch
+
+
+def _dense_forward(h, t, b, ids, cfg):
+    """Per-row sums over the negatives `[M]` float32 (kernel 1)."""
+    hp, idsp, _ = _row_inputs(h, ids, None, cfg)
+    mp, d = hp.shape
+    has_bias = b is not None
+    out = _call(
+        _forward_kernel, "cutbce_forward", _grid_sizes(mp, cfg),
+        _specs(cfg, d, has_bias, False, False),
+        pl.BlockSpec((cfg.row_tile, LANES), lambda i, j: (i, 0)),
+        jax.ShapeDtypeStruct((mp, LANES), jnp.float32),
+        [pltpu.VMEM((cfg.row_tile, LANES), jnp.float32)],
+        ("parallel", "arbitrary"), cfg, has_bias,
+    )(*([hp, t, idsp] + ([_bias_row(b)] if has_bias else [])))
+    return out[: h.shape[0], 0]
+
+
+def _dense_backward(h, t, b, ids, g, cfg):
+    """Float32 `(grad_hidden [M, D], grad_table [V, D], grad_bias [V] | None)` (kernels 2, 3)."""
+    hp, idsp, gp = _row_inputs(h, ids, g, cfg)
+    mp, d = hp.shape
+    has_bias = b is not None
+    inputs = [hp, t, idsp] + ([_bias_row(b)] if has_bias else []) + [gp]
+    rows, tiles = _grid_sizes(mp, cfg)
+    grad_h = _call(
+        _grad_hidden_kernel, "cutbce_grad_hidden", (rows, tiles),
+        _specs(cfg, d, has_bias, True, False),
+        pl.BlockSpec((cfg.row_tile, d), lambda i, j: (i, 0)),
+        jax.ShapeDtypeStruct((mp, d), jnp.float32),
+        [pltpu.VMEM((cfg.row_tile, d), jnp.float32)],
+        ("parallel", "arbitrary"), cfg, has_bias,
+    )(*inputs)
+    # Transposed grid (vocab tile j, row tile i): the table gradient is
+    # accumulated over row tiles while its block stays in VMEM.
+    specs, shapes, scratch = _table_grad_outputs(cfg, d, has_bias, lambda j, i: j)
+    outs = _call(
+        _grad_table_kernel, "cutbce_grad_table", (tiles, rows),
+        _specs(cfg, d, has_bias, True, True), specs, shapes, scratch,
+        ("parallel", "arbitrary"), cfg, has_bias,
+    )(*inputs)
+    grad_b = outs[1][0] if has_bias else None
+    return grad_h[: h.shape[0]], outs[0], grad_b
+
+
+def _fused_fits(num_rows, dim, cfg):
+    """Whether the fused kernel's resident `[M, 128 + D]` float32 rows fit its VMEM share."""
+    capacity = vmem_capacity_bytes()
+    budget = DEFAULT_VMEM_BUDGET_BYTES if capacity is None else capacity // 2
+    mp = _round_up(num_rows, cfg.row_tile)
+    return 2 * mp * (LANES + dim) * 4 <= budget // 4
+
+
+def _dense_fused(h, t, b, ids, w, cfg):
+    """Kernel 4: `(negatives [M], grad_hidden, grad_table, grad_bias | None)` in one pass."""
+    hp, idsp, gp = _row_inputs(h, ids, w, cfg)
+    mp, d = hp.shape
+    has_bias = b is not None
+    rows, tiles = _grid_sizes(mp, cfg)
+    specs, shapes, scratch = _table_grad_outputs(cfg, d, has_bias, lambda j, i: j)
+    resident = [
+        pl.BlockSpec((mp, LANES), lambda j, i: (0, 0)),
+        pl.BlockSpec((mp, d), lambda j, i: (0, 0)),
+    ]
+    resident_shapes = [
+        jax.ShapeDtypeStruct((mp, LANES), jnp.float32),
+        jax.ShapeDtypeStruct((mp, d), jnp.float32),
+    ]
+    outs = _call(
+        _fused_kernel, "cutbce_fused", (tiles, rows),
+        _specs(cfg, d, has_bias, True, True), resident + specs, resident_shapes + shapes,
+        scratch, ("arbitrary", "arbitrary"), cfg, has_bias,
+    )(*([hp, t, idsp] + ([_bias_row(b)] if has_bias else []) + [gp]))
+    num_rows = h.shape[0]
+    grad_b = outs[3][0] if has_bias else None
+    return outs[0][:num_rows, 0], outs[1][:num_rows], outs[2], grad_b
+
+
+# ----------------------------------------------------------------------------
+# The positives (plain JAX): exact terms, no cancellation.
+# ----------------------------------------------------------------------------
+
+
+def _positive_logits(h, t, b, safe, cfg):
     """Float32 logits `[M, L]` of each row at its (safe) positive ids."""
     rows = t[safe]  # [M, L, D]
-    precision = lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
-    z = jnp.einsum("md,mld->ml", h, rows, precision=precision,
-                   preferred_element_type=jnp.float32)
+    dtype = jnp.dtype(cfg.mm_dtype)
+    z = jnp.einsum("md,mld->ml", h.astype(dtype), rows.astype(dtype),
+                   precision=_precision(dtype), preferred_element_type=jnp.float32)
     if b is not None:
         z = z + b.astype(jnp.float32)[safe]
     return z, rows
 
 
-def _sparse_forward(h, t, b, safe, keep, cfg):
-    z, _ = _positive_logits(h, t, b, safe)
-    if cfg.delta_scale == 0.0:
-        term = -cfg.delta_target * z
-    else:
-        term = cfg.delta_scale * jax.nn.softplus(z) - cfg.delta_target * z
-    return jnp.sum(jnp.where(keep, term, 0.0), axis=1)
+def _positive_terms(z, coef):
+    """`pos_minus softplus(-z) + pos_plus softplus(z)`: two non-negative parts."""
+    out = coef.pos_minus * jax.nn.softplus(-z)
+    return out if coef.pos_plus == 0.0 else out + coef.pos_plus * jax.nn.softplus(z)
 
 
-def _sparse_backward(h, t, b, safe, keep, gv, cfg):
-    """Float32 gradients of `sum_m gv_m * sparse_m` for h, t, b."""
-    z, rows = _positive_logits(h, t, b, safe)
-    dz = -cfg.delta_target * jnp.ones_like(z)
-    if cfg.delta_scale != 0.0:
-        dz = dz + cfg.delta_scale * jax.nn.sigmoid(z)
-    dz = jnp.where(keep, dz * gv[:, None], 0.0)  # [M, L]
+def _positive_slopes(z, coef):
+    """`pos_plus - (pos_plus + pos_minus) sigmoid(-z)`: the terms' exact derivative."""
+    return coef.pos_plus - (coef.pos_plus + coef.pos_minus) * jax.nn.sigmoid(-z)
+
+
+def _positives_forward(h, t, b, safe, keep, cfg):
+    z, _ = _positive_logits(h, t, b, safe, cfg)
+    return jnp.sum(jnp.where(keep, _positive_terms(z, cfg.coef), 0.0), axis=1)
+
+
+def _positives_backward(h, t, b, safe, keep, gv, cfg):
+    """Float32 gradients of `sum_m gv_m * positives_m` for h, t, b."""
+    z, rows = _positive_logits(h, t, b, safe, cfg)
+    dz = jnp.where(keep, gv[:, None] * _positive_slopes(z, cfg.coef), 0.0)  # [M, L]
     grad_h = jnp.einsum("ml,mld->md", dz, rows.astype(jnp.float32),
                         precision=lax.Precision.HIGHEST)
     contrib = dz[:, :, None] * h.astype(jnp.float32)[:, None, :]  # [M, L, D]
@@ -473,38 +577,132 @@ def _sparse_backward(h, t, b, safe, keep, gv, cfg):
     return grad_h, grad_t, grad_b
 
 
+def _add(x, y):
+    return None if x is None else x + y
+
+
+def _grads_out(h, t, b, ids, grads):
+    """Each gradient in its input's dtype; float0 for integer ids."""
+    dh, dt, db = grads
+    grad_ids = None
+    if jnp.issubdtype(ids.dtype, jnp.integer):  # Integer primals take float0 cotangents.
+        grad_ids = np.zeros(ids.shape, dtype=jax.dtypes.float0)
+    return dh.astype(h.dtype), dt.astype(t.dtype), None if b is None else db.astype(b.dtype), grad_ids
+
+
 # ----------------------------------------------------------------------------
-# custom_vjp.
+# custom_vjp: per-row loss (any cotangent) and fused weighted sum.
 # ----------------------------------------------------------------------------
+
+
+def _per_row_loss(cfg, h, t, b, ids):
+    safe, keep = distinct_targets(ids, cfg.vocab_size)
+    dense = _dense_forward(h, t, b, ids, cfg)
+    return (dense + _positives_forward(h, t, b, safe, keep, cfg)) / cfg.vocab_size
+
+
+def _gradients(cfg, h, t, b, ids, gv):
+    safe, keep = distinct_targets(ids, cfg.vocab_size)
+    dense = _dense_backward(h, t, b, ids, gv, cfg)
+    sparse = _positives_backward(h, t, b, safe, keep, gv, cfg)
+    return tuple(_add(x, y) for x, y in zip(dense, sparse))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cut_bce(cfg, h, t, b, ids):
-    loss, _ = _cut_bce_fwd(cfg, h, t, b, ids)
-    return loss
+    return _per_row_loss(cfg, h, t, b, ids)
 
 
 def _cut_bce_fwd(cfg, h, t, b, ids):
-    safe, keep = _positives(ids, cfg.vocab_size)
-    dense = _dense_forward(h, t, b, cfg)
-    sparse = _sparse_forward(h, t, b, safe, keep, cfg)
-    loss = (dense + sparse) / cfg.vocab_size
-    return loss, (h, t, b, ids, safe, keep)
+    return _per_row_loss(cfg, h, t, b, ids), (h, t, b, ids)
 
 
 def _cut_bce_bwd(cfg, residuals, g):
-    h, t, b, ids, safe, keep = residuals
+    h, t, b, ids = residuals
     gv = g.astype(jnp.float32) / cfg.vocab_size
-    dh, dt, db = _dense_backward(h, t, b, gv, cfg)
-    sh, st, sb = _sparse_backward(h, t, b, safe, keep, gv, cfg)
-    grad_b = None if b is None else (db + sb).astype(b.dtype)
-    grad_ids = None
-    if jnp.issubdtype(ids.dtype, jnp.integer):  # Integer primals take float0 cotangents.
-        grad_ids = np.zeros(ids.shape, dtype=jax.dtypes.float0)
-    return (dh + sh).astype(h.dtype), (dt + st).astype(t.dtype), grad_b, grad_ids
+    return _grads_out(h, t, b, ids, _gradients(cfg, h, t, b, ids, gv))
 
 
 _cut_bce.defvjp(_cut_bce_fwd, _cut_bce_bwd)
+
+
+def _fused_loss_and_grads(cfg, h, t, b, ids, w):
+    """`(sum_m w_m loss_m, float32 gradients at cotangent 1)`: one logits pass when it fits."""
+    gv = w / cfg.vocab_size
+    if not _fused_fits(h.shape[0], h.shape[1], cfg):  # three logits passes
+        dense = _dense_forward(h, t, b, ids, cfg)
+        grads = _dense_backward(h, t, b, ids, gv, cfg)
+    else:
+        dense, *grads = _dense_fused(h, t, b, ids, gv, cfg)
+    safe, keep = distinct_targets(ids, cfg.vocab_size)
+    loss = (dense + _positives_forward(h, t, b, safe, keep, cfg)) / cfg.vocab_size
+    sparse = _positives_backward(h, t, b, safe, keep, gv, cfg)
+    return jnp.vdot(w, loss), tuple(_add(x, y) for x, y in zip(grads, sparse))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _weighted_sum(cfg, h, t, b, ids, w):
+    # Plain evaluation (no gradient asked): the loss alone.
+    return jnp.vdot(w, _per_row_loss(cfg, h, t, b, ids))
+
+
+def _weighted_sum_fwd(cfg, h, t, b, ids, w):
+    total, grads = _fused_loss_and_grads(cfg, h, t, b, ids, w)
+    return total, (grads, h, t, b, ids, jnp.zeros_like(w))
+
+
+def _weighted_sum_bwd(cfg, residuals, c):
+    grads, h, t, b, ids, zero_w = residuals
+    c = c.astype(jnp.float32)
+    scaled = tuple(None if x is None else c * x for x in grads)
+    return _grads_out(h, t, b, ids, scaled) + (zero_w,)
+
+
+_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Public functions.
+# ----------------------------------------------------------------------------
+
+
+def _matmul_dtype(hidden, table):
+    """The hidden states' dtype when it is 16-bit (mixed precision), else the promoted one."""
+    if jnp.dtype(hidden.dtype).itemsize == 2:
+        return jnp.dtype(hidden.dtype).name
+    return jnp.result_type(hidden.dtype, table.dtype).name
+
+
+def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
+             interpret):
+    hidden = jnp.asarray(hidden)
+    table = jnp.asarray(table)
+    bias = None if bias is None else jnp.asarray(bias)
+    vocab_size = table.shape[0]
+    ids = ids_as_int32(ids, vocab_size)  # out-of-range ids (any width) are padding
+    if ids.ndim == 1:
+        ids = ids[:, None]
+    if ids.shape[1] == 0:  # No positives: one padding id keeps shapes non-empty.
+        ids = jnp.full((hidden.shape[0], 1), -1, jnp.int32)
+    num_rows, dim = hidden.shape
+    mm_dtype = _matmul_dtype(hidden, table)
+    tm, tv = choose_tiles(num_rows, vocab_size, dim, mm_dtype)
+    if chunk_size is not None:
+        tv = min(_round_up(chunk_size, LANES), _round_up(vocab_size, LANES))
+    if block_rows is not None:
+        tm = min(_round_up(block_rows, LANES), _round_up(max(num_rows, 1), LANES))
+    if interpret is None:
+        interpret = not _on_tpu()
+    cfg = _Config(
+        vocab_size=int(vocab_size),
+        coef=bce_coefficients(label_smoothing, pos_weight),
+        row_tile=int(tm),
+        vocab_tile=int(tv),
+        num_ids=int(ids.shape[1]),
+        mm_dtype=mm_dtype,
+        interpret=bool(interpret),
+    )
+    return cfg, hidden, table, bias, ids
 
 
 def cut_bce(
@@ -524,7 +722,8 @@ def cut_bce(
     Args:
         hidden: float `[M, D]`.
         table: float `[V, D]`.
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates count once.
+        ids: integer `[M, L]`; ids outside `[0, V)` are padding (int64 ids
+            included: they are never wrapped), duplicates count once.
         bias: optional float `[V]`.
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float.
@@ -544,39 +743,63 @@ def cut_bce(
     >>> bool(np.allclose(loss, np.log(2.0)))
     True
     """
-    hidden = jnp.asarray(hidden)
-    table = jnp.asarray(table)
-    ids = jnp.asarray(ids)
-    bias = None if bias is None else jnp.asarray(bias)
-    # Mixed dtypes (e.g. bfloat16 activations on a float32 table under Keras
-    # mixed precision): the kernels see one promoted dtype; autodiff casts the
-    # gradients back to each input's dtype.
-    compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
-    hidden, table = hidden.astype(compute_dtype), table.astype(compute_dtype)
-    num_rows, dim = hidden.shape
-    vocab_size = table.shape[0]
-    if ids.ndim == 1:
-        ids = ids[:, None]
-    tm, tv = choose_tiles(num_rows, vocab_size, dim, hidden.dtype)
-    if chunk_size is not None:
-        tv = min(_round_up(chunk_size, LANES), _round_up(vocab_size, LANES))
-    if block_rows is not None:
-        tm = min(_round_up(block_rows, LANES), _round_up(max(num_rows, 1), LANES))
-    if interpret is None:
-        interpret = not _on_tpu()
-    coef = bce_coefficients(label_smoothing, pos_weight)
-    cfg = _Config(
-        vocab_size=int(vocab_size),
-        neg_scale=float(coef.neg_scale),
-        neg_target=float(coef.neg_target),
-        delta_scale=float(coef.delta_scale),
-        delta_target=float(coef.delta_target),
-        row_tile=int(tm),
-        vocab_tile=int(tv),
-        interpret=bool(interpret),
+    cfg, hidden, table, bias, ids = _prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret
     )
-    if ids.shape[1] == 0:  # No positives: one padding id keeps shapes non-empty.
-        ids = jnp.full((num_rows, 1), -1, jnp.int32)
-    if num_rows == 0:
+    if hidden.shape[0] == 0:
         return jnp.zeros((0,), jnp.float32)
     return _cut_bce(cfg, hidden, table, bias, ids)
+
+
+def cut_bce_weighted_sum(
+    hidden,
+    table,
+    ids,
+    bias,
+    row_weights,
+    *,
+    label_smoothing=0.0,
+    pos_weight=1.0,
+    chunk_size=None,
+    block_rows=None,
+    interpret=None,
+):
+    """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
+
+    The fused training path of a reduced loss (`keras_cutbce.ops`): when a
+    gradient is asked for, one Pallas kernel (kernel 4 of the module) makes
+    one pass over the logits computing the loss and the gradients of
+    `hidden`, `table` and `bias` at cotangent 1; the backward pass only
+    scales them. Plain evaluation runs the forward kernel alone.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates count once.
+        bias: float `[V]` or None.
+        row_weights: float `[M]` row weights (constants: their gradient is 0).
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float.
+        chunk_size: vocabulary tile (rounded up to 128); None: the module's rule.
+        block_rows: row tile (rounded up to 128); None: the module's rule.
+        interpret: run the kernels in the Pallas TPU interpreter; None: off TPU.
+
+    Returns:
+        A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
+    >>> w = np.array([1.0, 0.5, 0.0], "float32")
+    >>> total = cut_bce_weighted_sum(h, table, np.array([[1], [2], [-1]]), None, w)
+    >>> bool(np.isclose(total, 1.5 * np.log(2.0)))
+    True
+    """
+    cfg, hidden, table, bias, ids = _prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret
+    )
+    weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
+    if hidden.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    return _weighted_sum(cfg, hidden, table, bias, ids, weights)

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from keras_cutbce.backends.jax.chunked import tile_logits
-
-# Id reported for the slots of a top-k that no item can fill (score -inf).
-EMPTY_ID = -1
+from keras_cutbce.common import EMPTY_ID  # noqa: F401 - the id of empty slots, re-exported
+from keras_cutbce.common import ids_as_int32
 
 
 def _tiling(vocab_size, chunk_size):
@@ -49,7 +48,6 @@ def _excluded_mask(exclude_ids, start, width):
     return mask.at[rows, local].set(True, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk_size"))
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     """Exact top-k logits per row without the `[M, V]` logits.
 
@@ -59,7 +57,8 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         k: int in `[1, V]`.
         bias: optional float `[V]`.
         exclude_ids: optional int `[M, X]`: ids never returned for that row;
-            ids outside `[0, V)` are ignored.
+            ids outside `[0, V)` are ignored (int64 ids are checked before
+            any int32 cast, so `2**32 + 16` never excludes item 16).
         chunk_size: vocabulary tile width.
 
     Returns:
@@ -77,6 +76,13 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     >>> ids.tolist(), scores.tolist()
     ([[1, 2]], [[3.0, 2.0]])
     """
+    if exclude_ids is not None:
+        exclude_ids = ids_as_int32(exclude_ids, table.shape[0])
+    return _top_k(hidden, table, k, bias, exclude_ids, chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk_size"))
+def _top_k(hidden, table, k, bias, exclude_ids, *, chunk_size):
     vocab_size = table.shape[0]
     rows = hidden.shape[0]
     width, num_tiles = _tiling(vocab_size, chunk_size)

@@ -14,7 +14,13 @@ shard inside `jax.shard_map`, and one collective combines the results:
   no device ever holds the full table or its full gradient.
 - top-k: each device takes its shard's top-k with global ids, one
   `all_gather` of the `[rows, k]` candidates over the vocabulary axes, and
-  a merge (ties: the lower id, as on one device).
+  a merge (ties: the lower id, as on one device);
+- `count_at_least` (the metrics' false positives): each device counts its
+  shard, one `psum` of the `[rows]` counts.
+
+Each public function builds its `shard_map`/`custom_vjp` program once per
+configuration (mesh, shapes, settings; `functools.lru_cache`) and jits it,
+so eager calls reuse the compiled program instead of rebuilding closures.
 
 Rows are split over the remaining mesh axes (data parallelism) when their
 number divides the row count, otherwise replicated.
@@ -59,6 +65,7 @@ scores, ids = top_k(hidden, table, 10, sharding=spec)       # [M, 10]
 ```
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -69,6 +76,7 @@ from jax.sharding import PartitionSpec as P
 
 from keras_cutbce.backends.jax import chunked, retrieval
 from keras_cutbce.coefficients import bce_coefficients
+from keras_cutbce.common import ids_as_int32
 from keras_cutbce.tiling import default_chunk_size
 
 
@@ -153,8 +161,9 @@ def vocab_sharding_of(embeddings):
     """
     import keras
 
-    if isinstance(embeddings, keras.layers.Layer):
-        embeddings = getattr(embeddings, "embeddings", None)
+    from keras_cutbce.validation import table_variable
+
+    embeddings = table_variable(embeddings)  # a layer's table variable (LoRA too)
     if isinstance(embeddings, keras.Variable):
         layout = _keras_layout(embeddings)
         if layout is None:
@@ -246,7 +255,9 @@ def cut_bce(
     """Per-row CutBCE with the table split along V over `sharding.vocab_axes`.
 
     Same contract and result as `chunked.cut_bce` on one device (up to the
-    float summation order); jit-, grad- and vmap-compatible.
+    float summation order); jit-, grad- and vmap-compatible. The
+    `shard_map`/`custom_vjp` program is built once per configuration
+    (`_loss_program`, cached) and jitted, so eager calls reuse it.
 
     Args:
         hidden: float `[M, D]`.
@@ -270,14 +281,30 @@ def cut_bce(
     loss = cut_bce(hidden, table, ids, sharding=spec, chunk_size=256)
     ```
     """
+    ids = ids_as_int32(ids, table.shape[0])  # out-of-range (any width): -1
+    program = _loss_program(
+        VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]),
+        int(hidden.shape[0]),
+        bias is not None,
+        float(label_smoothing),
+        float(pos_weight),
+        None if chunk_size is None else int(chunk_size),
+    )
+    return program(hidden, table, ids, bias)
+
+
+@functools.lru_cache(maxsize=64)
+def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size):
+    """The jitted `(hidden, table, ids, bias) -> [M]` sharded loss of one configuration.
+
+    Cached: an eager call with the same mesh, shapes and settings reuses the
+    same `shard_map`/`custom_vjp` closures, so JAX's compilation cache hits.
+    """
     mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
     shards = sharding.num_shards
-    vocab, num_rows = table.shape[0], hidden.shape[0]
     local = -(-vocab // shards)
     pad = local * shards - vocab
-    ids = jnp.asarray(ids)
-    # Padding ids (outside [0, V)) must not land in the padded rows.
-    ids = jnp.where((ids >= 0) & (ids < vocab), ids, -1)
     rows = _row_axes(sharding, num_rows)
     rows_per_device = num_rows // math.prod(mesh.shape[a] for a in rows)
     if chunk_size is None:
@@ -292,7 +319,7 @@ def cut_bce(
         return chunked.cut_bce(h, t, local_ids, b, **kwargs) * local
 
     row_spec, vocab_spec = _spec(rows, None), P(vocab_axes, None)
-    bias_spec = None if bias is None else P(vocab_axes)
+    bias_spec = P(vocab_axes) if has_bias else None
     in_specs = [row_spec, vocab_spec, row_spec, bias_spec]
 
     def forward(h, t, i, b):
@@ -342,11 +369,17 @@ def cut_bce(
         return grads[0], unpadded(grads[1]), None, grad_b
 
     total_of.defvjp(total_fwd, total_bwd)
-    total = total_of(hidden, table, ids, bias)
-    if pad:
-        neg_scale = bce_coefficients(label_smoothing, pos_weight).neg_scale
-        total = total - pad * neg_scale * math.log(2.0)
-    return total / vocab
+    neg_scale = bce_coefficients(label_smoothing, pos_weight).neg_scale
+
+    @jax.jit
+    def program(hidden, table, ids, bias):
+        total = total_of(hidden, table, ids, bias)
+        if pad:
+            # A zero row with zero bias has logit 0: a constant term per padded row.
+            total = total - pad * neg_scale * math.log(2.0)
+        return total / vocab
+
+    return program
 
 
 def _merge(scores, ids, k):
@@ -362,7 +395,8 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size
 
     Each device takes its shard's top `min(k, V / shards)` with global ids,
     one `all_gather` brings the candidates together and a merge keeps the
-    best k (ties: lower id), as `retrieval.top_k` does on one device.
+    best k (ties: lower id), as `retrieval.top_k` does on one device. The
+    program is built once per configuration (cached, jitted).
 
     Args:
         hidden: float `[M, D]`.
@@ -382,37 +416,97 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size
     scores, ids = top_k(hidden, table, 10, sharding=vocab_sharding_of(table))
     ```
     """
+    if exclude_ids is not None:
+        exclude_ids = ids_as_int32(exclude_ids, table.shape[0])
+    program = _retrieval_program(
+        "top_k", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]), int(hidden.shape[0]), bias is not None,
+        exclude_ids is not None, int(k), None if chunk_size is None else int(chunk_size),
+    )
+    return program(hidden, table, bias, exclude_ids)
+
+
+def count_at_least(hidden, table, bias, threshold, *, sharding, chunk_size=None):
+    """Int32 `[M]`: how many of each row's V logits are `>= threshold`, table split along V.
+
+    Each device counts its own shard (`retrieval.count_at_least`) and one
+    `psum` over the vocabulary axes adds the counts: the table is never
+    gathered. Padded rows (V not divisible by the shard count) get a `-inf`
+    bias and are taken back out when `threshold` is `-inf`.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        bias: optional float `[V]`.
+        threshold: a Python float.
+        sharding: a `VocabSharding`.
+        chunk_size: vocabulary tile width per shard (`None`: default rule).
+
+    Returns:
+        Int32 `[M]`, the same as `retrieval.count_at_least` on one device.
+
+    Example:
+
+    ```python
+    counts = count_at_least(hidden, table, None, 0.0, sharding=vocab_sharding_of(table))
+    ```
+    """
+    program = _retrieval_program(
+        "count_at_least", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]), int(hidden.shape[0]), bias is not None, False,
+        float(threshold), None if chunk_size is None else int(chunk_size),
+    )
+    return program(hidden, table, bias, None)
+
+
+@functools.lru_cache(maxsize=64)
+def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, arg, chunk_size):
+    """The jitted sharded `top_k` (`arg` = k) or `count_at_least` (`arg` = threshold).
+
+    Cached per configuration, like `_loss_program`.
+    """
     mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
     shards = sharding.num_shards
-    vocab, num_rows = table.shape[0], hidden.shape[0]
     local = -(-vocab // shards)
     pad = local * shards - vocab
-    local_k = min(k, local)
-    if pad or bias is not None:
-        # Padded rows get a -inf logit: never a candidate.
-        bias = jnp.zeros((vocab,), jnp.float32) if bias is None else bias
-        bias = _pad_rows(bias, pad, -jnp.inf)
-        table = _pad_rows(table, pad)
     rows = _row_axes(sharding, num_rows)
     if chunk_size is None:
         rows_per_device = num_rows // math.prod(mesh.shape[a] for a in rows)
         chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
+    with_bias = has_bias or pad > 0
 
     def shard_top_k(h, t, x=None, b=None):
         offset = _shard_offset(vocab_axes, local)
         x = None if x is None else _rebase(x, offset, local)
-        scores, ids = retrieval.top_k(h, t, local_k, b, x, chunk_size=chunk_size)
+        scores, ids = retrieval.top_k(h, t, min(arg, local), b, x, chunk_size=chunk_size)
         ids = jnp.where(ids < 0, ids, ids + offset)
         scores = jax.lax.all_gather(scores, vocab_axes, axis=1, tiled=True)
         ids = jax.lax.all_gather(ids, vocab_axes, axis=1, tiled=True)
-        return _merge(scores, ids, k)
+        return _merge(scores, ids, arg)
 
-    in_specs = [_spec(rows, None), P(vocab_axes, None)]
-    args = [hidden, table]
-    in_specs.append(None if exclude_ids is None else _spec(rows, None))
-    args.append(exclude_ids)
-    in_specs.append(None if bias is None else P(vocab_axes))
-    args.append(bias)
-    # None arguments are empty pytrees: give them a matching None spec.
+    def shard_count(h, t, x=None, b=None):
+        counts = retrieval.count_at_least(h, t, b, arg, chunk_size=chunk_size)
+        return jax.lax.psum(counts, vocab_axes)
+
+    in_specs = [
+        _spec(rows, None),
+        P(vocab_axes, None),
+        _spec(rows, None) if has_exclude else None,
+        P(vocab_axes) if with_bias else None,
+    ]
     out = _spec(rows, None)
-    return _shard_mapped(shard_top_k, mesh, in_specs, (out, out), args)
+    fn, out_specs = (shard_top_k, (out, out)) if kind == "top_k" else (shard_count, _spec(rows))
+
+    @jax.jit
+    def program(hidden, table, bias, exclude_ids):
+        if with_bias:
+            # Padded rows get a -inf logit: never a candidate, never counted.
+            bias = jnp.zeros((vocab,), jnp.float32) if bias is None else bias
+            bias = _pad_rows(bias, pad, -jnp.inf)
+            table = _pad_rows(table, pad)
+        result = _shard_mapped(fn, mesh, in_specs, out_specs, [hidden, table, exclude_ids, bias])
+        if kind == "count_at_least" and pad and arg == -math.inf:
+            result = result - pad  # -inf >= -inf: the padded rows were counted
+        return result
+
+    return program

@@ -1,26 +1,36 @@
 """CutBCE on TensorFlow: `tf.custom_gradient` around a `tf.while_loop` over tiles.
 
 The loss of one row is `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`
-(see `keras_cutbce.coefficients`). It is split in three parts:
+(see `keras_cutbce.coefficients`). It is split in two parts:
 
-- the dense background `neg_scale * sum_v softplus(z_v)`, computed tile by
-  tile over the vocabulary (`V // tile` full tiles in a `tf.while_loop`, then
-  one narrower remainder tile), so the `[M, V]` logits never exist;
-- the linear background `-neg_target * sum_v z_v = -neg_target (h . sum_v E_v
-  + sum_v b_v)`, in closed form (nonzero only with label smoothing);
-- a sparse correction at the positives: the table rows of the valid,
-  de-duplicated ids are gathered and their logits get
-  `delta_scale * softplus(z) - delta_target * z`.
+- the negatives, `neg_scale softplus(z) - neg_target z`, summed tile by tile
+  over the vocabulary (`V // tile` full tiles in a `tf.while_loop`, then one
+  narrower remainder tile), so the `[M, V]` logits never exist; each tile
+  masks the row's positives out (`_positives_in_tile`, one O(M L) scatter),
+  so they are never added and subtracted back;
+- the positives: the table rows of the valid, de-duplicated ids
+  (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
+  gathered and their exact, cancellation-free terms
+  `pos_minus softplus(-z) + pos_plus softplus(z)` added (gradient
+  `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`), so saturated positives
+  keep full float32 precision at any `|z|` and any V.
 
-The gradient recomputes the logits tile by tile: with `c = g * neg_scale / V`
-for a cotangent `g [M]` and `S = sigmoid(Z_tile)`, the tile contributes
-`S @ E_tile` (times `c`) to `d hidden`, `S^T @ (c h)` to its rows of
-`d table` and `S^T c` to its `d bias`. Four matmuls and two elementwise
-passes per logit in all; everything accumulates in float32.
+One tile function (`_tile_pass`) computes what a pass needs from one logits
+matmul: the per-row loss sum and/or, for per-row weights `c`, the tile's
+`dZ @ E_tile` (hidden), `dZ^T @ h` (table rows) and `dZ^T 1` (bias), with
+`dZ = c (neg_scale sigmoid(z) - neg_target)`. `cut_bce` (any cotangent)
+runs a loss pass forward and a gradient pass backward; `cut_bce_weighted_sum`
+(the training path of a reduced loss: the row weights are constants) runs
+one pass computing the loss and the gradients at cotangent 1, and its
+backward pass only scales them. The table gradient is assembled from the
+tiles with one `TensorArray.concat`. Everything accumulates in float32.
 """
+
+import functools
 
 import tensorflow as tf
 
+from keras_cutbce.backends.targets import distinct_targets
 from keras_cutbce.coefficients import bce_coefficients
 
 
@@ -32,28 +42,52 @@ def tile_logits(hidden, table_tile, bias_tile=None):
     return z
 
 
-def _softplus(z):
-    """`log(1 + exp(z))`, stable for any float32 `z`.
+def _positives_in_tile(ids, start, width):
+    """Bool `[M, width]`: which logits of the tile `[start, start + width)` are positives.
 
-    `tf.nn.softplus` is one fused kernel (`log1p(exp(z))`, switching to `z`
-    or `exp(z)` at large `|z|`); under XLA it lowers to
-    `max(z, 0) + log1p(exp(-|z|))`.
+    One scatter of the `[M, L]` ids into a `[M, width + 1]` buffer whose last
+    column takes every id outside the tile (padding, other tiles).
     """
-    return tf.nn.softplus(z)
+    local = ids - tf.cast(start, ids.dtype)
+    inside = tf.logical_and(local >= 0, local < tf.cast(width, ids.dtype))
+    column = tf.cast(tf.where(inside, local, tf.cast(width, ids.dtype)), tf.int32)
+    rows = tf.broadcast_to(tf.range(tf.shape(ids)[0])[:, None], tf.shape(column))
+    hits = tf.scatter_nd(
+        tf.stack([rows, column], axis=-1),
+        tf.ones_like(column, tf.int32),
+        tf.stack([tf.shape(ids)[0], width + 1]),
+    )
+    return hits[:, :width] > 0
 
 
-def _tile_softplus_sum(h32, e_tile, b_tile):
-    """`sum_v softplus(z_v)` over one tile, per row `[M]`."""
-    return tf.reduce_sum(_softplus(tile_logits(h32, e_tile, b_tile)), axis=1)
+def _tile_pass(h32, e_tile, b_tile, positive, coef, *, loss, c, ch):
+    """One tile's negatives: `(loss_rows | None, (dh_part, de_tile, db_tile) | None)`.
 
-
-def _tile_sigmoid_grads(h32, ch, c, e_tile, b_tile):
-    """One tile's `(S @ E_tile, S^T @ ch, S^T c)` with `S = sigmoid(Z_tile)`."""
-    s = tf.sigmoid(tile_logits(h32, e_tile, b_tile))
+    `positive` (bool `[M, T]`) masks the positives out. With `c` (`[M]`)
+    given, `dZ = c (neg_scale sigmoid(z) - neg_target)`; `ch = c[:, None] h`.
+    The factor `c` is applied to `dh_part` by the caller (once, not per tile).
+    """
+    z = tile_logits(h32, e_tile, b_tile)
+    loss_rows = None
+    if loss:
+        terms = tf.nn.softplus(z)
+        if coef.neg_scale != 1.0:
+            terms = coef.neg_scale * terms
+        if coef.neg_target != 0.0:
+            terms = terms - coef.neg_target * z
+        loss_rows = tf.reduce_sum(tf.where(positive, tf.zeros_like(terms), terms), axis=1)
+    if c is None:
+        return loss_rows, None
+    s = tf.sigmoid(z)
+    if coef.neg_scale != 1.0:
+        s = coef.neg_scale * s
+    if coef.neg_target != 0.0:
+        s = s - coef.neg_target
+    s = tf.where(positive, tf.zeros_like(s), s)
     dh_part = tf.matmul(s, tf.cast(e_tile, tf.float32))
     de_tile = tf.matmul(s, ch, transpose_a=True)
     db_tile = tf.linalg.matvec(s, c, transpose_a=True)
-    return dh_part, de_tile, db_tile
+    return loss_rows, (dh_part, de_tile, db_tile)
 
 
 # Tiles in flight at once in graph mode; each matmul already uses every core.
@@ -82,90 +116,80 @@ class _Tiling:
         start = i * self.tile
         e_tile = tf.slice(table, [start, 0], [self.tile, self.depth])
         b_tile = None if bias is None else tf.slice(bias, [start], [self.tile])
-        return e_tile, b_tile
+        return start, self.tile, e_tile, b_tile
 
     def rem_tile(self, table, bias):
         e_tile = table[self.start_rem :]
         b_tile = None if bias is None else bias[self.start_rem :]
-        return e_tile, b_tile
+        return self.start_rem, self.rem, e_tile, b_tile
 
 
-def _loop(tiling, body, state):
-    """Runs `state = body(i, state)` for every full tile `i`."""
-    if isinstance(tiling.num_full, int) and tiling.num_full == 0:
+def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
+    """The negatives over every tile: `(loss_rows | None, (dh, de, db) | None)`.
+
+    Gradients (float32) are those of `sum_m c_m loss_rows_m` when `c` is given.
+    """
+    tiling = _Tiling(table, tile)
+    want_grads = c is not None
+    ch = c[:, None] * h32 if want_grads else None
+
+    def tile_pass(start, width, e_tile, b_tile):
+        positive = _positives_in_tile(ids, start, width)
+        return _tile_pass(h32, e_tile, b_tile, positive, coef, loss=loss, c=c, ch=ch)
+
+    rows = tf.shape(h32)[0]
+    dim = tf.shape(table)[1]
+    state = []
+    if loss:
+        state.append(tf.zeros([rows], tf.float32))
+    if want_grads:
+        # Full tiles only (XLA needs one element shape); the remainder is
+        # concatenated at the end.
+        state += [
+            tf.zeros_like(h32),
+            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[tiling.tile, table.shape[1]]),
+            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[tiling.tile]),
+        ]
+
+    def add(state, tile_out, i=None):
+        tile_loss, tile_grads = tile_out
+        state = list(state)
+        k = 0
+        if loss:
+            state[0] = state[0] + tile_loss
+            k = 1
+        if want_grads:
+            dh_part, de_tile, db_tile = tile_grads
+            state[k] = state[k] + dh_part
+            if i is not None:
+                state[k + 1] = state[k + 1].write(i, de_tile)
+                state[k + 2] = state[k + 2].write(i, db_tile)
         return state
 
-    def step(i, *state):
-        return (i + 1,) + tuple(body(i, state))
-
-    out = tf.while_loop(
-        lambda i, *_: i < tiling.num_full,
-        step,
-        (tf.constant(0),) + tuple(state),
-        maximum_iterations=tiling.num_full,
-        parallel_iterations=_PARALLEL_ITERATIONS,
-    )
-    return out[1:]
-
-
-def _dense_softplus_sum(h32, table, bias, tile):
-    """`sum_v softplus(z_v)` per row `[M]`, tile by tile."""
-    tiling = _Tiling(table, tile)
-
-    def tile_sum(e_tile, b_tile):
-        return _tile_softplus_sum(h32, e_tile, b_tile)
-
-    def body(i, state):
-        return (state[0] + tile_sum(*tiling.full_tile(table, bias, i)),)
-
-    (acc,) = _loop(tiling, body, (tf.zeros([tf.shape(h32)[0]], tf.float32),))
+    if not (isinstance(tiling.num_full, int) and tiling.num_full == 0):
+        out = tf.while_loop(
+            lambda i, *_: i < tiling.num_full,
+            lambda i, *st: (i + 1,) + tuple(add(st, tile_pass(*tiling.full_tile(table, bias, i)), i)),
+            (tf.constant(0),) + tuple(state),
+            maximum_iterations=tiling.num_full,
+            parallel_iterations=_PARALLEL_ITERATIONS,
+        )
+        state = list(out[1:])
+    rest = None
     if tiling.has_rem:
-        acc = acc + tile_sum(*tiling.rem_tile(table, bias))
-    return acc
-
-
-def _dense_sigmoid_grads(h32, table, bias, c, tile):
-    """Gradients of `sum_m c_m sum_v softplus(z_mv)`: `(d h, d table, d bias)` in float32."""
-    tiling = _Tiling(table, tile)
-    ch = c[:, None] * h32
-
-    def tile_grads(e_tile, b_tile):
-        return _tile_sigmoid_grads(h32, ch, c, e_tile, b_tile)
-
-    def body(i, state):
-        dh, de_tiles, db_tiles = state
-        dh_part, de_tile, db_tile = tile_grads(*tiling.full_tile(table, bias, i))
-        return dh + dh_part, de_tiles.write(i, de_tile), db_tiles.write(i, db_tile)
-
-    size = tiling.num_full
-    de_tiles = tf.TensorArray(tf.float32, size=size, element_shape=[tiling.tile, table.shape[1]])
-    db_tiles = tf.TensorArray(tf.float32, size=size, element_shape=[tiling.tile])
-    dh = tf.zeros_like(h32)
-    dh, de_tiles, db_tiles = _loop(tiling, body, (dh, de_tiles, db_tiles))
-    de_parts = [tf.reshape(de_tiles.stack(), [-1, tf.shape(table)[1]])]
-    db_parts = [tf.reshape(db_tiles.stack(), [-1])]
-    if tiling.has_rem:
-        dh_part, de_tile, db_tile = tile_grads(*tiling.rem_tile(table, bias))
-        dh = dh + dh_part
-        de_parts.append(de_tile)
-        db_parts.append(db_tile)
-    de = de_parts[0] if len(de_parts) == 1 else tf.concat(de_parts, axis=0)
-    db = db_parts[0] if len(db_parts) == 1 else tf.concat(db_parts, axis=0)
-    return c[:, None] * dh, de, db
-
-
-def _positives(ids, vocab):
-    """Safe int32 ids `[M, L]` and float32 weights: 1 for a valid first occurrence, else 0."""
-    ids = tf.cast(ids, tf.int64)
-    valid = tf.logical_and(ids >= 0, ids < tf.cast(vocab, tf.int64))
-    safe = tf.where(valid, ids, tf.zeros_like(ids))
-    num = tf.shape(ids)[1]
-    earlier = tf.range(num)[:, None] > tf.range(num)[None, :]  # [j, k]: k before j
-    same = tf.equal(safe[:, :, None], safe[:, None, :])
-    same = tf.logical_and(same, valid[:, None, :])
-    dup = tf.reduce_any(tf.logical_and(same, earlier[None]), axis=2)
-    weight = tf.cast(tf.logical_and(valid, tf.logical_not(dup)), tf.float32)
-    return tf.cast(safe, tf.int32), weight
+        rest = tile_pass(*tiling.rem_tile(table, bias))
+        state = add(state, rest)
+    loss_rows = state[0] if loss else None
+    if not want_grads:
+        return loss_rows, None
+    k = 1 if loss else 0
+    dh, de_tiles, db_tiles = state[k], state[k + 1], state[k + 2]
+    de = tf.reshape(de_tiles.stack(), [-1, dim])
+    db = tf.reshape(db_tiles.stack(), [-1])
+    if rest is not None:
+        de = tf.concat([de, rest[1][1]], axis=0)
+        db = tf.concat([db, rest[1][2]], axis=0)
+    return loss_rows, (c[:, None] * dh, de, db)
 
 
 def _positive_logits(h32, table, bias, safe):
@@ -176,46 +200,105 @@ def _positive_logits(h32, table, bias, safe):
     return z, e_pos
 
 
-def _forward_and_grad(hidden, table, ids, bias, coef, tile):
-    """Loss `[M]` and a function of the cotangent returning `(d h, d table, d bias)`."""
+def _positive_terms(z, coef):
+    """A positive's exact term `pos_minus softplus(-z) + pos_plus softplus(z)` (no cancellation)."""
+    out = coef.pos_minus * tf.nn.softplus(-z)
+    return out if coef.pos_plus == 0.0 else out + coef.pos_plus * tf.nn.softplus(z)
+
+
+def _positive_slopes(z, coef):
+    """`d/dz` of `_positive_terms`, `pos_plus - (pos_plus + pos_minus) sigmoid(-z)` (one sigmoid)."""
+    out = -(coef.pos_plus + coef.pos_minus) * tf.sigmoid(-z)
+    return out if coef.pos_plus == 0.0 else out + coef.pos_plus
+
+
+def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, g=None):
+    """Per-row loss `[M]` (or None) and float32 gradients of `sum_m g_m loss_m` (or None)."""
     tiling = _Tiling(table, tile)
     inv_v = 1.0 / tf.cast(tiling.vocab, tf.float32)
     h32 = tf.cast(hidden, tf.float32)
-    safe, weight = _positives(ids, tiling.vocab)
+    c = None if g is None else tf.cast(g, tf.float32) * inv_v
+    loss_rows, grads = _dense_pass(h32, table, bias, ids, coef, tile, loss=loss, c=c)
+    if ids.shape[1] == 0:
+        return (None if loss_rows is None else loss_rows * inv_v), grads
+    safe, keep = distinct_targets(ids, tiling.vocab)
+    keep = tf.cast(keep, tf.float32)
     z_pos, e_pos = _positive_logits(h32, table, bias, safe)
-
-    total = coef.neg_scale * _dense_softplus_sum(h32, table, bias, tile)
-    correction = coef.delta_scale * _softplus(z_pos) - coef.delta_target * z_pos
-    total = total + tf.reduce_sum(weight * correction, axis=1)
-    if coef.neg_target != 0.0:
-        e_sum = tf.reduce_sum(tf.cast(table, tf.float32), axis=0)
-        z_sum = tf.linalg.matvec(h32, e_sum)
-        if bias is not None:
-            z_sum = z_sum + tf.reduce_sum(tf.cast(bias, tf.float32))
-        total = total - coef.neg_target * z_sum
-    loss = total * inv_v
-
-    def grad(g):
-        g = tf.cast(g, tf.float32) * inv_v
-        dh, de, db = _dense_sigmoid_grads(h32, table, bias, coef.neg_scale * g, tile)
-        # Positives: d/dz of the correction, scattered to their table rows.
-        dz = g[:, None] * weight * (coef.delta_scale * tf.sigmoid(z_pos) - coef.delta_target)
+    if loss:
+        loss_rows = loss_rows + tf.reduce_sum(keep * _positive_terms(z_pos, coef), axis=1)
+        loss_rows = loss_rows * inv_v
+    if grads is not None:
+        dh, de, db = grads
+        dz = c[:, None] * keep * _positive_slopes(z_pos, coef)
         dh = dh + tf.einsum("ml,mld->md", dz, e_pos)
         rows = tf.reshape(safe, [-1, 1])
         de_pos = tf.reshape(dz[:, :, None] * h32[:, None, :], [-1, tf.shape(h32)[1]])
         de = tf.tensor_scatter_nd_add(de, rows, de_pos)
         db = tf.tensor_scatter_nd_add(db, rows, tf.reshape(dz, [-1]))
-        if coef.neg_target != 0.0:
-            dh = dh - coef.neg_target * g[:, None] * e_sum[None, :]
-            de = de - coef.neg_target * tf.linalg.matvec(h32, g, transpose_a=True)[None, :]
-            db = db - coef.neg_target * tf.reduce_sum(g)
-        return (
-            tf.cast(dh, hidden.dtype),
-            tf.cast(de, table.dtype),
-            None if bias is None else tf.cast(db, bias.dtype),
-        )
+        grads = (dh, de, db)
+    return loss_rows, grads
 
-    return loss, grad
+
+def _scaled(x, factor):
+    """`factor * x`, without a new `[V, D]` buffer when `factor` is 1 (the usual cotangent)."""
+    return tf.cond(tf.equal(factor, 1.0), lambda: tf.identity(x), lambda: factor * x)
+
+
+def _cast_grads(grads, hidden, table, bias, factor=None):
+    dh, de, db = grads
+    if factor is not None:
+        dh, de, db = factor * dh, _scaled(de, factor), factor * db
+    return (
+        tf.cast(dh, hidden.dtype),
+        tf.cast(de, table.dtype),
+        None if bias is None else tf.cast(db, bias.dtype),
+    )
+
+
+def _with_gradient(fn, hidden, table, ids, bias):
+    """`tf.custom_gradient` of `fn(h, e, i, b) -> (value, grad_fn(g) -> (dh, de, db))`.
+
+    Inputs are `stop_gradient`-ed inside: an eager `GradientTape` would
+    otherwise record every tile's ops and keep their `[M, tile]`
+    intermediates alive.
+    """
+    if bias is None:
+
+        @tf.custom_gradient
+        def without_bias(h, e, i):
+            value, grad = fn(tf.stop_gradient(h), tf.stop_gradient(e), i, None)
+
+            def grad_fn(g):
+                dh, de, _ = grad(g)
+                return dh, de, None
+
+            return value, grad_fn
+
+        return without_bias(hidden, table, ids)
+
+    @tf.custom_gradient
+    def with_bias(h, e, i, b):
+        value, grad = fn(tf.stop_gradient(h), tf.stop_gradient(e), i, tf.stop_gradient(b))
+
+        def grad_fn(g):
+            dh, de, db = grad(g)
+            return dh, de, None, db
+
+        return value, grad_fn
+
+    return with_bias(hidden, table, ids, bias)
+
+
+def _as_tensors(hidden, table, ids, bias):
+    ids = tf.convert_to_tensor(ids)
+    if ids.shape.rank == 1:
+        ids = ids[:, None]
+    return (
+        tf.convert_to_tensor(hidden),
+        tf.convert_to_tensor(table),
+        ids,
+        None if bias is None else tf.convert_to_tensor(bias),
+    )
 
 
 def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size):
@@ -248,38 +331,94 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
     """
     coef = bce_coefficients(label_smoothing, pos_weight)
     tile = int(chunk_size)
-    hidden = tf.convert_to_tensor(hidden)
-    table = tf.convert_to_tensor(table)
-    ids = tf.convert_to_tensor(ids)
+    hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
 
-    if bias is None:
+    def per_row(h, e, i, b):
+        loss, _ = _loss_and_grads(h, e, i, b, coef, tile, loss=True)
 
-        @tf.custom_gradient
-        def loss_without_bias(h, e, i):
-            # stop_gradient: an eager GradientTape would otherwise record every
-            # tile's ops and keep their [M, tile] intermediates alive.
-            h, e = tf.stop_gradient(h), tf.stop_gradient(e)
-            loss, grad = _forward_and_grad(h, e, i, None, coef, tile)
+        def grad(g):
+            _, grads = _loss_and_grads(h, e, i, b, coef, tile, loss=False, g=g)
+            return _cast_grads(grads, h, e, b)
 
-            def grad_fn(g):
-                dh, de, _ = grad(g)
-                return dh, de, None
+        return loss, grad
 
-            return loss, grad_fn
+    return _with_gradient(per_row, hidden, table, ids, bias)
 
-        return loss_without_bias(hidden, table, ids)
 
-    bias = tf.convert_to_tensor(bias)
+@functools.lru_cache(maxsize=32)
+def _fused_program(coef, tile, has_bias):
+    """`(h, e, ids, b, w) -> (sum_m w_m loss_m, dh, de, db)`, compiled by XLA.
 
-    @tf.custom_gradient
-    def loss_with_bias(h, e, i, b):
-        h, e, b = tf.stop_gradient(h), tf.stop_gradient(e), tf.stop_gradient(b)  # see above
-        loss, grad = _forward_and_grad(h, e, i, b, coef, tile)
+    XLA runs the tile loop with the table gradient written in place into one
+    buffer (TensorFlow's graph executor would keep the tiles and their
+    stacked copy, and copy again for the positives' scatter-add): measured at
+    (1024, 128, 262144), about 280 MB above the inputs instead of 480, and
+    faster. Shapes are compiled per concrete size (an unknown batch is fine).
+    """
 
-        def grad_fn(g):
-            dh, de, db = grad(g)
-            return dh, de, None, db
+    @tf.function(jit_compile=True, autograph=False)
+    def program(h, e, i, b, w):
+        loss, (dh, de, db) = _loss_and_grads(h, e, i, b if has_bias else None, coef, tile,
+                                             loss=True, g=w)
+        return tf.reduce_sum(w * loss), dh, de, db
 
-        return loss, grad_fn
+    return program
 
-    return loss_with_bias(hidden, table, ids, bias)
+
+def cut_bce_weighted_sum(
+    hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight, chunk_size
+):
+    """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
+
+    The fused training path of a reduced loss (sample weights, masks and the
+    reduction's divisor are the row weights, constants without gradient).
+    One pass over the vocabulary tiles computes the loss and the gradients
+    at cotangent 1 (per tile one logits matmul, one softplus, one sigmoid
+    and the three gradient products), compiled by XLA (`_fused_program`);
+    the backward pass only scales them by the upstream cotangent. The gradients are computed even when none is
+    asked for (TensorFlow cannot tell in the forward pass): call `cut_bce`
+    for evaluation.
+
+    Args:
+        hidden: float `[M, D]`; `M` may be unknown statically.
+        table: float `[V, D]` item table (a tensor).
+        ids: integer `[M, L]` target ids; ids outside `[0, V)` are padding,
+            duplicates count once.
+        bias: float `[V]` or None.
+        row_weights: float `[M]` row weights (no gradient flows to them).
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float.
+        chunk_size: vocabulary tile width, a positive Python int.
+
+    Returns:
+        A float32 scalar; gradients reach `hidden`, `table` and `bias` in
+        their own dtypes.
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = tf.constant(np.random.normal(size=(3, 8)), tf.float32)
+    >>> table = tf.constant(np.random.normal(size=(100, 8)), tf.float32)
+    >>> ids = tf.constant([[1, 2], [3, -1], [5, 5]])
+    >>> w = tf.constant([1.0, 0.0, 0.5])
+    >>> total = cut_bce_weighted_sum(h, table, ids, None, w, label_smoothing=0.0,
+    ...                              pos_weight=1.0, chunk_size=32)
+    >>> per_row = cut_bce(h, table, ids, None, label_smoothing=0.0, pos_weight=1.0,
+    ...                   chunk_size=32)
+    >>> bool(np.isclose(total, tf.reduce_sum(w * per_row), rtol=1e-5))
+    True
+    """
+    coef = bce_coefficients(label_smoothing, pos_weight)
+    tile = int(chunk_size)
+    hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
+    weights = tf.stop_gradient(tf.reshape(tf.cast(row_weights, tf.float32), [-1]))
+
+    def fused(h, e, i, b):
+        total, *grads = _fused_program(coef, tile, b is not None)(h, e, i, b, weights)
+
+        def grad(upstream):
+            return _cast_grads(grads, h, e, b, factor=tf.cast(upstream, tf.float32))
+
+        return total, grad
+
+    return _with_gradient(fused, hidden, table, ids, bias)

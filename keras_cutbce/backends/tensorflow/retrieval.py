@@ -14,8 +14,7 @@ import tensorflow as tf
 
 from keras_cutbce.backends.tensorflow.chunked import tile_logits
 
-# Id reported for the slots of a top-k that no item can fill (score -inf).
-EMPTY_ID = -1
+from keras_cutbce.common import EMPTY_ID
 
 
 def _tiling(table, chunk_size):
@@ -36,9 +35,18 @@ def _tile(table, bias, index, vocab_size, width):
 
 
 def _excluded_mask(exclude_ids, start, width):
-    """Bool `[M, T]`: True where the row excludes the column `start + j`."""
-    local = tf.cast(exclude_ids, tf.int32) - start
-    local = tf.where((local >= 0) & (local < width), local, width)  # width: dropped
+    """Bool `[M, T]`: True where the row excludes the column `start + j`.
+
+    Compared in the ids' own dtype before the int32 cast, so an int64 id
+    `2**32 + j` never wraps onto column `j`.
+    """
+    exclude_ids = tf.convert_to_tensor(exclude_ids)
+    if not exclude_ids.dtype.is_integer:
+        raise TypeError(f"exclude_ids must be integers; received {exclude_ids.dtype}.")
+    wide = tf.int64 if exclude_ids.dtype in (tf.int64, tf.uint32, tf.uint64) else tf.int32
+    local = tf.cast(exclude_ids, wide) - tf.cast(start, wide)
+    inside = (local >= 0) & (local < tf.cast(width, wide))
+    local = tf.where(inside, tf.cast(local, tf.int32), width)  # width: dropped
     rows = tf.shape(exclude_ids)[0]
     row_index = tf.broadcast_to(tf.range(rows)[:, None], tf.shape(local))
     indices = tf.stack([row_index, local], axis=-1)

@@ -1,17 +1,23 @@
 """CutBCE on torch: a `torch.autograd.Function` looping over vocabulary tiles.
 
 The loss of one row is `(1 / V) * sum_v [scale_v softplus(z_v) - target_v z_v]`
-with `z = h @ E.T + b` (see `keras_cutbce.coefficients`). Every item gets the
-negative weights `(neg_scale, neg_target)`; the positives add a sparse
-correction `(delta_scale, delta_target)`. So the work splits in three:
+with `z = h @ E.T + b` (see `keras_cutbce.coefficients`). The negatives get
+the weights `(neg_scale, neg_target)`; the positives their exact,
+cancellation-free term `pos_minus softplus(-z) + pos_plus softplus(z)`. So
+the work splits in three:
 
-- the dense background `neg_scale * sum_v softplus(z_v)`, tile by tile over
-  the vocabulary: one matmul and one `softplus` (one `exp`, one `log1p`) per
-  logit in the forward pass; one matmul, one `sigmoid` and two matmuls per
-  logit in the backward pass (logits are recomputed, never stored);
+- the dense background `neg_scale * sum_v softplus(z_v)` over the negatives,
+  tile by tile over the vocabulary: one matmul and one `softplus` (one `exp`,
+  one `log1p`) per logit in the forward pass; one matmul, one `sigmoid` and
+  two matmuls per logit in the backward pass (logits are recomputed, never
+  stored). The row's positives are zeroed in each tile's buffers (an O(M L)
+  `index_fill_` over the whole call, see `_TilePositives`), never added and
+  subtracted back, so a saturated positive keeps full precision;
 - the linear background `neg_target * sum_v z_v = neg_target * (h . sum_v E_v
-  + sum_v b_v)`, in closed form (it is non-zero only with label smoothing);
-- the positives, a gather of the table rows at the valid, de-duplicated ids.
+  + sum_v b_v)`, in closed form (it is non-zero only with label smoothing),
+  with the positives' `z` taken back out;
+- the positives, a gather of the table rows at the valid, de-duplicated ids
+  (`keras_cutbce.backends.targets.distinct_targets`).
 
 `cut_bce_weighted_sum` is the fused training path of a reduced loss: the
 row weights are constants, so the gradient for any upstream cotangent is a
@@ -30,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from keras_cutbce.backends.targets import distinct_targets
 from keras_cutbce.coefficients import bce_coefficients
 
 
@@ -60,11 +67,6 @@ def _softplus_threshold(dtype):
     return 40.0 if dtype == torch.float64 else 20.0
 
 
-def _stable_softplus(z):
-    """`softplus(z)`, finite and exact for any finite `z` (one exp, one log1p)."""
-    return F.softplus(z, beta=1.0, threshold=_softplus_threshold(z.dtype))
-
-
 def _compute_dtype(*tensors):
     dtype = torch.float32
     for t in tensors:
@@ -81,19 +83,64 @@ def _capturing(tensor):
 def _positives(ids, vocab_size):
     """Safe item ids `[M, L]` and their 0/1 weights: valid, each id counted once.
 
-    Ids are sorted per row so a repeated id is adjacent to its first
-    occurrence; which copy is kept does not matter. Invalid ids (outside
-    `[0, V)`) and repeats get weight 0 and point at item 0.
+    `keras_cutbce.backends.targets.distinct_targets` (sort-based, O(M L)):
+    invalid ids (outside `[0, V)`) and repeats get weight 0 and point at
+    item 0.
     """
-    ids = ids.long()
-    ids, _ = torch.sort(ids, dim=1)
-    keep = (ids >= 0) & (ids < vocab_size)
-    if ids.shape[1] > 1:
-        repeat = torch.zeros_like(keep)
-        repeat[:, 1:] = ids[:, 1:] == ids[:, :-1]
-        keep &= ~repeat
-    safe = torch.where(keep, ids, torch.zeros_like(ids))
-    return safe, keep
+    safe, keep = distinct_targets(ids, vocab_size)
+    return safe.long(), keep
+
+
+class _TilePositives:
+    """Where each tile's positives sit in its `[M, T]` buffer, to mask them out.
+
+    The kept positives `(row, id)` are sorted by id once; a tile
+    `[start, stop)` then owns one contiguous slice of them (one
+    `searchsorted` for all tile bounds, one host sync per call), and
+    `flat(start, stop)` gives their flat offsets `row * (stop - start) + id -
+    start` in the tile's buffer. O(M L) in all.
+    """
+
+    def __init__(self, ids, vocab_size, width):
+        self.empty = ids is None or ids.shape[1] == 0
+        if self.empty:
+            return
+        safe, keep = _positives(ids, vocab_size)
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(safe)
+        item, order = torch.sort(safe[keep])
+        self.items, self.rows = item, rows[keep][order]
+        bounds = torch.arange(0, vocab_size + width, width, device=ids.device).clamp_(max=vocab_size)
+        self.bounds = torch.searchsorted(item, bounds).tolist()
+        self.width = width
+
+    def flat(self, start, stop):
+        """Flat offsets of the tile's positives in a contiguous `[M, stop - start]` buffer."""
+        if self.empty:
+            return None
+        tile = start // self.width
+        lo, hi = self.bounds[tile], self.bounds[tile + 1]
+        if lo == hi:
+            return None
+        return self.rows[lo:hi] * (stop - start) + (self.items[lo:hi] - start)
+
+
+def _positive_terms(z, coef):
+    """A positive's exact term `pos_minus softplus(-z) + pos_plus softplus(z)` (no cancellation)."""
+    log_part = torch.log1p(torch.exp(-z.abs()))
+    out = coef.pos_minus * ((-z).clamp_min(0.0) + log_part)
+    if coef.pos_plus != 0.0:
+        out = out + coef.pos_plus * (z.clamp_min(0.0) + log_part)
+    return out
+
+
+def _positive_slopes(z, coef):
+    """`d/dz` of `_positive_terms`: `pos_plus sigmoid(z) - pos_minus sigmoid(-z)`.
+
+    Written `pos_plus - (pos_plus + pos_minus) sigmoid(-z)` (one sigmoid):
+    exact to float32 resolution of the result at any `z`.
+    """
+    out = -(coef.pos_plus + coef.pos_minus) * torch.sigmoid(-z)
+    return out if coef.pos_plus == 0.0 else out + coef.pos_plus
 
 
 def _positive_logits(hidden, table, bias, safe, dtype):
@@ -128,10 +175,14 @@ def _scatter_rows(values, active_rows, num_rows):
     return full.index_copy_(0, active_rows, values)
 
 
-def _dense_pass(h, table, bias, chunk_size, *, loss, weight=None, need=(False, False, False)):
-    """One pass over the vocabulary tiles for the dense background.
+def _dense_pass(
+    h, table, bias, chunk_size, *, loss, weight=None, need=(False, False, False), ids=None
+):
+    """One pass over the vocabulary tiles for the dense background of the negatives.
 
-    Per tile, the logits `z` `[M, T]` are computed once (one matmul); then,
+    Per tile, the logits `z` `[M, T]` are computed once (one matmul); the
+    row's positives (`ids`, see `_TilePositives`) are zeroed in the softplus
+    and sigmoid buffers, so the negatives alone are summed; then,
     if `loss`, `softplus(z)` is summed per row, and, if `weight` is given,
     `S = weight[:, None] * sigmoid(z)` (the derivative of
     `sum_m weight_m sum_v softplus(z_mv)`) goes into the needed gradients:
@@ -156,6 +207,7 @@ def _dense_pass(h, table, bias, chunk_size, *, loss, weight=None, need=(False, F
         loss: whether to return the per-row `sum_v softplus(z_v)`.
         weight: optional `[M]` row weights of the dense gradient.
         need: which gradients to compute, for `(h, table, bias)`.
+        ids: optional integer `[M, L]` targets whose logits are skipped.
 
     Returns:
         `(softplus_sum, grad_h, grad_table, grad_bias)`, each `None` when
@@ -175,6 +227,7 @@ def _dense_pass(h, table, bias, chunk_size, *, loss, weight=None, need=(False, F
     need_h, need_e, need_b = need if weight is not None else (False, False, False)
     grads = need_h or need_e or need_b
     width = max(1, min(chunk_size, vocab_size))
+    positives = _TilePositives(ids, vocab_size, width)
     logits_buffer = torch.empty(num_rows * width, dtype=dtype, device=device)
     softplus_sum = None
     if loss:
@@ -200,12 +253,17 @@ def _dense_pass(h, table, bias, chunk_size, *, loss, weight=None, need=(False, F
         table_tile = table[start:stop].to(dtype)
         z = logits_buffer[:size].view(num_rows, stop - start)
         _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
+        skip = positives.flat(start, stop)
         if loss:
             sp = softplus_buffer[:size].view(num_rows, stop - start)
             torch.ops.aten.softplus.out(z, 1.0, threshold, out=sp)
+            if skip is not None:
+                softplus_buffer[:size].index_fill_(0, skip, 0.0)
             softplus_sum.addmv_(sp, ones[: stop - start])
         if grads:
             s = z.sigmoid_()
+            if skip is not None:
+                logits_buffer[:size].index_fill_(0, skip, 0.0)
             if need_h:
                 grad_h.addmm_(s, table_tile)
             if need_e:
@@ -215,7 +273,9 @@ def _dense_pass(h, table, bias, chunk_size, *, loss, weight=None, need=(False, F
                 torch.mv(s.T, weight, out=grad_b[start:stop])
     if need_h:
         grad_h *= weight[:, None]
-    grad_e = grad_e_t.T if need_e else None  # a view; made contiguous by the callers
+    # A transposed view of the `[D, V]` buffer: no second `[V, D]` copy (the
+    # optimizer's update, or autograd accumulating into `.grad`, reads it as is).
+    grad_e = grad_e_t.T if need_e else None
     return softplus_sum, grad_h, grad_e, grad_b
 
 
@@ -224,7 +284,7 @@ def _sparse_terms(h, table, bias, ids, coef, *, loss, weight=None, grads=(None, 
 
     The per-row loss is `(neg_scale * sum_v softplus(z_v) + terms) / V`;
     this returns `terms` (`-neg_target * sum_v z_v` plus the positives'
-    `delta_scale * softplus(z_p) - delta_target * z_p`) if `loss`, and, if
+    `pos_minus softplus(-z_p) + pos_plus softplus(z_p) + neg_target z_p`) if `loss`, and, if
     `weight` is given, adds the gradient of `sum_m weight_m * terms_m` into
     the `grads` buffers `(grad_h, grad_table, grad_bias)` (any may be None).
 
@@ -233,7 +293,7 @@ def _sparse_terms(h, table, bias, ids, coef, *, loss, weight=None, grads=(None, 
     >>> coef = bce_coefficients(0.0, 1.0)
     >>> h, table = torch.randn(2, 3), torch.randn(5, 3)
     >>> terms = _sparse_terms(h, table, None, torch.tensor([[1], [-1]]), coef, loss=True)
-    >>> torch.allclose(terms, torch.stack([-(h[0] @ table[1]), torch.tensor(0.0)]))
+    >>> torch.allclose(terms, torch.stack([F.softplus(-(h[0] @ table[1])), torch.tensor(0.0)]))
     True
     """
     dtype = h.dtype
@@ -259,15 +319,21 @@ def _sparse_terms(h, table, bias, ids, coef, *, loss, weight=None, grads=(None, 
             if grad_b is not None:
                 grad_b -= const.sum()
 
-    # Positives: dz = weight * (delta_scale * sigmoid(z) - delta_target).
+    # Positives (skipped by the dense pass): their exact terms, plus
+    # `neg_target * z` to take them out of the linear background above.
     if ids.shape[1] > 0:
         safe, keep = _positives(ids, vocab_size)
         rows, zp = _positive_logits(h, table, bias, safe, dtype)
         if loss:
-            terms += ((coef.delta_scale * _stable_softplus(zp) - coef.delta_target * zp) * keep).sum(1)
+            pos_terms = _positive_terms(zp, coef)
+            if coef.neg_target != 0.0:
+                pos_terms = pos_terms + coef.neg_target * zp
+            terms += (pos_terms * keep).sum(1)
         if weight is not None and any(g is not None for g in (grad_h, grad_e, grad_b)):
-            dz = (coef.delta_scale * torch.sigmoid(zp) - coef.delta_target) * keep
-            dz *= weight[:, None]
+            dz = _positive_slopes(zp, coef)
+            if coef.neg_target != 0.0:
+                dz = dz + coef.neg_target
+            dz = dz * keep * weight[:, None]
             flat = safe.reshape(-1)
             if grad_h is not None:
                 grad_h += torch.bmm(dz.unsqueeze(1), rows).squeeze(1)
@@ -288,18 +354,18 @@ def _row_losses(h, table, bias, ids, coef, chunk_size, weight=None, need=(False,
     g = None if weight is None else weight / vocab_size
     softplus_sum, grad_h, grad_e, grad_b = _dense_pass(
         h, table, bias, chunk_size, loss=True,
-        weight=None if g is None else g * coef.neg_scale, need=need,
+        weight=None if g is None else g * coef.neg_scale, need=need, ids=ids,
     )
     terms = _sparse_terms(h, table, bias, ids, coef, loss=True, weight=g, grads=(grad_h, grad_e, grad_b))
     loss = (coef.neg_scale * softplus_sum + terms) / vocab_size
-    return loss, grad_h, _contiguous(grad_e), grad_b
+    return loss, grad_h, grad_e, grad_b
 
 
 def _row_gradients(h, table, bias, ids, coef, chunk_size, weight, need):
     """Gradients of `sum_m weight_m * loss_m` (no loss): the backward of `cut_bce`."""
     g = weight / table.shape[0]
     _, grad_h, grad_e, grad_b = _dense_pass(
-        h, table, bias, chunk_size, loss=False, weight=g * coef.neg_scale, need=need
+        h, table, bias, chunk_size, loss=False, weight=g * coef.neg_scale, need=need, ids=ids
     )
     _sparse_terms(h, table, bias, ids, coef, loss=False, weight=g, grads=(grad_h, grad_e, grad_b))
     return grad_h, _contiguous(grad_e), grad_b
@@ -364,9 +430,15 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_total):
+        # The usual cotangent is exactly 1 (a loss's own backward): then the
+        # saved gradients are returned as they are, without a second
+        # `[V, D]` buffer for the product.
+        unit = not _capturing(grad_total) and bool(grad_total == 1)
         grads = []
         for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
-            grads.append(None if grad is None else (grad * grad_total.to(grad.dtype)).to(dtype))
+            if grad is not None and not unit:
+                grad = grad * grad_total.to(grad.dtype)
+            grads.append(None if grad is None else grad.to(dtype))
         return tuple(grads) + (None,) * 5
 
 

@@ -8,9 +8,7 @@ the running result are alive at a time, so memory is O(M * (k + T)).
 import torch
 
 from keras_cutbce.backends.torch.chunked import tile_logits
-
-# Id reported for the slots of a top-k that no item can fill (score -inf).
-EMPTY_ID = -1
+from keras_cutbce.common import EMPTY_ID
 
 
 def _tiles(vocab_size, chunk_size):

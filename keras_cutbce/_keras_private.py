@@ -1,0 +1,99 @@
+"""Every private Keras use of `keras_cutbce`, in one place, with why.
+
+Checked against Keras 3.15.1. Nothing else in `keras_cutbce` imports
+`keras.src` or inspects the call stack.
+
+1. Loss reduction (`keras.src.losses.loss`): `CutBCELoss` must give
+   Keras's numbers for every reduction, sample-weight shape and mask, i.e.
+   do exactly what `keras.losses.Loss.__call__` does after `call`. Keras
+   exposes no public reduction helper, so we call its own
+   (`reduce_weighted_values`, `apply_mask`, `squeeze_or_expand_to_same_rank`,
+   `scale_loss_for_distribution`) rather than copy them.
+2. Masks (`keras.src.backend.common.masking.get_keras_mask`): the Keras mask
+   a layer attached to `y_pred`; Keras's own losses and metrics read it with
+   this function and there is no public accessor.
+3. The model being loaded or trained (call-stack inspection): a saved
+   `CutBCELoss` or metric stores its table as a variable path; on
+   `keras.saving.load_model` the loss is rebuilt by `compile_from_config`
+   before any public hook could hand it the model, so we find the model's
+   method on the stack and bind the path to its variable (or to the layer
+   that owns it, so a LoRA table stays merged).
+4. JAX trainer state (call-stack inspection): Keras's JAX `train_step` /
+   `test_step` update metrics inside a `StatelessScope` that maps only the
+   metric variables; the model's variables are the step's `state` argument.
+   A metric that reads the item table must read that traced state, not the
+   variable (whose value would be baked into the compiled step at trace time).
+5. Symbolic builds (`keras.src.backend.common.symbolic_scope`): Keras traces
+   the compiled loss once with `compute_output_spec` (a JAX `eval_shape`
+   inside a `SymbolicScope`) to build it; only shapes matter there, so the
+   loss's check that a traced `y_pred` comes with a traced table is skipped.
+"""
+
+import inspect
+
+import keras
+from keras.src.backend.common.masking import get_keras_mask  # noqa: F401  (2.)
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # noqa: F401  (5.)
+from keras.src.losses.loss import apply_mask  # noqa: F401  (1.)
+from keras.src.losses.loss import reduce_weighted_values  # noqa: F401  (1.)
+from keras.src.losses.loss import scale_loss_for_distribution  # noqa: F401  (1.)
+from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # noqa: F401  (1.)
+
+KERAS_VERSION_CHECKED = "3.15.1"
+_JAX_STEPS = ("train_step", "test_step", "predict_step")
+
+
+def _models_on_stack():
+    """The `keras.Model` instances whose methods are on the call stack, innermost first."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.Model):
+                yield frame, owner
+            frame = frame.f_back
+    finally:
+        del frame
+
+
+def _owning_layer(model, variable):
+    """The layer of `model` whose item table (`embeddings` weight) is `variable`."""
+    for layer in model._flatten_layers(include_self=False):
+        if getattr(layer, "lora_enabled", False) and any(
+            weight is variable for weight in layer.weights
+        ):
+            return layer
+    return variable
+
+
+def find_model_table(path):
+    """The table at variable `path` in the Keras model being loaded, compiled or trained.
+
+    Returns the variable, or the LoRA-enabled layer that owns it (whose
+    `embeddings` merge the LoRA factors), or None when no model on the call
+    stack has a variable with that path.
+    """
+    for _, model in _models_on_stack():
+        for variable in model.variables:
+            if variable.path == path:
+                return _owning_layer(model, variable)
+    return None
+
+
+def jax_step_state():
+    """`{id(variable): value}` of the JAX trainer step running now, or None.
+
+    Maps the model's trainable and non-trainable variables to the traced
+    values of the enclosing `train_step`/`test_step`/`predict_step`'s `state`.
+    """
+    for frame, model in _models_on_stack():
+        state = frame.f_locals.get("state")
+        if frame.f_code.co_name not in _JAX_STEPS:
+            continue
+        if not isinstance(state, (tuple, list)) or len(state) < 2:
+            continue
+        references = list(model.trainable_variables) + list(model.non_trainable_variables)
+        values = list(state[0]) + list(state[1])
+        if len(references) == len(values):
+            return {id(ref): value for ref, value in zip(references, values)}
+    return None

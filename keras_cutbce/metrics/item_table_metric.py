@@ -1,0 +1,120 @@
+"""`ItemTableMetric`: the base of the metrics that read an item table."""
+
+import keras
+from keras import ops
+
+from keras_cutbce import _keras_private
+from keras_cutbce import ops as cut_ops
+from keras_cutbce import validation
+from keras_cutbce.backends.targets import distinct_targets
+
+
+def _stored_variables(source):
+    """The variables a table source reads: a layer's weights, or the variable itself."""
+    if isinstance(source, keras.layers.Layer):
+        return list(source.weights)
+    return [source] if isinstance(source, keras.Variable) else []
+
+
+class ItemTableMetric(keras.metrics.Metric):
+    """A metric that reads an item table (and bias) when it updates.
+
+    Holds the table untracked (a `keras.Variable` set as an attribute would
+    become one of the metric's own variables: reset to zero by `reset_state`),
+    resets its own variables to zero, and saves the table as a variable path
+    that re-binds to the loaded model's variable.
+
+    Subclasses implement `update_state` with `self.read_tables()` and
+    `self.prepare(y_true, y_pred)`.
+
+    Args:
+        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
+            an `embeddings` variable (`keras.layers.Embedding`).
+        bias: optional `keras.Variable` `[V]`.
+        chunk_size: vocabulary tile width, `None` for the default rule.
+        name: metric name.
+        dtype: dtype of the accumulators (default float32).
+    """
+
+    def __init__(self, embeddings, bias=None, chunk_size=None, name=None, dtype=None):
+        super().__init__(name=name, dtype=dtype or "float32")
+        if embeddings is None:
+            raise ValueError("`embeddings` is required: the item table [V, D].")
+        self.chunk_size = validation.check_chunk_size(chunk_size)
+        object.__setattr__(self, "embeddings", embeddings)
+        object.__setattr__(self, "bias", bias)
+
+    def _read(self, source, argument):
+        """The current value of a table source: the JAX trainer step's traced one if any."""
+        source = validation.table_source(source, argument)
+        if keras.backend.backend() == "jax":
+            state = _keras_private.jax_step_state()
+            variables = _stored_variables(source)
+            if state is not None and any(id(v) in state for v in variables):
+                mapping = [(v, state[id(v)]) for v in variables if id(v) in state]
+                with keras.StatelessScope(state_mapping=mapping):
+                    return source, validation.read_table(source, argument)
+        return source, validation.read_table(source, argument)
+
+    def read_tables(self):
+        """`(ItemTable, bias value or None)` as this update should see them."""
+        source, value = self._read(self.embeddings, "embeddings")
+        table = cut_ops.resolve_table(source, "embeddings", value=value)
+        bias = None if self.bias is None else self._read(self.bias, "bias")[1]
+        return table, bias
+
+    def prepare(self, y_true, y_pred, vocab_size, never=()):
+        """Checked inputs: `(hidden [..., D], valid distinct targets, mask)`.
+
+        Returns `(y_pred, safe [M, L] int32, keep [M, L] bool, mask)`: each
+        row's targets de-duplicated (`keras_cutbce.backends.targets`), ids
+        outside `[0, V)` (any integer width) and the ids in `never` dropped.
+        """
+        mask = _keras_private.get_keras_mask(y_pred)
+        y_pred = ops.convert_to_tensor(y_pred)
+        if not validation.is_float(y_pred):
+            raise TypeError(f"`y_pred` must be float hidden states; received {y_pred.dtype}.")
+        ids = validation.checked_ids(y_true, y_pred, vocab_size, "y_true")
+        num_rows = ops.shape(ops.reshape(y_pred, (-1, ops.shape(y_pred)[-1])))[0]
+        rows = ops.reshape(ids, (num_rows, ops.shape(ids)[-1]))
+        safe, keep = distinct_targets(rows, vocab_size)
+        for item in never:
+            keep = ops.logical_and(keep, safe != item)
+        return y_pred, safe, keep, mask
+
+    def position_weights(self, sample_weight, mask, y_pred):
+        """Per-position weights `[M]`: `sample_weight` broadcast over positions, times the mask."""
+        lead_ndim = len(y_pred.shape) - 1
+        weights = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
+        if sample_weight is not None:
+            sample_weight = ops.cast(ops.convert_to_tensor(sample_weight), self.dtype)
+            while len(sample_weight.shape) > lead_ndim and sample_weight.shape[-1] == 1:
+                sample_weight = ops.squeeze(sample_weight, -1)
+            while len(sample_weight.shape) < lead_ndim:
+                sample_weight = ops.expand_dims(sample_weight, -1)
+            validation.check_sample_weight(
+                validation.static_dims(sample_weight), validation.static_dims(weights)
+            )
+            weights = weights * sample_weight
+        if mask is not None:
+            weights = weights * ops.cast(mask, self.dtype)
+        return ops.reshape(weights, (-1,))
+
+    def reset_state(self):
+        for variable in self.variables:
+            variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))
+
+    def get_config(self):
+        """Config with the table (and bias) saved as variable paths."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "embeddings": validation.variable_path(self.embeddings, "embeddings"),
+            "bias": validation.variable_path(self.bias, "bias"),
+            "chunk_size": self.chunk_size,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**validation.bind_variable_paths(config))
+

@@ -1,0 +1,130 @@
+"""The item table trains through `CutBCELoss` in every Keras training style (issue 11 A4).
+
+`fit` is covered elsewhere; here Keras's documented JAX custom training loop
+(`model.stateless_call` + `jax.grad` over the trainable variables): the loss
+either sees the values being differentiated (inside a `keras.StatelessScope`
+or through `model.stateless_compute_loss`) and its table gradient equals dense
+BCE's, or it raises a clear error; never a silently dropped gradient.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_cutbce import CutBCELoss
+from keras_cutbce.reference import multi_hot
+from tests.backend_utils import BACKEND, to_numpy
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX stateless training loop")
+
+VOCAB, DIM = 23, 4
+
+
+def tied_model():
+    keras.utils.set_random_seed(0)
+    items = keras.layers.Embedding(VOCAB, DIM, name="items")
+    inputs = keras.Input((3,), dtype="int32")
+    model = keras.Model(inputs, keras.layers.Dense(DIM, name="proj")(items(inputs)))
+    return model, items
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(6, 3)).astype("int32")
+    y = rng.integers(-1, VOCAB, size=(6, 3, 2)).astype("int32")
+    return x, y
+
+
+def table_index(model, items):
+    return [i for i, v in enumerate(model.trainable_variables) if v is items.embeddings][0]
+
+
+def dense_objective(model, items):
+    """Keras's dense BCE on the full logits, as a function of the trainable values."""
+    import jax.numpy as jnp
+
+    index = table_index(model, items)
+
+    def objective(trainable, non_trainable, x, y):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        logits = jnp.einsum("btd,vd->btv", y_pred, trainable[index])
+        targets = multi_hot(y.reshape(-1, y.shape[-1]), VOCAB).reshape(logits.shape)
+        return keras.losses.BinaryCrossentropy(from_logits=True)(targets, logits)
+
+    return objective
+
+
+def assert_grads_match_dense(model, items, objective):
+    import jax
+
+    x, y = data()
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    grad_fn = jax.jit(jax.grad(objective))
+    want = jax.grad(dense_objective(model, items))(trainable, non_trainable, x, y)
+    got = grad_fn(trainable, non_trainable, x, y)
+    index = table_index(model, items)
+    assert np.abs(to_numpy(want[index])).max() > 1e-4  # the table does get a gradient
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(to_numpy(g), to_numpy(w), rtol=1e-4, atol=1e-7)
+    # Not frozen at trace time: a different table gives the new gradient (same jit).
+    trainable[index] = trainable[index] * 2.0
+    got = grad_fn(trainable, non_trainable, x, y)
+    want = jax.grad(dense_objective(model, items))(trainable, non_trainable, x, y)
+    np.testing.assert_allclose(to_numpy(got[index]), to_numpy(want[index]), rtol=1e-4, atol=1e-7)
+
+
+def test_stateless_loop_with_a_stateless_scope_trains_the_table():
+    model, items = tied_model()
+    loss = CutBCELoss(items, chunk_size=8)
+
+    def objective(trainable, non_trainable, x, y):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        mapping = list(zip(model.trainable_variables, trainable))
+        mapping += list(zip(model.non_trainable_variables, non_trainable))
+        with keras.StatelessScope(state_mapping=mapping):
+            return loss(y, y_pred)
+
+    assert_grads_match_dense(model, items, objective)
+
+
+def test_stateless_compute_loss_trains_the_table():
+    model, items = tied_model()
+    model.compile(optimizer="sgd", loss=CutBCELoss(items, chunk_size=8))
+    x, y = data()
+    model.fit(x, y, epochs=1, verbose=0)  # builds the compiled loss and metrics
+
+    def objective(trainable, non_trainable, x, y):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        metrics = [v.value for v in model.metrics_variables]
+        value, _ = model.stateless_compute_loss(
+            trainable, non_trainable, metrics, x=x, y=y, y_pred=y_pred
+        )
+        return value
+
+    assert_grads_match_dense(model, items, objective)
+
+
+def test_stateless_loop_without_the_values_raises_clearly():
+    """Without the traced values the loss would drop the table's gradient: it raises instead."""
+    import jax
+
+    model, items = tied_model()
+    loss = CutBCELoss(items, chunk_size=8)
+    x, y = data()
+
+    def objective(trainable, non_trainable, x, y):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        return loss(y, y_pred)
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    with pytest.raises(RuntimeError, match="StatelessScope"):
+        jax.grad(objective)(trainable, non_trainable, x, y)
+    # A plain tensor table is the caller's own value: no error, normal gradients.
+    table = to_numpy(items.embeddings).astype("float32")
+    plain = CutBCELoss(keras.ops.convert_to_tensor(table), chunk_size=8)
+    value = jax.jit(lambda t, n, x, y: plain(y, model.stateless_call(t, n, x)[0]))(
+        trainable, non_trainable, x, y
+    )
+    assert np.isfinite(float(value))
