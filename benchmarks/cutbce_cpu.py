@@ -367,8 +367,8 @@ def main():
         f.write(f"{os.cpu_count()} cores; torch threads {args.threads}; medians of {repeats} runs "
                 "(dense: half as many) after one warm-up; floor = matmuls + elementwise; "
                 "memory = peak RSS of the timed runs above the inputs (the JSON also has the "
-                "warm-up's, with tracing and compilation). Other helpers' niced jobs shared "
-                "the machine.\n\n")
+                "warm-up's, with tracing and compilation). Load average at the end (1, 5, 15 min): "
+                f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}.\n\n")
         f.write(table + "\n")
 
 

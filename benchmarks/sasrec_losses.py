@@ -238,7 +238,7 @@ def main(argv=None):
         backend=backend, epochs=args.epochs, max_len=args.max_len, batch_size=args.batch_size,
         steps_1e5=args.steps_1e5, steps_1e6=args.steps_1e6, memory_cap_gib=args.memory_cap_gib,
         total_seconds=round(time.perf_counter() - start),
-        load="other helpers' niced processes were running on the same 2 cores",
+        load_average_1_5_15=[round(v, 2) for v in os.getloadavg()],
     )
     table = study_table(rows)
     report = "\n".join([
