@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import sys
 
 # Where the examples and the main job write results unless told otherwise:
 # `runs/` at the repository root (not the current directory).
@@ -20,3 +21,24 @@ def select_backend(argv):
     known, _ = parser.parse_known_args(argv)
     if known.backend:
         os.environ["KERAS_BACKEND"] = known.backend
+
+
+def _bounded(kind, ok, rule):
+    def parse(text):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__doc__ = f"argparse type: a {kind.__name__} that is {rule}."
+    return parse
+
+
+positive_int = _bounded(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _bounded(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _bounded(float, lambda v: v > 0, "> 0")
+
+
+def default_verbosity():
+    """`fit`'s verbosity: a progress bar on a terminal, one line per epoch otherwise (logs)."""
+    return 1 if sys.stdout.isatty() else 2

@@ -42,7 +42,7 @@ import time
 import keras
 import numpy as np
 
-from examples import DEFAULT_OUTPUT_DIR
+from examples import DEFAULT_OUTPUT_DIR, default_verbosity, non_negative_int, positive_float, positive_int
 from examples.ctr import data as data_lib
 from examples.ctr.model import NormalizedEntropy, build_ctr_model
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
@@ -87,35 +87,6 @@ def available_modes():
         if _cuda_available():
             modes += ["erase-streams", "erase-graphs"]
     return modes
-
-
-def positive_int(text):
-    """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def non_negative_int(text):
-    """argparse type: an int >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def positive_float(text):
-    """argparse type: a float > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def default_verbosity():
-    """fit's verbosity: a progress bar on a terminal, one line per epoch otherwise (logs)."""
-    return 1 if sys.stdout.isatty() else 2
 
 
 def build_parser():

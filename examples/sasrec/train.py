@@ -31,6 +31,7 @@ import time
 import keras
 import numpy as np
 
+from examples import default_verbosity, positive_float, positive_int
 from examples.sasrec import data as data_lib
 from examples.sasrec.losses import NegativeSamplingBatches, SampledBCELoss, SoftmaxCrossEntropyLoss
 from examples.sasrec.model import DenseBCELoss, build_sasrec
@@ -41,33 +42,12 @@ LOSSES = ("cutbce", "dense", "sampled", "softmax")
 KS = (8, 10)
 
 
-def positive_int(text):
-    """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def positive_float(text):
-    """argparse type: a float > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def unit_interval(text):
     """argparse type: a float in [0, 1)."""
     value = float(text)
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
-
-
-def default_verbosity():
-    """fit's verbosity: a progress bar on a terminal, one line per epoch otherwise (logs)."""
-    return 1 if sys.stdout.isatty() else 2
 
 
 def build_parser():
