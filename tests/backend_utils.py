@@ -1,9 +1,15 @@
 """Backend-neutral helpers for tests: gradients and conversions on the active Keras backend."""
 
+import json
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
 BACKEND = keras.backend.backend()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def to_numpy(x):
@@ -119,3 +125,21 @@ def fit_tied_table_model():
     before = to_numpy(items.embeddings)
     history = model.fit(x, y, epochs=3, batch_size=16, verbose=0)
     return history.history["loss"], before, to_numpy(items.embeddings)
+
+
+def run_child_script(path, env, args=(), timeout=600):
+    """Runs a test file as a script in a fresh process and returns its JSON report.
+
+    The child gets the repository on `PYTHONPATH` plus the `env` overrides (e.g. a
+    backend or a simulated device count) and must print its report as JSON on its
+    last stdout line; a non-zero exit fails with the tail of its output.
+    """
+    child_env = dict(os.environ)
+    child_env.update(env)
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(path), *args],
+        cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

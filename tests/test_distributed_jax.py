@@ -16,14 +16,12 @@ dense reference:
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import keras
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.backend_utils import run_child_script
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX meshes need KERAS_BACKEND=jax"
@@ -31,19 +29,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _run_child(case):
-    env = dict(os.environ)
-    env.update(
+    return run_child_script(__file__, dict(
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         KERAS_BACKEND="jax",
         JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), case],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-8000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    ), args=(case,), timeout=900)
 
 
 def test_ops_exact_against_single_device_on_meshes():

@@ -8,14 +8,11 @@ as on one device.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.backend_utils import run_child_script
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
@@ -24,19 +21,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_cut_bce_loss_trains_under_mirrored_strategy_like_one_device():
-    env = dict(os.environ)
-    env.update(
+    report = run_child_script(__file__, dict(
         KERAS_BACKEND="tensorflow",
         CUDA_VISIBLE_DEVICES="",
         TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-8000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    ))
     assert report["replicas"] == 2
     assert len(report["losses"]) == 3
 

@@ -11,14 +11,11 @@ array routes to the sharded kernel too.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.backend_utils import run_child_script
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX meshes need KERAS_BACKEND=jax"
@@ -26,19 +23,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_metrics_run_sharded_and_match_one_device():
-    env = dict(os.environ)
-    env.update(
+    report = run_child_script(__file__, dict(
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         KERAS_BACKEND="jax",
         JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    ))
     assert report["one_device_calls"] == {}
     assert report["sharded_calls"].get("top_k", 0) >= 1
     assert report["sharded_calls"].get("count_at_least", 0) >= 1
