@@ -3,6 +3,7 @@
 from keras_cutbce.loss import CutBCELoss
 from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
 from keras_cutbce.ops import cut_binary_crossentropy, cut_top_k
+from keras_cutbce.version import __version__
 
 __all__ = [
     "CutBCELoss",
@@ -11,4 +12,3 @@ __all__ = [
     "cut_binary_crossentropy",
     "cut_top_k",
 ]
-__version__ = "0.1.0"

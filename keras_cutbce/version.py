@@ -1,0 +1,3 @@
+"""The distribution's version, written once for `keras_cutbce`, `keras_erase` and `pyproject.toml`."""
+
+__version__ = "0.1.0"
