@@ -296,6 +296,7 @@ class DetachBlock(keras.layers.Layer):
 
     @staticmethod
     def detach(outputs):
+        """`outputs` (any structure of tensors) with the gradient stopped."""
         return tree.map_structure(ops.stop_gradient, outputs)
 
     def own_losses(self):

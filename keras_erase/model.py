@@ -136,22 +136,27 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch(self):
+        """The schedule asked for: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or `"streams"`."""
         return self._erase.config.dispatch
 
     @property
     def num_streams(self):
+        """CUDA streams used by `dispatch="streams"`."""
         return self._erase.config.num_streams
 
     @property
     def cuda_graphs(self):
+        """Whether each block's step is captured and replayed as a CUDA Graph."""
         return self._erase.config.cuda_graphs
 
     @property
     def intra_op_threads(self):
+        """torch CPU thread policy: `"auto"`, an int or `None` (see the class docstring)."""
         return self._erase.config.intra_op_threads
 
     @property
     def auto_steps(self):
+        """Timed rounds per candidate schedule for `dispatch="auto"`."""
         return self._erase.config.auto_steps
 
     @property
