@@ -603,7 +603,7 @@ def _parsers():
 
 @pytest.mark.parametrize("name,shown", [
     ("sasrec", ["(default: 2000)", "(default: 10)", "(default: 30)", "(default: cutbce)"]),
-    ("ctr", ["(default: erase-auto)", "(default: 60000)", "(default: 10)", "runs/ctr_ne.png)"]),
+    ("ctr", ["(default: erase-auto)", "(default: 60000)", "(default: 10)", "(default: ctr_ne.png)"]),
     ("run_all", ["runs)"]),
 ])
 def test_help_shows_every_default(name, shown):

@@ -42,7 +42,7 @@ import time
 import keras
 import numpy as np
 
-from examples import DEFAULT_OUTPUT_DIR, default_verbosity, non_negative_int, positive_float, positive_int
+from examples import default_verbosity, non_negative_int, output_path, positive_float, positive_int
 from examples.ctr import data as data_lib
 from examples.ctr.model import NormalizedEntropy, build_ctr_model
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
@@ -97,12 +97,15 @@ def build_parser():
     parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
                         help="Keras backend (None: $KERAS_BACKEND)")
     parser.add_argument("--mode", choices=MODES, default="erase-auto",
-                        help="model and schedule (see the table above; erase-auto runs on "
-                             "every backend)")
+                        help="model and schedule: baseline (no detachment), detached (standard "
+                             "step), erase-auto (times the schedules, keeps the fastest; every "
+                             "backend), erase-blocking and erase-threaded (torch), erase-streams "
+                             "and erase-graphs (torch + CUDA)")
     parser.add_argument("--compare", action="store_true",
                         help="run every available mode and print the comparison table")
-    parser.add_argument("--plot", default=os.path.join(DEFAULT_OUTPUT_DIR, "ctr_ne.png"),
-                        help="--compare: PNG of the training NE per step and mode")
+    parser.add_argument("--plot", type=output_path, default="ctr_ne.png",
+                        help="--compare: PNG of the training NE per step and mode; a relative "
+                             "path is inside the output folder runs/ at the repository root")
     parser.add_argument("--data", choices=["synthetic", "criteo"], default="synthetic",
                         help="dataset")
     parser.add_argument("--data-dir", default=None, help="Criteo TSV file or folder")

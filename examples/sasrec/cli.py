@@ -1,0 +1,91 @@
+"""The command line of `python -m examples.sasrec`, without Keras.
+
+Parsing imports no backend, so `--help` and usage errors are immediate
+(`examples/sasrec/__main__.py` parses before it imports the training code,
+`train.py`).
+"""
+
+import argparse
+import os
+
+from examples import default_verbosity, positive_float, positive_int
+
+LOSSES = ("cutbce", "dense", "sampled", "softmax")
+DESCRIPTION = (
+    "Train and evaluate the multi-label SASRec: every non-padding position predicts its next "
+    "8 items; each user's last 8 items are held out and ranked against the whole catalogue, "
+    "beside the most-popular-items baseline."
+)
+
+
+def unit_interval(text):
+    """argparse type: a float in [0, 1)."""
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.sasrec", description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
+                        help="Keras backend (None: $KERAS_BACKEND)")
+    parser.add_argument("--loss", choices=LOSSES, default="cutbce",
+                        help="cutbce: exact full-catalogue BCE without logits; dense: the same "
+                             "BCE through the full logits; sampled: BCE on each positive and "
+                             "--num-negatives uniform negatives; softmax: full-catalogue "
+                             "softmax cross-entropy")
+    parser.add_argument("--num-negatives", type=positive_int, default=1,
+                        help="--loss sampled: negatives per target (1: the SASRec recipe)")
+    parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"],
+                        default="synthetic", help="dataset")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with the real data files (movielens: None downloads "
+                             "ml-latest-small)")
+    parser.add_argument("--num-items", type=positive_int, default=2000,
+                        help="synthetic catalogue size")
+    parser.add_argument("--num-users", type=positive_int, default=1200, help="synthetic users")
+    parser.add_argument("--epochs", type=positive_int, default=10, help="training epochs")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="windows per step")
+    parser.add_argument("--max-len", type=positive_int, default=30,
+                        help="sequence length (items per input window)")
+    parser.add_argument("--dim", type=positive_int, default=64,
+                        help="embedding and hidden width (even: 2 attention heads)")
+    parser.add_argument("--blocks", type=positive_int, default=2, help="transformer blocks")
+    parser.add_argument("--learning-rate", type=positive_float, default=5e-3,
+                        help="Adam learning rate")
+    parser.add_argument("--pos-weight", type=positive_float, default=1.0,
+                        help="weight of the positive BCE terms (cutbce and dense)")
+    parser.add_argument("--dropout", type=unit_interval, default=0.2, help="dropout rate")
+    parser.add_argument("--steps-per-epoch", type=positive_int, default=None,
+                        help="cap on steps per epoch (quick runs; None: the whole data)")
+    parser.add_argument("--eval-each-epoch", action="store_true",
+                        help="evaluate after every epoch (adds the per-epoch metrics to --json)")
+    parser.add_argument("--eval-users", type=positive_int, default=None,
+                        help="evaluate the first N users only (None: all)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
+                        help="fit's verbosity: 1 progress bar, 2 one line per epoch "
+                             "(default: %(default)s here; 1 on a terminal, else 2)")
+    return parser
+
+
+def parse_args(argv=None):
+    """Parses and checks the arguments (errors exit with a usage message)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dim % 2:
+        parser.error(f"--dim must be even (two attention heads), got {args.dim}")
+    if args.loss != "sampled" and args.num_negatives != 1:
+        parser.error("--num-negatives applies to --loss sampled only")
+    if args.data == "synthetic" and args.num_items < 2:
+        parser.error("--num-items must be >= 2")
+    if args.data == "yambda" and args.data_dir is None:
+        parser.error("--data yambda needs --data-dir DIR (a folder of Yambda parquet files)")
+    if args.data != "synthetic" and args.data_dir is not None and not os.path.isdir(args.data_dir):
+        parser.error(f"--data-dir must be an existing folder, got {args.data_dir!r}")
+    return args
