@@ -130,7 +130,8 @@ def _markdown(doc):
         out.append(line)
     if in_doctest:
         out.append("```")
-    return "\n".join(out).strip()
+    text = "\n".join(out).strip()
+    return re.sub(r"(\*\*[A-Z][a-z]+:\*\*)\n\n\n", r"\1\n\n", text)  # one blank after a title
 
 
 def _entry(level, qualified, obj):
