@@ -3,7 +3,8 @@
 - `kernels`: on 4 simulated CPU devices, `sharded.cut_bce` with
   `kernel="auto"` (chunked off TPU), `"chunked"` and `"pallas"` (the Pallas
   TPU interpreter inside `shard_map`) give the loss and the gradients of
-  hidden, table and bias of the single-device kernel, V not divisible by 4.
+  hidden, table and bias of the single-device kernel, V not divisible by 4;
+  the public op passes `kernel="chunked"` when `implementation="chunked"`.
 - `tpu`: the same sharded train step compiled by libtpu for a deviceless
   v6e 2x2 pod (4 chips, table split along V) contains the Pallas kernels
   (`tpu_custom_call`), no host callback, no XLA loop and no all-gather of the
@@ -41,6 +42,7 @@ def test_per_shard_kernels_match_one_device():
         KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
     ), args=("kernels",), timeout=900)
     assert sorted(report["kernels"]) == ["auto", "chunked", "pallas"]
+    assert report["op_kernels"] == ["auto", "chunked"]
 
 
 @pytest.mark.skipif(not _libtpu(), reason="the TPU compiler needs libtpu: pip install 'jax[tpu]'")
@@ -94,13 +96,34 @@ def _child_kernels():
         for name, a, e in zip(("loss", "hidden", "table", "bias"), got, expected):
             np.testing.assert_allclose(a, e, rtol=2e-5, atol=1e-6, err_msg=f"{kernel} {name}")
         checked.append(kernel)
+    # Through the public op: "auto" lets the target choose, "chunked" forces the XLA loop.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from keras_cutbce import cut_binary_crossentropy
+
+    kernels_asked = []
+    original = sharded.cut_bce
+
+    def spy(*args, **kwargs):
+        kernels_asked.append(kwargs.get("kernel", "auto"))
+        return original(*args, **kwargs)
+
+    sharded.cut_bce = spy
+    placed = jax.device_put(table[:1028], NamedSharding(mesh, P("model", None)))
+    for implementation in ("auto", "chunked"):
+        loss = cut_binary_crossentropy(hidden, placed, ids, implementation=implementation)
+        reference = chunked.cut_bce(hidden, table[:1028], ids, chunk_size=128)
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(reference), rtol=2e-5)
+    sharded.cut_bce = original
+    assert kernels_asked == ["auto", "chunked"], kernels_asked
     try:
         sharded.cut_bce(hidden, table, ids, sharding=spec, kernel="mosaic")
     except ValueError as error:
         assert "kernel" in str(error) and "mosaic" in str(error)
     else:
         raise AssertionError("an unknown kernel was accepted")
-    print(json.dumps({"kernels": checked}))
+    print(json.dumps({"kernels": checked, "op_kernels": kernels_asked}))
 
 
 def _child_tpu():
