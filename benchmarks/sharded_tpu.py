@@ -30,6 +30,7 @@ Usage:
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -164,9 +165,10 @@ def markdown(results):
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
-        head = f"| {r['topology']} | {r.get('chips', '')} | {r['vocab']:.0e} | {r['dim']} "
+        chips = r.get("chips") or math.prod(int(n) for n in r["topology"].split(":")[1].split("x"))
+        head = f"| {r['topology']} | {chips} | {r['vocab']:.0e} | {r['dim']} "
         if "error" in r:
-            lines.append(head + f"| {r['kernel']} | error: {r['error']} |||||||||")
+            lines.append(head + f"| {r['kernel']} | does not compile: {r['error']} |||||||||")
             continue
         fits = "/".join(
             "yes" if r[k] <= r["hbm_bytes"] else "no" for k in ("step_bytes", "with_adam_bytes")
@@ -181,6 +183,27 @@ def markdown(results):
     return "\n".join(lines)
 
 
+def _write(out, results, machine, rows):
+    """Prints and writes the markdown report and the JSON (`machine` has the load average)."""
+    load = ", ".join(f"{v:.1f}" for v in machine["load_average"])
+    note = (
+        f"Per-chip memory (GiB) of `jit(value_and_grad)` of CutBCE (loss; gradients of the "
+        f"hidden states and the table), M = {rows} rows (replicated), {NUM_IDS} target "
+        "ids per row, float32, the table split along V over every chip "
+        "(`keras_cutbce.backends.jax.sharded`), compiled by libtpu for deviceless TPU "
+        "topologies from a CPU host (nothing ran on a chip): `memory_analysis()` of the "
+        "per-chip program. step = arguments + outputs + temporaries; with Adam = step + "
+        "two float32 moments of the table shard (derived). kernel `auto` = Pallas per "
+        "shard (what a TPU compile gets), `chunked` = the XLA loop. Compiled on a shared "
+        f"CPU host, load average {load}."
+    )
+    table = markdown(results)
+    print(note + "\n\n" + table)
+    write_text(out + ".md", "# CutBCE on TPU pods: per-chip HBM, table sharded on V\n\n"
+               + note + "\n\n" + table)
+    write_json(out + ".json", {"machine": machine, "rows": rows, "results": results})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
@@ -192,10 +215,18 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one small compile")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "sharded_tpu"))
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite the markdown from the existing --out JSON (no compile)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(**json.loads(args.child))))
+        return 0
+    if args.render:
+        with open(args.out + ".json") as f:
+            saved = json.load(f)
+        rows = saved.get("rows") or saved["results"][0]["rows"]
+        _write(args.out, saved["results"], saved["machine"], rows)
         return 0
     if not libtpu_available():
         print("libtpu is not installed: pip install 'jax[tpu]' (same version as jax).")
@@ -212,24 +243,7 @@ def main():
                                   kernel=kernel)
                     results.append(_run_child(config))
                     print(json.dumps(results[-1]), flush=True)
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    note = (
-        f"Per-chip memory (GiB) of `jit(value_and_grad)` of CutBCE (loss; gradients of the "
-        f"hidden states and the table), M = {args.rows} rows (replicated), {NUM_IDS} target "
-        "ids per row, float32, the table split along V over every chip "
-        "(`keras_cutbce.backends.jax.sharded`), compiled by libtpu for deviceless TPU "
-        "topologies from a CPU host (nothing ran on a chip): `memory_analysis()` of the "
-        "per-chip program. step = arguments + outputs + temporaries; with Adam = step + "
-        "two float32 moments of the table shard (derived). kernel `auto` = Pallas per "
-        "shard (what a TPU compile gets), `chunked` = the XLA loop. Compiled on a shared "
-        f"CPU host, load average {load}."
-    )
-    table = markdown(results)
-    print(note + "\n\n" + table)
-    write_text(args.out + ".md", "# CutBCE on TPU pods: per-chip HBM, table sharded on V\n\n"
-               + note + "\n\n" + table)
-    write_json(args.out + ".json", {"machine": machine_info(load_average=os.getloadavg()),
-                                    "results": results})
+    _write(args.out, results, machine_info(load_average=list(os.getloadavg())), args.rows)
     return 0
 
 
