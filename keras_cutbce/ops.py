@@ -162,6 +162,8 @@ def _dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         return kernel(hidden, table.value, *args, **kwargs)
     if route == "sharded":
         kwargs["sharding"] = table.sharding
+        if op == "cut_bce" and implementation == "chunked":
+            kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
     elif route == "chunked" and chunk_size is None:
         chunk_size = _default_chunk_size(hidden, table.value)
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, **kwargs)

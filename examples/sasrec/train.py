@@ -174,8 +174,12 @@ class EpochRetrieval(keras.callbacks.Callback):
         self.history.append(self.evaluate())
 
 
-def run(args):
-    """Trains and evaluates; returns the results dict (the `--json` content)."""
+def run(args, callbacks=()):
+    """Trains and evaluates; returns the results dict (the `--json` content).
+
+    `callbacks` are extra Keras callbacks for `fit` (e.g. the per-step loss
+    recorder of `examples.sasrec.distributed`).
+    """
     start = time.perf_counter()
     sequences, num_items = load_sequences(args)
     train, held_out = data_lib.split_leave_last_out(sequences, holdout=NUM_TARGETS)
@@ -210,7 +214,7 @@ def run(args):
         return retrieval_metrics(model, items, bias, eval_inputs, eval_held_out, seen)
 
     timer = StepTimer()
-    callbacks = [timer]
+    callbacks = [timer, *callbacks]
     per_epoch = EpochRetrieval(evaluate) if args.eval_each_epoch else None
     if per_epoch is not None:
         callbacks.append(per_epoch)

@@ -7,7 +7,8 @@ single-device kernels (`chunked.cut_bce`, `retrieval.top_k`) on its own
 shard inside `jax.shard_map`, and one collective combines the results:
 
 - loss: ids are rebased to the shard (`id - offset`; ids of other shards
-  become padding), each device computes the sum of its shard's terms, and
+  become padding), each device computes the sum of its shard's terms (with
+  the kernel of the compilation target, see below), and
   one `psum` over the vocabulary axes adds them; the mean uses the global V.
   Differentiating the `psum` makes JAX's transpose add one `psum` for the
   hidden-state gradient, while the table and bias gradients stay sharded:
@@ -17,6 +18,18 @@ shard inside `jax.shard_map`, and one collective combines the results:
   a merge (ties: the lower id, as on one device);
 - `count_at_least` (the metrics' false positives): each device counts its
   shard, one `psum` of the `[rows]` counts.
+
+Per-shard loss kernel (`kernel="auto"`): chosen by the platform the program
+is compiled for, not the host (`jax.lax.platform_dependent`): a TPU program
+runs the Pallas kernels (`pallas_tpu.cut_bce`, compiled by Mosaic, never the
+interpreter), any other runs the chunked XLA loop (`chunked.cut_bce`). So an
+ahead-of-time compile for a TPU pod from a CPU host (e.g. deviceless
+`jax.experimental.topologies` devices) builds the program a TPU host runs;
+only the chosen branch is lowered. `kernel="chunked"` forces the XLA loop
+everywhere; `kernel="pallas"` forces the Pallas kernels (in the Pallas TPU
+interpreter when compiled for a non-TPU platform, which is slow but exact:
+for tests). Per-chip HBM of the Pallas path on v6e/v5e pods at 10^7 and
+10^8 items: `benchmarks/results/sharded_tpu.md`.
 
 Each public function builds its `shard_map`/`custom_vjp` program once per
 configuration (mesh, shapes, settings; `functools.lru_cache`) and jits it,
@@ -74,7 +87,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_cutbce.backends.jax import chunked, retrieval
+from keras_cutbce.backends.jax import chunked, pallas_tpu, retrieval
 from keras_cutbce.coefficients import bce_coefficients
 from keras_cutbce.common import ids_as_int32
 from keras_cutbce.tiling import default_chunk_size
@@ -234,6 +247,46 @@ def _shard_offset(vocab_axes, local):
     return jax.lax.axis_index(vocab_axes) * local
 
 
+KERNELS = ("auto", "chunked", "pallas")
+
+
+def _check_kernel(kernel):
+    if kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {KERNELS}, received {kernel!r}.")
+    return kernel
+
+
+def _shard_loss_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile):
+    """`(h, t, ids, b) -> [rows]` per-row CutBCE of one shard, for the target platform.
+
+    `kernel="auto"`: Pallas TPU kernels when the program is compiled for a
+    TPU, the chunked XLA loop otherwise (`jax.lax.platform_dependent`: only
+    the branch of the lowering platform is compiled). `"pallas"` off TPU
+    runs the Pallas interpreter.
+    """
+    settings = dict(label_smoothing=label_smoothing, pos_weight=pos_weight)
+
+    def xla(h, t, i, b):
+        return chunked.cut_bce(h, t, i, b, chunk_size=chunk_size, **settings)
+
+    def pallas(interpret):
+        def run(h, t, i, b):
+            return pallas_tpu.cut_bce(
+                h, t, i, b, chunk_size=pallas_tile, interpret=interpret, **settings
+            )
+
+        return run
+
+    if kernel == "chunked":
+        return xla
+    default = pallas(True) if kernel == "pallas" else xla
+
+    def run(h, t, i, b):
+        return jax.lax.platform_dependent(h, t, i, b, tpu=pallas(False), default=default)
+
+    return run
+
+
 def _rebase(ids, offset, local):
     """Ids of this shard moved to `[0, local)`; every other id becomes -1 (padding)."""
     ids = ids.astype(jnp.int32) if ids.dtype.itemsize < 8 else ids
@@ -251,6 +304,7 @@ def cut_bce(
     label_smoothing=0.0,
     pos_weight=1.0,
     chunk_size=None,
+    kernel="auto",
 ):
     """Per-row CutBCE with the table split along V over `sharding.vocab_axes`.
 
@@ -269,7 +323,10 @@ def cut_bce(
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float.
         chunk_size: vocabulary tile width per shard; `None`: default rule
-            on the per-device rows and shard width.
+            on the per-device rows and shard width (the Pallas kernels then
+            use their own tile rule).
+        kernel: per-shard kernel: `"auto"` (Pallas when compiled for a TPU,
+            else chunked), `"chunked"` or `"pallas"` (interpreted off TPU).
 
     Returns:
         Float32 `[M]`.
@@ -281,6 +338,7 @@ def cut_bce(
     loss = cut_bce(hidden, table, ids, sharding=spec, chunk_size=256)
     ```
     """
+    _check_kernel(kernel)
     ids = ids_as_int32(ids, table.shape[0])  # out-of-range (any width): -1
     program = _loss_program(
         VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
@@ -290,12 +348,14 @@ def cut_bce(
         float(label_smoothing),
         float(pos_weight),
         None if chunk_size is None else int(chunk_size),
+        kernel,
     )
     return program(hidden, table, ids, bias)
 
 
 @functools.lru_cache(maxsize=64)
-def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size):
+def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size,
+                  kernel="auto"):
     """The jitted `(hidden, table, ids, bias) -> [M]` sharded loss of one configuration.
 
     Cached: an eager call with the same mesh, shapes and settings reuses the
@@ -307,16 +367,15 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
     pad = local * shards - vocab
     rows = _row_axes(sharding, num_rows)
     rows_per_device = num_rows // math.prod(mesh.shape[a] for a in rows)
+    pallas_tile = chunk_size  # None: the Pallas kernels' own tile rule
     if chunk_size is None:
         chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
-    kwargs = dict(
-        label_smoothing=label_smoothing, pos_weight=pos_weight, chunk_size=chunk_size
-    )
+    shard_loss = _shard_loss_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile)
 
     def shard_sum(h, t, i, b):
         """This shard's `sum_v` of the loss terms, `[rows]`."""
         local_ids = _rebase(i, _shard_offset(vocab_axes, local), local)
-        return chunked.cut_bce(h, t, local_ids, b, **kwargs) * local
+        return shard_loss(h, t, local_ids, b) * local
 
     row_spec, vocab_spec = _spec(rows, None), P(vocab_axes, None)
     bias_spec = P(vocab_axes) if has_bias else None
