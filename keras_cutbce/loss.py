@@ -82,7 +82,8 @@ class CutBCELoss(keras.losses.Loss):
         embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
             `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
             `ReversibleEmbedding`), or a constant `[V, D]` array or tensor.
-        bias: optional `keras.Variable` `[V]`.
+        bias: optional `keras.Variable` `[V]` (or a constant array), under
+            the same rules as the table.
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width, `None` for the default rule
