@@ -36,8 +36,9 @@ Checked against Keras 3.15.1. Nothing else in `keras_cutbce` imports
    call-stack inspection): Keras logs two compiled metrics of one name as
    `name` and `name_1`, but flattens a metric's dict result into its own
    keys, so two `TopKRetrieval` with the default name would log the same
-   keys. A metric reads the de-duplicated name Keras gives it (the `name`
-   local of `CompileMetrics.result`) to prefix its keys.
+   keys. A metric reads the name Keras logs it under (the `name` local of
+   `CompileMetrics.result`: de-duplicated, or output-prefixed in a
+   multi-output model) to prefix its keys.
 """
 
 import inspect
@@ -119,14 +120,14 @@ def training_model():
     return None
 
 
-def deduplicated_metric_name(metric):
-    """The name Keras's compiled metrics gave `metric` to keep it apart, else None.
+def compiled_metric_name(metric):
+    """`(log_name, output_name)` of `metric` while a model's compiled metrics compute it.
 
-    While a model's compiled metrics compute their results, the second metric
-    of one name is logged as `name_1` (`weighted_name` in
-    `weighted_metrics`); that name is returned. None for a metric logged
-    under its own name (output-prefixed in a multi-output model) and outside
-    a compiled model's metrics.
+    `log_name` is the name Keras logs the metric's result under: its `name`,
+    prefixed with `output_name` in a multi-output model, or, for the second
+    metric of that name in one model, Keras's de-duplicated `name_1`
+    (`weighted_name` in `weighted_metrics`). None outside a compiled model's
+    metrics.
     """
     frame = inspect.currentframe()
     try:
@@ -139,8 +140,7 @@ def deduplicated_metric_name(metric):
             ):
                 name = local.get("name")
                 output = getattr(local.get("mls"), "output_name", None)
-                own = f"{output}_{metric.name}" if output else metric.name
-                return name if isinstance(name, str) and name != own else None
+                return (name, output) if isinstance(name, str) else None
             frame = frame.f_back
     finally:
         del frame

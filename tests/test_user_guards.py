@@ -188,3 +188,30 @@ def test_count_out_of_range_ids_rejects_bad_arguments():
         count_out_of_range_ids(np.array([1.0, 2.0]), VOCAB)
     with pytest.raises(ValueError, match="`embeddings` must be an int >= 1; received 0"):
         count_out_of_range_ids([1, 2], 0)
+
+
+def test_metrics_of_a_multi_output_model_log_per_output():
+    """As Keras logs `a_auc` and `b_auc`: `a_hit@1` and `b_hit@1`."""
+    keras.utils.set_random_seed(0)
+    items = keras.layers.Embedding(VOCAB, DIM, name="items")
+    ids = keras.Input((3,), dtype="int32")
+    embedded = items(ids)
+    outputs = {
+        "a": keras.layers.Dense(DIM, name="a")(embedded),
+        "b": keras.layers.Dense(DIM, name="b")(embedded),
+    }
+    model = keras.Model(ids, outputs)
+    model.compile(
+        optimizer="sgd",
+        loss={"a": CutBCELoss(items, chunk_size=8), "b": CutBCELoss(items, chunk_size=8)},
+        metrics={"a": [TopKRetrieval(items, k=1)], "b": [TopKRetrieval(items, k=1)]},
+    )
+    x, y = data()
+    logs = model.evaluate(x, {"a": y, "b": y}, verbose=0, return_dict=True, batch_size=ROWS)
+    per_output = {f"{o}_{m}@1" for o in "ab" for m in ("hit", "recall", "ndcg")}
+    assert per_output <= set(logs)
+    hidden = model.predict(x, verbose=0)
+    for output in "ab":
+        alone = TopKRetrieval(items, k=1)
+        alone.update_state(y, hidden[output])
+        assert logs[f"{output}_ndcg@1"] == pytest.approx(float(to_numpy(alone.result()["ndcg@1"])))

@@ -104,18 +104,23 @@ class ItemTableMetric(keras.metrics.Metric):
         return ops.reshape(weights, (-1,))
 
     def key_prefix(self):
-        """The prefix of this metric's `result()` keys: `""` or `"{name}_"`.
+        """The prefix of this metric's `result()` keys, so that metrics log apart.
 
-        No prefix under the default name; a metric named otherwise prefixes
-        its name, so two metrics in one model log apart. Two metrics of one
-        name compiled into one model are kept apart as Keras keeps its own:
-        the second is logged under Keras's `{name}_1` (`hit@10` and
-        `top_k_retrieval_1_hit@10`, on every backend).
+        `""` under the default name, `"{name}_"` under another. Compiled into
+        a model, the keys follow Keras's names for its own metrics: a second
+        metric of one name in the model is logged under Keras's `{name}_1`
+        (`hit@10`, then `top_k_retrieval_1_hit@10`), and a multi-output
+        model prefixes the output's name (`"{output}_hit@10"`), on every
+        backend.
         """
-        renamed = _keras_private.deduplicated_metric_name(self)
-        if renamed is not None:
-            return f"{renamed}_"
-        return "" if self.name == self.default_name else f"{self.name}_"
+        own = "" if self.name == self.default_name else f"{self.name}_"
+        logged = _keras_private.compiled_metric_name(self)
+        if logged is None:
+            return own
+        log_name, output = logged
+        if log_name != (f"{output}_{self.name}" if output else self.name):
+            return f"{log_name}_"  # Keras de-duplicated the name
+        return (f"{output}_" if output else "") + own
 
     def reset_state(self):
         for variable in self.variables:
