@@ -27,6 +27,18 @@ Checked against Keras 3.15.1. Nothing else in `keras_cutbce` imports
    the compiled loss once with `compute_output_spec` (a JAX `eval_shape`
    inside a `SymbolicScope`) to build it; only shapes matter there, so the
    loss's check that a traced `y_pred` comes with a traced table is skipped.
+6. The model being trained (call-stack inspection): a trainable item table
+   that is not one of the model's variables is never updated by `fit`
+   (silently on torch and TensorFlow). The loss finds the model whose
+   `train_step` is running and checks that its table is among the model's
+   trainable variables; Keras hands a loss no model.
+7. Metric names in the logs (`keras.src.trainers.compile_utils.CompileMetrics`,
+   call-stack inspection): Keras logs two compiled metrics of one name as
+   `name` and `name_1`, but flattens a metric's dict result into its own
+   keys, so two `TopKRetrieval` with the default name would log the same
+   keys. A metric reads the name Keras logs it under (the `name` local of
+   `CompileMetrics.result`: de-duplicated, or output-prefixed in a
+   multi-output model) to prefix its keys.
 """
 
 import inspect
@@ -38,6 +50,7 @@ from keras.src.losses.loss import apply_mask  # noqa: F401  (1.)
 from keras.src.losses.loss import reduce_weighted_values  # noqa: F401  (1.)
 from keras.src.losses.loss import scale_loss_for_distribution  # noqa: F401  (1.)
 from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # noqa: F401  (1.)
+from keras.src.trainers.compile_utils import CompileMetrics  # (7.)
 
 KERAS_VERSION_CHECKED = "3.15.1"
 _JAX_STEPS = ("train_step", "test_step", "predict_step")
@@ -96,4 +109,39 @@ def jax_step_state():
         values = list(state[0]) + list(state[1])
         if len(references) == len(values):
             return {id(ref): value for ref, value in zip(references, values)}
+    return None
+
+
+def training_model():
+    """The `keras.Model` whose `train_step` is running now (innermost), or None."""
+    for frame, model in _models_on_stack():
+        if frame.f_code.co_name == "train_step":
+            return model
+    return None
+
+
+def compiled_metric_name(metric):
+    """`(log_name, output_name)` of `metric` while a model's compiled metrics compute it.
+
+    `log_name` is the name Keras logs the metric's result under: its `name`,
+    prefixed with `output_name` in a multi-output model, or, for the second
+    metric of that name in one model, Keras's de-duplicated `name_1`
+    (`weighted_name` in `weighted_metrics`). None outside a compiled model's
+    metrics.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            local = frame.f_locals
+            if (
+                frame.f_code.co_name == "result"
+                and isinstance(local.get("self"), CompileMetrics)
+                and local.get("m") is metric
+            ):
+                name = local.get("name")
+                output = getattr(local.get("mls"), "output_name", None)
+                return (name, output) if isinstance(name, str) else None
+            frame = frame.f_back
+    finally:
+        del frame
     return None

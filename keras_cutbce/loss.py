@@ -16,6 +16,40 @@ def _is_jax_tracer(x):
     return isinstance(x, jax.core.Tracer)
 
 
+_DIFFERENTIATED_WITHOUT_TABLE = (
+    "CutBCELoss is being differentiated under a JAX transformation (jax.grad over "
+    "`model.stateless_call`) while its trainable item table is a keras.Variable with a "
+    "concrete value: the table would get no gradient and be frozen at trace time. Call "
+    "the loss inside `with keras.StatelessScope(state_mapping=list(zip("
+    "model.trainable_variables, trainable_variables)) + list(zip("
+    "model.non_trainable_variables, non_trainable_variables))):` (the values being "
+    "differentiated), or use `model.stateless_compute_loss`, as Keras's own train step "
+    "does. To differentiate w.r.t. the hidden states only, give the loss the table's "
+    "value (`CutBCELoss(keras.ops.convert_to_tensor(items.embeddings))`) or freeze it "
+    "(`trainable=False`). A forward pass under jax.jit is never refused."
+)
+
+
+def _refuse_differentiation(y_pred):
+    """`y_pred` unchanged, except that differentiating through it raises.
+
+    An identity with a `jax.custom_jvp` rule that raises: `jax.jit`, `vmap`
+    and plain evaluation never call the rule; `jax.grad`, `jax.vjp` and
+    `jax.jvp` call it as soon as `y_pred` carries a (non-zero) tangent.
+    """
+    import jax
+
+    @jax.custom_jvp
+    def guarded(x):
+        return x
+
+    @guarded.defjvp
+    def _refuse(primals, tangents):
+        raise RuntimeError(_DIFFERENTIATED_WITHOUT_TABLE)
+
+    return guarded(y_pred)
+
+
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class CutBCELoss(keras.losses.Loss):
     """Full-vocabulary binary cross-entropy of hidden states against item ids.
@@ -47,8 +81,9 @@ class CutBCELoss(keras.losses.Loss):
     Args:
         embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
             `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
-            `ReversibleEmbedding`).
-        bias: optional `keras.Variable` `[V]`.
+            `ReversibleEmbedding`), or a constant `[V, D]` array or tensor.
+        bias: optional `keras.Variable` `[V]` (or a constant array), under
+            the same rules as the table.
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width, `None` for the default rule
@@ -100,7 +135,7 @@ class CutBCELoss(keras.losses.Loss):
         with keras.name_scope(self.name):
             y_pred = ops.convert_to_tensor(y_pred)
             y_true = self._integral_ids(y_true)
-            table, bias = self._tables(y_pred)
+            y_pred, table, bias = self._tables(y_pred)
             sample_weight = self._sample_weight(sample_weight, y_pred)
             if self.reduction in (None, "none"):
                 losses = cut_ops.cut_binary_crossentropy(
@@ -207,36 +242,56 @@ class CutBCELoss(keras.losses.Loss):
         return ops.divide_no_nan(values, divisor)
 
     def _tables(self, y_pred):
-        """The table (an `ItemTable`) and bias values the loss reads now.
+        """`(y_pred, table, bias)`: the table (an `ItemTable`) and bias values read now.
 
-        On JAX, a table held in a `keras.Variable` whose value is concrete
-        while `y_pred` is traced (`jax.grad`/`jax.jit` over
-        `model.stateless_call` without a `keras.StatelessScope`) would be
-        baked in as a constant: its gradient silently dropped. That raises.
+        A trainable table must be trained by the model being fitted: inside a
+        `train_step` whose model does not hold it, this raises (see
+        `_check_trained_by`). On JAX, a trainable table held in a
+        `keras.Variable` whose value is concrete while `y_pred` is traced
+        (`jax.jit`/`jax.grad` over `model.stateless_call` without a
+        `keras.StatelessScope`) is baked in as a constant: fine for a forward
+        pass, but differentiating it would silently drop the table's gradient,
+        so `y_pred` is returned wrapped to raise if (and only if) it is
+        differentiated (`_refuse_differentiation`). A frozen table
+        (`trainable=False`, a constant) is never refused.
         """
         source = validation.table_source(self.embeddings, "embeddings")
         table = cut_ops.resolve_table(source)
-        bias = None
+        bias_source = bias = None
         if self.bias is not None:
             bias_source = validation.table_source(self.bias, "bias")
             bias = validation.read_table(bias_source, "bias")
-        stored = isinstance(source, (keras.Variable, keras.layers.Layer))
+        trained = [
+            (value, variable)
+            for value, part in ((table.value, source), (bias, bias_source))
+            for variable in validation.trainable_table_variables(part)
+        ]
+        self._check_trained_by(_keras_private.training_model(), [v for _, v in trained])
         if (
-            stored
-            and _is_jax_tracer(y_pred)
-            and not _is_jax_tracer(table.value)
+            _is_jax_tracer(y_pred)
+            and any(not _is_jax_tracer(value) for value, _ in trained)
             and not _keras_private.in_symbolic_scope()
         ):
-            raise RuntimeError(
-                "CutBCELoss reads its item table from a keras.Variable, and inside "
-                "this JAX transformation (jax.grad/jax.jit over `model.stateless_call`) "
-                "the variable holds a concrete value: the table would get no gradient "
-                "and be frozen at trace time. Call the loss inside "
-                "`keras.StatelessScope(state_mapping=list(zip(model.trainable_variables, "
-                "trainable_variables)) + ...)` (the values being differentiated), or use "
-                "`model.stateless_compute_loss`, as Keras's own train step does."
+            y_pred = _refuse_differentiation(y_pred)
+        return y_pred, table, bias
+
+    def _check_trained_by(self, model, variables):
+        """Raises if `model` is being trained and does not train the table's `variables`."""
+        if model is None or not variables:
+            return
+        owned = {id(v) for v in model.trainable_variables}
+        missing = [v for v in variables if id(v) not in owned]
+        if missing:
+            names = ", ".join(repr(v.path) for v in missing)
+            raise ValueError(
+                f"CutBCELoss's item table is not among the trainable variables of the "
+                f"model being trained ({model.name!r}): {names} would never be updated "
+                "by `fit`. Pass the model's own item table (the layer or variable the "
+                "model embeds items with, e.g. `CutBCELoss(model.get_layer('items'))`), "
+                "or build the model with that table as one of its layers. To keep a table "
+                "fixed on purpose, make it non-trainable (`layer.trainable = False`, "
+                "`keras.Variable(..., trainable=False)`) or pass it as a tensor."
             )
-        return table, bias
 
     def _op_kwargs(self):
         return dict(
@@ -248,7 +303,7 @@ class CutBCELoss(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         """Per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
-        table, bias = self._tables(y_pred)
+        y_pred, table, bias = self._tables(y_pred)
         return cut_ops.cut_binary_crossentropy(
             y_pred, table, y_true, bias, **self._op_kwargs()
         )
@@ -261,8 +316,8 @@ class CutBCELoss(keras.losses.Loss):
         """
         config = super().get_config()
         config.update(
-            embeddings=validation.variable_path(self.embeddings, "embeddings"),
-            bias=validation.variable_path(self.bias, "bias"),
+            embeddings=validation.table_config(self.embeddings, "embeddings"),
+            bias=validation.table_config(self.bias, "bias"),
             label_smoothing=self.label_smoothing,
             pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,
@@ -272,4 +327,4 @@ class CutBCELoss(keras.losses.Loss):
 
     @classmethod
     def from_config(cls, config):
-        return cls(**validation.bind_variable_paths(config))
+        return cls(**validation.tables_from_config(config))

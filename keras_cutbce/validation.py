@@ -266,6 +266,44 @@ def checked_ids(ids, hidden, vocab_size, argument):
     return check_ids(ids, hidden, argument)
 
 
+def count_out_of_range_ids(ids, embeddings):
+    """Counts the ids outside `[0, V)`, which the loss and metrics treat as padding.
+
+    A debug check for target ids before training: by design every id outside
+    `[0, V)` is padding (ignored), so an off-by-one (1-based ids `1..V` with a
+    table of V rows) loses item V silently. Your padding id (e.g. -1) is
+    listed too; any other entry is a real item the loss would ignore.
+
+    Args:
+        ids: integer ids of any shape (NumPy, a list, or a tensor of the
+            active backend).
+        embeddings: the item table (a layer, `keras.Variable`, array or
+            tensor `[V, D]`) or V itself, an int.
+
+    Returns:
+        A dict `{id: count}` of every distinct id outside `[0, V)`, sorted by
+        id (empty when all ids are items).
+
+    Example:
+
+    >>> count_out_of_range_ids([[1, 2, 3], [3, -1, 0]], 3)  # V = 3
+    {-1: 1, 3: 2}
+    """
+    if isinstance(embeddings, numbers.Integral) and not isinstance(embeddings, bool):
+        vocab_size = check_int(embeddings, "embeddings", minimum=1)
+    else:
+        vocab_size = static_dims(read_table(table_source(embeddings, "embeddings")))[0]
+    values = ids if is_host_array(ids) else ops.convert_to_numpy(ids)
+    values = np.asarray(values)
+    if values.dtype.kind not in "iu":
+        raise TypeError(
+            f"`ids` must be integer item ids; received dtype {values.dtype}."
+        )
+    outside = values[(values < 0) | (values >= vocab_size)]
+    found, counts = np.unique(outside, return_counts=True)
+    return {int(i): int(c) for i, c in zip(found, counts)}
+
+
 def check_sample_weight(weight_dims, loss_dims, received=None):
     """Raises unless `sample_weight` dims broadcast onto the per-position loss dims.
 
@@ -327,33 +365,58 @@ def read_table(source, argument="embeddings"):
     return ops.convert_to_tensor(source)
 
 
-# -- saving: tables as variable paths ------------------------------------------------
+# -- saving: tables as variable paths, constants as arrays ----------------------------
 
 
-def variable_path(source, argument):
-    """The path of the variable behind `source`, for a config (None and paths pass through)."""
+def table_config(source, argument):
+    """`source` as a config value: its variable's path, or the constant itself.
+
+    A table held in a `keras.Variable` (or a layer) is saved as the variable's
+    path, which re-binds to the loaded model's variable (its value is in the
+    model's weights). A constant table (a NumPy array or a tensor, which no
+    optimizer trains) is saved in the config as an array, so `model.save`
+    works for it too; a large constant table is better held in a
+    non-trainable `keras.Variable` of the model (saved with the weights).
+    None and paths pass through.
+    """
     if source is None or isinstance(source, str):
         return source
-    path = getattr(table_variable(source, argument), "path", None)
-    if path is None:
-        raise ValueError(
-            f"`{argument}` must be a keras.Variable or a layer holding one to be "
-            f"serialized; received {type(source).__name__}."
-        )
-    return path
+    if isinstance(source, (keras.Variable, keras.layers.Layer)):
+        path = getattr(table_variable(source, argument), "path", None)
+        if path is not None:
+            return path
+    return keras.saving.serialize_keras_object(np.asarray(ops.convert_to_numpy(source)))
 
 
-def bind_variable_paths(config, keys=("embeddings", "bias")):
-    """`config` with its variable paths bound to the model being loaded, where one is found."""
+def tables_from_config(config, keys=("embeddings", "bias")):
+    """`config` with its tables restored: paths bound to the loaded model's variables
+    where one is found, constants as NumPy arrays."""
     from keras_cutbce import _keras_private
 
     config = dict(config)
     for key in keys:
-        if isinstance(config.get(key), str):
-            found = _keras_private.find_model_table(config[key])
+        value = config.get(key)
+        if isinstance(value, str):
+            found = _keras_private.find_model_table(value)
             if found is not None:
                 config[key] = found
+        elif isinstance(value, dict):
+            config[key] = keras.saving.deserialize_keras_object(value)
     return config
+
+
+def trainable_table_variables(source):
+    """The trainable variables a table source reads (none for a frozen table or a constant).
+
+    A layer's trainable weights (none when `layer.trainable` is False; a
+    LoRA layer's factors), a variable created with `trainable=True`, and
+    nothing for a tensor, an array or None.
+    """
+    if isinstance(source, keras.layers.Layer):
+        return list(source.trainable_weights)
+    if isinstance(source, keras.Variable) and source.trainable:
+        return [source]
+    return []
 
 
 def table_source(source, argument):

@@ -28,6 +28,18 @@ def tied_model():
     return model, items
 
 
+def frozen_table(kind, values):
+    """A table that no optimizer trains: a frozen layer, a non-trainable variable or a constant."""
+    if kind == "layer":
+        table = keras.layers.Embedding(values.shape[0], values.shape[1], trainable=False)
+        table.build((None,))
+        table.embeddings.assign(values)
+        return table
+    if kind == "variable":
+        return keras.Variable(values, trainable=False)
+    return keras.ops.convert_to_tensor(values)
+
+
 def data():
     rng = np.random.default_rng(0)
     x = rng.integers(0, VOCAB, size=(6, 3)).astype("int32")
@@ -128,3 +140,55 @@ def test_stateless_loop_without_the_values_raises_clearly():
         trainable, non_trainable, x, y
     )
     assert np.isfinite(float(value))
+
+
+# -- issue 18 B: no false positives --------------------------------------------------
+
+
+def _dense_bce(hidden, table, y):
+    targets = multi_hot(y.reshape(-1, y.shape[-1]), table.shape[0]).reshape(
+        hidden.shape[:-1] + (table.shape[0],)
+    )
+    logits = keras.ops.einsum("btd,vd->btv", hidden, table)
+    return keras.losses.BinaryCrossentropy(from_logits=True)(targets, logits)
+
+
+@pytest.mark.parametrize("frozen", ["layer", "variable", "constant"])
+def test_a_frozen_table_is_never_refused(frozen):
+    """The issue's reproduction and its kin: jit forward and grad w.r.t. the hidden states."""
+    import jax
+    import jax.numpy as jnp
+
+    values = np.random.default_rng(3).normal(size=(VOCAB, DIM)).astype("float32")
+    loss = CutBCELoss(frozen_table(frozen, values), chunk_size=8)
+    x, y = data()
+    hidden = jnp.asarray(np.random.default_rng(4).normal(size=(6, 3, DIM)).astype("float32"))
+    want = float(_dense_bce(hidden, values, y))
+    assert float(jax.jit(lambda h: loss(y, h))(hidden)) == pytest.approx(want, rel=1e-5)
+    got = jax.jit(jax.grad(lambda h: loss(y, h)))(hidden)
+    np.testing.assert_allclose(
+        to_numpy(got), to_numpy(jax.grad(lambda h: _dense_bce(h, values, y))(hidden)),
+        rtol=1e-4, atol=1e-8,
+    )
+
+
+def test_a_jitted_forward_of_a_trainable_table_is_not_refused_its_gradient_is():
+    """Plain evaluation under jax.jit works; differentiating without the table's values raises."""
+    import jax
+
+    model, items = tied_model()
+    loss = CutBCELoss(items, chunk_size=8)
+    x, y = data()
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def objective(trainable, non_trainable, x, y):
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x)
+        return loss(y, y_pred)
+
+    got = jax.jit(objective)(trainable, non_trainable, x, y)
+    want = dense_objective(model, items)(trainable, non_trainable, x, y)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for transform in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+        with pytest.raises(RuntimeError, match=r"being differentiated.*StatelessScope"):
+            transform(objective)(trainable, non_trainable, x, y)

@@ -25,7 +25,8 @@ class ItemTableMetric(keras.metrics.Metric):
     that re-binds to the loaded model's variable.
 
     Subclasses implement `update_state` with `self.read_tables()` and
-    `self.prepare(y_true, y_pred)`.
+    `self.prepare(y_true, y_pred)`, and name their `result()` keys with
+    `self.key_prefix()`.
 
     Args:
         embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
@@ -35,6 +36,8 @@ class ItemTableMetric(keras.metrics.Metric):
         name: metric name.
         dtype: dtype of the accumulators (default float32).
     """
+
+    default_name = None  # the subclass's default `name`, whose keys carry no prefix
 
     def __init__(self, embeddings, bias=None, chunk_size=None, name=None, dtype=None):
         super().__init__(name=name, dtype=dtype or "float32")
@@ -100,6 +103,25 @@ class ItemTableMetric(keras.metrics.Metric):
             weights = weights * ops.cast(mask, self.dtype)
         return ops.reshape(weights, (-1,))
 
+    def key_prefix(self):
+        """The prefix of this metric's `result()` keys, so that metrics log apart.
+
+        `""` under the default name, `"{name}_"` under another. Compiled into
+        a model, the keys follow Keras's names for its own metrics: a second
+        metric of one name in the model is logged under Keras's `{name}_1`
+        (`hit@10`, then `top_k_retrieval_1_hit@10`), and a multi-output
+        model prefixes the output's name (`"{output}_hit@10"`), on every
+        backend.
+        """
+        own = "" if self.name == self.default_name else f"{self.name}_"
+        logged = _keras_private.compiled_metric_name(self)
+        if logged is None:
+            return own
+        log_name, output = logged
+        if log_name != (f"{output}_{self.name}" if output else self.name):
+            return f"{log_name}_"  # Keras de-duplicated the name
+        return (f"{output}_" if output else "") + own
+
     def reset_state(self):
         for variable in self.variables:
             variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))
@@ -109,12 +131,12 @@ class ItemTableMetric(keras.metrics.Metric):
         return {
             "name": self.name,
             "dtype": self.dtype,
-            "embeddings": validation.variable_path(self.embeddings, "embeddings"),
-            "bias": validation.variable_path(self.bias, "bias"),
+            "embeddings": validation.table_config(self.embeddings, "embeddings"),
+            "bias": validation.table_config(self.bias, "bias"),
             "chunk_size": self.chunk_size,
         }
 
     @classmethod
     def from_config(cls, config):
-        return cls(**validation.bind_variable_paths(config))
+        return cls(**validation.tables_from_config(config))
 

@@ -52,6 +52,8 @@ class ThresholdConfusion(ItemTableMetric):
     ```
     """
 
+    default_name = DEFAULT_NAME
+
     def __init__(
         self,
         embeddings,
@@ -65,7 +67,6 @@ class ThresholdConfusion(ItemTableMetric):
         super().__init__(embeddings, bias, chunk_size, name, dtype)
         self.threshold = threshold
         self.logit_threshold = math.log(threshold) - math.log1p(-threshold)
-        self._prefix = "" if name == DEFAULT_NAME else f"{name}_"
         for name_ in ("true_positives", "false_positives", "false_negatives", "true_negatives"):
             setattr(
                 self,
@@ -110,12 +111,17 @@ class ThresholdConfusion(ItemTableMetric):
         )
 
     def result(self):
-        """Dict `{"precision", "recall", "f1"}` (`"{name}_precision"`, ... under a non-default name)."""
+        """Dict `{"precision", "recall", "f1"}`.
+
+        Under a non-default name the keys start with it (`"{name}_precision"`);
+        a second metric of the same name in one compiled model logs under
+        Keras's de-duplicated name (`"threshold_confusion_1_precision"`).
+        """
         tp, fp, fn = self.true_positives, self.false_positives, self.false_negatives
         precision = ops.divide_no_nan(tp, tp + fp)
         recall = ops.divide_no_nan(tp, tp + fn)
         f1 = ops.divide_no_nan(2.0 * precision * recall, precision + recall)
-        p = self._prefix
+        p = self.key_prefix()
         return {f"{p}precision": precision, f"{p}recall": recall, f"{p}f1": f1}
 
     def get_config(self):

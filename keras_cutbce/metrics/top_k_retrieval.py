@@ -65,6 +65,8 @@ class TopKRetrieval(ItemTableMetric):
     ```
     """
 
+    default_name = DEFAULT_NAME
+
     def __init__(
         self,
         embeddings,
@@ -78,11 +80,10 @@ class TopKRetrieval(ItemTableMetric):
         super().__init__(embeddings, bias, chunk_size, name, dtype)
         self.k = validation.check_cutoffs(k)
         self.exclude_ids = validation.check_id_list(exclude_ids, "exclude_ids")
-        prefix = "" if name == DEFAULT_NAME else f"{name}_"
         self._sums = {}
         for cut in self.k:
             for measure in ("hit", "recall", "ndcg"):
-                self._sums[f"{prefix}{measure}@{cut}"] = self.add_variable(
+                self._sums[f"{measure}@{cut}"] = self.add_variable(
                     shape=(), initializer="zeros", dtype=self.dtype, name=f"{measure}_at_{cut}"
                 )
         self.total_weight = self.add_variable(
@@ -159,10 +160,13 @@ class TopKRetrieval(ItemTableMetric):
         """Dict `{"hit@k", "recall@k", "ndcg@k"}` for every cut-off k.
 
         With a `name` other than the default the keys start with it
-        (`"{name}_hit@k"`), so two metrics in one model log apart.
+        (`"{name}_hit@k"`), so two metrics in one model log apart; a second
+        metric of the same name in one compiled model logs under Keras's
+        de-duplicated name (`"top_k_retrieval_1_hit@k"`).
         """
+        prefix = self.key_prefix()
         return {
-            key: ops.divide_no_nan(variable, self.total_weight)
+            f"{prefix}{key}": ops.divide_no_nan(variable, self.total_weight)
             for key, variable in self._sums.items()
         }
 
