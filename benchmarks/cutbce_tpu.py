@@ -186,6 +186,14 @@ def _total(r):
     return r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
 
 
+def _needed(r):
+    """`(HBM bytes, "<=" or "")`: compiled, or at least the temporaries XLA said it needs."""
+    if "error" not in r:
+        return _total(r), ""
+    found = re.search(r"HLO temporaries \(([\d.]+)G\)", r["error"])
+    return (float(found.group(1)) * 2**30, "<= ") if found else (None, "")
+
+
 def deviceless_table(args, results):
     kind = next((r["device"] for r in results if "device" in r), "?")
     hbm = HBM_BYTES.get(kind)
@@ -193,7 +201,8 @@ def deviceless_table(args, results):
         f"Compiled for one {kind} chip of {args.deviceless} from a CPU host (deviceless, "
         f"nothing ran); forward+backward (loss, gradients for hidden, table, bias), "
         f"rows={args.rows}, D={args.dim}, L={args.labels}, {args.dtype}. HBM = arguments + "
-        f"outputs + temporaries from `memory_analysis()`"
+        f"outputs + temporaries from `memory_analysis()` (for a program that does not "
+        f"fit: at least the temporaries XLA reports it needs)"
         + (f"; the chip has {hbm / 2**30:.0f} GiB." if hbm else "."),
         "",
         "| items V | variant | HBM GiB | temporaries MiB | vs dense | kernels | note |",
@@ -201,12 +210,18 @@ def deviceless_table(args, results):
     ]
     for vocab in DEVICELESS_VOCABS:
         rows = [r for r in results if r.get("vocab") == vocab]
-        dense = next((r for r in rows if r["variant"] == "dense" and "error" not in r), None)
+        dense = next((r for r in rows if r["variant"] == "dense"), None)
+        dense_bytes, at_least = (None, "") if dense is None else _needed(dense)
         for r in rows:
             if "error" in r:
-                lines.append(f"| {vocab:,} | {r['variant']} | - | - | - | - | {r['error'][:160]} |")
+                needed, _ = _needed(r)
+                shown = f">= {needed / 2**30:.2f}" if needed else "-"
+                lines.append(f"| {vocab:,} | {r['variant']} | {shown} | - | - | - | "
+                             f"does not fit: {r['error'][:150]} |")
                 continue
-            change = f"{100 * (_total(r) / _total(dense) - 1):+.1f}%" if dense else "n/a"
+            change = "n/a"
+            if dense_bytes:
+                change = f"{at_least}{100 * (_total(r) / dense_bytes - 1):+.1f}%"
             note = f"does not fit {hbm / 2**30:.0f} GiB" if hbm and _total(r) > hbm else ""
             kernels = ", ".join(sorted({_kernel_name(k) for k in r["kernels"]})) or "XLA only"
             lines.append(
