@@ -26,17 +26,33 @@ Without a TPU the script explains itself and exits with status 2, unless
 `--allow-cpu` is given: then it runs tiny shapes, the Pallas kernels in the
 Pallas TPU interpreter, only to check that the script works (the numbers mean
 nothing).
+
+Deviceless (any host with libtpu: `pip install ".[tpu-compile]"`):
+
+    python benchmarks/cutbce_tpu.py --deviceless v6e:2x2
+    python benchmarks/cutbce_tpu.py --deviceless v5e:2x2
+
+compiles the same step for one chip of that topology with the real TPU
+compiler (nothing runs: no timing) at the CutBCE paper's Yambda scale (876k
+items) and at 10^6 and 10^7 items, and reports the compiled HBM of each
+variant: arguments + outputs + temporaries, from `memory_analysis()`, and
+whether it fits the chip's HBM, beside the paper's -65.7% HBM.
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
 
 VARIANTS = ("dense", "chunked", "pallas")
+DEVICELESS_VOCABS = (876_000, 1_000_000, 10_000_000)
+PAPER_HBM_CHANGE = "-65.7%"  # the CutBCE paper's HBM reduction vs dense BCE (Yambda)
+HBM_BYTES = {"TPU v5 lite": 16 * 2**30, "TPU v6 lite": 32 * 2**30, "TPU v5": 95 * 2**30,
+             "TPU v4": 32 * 2**30}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_JSON = os.path.join(RESULTS, "cutbce_tpu.json")
@@ -108,16 +124,10 @@ def _loss_fn(variant, ids, vocab):
     return cut
 
 
-def run_worker(args):
-    """Measures one variant; prints one JSON line."""
+def _step(loss_fn, cotangent):
     import jax
     import jax.numpy as jnp
 
-    device = jax.devices()[0]
-    hidden, table, bias, ids, cotangent = _make_inputs(args)
-    loss_fn = _loss_fn(args.worker, ids, args.vocab)
-
-    @jax.jit
     def step(h, t, b):
         def objective(h, t, b):
             loss = loss_fn(h, t, b)
@@ -125,6 +135,141 @@ def run_worker(args):
 
         (_, loss), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(h, t, b)
         return jnp.mean(loss), grads
+
+    return step
+
+
+def run_deviceless_worker(args):
+    """Compiles every (vocab, variant) for one chip of `args.deviceless`; prints JSON lines."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_cutbce.backends.jax import aot
+
+    device = aot.topology_devices(args.deviceless)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    for vocab in DEVICELESS_VOCABS:
+        # Ids and cotangent are arguments too: nothing is constant-folded.
+        shapes = (spec((args.rows, args.dim), args.dtype), spec((vocab, args.dim), args.dtype),
+                  spec((vocab,), args.dtype), spec((args.rows, args.labels), jnp.int32),
+                  spec((args.rows,), jnp.float32))
+        for variant in args.variants.split(","):
+            result = {"variant": variant, "vocab": vocab, "device": device.device_kind}
+            start = time.perf_counter()
+            try:
+                def step(h, t, b, ids, cotangent, variant=variant, vocab=vocab):
+                    return _step(_loss_fn(variant, ids, vocab), cotangent)(h, t, b)
+
+                report = aot.compile_report(step, shapes, target=device)
+                result.update(temp_bytes=report.temp_bytes, argument_bytes=report.argument_bytes,
+                              output_bytes=report.output_bytes,
+                              kernels=[k.name for k in report.kernels],
+                              host_callbacks=report.host_callbacks)
+            except Exception as error:  # noqa: BLE001 - e.g. does not fit HBM: reported
+                message = f"{type(error).__name__}: {error}"
+                result["error"] = message.splitlines()[0][:400]
+            result["compile_s"] = round(time.perf_counter() - start, 1)
+            print("RESULT " + json.dumps(result), flush=True)
+
+
+def _kernel_name(name):
+    """`cutbce_grad_table` out of `transpose_jvp_cutbce_grad_table__` (JAX's AD prefixes)."""
+    found = re.search(r"cutbce_[a-z_]*[a-z]", name)
+    return found.group(0) if found else name
+
+
+def _total(r):
+    return r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"]
+
+
+def _needed(r):
+    """`(HBM bytes, "<=" or "")`: compiled, or at least the temporaries XLA said it needs."""
+    if "error" not in r:
+        return _total(r), ""
+    found = re.search(r"HLO temporaries \(([\d.]+)G\)", r["error"])
+    return (float(found.group(1)) * 2**30, "<= ") if found else (None, "")
+
+
+def deviceless_table(args, results):
+    kind = next((r["device"] for r in results if "device" in r), "?")
+    hbm = HBM_BYTES.get(kind)
+    lines = [
+        f"Compiled for one {kind} chip of {args.deviceless} from a CPU host (deviceless, "
+        f"nothing ran); forward+backward (loss, gradients for hidden, table, bias), "
+        f"rows={args.rows}, D={args.dim}, L={args.labels}, {args.dtype}. HBM = arguments + "
+        f"outputs + temporaries from `memory_analysis()` (for a program that does not "
+        f"fit: at least the temporaries XLA reports it needs)"
+        + (f"; the chip has {hbm / 2**30:.0f} GiB." if hbm else "."),
+        "",
+        "| items V | variant | HBM GiB | temporaries MiB | vs dense | kernels | note |",
+        "|---:|---|---:|---:|---:|---|---|",
+    ]
+    for vocab in DEVICELESS_VOCABS:
+        rows = [r for r in results if r.get("vocab") == vocab]
+        dense = next((r for r in rows if r["variant"] == "dense"), None)
+        dense_bytes, at_least = (None, "") if dense is None else _needed(dense)
+        for r in rows:
+            if "error" in r:
+                needed, _ = _needed(r)
+                shown = f">= {needed / 2**30:.2f}" if needed else "-"
+                lines.append(f"| {vocab:,} | {r['variant']} | {shown} | - | - | - | "
+                             f"does not fit: {r['error'][:150]} |")
+                continue
+            change = "n/a"
+            if dense_bytes:
+                change = f"{at_least}{100 * (_total(r) / dense_bytes - 1):+.1f}%"
+            note = f"does not fit {hbm / 2**30:.0f} GiB" if hbm and _total(r) > hbm else ""
+            kernels = ", ".join(sorted({_kernel_name(k) for k in r["kernels"]})) or "XLA only"
+            lines.append(
+                f"| {vocab:,} | {r['variant']} | {_total(r) / 2**30:.2f} | "
+                f"{r['temp_bytes'] / 2**20:.1f} | {change} | {kernels} | {note} |"
+            )
+    lines.append("")
+    lines.append(f"The CutBCE paper reports {PAPER_HBM_CHANGE} HBM against dense BCE on Yambda.")
+    return "\n".join(lines)
+
+
+def run_deviceless(args):
+    env = _env()
+    env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.pop("JAX_PLATFORMS", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--deviceless-worker", args.deviceless]
+    for name in ("rows", "dim", "labels", "dtype", "variants"):
+        cmd += [f"--{name}", str(getattr(args, name))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    if not results:
+        print(proc.stderr[-3000:])
+        return 1
+    table = deviceless_table(args, results)
+    print(table)
+    name = f"cutbce_tpu_deviceless_{args.deviceless.split(':')[0]}_{args.dtype}"
+    path = args.json or os.path.join(RESULTS, name + ".json")
+    payload = {"benchmark": "cutbce_tpu_deviceless", "topology": args.deviceless,
+               "config": {k: getattr(args, k) for k in ("rows", "dim", "labels", "dtype")},
+               "load_average": os.getloadavg(), "results": results, "markdown": table}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)
+    with open(os.path.splitext(path)[0] + ".md", "w") as handle:
+        handle.write(table + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def run_worker(args):
+    """Measures one variant; prints one JSON line."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    hidden, table, bias, ids, cotangent = _make_inputs(args)
+    step = jax.jit(_step(_loss_fn(args.worker, ids, args.vocab), cotangent))
 
     result = {"variant": args.worker, "platform": device.platform, "device": device.device_kind}
     start = time.perf_counter()
@@ -217,7 +362,11 @@ def parse_args(argv=None):
                         f"(or {CPU_CHECK_JSON} off TPU)")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run without a TPU: tiny shapes, Pallas in interpret mode")
+    parser.add_argument("--deviceless", default=None, metavar="TOPOLOGY",
+                        help="compile for one chip of this TPU topology (e.g. v6e:2x2, "
+                        "v5e:2x2) without a TPU; needs libtpu")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--deviceless-worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -232,6 +381,14 @@ def _fill_defaults(args, tiny):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.deviceless or args.deviceless_worker:
+        args.rows = args.rows or 4096
+        args.dim = args.dim or 64
+        if args.deviceless_worker:
+            args.deviceless = args.deviceless_worker
+            run_deviceless_worker(args)
+            return 0
+        return run_deviceless(args)
     if args.worker:
         _fill_defaults(args, tiny=True)
         run_worker(args)

@@ -33,7 +33,6 @@ from keras import ops
 
 from keras_cutbce import validation
 from keras_cutbce.common import EMPTY_ID
-from keras_cutbce.common import on_tpu
 from keras_cutbce.tiling import default_chunk_size
 from keras_cutbce.tiling import tile_budget_bytes
 
@@ -121,14 +120,39 @@ def _default_chunk_size(hidden, table):
     return default_chunk_size(rows or 4096, validation.static_dims(table)[0] or 2**20, budget)
 
 
+def _jax_target_platform():
+    """The platform a JAX program is compiled for, or None: decided at lowering."""
+    from keras_cutbce.backends.jax import tpu_target
+
+    return tpu_target.target_platform()
+
+
 def select_implementation(implementation="auto"):
-    """Returns the implementation `"auto"` resolves to on this backend and device."""
+    """Returns the implementation `"auto"` resolves to on this backend and target.
+
+    On JAX, `"pallas"` when the program is compiled for a TPU (known at trace
+    time: a TPU host, a TPU mesh or `jax.default_device`), else `"chunked"`.
+    When the target is only known at lowering (a CPU host with the TPU
+    compiler), the ops compile both and keep the target's
+    (`keras_cutbce.backends.jax.tpu_target`); this function then answers for
+    the host.
+    """
     validation.check_implementation(implementation)
     if implementation != "auto":
         return implementation
-    if keras.backend.backend() == "jax" and on_tpu():
+    if keras.backend.backend() == "jax" and _jax_target_platform() == "tpu":
         return "pallas"
     return "chunked"
+
+
+def _by_target_auto(op, implementation):
+    """Whether `op` under `implementation` is decided at lowering (JAX, `auto`, TPU unknown)."""
+    return (
+        implementation == "auto"
+        and keras.backend.backend() == "jax"
+        and _MODULES.get((op, "pallas")) is not None
+        and _jax_target_platform() is None
+    )
 
 
 def _route(op, implementation, sharding):
@@ -154,6 +178,14 @@ def _dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
 
     Returns None when the routed implementation lacks an optional op.
     """
+    if table.sharding is None and _by_target_auto(op, implementation):
+        from keras_cutbce.backends.jax import tpu_target
+
+        def run(route):
+            return lambda h, t, *a: _dispatch(op, route, h, ItemTable(t, None), *a,
+                                               chunk_size=chunk_size, **kwargs)
+
+        return tpu_target.by_target((hidden, table.value) + args, run("pallas"), run("chunked"))
     route = _route(op, implementation, table.sharding)
     kernel = _kernel(op, route)
     if kernel is None:

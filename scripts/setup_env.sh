@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the virtualenv .venv in the repository and installs the
-# project with every backend, pinned by constraints.txt. Idempotent.
+# project with every backend and the TPU compiler (libtpu, for the compile
+# tests), pinned by constraints.txt. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -12,6 +13,9 @@ stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[all]"
+  # The TPU compiler (libtpu) for tests/test_tpu_compile.py: compiles for
+  # deviceless TPUs; the ordinary JAX tests pin the CPU (tests/conftest.py).
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[tpu-compile]"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

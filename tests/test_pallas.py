@@ -401,3 +401,43 @@ def test_fused_falls_back_to_three_passes_when_rows_do_not_fit(rng, monkeypatch)
     _assert_close(value, want_value, 1e-5, "value")
     for arg, got, want in zip("htb", grads, want_grads):
         _assert_close(got, want, 1e-5, f"grad_{arg}")
+
+
+def test_lane_aligned_dim_reads_the_table_row_major(rng):
+    """D = 128 uses `[V, D]` blocks (D % 128 != 0 uses the `[D, V]` view): same numbers."""
+    inputs = _inputs(rng, 20, 300, 128, 2, bias=True)
+    _check(inputs, ls=0.0, pw=1.0, rtol=2e-5, pallas_kwargs=dict(chunk_size=128), keras_too=False)
+
+
+def test_precision_is_checked():
+    from keras_cutbce.backends.jax import pallas_tpu
+
+    h, t = np.zeros((2, 8), "float32"), np.zeros((10, 8), "float32")
+    with pytest.raises(ValueError, match="precision"):
+        pallas_tpu.cut_bce(h, t, np.array([[1], [2]]), precision="fast")
+
+
+def test_target_known_only_at_lowering(rng, monkeypatch):
+    """A CPU host with the TPU compiler: both variants are traced, the CPU keeps its own.
+
+    `interpret=None` traces Mosaic and the interpreter under
+    `platform_dependent` (run here: the interpreter's numbers); `auto`
+    traces Pallas and the chunked loop (run here: the chunked loop's).
+    """
+    import jax
+
+    from keras_cutbce import ops
+    from keras_cutbce.backends.jax import pallas_tpu, tpu_target
+
+    h, t, b, ids, g = _inputs(rng, 10, 300, 8, 2, bias=True)
+    want = pallas_tpu.cut_bce(h, t, ids, b, chunk_size=128, interpret=True)
+    want_auto = ops.cut_binary_crossentropy(h, t, ids, b, implementation="chunked")
+    monkeypatch.setattr(tpu_target, "tpu_compiler_available", lambda: True)
+    assert tpu_target.target_platform() is None
+    got = pallas_tpu.cut_bce(h, t, ids, b, chunk_size=128)
+    _assert_close(got, want, 1e-6, "interpret=None")
+    jaxpr = jax.make_jaxpr(lambda h: ops.cut_binary_crossentropy(h, t, ids, b))(h).jaxpr
+    # The Pallas branch holds the kernel twice: Mosaic and the interpreter.
+    assert _count_pallas_calls(jaxpr) == 2 and "platform_index" in str(jaxpr)
+    got_auto = ops.cut_binary_crossentropy(h, t, ids, b)
+    _assert_close(got_auto, want_auto, 1e-6, "auto")

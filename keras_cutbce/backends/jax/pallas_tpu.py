@@ -1,34 +1,36 @@
 """CutBCE as Pallas TPU (Mosaic) kernels, under `jax.custom_vjp`.
 
-The loss of a row is `(1 / V) * (negatives + positives)`:
+The loss of a row is `(1 / V) * sum_v term(z_v)`, computed by Pallas
+kernels over a grid of (row tiles, vocabulary tiles); a `[tm, tv]` logits
+tile exists only in VMEM, float32 accumulators live in VMEM. Each logit's
+term is exact for its role:
 
-- `negatives = sum_{v not in P} neg_scale * softplus(z_v) - neg_target * z_v`,
-  computed by Pallas kernels over a grid of (row tiles, vocabulary tiles). A
-  `[tm, tv]` logits tile exists only in VMEM; float32 accumulators live in
-  VMEM. The row's positives `P` are masked inside each tile (its `[tm, L]`
-  ids compared with the tile's columns, `L` vector compares per logit), so a
-  positive is never added and subtracted back.
-- `positives = sum_{v in P} pos_minus softplus(-z_v) + pos_plus softplus(z_v)`
-  over the row's valid, de-duplicated positives
-  (`keras_cutbce.backends.targets.distinct_targets`): a gather of `L` table
-  rows per position, in plain JAX (small). Both parts are non-negative, so a
-  saturated positive (|z| = 1e4, a row of loss 1e-43) keeps float32
-  precision; its gradient is `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
+- a negative: `neg_scale * softplus(z) - neg_target * z`;
+- a positive (the column is one of the row's ids, found by `L` vector
+  compares per logit against the row's `[tm, L]` ids; padding ids never
+  match, duplicates match once): `pos_minus softplus(-z) + pos_plus
+  softplus(z)`, two non-negative parts, so a saturated positive (|z| = 1e4,
+  a row of loss 1e-43) keeps float32 precision; its derivative is
+  `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
 
+So the positives need no gather or scatter over the table (on TPU, XLA
+offloads those to the SparseCore and relays the whole table out for them).
 The coefficients come from `keras_cutbce.coefficients.bce_coefficients`.
-One `exp` and one `log1p` per logit (`e = exp(-|z|)`, `softplus(z) =
-max(z, 0) + log1p(e)`, `sigmoid(z) = 1 / (1 + e)` or `e / (1 + e)`), all in
-float32, so the loss and its gradients stay finite for any `|z|`.
+One `exp` and one `log1p` per logit (`e = exp(-|z|)`, `softplus(+-z) =
+max(+-z, 0) + log1p(e)`, `sigmoid(z) = 1 / (1 + e)` or `e / (1 + e)`), in
+float32, so the loss and its gradients stay finite for any `|z|`; the fused
+kernel shares the one `exp` between the loss and the gradient.
 
 Kernels (all recompute the logits `z = h @ E.T + b`; matmuls run in the
 matmul dtype with float32 accumulation: the hidden states' dtype when it is
 16-bit (Keras mixed precision: bfloat16 activations, float32 table; the
-table tile is cast in VMEM), else the promoted dtype; `Precision.HIGHEST`
-only when that is float32):
+table tile is cast in VMEM), else the promoted dtype; float32 matmuls at
+`precision="default"`, what Keras's dense BCE gets on a TPU, or
+`"highest"` (3-6 bf16 MXU passes) when asked):
 
-1. forward, grid `(rows, vocab)`: the per-row sum over the negatives.
+1. forward, grid `(rows, vocab)`: the per-row sum of the terms.
 2. `grad_hidden`, grid `(rows, vocab)`: `sum_v dz[m, v] E_v`,
-   `dz = g_m (neg_scale * sigmoid(z) - neg_target)` at the negatives.
+   `dz = g_m term'(z)`.
 3. `grad_table` and `grad_bias`, grid `(vocab, rows)` (transposed):
    `sum_m dz[m, v] h_m` and `sum_m dz[m, v]` accumulated over row tiles.
 4. fused (the training path of a reduced loss, `cut_bce_weighted_sum`),
@@ -39,45 +41,74 @@ only when that is float32):
    When they do not fit in a quarter of the VMEM budget, the fused path runs
    kernels 1-3 instead (three logits passes).
 
-The table is never padded or copied: the grid covers `cdiv(V, tv)` tiles and
-the last, partial tile is masked in the kernels (its out-of-range rows are
-zeroed before any product, its columns masked out of every sum). Only the
-rows (hidden states, ids, cotangent: `O(M (D + L))`) are padded to the row
-tile; padded rows have zero weight.
+The table is never padded, copied or relaid out: the grid covers
+`cdiv(V, tv)` tiles and the last, partial tile is masked in the kernels (its
+out-of-range items are zeroed before any product, its columns masked out of
+every sum; the masks exist only when V is not a multiple of the tile). Only
+the rows (hidden states, ids, cotangent: `O(M (D + L))`) are padded to the
+row tile; padded rows have zero weight. The table gradient is written in the
+table's dtype (float32 accumulation in VMEM, one rounding at the end: the
+same numbers as a float32 gradient cast afterwards; a backward cotangent
+`c != 1` of the fused path then scales the rounded gradient, one more
+rounding for a bfloat16 table).
 
-Layout: per-row vectors (the forward output, the cotangent) travel
-lane-broadcast as `[rows, 128]` float32 arrays, the bias as a `[1, V]`
-float32 row; blocks are `(tm, D)`, `(tv, D)`, `(1, tv)`, `(tm, L)` and
-`(tm, 128)`.
+Layout: XLA:TPU stores a narrow table `[V, D]` (`D % 128 != 0`) with V on
+the lanes, so the kernels read it as its `[D, V]` view (a bitcast: blocks
+`(D, tv)`, logits `h @ E_tile`, table gradient `h.T @ dz` written `[D, V]`
+and viewed back); a table with `D % 128 == 0` is row-major and is read as
+`[V, D]` (blocks `(tv, D)`, table gradient `dz.T @ h` as a transposed-LHS
+matmul, no explicit transpose). Measured by compiling for v6e, value and
+gradients of the weighted loss at (M, D, V) = (4096, 64, 876000) float32:
+HBM temporaries 876 MiB before (two padded `[V, 128]` copies for the row-major
+kernels, the positives' gather/scatter relayouts), 0 after; D = 128: 0;
+bfloat16 D = 64: 0. Per-row vectors (the forward output, the cotangent)
+travel lane-broadcast as `[rows, 128]` float32 arrays, the bias as a `[1, V]`
+float32 row.
+
+Dispatch (`keras_cutbce.backends.jax.tpu_target`): the kernels compile with
+Mosaic when the program is compiled for a TPU and run in the Pallas
+interpreter otherwise (or whenever `interpret=True`); when the target is
+only known at lowering (a CPU host with libtpu, no mesh), both are traced and
+`jax.lax.platform_dependent` keeps the target's (the effect-free
+`interpret=True` interpreter there).
 
 Tile rule (`chunk_size=None`, `block_rows=None`):
 
-- VMEM budget: half the chip's VMEM (`pltpu.get_tpu_info().vmem_capacity_bytes`
-  when this JAX has it and the device is a TPU), and then the kernels ask
-  Mosaic for `vmem_limit_bytes = 3/4 x capacity`; else 12 MiB, three quarters
-  of 16 MiB, the smallest default scoped VMEM of current TPUs, leaving
-  headroom for Mosaic's own temporaries.
+- VMEM budget: half the target TPU's VMEM per TensorCore (v4 16 MiB, v5e and
+  v6e 128 MiB, v5p 64 MiB: `tpu_target.chip_info`, from the device kind of
+  the trace's mesh, `jax.default_device` or the host's TPU), and then the
+  kernels ask Mosaic for `vmem_limit_bytes = 3/4 x capacity`; for an unknown
+  generation 12 MiB, three quarters of 16 MiB, the smallest default scoped
+  VMEM of current TPUs, leaving headroom for Mosaic's own temporaries.
 - Row tile `tm`: `min(512, M rounded up to 128)`; vocabulary tile `tv`: the
   widest multiple of 128, at most 4096 and at most `V` rounded up to 128,
   whose estimated footprint fits the budget. The estimate counts
   double-buffered input tiles in the input dtype (`2 (tm + tv) D itemsize`),
   float32 accumulators and output buffers (`3 (tm + tv) D * 4`) and five
-  float32 `[tm, tv]` intermediates (logits, exponential, term, transposed
-  gradient, temporary). If no `tv` fits, `tm` halves (down to 128).
+  float32 `[tm, tv]` intermediates. If no `tv` fits, `tm` halves (down to
+  128).
 - Both tiles are multiples of 128: MXU- and lane-aligned, a multiple of the
-  8/16 sublanes of float32/bfloat16, and the row tile is the lane axis of the
-  transposed gradient tile `dz.T` in kernel 3. `chunk_size` overrides `tv` and
+  8/16 sublanes of float32/bfloat16. `chunk_size` overrides `tv` and
   `block_rows` overrides `tm` (both rounded up to 128).
 
-Off TPU, and whenever `interpret=True`, the kernels run in the Pallas TPU
-interpreter (`pltpu.InterpretParams()`, or `interpret=True` on JAX versions
-without it): slow but exact, for tests on CPU.
+Every `pallas_call` carries a `pl.CostEstimate` (matmul FLOPs,
+transcendentals, table and row bytes) so XLA schedules around it.
+
+Roofline (design target, not measured on a chip: nothing here has run on a
+TPU): at (4096, 64, 876000) the fused step is 3 matmuls x 2 D FLOP per logit
+over 3.59e9 logits = 1.38e12 FLOP. At D = 64 the contraction fills a
+quarter of v6e's 256-deep MXU, so ~25% of its 918 TFLOP/s (bfloat16 passes,
+float32 at default precision) is the ceiling: ~6 ms is the floor there. The
+per-logit vector work (one `exp`, one `log1p`, one reciprocal and ~30 VPU
+ops: compares, selects, the `L` id compares) is of the same order, so the
+kernels are designed to be MXU/VPU-bound with the table streamed from HBM
+once per pass (0.22 GiB at float32; 1.4 ms at v6e's 1.6 TB/s), never
+HBM-bound on logits, which never leave VMEM.
 
 Portability (JAX 0.10.2 and 0.11+): `pltpu.CompilerParams` was once
-`pltpu.TPUCompilerParams`, `pltpu.InterpretParams` and `pltpu.get_tpu_info`
-are recent; each is looked up with `getattr` and has a fallback. Grid
-semantics are given as the strings `"parallel"` / `"arbitrary"`, accepted by
-every version.
+`pltpu.TPUCompilerParams`, `pltpu.InterpretParams` is recent; each is looked
+up with `getattr` and has a fallback. Grid semantics are given as the
+strings `"parallel"` / `"arbitrary"`, accepted by every version.
 
 Example:
 
@@ -99,10 +130,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from keras_cutbce.backends.targets import distinct_targets
+from keras_cutbce.backends.jax import tpu_target
 from keras_cutbce.coefficients import BCECoefficients, bce_coefficients
 from keras_cutbce.common import ids_as_int32
-from keras_cutbce.common import on_tpu as _on_tpu
 from keras_cutbce.common import round_up as _round_up
 
 LANES = 128
@@ -112,23 +142,21 @@ MAX_VOCAB_TILE = 4096
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20
 DEFAULT_VMEM_BUDGET_BYTES = DEFAULT_SCOPED_VMEM_BYTES * 3 // 4
 
-# `x @ y.T` without materialising the transpose ("NT" matmul).
+# `x @ y.T` ("NT") and `x.T @ y` ("TN") without materialising a transpose.
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
+_TN = (((0,), (0,)), ((), ()))
 
 
-@functools.lru_cache(maxsize=None)
 def vmem_capacity_bytes():
-    """VMEM bytes of one TPU core, or None off TPU / when this JAX cannot tell."""
-    if not _on_tpu():
-        return None
-    get_info = getattr(pltpu, "get_tpu_info", None)  # JAX >= 0.8 or so.
-    if get_info is None:
-        return None
-    try:
-        return int(get_info().vmem_capacity_bytes)
-    except Exception:  # noqa: BLE001 - unknown chip, older runtime: use the default.
-        return None
+    """VMEM bytes of one TensorCore of the target TPU, or None (not a TPU, unknown generation)."""
+    chip = tpu_target.target_chip()
+    return None if chip is None else chip.vmem_bytes
+
+
+def vmem_budget_bytes(capacity=None):
+    """The tiles' VMEM budget: half the target's VMEM, else `DEFAULT_VMEM_BUDGET_BYTES`."""
+    return DEFAULT_VMEM_BUDGET_BYTES if capacity is None else capacity // 2
 
 
 def _footprint_bytes(tm, tv, d, itemsize):
@@ -147,8 +175,7 @@ def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None):
     (256, 1024)
     """
     if budget_bytes is None:
-        capacity = vmem_capacity_bytes()
-        budget_bytes = DEFAULT_VMEM_BUDGET_BYTES if capacity is None else capacity // 2
+        budget_bytes = vmem_budget_bytes(vmem_capacity_bytes())
     itemsize = jnp.dtype(dtype).itemsize
     tm = min(MAX_ROW_TILE, _round_up(max(num_rows, 1), LANES))
     tv_max = min(MAX_VOCAB_TILE, _round_up(max(vocab_size, 1), LANES))
@@ -162,21 +189,20 @@ def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None):
 
 
 def _interpret_arg(interpret):
-    """The `interpret=` value for `pl.pallas_call`."""
+    """The `interpret=` value for `pl.pallas_call` (None: the compilation target decides)."""
     if interpret is None:
-        interpret = not _on_tpu()
+        interpret = tpu_target.target_platform() != "tpu"
     if not interpret:
         return False
     params = getattr(pltpu, "InterpretParams", None)  # JAX >= 0.6; else the generic interpreter.
     return params() if params is not None else True
 
 
-def _compiler_params(semantics, interpret):
+def _compiler_params(semantics, vmem_capacity):
     cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
     kwargs = dict(dimension_semantics=semantics)
-    capacity = None if interpret else vmem_capacity_bytes()
-    if capacity is not None:
-        kwargs["vmem_limit_bytes"] = int(capacity * 3 // 4)
+    if vmem_capacity is not None:
+        kwargs["vmem_limit_bytes"] = int(vmem_capacity * 3 // 4)
     return cls(**kwargs)
 
 
@@ -190,7 +216,11 @@ class _Config(NamedTuple):
     vocab_tile: int
     num_ids: int
     mm_dtype: str
-    interpret: bool
+    interpret: object  # True, False, or None: by the compilation target
+    vmem_capacity: object  # the target's VMEM bytes per TensorCore, or None: unknown
+    precision: object  # lax.Precision of float32 matmuls (None: DEFAULT)
+    table_dtype: str  # dtype of the table gradient the kernels write
+    dv_view: bool  # the kernels read the table as its `[D, V]` view (D % 128 != 0)
 
 
 # ----------------------------------------------------------------------------
@@ -198,63 +228,105 @@ class _Config(NamedTuple):
 # ----------------------------------------------------------------------------
 
 
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+def _precision(dtype, cfg):
+    return cfg.precision if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _matmul(x, y, dims, cfg):
     """`dot_general` in the matmul dtype, float32 accumulation."""
     dtype = jnp.dtype(cfg.mm_dtype)
     return lax.dot_general(
-        x.astype(dtype), y.astype(dtype), dims, precision=_precision(dtype),
+        x.astype(dtype), y.astype(dtype), dims, precision=_precision(dtype, cfg),
         preferred_element_type=jnp.float32,
     )
 
 
 def _table_tile(t_ref, j, cfg):
-    """The table tile; rows past V (the last, partial tile) are zeroed."""
+    """The table tile (`[D, tv]` or `[tv, D]`); items past V (last tile) are zeroed."""
     t = t_ref[...]
     if cfg.vocab_size % cfg.vocab_tile:
-        rows = lax.broadcasted_iota(jnp.int32, t.shape, 0) + j * cfg.vocab_tile
-        t = jnp.where(rows < cfg.vocab_size, t, jnp.zeros_like(t))
+        items = lax.broadcasted_iota(jnp.int32, t.shape, 1 if cfg.dv_view else 0)
+        t = jnp.where(items + j * cfg.vocab_tile < cfg.vocab_size, t, jnp.zeros_like(t))
     return t
 
 
-def _negatives(ids_ref, shape, j, cfg):
-    """Bool `[tm, tv]`: the tile's logits that count as negatives.
+def _logits_dims(cfg):
+    """`h @ t` for a `[D, tv]` tile, `h @ t.T` for a `[tv, D]` one."""
+    return _NN if cfg.dv_view else _NT
 
-    Columns past V and the row's positives (its ids, compared one id column
-    at a time) are excluded.
+
+def _grad_hidden_tile(dz, t, cfg):
+    """`dz @ E_tile`, `[tm, D]`."""
+    return _matmul(dz, t, _NT if cfg.dv_view else _NN, cfg)
+
+
+def _grad_table_tile(h, dz, cfg):
+    """The table gradient tile in the table view's layout, no transpose of `dz`."""
+    return _matmul(h, dz, _TN, cfg) if cfg.dv_view else _matmul(dz, h, _TN, cfg)
+
+
+def _masks(ids_ref, shape, j, cfg):
+    """`(valid, positive)` bool `[tm, tv]` of a tile (valid is None when every column is).
+
+    `valid`: columns below V (only the last tile of an unaligned V has
+    others). `positive`: the column is one of the row's ids (compared one id
+    column at a time; padding ids never match, duplicates match once).
     """
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + j * cfg.vocab_tile
-    keep = cols < cfg.vocab_size
-    for k in range(cfg.num_ids):
-        keep = jnp.logical_and(keep, cols != ids_ref[:, k : k + 1])
-    return keep
+    valid = cols < cfg.vocab_size if cfg.vocab_size % cfg.vocab_tile else None
+    positive = cols == ids_ref[:, 0:1]
+    for k in range(1, cfg.num_ids):
+        positive = jnp.logical_or(positive, cols == ids_ref[:, k : k + 1])
+    return valid, positive
 
 
 def _tile_logits(h, t, b_ref, cfg):
-    """Float32 logits `[tm, tv]` of a row tile `h` against a vocabulary tile `t`."""
-    z = _matmul(h, t, _NT, cfg)
+    """Float32 logits `[tm, tv]` of a row tile `h` against a `[D, tv]` table tile `t`."""
+    z = _matmul(h, t, _logits_dims(cfg), cfg)
     if b_ref is not None:
         z = z + b_ref[...]
     return z
 
 
-def _negative_terms(z, coef):
-    """`neg_scale * softplus(z) - neg_target * z` with one exp and one log1p."""
-    softplus = jnp.maximum(z, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(z)))
-    term = softplus if coef.neg_scale == 1.0 else coef.neg_scale * softplus
-    return term if coef.neg_target == 0.0 else term - coef.neg_target * z
-
-
-def _negative_slopes(z, coef):
-    """`neg_scale * sigmoid(z) - neg_target` with one exp."""
+def _softplus_parts(z):
+    """`(max(z, 0), max(-z, 0), e, log1p(e))` with `e = exp(-|z|)`: one exp, one log1p."""
     e = jnp.exp(-jnp.abs(z))
+    return jnp.maximum(z, 0.0), jnp.maximum(-z, 0.0), e, jnp.log1p(e)
+
+
+def _terms(z, positive, coef, parts=None):
+    """Each logit's exact loss term.
+
+    Negatives: `neg_scale softplus(z) - neg_target z`; positives:
+    `pos_minus softplus(-z) + pos_plus softplus(z)` (non-negative parts, so a
+    saturated positive keeps float32 precision).
+    """
+    relu, relu_neg, _, log1p_e = _softplus_parts(z) if parts is None else parts
+    sp, sp_neg = relu + log1p_e, relu_neg + log1p_e
+    neg = sp if coef.neg_scale == 1.0 else coef.neg_scale * sp
+    neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target * z
+    pos = coef.pos_minus * sp_neg
+    pos = pos if coef.pos_plus == 0.0 else pos + coef.pos_plus * sp
+    return jnp.where(positive, pos, neg)
+
+
+def _slopes(z, positive, coef, parts=None):
+    """Each term's exact derivative in z.
+
+    Negatives: `neg_scale sigmoid(z) - neg_target`; positives:
+    `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
+    """
+    e = jnp.exp(-jnp.abs(z)) if parts is None else parts[2]
     inv = 1.0 / (1.0 + e)
-    sigmoid = jnp.where(z >= 0, inv, e * inv)
-    grad = sigmoid if coef.neg_scale == 1.0 else coef.neg_scale * sigmoid
-    return grad if coef.neg_target == 0.0 else grad - coef.neg_target
+    sig, sig_neg = jnp.where(z >= 0, inv, e * inv), jnp.where(z >= 0, e * inv, inv)
+    neg = sig if coef.neg_scale == 1.0 else coef.neg_scale * sig
+    neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target
+    pos = coef.pos_plus - (coef.pos_plus + coef.pos_minus) * sig_neg
+    return jnp.where(positive, pos, neg)
+
+
+def _masked(x, valid):
+    return x if valid is None else jnp.where(valid, x, 0.0)
 
 
 def _unpack(refs, has_bias, has_weights):
@@ -267,10 +339,10 @@ def _unpack(refs, has_bias, has_weights):
 
 
 def _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg):
-    """`(h, t, z, negatives)` of one (row tile, vocabulary tile)."""
+    """`(h, t, z, (valid, positive))` of one (row tile, vocabulary tile)."""
     h, t = h_ref[...], _table_tile(t_ref, j, cfg)
     z = _tile_logits(h, t, b_ref, cfg)
-    return h, t, z, _negatives(ids_ref, z.shape, j, cfg)
+    return h, t, z, _masks(ids_ref, z.shape, j, cfg)
 
 
 # ----------------------------------------------------------------------------
@@ -286,8 +358,8 @@ def _forward_kernel(*refs, cfg, has_bias):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    _, _, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    term = jnp.where(negative, _negative_terms(z, cfg.coef), 0.0)
+    _, _, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    term = _masked(_terms(z, positive, cfg.coef), valid)
     acc_ref[...] += jnp.sum(term, axis=1, keepdims=True)
 
     @pl.when(j == pl.num_programs(1) - 1)
@@ -303,9 +375,9 @@ def _grad_hidden_kernel(*refs, cfg, has_bias):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    _, t, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    dz = jnp.where(negative, g_ref[:, :1] * _negative_slopes(z, cfg.coef), 0.0)
-    acc_ref[...] += _matmul(dz, t, _NN, cfg)
+    _, t, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    dz = _masked(g_ref[:, :1] * _slopes(z, positive, cfg.coef), valid)
+    acc_ref[...] += _grad_hidden_tile(dz, t, cfg)
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _store():
@@ -326,16 +398,16 @@ def _grad_table_kernel(*refs, cfg, has_bias):
         if has_bias:
             acc_b_ref[...] = jnp.zeros_like(acc_b_ref)
 
-    h, _, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    h, _, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
     # Padded rows carry a zero cotangent, so they add nothing.
-    dz = jnp.where(negative, g_ref[:, :1] * _negative_slopes(z, cfg.coef), 0.0)
-    acc_t_ref[...] += _matmul(dz.T, h, _NN, cfg)
+    dz = _masked(g_ref[:, :1] * _slopes(z, positive, cfg.coef), valid)
+    acc_t_ref[...] += _grad_table_tile(h, dz, cfg)
     if has_bias:
         acc_b_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _store():
-        dt_ref[...] = acc_t_ref[...]
+        dt_ref[...] = acc_t_ref[...].astype(dt_ref.dtype)
         if has_bias:
             db_ref[...] = acc_b_ref[...]
 
@@ -361,18 +433,19 @@ def _fused_kernel(*refs, cfg, has_bias):
         if has_bias:
             acc_b_ref[...] = jnp.zeros_like(acc_b_ref)
 
-    h, t, z, negative = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    term = jnp.where(negative, _negative_terms(z, cfg.coef), 0.0)
+    h, t, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
+    parts = _softplus_parts(z)  # one exp per logit for the loss and the gradient
+    term = _masked(_terms(z, positive, cfg.coef, parts), valid)
     loss_ref[rows, :] += jnp.sum(term, axis=1, keepdims=True) + jnp.zeros((1, LANES), jnp.float32)
-    dz = jnp.where(negative, g_ref[:, :1] * _negative_slopes(z, cfg.coef), 0.0)
-    dh_ref[rows, :] += _matmul(dz, t, _NN, cfg)
-    acc_t_ref[...] += _matmul(dz.T, h, _NN, cfg)
+    dz = _masked(g_ref[:, :1] * _slopes(z, positive, cfg.coef, parts), valid)
+    dh_ref[rows, :] += _grad_hidden_tile(dz, t, cfg)
+    acc_t_ref[...] += _grad_table_tile(h, dz, cfg)
     if has_bias:
         acc_b_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _store():
-        dt_ref[...] = acc_t_ref[...]
+        dt_ref[...] = acc_t_ref[...].astype(dt_ref.dtype)
         if has_bias:
             db_ref[...] = acc_b_ref[...]
 
@@ -416,7 +489,7 @@ def _specs(cfg, d, has_bias, has_weights, transposed):
 
     specs = [
         pl.BlockSpec((tm, d), at(lambda i, j: (i, 0))),
-        pl.BlockSpec((tv, d), at(lambda i, j: (j, 0))),
+        _table_spec(cfg, d, at(lambda i, j: j)),
         pl.BlockSpec((tm, length), at(lambda i, j: (i, 0))),
     ]
     if has_bias:
@@ -426,26 +499,61 @@ def _specs(cfg, d, has_bias, has_weights, transposed):
     return specs
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, semantics, cfg, has_bias):
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg, has_bias=has_bias),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        scratch_shapes=scratch,
-        compiler_params=_compiler_params(semantics, cfg.interpret),
-        interpret=_interpret_arg(cfg.interpret),
-        name=name,
+def _cost(cfg, mp, d, itemsize, matmuls, transcendentals):
+    """`pl.CostEstimate` of one pass over the `[mp, V]` logits (for XLA's scheduler)."""
+    logits = mp * cfg.vocab_size
+    return pl.CostEstimate(
+        flops=int(2 * logits * d * matmuls + 12 * logits),
+        transcendentals=int(transcendentals * logits),
+        bytes_accessed=int(cfg.vocab_size * d * itemsize * (1 + matmuls // 2)
+                           + mp * (d * itemsize + 4 * cfg.num_ids + 4 * LANES)),
     )
+
+
+def _table_spec(cfg, d, tile_index):
+    """BlockSpec of a table-shaped array in the kernels' view, at vocabulary tile `tile_index`."""
+    if cfg.dv_view:
+        return pl.BlockSpec((d, cfg.vocab_tile), lambda *g: (0, tile_index(*g)))
+    return pl.BlockSpec((cfg.vocab_tile, d), lambda *g: (tile_index(*g), 0))
+
+
+def _table_view(t, cfg):
+    """The table as the kernels read it: `[D, V]` (a layout bitcast on TPU) or `[V, D]`."""
+    return t.T if cfg.dv_view else t
+
+
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, semantics, cfg, has_bias,
+          cost):
+    """The kernel as a function of its inputs: Mosaic on a TPU target, else the interpreter."""
+
+    def build(interpret, plain=False):
+        return pl.pallas_call(
+            functools.partial(kernel, cfg=cfg, has_bias=has_bias),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            scratch_shapes=scratch,
+            compiler_params=_compiler_params(semantics, None if interpret else cfg.vmem_capacity),
+            interpret=True if plain else _interpret_arg(interpret),
+            cost_estimate=cost,
+            name=name,
+        )
+
+    if cfg.interpret is None:  # target unknown at trace time: decided at lowering
+        # The plain (effect-free) interpreter: `platform_dependent` cannot drop
+        # the ordered effects of `pltpu.InterpretParams`'s callbacks.
+        return lambda *args: tpu_target.by_target(args, build(False), build(True, plain=True))
+    return build(cfg.interpret)
 
 
 def _table_grad_outputs(cfg, d, has_bias, index):
     """Out specs/shapes/scratch of the table (and bias) gradient, blocks at vocab tile `index`."""
     tv, vocab = cfg.vocab_tile, cfg.vocab_size
-    specs = [pl.BlockSpec((tv, d), lambda j, i: (index(j, i), 0))]
-    shapes = [jax.ShapeDtypeStruct((vocab, d), jnp.float32)]
-    scratch = [pltpu.VMEM((tv, d), jnp.float32)]
+    specs = [_table_spec(cfg, d, index)]
+    shape = (d, vocab) if cfg.dv_view else (vocab, d)
+    shapes = [jax.ShapeDtypeStruct(shape, cfg.table_dtype)]
+    scratch = [pltpu.VMEM(specs[0].block_shape, jnp.float32)]
     if has_bias:
         specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, index(j, i))))
         shapes.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
@@ -464,17 +572,17 @@ def _dense_forward(h, t, b, ids, cfg):
         pl.BlockSpec((cfg.row_tile, LANES), lambda i, j: (i, 0)),
         jax.ShapeDtypeStruct((mp, LANES), jnp.float32),
         [pltpu.VMEM((cfg.row_tile, LANES), jnp.float32)],
-        ("parallel", "arbitrary"), cfg, has_bias,
-    )(*([hp, t, idsp] + ([_bias_row(b)] if has_bias else [])))
+        ("parallel", "arbitrary"), cfg, has_bias, _cost(cfg, mp, d, t.dtype.itemsize, 1, 2),
+    )(*([hp, _table_view(t, cfg), idsp] + ([_bias_row(b)] if has_bias else [])))
     return out[: h.shape[0], 0]
 
 
 def _dense_backward(h, t, b, ids, g, cfg):
-    """Float32 `(grad_hidden [M, D], grad_table [V, D], grad_bias [V] | None)` (kernels 2, 3)."""
+    """`(grad_hidden [M, D], grad_table (the kernels' view), grad_bias [V] | None)` (kernels 2, 3)."""
     hp, idsp, gp = _row_inputs(h, ids, g, cfg)
     mp, d = hp.shape
     has_bias = b is not None
-    inputs = [hp, t, idsp] + ([_bias_row(b)] if has_bias else []) + [gp]
+    inputs = [hp, _table_view(t, cfg), idsp] + ([_bias_row(b)] if has_bias else []) + [gp]
     rows, tiles = _grid_sizes(mp, cfg)
     grad_h = _call(
         _grad_hidden_kernel, "cutbce_grad_hidden", (rows, tiles),
@@ -482,7 +590,7 @@ def _dense_backward(h, t, b, ids, g, cfg):
         pl.BlockSpec((cfg.row_tile, d), lambda i, j: (i, 0)),
         jax.ShapeDtypeStruct((mp, d), jnp.float32),
         [pltpu.VMEM((cfg.row_tile, d), jnp.float32)],
-        ("parallel", "arbitrary"), cfg, has_bias,
+        ("parallel", "arbitrary"), cfg, has_bias, _cost(cfg, mp, d, t.dtype.itemsize, 2, 1),
     )(*inputs)
     # Transposed grid (vocab tile j, row tile i): the table gradient is
     # accumulated over row tiles while its block stays in VMEM.
@@ -490,7 +598,7 @@ def _dense_backward(h, t, b, ids, g, cfg):
     outs = _call(
         _grad_table_kernel, "cutbce_grad_table", (tiles, rows),
         _specs(cfg, d, has_bias, True, True), specs, shapes, scratch,
-        ("parallel", "arbitrary"), cfg, has_bias,
+        ("parallel", "arbitrary"), cfg, has_bias, _cost(cfg, mp, d, t.dtype.itemsize, 2, 1),
     )(*inputs)
     grad_b = outs[1][0] if has_bias else None
     return grad_h[: h.shape[0]], outs[0], grad_b
@@ -498,14 +606,13 @@ def _dense_backward(h, t, b, ids, g, cfg):
 
 def _fused_fits(num_rows, dim, cfg):
     """Whether the fused kernel's resident `[M, 128 + D]` float32 rows fit its VMEM share."""
-    capacity = vmem_capacity_bytes()
-    budget = DEFAULT_VMEM_BUDGET_BYTES if capacity is None else capacity // 2
+    budget = vmem_budget_bytes(cfg.vmem_capacity)
     mp = _round_up(num_rows, cfg.row_tile)
     return 2 * mp * (LANES + dim) * 4 <= budget // 4
 
 
 def _dense_fused(h, t, b, ids, w, cfg):
-    """Kernel 4: `(negatives [M], grad_hidden, grad_table, grad_bias | None)` in one pass."""
+    """Kernel 4: `(negatives [M], grad_hidden, grad_table (view), grad_bias | None)`, one pass."""
     hp, idsp, gp = _row_inputs(h, ids, w, cfg)
     mp, d = hp.shape
     has_bias = b is not None
@@ -523,62 +630,11 @@ def _dense_fused(h, t, b, ids, w, cfg):
         _fused_kernel, "cutbce_fused", (tiles, rows),
         _specs(cfg, d, has_bias, True, True), resident + specs, resident_shapes + shapes,
         scratch, ("arbitrary", "arbitrary"), cfg, has_bias,
-    )(*([hp, t, idsp] + ([_bias_row(b)] if has_bias else []) + [gp]))
+        _cost(cfg, mp, d, t.dtype.itemsize, 3, 2),
+    )(*([hp, _table_view(t, cfg), idsp] + ([_bias_row(b)] if has_bias else []) + [gp]))
     num_rows = h.shape[0]
     grad_b = outs[3][0] if has_bias else None
     return outs[0][:num_rows, 0], outs[1][:num_rows], outs[2], grad_b
-
-
-# ----------------------------------------------------------------------------
-# The positives (plain JAX): exact terms, no cancellation.
-# ----------------------------------------------------------------------------
-
-
-def _positive_logits(h, t, b, safe, cfg):
-    """Float32 logits `[M, L]` of each row at its (safe) positive ids."""
-    rows = t[safe]  # [M, L, D]
-    dtype = jnp.dtype(cfg.mm_dtype)
-    z = jnp.einsum("md,mld->ml", h.astype(dtype), rows.astype(dtype),
-                   precision=_precision(dtype), preferred_element_type=jnp.float32)
-    if b is not None:
-        z = z + b.astype(jnp.float32)[safe]
-    return z, rows
-
-
-def _positive_terms(z, coef):
-    """`pos_minus softplus(-z) + pos_plus softplus(z)`: two non-negative parts."""
-    out = coef.pos_minus * jax.nn.softplus(-z)
-    return out if coef.pos_plus == 0.0 else out + coef.pos_plus * jax.nn.softplus(z)
-
-
-def _positive_slopes(z, coef):
-    """`pos_plus - (pos_plus + pos_minus) sigmoid(-z)`: the terms' exact derivative."""
-    return coef.pos_plus - (coef.pos_plus + coef.pos_minus) * jax.nn.sigmoid(-z)
-
-
-def _positives_forward(h, t, b, safe, keep, cfg):
-    z, _ = _positive_logits(h, t, b, safe, cfg)
-    return jnp.sum(jnp.where(keep, _positive_terms(z, cfg.coef), 0.0), axis=1)
-
-
-def _positives_backward(h, t, b, safe, keep, gv, cfg):
-    """Float32 gradients of `sum_m gv_m * positives_m` for h, t, b."""
-    z, rows = _positive_logits(h, t, b, safe, cfg)
-    dz = jnp.where(keep, gv[:, None] * _positive_slopes(z, cfg.coef), 0.0)  # [M, L]
-    grad_h = jnp.einsum("ml,mld->md", dz, rows.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST)
-    contrib = dz[:, :, None] * h.astype(jnp.float32)[:, None, :]  # [M, L, D]
-    grad_t = jnp.zeros(t.shape, jnp.float32).at[safe.reshape(-1)].add(
-        contrib.reshape(-1, t.shape[1])
-    )
-    grad_b = None
-    if b is not None:
-        grad_b = jnp.zeros(b.shape, jnp.float32).at[safe.reshape(-1)].add(dz.reshape(-1))
-    return grad_h, grad_t, grad_b
-
-
-def _add(x, y):
-    return None if x is None else x + y
 
 
 def _grads_out(h, t, b, ids, grads):
@@ -596,16 +652,17 @@ def _grads_out(h, t, b, ids, grads):
 
 
 def _per_row_loss(cfg, h, t, b, ids):
-    safe, keep = distinct_targets(ids, cfg.vocab_size)
-    dense = _dense_forward(h, t, b, ids, cfg)
-    return (dense + _positives_forward(h, t, b, safe, keep, cfg)) / cfg.vocab_size
+    return _dense_forward(h, t, b, ids, cfg) / cfg.vocab_size
+
+
+def _table_layout(grads, cfg):
+    """`(dh, dt, db)` with the table gradient back as `[V, D]` (a bitcast on TPU)."""
+    dh, dt, db = grads
+    return dh, _table_view(dt, cfg), db
 
 
 def _gradients(cfg, h, t, b, ids, gv):
-    safe, keep = distinct_targets(ids, cfg.vocab_size)
-    dense = _dense_backward(h, t, b, ids, gv, cfg)
-    sparse = _positives_backward(h, t, b, safe, keep, gv, cfg)
-    return tuple(_add(x, y) for x, y in zip(dense, sparse))
+    return _table_layout(_dense_backward(h, t, b, ids, gv, cfg), cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -630,14 +687,11 @@ def _fused_loss_and_grads(cfg, h, t, b, ids, w):
     """`(sum_m w_m loss_m, float32 gradients at cotangent 1)`: one logits pass when it fits."""
     gv = w / cfg.vocab_size
     if not _fused_fits(h.shape[0], h.shape[1], cfg):  # three logits passes
-        dense = _dense_forward(h, t, b, ids, cfg)
+        sums = _dense_forward(h, t, b, ids, cfg)
         grads = _dense_backward(h, t, b, ids, gv, cfg)
     else:
-        dense, *grads = _dense_fused(h, t, b, ids, gv, cfg)
-    safe, keep = distinct_targets(ids, cfg.vocab_size)
-    loss = (dense + _positives_forward(h, t, b, safe, keep, cfg)) / cfg.vocab_size
-    sparse = _positives_backward(h, t, b, safe, keep, gv, cfg)
-    return jnp.vdot(w, loss), tuple(_add(x, y) for x, y in zip(grads, sparse))
+        sums, *grads = _dense_fused(h, t, b, ids, gv, cfg)
+    return jnp.vdot(w, sums / cfg.vocab_size), _table_layout(grads, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -673,8 +727,19 @@ def _matmul_dtype(hidden, table):
     return jnp.result_type(hidden.dtype, table.dtype).name
 
 
+_PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST}
+
+
+def _resolve_interpret(interpret):
+    """True/False when asked or when the target is known at trace time, else None."""
+    if interpret is not None:
+        return bool(interpret)
+    platform = tpu_target.target_platform()
+    return None if platform is None else platform != "tpu"
+
+
 def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
-             interpret):
+             interpret, precision="default"):
     hidden = jnp.asarray(hidden)
     table = jnp.asarray(table)
     bias = None if bias is None else jnp.asarray(bias)
@@ -684,15 +749,18 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, 
         ids = ids[:, None]
     if ids.shape[1] == 0:  # No positives: one padding id keeps shapes non-empty.
         ids = jnp.full((hidden.shape[0], 1), -1, jnp.int32)
+    if precision not in _PRECISIONS:
+        raise ValueError(
+            f"`precision` must be one of {sorted(_PRECISIONS)}; received {precision!r}."
+        )
     num_rows, dim = hidden.shape
     mm_dtype = _matmul_dtype(hidden, table)
-    tm, tv = choose_tiles(num_rows, vocab_size, dim, mm_dtype)
+    capacity = vmem_capacity_bytes()
+    tm, tv = choose_tiles(num_rows, vocab_size, dim, mm_dtype, vmem_budget_bytes(capacity))
     if chunk_size is not None:
         tv = min(_round_up(chunk_size, LANES), _round_up(vocab_size, LANES))
     if block_rows is not None:
         tm = min(_round_up(block_rows, LANES), _round_up(max(num_rows, 1), LANES))
-    if interpret is None:
-        interpret = not _on_tpu()
     cfg = _Config(
         vocab_size=int(vocab_size),
         coef=bce_coefficients(label_smoothing, pos_weight),
@@ -700,7 +768,11 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, 
         vocab_tile=int(tv),
         num_ids=int(ids.shape[1]),
         mm_dtype=mm_dtype,
-        interpret=bool(interpret),
+        interpret=_resolve_interpret(interpret),
+        vmem_capacity=capacity,
+        precision=_PRECISIONS[precision],
+        table_dtype=jnp.dtype(table.dtype).name,
+        dv_view=dim % LANES != 0,
     )
     return cfg, hidden, table, bias, ids
 
@@ -716,6 +788,7 @@ def cut_bce(
     chunk_size=None,
     block_rows=None,
     interpret=None,
+    precision="default",
 ):
     """Per-row CutBCE `[M]` float32 with Pallas TPU kernels (exact gradients for any cotangent).
 
@@ -730,7 +803,9 @@ def cut_bce(
         chunk_size: vocabulary tile (rounded up to 128); None: the module's rule.
         block_rows: row tile (rounded up to 128); None: the module's rule.
         interpret: run the kernels in the Pallas TPU interpreter; None: when
-            the default device is not a TPU.
+            the program is not compiled for a TPU (`tpu_target`).
+        precision: `"default"` (float32 matmuls at the TPU's default
+            precision, as Keras's dense BCE computes them) or `"highest"`.
 
     Returns:
         Float32 `[M]`: `mean_v[scale_v softplus(z_v) - target_v z_v]`.
@@ -744,7 +819,8 @@ def cut_bce(
     True
     """
     cfg, hidden, table, bias, ids = _prepare(
-        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
+        precision,
     )
     if hidden.shape[0] == 0:
         return jnp.zeros((0,), jnp.float32)
@@ -763,6 +839,7 @@ def cut_bce_weighted_sum(
     chunk_size=None,
     block_rows=None,
     interpret=None,
+    precision="default",
 ):
     """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
 
@@ -782,7 +859,9 @@ def cut_bce_weighted_sum(
         pos_weight: positive float.
         chunk_size: vocabulary tile (rounded up to 128); None: the module's rule.
         block_rows: row tile (rounded up to 128); None: the module's rule.
-        interpret: run the kernels in the Pallas TPU interpreter; None: off TPU.
+        interpret: run the kernels in the Pallas TPU interpreter; None: when
+            the program is not compiled for a TPU.
+        precision: `"default"` or `"highest"` (float32 matmuls).
 
     Returns:
         A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`.
@@ -797,7 +876,8 @@ def cut_bce_weighted_sum(
     True
     """
     cfg, hidden, table, bias, ids = _prepare(
-        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
+        precision,
     )
     weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
     if hidden.shape[0] == 0:

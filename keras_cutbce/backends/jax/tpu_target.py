@@ -1,0 +1,127 @@
+"""The TPU a JAX program is compiled for: its platform, VMEM and cores.
+
+Dispatch follows the compilation target, not the host's default backend, so
+a program compiled for a TPU from a CPU host (ahead-of-time compilation,
+`jax.experimental.topologies`) is the one a TPU host would run:
+
+- `target_platform()` is `"tpu"` or the host's platform when the target is
+  known at trace time, else `None` ("decide at lowering"). The target is
+  known from, in order: the abstract mesh of the current trace
+  (`jax.set_mesh`, `shard_map`: its `abstract_device`), the
+  `jax.default_device` context, the host's default backend when it is a
+  TPU, and the host itself when no TPU compiler is installed (no `libtpu`,
+  or `JAX_PLATFORMS` leaves TPUs out). Otherwise (a CPU host with `libtpu`,
+  no mesh) the caller lowers both variants under `jax.lax.platform_dependent`
+  and the compiler keeps the one of the platform it compiles for.
+- `target_chip()` is the `ChipInfo` (VMEM bytes per TensorCore,
+  TensorCores per device) of the target's device kind, or `None` when the
+  generation is unknown; callers then use budgets that fit every generation
+  (`SAFE_VMEM_BYTES`).
+
+Example:
+
+>>> chip_info("TPU v6 lite")
+ChipInfo(device_kind='TPU v6 lite', vmem_bytes=134217728, cores=1)
+>>> chip_info("TPU v5").cores
+2
+"""
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+import jax
+
+MiB = 2**20
+# The smallest VMEM of current TPUs (v4: 16 MiB a TensorCore): a budget
+# within it compiles for any generation.
+SAFE_VMEM_BYTES = 16 * MiB
+
+# device_kind -> (VMEM bytes per TensorCore, TensorCores a device uses).
+# Values as in `jax._src.pallas.mosaic.tpu_info` (JAX 0.10) and the TPU docs;
+# v4 and v5p are megacore chips: one device drives two TensorCores.
+_CHIPS = {
+    "TPU v4": (16 * MiB, 2),
+    "TPU v4 lite": (16 * MiB, 1),
+    "TPU v5 lite": (128 * MiB, 1),
+    "TPU v5e": (128 * MiB, 1),
+    "TPU v5": (64 * MiB, 2),
+    "TPU v5p": (64 * MiB, 2),
+    "TPU v6 lite": (128 * MiB, 1),
+    "TPU v6e": (128 * MiB, 1),
+}
+
+
+class ChipInfo(NamedTuple):
+    """What the kernels' tiling needs to know about a TPU generation."""
+
+    device_kind: str
+    vmem_bytes: int
+    cores: int
+
+
+def chip_info(device_kind):
+    """The `ChipInfo` of a device kind, or None for an unknown kind."""
+    found = _CHIPS.get(str(device_kind))
+    return None if found is None else ChipInfo(str(device_kind), *found)
+
+
+def _mesh_device():
+    """The abstract device of the current trace's mesh, or None."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    return getattr(mesh, "abstract_device", None)
+
+
+def _context_device():
+    """`(platform, device_kind)` the trace targets when something says so, else None."""
+    device = _mesh_device()
+    if device is not None:
+        return device.platform, device.device_kind
+    default = jax.config.jax_default_device
+    if default is not None and not isinstance(default, str):
+        return default.platform, default.device_kind
+    host = jax.devices()[0]
+    if host.platform == "tpu":
+        return host.platform, host.device_kind
+    return None
+
+
+def tpu_compiler_available():
+    """Whether this process could compile for a TPU it does not run on (libtpu, TPUs allowed)."""
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "tpu" not in platforms.split(","):
+        return False
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def target_platform():
+    """`"tpu"`, the host's platform, or None: decide at lowering (see the module)."""
+    found = _context_device()
+    if found is not None:
+        return found[0]
+    if tpu_compiler_available():
+        return None
+    return jax.devices()[0].platform
+
+
+def target_chip():
+    """The `ChipInfo` of the TPU the trace targets, or None (unknown or not a TPU)."""
+    found = _context_device()
+    if found is None or found[0] != "tpu":
+        return None
+    return chip_info(found[1])
+
+
+def by_target(operands, tpu, other):
+    """`tpu(*operands)` when compiled for a TPU, else `other(*operands)`.
+
+    Known targets trace one branch; otherwise both are traced and
+    `jax.lax.platform_dependent` keeps the target's at lowering.
+    """
+    platform = target_platform()
+    if platform == "tpu":
+        return tpu(*operands)
+    if platform is not None:
+        return other(*operands)
+    return jax.lax.platform_dependent(*operands, tpu=tpu, default=other)

@@ -1,0 +1,111 @@
+"""CutBCE compiled by the real TPU compiler (Mosaic, XLA:TPU) for deviceless TPUs.
+
+Needs `libtpu` (`pip install ".[tpu-compile]"`, installed by
+`scripts/setup_env.sh`); skips without it, and on backends other than JAX.
+Nothing runs on a TPU: each program is lowered and compiled in one child
+process (`tests/tpu_compile_child.py`, TPU settings in its environment) and
+its `CompileReport` checked:
+
+- the loss ops and `CutBCELoss` in a jitted train step, with
+  `implementation="auto"` from this CPU host, compile the Pallas kernels
+  (`tpu_custom_call`s named `cutbce_*`) and no host callback: dispatch
+  follows the compilation target;
+- HBM temporaries <= max(64 MiB, 5% of the table's bytes): no table-sized
+  copy, pad, transpose or relayout (tables here are 64 MiB to 1 GiB);
+- every kernel's scoped VMEM within its limit (the limit it asked for, else
+  16 MiB, the smallest default);
+- retrieval (`cut_top_k`, `cut_count_at_least`: XLA loops, no Pallas kernel)
+  compiles without host callbacks.
+
+The matrix spreads v4, v5e, v5p and v6e, D in {32, 64, 96, 128, 192, 256},
+float32 and bfloat16, aligned and unaligned V, and a known or unknown
+generation (`mesh`) over 12 programs rather than their full cross product,
+to fit CI's time (about 3 minutes on 2 cores).
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(keras.backend.backend() != "jax", reason="TPU compilation is JAX only"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None,
+        reason="libtpu is not installed (pip install '.[tpu-compile]'): no TPU compiler",
+    ),
+]
+
+MiB = 2**20
+DEFAULT_SCOPED_VMEM = 16 * MiB
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu_compile_child.py")
+
+
+def _case(op, topology, dim, dtype, vocab, mesh, rows=2048):
+    return dict(op=op, topology=topology, rows=rows, dim=dim, vocab=vocab, dtype=dtype, mesh=mesh)
+
+
+CASES = [
+    _case("weighted_sum", "v6e:2x2", 64, "float32", 2_000_003, True),
+    _case("weighted_sum", "v5e:2x2", 128, "bfloat16", 2_097_152, False),
+    _case("weighted_sum", "v4:2x2x1", 192, "float32", 1_000_003, True),
+    _case("weighted_sum", "v5p:2x2x1", 32, "bfloat16", 2_097_152, True, rows=4096),
+    _case("loss", "v4:2x2x1", 96, "bfloat16", 2_000_003, False),
+    _case("loss", "v5p:2x2x1", 256, "float32", 1_048_576, False),
+    _case("loss", "v6e:2x2", 32, "bfloat16", 2_097_152, True),
+    _case("loss", "v5e:2x2", 64, "float32", 1_000_003, True),
+    _case("train", "v5p:2x2x1", 32, "float32", 600_001, False, rows=4096),
+    _case("train", "v6e:2x2", 192, "bfloat16", 300_007, True),
+    _case("top_k", "v5e:2x2", 96, "float32", 50_003, False),
+    _case("count", "v4:2x2x1", 128, "bfloat16", 50_000, True),
+]
+PALLAS_OPS = ("weighted_sum", "loss", "train")
+
+
+def _case_id(case):
+    target = "known" if case["mesh"] else "unknown"
+    return "{op}-{topology}-D{dim}-{dtype}-V{vocab}".format(**case) + f"-{target}"
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """`{case id: result}` of every case, compiled in one child process."""
+    env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
+               ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    env.pop("JAX_PLATFORMS", None)  # the child must see the TPU compiler
+    out = subprocess.run(
+        [sys.executable, CHILD, json.dumps(CASES)], capture_output=True, text=True,
+        env=env, timeout=1500,
+    )
+    results = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            results[_case_id(result["case"])] = result
+    assert results, f"the child compiled nothing:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return results
+
+
+def _table_bytes(case):
+    itemsize = 2 if case["dtype"] == "bfloat16" else 4
+    return case["vocab"] * case["dim"] * itemsize
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_compiles_for_tpu(reports, case):
+    result = reports[_case_id(case)]
+    assert "error" not in result, result.get("error")
+    report = result["report"]
+    assert not report["host_callbacks"], report["custom_call_targets"]
+    bound = max(64 * MiB, _table_bytes(case) // 20)
+    assert report["temp_bytes"] <= bound, (report["temp_bytes"], bound)
+    if case["op"] in PALLAS_OPS:
+        names = [k["name"] for k in report["kernels"]]
+        assert names and all("cutbce_" in name for name in names), names
+    for kernel in report["kernels"]:
+        limit = kernel["vmem_limit_bytes"] or DEFAULT_SCOPED_VMEM
+        assert 0 < kernel["scoped_vmem_bytes"] <= limit, kernel
