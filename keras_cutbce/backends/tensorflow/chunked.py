@@ -19,14 +19,15 @@ The loss of one row is `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`
 
 One tile function (`_tile_pass`) computes what a pass needs from one logits
 matmul: the per-row loss sum and/or, for per-row weights `c`, the tile's
-`dZ @ E_tile` (hidden), `dZ^T @ h` (table rows) and `dZ^T 1` (bias), with
+`dZ @ E_tile` (hidden) and `[h, 1]^T @ dZ` (table and bias, transposed), with
 `dZ = c (neg_scale sigmoid(z) - neg_target)`. Every pass is compiled by XLA
 (`tf.function(jit_compile=True)`, one program per shape). `cut_bce` (any
 cotangent) runs a loss pass forward and a gradient pass backward; `cut_bce_weighted_sum`
 (the training path of a reduced loss: the row weights are constants) runs
 one pass computing the loss and the gradients at cotangent 1, and its
 backward pass only scales them. The table gradient is assembled from the
-tiles with one `TensorArray.concat`. Everything accumulates in float32.
+tiles with one `TensorArray.stack` and one transpose. Everything accumulates
+in float32.
 """
 
 import functools
@@ -100,14 +101,17 @@ def _sigmoid(z, e):
     return tf.where(z >= 0, tf.ones_like(e), e) / (1.0 + e)
 
 
-def _tile_pass(h32, e_tile, b_tile, ids, start, coef, *, loss, c, ch):
-    """One tile's negatives: `(loss_rows | None, (dh_part, de_tile, db_tile) | None)`.
+def _tile_pass(h32, e_tile, b_tile, ids, start, coef, *, loss, c, ch_t):
+    """One tile's negatives: `(loss_rows | None, (dh_part, deb_tile_t) | None)`.
 
     The row's positives are set to `-inf` in the logits (`mask_positives`,
     O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
     once for softplus and sigmoid. With `c` (`[M]`) given,
-    `dZ = c (neg_scale sigmoid(z) - neg_target)`; `ch = c[:, None] h`. The
-    factor `c` is applied to `dh_part` by the caller (once, not per tile).
+    `dZ = c (neg_scale sigmoid(z) - neg_target)`; `ch_t` is `[c h, c].T`
+    (`[D + 1, M]`), so one plain matmul `ch_t @ dZ` gives the tile's table
+    gradient, transposed, with the bias gradient in its last row (no
+    transposed operand, which XLA's CPU backend would copy). The factor `c`
+    is applied to `dh_part` by the caller (once, not per tile).
     """
     z = mask_positives(tile_logits(h32, e_tile, b_tile), ids, start)
     e = tf.exp(-tf.abs(z))
@@ -128,9 +132,7 @@ def _tile_pass(h32, e_tile, b_tile, ids, start, coef, *, loss, c, ch):
         s = s - coef.neg_target
     s = _drop_masked(s, z, coef)
     dh_part = tf.matmul(s, tf.cast(e_tile, tf.float32))
-    de_tile = tf.matmul(s, ch, transpose_a=True)
-    db_tile = tf.linalg.matvec(s, c, transpose_a=True)
-    return loss_rows, (dh_part, de_tile, db_tile)
+    return loss_rows, (dh_part, tf.matmul(ch_t, s))
 
 
 # Tiles in flight at once in graph mode; each matmul already uses every core.
@@ -174,10 +176,11 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
     """
     tiling = _Tiling(table, tile)
     want_grads = c is not None
-    ch = c[:, None] * h32 if want_grads else None
+    ch_t = tf.concat([tf.transpose(c[:, None] * h32), c[None, :]], axis=0) if want_grads else None
+    rows_t = None if table.shape[1] is None else table.shape[1] + 1  # D + 1
 
     def tile_pass(start, width, e_tile, b_tile):
-        return _tile_pass(h32, e_tile, b_tile, ids, start, coef, loss=loss, c=c, ch=ch)
+        return _tile_pass(h32, e_tile, b_tile, ids, start, coef, loss=loss, c=c, ch_t=ch_t)
 
     rows = tf.shape(h32)[0]
     dim = tf.shape(table)[1]
@@ -189,8 +192,7 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
         # concatenated at the end.
         state += [
             tf.zeros_like(h32),
-            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[tiling.tile, table.shape[1]]),
-            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[tiling.tile]),
+            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[rows_t, tiling.tile]),
         ]
 
     def add(state, tile_out, i=None):
@@ -201,11 +203,10 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
             state[0] = state[0] + tile_loss
             k = 1
         if want_grads:
-            dh_part, de_tile, db_tile = tile_grads
+            dh_part, deb_tile_t = tile_grads
             state[k] = state[k] + dh_part
             if i is not None:
-                state[k + 1] = state[k + 1].write(i, de_tile)
-                state[k + 2] = state[k + 2].write(i, db_tile)
+                state[k + 1] = state[k + 1].write(i, deb_tile_t)
         return state
 
     if not (isinstance(tiling.num_full, int) and tiling.num_full == 0):
@@ -225,12 +226,12 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
     if not want_grads:
         return loss_rows, None
     k = 1 if loss else 0
-    dh, de_tiles, db_tiles = state[k], state[k + 1], state[k + 2]
-    de = tf.reshape(de_tiles.stack(), [-1, dim])
-    db = tf.reshape(db_tiles.stack(), [-1])
+    dh, deb_tiles = state[k], state[k + 1]
+    # [tiles, D + 1, tile] -> [V, D + 1]: one transpose of the table gradient.
+    deb = tf.reshape(tf.transpose(deb_tiles.stack(), [0, 2, 1]), [-1, dim + 1])
     if rest is not None:
-        de = tf.concat([de, rest[1][1]], axis=0)
-        db = tf.concat([db, rest[1][2]], axis=0)
+        deb = tf.concat([deb, tf.transpose(rest[1][1])], axis=0)
+    de, db = deb[:, :dim], deb[:, dim]
     return loss_rows, (c[:, None] * dh, de, db)
 
 
