@@ -25,8 +25,15 @@ tracing and compilation. A run whose RSS passes
 `--memory-cap-gb` is killed and reported as out of memory. Torch runs with
 `torch.set_num_threads(--threads)` (default: all cores, 2 here).
 
+`--side-by-side` instead times, per backend in one process, dense BCE, the
+loss path and the op (and, with `--old-root`, an older checkout's chunked
+kernels, and on JAX a pure-JAX scan-and-checkpoint operator) alternating,
+one of each per round, and writes `..._side_by_side.{md,json}` with each
+one's ratio over dense.
+
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (takes ~15 min)
+    python benchmarks/cutbce_cpu.py --side-by-side --old-root /tmp/cpu-old
     python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
 
 Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
@@ -44,6 +51,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # time this checkout's package, not an installed one
+    sys.path.insert(0, ROOT)
 SHAPES = [(4096, 64, 32768), (4096, 64, 131072), (1024, 128, 262144)]
 QUICK_SHAPES = [(512, 32, 4096)]
 BACKENDS = ["jax", "torch", "tensorflow"]
@@ -264,6 +273,226 @@ def worker(args):
     }))
 
 
+# ------------------------------------------------------------ side by side ---
+
+SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
+
+
+def _old_chunked(backend, old_root):
+    """The chunked kernel module of an older checkout, loaded beside this one.
+
+    Only `backends/<backend>/chunked.py` comes from `old_root`; its imports
+    (`targets`, `coefficients`, `tiling`) resolve to this checkout's.
+    """
+    import importlib.util
+
+    path = os.path.join(old_root, "keras_cutbce", "backends", backend, "chunked.py")
+    spec = importlib.util.spec_from_file_location(f"_old_{backend}_chunked", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pure_jax_operator(ids, tile):
+    """A pure-JAX chunked BCE: `lax.scan` over vocabulary tiles under `jax.checkpoint`.
+
+    The operator a JAX user writes from the CutBCE/CCE idea without custom
+    kernels: per tile the logits, the tile's multi-hot from L compares, the
+    stable `softplus(z) - y z` (not exact at saturated positives), and
+    autodiff for the backward pass (which recomputes each tile's logits).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def loss(h, t, b):
+        vocab = t.shape[0]
+
+        @jax.checkpoint
+        def body(total, start):
+            t_tile = jax.lax.dynamic_slice_in_dim(t, start, tile)
+            z = h @ t_tile.T + jax.lax.dynamic_slice_in_dim(b, start, tile)
+            columns = start + jnp.arange(tile)
+            y = jnp.any(ids[:, :, None] == columns, axis=1).astype(z.dtype)
+            terms = jnp.maximum(z, 0.0) - z * y + jnp.log1p(jnp.exp(-jnp.abs(z)))
+            return total + jnp.sum(terms, axis=1), None
+
+        starts = jnp.arange(0, vocab, tile)
+        total, _ = jax.lax.scan(body, jnp.zeros(h.shape[:1], jnp.float32), starts)
+        return jnp.sum(total / vocab)
+
+    return loss
+
+
+def _side_by_side_fns(backend, shape, old_root):
+    """`name -> (run, inputs)`: dense, the new loss and op, the old ones, the pure-JAX one."""
+    from keras import ops
+
+    from keras_cutbce import cut_binary_crossentropy
+    from keras_cutbce.ops import weighted_loss_sum
+    from keras_cutbce.tiling import default_chunk_size, tile_budget_bytes
+
+    fns = {"dense": _variant_fn(backend, "dense", shape)}
+    hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
+    rows, _, vocab = shape
+    weights = ops.ones((rows,), "float32")
+    # The tile the public API picks for these shapes (`chunk_size=None`).
+    tile = default_chunk_size(rows, vocab, tile_budget_bytes(backend, "cpu"))
+
+    def new_loss(h, t, b):
+        return weighted_loss_sum(h, t, ids, weights, b, implementation="chunked")
+
+    def new_op(h, t, b):
+        return ops.sum(cut_binary_crossentropy(h, t, ids, b, implementation="chunked"))
+
+    inputs = (hidden, table, bias)
+    fns["loss"] = (_value_and_grad_fn(backend, new_loss), inputs)
+    fns["op"] = (_value_and_grad_fn(backend, new_op), inputs)
+    if old_root:
+        old = _old_chunked(backend, old_root)
+        kwargs = dict(label_smoothing=0.0, pos_weight=1.0, chunk_size=tile)
+
+        def old_loss(h, t, b):
+            return old.cut_bce_weighted_sum(h, t, ids, b, weights, **kwargs)
+
+        def old_op(h, t, b):
+            return ops.sum(old.cut_bce(h, t, ids, b, **kwargs))
+
+        fns["loss_old"] = (_value_and_grad_fn(backend, old_loss), inputs)
+        fns["op_old"] = (_value_and_grad_fn(backend, old_op), inputs)
+    if backend == "jax" and vocab % tile == 0:
+        fns["pure_jax"] = (_value_and_grad_fn(backend, _pure_jax_operator(ids, tile)), inputs)
+    return fns, tile
+
+
+def side_by_side_worker(args):
+    """Times every side-by-side variant in this one process, alternating, and prints a JSON line."""
+    backend = os.environ["KERAS_BACKEND"]
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    fns, tile = _side_by_side_fns(backend, shape, args.old_root)
+    times = {name: [] for name in fns}
+    cpu_times = {name: [] for name in fns}
+    first = {}
+    for round_ in range(args.repeats + 1):  # round 0: warm-up (compiles)
+        for name, (run, inputs) in fns.items():
+            gc.collect()
+            cpu_start, start = time.process_time(), time.perf_counter()
+            _block(run(*inputs))
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            if round_ == 0:
+                first[name] = elapsed
+            else:
+                times[name].append(elapsed)
+                cpu_times[name].append(cpu)
+    print(json.dumps({
+        "tile": tile, "times_s": times, "cpu_times_s": cpu_times, "first_s": first,
+        "median_s": {name: statistics.median(t) for name, t in times.items()},
+        "median_cpu_s": {name: statistics.median(t) for name, t in cpu_times.items()},
+        "loadavg": os.getloadavg(),
+    }))
+
+
+def side_by_side(args):
+    """One process per backend: dense, loss, op (new and old), alternating; writes md + JSON."""
+    shape = tuple(int(x) for x in (args.shapes or "4096,64,32768").split(";")[0].split(","))
+    results = {"shape": shape, "repeats": args.repeats, "threads": args.threads,
+               "old_root": args.old_root, "cpus": os.cpu_count(),
+               "loadavg_start": os.getloadavg(), "backends": {}}
+    for backend in args.backends.split(","):
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+        if args.threads == 1:  # XLA's CPU client reads its thread count from the flags
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                                " intra_op_parallelism_threads=1").strip()
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", "side_by_side",
+               "--shape", ",".join(map(str, shape)), "--repeats", str(args.repeats),
+               "--threads", str(args.threads)]
+        if args.old_root:
+            cmd += ["--old-root", args.old_root]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            results["backends"][backend] = {"error": last[:300]}
+        else:
+            results["backends"][backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(backend, results["backends"][backend], flush=True)
+    results["loadavg_end"] = os.getloadavg()
+    lines = _side_by_side_table(results)
+    print("\n".join(lines))
+    out = args.out + "_side_by_side"
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(_side_by_side_header(results, args) + "\n".join(lines) + "\n")
+
+
+SIDE_BY_SIDE_LABELS = {
+    "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
+    "loss_old": "loss, old", "op_old": "op, old", "pure_jax": "pure-JAX op (reference)",
+}
+
+
+def _side_by_side_table(results):
+    lines = ["| backend | tile | variant | wall s | wall / dense | CPU s | CPU / dense | target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for backend, entry in results["backends"].items():
+        if "error" in entry:
+            lines.append(f"| {backend} | - | {entry['error']} | | | | | |")
+            continue
+        wall, cpu = entry["median_s"], entry["median_cpu_s"]
+        lines.append(f"| {backend} | {entry['tile']} | dense Keras BCE | {wall['dense']:.3f} | 1 | "
+                     f"{cpu['dense']:.3f} | 1 | |")
+        for key, label in SIDE_BY_SIDE_LABELS.items():
+            if key not in wall:
+                continue
+            target = SIDE_BY_SIDE_TARGETS.get(key)
+            lines.append(
+                f"| {backend} | {entry['tile']} | {label} | {wall[key]:.3f} | "
+                f"{wall[key] / wall['dense']:.2f} | {cpu[key]:.3f} | {cpu[key] / cpu['dense']:.2f} | "
+                f"{'' if target is None else f'<= {target}'} |"
+            )
+    return lines
+
+
+def _commit(root):
+    """` (commit abc1234)` of a git checkout, or "" when git cannot tell."""
+    proc = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return f" (commit {proc.stdout.strip()})" if proc.returncode == 0 else ""
+
+
+def _side_by_side_header(results, args):
+    shape = ", ".join(map(str, results["shape"]))
+    load = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
+    old = (f"; old = `backends/<backend>/chunked.py` of `{args.old_root}`{_commit(args.old_root)} "
+           "(same tile, called as the public API calls it)" if args.old_root else "")
+    return (
+        f"# CutBCE side by side with dense Keras BCE, (M, D, V) = ({shape}), float32, CPU\n\n"
+        f"Forward + gradients of h, E, b. Each backend in one process: every variant once per "
+        f"round, {results['repeats']} rounds after a warm-up round, medians; ratios over the same "
+        f"process's dense BCE, in wall time and in the process's CPU time (all its threads; "
+        "steadier than wall time on a loaded machine). loss = `weighted_loss_sum` (what `CutBCELoss` runs), op = "
+        f"`sum(cut_binary_crossentropy)` (exact for any cotangent){old}; pure-JAX op = "
+        "`lax.scan` over tiles under `jax.checkpoint` with autodiff (a reference written here, "
+        f"not exact at saturated positives). {results['cpus']} cores; threads per process "
+        f"(torch, TensorFlow, and XLA when 1): {results['threads']} (with 2 cores shared by "
+        "many jobs, multi-threaded runs mostly measure waits at thread barriers). Load average (1, 5, 15 min) at start "
+        f"{load(results['loadavg_start'])}, at end {load(results['loadavg_end'])} (a shared, "
+        "loaded machine: ratios are the stable figures, absolute seconds are not).\n\n"
+        "Command: `python benchmarks/cutbce_cpu.py --side-by-side"
+        + (f" --old-root {args.old_root}" if args.old_root else "")
+        + f" --repeats {args.repeats} --threads {args.threads}`\n\n"
+    )
+
+
 def run_variant(backend, variant, shape, repeats, threads, cap_bytes):
     """Runs `worker` in a subprocess, killing it if its RSS passes `cap_bytes`."""
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
@@ -312,12 +541,17 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="dense, loss and op (and --old-root's) alternating in one process per backend")
+    parser.add_argument("--old-root", help="an older checkout whose chunked kernels are timed beside")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return side_by_side_worker(args) if args.variant == "side_by_side" else worker(args)
+    if args.side_by_side:
+        return side_by_side(args)
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:

@@ -340,18 +340,20 @@ def test_keras_fit_trains_the_tied_table():
     assert np.abs(after - before).max() > 1e-3
 
 
-@pytest.mark.parametrize("length", [1, 5, 40])
-def test_positives_in_tile_both_methods(length):
-    """The tile mask (compares for few ids a row, a scatter for many) marks exactly the positives."""
+@pytest.mark.parametrize("length", [0, 1, 5, 40])
+def test_mask_positives_sets_exactly_the_positives(length):
+    """The O(M L) scatter puts -inf at each positive of the tile, and nowhere else."""
     jax, jnp, chunked = _jax()
     rng = np.random.default_rng(length)
     ids = rng.integers(-3, 70, size=(6, length)).astype("int32")
-    ids[0, :] = 64  # duplicates
+    if length:
+        ids[0, :] = 64  # duplicates
     for start, width in ((0, 16), (48, 16), (64, 6)):
-        got = np.asarray(chunked.positives_in_tile(jnp.asarray(ids), start, width))
-        want = np.zeros((6, width), bool)
+        z = rng.normal(size=(6, width)).astype("float32")
+        got = np.asarray(chunked.mask_positives(jnp.asarray(z), jnp.asarray(ids), start))
+        want = z.copy()
         for m, row in enumerate(ids):
             for i in row:
                 if start <= i < start + width:
-                    want[m, i - start] = True
+                    want[m, i - start] = -np.inf
         np.testing.assert_array_equal(got, want)

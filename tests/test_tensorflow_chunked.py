@@ -336,3 +336,30 @@ def test_fused_weighted_sum_matches_per_row_and_scales(with_bias):
     np.testing.assert_allclose(fused.numpy(), per_row.numpy(), rtol=1e-5)
     for got, want in zip(fused_grads, per_row_grads):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("length", [1, 5, 40])
+def test_mask_positives_sets_exactly_the_positives(length):
+    """The O(M L) min-scatter puts -inf at each positive of the tile and nowhere else.
+
+    Also for a tile whose width is unknown at trace time (a dynamic V's
+    remainder), empty included.
+    """
+    rng = np.random.default_rng(length)
+    ids = rng.integers(-3, 70, size=(6, length)).astype("int32")
+    ids[0, :] = 64  # duplicates
+    dynamic = tf.function(
+        chunked.mask_positives,
+        input_signature=[tf.TensorSpec([6, None], tf.float32), tf.TensorSpec([6, None], tf.int32),
+                         tf.TensorSpec([], tf.int32)],
+    )
+    for start, width in ((0, 16), (48, 16), (64, 6), (70, 0)):
+        z = rng.normal(size=(6, width)).astype("float32")
+        want = z.copy()
+        for m, row in enumerate(ids):
+            for i in row:
+                if start <= i < start + width:
+                    want[m, i - start] = -np.inf
+        for mask in (chunked.mask_positives, dynamic):
+            got = mask(tf.constant(z), tf.constant(ids), tf.constant(start)).numpy()
+            np.testing.assert_array_equal(got, want)

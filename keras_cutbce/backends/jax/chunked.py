@@ -8,9 +8,9 @@ is computed in two parts, so the `[M, V]` logits never exist:
   `(neg_scale, neg_target)`, one vocabulary tile at a time in a `lax.scan`
   over tile indices (each tile a `dynamic_slice` of the table, plus one
   narrower tile for the remainder when `tile` does not divide `V`: the table
-  is never copied or padded), with the row's positives masked out inside
-  each tile (`positives_in_tile`: L compares per logit for up to 16 ids a
-  row, else one O(M L) scatter per tile);
+  is never copied, padded or masked per logit), with the row's positives
+  set to `-inf` in each tile's logits by one O(M L) scatter of their ids
+  (`mask_positives`), so their dense terms are exactly 0;
 - the positives: the table rows of the valid, de-duplicated target ids
   (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
   gathered and their exact terms `pos_minus softplus(-z) + pos_plus
@@ -105,33 +105,38 @@ def _positive_slopes(z, e, coef):
     return out
 
 
-# Up to this many ids per row, the tile mask is L compares per logit (fused
-# into the tile's elementwise pass); beyond, one O(M L) scatter per tile.
-MAX_COMPARED_IDS = 16
+def mask_positives(z, ids, start):
+    """The tile's logits `z` `[M, T]` with `-inf` at the row's positives: O(M L).
 
+    The tile covers the items `[start, start + T)`. One scatter of the
+    `[M, L]` ids (duplicates set the same place twice; padding and ids of
+    other tiles are dropped), never a per-logit compare. At `-inf` the
+    negatives' `softplus` and `sigmoid` are exactly 0 (`exp(-|z|)` is 0), so
+    the dense pass adds nothing for a positive (no add-and-subtract of a
+    saturated `softplus(z) ~ z`); only the linear `neg_target * z` of label
+    smoothing needs `_drop_masked`.
 
-def positives_in_tile(ids, start, width):
-    """Bool `[M, width]`: which logits of the tile `[start, start + width)` are positives.
+    Example:
 
-    Duplicates and padding are harmless (ids outside the tile match no
-    column). With few ids per row (`L <= MAX_COMPARED_IDS`) each id column
-    is compared with the tile's columns, which XLA fuses into the tile's
-    elementwise pass (no `[M, width]` buffer); otherwise one scatter of the
-    `[M, L]` ids (O(M L) per tile).
+    >>> import numpy as np
+    >>> z = jnp.zeros((2, 4))
+    >>> np.asarray(mask_positives(z, jnp.array([[5, 5], [-1, 9]]), 4)).tolist()
+    [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
-    rows, length = ids.shape
+    rows, width = z.shape
+    if ids.shape[-1] == 0:
+        return z
     local = ids - start
-    if length == 0:
-        return jnp.zeros((rows, width), bool)
-    if length <= MAX_COMPARED_IDS:
-        columns = jax.lax.broadcasted_iota(local.dtype, (1, width), 1)
-        mask = local[:, :1] == columns
-        for k in range(1, length):
-            mask = mask | (local[:, k : k + 1] == columns)
-        return mask
-    column = jnp.where((local >= 0) & (local < width), local, width).astype(jnp.int32)
-    mask = jnp.zeros((rows, width), bool)
-    return mask.at[jnp.arange(rows)[:, None], column].set(True, mode="drop")
+    column = jnp.where((local >= 0) & (local < width), local, width)  # width: dropped
+    row = jax.lax.broadcasted_iota(column.dtype, column.shape, 0)
+    return z.at[row, column].set(-jnp.inf, mode="drop")
+
+
+def _drop_masked(values, z, coef):
+    """`values` with 0 where `mask_positives` put `-inf`: needed only with label smoothing."""
+    if coef.neg_target == 0.0:
+        return values
+    return jnp.where(z == -jnp.inf, 0.0, values)
 
 
 # ----------------------------------------------------------------- tiling ---
@@ -144,13 +149,13 @@ def _tile_at(table, bias, start, width):
     return table_tile, bias_tile
 
 
-def _tile_pass(hidden, hidden_t, table_tile, bias_tile, positive, coef, *, loss, row_scale):
+def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, loss, row_scale):
     """One vocabulary tile's negatives: the per-tile math, written once.
 
-    Computes the tile's logits `z` (one matmul) and `e = exp(-|z|)` once; the
-    positives (`positive`, bool `[M, tile]`) are masked out, so their terms
-    are never added here (the positives' pass adds them exactly). Then what
-    is asked for:
+    Computes the tile's logits `z` (one matmul), sets the row's positives to
+    `-inf` (`mask_positives`, O(M L)), so their terms are exactly 0 here (the
+    positives' pass adds them exactly), and `e = exp(-|z|)` once, shared by
+    softplus and sigmoid. Then what is asked for:
 
     - `loss=True`: the per-row sum of `neg_scale softplus(z) - neg_target z`
       over the tile's negatives (`[M]` float32), else `None`;
@@ -161,18 +166,19 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, positive, coef, *, loss,
       transposed, and in its last row the bias gradient when `hidden_t`
       carries a row of ones), else `None, None`.
 
-    Per tile, `dZ` is read by two matmuls only, both plain (untransposed)
-    for XLA's CPU backend.
+    Per logit: one exp, one log1p (loss), one divide (gradient) and a few
+    selects; per tile, `dZ` is read by two matmuls only, both plain
+    (untransposed) for XLA's CPU backend.
     """
-    z = tile_logits(hidden, table_tile, bias_tile)
+    z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
     e = _exp_neg_abs(z)
     loss_rows = None
     if loss:
-        terms = jnp.where(positive, 0.0, _bce_terms(z, e, coef.neg_scale, coef.neg_target))
+        terms = _drop_masked(_bce_terms(z, e, coef.neg_scale, coef.neg_target), z, coef)
         loss_rows = jnp.sum(terms, axis=1)
     if row_scale is None:
         return loss_rows, None, None
-    slopes = jnp.where(positive, 0.0, _bce_slopes(z, e, coef.neg_scale, coef.neg_target))
+    slopes = _drop_masked(_bce_slopes(z, e, coef.neg_scale, coef.neg_target), z, coef)
     dz = row_scale[:, None] * slopes
     return loss_rows, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
@@ -200,9 +206,8 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
 
     def tile_pass(start, width):
         table_tile, bias_tile = _tile_at(table, bias, start, width)
-        positive = positives_in_tile(ids, start, width)
         return _tile_pass(
-            hidden, hidden_t, table_tile, bias_tile, positive, coef,
+            hidden, hidden_t, table_tile, bias_tile, ids, start, coef,
             loss=loss, row_scale=row_scale,
         )
 

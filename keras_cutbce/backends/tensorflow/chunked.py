@@ -6,8 +6,10 @@ The loss of one row is `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`
 - the negatives, `neg_scale softplus(z) - neg_target z`, summed tile by tile
   over the vocabulary (`V // tile` full tiles in a `tf.while_loop`, then one
   narrower remainder tile), so the `[M, V]` logits never exist; each tile
-  masks the row's positives out (`_positives_in_tile`, one O(M L) scatter),
-  so they are never added and subtracted back;
+  sets the row's positives to `-inf` in its logits (`mask_positives`, one
+  O(M L) scatter, no per-logit compare), so their dense terms are exactly 0
+  and nothing is added and subtracted back; one `exp(-|z|)` per logit
+  serves softplus and sigmoid;
 - the positives: the table rows of the valid, de-duplicated ids
   (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
   gathered and their exact, cancellation-free terms
@@ -17,13 +19,15 @@ The loss of one row is `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`
 
 One tile function (`_tile_pass`) computes what a pass needs from one logits
 matmul: the per-row loss sum and/or, for per-row weights `c`, the tile's
-`dZ @ E_tile` (hidden), `dZ^T @ h` (table rows) and `dZ^T 1` (bias), with
-`dZ = c (neg_scale sigmoid(z) - neg_target)`. `cut_bce` (any cotangent)
-runs a loss pass forward and a gradient pass backward; `cut_bce_weighted_sum`
+`dZ @ E_tile` (hidden) and `[h, 1]^T @ dZ` (table and bias, transposed), with
+`dZ = c (neg_scale sigmoid(z) - neg_target)`. Every pass is compiled by XLA
+(`tf.function(jit_compile=True)`, one program per shape). `cut_bce` (any
+cotangent) runs a loss pass forward and a gradient pass backward; `cut_bce_weighted_sum`
 (the training path of a reduced loss: the row weights are constants) runs
 one pass computing the loss and the gradients at cotangent 1, and its
 backward pass only scales them. The table gradient is assembled from the
-tiles with one `TensorArray.concat`. Everything accumulates in float32.
+tiles with one `TensorArray.stack` and one transpose. Everything accumulates
+in float32.
 """
 
 import functools
@@ -42,52 +46,93 @@ def tile_logits(hidden, table_tile, bias_tile=None):
     return z
 
 
-def _positives_in_tile(ids, start, width):
-    """Bool `[M, width]`: which logits of the tile `[start, start + width)` are positives.
+def mask_positives(z, ids, start):
+    """The tile's logits `z` `[M, T]` with `-inf` at the row's positives: O(M L).
 
-    One scatter of the `[M, L]` ids into a `[M, width + 1]` buffer whose last
-    column takes every id outside the tile (padding, other tiles).
+    The tile covers the items `[start, start + T)`. One `min` scatter of the
+    `[M, L]` ids: a positive of the tile gets `-inf`; an id outside it
+    (padding, other tiles) is sent to column 0 with `+inf`, which leaves
+    `z` as it is (so every index is in bounds, and duplicates agree). At
+    `-inf` the negatives' `softplus` and `sigmoid` are exactly 0, so the
+    dense pass adds nothing for a positive (no add-and-subtract of a
+    saturated `softplus(z) ~ z`); only the linear `neg_target * z` of label
+    smoothing needs `_drop_masked`.
+
+    Example:
+
+    >>> mask_positives(tf.zeros([2, 4]), tf.constant([[5, 5], [-1, 9]]), 4).numpy().tolist()
+    [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
+    width = z.shape[1]
+    if ids.shape[1] == 0 or width == 0:
+        return z
+    if width is None:
+        # The remainder tile of a dynamic V may be empty, and a scatter into
+        # `[M, 0]` fails: scatter into one more column (it can only take the
+        # padding id V), then drop it.
+        return _scatter_min(tf.pad(z, [[0, 0], [0, 1]]), ids, start)[:, :-1]
+    return _scatter_min(z, ids, start)
+
+
+def _scatter_min(z, ids, start):
     local = ids - tf.cast(start, ids.dtype)
-    inside = tf.logical_and(local >= 0, local < tf.cast(width, ids.dtype))
-    column = tf.cast(tf.where(inside, local, tf.cast(width, ids.dtype)), tf.int32)
+    inside = tf.logical_and(local >= 0, local < tf.cast(tf.shape(z)[1], ids.dtype))
+    column = tf.cast(tf.where(inside, local, tf.zeros_like(local)), tf.int32)
     rows = tf.broadcast_to(tf.range(tf.shape(ids)[0])[:, None], tf.shape(column))
-    hits = tf.scatter_nd(
-        tf.stack([rows, column], axis=-1),
-        tf.ones_like(column, tf.int32),
-        tf.stack([tf.shape(ids)[0], width + 1]),
-    )
-    return hits[:, :width] > 0
+    inf = tf.constant(float("inf"), z.dtype)
+    updates = tf.where(inside, -inf, inf)
+    return tf.tensor_scatter_nd_min(z, tf.stack([rows, column], axis=-1), updates)
 
 
-def _tile_pass(h32, e_tile, b_tile, positive, coef, *, loss, c, ch):
-    """One tile's negatives: `(loss_rows | None, (dh_part, de_tile, db_tile) | None)`.
+def _drop_masked(values, z, coef):
+    """`values` with 0 where `mask_positives` put `-inf`: needed only with label smoothing."""
+    if coef.neg_target == 0.0:
+        return values
+    return tf.where(tf.equal(z, float("-inf")), tf.zeros_like(values), values)
 
-    `positive` (bool `[M, T]`) masks the positives out. With `c` (`[M]`)
-    given, `dZ = c (neg_scale sigmoid(z) - neg_target)`; `ch = c[:, None] h`.
-    The factor `c` is applied to `dh_part` by the caller (once, not per tile).
+
+def _softplus(z, e):
+    """Stable `log(1 + exp(z))` from `e = exp(-|z|)`: finite for any finite z, 0 at `-inf`."""
+    return tf.maximum(z, 0.0) + tf.math.log1p(e)
+
+
+def _sigmoid(z, e):
+    """Stable `1 / (1 + exp(-z))` from `e = exp(-|z|)`."""
+    return tf.where(z >= 0, tf.ones_like(e), e) / (1.0 + e)
+
+
+def _tile_pass(h32, e_tile, b_tile, ids, start, coef, *, loss, c, ch_t):
+    """One tile's negatives: `(loss_rows | None, (dh_part, deb_tile_t) | None)`.
+
+    The row's positives are set to `-inf` in the logits (`mask_positives`,
+    O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
+    once for softplus and sigmoid. With `c` (`[M]`) given,
+    `dZ = c (neg_scale sigmoid(z) - neg_target)`; `ch_t` is `[c h, c].T`
+    (`[D + 1, M]`), so one plain matmul `ch_t @ dZ` gives the tile's table
+    gradient, transposed, with the bias gradient in its last row (no
+    transposed operand, which XLA's CPU backend would copy). The factor `c`
+    is applied to `dh_part` by the caller (once, not per tile).
     """
-    z = tile_logits(h32, e_tile, b_tile)
+    z = mask_positives(tile_logits(h32, e_tile, b_tile), ids, start)
+    e = tf.exp(-tf.abs(z))
     loss_rows = None
     if loss:
-        terms = tf.nn.softplus(z)
+        terms = _softplus(z, e)
         if coef.neg_scale != 1.0:
             terms = coef.neg_scale * terms
         if coef.neg_target != 0.0:
             terms = terms - coef.neg_target * z
-        loss_rows = tf.reduce_sum(tf.where(positive, tf.zeros_like(terms), terms), axis=1)
+        loss_rows = tf.reduce_sum(_drop_masked(terms, z, coef), axis=1)
     if c is None:
         return loss_rows, None
-    s = tf.sigmoid(z)
+    s = _sigmoid(z, e)
     if coef.neg_scale != 1.0:
         s = coef.neg_scale * s
     if coef.neg_target != 0.0:
         s = s - coef.neg_target
-    s = tf.where(positive, tf.zeros_like(s), s)
+    s = _drop_masked(s, z, coef)
     dh_part = tf.matmul(s, tf.cast(e_tile, tf.float32))
-    de_tile = tf.matmul(s, ch, transpose_a=True)
-    db_tile = tf.linalg.matvec(s, c, transpose_a=True)
-    return loss_rows, (dh_part, de_tile, db_tile)
+    return loss_rows, (dh_part, tf.matmul(ch_t, s))
 
 
 # Tiles in flight at once in graph mode; each matmul already uses every core.
@@ -131,11 +176,11 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
     """
     tiling = _Tiling(table, tile)
     want_grads = c is not None
-    ch = c[:, None] * h32 if want_grads else None
+    ch_t = tf.concat([tf.transpose(c[:, None] * h32), c[None, :]], axis=0) if want_grads else None
+    rows_t = None if table.shape[1] is None else table.shape[1] + 1  # D + 1
 
     def tile_pass(start, width, e_tile, b_tile):
-        positive = _positives_in_tile(ids, start, width)
-        return _tile_pass(h32, e_tile, b_tile, positive, coef, loss=loss, c=c, ch=ch)
+        return _tile_pass(h32, e_tile, b_tile, ids, start, coef, loss=loss, c=c, ch_t=ch_t)
 
     rows = tf.shape(h32)[0]
     dim = tf.shape(table)[1]
@@ -147,8 +192,7 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
         # concatenated at the end.
         state += [
             tf.zeros_like(h32),
-            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[tiling.tile, table.shape[1]]),
-            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[tiling.tile]),
+            tf.TensorArray(tf.float32, size=tiling.num_full, element_shape=[rows_t, tiling.tile]),
         ]
 
     def add(state, tile_out, i=None):
@@ -159,11 +203,10 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
             state[0] = state[0] + tile_loss
             k = 1
         if want_grads:
-            dh_part, de_tile, db_tile = tile_grads
+            dh_part, deb_tile_t = tile_grads
             state[k] = state[k] + dh_part
             if i is not None:
-                state[k + 1] = state[k + 1].write(i, de_tile)
-                state[k + 2] = state[k + 2].write(i, db_tile)
+                state[k + 1] = state[k + 1].write(i, deb_tile_t)
         return state
 
     if not (isinstance(tiling.num_full, int) and tiling.num_full == 0):
@@ -183,12 +226,12 @@ def _dense_pass(h32, table, bias, ids, coef, tile, *, loss, c=None):
     if not want_grads:
         return loss_rows, None
     k = 1 if loss else 0
-    dh, de_tiles, db_tiles = state[k], state[k + 1], state[k + 2]
-    de = tf.reshape(de_tiles.stack(), [-1, dim])
-    db = tf.reshape(db_tiles.stack(), [-1])
+    dh, deb_tiles = state[k], state[k + 1]
+    # [tiles, D + 1, tile] -> [V, D + 1]: one transpose of the table gradient.
+    deb = tf.reshape(tf.transpose(deb_tiles.stack(), [0, 2, 1]), [-1, dim + 1])
     if rest is not None:
-        de = tf.concat([de, rest[1][1]], axis=0)
-        db = tf.concat([db, rest[1][2]], axis=0)
+        deb = tf.concat([deb, tf.transpose(rest[1][1])], axis=0)
+    de, db = deb[:, :dim], deb[:, dim]
     return loss_rows, (c[:, None] * dh, de, db)
 
 
@@ -334,15 +377,41 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
     hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
 
     def per_row(h, e, i, b):
-        loss, _ = _loss_and_grads(h, e, i, b, coef, tile, loss=True)
+        loss_program, grad_program = _per_row_programs(coef, tile, b is not None, e.shape[0] is not None)
+        loss = loss_program(h, e, i, b)
 
         def grad(g):
-            _, grads = _loss_and_grads(h, e, i, b, coef, tile, loss=False, g=g)
-            return _cast_grads(grads, h, e, b)
+            return _cast_grads(grad_program(h, e, i, b, g), h, e, b)
 
         return loss, grad
 
     return _with_gradient(per_row, hidden, table, ids, bias)
+
+
+@functools.lru_cache(maxsize=32)
+def _per_row_programs(coef, tile, has_bias, static_vocab):
+    """`cut_bce`'s two passes, compiled by XLA: `(loss_program, grad_program)`.
+
+    `loss_program(h, e, ids, b) -> loss [M]`; `grad_program(h, e, ids, b, g)
+    -> (dh, de, db)` float32, the gradients of `sum_m g_m loss_m` (it
+    recomputes the logits tile by tile). Compiled, each tile's elementwise
+    work is one fused pass (one `exp` per logit shared by softplus and
+    sigmoid), which TensorFlow's graph executor would run as a kernel per op.
+    A V unknown at trace time (`static_vocab=False`) keeps the graph
+    executor: XLA would compile the tile loop's body for a V smaller than a
+    tile, where it never runs but its slice does not fit.
+    """
+    bias_or_none = (lambda b: b) if has_bias else (lambda b: None)
+
+    @tf.function(jit_compile=static_vocab, autograph=False)
+    def loss_program(h, e, i, b):
+        return _loss_and_grads(h, e, i, bias_or_none(b), coef, tile, loss=True)[0]
+
+    @tf.function(jit_compile=static_vocab, autograph=False)
+    def grad_program(h, e, i, b, g):
+        return _loss_and_grads(h, e, i, bias_or_none(b), coef, tile, loss=False, g=g)[1]
+
+    return loss_program, grad_program
 
 
 @functools.lru_cache(maxsize=32)

@@ -10,9 +10,10 @@ the work splits in three:
   tile by tile over the vocabulary: one matmul and one `softplus` (one `exp`,
   one `log1p`) per logit in the forward pass; one matmul, one `sigmoid` and
   two matmuls per logit in the backward pass (logits are recomputed, never
-  stored). The row's positives are zeroed in each tile's buffers (an O(M L)
-  `index_fill_` over the whole call, see `_TilePositives`), never added and
-  subtracted back, so a saturated positive keeps full precision;
+  stored). The row's positives are set to `-inf` in each tile's logits (an
+  O(M L) `index_fill_` over the whole call, see `_TilePositives`), where
+  `softplus` and `sigmoid` are exactly 0: never added and subtracted back,
+  so a saturated positive keeps full precision;
 - the linear background `neg_target * sum_v z_v = neg_target * (h . sum_v E_v
   + sum_v b_v)`, in closed form (it is non-zero only with label smoothing),
   with the positives' `z` taken back out;
@@ -181,8 +182,9 @@ def _dense_pass(
     """One pass over the vocabulary tiles for the dense background of the negatives.
 
     Per tile, the logits `z` `[M, T]` are computed once (one matmul); the
-    row's positives (`ids`, see `_TilePositives`) are zeroed in the softplus
-    and sigmoid buffers, so the negatives alone are summed; then,
+    row's positives (`ids`, see `_TilePositives`) are set to `-inf` in the
+    logits (one O(M L) `index_fill_`), where `softplus` and `sigmoid` are
+    exactly 0, so the negatives alone are summed; then,
     if `loss`, `softplus(z)` is summed per row, and, if `weight` is given,
     `S = weight[:, None] * sigmoid(z)` (the derivative of
     `sum_m weight_m sum_v softplus(z_mv)`) goes into the needed gradients:
@@ -254,16 +256,16 @@ def _dense_pass(
         z = logits_buffer[:size].view(num_rows, stop - start)
         _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
         skip = positives.flat(start, stop)
+        if skip is not None:
+            # The positives' logits become -inf: softplus and sigmoid are then
+            # exactly 0 there, so the negatives alone are summed.
+            logits_buffer[:size].index_fill_(0, skip, float("-inf"))
         if loss:
             sp = softplus_buffer[:size].view(num_rows, stop - start)
             torch.ops.aten.softplus.out(z, 1.0, threshold, out=sp)
-            if skip is not None:
-                softplus_buffer[:size].index_fill_(0, skip, 0.0)
             softplus_sum.addmv_(sp, ones[: stop - start])
         if grads:
             s = z.sigmoid_()
-            if skip is not None:
-                logits_buffer[:size].index_fill_(0, skip, 0.0)
             if need_h:
                 grad_h.addmm_(s, table_tile)
             if need_e:
