@@ -102,27 +102,6 @@ def _is_tensor(value):
     return isinstance(value, torch.Tensor)
 
 
-def to_device(structure, device):
-    """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
-
-    Used once per step for the target and sample weight, and for block inputs
-    from a CPU `DataLoader` in `"streams"` mode.
-
-    Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
-    """
-    import torch
-    from keras import tree
-
-    device = torch.device(device)
-
-    def move(t):
-        if isinstance(t, torch.Tensor) and t.device != device:
-            return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
-        return t
-
-    return tree.map_structure(move, structure) if structure is not None else None
-
-
 class Capture:
     """One captured region: `replay()` reruns it; `outputs` are its static output tensors."""
 
@@ -331,7 +310,7 @@ def require_capture():
     Graphs need CUDA, unless a CPU stand-in was set with `set_default_capture`.
     """
     if _CAPTURE_FACTORY is None:
-        from keras_erase.dispatch import require_cuda
+        from keras_erase.torch_tensors import require_cuda
 
         require_cuda("cuda_graphs=True")
 

@@ -142,10 +142,10 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
 @torch_only
 def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
     """B1/B5: the torch step moves y/sample_weight once; every block gets that same tensor."""
-    from keras_erase import cuda_graphs, dispatch
+    from keras_erase import dispatch, torch_tensors
 
     calls, seen = [], []
-    real_to_device = cuda_graphs.to_device
+    real_to_device = torch_tensors.to_device
 
     def spy(structure, device):
         moved = real_to_device(structure, device)
@@ -158,7 +158,7 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
         seen.append(y_true)
         return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
 
-    monkeypatch.setattr(cuda_graphs, "to_device", spy)
+    monkeypatch.setattr(torch_tensors, "to_device", spy)
     monkeypatch.setattr(dispatch.BlockingDispatcher, "run_block", run_block)
     model = _mlp_model("blocking", False)
     rng = np.random.default_rng(0)

@@ -1,0 +1,70 @@
+"""Torch structure helpers shared by the ERASE step modules (the bottom layer: imports no sibling).
+
+`dispatch`, `streams`, `cuda_graphs` and `handoff` all use these; keeping them
+here makes the import graph one-way (`dispatch -> streams -> block_dispatcher ->
+torch_tensors`, `cuda_graphs -> graph_capture -> op_tape`).
+
+Example:
+
+>>> import torch
+>>> flat_tensors({"a": torch.ones(1), "b": [torch.zeros(2), 3]})[1].shape
+torch.Size([2])
+"""
+
+import torch
+
+
+def map_tensors(fn, structure):
+    """`structure` (nested lists, tuples, dicts) with `fn` applied to every torch tensor."""
+    if isinstance(structure, torch.Tensor):
+        return fn(structure)
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(map_tensors(fn, s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: map_tensors(fn, v) for k, v in structure.items()}
+    return structure
+
+
+def detach_tensors(structure):
+    """`structure` with every torch tensor detached."""
+    return map_tensors(lambda t: t.detach(), structure)
+
+
+def flat_tensors(structure):
+    """Every torch tensor of `structure`, in order."""
+    if isinstance(structure, torch.Tensor):
+        return [structure]
+    if isinstance(structure, (list, tuple)):
+        return [t for s in structure for t in flat_tensors(s)]
+    if isinstance(structure, dict):
+        return [t for v in structure.values() for t in flat_tensors(v)]
+    return []
+
+
+def to_device(structure, device):
+    """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
+
+    Used once per step for the target and sample weight, and for block inputs
+    from a CPU `DataLoader` in `"streams"` mode.
+
+    Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
+    """
+    from keras import tree
+
+    device = torch.device(device)
+
+    def move(t):
+        if isinstance(t, torch.Tensor) and t.device != device:
+            return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
+        return t
+
+    return tree.map_structure(move, structure) if structure is not None else None
+
+
+def require_cuda(what):
+    """Raises a clear `ValueError` when `what` needs CUDA and torch has none."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False. "
+            "Use dispatch='threaded', 'blocking', 'standard' or 'auto' on CPU."
+        )
