@@ -108,7 +108,15 @@ class Dispatcher:
         raise NotImplementedError
 
     def finish(self):
-        pass
+        """Waits for every block backward of the step (re-raising the first error); ends the step."""
+        try:
+            self._wait()
+        finally:
+            if self.graphs is not None:
+                self.graphs.end_step()
+
+    def _wait(self):
+        """Waits for the step's block backwards (the schedule's own part of `finish`)."""
 
     def final_backward(self, loss):
         """Ends the step's backward: the main `loss` (or `None`) and the handed-over gradients.

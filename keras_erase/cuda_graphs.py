@@ -103,18 +103,40 @@ def _is_tensor(value):
 
 
 class Capture:
-    """One captured region: `replay()` reruns it; `outputs` are its static output tensors."""
+    """One captured region: `replay()` reruns it; `outputs` are its static output tensors.
 
-    def __init__(self, replay, outputs, pool=None, ops=()):
+    `release()` frees it (a CUDA graph and its hold on the memory pool); the
+    capture is unusable afterwards.
+    """
+
+    def __init__(self, replay, outputs, pool=None, ops=(), release=None):
         self.replay = replay
         self.outputs = outputs
         self.pool = pool
         self.ops = tuple(ops)
+        self._release = release
+        self.released = False
+
+    def release(self):
+        if self.released:
+            return
+        self.released = True
+        release, self._release = self._release, None
+        self.replay = self.outputs = self.pool = None
+        if release is not None:
+            release()
+
+
+# One capture at a time in the process: a capture region must not interleave with
+# another thread's (the threaded worker may run replays, never captures, meanwhile).
+_CAPTURE_LOCK = threading.Lock()
 
 
 class CudaGraphCapture:
     """Captures a region as a `torch.cuda.CUDAGraph` (the default capture on CUDA).
 
+    Captures are serialised by one lock per process (`_CAPTURE_LOCK`), shared
+    by every `CudaGraphCapture` object: two threads never capture at once.
     The capture runs on a dedicated side stream that first waits for the
     current stream, with `capture_error_mode="thread_local"` (other threads may
     keep launching work), and the caller's current stream is restored in a
@@ -126,7 +148,7 @@ class CudaGraphCapture:
         import torch
 
         self.stream = torch.cuda.Stream()
-        self.lock = threading.Lock()  # one capture at a time in the process
+        self.lock = _CAPTURE_LOCK  # one capture at a time in the process, whatever the object
 
     def __call__(self, fn, pool=None):
         import torch
@@ -155,7 +177,7 @@ class CudaGraphCapture:
             finally:
                 torch.cuda.set_stream(previous)
             previous.wait_stream(self.stream)
-        return Capture(graph.replay, outputs, pool=graph.pool())
+        return Capture(graph.replay, outputs, pool=graph.pool(), release=graph.reset)
 
 
 class _OpTape:
@@ -251,6 +273,8 @@ class RecordingCapture:
         captured: the recorded op names of every capture, in order.
         pools: the memory pool of every capture (a new one when none was given).
         replays: how many replays ran.
+        released: how many captures were released (`Capture.release`).
+        live: how many captures are neither released nor garbage-collected.
     """
 
     def __init__(self, fail_after=None):
@@ -258,6 +282,15 @@ class RecordingCapture:
         self.captured = []
         self.pools = []
         self.replays = 0
+        self.released = 0
+        self._live = weakref.WeakSet()
+
+    @property
+    def live(self):
+        return sum(1 for c in list(self._live) if not c.released)
+
+    def _count_release(self):
+        self.released += 1
 
     def __call__(self, fn, pool=None):
         import torch
@@ -285,7 +318,16 @@ class RecordingCapture:
                         if _is_tensor(old) and _is_tensor(new) and not _same_storage(old, new):
                             old.copy_(new)
 
-        return Capture(replay, outputs, pool=pool, ops=tape.names)
+        records_box = [records]
+
+        def release():  # like `CUDAGraph.reset()`: the recorded ops and their tensors go
+            records_box.clear()
+            records.clear()
+            self._count_release()
+
+        capture = Capture(replay, outputs, pool=pool, ops=tape.names, release=release)
+        self._live.add(capture)
+        return capture
 
 
 _CAPTURE_FACTORY = None
@@ -368,6 +410,15 @@ class BlockGraph:
             p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
         )
 
+    def release(self):
+        """Frees both graphs (and their memory pool) and the static tensors."""
+        for capture in (self.forward, self.backward):
+            if capture is not None:
+                capture.release()
+        self.forward = self.backward = None
+        self.static_inputs = self.params = []
+        self.grad_loss = None
+
     def load(self, flat_inputs):
         import torch
 
@@ -407,13 +458,16 @@ def _replay_function():
             graph.backward.replay()
             ctx.runner._count("backward_replays")
             results = graph.backward.outputs
+            # Copies, never the static buffers: autograd's AccumulateGrad adopts a
+            # returned tensor as `param.grad`, and the next replay (the same block met
+            # again, or the next step) overwrites the static buffer in place.
             input_grads = [
-                None if slot is None or results[slot] is None else results[slot].detach()
+                None if slot is None or results[slot] is None else results[slot].clone()
                 for slot in graph.grad_slots
             ]
             n_params = len(graph.params)
             param_grads = [
-                None if g is None else g.detach() for g in results[len(results) - n_params :]
+                None if g is None else g.clone() for g in results[len(results) - n_params :]
             ]
             return (None, None, *input_grads, *param_grads)
 
@@ -446,6 +500,7 @@ class CudaGraphRunner:
         self.disabled_reason = None
         self._seen = {}
         self._graphs = {}
+        self._occurrences = {}  # this step: how often each block and signature was met
         self._lock = threading.Lock()
         self._function = _replay_function()
         _RUNNERS.add(self)
@@ -464,7 +519,18 @@ class CudaGraphRunner:
                 "every block now runs eagerly.",
                 reason,
             )
-        self._graphs.clear()
+        # Dropped, not released: a backward of this step may still replay one of them
+        # (on the worker); each graph is freed with its last reference.
+        self._graphs = {}
+
+    def _release_graphs(self):
+        graphs, self._graphs = list(self._graphs.values()), {}
+        for graph in graphs:
+            graph.release()
+
+    def end_step(self):
+        """Marks the end of a training step (the next one meets every block anew)."""
+        self._occurrences.clear()
 
     def forward(self, block, inputs, y_true, sample_weight, eager_forward):
         """`(outputs, local_loss)` of `block`, replayed from its graphs once captured.
@@ -475,10 +541,18 @@ class CudaGraphRunner:
         if self.disabled:
             return eager_forward(block, inputs, y_true, sample_weight)
         flat = _flat(inputs) + _flat(y_true) + _flat(sample_weight)
-        key = _signature(block, flat)
+        signature = _signature(block, flat)
+        # A block met several times in a step (a shared tower) gets one graph pair per
+        # occurrence: its own static inputs and saved activations, so a later
+        # occurrence's forward replay never overwrites what an earlier one's backward
+        # replay (maybe still queued on the worker) reads.
+        occurrence = self._occurrences.get(signature, 0)
+        self._occurrences[signature] = occurrence + 1
+        key = signature + (occurrence,)
         graph = self._graphs.get(key)
         if graph is not None and graph.stale():  # weights re-created or (un)frozen: capture again
             del self._graphs[key]
+            graph.release()
             graph = None
             self._seen[key] = self.warmup
         if graph is None:
@@ -581,6 +655,12 @@ class CudaGraphRunner:
         )
 
     def close(self):
-        """Drops every graph (frees their memory once unreferenced)."""
-        self._graphs.clear()
+        """Releases every graph and its memory pool (a later step warms up and captures again).
+
+        Called when the dispatcher closes: a schedule `"auto"` dropped, the end of
+        `fit`. Graphs of a garbage-collected runner (its model deleted) are freed
+        with it.
+        """
+        self._release_graphs()
         self._seen.clear()
+        self._occurrences.clear()

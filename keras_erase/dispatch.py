@@ -110,7 +110,7 @@ class ThreadedDispatcher(Dispatcher):
             self._worker.submit(lambda: self._timed_backward(block, scaled, cuts))
         return detach_tensors(outputs), loss.detach()
 
-    def finish(self):
+    def _wait(self):
         self._worker.wait()
 
     def close(self):

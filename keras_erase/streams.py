@@ -129,7 +129,7 @@ class StreamDispatcher(Dispatcher):
         super().close()
         self._used = []
 
-    def finish(self):
+    def _wait(self):
         main = self.api.current_stream()
         for stream in self._used:
             main.wait_stream(stream)

@@ -44,16 +44,24 @@ def flat_tensors(structure):
 def to_device(structure, device):
     """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
 
+    Numpy arrays (`train_on_batch` passes the target as given) become tensors
+    first, as Keras converts them: a block's local loss then never makes a
+    tensor from host data (which a CUDA Graph refuses) and a graph's input
+    signature is the array's shape, not its values.
     Used once per step for the target and sample weight, and for block inputs
     from a CPU `DataLoader` in `"streams"` mode.
 
     Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
     """
+    import keras
+    import numpy as np
     from keras import tree
 
     device = torch.device(device)
 
     def move(t):
+        if isinstance(t, np.ndarray):
+            t = keras.ops.convert_to_tensor(t)
         if isinstance(t, torch.Tensor) and t.device != device:
             return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
         return t

@@ -3,6 +3,7 @@
 stream dispatcher (fake stream API), capture failures, and CUDA-only checks (skipped
 without CUDA)."""
 
+import contextlib
 import logging
 
 import keras
@@ -24,6 +25,24 @@ def _cuda():
 
 
 needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs CUDA (scripts/gpu_check.sh)")
+
+
+@contextlib.contextmanager
+def stand_in_captures():
+    """`cuda_graphs=True` captures with `RecordingCapture` on this CPU machine; yields them."""
+    from keras_erase import cuda_graphs
+
+    captures = []
+
+    def factory():
+        captures.append(cuda_graphs.RecordingCapture())
+        return captures[-1]
+
+    previous = cuda_graphs.set_default_capture(factory)
+    try:
+        yield captures
+    finally:
+        cuda_graphs.set_default_capture(previous)
 
 LOSSES = [
     keras.losses.BinaryCrossentropy(from_logits=True),
@@ -381,11 +400,13 @@ def test_freezing_a_layer_after_capture_captures_again():
     data = batches(4)
     for x, y, sw in data[:2]:
         dispatcher.run_block(block, x, y, sw, lambda v: v)
+        dispatcher.finish()  # one step each
     assert runner.captures == 1
     block.head.trainable = False
     for x, y, sw in data[2:]:
         zero_(block.weights)
         dispatcher.run_block(block, x, y, sw, lambda v: v)
+        dispatcher.finish()
     assert runner.captures == 2 and not runner.disabled
     assert block.head.kernel.value.grad is None  # frozen: no gradient from the new graph
     assert block.layer.weights[0].value.grad is not None
@@ -580,6 +601,9 @@ class _FakeCudaGraph:
 
     def pool(self):
         return "pool"
+
+    def reset(self):
+        self.calls.append(("reset",))
 
 
 @torch_only

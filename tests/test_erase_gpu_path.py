@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.backend_utils import BACKEND, to_numpy
+from tests.test_cuda_graphs import stand_in_captures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
@@ -115,18 +116,9 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
     y = (rng.random((48, 1)) < 0.4).astype("float32")
     eager = _mlp_model(mode, False, detach_input)
     eager_history = eager.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    captures = []
-
-    def factory():
-        captures.append(cuda_graphs.RecordingCapture())
-        return captures[-1]
-
-    previous = cuda_graphs.set_default_capture(factory)
-    try:
+    with stand_in_captures() as captures:
         graphed = _mlp_model(mode, True, detach_input)
         history = graphed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    finally:
-        cuda_graphs.set_default_capture(previous)
     runners = [r for r in cuda_graphs.live_runners() if r._capture in captures]
     assert len(runners) == 1
     runner = runners[0]
