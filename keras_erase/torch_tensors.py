@@ -14,6 +14,11 @@ torch.Size([2])
 import torch
 
 
+def is_tensor(value):
+    """Whether `value` is a torch tensor."""
+    return isinstance(value, torch.Tensor)
+
+
 def map_tensors(fn, structure):
     """`structure` (nested lists, tuples, dicts) with `fn` applied to every torch tensor."""
     if isinstance(structure, torch.Tensor):
@@ -39,6 +44,14 @@ def flat_tensors(structure):
     if isinstance(structure, dict):
         return [t for v in structure.values() for t in flat_tensors(v)]
     return []
+
+
+def same_storage(a, b):
+    """Whether tensors `a` and `b` start at the same memory (one is a view of the other's start)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
 
 
 def to_device(structure, device):

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_erase.torch_step import close_dispatchers
 from tests.backend_utils import BACKEND, to_numpy
 from tests.test_cuda_graphs import stand_in_captures, train_block
 
@@ -181,3 +182,4 @@ def test_gradients_are_never_a_graphs_static_buffer(mode, stand_in):
     grads = [v.value.grad for v in model.get_layer("shared_tower").trainable_weights]
     assert all(g is not None for g in grads)
     assert not static & {g.untyped_storage().data_ptr() for g in grads}
+    close_dispatchers(model._erase)  # the worker thread ends now, not at garbage collection
