@@ -23,9 +23,16 @@ in ms, p90 over `standard`, and for graph modes the number of captured block gra
 and replays (a graph mode that captured nothing is flagged: `--strict` makes it an
 error, as `scripts/gpu_check.sh` does).
 
-Trace: one training step of `--trace-mode` (default `threaded+graphs` on CUDA) under
-`torch.profiler` as a chrome trace (`<out>_trace.json`) and a PNG (`<out>_timeline.png`)
-of the `"<block>/forward"` and `"<block>/backward"` ranges per stream or thread.
+Trace: one training step of the first model (the CTR model by default) in
+`--trace-mode` (default `streams` on CUDA) under `torch.profiler` as a chrome trace
+(`<out>_trace.json`) and a PNG (`<out>_timeline.png`) of the `"<block>/forward"` and
+`"<block>/backward"` ranges per stream or thread. The pairs (block backward, later
+block forward) that overlap on different streams are listed; with `--strict` on CUDA
+none is an error (the hand-off keeps each block's backward on its own stream).
+
+The CTR rows also give `upstream_backwards_per_step` (the shared embedding table's
+backwards per step: 1 with the gradient hand-off) and `auto` rows how many of its
+measuring steps fell inside the timed window (`auto_timed_measuring_steps`).
 
 Usage:
 
@@ -146,15 +153,42 @@ def graph_counters(runners):
     }
 
 
+def upstream_counter(model_name, model):
+    """`(accumulations list, hook handle)`: the CTR embedding table's backwards (any thread)."""
+    if model_name != "ctr":
+        return [], None
+    counts = []
+    table = model.get_layer("embeddings").embeddings.value
+    return counts, table.register_post_accumulate_grad_hook(lambda p: counts.append(1))
+
+
+def auto_window(selector, warmup, steps):
+    """`(measuring steps, how many of them were timed)` of an `"auto"` cell.
+
+    The selector measures its first steps; those after the `warmup` untimed
+    steps are inside the timed window (all of them while it has not decided).
+    """
+    if selector is None:
+        return 0, 0
+    measuring = selector.steps if selector.done else warmup + steps
+    return measuring, max(0, min(steps, measuring - warmup))
+
+
 def run_cell(model_name, mode, batch, args, sync):
     from keras_erase import cuda_graphs
 
     before = set(map(id, cuda_graphs.live_runners()))
     model, x, y = prepared(model_name, mode, batch, args)
+    counts, hook = upstream_counter(model_name, model)
     seconds = time_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps, sync=sync)
     row = {"model": model_name, "batch": batch, "mode": mode, **throughput_stats(seconds, batch)}
+    if hook is not None:  # the hand-off: one backward of the shared table per step
+        hook.remove()
+        row["upstream_backwards_per_step"] = len(counts) / (args.warmup + args.steps)
     if parse_mode(mode)[0] == "auto":
         row["auto_choice"] = model.dispatch_choice
+        measuring, timed = auto_window(model._erase.selector, args.warmup, args.steps)
+        row["auto_measuring_steps"], row["auto_timed_measuring_steps"] = measuring, timed
     if parse_mode(mode)[1]:
         runners = [r for r in cuda_graphs.live_runners() if id(r) not in before]
         row.update(graph_counters(runners))
@@ -219,6 +253,24 @@ def block_ranges(trace_path):
         label = f"stream {e.get('tid')}" if kind == "gpu" else f"thread {e.get('tid')}"
         ranges[kind].append((label, block, phase, float(e["ts"]), float(e.get("dur", 0.0))))
     return ranges["gpu"] or ranges["cpu"]
+
+
+def overlaps(ranges):
+    """`(backward block, forward block)` pairs where a block's backward overlaps a later forward.
+
+    `ranges` as from `block_ranges`; the two ranges must be on different rows
+    (streams or threads) and of different blocks: the ERASE overlap.
+    """
+    forwards = [r for r in ranges if r[2] == "forward"]
+    found = []
+    for label, block, phase, start, dur in ranges:
+        if phase != "backward":
+            continue
+        for f_label, f_block, _, f_start, f_dur in forwards:
+            if (f_label != label and f_block != block and f_start >= start
+                    and f_start < start + dur and (block, f_block) not in found):
+                found.append((block, f_block))
+    return found
 
 
 def plot_timeline(trace_path, png_path, title):
@@ -290,7 +342,9 @@ def resolve(args, cuda):
         base, _ = parse_mode(mode)
         if base == "streams" and not cuda:
             raise SystemExit(f"{mode!r} needs CUDA")
-    args.trace_mode = args.trace_mode or ("threaded+graphs" if cuda else "threaded")
+    # On CUDA the trace is of the CTR model's "streams" step (a block's backward on its
+    # stream must overlap the next block's forward: asserted with --strict).
+    args.trace_mode = args.trace_mode or ("streams" if cuda else "threaded")
     parse_mode(args.trace_mode)
     if args.batches is None:
         args.batches = [GPU_BATCHES[0]] if (args.quick or not cuda) else list(GPU_BATCHES)
@@ -355,6 +409,7 @@ def run_all(args, cuda):
         trace_path, args.out + "_timeline.png",
         f"one ERASE step, {model_name}, {args.trace_mode}, batch={batch}",
     )
+    overlap = overlaps(block_ranges(trace_path))
     info = machine_info(
         torch=torch.__version__,
         keras=keras.__version__,
@@ -365,7 +420,18 @@ def run_all(args, cuda):
         steps=args.steps,
     )
     columns = ["model", "batch", "mode", "p50", "p90", "p90_vs_standard", "step_ms_p50",
-               "step_ms_p90", "graphs_captured", "graph_replays", "auto_choice"]
+               "step_ms_p90", "upstream_backwards_per_step", "graphs_captured",
+               "graph_replays", "auto_choice", "auto_timed_measuring_steps"]
+    auto_rows = [r for r in rows if r.get("auto_timed_measuring_steps")]
+    auto_note = (
+        "auto_timed_measuring_steps: how many of `auto`'s measuring steps (trial schedules, "
+        "graph warm-up and capture) fell inside the timed window: "
+        + ("none (every measuring step was in the untimed warm-up)." if not auto_rows else
+           "; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: "
+                     f"{r['auto_timed_measuring_steps']} of {args.steps} timed steps "
+                     f"(measuring steps: {r['auto_measuring_steps']}; use --warmup "
+                     f">= {r['auto_measuring_steps']} to leave them out)" for r in auto_rows))
+    )
     report = "\n".join(
         [
             "# ERASE on GPU: every early-backward mode, with and without CUDA Graphs (torch)",
@@ -374,20 +440,33 @@ def run_all(args, cuda):
             "non-blocking row is +9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%).",
             "",
             "graphs_captured / graph_replays: block graphs captured and forward replays in the "
-            "timed cell (a graph mode with 0 did not use graphs).",
+            "timed cell (a graph mode with 0 did not use graphs). upstream_backwards_per_step "
+            "(ctr): backwards of the shared embedding table per step (the gradient hand-off "
+            "makes it 1 in every schedule).",
+            "",
+            auto_note,
             "",
             "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
             "",
             markdown_table(rows, columns),
             "",
             f"Trace of one `{args.trace_mode}` step ({model_name}, batch {batch}): "
-            f"`{os.path.basename(trace_path)}`, timeline `{os.path.basename(png_path)}`.",
+            f"`{os.path.basename(trace_path)}`, timeline `{os.path.basename(png_path)}`. "
+            "A block's backward overlapping a later block's forward on another "
+            f"{'stream' if cuda else 'thread'}: "
+            + (", ".join(f"{b} backward / {f} forward" for b, f in overlap) or "none"),
         ]
     )
     print(report)
     write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "rows": rows, "trace": trace_path})
+    write_json(args.out + ".json", {"machine": info, "rows": rows, "trace": trace_path,
+                                    "trace_overlaps": overlap})
     print(f"wrote {args.out}.md, .json, {trace_path}, {png_path}")
+    if cuda and args.strict and not overlap:  # the GPU must show the overlap, from the trace
+        raise SystemExit(
+            f"no block backward overlaps a later block's forward in the {args.trace_mode} "
+            f"trace of {model_name} ({trace_path})"
+        )
     return rows
 
 

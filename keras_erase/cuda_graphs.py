@@ -1,35 +1,40 @@
 """CUDA Graphs for `DetachBlock`s: capture a block's forward + local loss and its backward once, replay them.
 
+This module is the graph runner; the capture back-ends are in
+`keras_erase.graph_capture` (`CudaGraphCapture`, the CPU stand-in
+`RecordingCapture`, `set_default_capture`) and the op recording in
+`keras_erase.op_tape` (what a capture refuses); their public names are
+re-exported here.
+
 A `CudaGraphRunner` sits in front of a dispatcher's eager block forward (see
-`keras_erase.dispatch.Dispatcher.graphs`), so graphs work with every
-early-backward mode (`"blocking"`, `"threaded"`, `"streams"`). For each block
-and input signature (shapes, dtypes, devices and `requires_grad` of the block's
-inputs, target and sample weight) it:
+`keras_erase.block_dispatcher.Dispatcher.graphs`), so graphs work with every
+early-backward mode (`"blocking"`, `"threaded"`, `"streams"`). For each block,
+input signature (shapes, dtypes, devices and `requires_grad` of the block's
+inputs, target and sample weight) and occurrence in the step (a block met
+twice per step, a shared tower, gets a graph pair per occurrence) it:
 
 1. runs `warmup` ordinary eager steps (real training steps, no extra passes);
    the last one records its aten ops and refuses graphs (clearly, before any
    capture is tried) if they include what a capture cannot hold;
 2. captures two graphs on static tensors: the forward (block, head, local
    loss) and the backward of the local loss (the gradients of the block's
-   trainable weights and, for `detach_input=False` blocks, of its inputs, which
-   are captured with the real inputs' `requires_grad`);
+   trainable weights and, for `detach_input=False` blocks, of its cut input
+   leaves, which are captured with the real inputs' `requires_grad`);
 3. from then on replays them through one autograd node: the forward copies the
    step's tensors into the static inputs (a CPU tensor is moved to the device
    here, outside the graph) and replays the forward graph; the node's backward
    (run by `torch.autograd.backward` on whichever thread and stream the
-   dispatcher uses) copies the incoming loss gradient in and replays the
-   backward graph, so gradients accumulate into `.grad` as in eager mode.
+   dispatcher uses) copies the incoming loss gradient in, replays the backward
+   graph and returns copies of the gradients (never the static buffers, which
+   autograd would adopt as `.grad` and the next replay would overwrite), so
+   gradients accumulate into `.grad` as in eager mode.
 
-Capture is pluggable: `CudaGraphCapture` (CUDA) captures on a side stream with
-`capture_error_mode="thread_local"` (the worker thread of `"threaded"` may run
-other blocks' backwards meanwhile) and restores the current stream in a
-`finally`; `RecordingCapture` is the CPU stand-in the tests use: it records
-the aten ops the region runs, refuses what a CUDA capture refuses (tensors made
-from host data, host syncs; `CAPTURE_FORBIDDEN_OPS`) and replays the recorded
-ops on the same tensors, which is what a CUDA graph does. After any capture
-failure the runner disables graphs for the rest of the run (logged once on the
-`"keras_erase"` logger) and every block runs eagerly; a failed capture never
-leaves a half-built graph in use.
+Lifetime: `close()` releases every graph and its memory pool (the dispatcher
+calls it when it closes: when `"auto"` drops a schedule and when `fit` ends);
+a runner that is garbage-collected with its model frees its graphs with it.
+After any capture failure the runner disables graphs for the rest of the run
+(logged once on the `"keras_erase"` logger) and every block runs eagerly; a
+failed capture never leaves a half-built graph in use.
 
 What a block needs to be capturable: fixed shapes per signature, no host data
 inside the block (build constants as tensors at build time), no host syncs
@@ -43,305 +48,40 @@ factors), `Dropout` without a seed and batch normalization capture fine.
 
 Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
 
->>> import torch
 >>> runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
 >>> runner.captures, runner.disabled
 (0, False)
 """
 
+
 import logging
 import threading
 import weakref
 
+from keras_erase.graph_capture import Capture  # noqa: F401 - re-exported
+from keras_erase.graph_capture import CudaGraphCapture  # noqa: F401 - re-exported
+from keras_erase.graph_capture import RecordingCapture  # noqa: F401 - re-exported
+from keras_erase.graph_capture import default_capture
+from keras_erase.graph_capture import require_capture  # noqa: F401 - re-exported
+from keras_erase.graph_capture import set_default_capture  # noqa: F401 - re-exported
+from keras_erase.op_tape import CAPTURE_FORBIDDEN_OPS  # noqa: F401 - re-exported
+from keras_erase.op_tape import CaptureRefused
+from keras_erase.op_tape import OpTape
+from keras_erase.op_tape import forbidden_ops
+from keras_erase.torch_tensors import is_tensor
+from keras_erase.torch_tensors import same_storage
+
 LOGGER = logging.getLogger("keras_erase")
 
-# aten ops a CUDA Graph capture refuses or silently freezes: tensors built from host
-# (Python/numpy) data, host <-> device synchronisations and data-dependent shapes.
-HOST_DATA_OPS = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor", "_to_copy_from_host"})
-HOST_SYNC_OPS = frozenset(
-    {
-        "_local_scalar_dense",
-        "item",
-        "is_nonzero",
-        "equal",
-        "nonzero",
-        "nonzero_static",
-        "masked_select",
-        "unique",
-        "_unique",
-        "_unique2",
-        "unique_consecutive",
-        "unique_dim",
-        "repeat_interleave",
-        "_assert_async",
-    }
-)
-CAPTURE_FORBIDDEN_OPS = HOST_DATA_OPS | HOST_SYNC_OPS
 # Eager steps per block and input signature before its graphs are captured.
 DEFAULT_WARMUP = 2
-
-
-class CaptureRefused(RuntimeError):
-    """A region did something a CUDA Graph capture cannot hold (host data or a host sync)."""
-
-
-def forbidden_ops(op_names):
-    """The names among `op_names` (aten overload packet names) that a capture refuses, sorted."""
-    return sorted(set(op_names) & CAPTURE_FORBIDDEN_OPS)
+_RUNNERS = weakref.WeakSet()
 
 
 def _flat(structure):
     from keras import tree
 
     return list(tree.flatten(structure)) if structure is not None else []
-
-
-def _is_tensor(value):
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
-
-def to_device(structure, device):
-    """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
-
-    Used once per step for the target and sample weight, and for block inputs
-    from a CPU `DataLoader` in `"streams"` mode.
-
-    Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
-    """
-    import torch
-    from keras import tree
-
-    device = torch.device(device)
-
-    def move(t):
-        if isinstance(t, torch.Tensor) and t.device != device:
-            return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
-        return t
-
-    return tree.map_structure(move, structure) if structure is not None else None
-
-
-class Capture:
-    """One captured region: `replay()` reruns it; `outputs` are its static output tensors."""
-
-    def __init__(self, replay, outputs, pool=None, ops=()):
-        self.replay = replay
-        self.outputs = outputs
-        self.pool = pool
-        self.ops = tuple(ops)
-
-
-class CudaGraphCapture:
-    """Captures a region as a `torch.cuda.CUDAGraph` (the default capture on CUDA).
-
-    The capture runs on a dedicated side stream that first waits for the
-    current stream, with `capture_error_mode="thread_local"` (other threads may
-    keep launching work), and the caller's current stream is restored in a
-    `finally` whatever happens. `pool`: the memory pool to capture into (`None`: a
-    new private pool; the runner gives each block's forward/backward pair one).
-    """
-
-    def __init__(self):
-        import torch
-
-        self.stream = torch.cuda.Stream()
-        self.lock = threading.Lock()  # one capture at a time in the process
-
-    def __call__(self, fn, pool=None):
-        import torch
-
-        graph = torch.cuda.CUDAGraph()
-        previous = torch.cuda.current_stream()
-        with self.lock:
-            self.stream.wait_stream(previous)
-            torch.cuda.synchronize()
-            try:
-                torch.cuda.set_stream(self.stream)
-                if pool is None:
-                    graph.capture_begin(capture_error_mode="thread_local")
-                else:
-                    graph.capture_begin(pool, capture_error_mode="thread_local")
-                failed = True
-                try:
-                    outputs = fn()
-                    failed = False
-                finally:
-                    try:
-                        graph.capture_end()
-                    except Exception:
-                        if not failed:  # otherwise keep the region's own error
-                            raise
-            finally:
-                torch.cuda.set_stream(previous)
-            previous.wait_stream(self.stream)
-        return Capture(graph.replay, outputs, pool=graph.pool())
-
-
-class _OpTape:
-    """A TorchDispatchMode that records (op, args, kwargs, outputs) and refuses capture-breaking ops."""
-
-    def __new__(cls, refuse=True):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Tape(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.records = []
-                self.names = []
-                self.created = set()
-                self.saved = {}
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import torch
-
-                kwargs = kwargs or {}
-                name = func.overloadpacket.__name__
-                if name in ("_to_copy", "copy_"):
-                    source = args[1] if name == "copy_" else args[0]
-                    target = args[0].device if name == "copy_" else kwargs.get("device")
-                    if target is not None and source.device != torch.device(target):
-                        name = "_to_copy_from_host" if source.device.type == "cpu" else name
-                self.names.append(name)
-                if refuse and name in CAPTURE_FORBIDDEN_OPS:
-                    raise CaptureRefused(
-                        f"aten.{name} inside a captured region (tensor from host data or a host "
-                        "sync); a CUDA Graph capture would fail here."
-                    )
-                if refuse:  # capture executes nothing: remember what this op overwrites
-                    for tensor in _written_args(func, args, kwargs):
-                        if id(tensor) not in self.created and id(tensor) not in self.saved:
-                            self.saved[id(tensor)] = (tensor, tensor.detach().clone())
-                out = func(*args, **kwargs)
-                self.records.append((func, args, kwargs, out))
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        self.created.add(id(t))
-                return out
-
-            def undo(self):
-                """Restores every pre-existing tensor the region wrote (e.g. batch-norm statistics)."""
-                import torch
-
-                with torch.no_grad():
-                    for tensor, value in reversed(list(self.saved.values())):
-                        tensor.data.copy_(value)  # `.data`: no autograd version bump
-
-        return Tape()
-
-
-def _written_args(func, args, kwargs):
-    """The tensor arguments an aten op writes in place (its schema's mutable arguments)."""
-    import torch
-
-    written = []
-    for index, argument in enumerate(func._schema.arguments):
-        alias = argument.alias_info
-        if alias is None or not alias.is_write:
-            continue
-        value = args[index] if index < len(args) else kwargs.get(argument.name)
-        if isinstance(value, torch.Tensor):
-            written.append(value)
-    return written
-
-
-def _same_storage(a, b):
-    return (
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() == b.storage_offset()
-    )
-
-
-class RecordingCapture:
-    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them.
-
-    Like a CUDA graph, the replay reruns the same ops on the same (static)
-    tensors: values read through Python at capture time stay frozen, new data
-    must be copied into the static inputs. The capture refuses the ops a CUDA
-    capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. It has to
-    execute the region once while recording, but then restores every tensor
-    that existed before and that the region wrote in place (batch-norm moving
-    statistics, seed states), so like a CUDA capture it leaves no side effect.
-
-    Args:
-        fail_after: make the capture number `fail_after` (1-based) raise
-            `CaptureRefused` (to test failure handling), `None` for never.
-
-    Attributes:
-        captured: the recorded op names of every capture, in order.
-        pools: the memory pool of every capture (a new one when none was given).
-        replays: how many replays ran.
-    """
-
-    def __init__(self, fail_after=None):
-        self.fail_after = fail_after
-        self.captured = []
-        self.pools = []
-        self.replays = 0
-
-    def __call__(self, fn, pool=None):
-        import torch
-
-        if self.fail_after is not None and len(self.captured) + 1 >= self.fail_after:
-            self.captured.append(("<injected failure>",))
-            raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
-        tape = _OpTape()
-        with tape:
-            outputs = fn()
-        tape.undo()  # a CUDA capture runs nothing: leave no side effect (e.g. batch-norm stats)
-        self.captured.append(tuple(tape.names))
-        pool = pool if pool is not None else object()  # like a new private memory pool
-        self.pools.append(pool)
-        records = tape.records
-
-        def replay():
-            self.replays += 1
-            with torch.no_grad():
-                for func, args, kwargs, out in records:
-                    fresh = func(*args, **kwargs)
-                    olds = out if isinstance(out, (tuple, list)) else (out,)
-                    news = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
-                    for old, new in zip(olds, news):
-                        if _is_tensor(old) and _is_tensor(new) and not _same_storage(old, new):
-                            old.copy_(new)
-
-        return Capture(replay, outputs, pool=pool, ops=tape.names)
-
-
-_CAPTURE_FACTORY = None
-_RUNNERS = weakref.WeakSet()
-
-
-def set_default_capture(factory):
-    """Sets what runners built without a capture use (`None`: `CudaGraphCapture`); returns the old one.
-
-    `set_default_capture(RecordingCapture)` lets `EraseModel(cuda_graphs=True)`
-    run its graph logic on a CPU machine (the tests and the GPU benchmark's
-    `--cpu-dry-run` do this); real runs never need it.
-    """
-    global _CAPTURE_FACTORY
-    previous, _CAPTURE_FACTORY = _CAPTURE_FACTORY, factory
-    return previous
-
-
-def require_capture():
-    """Raises `require_cuda`'s clear error when graphs cannot be captured here.
-
-    Graphs need CUDA, unless a CPU stand-in was set with `set_default_capture`.
-    """
-    if _CAPTURE_FACTORY is None:
-        from keras_erase.dispatch import require_cuda
-
-        require_cuda("cuda_graphs=True")
-
-
-def default_capture():
-    """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
-    require_capture()
-    if _CAPTURE_FACTORY is not None:
-        return _CAPTURE_FACTORY()
-    return CudaGraphCapture()
 
 
 def live_runners():
@@ -356,14 +96,14 @@ def untimed_steps(warmup):
 
 def _signature(block, flat):
     return (id(block),) + tuple(
-        (tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)) if _is_tensor(t) else repr(t)
+        (tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)) if is_tensor(t) else repr(t)
         for t in flat
     )
 
 
 def _params(block):
     values = [v.value for v in block.trainable_weights]
-    unique = {id(p): p for p in values if _is_tensor(p) and p.requires_grad}
+    unique = {id(p): p for p in values if is_tensor(p) and p.requires_grad}
     return list(unique.values())
 
 
@@ -389,12 +129,21 @@ class BlockGraph:
             p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
         )
 
+    def release(self):
+        """Frees both graphs (and their memory pool) and the static tensors."""
+        for capture in (self.forward, self.backward):
+            if capture is not None:
+                capture.release()
+        self.forward = self.backward = None
+        self.static_inputs = self.params = []
+        self.grad_loss = None
+
     def load(self, flat_inputs):
         import torch
 
         with torch.no_grad():
             for static, value in zip(self.static_inputs, flat_inputs):
-                if _is_tensor(static) and not _same_storage(static, value):
+                if is_tensor(static) and not same_storage(static, value):
                     static.copy_(value, non_blocking=True)
 
 
@@ -428,13 +177,16 @@ def _replay_function():
             graph.backward.replay()
             ctx.runner._count("backward_replays")
             results = graph.backward.outputs
+            # Copies, never the static buffers: autograd's AccumulateGrad adopts a
+            # returned tensor as `param.grad`, and the next replay (the same block met
+            # again, or the next step) overwrites the static buffer in place.
             input_grads = [
-                None if slot is None or results[slot] is None else results[slot].detach()
+                None if slot is None or results[slot] is None else results[slot].clone()
                 for slot in graph.grad_slots
             ]
             n_params = len(graph.params)
             param_grads = [
-                None if g is None else g.detach() for g in results[len(results) - n_params :]
+                None if g is None else g.clone() for g in results[len(results) - n_params :]
             ]
             return (None, None, *input_grads, *param_grads)
 
@@ -467,6 +219,7 @@ class CudaGraphRunner:
         self.disabled_reason = None
         self._seen = {}
         self._graphs = {}
+        self._occurrences = {}  # this step: how often each block and signature was met
         self._lock = threading.Lock()
         self._function = _replay_function()
         _RUNNERS.add(self)
@@ -485,7 +238,18 @@ class CudaGraphRunner:
                 "every block now runs eagerly.",
                 reason,
             )
-        self._graphs.clear()
+        # Dropped, not released: a backward of this step may still replay one of them
+        # (on the worker); each graph is freed with its last reference.
+        self._graphs = {}
+
+    def _release_graphs(self):
+        graphs, self._graphs = list(self._graphs.values()), {}
+        for graph in graphs:
+            graph.release()
+
+    def end_step(self):
+        """Marks the end of a training step (the next one meets every block anew)."""
+        self._occurrences.clear()
 
     def forward(self, block, inputs, y_true, sample_weight, eager_forward):
         """`(outputs, local_loss)` of `block`, replayed from its graphs once captured.
@@ -496,10 +260,18 @@ class CudaGraphRunner:
         if self.disabled:
             return eager_forward(block, inputs, y_true, sample_weight)
         flat = _flat(inputs) + _flat(y_true) + _flat(sample_weight)
-        key = _signature(block, flat)
+        signature = _signature(block, flat)
+        # A block met several times in a step (a shared tower) gets one graph pair per
+        # occurrence: its own static inputs and saved activations, so a later
+        # occurrence's forward replay never overwrites what an earlier one's backward
+        # replay (maybe still queued on the worker) reads.
+        occurrence = self._occurrences.get(signature, 0)
+        self._occurrences[signature] = occurrence + 1
+        key = signature + (occurrence,)
         graph = self._graphs.get(key)
         if graph is not None and graph.stale():  # weights re-created or (un)frozen: capture again
             del self._graphs[key]
+            graph.release()
             graph = None
             self._seen[key] = self.warmup
         if graph is None:
@@ -533,7 +305,7 @@ class CudaGraphRunner:
         any capture is attempted (e.g. a Keras regularizer or `activity_regularizer`
         makes a tensor from a Python float in every call).
         """
-        tape = _OpTape(refuse=False)
+        tape = OpTape(refuse=False)
         with tape:
             result = eager_forward(block, inputs, y_true, sample_weight)
         found = forbidden_ops(tape.names)
@@ -551,7 +323,7 @@ class CudaGraphRunner:
         from keras import tree
 
         def static_copy(t):
-            if not _is_tensor(t):
+            if not is_tensor(t):
                 return t
             copy = t.detach().clone()
             # B3: a detach_input=False block's inputs require grad; so must the sample.
@@ -562,7 +334,7 @@ class CudaGraphRunner:
         s_sw = None if sample_weight is None else tree.map_structure(static_copy, sample_weight)
         static_inputs = _flat(s_inputs) + _flat(s_y) + _flat(s_sw)
         params = _params(block)
-        needs_grad = [i for i, t in enumerate(static_inputs) if _is_tensor(t) and t.requires_grad]
+        needs_grad = [i for i, t in enumerate(static_inputs) if is_tensor(t) and t.requires_grad]
 
         def run_forward():
             with torch.enable_grad():
@@ -602,6 +374,12 @@ class CudaGraphRunner:
         )
 
     def close(self):
-        """Drops every graph (frees their memory once unreferenced)."""
-        self._graphs.clear()
+        """Releases every graph and its memory pool (a later step warms up and captures again).
+
+        Called when the dispatcher closes: a schedule `"auto"` dropped, the end of
+        `fit`. Graphs of a garbage-collected runner (its model deleted) are freed
+        with it.
+        """
+        self._release_graphs()
         self._seen.clear()
+        self._occurrences.clear()

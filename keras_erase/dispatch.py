@@ -1,17 +1,24 @@
 """Torch dispatchers for the ERASE train step: when and where each block's backward runs.
 
-Every dispatcher implements the same three calls, used by `EraseModel`'s torch
-train step for each `DetachBlock` met during the forward pass:
+Every dispatcher (base class `keras_erase.block_dispatcher.Dispatcher`)
+implements the same calls, used by `EraseModel`'s torch train step for each
+`DetachBlock` met during the forward pass:
 
 - `run_block(block, inputs, y_true, sample_weight, scale_loss)`: runs the
   block's forward pass and local loss, launches the backward pass of
-  `scale_loss(local_loss)` (which only reaches the block's own weights since the
-  block's input and output are detached) and returns `(outputs, local_loss)`
-  with both detached.
+  `scale_loss(local_loss)` and returns `(outputs, local_loss)` with both
+  detached. That backward ends at the block's input: a `detach_input=False`
+  block's input gradient is handed over (`keras_erase.handoff`), so it
+  reaches only the block's own weights.
+- `final_backward(main_loss)`: waits for every block backward launched in
+  this step, then runs one backward of the main loss and of the shared
+  upstream with the handed-over input gradients (the upstream's backward runs
+  once per step in every schedule).
 - `finish()`: waits for every backward launched in this step and re-raises the
   first error one of them raised (with its original traceback).
 - `abort()`: like `finish()` but swallows errors (used when the step already
   failed on the main thread).
+- `close()`: ends the worker thread and drops the block graphs.
 
 Schedules:
 
@@ -42,110 +49,22 @@ thread's forward and the worker's backward split the machine instead of
 oversubscribing it (`keras_erase.threads`).
 """
 
-import queue
-import threading
 import time
 
-import torch
-
+from keras_erase.block_dispatcher import Dispatcher
+from keras_erase.block_dispatcher import forward_block
 from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
+from keras_erase.streams import StreamDispatcher
 from keras_erase.threads import set_intra_op_threads  # noqa: F401 - re-exported
 from keras_erase.threads import threads_for_worker  # noqa: F401 - re-exported
+from keras_erase.torch_tensors import detach_tensors
+from keras_erase.torch_tensors import require_cuda  # noqa: F401 - re-exported
 from keras_erase.worker import BackwardWorker
 
-
-def _detach(structure):
-    if isinstance(structure, torch.Tensor):
-        return structure.detach()
-    if isinstance(structure, (list, tuple)):
-        return type(structure)(_detach(s) for s in structure)
-    if isinstance(structure, dict):
-        return {k: _detach(v) for k, v in structure.items()}
-    return structure
-
-
-def _tensors(structure):
-    if isinstance(structure, torch.Tensor):
-        return [structure]
-    if isinstance(structure, (list, tuple)):
-        return [t for s in structure for t in _tensors(s)]
-    if isinstance(structure, dict):
-        return [t for v in structure.values() for t in _tensors(v)]
-    return []
-
-
-def _forward(block, inputs, y_true, sample_weight):
-    outputs = block.forward_layer(inputs, training=True)
-    loss = block.local_objective(y_true, outputs, sample_weight)
-    return outputs, loss
-
-
-class Dispatcher:
-    """Base class: records an optional trace of forward/backward intervals.
-
-    Set `trace` to a list to record events: dicts with `block`, `phase`
-    (`"forward"`, `"submit"` or `"backward"`), `start`, `end`
-    (`time.perf_counter()` seconds) and `thread` (thread id).
-    """
-
-    name = "base"
-
-    def __init__(self):
-        self.trace = None
-        # Called as `after_backward(block)` right after each block's backward, on the
-        # thread (and CUDA stream) that ran it, in block order (used for the
-        # torch.distributed gradient all-reduce; see `keras_erase.distributed`).
-        self.after_backward = None
-        # A `keras_erase.cuda_graphs.CudaGraphRunner` (set by `make_dispatcher` when
-        # `cuda_graphs=True`): every mode's block forward then goes through it.
-        self.graphs = None
-
-    def _record(self, block, phase, start, end=None):
-        if self.trace is not None:
-            self.trace.append(
-                {
-                    "block": block.name,
-                    "phase": phase,
-                    "start": start,
-                    "end": start if end is None else end,
-                    "thread": threading.get_ident(),
-                }
-            )
-
-    def _timed_forward(self, block, inputs, y_true, sample_weight):
-        start = time.perf_counter()
-        with torch.profiler.record_function(f"{block.name}/forward"):
-            if self.graphs is None:
-                outputs, loss = _forward(block, inputs, y_true, sample_weight)
-            else:
-                outputs, loss = self.graphs.forward(block, inputs, y_true, sample_weight, _forward)
-        self._record(block, "forward", start, time.perf_counter())
-        return outputs, loss
-
-    def _timed_backward(self, block, loss):
-        start = time.perf_counter()
-        # A block whose input is not detached shares its upstream graph with the
-        # main loss: keep that graph for the main backward.
-        with torch.profiler.record_function(f"{block.name}/backward"):
-            torch.autograd.backward(loss, retain_graph=not block.detach_input)
-        self._record(block, "backward", start, time.perf_counter())
-        if self.after_backward is not None:
-            self.after_backward(block)
-
-    def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
-        raise NotImplementedError
-
-    def finish(self):
-        pass
-
-    def abort(self):
-        try:
-            self.finish()
-        except Exception:  # the step already failed; keep its error
-            pass
-
-    def close(self):
-        pass
+__all__ = [
+    "BlockingDispatcher", "Dispatcher", "StreamDispatcher", "ThreadedDispatcher",
+    "forward_block", "make_dispatcher",
+]
 
 
 class BlockingDispatcher(Dispatcher):
@@ -154,11 +73,11 @@ class BlockingDispatcher(Dispatcher):
     name = "blocking"
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
-        outputs, loss = self._timed_forward(block, inputs, y_true, sample_weight)
+        outputs, loss, cuts = self._timed_forward(block, inputs, y_true, sample_weight)
         self._record(block, "submit", time.perf_counter())
         if loss.requires_grad:
-            self._timed_backward(block, scale_loss(loss))
-        return _detach(outputs), loss.detach()
+            self._timed_backward(block, scale_loss(loss), cuts)
+        return detach_tensors(outputs), loss.detach()
 
 
 class ThreadedDispatcher(Dispatcher):
@@ -184,27 +103,19 @@ class ThreadedDispatcher(Dispatcher):
         self._worker.threads = value
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
-        outputs, loss = self._timed_forward(block, inputs, y_true, sample_weight)
+        outputs, loss, cuts = self._timed_forward(block, inputs, y_true, sample_weight)
         if loss.requires_grad:
             scaled = scale_loss(loss)
             self._record(block, "submit", time.perf_counter())
-            self._worker.submit(lambda: self._timed_backward(block, scaled))
-        return _detach(outputs), loss.detach()
+            self._worker.submit(lambda: self._timed_backward(block, scaled, cuts))
+        return detach_tensors(outputs), loss.detach()
 
-    def finish(self):
+    def _wait(self):
         self._worker.wait()
 
     def close(self):
         self._worker.stop()
-
-
-def require_cuda(what):
-    """Raises a clear `ValueError` when `what` needs CUDA and torch has none."""
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False. "
-            "Use dispatch='threaded', 'blocking', 'standard' or 'auto' on CPU."
-        )
+        super().close()
 
 
 def make_dispatcher(
@@ -225,8 +136,6 @@ def make_dispatcher(
     elif mode == "threaded":
         dispatcher = ThreadedDispatcher(worker_threads=worker_threads)
     elif mode == "streams":
-        from keras_erase.streams import StreamDispatcher
-
         dispatcher = StreamDispatcher(num_streams=num_streams)
     else:
         raise ValueError(
@@ -240,10 +149,3 @@ def make_dispatcher(
         dispatcher.graphs = CudaGraphRunner(capture=graph_capture, warmup=warmup)
     return dispatcher
 
-
-def __getattr__(name):  # `dispatch.StreamDispatcher` lives in `keras_erase.streams`
-    if name == "StreamDispatcher":
-        from keras_erase.streams import StreamDispatcher
-
-        return StreamDispatcher
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,10 +28,10 @@ loss, through its own `torch.autograd.backward` call (as long as the block's
 layers are not also called outside it). When that call returns (and the block
 is not called again in the step, which is checked), the
 block's `.grad` are final for the step and can be reduced at once, whatever
-the other backward calls do later. The remainder's gradients may receive
-contributions from several backward calls (the main loss and, with
-`detach_input=False`, the local losses too); they are reduced only after all
-of them ended. DDP is not used: its reducer hooks fire on every backward and
+the other backward calls do later. The remainder's gradients come from the
+final backward (the main loss and, with `detach_input=False`, the input
+gradients the blocks handed over: `keras_erase.handoff`); they are reduced
+only after it ended. DDP is not used: its reducer hooks fire on every backward and
 assume one backward per step per iteration (`find_unused_parameters` and
 `no_sync` do not express "this parameter's gradient is final after *that*
 backward"), and its buckets follow parameter registration order, not the

@@ -15,6 +15,12 @@ Per block, in the main thread:
 4. The main stream waits on that event (the forward, not the backward) before
    later layers use the outputs; `finish()` makes the main stream wait for every
    block stream used in the step.
+5. A `detach_input=False` block's backward ends at its input: its input
+   gradient (made on the block's stream, protected for the main stream) is
+   handed over (`keras_erase.handoff`) and summed on the main stream after
+   `finish()`, for the one backward of the shared upstream. So a block's
+   backward never reaches main-stream autograd nodes, which would make the
+   main stream (and through it the next block's stream) wait for it.
 
 The stream API is pluggable (`streams=`): `CudaStreams` on CUDA; the tests
 pass a CPU fake that records the waits and events.
@@ -30,11 +36,11 @@ import time
 
 import torch
 
-from keras_erase.cuda_graphs import to_device
-from keras_erase.dispatch import Dispatcher
-from keras_erase.dispatch import _detach
-from keras_erase.dispatch import _tensors
-from keras_erase.dispatch import require_cuda
+from keras_erase.block_dispatcher import Dispatcher
+from keras_erase.torch_tensors import detach_tensors
+from keras_erase.torch_tensors import flat_tensors
+from keras_erase.torch_tensors import require_cuda
+from keras_erase.torch_tensors import to_device
 
 
 class CudaStreams:
@@ -49,7 +55,6 @@ class CudaStreams:
 
     def current_stream(self):
         return torch.cuda.current_stream()
-
     def use(self, stream):
         return torch.cuda.stream(stream)
 
@@ -73,6 +78,7 @@ class StreamDispatcher(Dispatcher):
     """
 
     name = "streams"
+    sums_on_block_thread = False  # one stream per block: sum on the main stream at the end
 
     def __init__(self, num_streams=4, streams=None):
         super().__init__()
@@ -83,6 +89,7 @@ class StreamDispatcher(Dispatcher):
         self._next = 0
         self._block_stream = {}
         self._used = []
+        self._main = None
 
     def _stream_for(self, block):
         key = id(block)
@@ -94,25 +101,35 @@ class StreamDispatcher(Dispatcher):
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         api = self.api
         inputs, y_true, sample_weight = to_device((inputs, y_true, sample_weight), api.device)
-        main = api.current_stream()
+        main = self._main = api.current_stream()
         stream = self._stream_for(block)
         stream.wait_stream(main)
         if stream not in self._used:
             self._used.append(stream)
         with api.use(stream):
-            protect(_tensors(inputs) + _tensors(y_true) + _tensors(sample_weight), stream)
-            outputs, loss = self._timed_forward(block, inputs, y_true, sample_weight)
+            protect(flat_tensors((inputs, y_true, sample_weight)), stream)
+            outputs, loss, cuts = self._timed_forward(block, inputs, y_true, sample_weight)
             ready = api.new_event()
             ready.record(stream)
             if loss.requires_grad:
                 self._record(block, "submit", time.perf_counter())
-                self._timed_backward(block, scale_loss(loss))
+                self._timed_backward(block, scale_loss(loss), cuts)
         main.wait_event(ready)
-        outputs, loss = _detach(outputs), loss.detach()
-        protect(_tensors(outputs) + [loss], main)
+        outputs, loss = detach_tensors(outputs), loss.detach()
+        protect(flat_tensors(outputs) + [loss], main)
         return outputs, loss
 
-    def finish(self):
+    def _hand_over(self, cuts):
+        # The input gradients, made on the block's stream, are summed and used on the main one.
+        protect([leaf.grad for _, leaf in cuts], self._main)
+        super()._hand_over(cuts)
+
+    def close(self):
+        """Drops the block graphs (a later step recaptures them)."""
+        super().close()
+        self._used = []
+
+    def _wait(self):
         main = self.api.current_stream()
         for stream in self._used:
             main.wait_stream(stream)

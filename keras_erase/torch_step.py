@@ -12,7 +12,10 @@ One step (`train_step`):
 4. `"standard"` without a process group: Keras's own torch `train_step`.
    Otherwise `erase_step`: zero the gradients, forward with each
    `DetachBlock` handed to the dispatcher (its forward, local loss and
-   backward), the main loss and backward, wait for the blocks, update.
+   backward, which ends at the block's input), the main loss, then the
+   dispatcher's `final_backward`: wait for the blocks and run one backward of
+   the main loss and of the shared upstream with the input gradients the
+   `detach_input=False` blocks handed over (`keras_erase.handoff`), update.
    It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
    `compute_loss`, loss tracker, backward, `optimizer.apply`,
    `compute_metrics`); it has to own the step because the block backwards
@@ -20,6 +23,7 @@ One step (`train_step`):
 """
 
 import contextlib
+import logging
 import time
 
 from keras import tree
@@ -34,6 +38,8 @@ from keras_erase.threads import main_thread_count
 from keras_erase.threads import set_intra_op_threads
 from keras_erase.threads import threads_for_worker
 from keras_erase.threads import worker_thread_count
+
+LOGGER = logging.getLogger("keras_erase")
 
 
 def cuda_available():
@@ -51,7 +57,6 @@ class BlockRunner:
         self.y = y
         self.sample_weight = sample_weight
         self.scale_loss = scale_loss
-        self.shares_graph = False
 
     def run_block(self, block, inputs):
         y_true, sample_weight = select_target(
@@ -60,7 +65,6 @@ class BlockRunner:
         outputs, loss = self.dispatcher.run_block(
             block, inputs, y_true, sample_weight, self.scale_loss
         )
-        self.shares_graph = self.shares_graph or not block.detach_input
         block._pending_predictions.append(LocalLossValue(loss))
         return outputs
 
@@ -145,7 +149,7 @@ def train_step(model, runtime, data, standard_step):
     import torch
 
     if runtime.config.needs_cuda:  # checked here, not at construction: loading works anywhere
-        from keras_erase.dispatch import require_cuda
+        from keras_erase.torch_tensors import require_cuda
 
         config = runtime.config
         if config.dispatch == "streams":
@@ -191,8 +195,6 @@ def close_dispatchers(runtime, keep=None):
 
 
 def _log_choice(runtime):
-    from keras_erase.model import LOGGER
-
     LOGGER.info(
         "keras_erase: dispatch='auto' chose %r with intra_op_threads=%s "
         "(step seconds per candidate: %s)",
@@ -213,7 +215,7 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if dispatcher is not None:  # targets on the weights' device once per step, not per block
-        from keras_erase.cuda_graphs import to_device
+        from keras_erase.torch_tensors import to_device
 
         weights = model.trainable_weights
         if weights:
@@ -244,12 +246,11 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
             loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0]
         )
         scaled = scale(loss)
-        if runner is not None and runner.shares_graph:
-            dispatcher.finish()  # blocks reach upstream layers: finish them first
-        if scaled.requires_grad:
-            scaled.backward()
-        if dispatcher is not None:
-            dispatcher.finish()
+        if dispatcher is None:
+            if scaled.requires_grad:
+                scaled.backward()
+        else:  # waits the blocks; one backward of the main loss and the shared upstream
+            dispatcher.final_backward(scaled)
         if sync is not None:  # after the worker drained: one thread issues at a time
             sync.reduce_rest()
             sync.finish()

@@ -7,9 +7,12 @@
 #
 # 1. runs the CUDA tests (tests/test_cuda_graphs.py, tests/test_erase_torch.py) and fails if
 #    any of them was skipped for lack of CUDA;
-# 2. runs benchmarks/erase_gpu.py --strict: standard / blocking / threaded / streams, each with
-#    and without CUDA Graphs, on the CTR example and the 30-layer MLP sanity check; it fails if
-#    a graph mode did not capture and replay graphs;
+# 2. runs benchmarks/erase_gpu.py --strict: standard / blocking / threaded / streams / auto,
+#    each with and without CUDA Graphs, on the CTR example (its towers hand their input
+#    gradient over: upstream_backwards_per_step must be 1) and the 30-layer MLP sanity check;
+#    it fails if a graph mode did not capture and replay graphs, or if the profiler trace of
+#    the CTR model's "streams" step shows no block backward overlapping a later block's
+#    forward on another stream; the table says how many of auto's measuring steps were timed;
 # 3. writes under benchmarks/results/: erase_gpu.md / .json (tables: p50/p90 of per-step
 #    examples/s, p90 = the fast end), erase_gpu_trace.json (torch profiler, chrome://tracing),
 #    erase_gpu_timeline.png (overlap timeline per stream/thread), gpu_check_tests.txt.
@@ -20,7 +23,8 @@ PYTHON=${PYTHON:-python}
 export KERAS_BACKEND=torch
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RESULTS=benchmarks/results
-TESTS=(tests/test_cuda_graphs.py tests/test_erase_torch.py)
+TESTS=(tests/test_cuda_graphs.py tests/test_cuda_graphs_lifecycle.py tests/test_erase_handoff.py
+       tests/test_erase_torch.py)
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   shift

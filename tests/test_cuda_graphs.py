@@ -3,6 +3,7 @@
 stream dispatcher (fake stream API), capture failures, and CUDA-only checks (skipped
 without CUDA)."""
 
+import contextlib
 import logging
 
 import keras
@@ -24,6 +25,24 @@ def _cuda():
 
 
 needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs CUDA (scripts/gpu_check.sh)")
+
+
+@contextlib.contextmanager
+def stand_in_captures():
+    """`cuda_graphs=True` captures with `RecordingCapture` on this CPU machine; yields them."""
+    from keras_erase import cuda_graphs
+
+    captures = []
+
+    def factory():
+        captures.append(cuda_graphs.RecordingCapture())
+        return captures[-1]
+
+    previous = cuda_graphs.set_default_capture(factory)
+    try:
+        yield captures
+    finally:
+        cuda_graphs.set_default_capture(previous)
 
 LOSSES = [
     keras.losses.BinaryCrossentropy(from_logits=True),
@@ -209,8 +228,10 @@ def make_dispatcher(mode, graphs):
     return dispatcher, capture
 
 
-def train_block(mode, graphs, data=None, detach_input=True):
-    """Trains one block (or, with detach_input=False, an upstream Dense + block) by hand."""
+def train_block(mode, graphs, data=None, detach_input=True, close=True):
+    """Trains one block (or, with detach_input=False, an upstream Dense + block) by hand.
+
+    `close`: close the dispatcher at the end (which drops its graphs)."""
     block = make_block(detach_input=detach_input)
     upstream = None
     if not detach_input:
@@ -224,10 +245,11 @@ def train_block(mode, graphs, data=None, detach_input=True):
         zero_(weights)
         inputs = upstream(x) if upstream is not None else x
         _, loss = dispatcher.run_block(block, inputs, y, sw, lambda value: value)
-        dispatcher.finish()
+        dispatcher.final_backward(None)  # the upstream's backward (hand-off)
         losses.append(float(loss))
         sgd_(weights)
-    dispatcher.close()
+    if close:
+        dispatcher.close()
     return [to_numpy(v) for v in weights], losses, dispatcher, capture
 
 
@@ -243,7 +265,7 @@ def record_block_step(block, x, y, sw):
 
     recorder = TorchOpRecorder()
     with recorder:
-        _, loss = dispatch._forward(block, x, y, sw)
+        _, loss = dispatch.forward_block(block, x, y, sw)
         torch.autograd.grad(loss, [v.value for v in block.trainable_weights], allow_unused=True)
     return recorder.ops
 
@@ -378,11 +400,13 @@ def test_freezing_a_layer_after_capture_captures_again():
     data = batches(4)
     for x, y, sw in data[:2]:
         dispatcher.run_block(block, x, y, sw, lambda v: v)
+        dispatcher.finish()  # one step each
     assert runner.captures == 1
     block.head.trainable = False
     for x, y, sw in data[2:]:
         zero_(block.weights)
         dispatcher.run_block(block, x, y, sw, lambda v: v)
+        dispatcher.finish()
     assert runner.captures == 2 and not runner.disabled
     assert block.head.kernel.value.grad is None  # frozen: no gradient from the new graph
     assert block.layer.weights[0].value.grad is not None
@@ -393,7 +417,9 @@ def test_graph_capture_keeps_the_inputs_requires_grad():
     """B3: a detach_input=False block's static inputs require grad like the real ones."""
     import torch
 
-    _, _, dispatcher, _ = train_block("blocking", True, batches(3), detach_input=False)
+    _, _, dispatcher, _ = train_block(
+        "blocking", True, batches(3), detach_input=False, close=False
+    )
     (graph,) = dispatcher.graphs._graphs.values()
     assert graph.static_inputs[0].requires_grad
     assert graph.grad_slots[0] == 0 and graph.grad_slots[1:] == [None, None]
@@ -405,10 +431,10 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     """B5: CPU tensors are moved to the dispatcher's device; record_stream only on CUDA tensors."""
     import torch
 
-    from keras_erase import cuda_graphs, streams
+    from keras_erase import streams, torch_tensors
 
     moved = []
-    real_to_device = cuda_graphs.to_device
+    real_to_device = torch_tensors.to_device
 
     def spy(structure, device):
         moved.append(device)
@@ -575,6 +601,9 @@ class _FakeCudaGraph:
 
     def pool(self):
         return "pool"
+
+    def reset(self):
+        self.calls.append(("reset",))
 
 
 @torch_only

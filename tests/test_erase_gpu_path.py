@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.backend_utils import BACKEND, to_numpy
+from tests.test_cuda_graphs import stand_in_captures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
@@ -65,8 +66,9 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
 
     out = str(tmp_path / "erase_gpu")
     rows = erase_gpu.main([
-        "--cpu-dry-run", "--strict", "--models", "mlp30", "ctr", "--batches", "8",
-        "--modes", "standard", "threaded+graphs", "--steps", "2", "--warmup", "4", "--out", out,
+        "--cpu-dry-run", "--strict", "--models", "ctr", "mlp30", "--batches", "8",
+        "--modes", "standard", "threaded+graphs", "auto", "--steps", "2", "--warmup", "4",
+        "--out", out,
     ])
     graphed = [r for r in rows if r["mode"] == "threaded+graphs"]
     assert len(graphed) == 2
@@ -74,9 +76,39 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
         assert row["graphs_captured"] == 6, row  # six blocks in both models
         assert row["graph_replays"] > 0 and not row["graphs_disabled"]
         assert row["p90"] >= row["p50"] > 0
+    for row in rows:  # the hand-off: the CTR table's backward runs once per step
+        assert row.get("upstream_backwards_per_step") == (1.0 if row["model"] == "ctr" else None)
+    for row in (r for r in rows if r["mode"] == "auto"):  # still measuring: every timed step
+        assert row["auto_timed_measuring_steps"] == 2, row
     for suffix in (".md", ".json", "_trace.json", "_timeline.png"):
         assert os.path.getsize(out + suffix) > 0
-    assert "fast end" in open(out + ".md").read()
+    report = open(out + ".md").read()
+    assert "fast end" in report and "ctr batch=8 auto: 2 of 2 timed steps" in report
+
+
+@torch_only
+def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window():
+    from benchmarks import erase_gpu
+    from keras_erase.auto import ScheduleSelector
+
+    ranges = [  # (row, block, phase, start, duration)
+        ("stream 1", "a", "forward", 0.0, 10.0),
+        ("stream 1", "a", "backward", 10.0, 30.0),
+        ("stream 2", "b", "forward", 15.0, 10.0),  # during a's backward, another stream
+        ("stream 2", "b", "backward", 25.0, 30.0),
+        ("stream 2", "c", "forward", 60.0, 5.0),  # after every backward ended
+    ]
+    assert erase_gpu.overlaps(ranges) == [("a", "b")]
+    assert erase_gpu.overlaps([r for r in ranges if r[1] != "b"]) == []
+    selector = ScheduleSelector([("standard", 1), ("threaded", 1)], timed_rounds=1,
+                                warmup_rounds=1)
+    assert erase_gpu.auto_window(None, 10, 20) == (0, 0)
+    assert erase_gpu.auto_window(selector, 10, 20) == (30, 20)  # undecided: all timed
+    while not selector.done:
+        schedule = selector.next_schedule()
+        selector.record(schedule, 0.1 if schedule[0] == "standard" else 0.2)
+    assert erase_gpu.auto_window(selector, 1, 20) == (selector.steps, selector.steps - 1)
+    assert erase_gpu.auto_window(selector, 10, 20) == (selector.steps, 0)
 
 
 # -- EraseModel(cuda_graphs=True) in every mode, CPU stand-in capture ---------------------------
@@ -115,18 +147,9 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
     y = (rng.random((48, 1)) < 0.4).astype("float32")
     eager = _mlp_model(mode, False, detach_input)
     eager_history = eager.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    captures = []
-
-    def factory():
-        captures.append(cuda_graphs.RecordingCapture())
-        return captures[-1]
-
-    previous = cuda_graphs.set_default_capture(factory)
-    try:
+    with stand_in_captures() as captures:
         graphed = _mlp_model(mode, True, detach_input)
         history = graphed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    finally:
-        cuda_graphs.set_default_capture(previous)
     runners = [r for r in cuda_graphs.live_runners() if r._capture in captures]
     assert len(runners) == 1
     runner = runners[0]
@@ -142,10 +165,10 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
 @torch_only
 def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
     """B1/B5: the torch step moves y/sample_weight once; every block gets that same tensor."""
-    from keras_erase import cuda_graphs, dispatch
+    from keras_erase import dispatch, torch_tensors
 
     calls, seen = [], []
-    real_to_device = cuda_graphs.to_device
+    real_to_device = torch_tensors.to_device
 
     def spy(structure, device):
         moved = real_to_device(structure, device)
@@ -158,7 +181,7 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
         seen.append(y_true)
         return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
 
-    monkeypatch.setattr(cuda_graphs, "to_device", spy)
+    monkeypatch.setattr(torch_tensors, "to_device", spy)
     monkeypatch.setattr(dispatch.BlockingDispatcher, "run_block", run_block)
     model = _mlp_model("blocking", False)
     rng = np.random.default_rng(0)

@@ -1,0 +1,215 @@
+"""Capture back-ends for CUDA Graphs: `CudaGraphCapture` (CUDA) and `RecordingCapture` (CPU).
+
+A capture is a callable `capture(fn, pool=None) -> Capture`: it runs `fn` once
+as a captured region and returns a `Capture` whose `replay()` reruns it on the
+same static tensors and whose `outputs` are the region's static outputs;
+`release()` frees it. `CudaGraphCapture` captures a `torch.cuda.CUDAGraph` on a
+side stream (`capture_error_mode="thread_local"`, one capture at a time in the
+process); `RecordingCapture` is the CPU stand-in the tests and the GPU
+benchmark's dry run use (it records the region's aten ops with
+`keras_erase.op_tape.OpTape` and replays them). `set_default_capture` picks
+what a runner built without a capture uses.
+
+Example:
+
+>>> import torch
+>>> x = torch.ones(2)
+>>> capture = RecordingCapture()(lambda: x * 2.0)
+>>> _ = x.fill_(3.0); capture.replay(); capture.outputs.tolist()
+[6.0, 6.0]
+"""
+
+import threading
+import weakref
+
+from keras_erase.op_tape import CaptureRefused
+from keras_erase.op_tape import OpTape
+from keras_erase.torch_tensors import is_tensor
+from keras_erase.torch_tensors import require_cuda
+from keras_erase.torch_tensors import same_storage
+
+
+class Capture:
+    """One captured region: `replay()` reruns it; `outputs` are its static output tensors.
+
+    `release()` frees it (a CUDA graph and its hold on the memory pool); the
+    capture is unusable afterwards.
+    """
+
+    def __init__(self, replay, outputs, pool=None, ops=(), release=None):
+        self.replay = replay
+        self.outputs = outputs
+        self.pool = pool
+        self.ops = tuple(ops)
+        self._release = release
+        self.released = False
+
+    def release(self):
+        if self.released:
+            return
+        self.released = True
+        release, self._release = self._release, None
+        self.replay = self.outputs = self.pool = None
+        if release is not None:
+            release()
+
+
+# One capture at a time in the process: a capture region must not interleave with
+# another thread's (the threaded worker may run replays, never captures, meanwhile).
+_CAPTURE_LOCK = threading.Lock()
+
+
+class CudaGraphCapture:
+    """Captures a region as a `torch.cuda.CUDAGraph` (the default capture on CUDA).
+
+    Captures are serialised by one lock per process (`_CAPTURE_LOCK`), shared
+    by every `CudaGraphCapture` object: two threads never capture at once.
+    The capture runs on a dedicated side stream that first waits for the
+    current stream, with `capture_error_mode="thread_local"` (other threads may
+    keep launching work), and the caller's current stream is restored in a
+    `finally` whatever happens. `pool`: the memory pool to capture into (`None`: a
+    new private pool; the runner gives each block's forward/backward pair one).
+    """
+
+    def __init__(self):
+        import torch
+
+        self.stream = torch.cuda.Stream()
+        self.lock = _CAPTURE_LOCK  # one capture at a time in the process, whatever the object
+
+    def __call__(self, fn, pool=None):
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        previous = torch.cuda.current_stream()
+        with self.lock:
+            self.stream.wait_stream(previous)
+            torch.cuda.synchronize()
+            try:
+                torch.cuda.set_stream(self.stream)
+                if pool is None:
+                    graph.capture_begin(capture_error_mode="thread_local")
+                else:
+                    graph.capture_begin(pool, capture_error_mode="thread_local")
+                failed = True
+                try:
+                    outputs = fn()
+                    failed = False
+                finally:
+                    try:
+                        graph.capture_end()
+                    except Exception:
+                        if not failed:  # otherwise keep the region's own error
+                            raise
+            finally:
+                torch.cuda.set_stream(previous)
+            previous.wait_stream(self.stream)
+        return Capture(graph.replay, outputs, pool=graph.pool(), release=graph.reset)
+
+
+class RecordingCapture:
+    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them.
+
+    Like a CUDA graph, the replay reruns the same ops on the same (static)
+    tensors: values read through Python at capture time stay frozen, new data
+    must be copied into the static inputs. The capture refuses the ops a CUDA
+    capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. It has to
+    execute the region once while recording, but then restores every tensor
+    that existed before and that the region wrote in place (batch-norm moving
+    statistics, seed states), so like a CUDA capture it leaves no side effect.
+
+    Args:
+        fail_after: make the capture number `fail_after` (1-based) raise
+            `CaptureRefused` (to test failure handling), `None` for never.
+
+    Attributes:
+        captured: the recorded op names of every capture, in order.
+        pools: the memory pool of every capture (a new one when none was given).
+        replays: how many replays ran.
+        released: how many captures were released (`Capture.release`).
+        live: how many captures are neither released nor garbage-collected.
+    """
+
+    def __init__(self, fail_after=None):
+        self.fail_after = fail_after
+        self.captured = []
+        self.pools = []
+        self.replays = 0
+        self.released = 0
+        self._live = weakref.WeakSet()
+
+    @property
+    def live(self):
+        return sum(1 for c in list(self._live) if not c.released)
+
+    def _count_release(self):
+        self.released += 1
+
+    def __call__(self, fn, pool=None):
+        import torch
+
+        if self.fail_after is not None and len(self.captured) + 1 >= self.fail_after:
+            self.captured.append(("<injected failure>",))
+            raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
+        tape = OpTape()
+        with tape:
+            outputs = fn()
+        tape.undo()  # a CUDA capture runs nothing: leave no side effect (e.g. batch-norm stats)
+        self.captured.append(tuple(tape.names))
+        pool = pool if pool is not None else object()  # like a new private memory pool
+        self.pools.append(pool)
+        records = tape.records
+
+        def replay():
+            self.replays += 1
+            with torch.no_grad():
+                for func, args, kwargs, out in records:
+                    fresh = func(*args, **kwargs)
+                    olds = out if isinstance(out, (tuple, list)) else (out,)
+                    news = fresh if isinstance(fresh, (tuple, list)) else (fresh,)
+                    for old, new in zip(olds, news):
+                        if is_tensor(old) and is_tensor(new) and not same_storage(old, new):
+                            old.copy_(new)
+
+        records_box = [records]
+
+        def release():  # like `CUDAGraph.reset()`: the recorded ops and their tensors go
+            records_box.clear()
+            records.clear()
+            self._count_release()
+
+        capture = Capture(replay, outputs, pool=pool, ops=tape.names, release=release)
+        self._live.add(capture)
+        return capture
+
+
+_CAPTURE_FACTORY = None
+
+
+def set_default_capture(factory):
+    """Sets what runners built without a capture use (`None`: `CudaGraphCapture`); returns the old one.
+
+    `set_default_capture(RecordingCapture)` lets `EraseModel(cuda_graphs=True)`
+    run its graph logic on a CPU machine (the tests and the GPU benchmark's
+    `--cpu-dry-run` do this); real runs never need it.
+    """
+    global _CAPTURE_FACTORY
+    previous, _CAPTURE_FACTORY = _CAPTURE_FACTORY, factory
+    return previous
+
+
+def require_capture():
+    """Raises `require_cuda`'s clear error when graphs cannot be captured here.
+
+    Graphs need CUDA, unless a CPU stand-in was set with `set_default_capture`.
+    """
+    if _CAPTURE_FACTORY is None:
+        require_cuda("cuda_graphs=True")
+
+
+def default_capture():
+    """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
+    require_capture()
+    if _CAPTURE_FACTORY is not None:
+        return _CAPTURE_FACTORY()
+    return CudaGraphCapture()

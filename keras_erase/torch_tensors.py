@@ -1,0 +1,91 @@
+"""Torch structure helpers shared by the ERASE step modules (the bottom layer: imports no sibling).
+
+`dispatch`, `streams`, `cuda_graphs` and `handoff` all use these; keeping them
+here makes the import graph one-way (`dispatch -> streams -> block_dispatcher ->
+torch_tensors`, `cuda_graphs -> graph_capture -> op_tape`).
+
+Example:
+
+>>> import torch
+>>> flat_tensors({"a": torch.ones(1), "b": [torch.zeros(2), 3]})[1].shape
+torch.Size([2])
+"""
+
+import torch
+
+
+def is_tensor(value):
+    """Whether `value` is a torch tensor."""
+    return isinstance(value, torch.Tensor)
+
+
+def map_tensors(fn, structure):
+    """`structure` (nested lists, tuples, dicts) with `fn` applied to every torch tensor."""
+    if isinstance(structure, torch.Tensor):
+        return fn(structure)
+    if isinstance(structure, (list, tuple)):
+        return type(structure)(map_tensors(fn, s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: map_tensors(fn, v) for k, v in structure.items()}
+    return structure
+
+
+def detach_tensors(structure):
+    """`structure` with every torch tensor detached."""
+    return map_tensors(lambda t: t.detach(), structure)
+
+
+def flat_tensors(structure):
+    """Every torch tensor of `structure`, in order."""
+    if isinstance(structure, torch.Tensor):
+        return [structure]
+    if isinstance(structure, (list, tuple)):
+        return [t for s in structure for t in flat_tensors(s)]
+    if isinstance(structure, dict):
+        return [t for v in structure.values() for t in flat_tensors(v)]
+    return []
+
+
+def same_storage(a, b):
+    """Whether tensors `a` and `b` start at the same memory (one is a view of the other's start)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
+
+
+def to_device(structure, device):
+    """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
+
+    Numpy arrays (`train_on_batch` passes the target as given) become tensors
+    first, as Keras converts them: a block's local loss then never makes a
+    tensor from host data (which a CUDA Graph refuses) and a graph's input
+    signature is the array's shape, not its values.
+    Used once per step for the target and sample weight, and for block inputs
+    from a CPU `DataLoader` in `"streams"` mode.
+
+    Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
+    """
+    import keras
+    import numpy as np
+    from keras import tree
+
+    device = torch.device(device)
+
+    def move(t):
+        if isinstance(t, np.ndarray):
+            t = keras.ops.convert_to_tensor(t)
+        if isinstance(t, torch.Tensor) and t.device != device:
+            return t.to(device, non_blocking=t.device.type == "cpu" and device.type == "cuda")
+        return t
+
+    return tree.map_structure(move, structure) if structure is not None else None
+
+
+def require_cuda(what):
+    """Raises a clear `ValueError` when `what` needs CUDA and torch has none."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False. "
+            "Use dispatch='threaded', 'blocking', 'standard' or 'auto' on CPU."
+        )
