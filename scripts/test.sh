@@ -45,8 +45,9 @@ else
   for backend in "${backends[@]}"; do
     while [ "${#pids[@]}" -ge "$jobs" ]; do wait_one; done
     (
-      KERAS_BACKEND=$backend .venv/bin/python -m pytest "${pytest_args[@]}" \
-        >"$logs/$backend.log" 2>&1
+      # Its own temporary folder: two pytest sessions never clean up each other's.
+      KERAS_BACKEND=$backend .venv/bin/python -m pytest --basetemp="$logs/tmp-$backend" \
+        "${pytest_args[@]}" >"$logs/$backend.log" 2>&1
       echo $? >"$logs/$backend.rc"
     ) &
     pids[$backend]=$!

@@ -20,6 +20,9 @@ SLOW = (
     # Subprocesses: fresh interpreters, meshes of simulated devices, other backends.
     "tests/test_distributed_jax.py",
     "tests/test_sharded_metrics.py",
+    "tests/test_distributed_torch.py",
+    "tests/test_examples.py::test_ctr_nproc_global_qps_is_the_slowest_rank_per_step",
+    "tests/test_erase_gpu_path.py::test_benchmark_cpu_dry_run_goes_through_graphs",
     "tests/test_erase.py::test_cross_backend_same_weights",
     "tests/test_examples.py::test_backend_flag_selects_backend_before_import",
     "tests/test_memory.py::test_forward_backward_peak_is_under_ten_percent_of_dense_logits",
@@ -43,6 +46,10 @@ SLOW = (
     "tests/test_metrics.py::test_two_retrieval_metrics_log_under_their_names",
     "tests/test_metrics.py::test_metrics_in_compile_fit_evaluate_save_load",
     "tests/test_training_loops.py::test_stateless_loop_with_a_stateless_scope_trains_the_table",
+    "tests/test_erase_torch.py::test_every_dispatch_mode_gives_the_standard_weights_and_logs",
+    "tests/test_cuda_graphs.py::test_block_step_has_no_host_data_and_no_host_sync",
+    # A 2**24-row table.
+    "tests/test_loss.py::test_ids_stay_integers_beyond_float32_precision",
     # Many compiled shapes, or Pallas kernels in interpret mode (JAX).
     "tests/test_cut_bce.py::test_vocab_not_multiple_of_tile",
     "tests/test_cut_bce.py::test_random_shapes_match_keras_bce",
