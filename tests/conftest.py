@@ -48,7 +48,7 @@ SLOW = (
     "tests/test_erase.py::test_cross_backend_same_weights",
     "tests/test_examples.py::test_backend_flag_selects_backend_before_import",
     "tests/test_memory.py::test_forward_backward_peak_is_under_ten_percent_of_dense_logits",
-    "tests/test_readme.py::test_readme_block_runs_as_written",
+    "tests/test_readme.py::test_documented_block_runs_as_written",
     "tests/test_readme.py::test_load_model_in_a_fresh_process_after_importing_keras_cutbce",
     # The examples end to end (training runs).
     "tests/test_examples.py::test_run_all_tables_and_printed_paths",
