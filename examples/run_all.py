@@ -8,7 +8,8 @@
 3. the same SASRec with BCE on one sampled negative per target
    (`--loss sampled`, the original SASRec recipe), same seed;
 4. the CTR model in every ERASE mode available here (`--compare`), with
-   `erase-auto` (`EraseModel(dispatch="auto")`) on every backend,
+   `erase-auto` (`EraseModel(dispatch="auto")`) on every backend, each mode
+   trained with `--ctr-seeds` seeds (default 3): NE and AUC as mean +- sd,
 
 then prints the SASRec table (each loss vs most popular) and the CTR table
 (QPS gain and NE gap against the undetached baseline). The JSON results and
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from examples import DEFAULT_OUTPUT_DIR
+from examples import DEFAULT_OUTPUT_DIR, positive_int
 from examples.sasrec.tables import run_name, sasrec_table
 
 SASREC_RUNS = (("cutbce", []), ("dense", []), ("sampled", ["--num-negatives", "1"]))
@@ -56,6 +57,8 @@ def build_parser():
                         help="folder for the JSON results and the plot")
     parser.add_argument("--sasrec-args", default="", help="extra arguments for examples.sasrec")
     parser.add_argument("--ctr-args", default="", help="extra arguments for examples.ctr")
+    parser.add_argument("--ctr-seeds", type=positive_int, default=3,
+                        help="training seeds per CTR mode (NE and AUC as mean +- sd over them)")
     parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=None,
                         help="fit's verbosity in both examples (None: 1 on a terminal, "
                              "else 2, one line per epoch)")
@@ -91,7 +94,8 @@ def main(argv=None):
     plot = os.path.join(out, "ctr_ne.png")
     seconds["ctr compare"] = _run(
         "examples.ctr",
-        ["--compare", "--json", ctr_json, "--plot", plot, *verbose, *ctr_extra],
+        ["--compare", "--seeds", str(args.ctr_seeds), "--json", ctr_json, "--plot", plot,
+         *verbose, *ctr_extra],
         env,
     )
     with open(ctr_json) as f:

@@ -60,6 +60,33 @@ class EraseConfig:
         object.__setattr__(self, "cuda_graphs", bool(self.cuda_graphs))
         object.__setattr__(self, "auto_steps", int(self.auto_steps))
 
+    def backend_note(self, backend):
+        """What runs instead of a torch-only setting on `backend`, or `None` if nothing changes.
+
+        `"streams"` and `cuda_graphs=True` exist on torch only; on JAX and
+        TensorFlow the standard step trains the model (same gradients).
+
+        Example:
+
+        >>> EraseConfig(dispatch="streams").backend_note("jax")[:40]
+        "EraseModel: dispatch='streams' is a torc"
+        """
+        if backend == "torch":
+            return None
+        settings = []
+        if self.dispatch == "streams":
+            settings.append("dispatch='streams'")
+        if self.cuda_graphs:
+            settings.append("cuda_graphs=True")
+        if not settings:
+            return None
+        return (
+            f"EraseModel: {' and '.join(settings)} {'is a' if len(settings) == 1 else 'are'} "
+            f"torch (CUDA) setting{'' if len(settings) == 1 else 's'}; on backend {backend!r} "
+            "the standard Keras train step runs instead (same gradients, no early backward). "
+            "Leave them out (dispatch='auto', cuda_graphs=False) to silence this warning."
+        )
+
     @property
     def needs_cuda(self):
         """Whether training with this configuration needs CUDA (`"streams"` or CUDA Graphs)."""

@@ -25,6 +25,8 @@ How the local loss reaches the model (all backends):
 """
 
 import contextlib
+import math
+import numbers
 import threading
 import warnings
 
@@ -111,6 +113,21 @@ def collecting(model, training=None, evaluating=False):
         stack.pop()
 
 
+@contextlib.contextmanager
+def recording_inputs():
+    """Records `(block, inputs)` for every `DetachBlock` call in this thread; yields the list.
+
+    Used by `keras_erase.frozen_upstream` to ask which variables each block's
+    input depends on.
+    """
+    previous = getattr(_STATE, "inputs", None)
+    _STATE.inputs = records = []
+    try:
+        yield records
+    finally:
+        _STATE.inputs = previous
+
+
 def _warn_outside_erase_model(block):
     if block.__dict__.get("_warned_outside"):
         return
@@ -168,6 +185,22 @@ def _to_loss_object(loss):
     )
 
 
+def _checked_loss_weight(loss_weight):
+    """`loss_weight` as a float; `TypeError`/`ValueError` naming it unless a finite number >= 0."""
+    if isinstance(loss_weight, bool) or not isinstance(loss_weight, numbers.Real):
+        raise TypeError(
+            "DetachBlock: `loss_weight` must be a number >= 0. "
+            f"Received: loss_weight={loss_weight!r} of type {type(loss_weight).__name__}"
+        )
+    value = float(loss_weight)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"DetachBlock: `loss_weight` must be a finite number >= 0. "
+            f"Received: loss_weight={loss_weight!r}"
+        )
+    return value
+
+
 def _has_symbolic(structure):
     """True for shape-inference calls (KerasTensors or Keras's symbolic scope)."""
     if _keras_private.in_symbolic_scope():
@@ -186,7 +219,8 @@ class DetachBlock(keras.layers.Layer):
             a head the block's output itself is compared with the target.
         loss: local loss (string, function or `keras.losses.Loss`). Without a
             loss the block has no local objective (it only detaches).
-        loss_weight: multiplier of the local loss in the model's total loss.
+        loss_weight: multiplier of the local loss in the model's total loss: a
+            finite number >= 0 (`TypeError` / `ValueError` otherwise).
         detach_input: stop the gradient at the block's input (default). With
             `False` the input is not detached, so upstream layers also receive
             the local loss's gradient.
@@ -240,7 +274,7 @@ class DetachBlock(keras.layers.Layer):
         self.head = head
         self.loss_identifier = loss
         self.loss_fn = _to_loss_object(loss)
-        self.loss_weight = float(loss_weight)
+        self.loss_weight = _checked_loss_weight(loss_weight)
         self.detach_input = bool(detach_input)
         self.target = target
         # Pending head predictions of training calls, consumed by
@@ -326,6 +360,9 @@ class DetachBlock(keras.layers.Layer):
         return value if own is None else value + own
 
     def call(self, inputs, training=None):
+        records = getattr(_STATE, "inputs", None)
+        if records is not None:
+            records.append((self, inputs))
         if training is None:
             training = _collector_setting(1)
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)

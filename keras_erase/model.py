@@ -32,9 +32,14 @@ Dispatch modes (torch):
   training steps.
 
 Intra-op threads (torch CPU): see `keras_erase.threads`.
+
+At the first train step on every backend, trainable variables that no loss
+reaches (e.g. an embedding read only by blocks with `detach_input=True`) are
+reported once with a `FrozenUpstreamWarning` (`keras_erase.frozen_upstream`).
 """
 
 import logging
+import warnings
 
 import keras
 
@@ -45,9 +50,12 @@ from keras_erase.config import EraseConfig
 from keras_erase.auto import AUTO_MARGIN  # noqa: F401 - re-exported
 from keras_erase.detach_block import DetachBlock
 from keras_erase.detach_block import collecting
+from keras_erase.frozen_upstream import warn_if_frozen
 from keras_erase.local_losses import add_local_losses
 from keras_erase.local_losses import losses_outside_blocks
+from keras_erase.monitor_modes import minimise_block_losses
 from keras_erase.runtime import EraseRuntime
+from keras_erase.targets import check_targets
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -74,12 +82,13 @@ class EraseModel(keras.Model):
     Args:
         dispatch: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or
             `"streams"` (CUDA). Only used on torch; JAX and TensorFlow use the
-            standard step.
+            standard step (`"streams"` there warns and runs the standard step).
         num_streams: number of CUDA streams for `"streams"` (round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
             `"streams"` and `cuda_graphs=True` need CUDA to train on torch (the
             first train step raises otherwise); building, loading, `predict`
-            and `evaluate` work anywhere.
+            and `evaluate` work anywhere. On JAX and TensorFlow they warn at
+            construction and the standard step runs.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see `keras_erase.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"` (more
@@ -126,11 +135,15 @@ class EraseModel(keras.Model):
                 "must inherit from keras_erase.model.FunctionalEraseModel."
             )
         config = EraseConfig(dispatch, num_streams, cuda_graphs, intra_op_threads, auto_steps)
+        note = config.backend_note(keras.backend.backend())
+        if note is not None:
+            warnings.warn(note, stacklevel=2)
         super().__init__(*args, **kwargs)
         # One plain object, outside Keras's and torch's attribute tracking.
         self.__dict__["_erase"] = EraseRuntime(config, _is_torch())
         if self.built:
             self._erase.trackers.ensure(self.detach_blocks())
+        check_targets(self.detach_blocks(), getattr(self, "output_names", None))
 
     # -- configuration ------------------------------------------------------------
 
@@ -256,6 +269,9 @@ class EraseModel(keras.Model):
     # -- torch ERASE train step -----------------------------------------------------
 
     def fit(self, *args, **kwargs):
+        callbacks = kwargs.get("callbacks", args[5] if len(args) > 5 else None)
+        self._erase.trackers.ensure(self.detach_blocks())
+        minimise_block_losses(callbacks, self._erase.trackers.names())
         if not _is_torch():
             return super().fit(*args, **kwargs)
         from keras_erase.threads import restored_intra_op_threads
@@ -285,9 +301,20 @@ class EraseModel(keras.Model):
         finally:
             self._erase.in_test_step = False
 
+    def _check_frozen_upstream(self, args):
+        # Once, at the first train step on every backend (JAX and TF: at trace time).
+        if self.__dict__.get("_frozen_upstream_checked"):
+            return
+        self.__dict__["_frozen_upstream_checked"] = True
+        blocks = self.detach_blocks()
+        if any(b.detach_input or not b.has_local_loss for b in blocks):
+            state = args[0] if len(args) == 2 else None  # JAX: (state, data)
+            warn_if_frozen(self, args[-1], state)
+
     def train_step(self, *args, **kwargs):
         self._erase.in_train_step = True
         try:
+            self._check_frozen_upstream(args)
             if not _is_torch():  # JAX (state, data) and TensorFlow (data): the stock step
                 return super().train_step(*args, **kwargs)
             from keras_erase import torch_step

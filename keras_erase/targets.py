@@ -1,12 +1,48 @@
 """Which of the model's targets (and sample weights) a `DetachBlock`'s local loss uses."""
 
 
-def _output_index(output_names, name):
+def _bad_target(block, outputs):
+    return ValueError(
+        f"DetachBlock {block.name!r}: `target` must name one of the model's outputs "
+        f"{list(outputs)} or be an index in [0, {len(outputs)}). Received: target={block.target!r}"
+    )
+
+
+def _output_index(output_names, name, block=None):
     if name not in output_names:
+        if block is not None:
+            raise _bad_target(block, output_names)
         raise ValueError(
             f"DetachBlock target {name!r} is not an output of the model; outputs: {output_names}"
         )
     return output_names.index(name)
+
+
+def check_targets(blocks, output_names):
+    """Raises a `ValueError` naming `target=` and the outputs for a block whose target is not one.
+
+    Called when the model's outputs are known (a Functional `EraseModel` at
+    construction), so a bad `target=` fails before training.
+
+    Example:
+
+    >>> from types import SimpleNamespace
+    >>> check_targets([SimpleNamespace(name="t", target="nope")], ["buy", "click"])
+    Traceback (most recent call last):
+    ...
+    ValueError: DetachBlock 't': `target` must name one of the model's outputs ['buy', 'click'] or be an index in [0, 2). Received: target='nope'
+    """
+    output_names = list(output_names or [])
+    if not output_names:
+        return
+    for block in blocks:
+        target = block.target
+        if target is None:
+            continue
+        if isinstance(target, str):
+            _output_index(output_names, target, block)
+        elif not 0 <= target < len(output_names):
+            raise _bad_target(block, output_names)
 
 
 def select_target(block, y, sample_weight, output_names=()):
@@ -39,9 +75,13 @@ def select_target(block, y, sample_weight, output_names=()):
                         f"{sorted(structure)}; pass `target=` to choose one."
                     )
                 return next(iter(structure.values()))
-            if isinstance(target, str):
-                return structure[target]
             names = output_names or list(structure)
+            if isinstance(target, str):
+                if target not in structure:
+                    raise _bad_target(block, names)
+                return structure[target]
+            if not 0 <= target < len(names) or names[target] not in structure:
+                raise _bad_target(block, names)
             return structure[names[target]]
         if isinstance(structure, (list, tuple)):
             if target is None:
@@ -51,10 +91,14 @@ def select_target(block, y, sample_weight, output_names=()):
                         "targets; pass `target=` (an output name or index) to choose one."
                     )
                 return structure[0]
-            index = target if isinstance(target, int) else _output_index(output_names, target)
-            return structure[index]
+            names = output_names or list(range(len(structure)))
+            if isinstance(target, int):
+                if not 0 <= target < len(structure):
+                    raise _bad_target(block, names)
+                return structure[target]
+            return structure[_output_index(output_names, target, block)]
         if target not in (None, 0) and not (
-            isinstance(target, str) and _output_index(output_names, target) == 0
+            isinstance(target, str) and _output_index(output_names, target, block) == 0
         ):
             raise ValueError(
                 f"DetachBlock {block.name!r}: target={target!r} but the model has one target."

@@ -8,6 +8,7 @@ Torch-only schedule tests (dispatch equivalence, trace, ordering, failures) are 
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -480,3 +481,86 @@ def test_validation_loss_is_comparable_and_logs_each_local_loss():
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2])
+
+
+# -- argument errors a user meets ---------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["nope", 2, -1])
+def test_bad_target_of_a_multi_output_model_is_named_at_construction(target):
+    inputs = keras.Input((4,))
+    h = DetachBlock(keras.layers.Dense(3), head=keras.layers.Dense(1), loss="mse",
+                    target=target, name="t")(inputs)
+    outputs = {"buy": keras.layers.Dense(1, name="buy")(h),
+               "click": keras.layers.Dense(1, name="click")(h)}
+    with pytest.raises(ValueError, match=r"`target` must name one of the model's outputs "
+                                         r"\['buy', 'click'\].*Received: target="):
+        EraseModel(inputs, outputs)
+
+
+def test_bad_target_of_a_subclassed_model_is_named_at_the_first_step():
+    class TwoHeads(EraseModel):
+        def __init__(self):
+            super().__init__(dispatch="standard")
+            self.block = DetachBlock(keras.layers.Dense(3), head=keras.layers.Dense(1),
+                                     loss="mse", target="nope", name="t")
+            self.a, self.b = keras.layers.Dense(1), keras.layers.Dense(1)
+
+        def call(self, x):
+            h = self.block(x)
+            return {"buy": self.a(h), "click": self.b(h)}
+
+    model = TwoHeads()
+    model.compile(optimizer="sgd", loss={"buy": "mse", "click": "mse"})
+    x = np.ones((4, 4), "float32")
+    with pytest.raises(ValueError, match=r"'t': `target` must name one of.*target='nope'"):
+        model.fit(x, {"buy": np.ones((4, 1)), "click": np.ones((4, 1))}, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "loss_weight, error, text",
+    [("x", TypeError, "of type str"), (None, TypeError, "of type NoneType"),
+     (True, TypeError, "of type bool"), (-1, ValueError, "loss_weight=-1"),
+     (float("nan"), ValueError, "loss_weight=nan"), (float("inf"), ValueError, "inf")],
+)
+def test_loss_weight_must_be_a_finite_non_negative_number(loss_weight, error, text):
+    with pytest.raises(error, match=f"`loss_weight` must be .*{text}"):
+        DetachBlock(keras.layers.Dense(2), loss="mse", loss_weight=loss_weight)
+    assert DetachBlock(keras.layers.Dense(2), loss="mse", loss_weight=np.float32(0.5)).loss_weight == 0.5
+    assert DetachBlock(keras.layers.Dense(2), loss="mse", loss_weight=0).loss_weight == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [{"dispatch": "streams"}, {"cuda_graphs": True},
+                                    {"dispatch": "streams", "cuda_graphs": True}])
+def test_torch_only_settings_say_what_runs_instead(kwargs):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1)(inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EraseModel(inputs, outputs, **kwargs)
+    messages = [str(w.message) for w in caught if "EraseModel:" in str(w.message)]
+    if BACKEND == "torch":
+        assert messages == []  # a torch schedule: nothing runs instead
+    else:
+        assert len(messages) == 1
+        assert f"on backend {BACKEND!r} the standard Keras train step runs instead" in messages[0]
+        for setting in ("dispatch='streams'" if "dispatch" in kwargs else None,
+                        "cuda_graphs=True" if "cuda_graphs" in kwargs else None):
+            assert setting is None or setting in messages[0]
+
+
+@pytest.mark.parametrize("monitor", ["val_tower_1_loss", "tower_0_loss"])
+def test_monitoring_callbacks_minimise_block_losses_in_auto_mode(monitor, tmp_path):
+    model = build_ctr("standard", num_towers=2)
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    x, y = ctr_data(64)
+    stop = keras.callbacks.EarlyStopping(monitor=monitor, patience=1)
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best.keras"), monitor=monitor, save_best_only=True
+    )
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_split=0.25,
+                        callbacks=[stop, checkpoint])
+    assert stop.mode == checkpoint.mode == "min"  # as Keras decides for "loss"
+    assert monitor in history.history and (tmp_path / "best.keras").exists()
+    # A block loss that goes up is the worse one: EarlyStopping keeps the lowest.
+    assert stop.best == pytest.approx(min(history.history[monitor]))

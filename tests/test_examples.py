@@ -449,6 +449,50 @@ def test_ctr_compare_table_and_plot(tmp_path, capsys):
         assert by_mode[mode]["ne"] == pytest.approx(by_mode["detached"]["ne"], rel=1e-4)
 
 
+def test_ctr_seeds_report_mean_and_sd(tmp_path, capsys):
+    from examples.ctr.train import main
+
+    out = tmp_path / "ctr.json"
+    (result,) = main(TINY_CTR + ["--mode", "detached", "--seeds", "2", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["seeds"] == [0, 1] and len(written["ne_per_seed"]) == 2
+    assert written["ne"] == pytest.approx(np.mean(written["ne_per_seed"]))
+    assert written["ne_sd"] == pytest.approx(np.std(written["ne_per_seed"], ddof=1))
+    assert written["auc_sd"] == pytest.approx(np.std(written["auc_per_seed"], ddof=1))
+    assert written["ne_per_seed"][0] != written["ne_per_seed"][1]  # the seeds differ
+    assert written["timed_steps"] == 2 * 3  # both seeds' steps after warm-up
+    printed = capsys.readouterr().out
+    assert "NE (mean ± sd, 2 seeds)" in printed
+    assert f"{written['ne']:.4f} ± {written['ne_sd']:.4f}" in printed
+
+
+def test_ctr_gap_is_computed_on_the_means(tmp_path):
+    from examples.ctr.seeds import aggregate
+    from examples.ctr.train import compare_table, plot_ne
+
+    def run(mode, seed, ne, auc):
+        return {"mode": mode, "seed": seed, "ne": ne, "auc": auc, "step_seconds": [0.1, 0.2],
+                "train_ne_per_step": [1.0, ne], "steps": 3, "timed_steps": 2}
+
+    base = aggregate([run("baseline", 0, 0.70, 0.8), run("baseline", 1, 0.74, 0.7)], 100)
+    other = aggregate([run("detached", 0, 0.75, 0.8), run("detached", 1, 0.73, 0.7)], 100)
+    table = compare_table([base, other])
+    gap = 100 * (0.74 / 0.72 - 1)  # means 0.72 and 0.74
+    assert f"| detached | 0.7400 ± 0.0141 | 0.7500 ± 0.0707 |" in table
+    assert f"{gap:+.2f}% |" in table
+    assert other["train_ne_per_step"] == pytest.approx([1.0, 0.74])
+    assert other["train_ne_sd_per_step"] == pytest.approx([0.0, np.std([0.75, 0.73], ddof=1)])
+    plot = tmp_path / "ne.png"
+    plot_ne([base, other], str(plot))
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_main_job_runs_the_ctr_with_three_seeds():
+    from examples import run_all
+
+    assert run_all.build_parser().parse_args([]).ctr_seeds >= 3
+
+
 def written_table(path):
     return json.loads(path.read_text())["table"]
 

@@ -12,7 +12,10 @@ Modes (the same network and initial weights in every mode):
 | `erase-streams` | early backward on CUDA streams (torch + CUDA) |
 | `erase-graphs` | streams with each tower captured as a CUDA Graph (torch + CUDA) |
 
-Reported: normalized entropy (NE) and AUC on a held-out split, and the
+Reported: normalized entropy (NE) and AUC on a held-out split (with
+`--seeds N`, the mean +- sample sd over N training seeds `--seed`, `--seed + 1`,
+...: initial weights and shuffling change, the data set stays the one made
+from `--seed`), and the
 training throughput after `--warmup-steps`: examples/s of every step (from
 `on_train_batch_begin` to `on_train_batch_end`, CUDA synchronized before each
 clock read on a CUDA device), p50 and p90 over steps as the ERASE paper
@@ -28,7 +31,7 @@ Example:
 ```
 python -m examples.ctr --backend jax --json runs/ctr.json      # --mode erase-auto
 python -m examples.ctr --backend torch --mode erase-threaded --json runs/ctr.json
-python -m examples.ctr --backend torch --compare --plot runs/ctr_ne.png
+python -m examples.ctr --backend torch --compare --seeds 3 --plot runs/ctr_ne.png
 ```
 """
 
@@ -45,6 +48,7 @@ import numpy as np
 from examples import default_verbosity, non_negative_int, output_path, positive_float, positive_int
 from examples.ctr import data as data_lib
 from examples.ctr.model import NormalizedEntropy, build_ctr_model
+from examples.ctr.seeds import aggregate, mean_sd
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
 
 MODES = (
@@ -127,6 +131,9 @@ def build_parser():
                         help="first steps left out of the throughput (must be fewer than the "
                              "training steps)")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--seeds", type=positive_int, default=1,
+                        help="training runs per mode (seeds --seed, --seed + 1, ...; same data): "
+                             "NE and AUC reported as mean +- sd, the NE gap on the means")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
                         help="fit's verbosity: 1 progress bar, 2 one line per epoch "
@@ -227,14 +234,15 @@ def load_data(args):
     return train, test
 
 
-def run_mode(mode, args, train, test):
-    """Trains one mode from the seed's initial weights; returns its results."""
+def run_mode(mode, args, train, test, seed=None):
+    """Trains one mode from the initial weights of `seed` (default `--seed`); returns its results."""
     if mode not in available_modes():
         raise SystemExit(
             f"--mode {mode} is not available on backend {keras.backend.backend()!r} "
             f"here; available: {', '.join(available_modes())}."
         )
-    keras.utils.set_random_seed(args.seed)
+    seed = args.seed if seed is None else seed
+    keras.utils.set_random_seed(seed)
     model = build_ctr_model(
         detached=mode != "baseline",
         buckets=args.buckets,
@@ -251,8 +259,9 @@ def run_mode(mode, args, train, test):
     )
     meter = Throughput(args.batch_size, synchronize=make_synchronizer())
     features = {"dense": train["dense"], "sparse": train["sparse"]}
-    print(f"[ctr] backend={keras.backend.backend()} mode={mode} train={len(train['label'])} "
-          f"test={len(test['label'])} ctr={train['label'].mean():.3f}")
+    print(f"[ctr] backend={keras.backend.backend()} mode={mode} seed={seed} "
+          f"train={len(train['label'])} test={len(test['label'])} "
+          f"ctr={train['label'].mean():.3f}")
     model.fit(
         features,
         train["label"],
@@ -271,8 +280,11 @@ def run_mode(mode, args, train, test):
         verbose=0,
     )
     qps_p50, qps_p90 = meter.percentiles(args.warmup_steps)
+    print(f"[ctr] mode={mode} seed={seed}: held-out NE {float(scores['ne']):.4f} "
+          f"AUC {float(scores['auc']):.4f}, QPS p50 {qps_p50:.0f}", flush=True)
     return {
         "mode": mode,
+        "seed": seed,
         "dispatch_choice": getattr(model, "dispatch_choice", None),
         "ne": float(scores["ne"]),
         "auc": float(scores["auc"]),
@@ -290,7 +302,8 @@ TABLE_NOTE = (
     "QPS: training examples/s of each step after warm-up (CPU: wall clock; CUDA: synchronized); "
     "p50 = median step, p90 = 90th percentile of per-step examples/s (the fast end, as the "
     "ERASE paper reports it); gains and NE gap are relative to the first mode (baseline). "
-    "NE and AUC: held-out split, lower NE is better. erase-auto (its choice in brackets) tries each "
+    "NE and AUC: held-out split, lower NE is better; with several seeds mean ± sample sd over "
+    "the seeds, and the NE gap is that of the means. erase-auto (its choice in brackets) tries each "
     "candidate schedule during its first steps; those past the warm-up count in its QPS."
 )
 
@@ -298,8 +311,10 @@ TABLE_NOTE = (
 def compare_table(results):
     """Markdown table of the modes' results with gains against `baseline` (+ a note)."""
     base = next((r for r in results if r["mode"] == "baseline"), results[0])
+    seeds = base.get("seeds", [base.get("seed")])
+    over = f" (mean ± sd, {len(seeds)} seeds)" if len(seeds) > 1 else ""
     lines = [
-        "| mode | NE | AUC | QPS p50 | QPS p90 | QPS gain p50 | QPS gain p90 | NE gap |",
+        f"| mode | NE{over} | AUC{over} | QPS p50 | QPS p90 | QPS gain p50 | QPS gain p90 | NE gap |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -307,17 +322,23 @@ def compare_table(results):
         gain90 = 100.0 * (r["qps_p90"] / base["qps_p90"] - 1.0)
         gap = 100.0 * (r["ne"] / base["ne"] - 1.0)
         name = r["mode"]
-        if r.get("dispatch_choice") and r["mode"] == "erase-auto":
-            name += f" ({r['dispatch_choice']})"
+        choices = r.get("dispatch_choices") or [r.get("dispatch_choice")]
+        distinct = list(dict.fromkeys(c for c in choices if c))  # each seed's choice, in order
+        if distinct and r["mode"] == "erase-auto":
+            name += f" ({'/'.join(distinct)})"
         lines.append(
-            f"| {name} | {r['ne']:.4f} | {r['auc']:.4f} | {r['qps_p50']:.0f} "
+            f"| {name} | {mean_sd(r['ne'], r.get('ne_sd', 0.0), seeds)} "
+            f"| {mean_sd(r['auc'], r.get('auc_sd', 0.0), seeds)} | {r['qps_p50']:.0f} "
             f"| {r['qps_p90']:.0f} | {gain50:+.1f}% | {gain90:+.1f}% | {gap:+.2f}% |"
         )
     return "\n".join(lines) + "\n\n" + TABLE_NOTE
 
 
 def plot_ne(results, path):
-    """Saves the training NE (running, per step) of every mode to a PNG."""
+    """Saves the training NE (running, per step) of every mode to a PNG.
+
+    With several seeds: the mean over seeds per step, and a band of +- one sd.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,9 +347,16 @@ def plot_ne(results, path):
     figure, axis = plt.subplots(figsize=(7, 4))
     for r in results:
         ne = r["train_ne_per_step"]
-        axis.plot(np.arange(1, len(ne) + 1), ne, label=r["mode"], linewidth=1.2)
+        steps = np.arange(1, len(ne) + 1)
+        (line,) = axis.plot(steps, ne, label=r["mode"], linewidth=1.2)
+        sd = r.get("train_ne_sd_per_step")
+        if sd and len(r.get("seeds", ())) > 1:
+            low, high = np.array(ne) - np.array(sd), np.array(ne) + np.array(sd)
+            axis.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
     axis.set_xlabel("training step")
-    axis.set_ylabel("normalized entropy (running, train)")
+    seeds = len(results[0].get("seeds", ())) if results else 0
+    axis.set_ylabel("normalized entropy (running, train)"
+                    + (f"\nmean ± sd over {seeds} seeds" if seeds > 1 else ""))
     axis.set_title(f"CTR: NE per step ({keras.backend.backend()})")
     axis.grid(alpha=0.3)
     axis.legend()
@@ -349,15 +377,15 @@ def shard(train, rank, world, batch_size):
     return {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in train.items()}
 
 
-def run_rank(rank, world, mode, args):
+def run_rank(rank, world, mode, args, seed=None):
     """One rank of `--nproc`: trains `mode` on its shard (weights broadcast from rank 0)."""
     train, test = load_data(args)  # same seed: the same data on every rank
     if rank > 0:
         args.verbose = 0
-    return run_mode(mode, args, shard(train, rank, world, args.batch_size), test)
+    return run_mode(mode, args, shard(train, rank, world, args.batch_size), test, seed)
 
 
-def run_distributed(mode, args):
+def run_distributed(mode, args, seed=None):
     """`--nproc N`: N local gloo ranks; NE/AUC of rank 0; QPS of the global steps.
 
     A global step ends when its slowest rank ends: per step, global examples/s
@@ -368,11 +396,13 @@ def run_distributed(mode, args):
 
     if keras.backend.backend() != "torch":
         raise SystemExit("--nproc needs --backend torch (torch.distributed, gloo).")
-    ranks = run_local(run_rank, args.nproc, args=(mode, args))
+    ranks = run_local(run_rank, args.nproc, args=(mode, args, seed))
     result = dict(ranks[0])
     per_rank = [r["step_seconds"] for r in ranks]
-    stats = throughput_percentiles(global_step_seconds(per_rank), args.nproc * args.batch_size)
+    global_seconds = global_step_seconds(per_rank)
+    stats = throughput_percentiles(global_seconds, args.nproc * args.batch_size)
     result.update(
+        step_seconds=global_seconds,
         nproc=args.nproc,
         qps_p50=stats["p50"],
         qps_p90=stats["p90"],
@@ -383,13 +413,19 @@ def run_distributed(mode, args):
 
 
 def _run(mode, args, train, test):
-    if args.nproc > 1:
-        return run_distributed(mode, args)
-    return run_mode(mode, args, train, test)
+    """`mode` trained with each of the `--seeds` training seeds, summarised (`seeds.aggregate`)."""
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        if args.nproc > 1:
+            runs.append(run_distributed(mode, args, seed))
+        else:
+            runs.append(run_mode(mode, args, train, test, seed))
+    return aggregate(runs, args.nproc * args.batch_size)
 
 
 def _summary(result):
-    return {k: v for k, v in result.items() if k not in ("train_ne_per_step", "step_seconds")}
+    curves = ("train_ne_per_step", "train_ne_sd_per_step", "step_seconds")
+    return {k: v for k, v in result.items() if k not in curves}
 
 
 def main(argv=None):

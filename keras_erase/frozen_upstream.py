@@ -1,0 +1,152 @@
+"""A trainable upstream that feeds only detached blocks is never silent.
+
+With `DetachBlock(detach_input=True)` (the default) no gradient crosses the
+block's input, so a trainable layer whose outputs reach the losses only
+through such blocks (e.g. `Embedding -> Concatenate -> DetachBlock x 3`) never
+trains: every loss gives it exactly zero. `EraseModel` checks this once, at
+its first train step on every backend, and warns (`FrozenUpstreamWarning`)
+with the variables' paths, the blocks that read them and what to write.
+
+The check asks each backend's autodiff which trainable variables the step's
+total loss (main loss, every local loss, `model.losses`) can differentiate
+(`keras_erase.gradient_paths`), on the first batch, without changing any
+state: the forward runs in a `keras.StatelessScope` (torch: one extra forward,
+no backward; TensorFlow and JAX: traced only, never run).
+
+Example:
+
+```python
+inputs = keras.Input((4,), dtype="int32")
+features = keras.layers.Flatten()(keras.layers.Embedding(100, 8)(inputs))
+towers = [DetachBlock(keras.layers.Dense(8), head=keras.layers.Dense(1), loss="mse",
+                      name=f"tower_{i}")(features) for i in range(3)]
+model = EraseModel(inputs, keras.layers.Dense(1)(keras.layers.Concatenate()(towers)))
+model.compile("adam", "mse")
+model.fit(ids, y)  # FrozenUpstreamWarning: 'embedding/embeddings' ... detach_input=False
+```
+"""
+
+import logging
+import warnings
+
+import keras
+from keras import ops
+from keras import tree
+
+from keras_erase.detach_block import recording_inputs
+from keras_erase.gradient_paths import reached
+
+LOGGER = logging.getLogger("keras_erase")
+
+
+class FrozenUpstreamWarning(UserWarning):
+    """Trainable variables of an `EraseModel` get no gradient from any loss."""
+
+
+def _scalar(structure):
+    """The sum of every float tensor of `structure` as a float32 scalar (0 for none)."""
+    total = ops.zeros((), "float32")
+    for tensor in tree.flatten(structure):
+        if "float" in str(getattr(tensor, "dtype", "")):
+            total = total + ops.sum(ops.cast(tensor, "float32"))
+    return total
+
+
+def _objectives_fn(model, data, state):
+    """`fn(trainable values) -> [total loss, one input scalar per detaching block]`."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    blocks = []
+
+    def fn(values):
+        with recording_inputs() as records:
+            if state is not None:  # JAX: the trainer's state (model variables may be purged)
+                _, non_trainable, optimizer, metrics = state
+                loss, _ = model.compute_loss_and_updates(
+                    values, non_trainable, metrics, x, y, sample_weight, training=True,
+                    optimizer_variables=optimizer,
+                )
+            else:
+                mapping = list(zip(model.trainable_variables, values))
+                with keras.StatelessScope(state_mapping=mapping):
+                    y_pred = model(x, training=True)
+                    loss = model.compute_loss(x, y, y_pred, sample_weight, training=True)
+        detaching = [(b, inputs) for b, inputs in records if b.detach_input]
+        blocks[:] = [b for b, _ in detaching]
+        return [ops.cast(loss, "float32")] + [_scalar(inputs) for _, inputs in detaching]
+
+    return fn, blocks
+
+
+def frozen_variables(model, data, state=None):
+    """`[(variable, [blocks whose input reads it])]` for trainable variables no loss reaches.
+
+    Args:
+        model: an `EraseModel`, built and compiled.
+        data: one training batch as `train_step` receives it.
+        state: on JAX, the trainer's `(trainable, non_trainable, optimizer,
+            metrics)` values; `None` elsewhere.
+
+    Example:
+
+    ```python
+    for variable, readers in frozen_variables(model, (x, y)):
+        print(variable.path, [b.name for b in readers])
+    ```
+    """
+    variables = model.trainable_variables
+    if not variables:
+        return []
+    values = list(state[0]) if state is not None else [v.value for v in variables]
+    fn, blocks = _objectives_fn(model, data, state)
+    answers = reached(fn, values)
+    loss_reaches, block_reads = answers[0], answers[1:]
+    frozen = []
+    for i, variable in enumerate(variables):
+        if not loss_reaches[i]:
+            readers = [b for b, reads in zip(blocks, block_reads) if reads[i]]
+            frozen.append((variable, list(dict.fromkeys(readers))))
+    return frozen
+
+
+def frozen_message(frozen):
+    """The warning text for `frozen_variables`'s result."""
+    lines = [
+        f"EraseModel: {len(frozen)} trainable variable(s) get no gradient from any loss, so "
+        "they never train:"
+    ]
+    fix = []
+    for variable, readers in frozen:
+        if readers:
+            names = ", ".join(repr(b.name) for b in readers)
+            lines.append(f"  {variable.path!r}: read only through DetachBlock(s) {names}, "
+                         "which stop the gradient at their input (detach_input=True, the default)")
+            fix.extend(b.name for b in readers)
+        else:
+            lines.append(f"  {variable.path!r}: no loss depends on it (unused, or inside a "
+                         "DetachBlock without `loss`)")
+    fix = list(dict.fromkeys(fix))
+    if fix:
+        lines.append(
+            "To train them through the blocks' local losses, build the blocks that read them "
+            "with `DetachBlock(..., detach_input=False)`: " + ", ".join(repr(n) for n in fix)
+            + ". If they are frozen on purpose, set `trainable = False` on their layer."
+        )
+    else:
+        lines.append("If they are frozen on purpose, set `trainable = False` on their layer.")
+    return "\n".join(lines)
+
+
+def warn_if_frozen(model, data, state=None):
+    """Warns (`FrozenUpstreamWarning`) when `frozen_variables` finds any; returns them.
+
+    A model the check cannot trace is logged at debug level and left alone:
+    the check never stops training.
+    """
+    try:
+        frozen = frozen_variables(model, data, state)
+    except Exception as error:  # noqa: BLE001 - a diagnostic must never break training
+        LOGGER.debug("frozen-upstream check skipped: %r", error)
+        return []
+    if frozen:
+        warnings.warn(frozen_message(frozen), FrozenUpstreamWarning, stacklevel=2)
+    return frozen

@@ -1,0 +1,123 @@
+"""Which variables a scalar can differentiate, asked of each backend's autodiff without a backward.
+
+`reached(fn, values)` answers, for every value of `values`, whether each
+scalar returned by `fn(values)` has a gradient path to it (a path that no
+`stop_gradient` cuts). Nothing is executed beyond what each backend needs to
+see the graph:
+
+- torch: `fn` runs eagerly (one forward) and its autograd graph is walked
+  from each scalar to the leaves (no backward runs).
+- TensorFlow: `fn` is traced into a concrete function that is never called;
+  `GradientTape.gradient` returns `None` where no path exists.
+- JAX: `jax.grad` of each scalar is traced to a jaxpr (never run); a
+  variable without a path gets the symbolic zero, materialised as a
+  `broadcast_in_dim` of the literal `0.0`.
+
+Example:
+
+>>> import keras
+>>> from keras import ops
+>>> values = [keras.ops.ones((2,)), keras.ops.ones((2,))]
+>>> fn = lambda v: [ops.sum(v[0] * ops.stop_gradient(v[1]))]
+>>> reached(fn, values)
+[[True, False]]
+"""
+
+import keras
+
+
+def reached(fn, values):
+    """`[[has path from output i to value j for j] for i]` for `outputs = fn(values)`.
+
+    Args:
+        fn: `fn(values) -> list of float scalars`, written with Keras ops.
+        values: backend tensors (float) the scalars may depend on.
+
+    Returns:
+        One list of booleans per scalar, one boolean per value.
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return _torch_reached(fn, values)
+    if backend == "tensorflow":
+        return _tf_reached(fn, values)
+    if backend == "jax":
+        return _jax_reached(fn, values)
+    raise NotImplementedError(f"gradient_paths: backend {backend!r} is not supported.")
+
+
+def _torch_reached(fn, values):
+    import torch
+
+    leaves = [torch.as_tensor(v).detach().requires_grad_(True) for v in values]
+    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+    with torch.enable_grad():
+        outputs = fn(leaves)
+    answers = []
+    for output in outputs:
+        found = [False] * len(leaves)
+        if id(output) in index:
+            found[index[id(output)]] = True
+        grad_fn = getattr(output, "grad_fn", None)
+        stack = [grad_fn] if grad_fn is not None else []
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+            if variable is not None and id(variable) in index:
+                found[index[id(variable)]] = True
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        answers.append(found)
+    return answers
+
+
+def _tf_reached(fn, values):
+    import tensorflow as tf
+
+    answers = []
+
+    def probe(*tensors):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(list(tensors))
+            outputs = fn(list(tensors))
+        for output in outputs:
+            grads = tape.gradient(output, list(tensors))
+            answers.append([g is not None for g in grads])
+        return tf.constant(0.0)
+
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+    tf.function(probe).get_concrete_function(*specs)  # traced, never run
+    return answers
+
+
+def _jax_reached(fn, values):
+    import jax
+    from jax.extend import core as jax_core
+
+    def is_zero(literal):
+        return isinstance(literal, jax_core.Literal) and not getattr(literal.val, "shape", ()) and (
+            float(literal.val) == 0.0
+        )
+
+    count = len(jax.eval_shape(lambda v: fn(list(v)), list(values)))  # traced, never run
+    answers = []
+    for i in range(count):
+        closed = jax.make_jaxpr(jax.grad(lambda v, i=i: fn(list(v))[i]))(list(values))
+        producer = {id(out): eqn for eqn in closed.jaxpr.eqns for out in eqn.outvars}
+        found = []
+        for out in closed.jaxpr.outvars:
+            if is_zero(out):
+                found.append(False)
+                continue
+            eqn = producer.get(id(out))
+            symbolic_zero = (
+                eqn is not None
+                and eqn.primitive.name == "broadcast_in_dim"
+                and is_zero(eqn.invars[0])
+            )
+            found.append(not symbolic_zero)
+        answers.append(found)
+    return answers
