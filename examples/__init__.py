@@ -1,7 +1,6 @@
 """Runnable examples: `python -m examples.sasrec`, `python -m examples.ctr`, `python -m examples.run_all`."""
 
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -22,51 +21,6 @@ def select_backend(argv):
     known, _ = parser.parse_known_args(argv)
     if known.backend:
         os.environ["KERAS_BACKEND"] = known.backend
-
-
-def wants_help(argv):
-    """True when `argv` asks for `--help` (`-h`).
-
-    Example:
-
-    >>> wants_help(["--epochs", "1", "-h"]), wants_help(["--epochs", "1"])
-    (True, False)
-    """
-    return any(arg in ("-h", "--help") for arg in argv)
-
-
-def backend_for_help(environ=None, installed=None):
-    """Sets `KERAS_BACKEND` for printing `--help` when nothing chose a backend.
-
-    Keras's default backend is TensorFlow, whose import takes seconds and logs
-    lines that have nothing to do with the help; the help is the same on every
-    backend, so this picks an installed lighter one (jax, then torch). A
-    backend already chosen (the environment, `--backend`) is kept.
-
-    Args:
-        environ: the environment to update (default `os.environ`).
-        installed: predicate on a module name (default: importable here).
-
-    Returns:
-        The backend set, or `None` when none was.
-
-    Example:
-
-    >>> env = {}
-    >>> backend_for_help(env, installed=lambda name: name == "torch"), env
-    ('torch', {'KERAS_BACKEND': 'torch'})
-    >>> backend_for_help({"KERAS_BACKEND": "tensorflow"}) is None
-    True
-    """
-    environ = os.environ if environ is None else environ
-    installed = installed or (lambda name: importlib.util.find_spec(name) is not None)
-    if environ.get("KERAS_BACKEND"):
-        return None
-    for backend in ("jax", "torch"):
-        if installed(backend):
-            environ["KERAS_BACKEND"] = backend
-            return backend
-    return None
 
 
 def output_path(text):

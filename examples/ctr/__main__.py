@@ -1,18 +1,18 @@
 """`python -m examples.ctr [--backend jax|torch|tensorflow] ...`.
 
-`--help` without a chosen backend uses a lighter installed one than Keras's
-default TensorFlow (`examples.backend_for_help`): no TensorFlow import, no
-TensorFlow log lines.
+The arguments are parsed before any backend is imported: `--help` and usage
+errors come at once.
 """
 
 import sys
 
-from examples import backend_for_help, select_backend, wants_help
+from examples import select_backend
 
 if __name__ == "__main__":
+    from examples.ctr.cli import build_parser
+
+    build_parser().parse_args(sys.argv[1:])  # prints the help or a usage error and exits, without Keras
     select_backend(sys.argv[1:])
-    if wants_help(sys.argv[1:]):
-        backend_for_help()
     from examples.ctr.train import main
 
     main(sys.argv[1:])
