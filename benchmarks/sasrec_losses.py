@@ -137,8 +137,17 @@ def _median(values):
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def _order(dataset, loss):
+    """Sort key: real data first, then synthetic catalogues by size; losses as in `LOSSES`."""
+    names = [loss_name(n, k) for n, k in LOSSES]
+    digits = "".join(c for c in dataset if c.isdigit())
+    size = int(digits) if dataset.startswith("synthetic") and digits else -1
+    return (size, dataset, names.index(loss) if loss in names else len(names), loss)
+
+
 def summarize(rows):
-    """One summary per (dataset, loss), in first-seen order, over the seeds that trained.
+    """One summary per (dataset, loss) over the seeds that trained (real data first, then
+    synthetic catalogues by size; losses in `LOSSES` order).
 
     Quality metrics and the per-epoch ndcg@10 curve: mean and sample sd over seeds.
     Cost (steps/s, peak RSS, wall time): median over seeds.
@@ -147,7 +156,7 @@ def summarize(rows):
     for r in rows:
         groups.setdefault((r["dataset"], r["loss"]), []).append(r)
     out = []
-    for (dataset, loss), runs in groups.items():
+    for (dataset, loss), runs in sorted(groups.items(), key=lambda item: _order(*item[0])):
         trained = [r for r in runs if r.get("status") == "trained"]
         summary = {"dataset": dataset, "loss": loss, "seeds": sorted(r.get("seed", 0) for r in trained),
                    "status": "trained" if trained else runs[-1]["status"]}

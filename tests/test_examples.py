@@ -743,7 +743,8 @@ def test_loss_study_table_and_plot(tmp_path):
         {"dataset": "ml", "loss": "cutbce", "seed": 1, "status": "trained", "hit@8": 0.4,
          "ndcg@10": 0.06, "recall@10": 0.08, "steps_per_second": 2.9, "peak_memory_mb": 1281.0,
          "wall_seconds": 63.0, "ndcg@10_per_epoch": [0.02, 0.04, 0.06], **popular},
-        {"dataset": "1e6", "loss": "dense", "seed": 0, "status": "out of memory (cap 12 GiB)",
+        {"dataset": "synthetic 1,000,000 items", "loss": "dense", "seed": 0,
+         "status": "out of memory (cap 12 GiB)",
          "wall_seconds": 30.0, "error": "Out of memory allocating 38430615872 bytes."},
     ]
     summaries = summarize(rows)
@@ -755,7 +756,8 @@ def test_loss_study_table_and_plot(tmp_path):
     assert table[0].startswith("| data | loss | status | seeds | hit@8 | ndcg@10 | recall@10")
     assert table[2] == ("| ml | cutbce | trained | 2 | 0.3500 +- 0.0707 | 0.0700 +- 0.0141 "
                         "| 0.0800 +- 0.0000 | 3 | 1,280 | 62 |")
-    assert table[3] == "| 1e6 | dense | out of memory (cap 12 GiB) |  |  |  |  |  |  | 30 |"
+    assert table[3] == ("| synthetic 1,000,000 items | dense | out of memory (cap 12 GiB) "
+                        "|  |  |  |  |  |  | 30 |")
     assert table[4].startswith("| ml | most popular | - | - | 0.1900")
     path = plot_curves(summaries, str(tmp_path / "curves.png"), "ml")
     assert open(path, "rb").read(4) == b"\x89PNG"
