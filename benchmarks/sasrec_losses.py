@@ -17,10 +17,15 @@ default 12 GiB), with the same model, seed, batch and evaluation for every loss:
 Writes a markdown table and JSON to `benchmarks/results/sasrec_losses.{md,json}` and
 the ndcg@10-per-epoch curves to `benchmarks/results/sasrec_losses.png`.
 
-Usage (hold the benchmark lock; about 20-25 minutes on 2 cores):
+With `--seeds N` every (dataset, loss) runs with seeds 0..N-1 and the table gives
+mean +- sd over the seeds that trained; each run's row is cached as JSON in
+`--runs-dir` (default: the output path + `_runs/`), so an interrupted study resumes
+where it stopped and the cached runs are the study's raw record.
+
+Usage (hold the benchmark lock; the 20-epoch seeded study takes hours on 2 cores):
 
     flock /tmp/bench.lock env KERAS_BACKEND=jax python benchmarks/sasrec_losses.py \\
-        --movielens-dir ../shared/data/ml-latest-small
+        --movielens-dir ../shared/data/ml-latest-small --epochs 20 --seeds 3
     python benchmarks/sasrec_losses.py --quick     # smoke run, tiny data, results in /tmp
 """
 
@@ -48,18 +53,18 @@ def loss_name(loss, num_negatives):
     return f"sampled ({num_negatives} neg.)" if loss == "sampled" else loss
 
 
-def run_case(dataset, loss, num_negatives, example_args, args, backend):
-    """One example run in a capped subprocess; returns its results row."""
+def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
+    """One example run (one seed) in a capped subprocess; returns its results row."""
     cap = int(args.memory_cap_gib * 2**30)
 
     def limit_memory():
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    row = {"dataset": dataset, "loss": loss_name(loss, num_negatives)}
+    row = {"dataset": dataset, "loss": loss_name(loss, num_negatives), "seed": seed}
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "result.json")
         command = [sys.executable, "-m", "examples.sasrec", "--loss", loss, *example_args,
-                   "--json", path, "--verbose", "2", "--seed", "0"]
+                   "--json", path, "--verbose", "2", "--seed", str(seed)]
         if loss == "sampled":
             command += ["--num-negatives", str(num_negatives)]
         env = dict(os.environ, KERAS_BACKEND=backend)
@@ -115,18 +120,87 @@ def _number(value, fmt):
     return "" if value is None else format(value, fmt)
 
 
-def study_table(rows):
+QUALITY = ("hit@8", "ndcg@10", "recall@10")
+
+
+def _mean_sd(values):
+    """`(mean, sample sd)` of a list (sd None for one value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _order(dataset, loss):
+    """Sort key: real data first, then synthetic catalogues by size; losses as in `LOSSES`."""
+    names = [loss_name(n, k) for n, k in LOSSES]
+    digits = "".join(c for c in dataset if c.isdigit())
+    size = int(digits) if dataset.startswith("synthetic") and digits else -1
+    return (size, dataset, names.index(loss) if loss in names else len(names), loss)
+
+
+def summarize(rows):
+    """One summary per (dataset, loss) over the seeds that trained (real data first, then
+    synthetic catalogues by size; losses in `LOSSES` order).
+
+    Quality metrics and the per-epoch ndcg@10 curve: mean and sample sd over seeds.
+    Cost (steps/s, peak RSS, wall time): median over seeds.
+    """
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["loss"]), []).append(r)
+    out = []
+    for (dataset, loss), runs in sorted(groups.items(), key=lambda item: _order(*item[0])):
+        trained = [r for r in runs if r.get("status") == "trained"]
+        summary = {"dataset": dataset, "loss": loss, "seeds": sorted(r.get("seed", 0) for r in trained),
+                   "status": "trained" if trained else runs[-1]["status"]}
+        for key in QUALITY:
+            values = [r[key] for r in trained if r.get(key) is not None]
+            if values:
+                summary[key], summary[key + "_sd"] = _mean_sd(values)
+        for key in ("steps_per_second", "peak_memory_mb", "wall_seconds"):
+            values = [r[key] for r in (trained or runs) if r.get(key) is not None]
+            if values:
+                summary[key] = _median(values)
+        curves = [r["ndcg@10_per_epoch"] for r in trained if r.get("ndcg@10_per_epoch")]
+        if curves and len({len(c) for c in curves}) == 1:
+            columns = list(zip(*curves))
+            summary["ndcg@10_per_epoch"] = [_mean_sd(list(c))[0] for c in columns]
+            summary["ndcg@10_per_epoch_sd"] = [_mean_sd(list(c))[1] for c in columns]
+        for key in ("popularity_hit@8", "popularity_ndcg@10", "popularity_recall@10"):
+            if trained and trained[0].get(key) is not None:
+                summary[key] = trained[0][key]
+        if not trained and runs[-1].get("error"):
+            summary["error"] = runs[-1]["error"]
+        out.append(summary)
+    return out
+
+
+def _quality(summary, key):
+    mean, sd = summary.get(key), summary.get(key + "_sd")
+    if mean is None:
+        return ""
+    return f"{mean:.4f}" if sd is None else f"{mean:.4f} +- {sd:.4f}"
+
+
+def study_table(summaries):
     """Markdown table: one row per (dataset, loss), plus each dataset's most-popular row."""
     lines = [
-        "| data | loss | status | hit@8 | ndcg@10 | recall@10 | train steps/s "
+        "| data | loss | status | seeds | hit@8 | ndcg@10 | recall@10 | train steps/s "
         "| peak RSS (MiB) | wall time (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     popular = {}
-    for r in rows:
+    for r in summaries:
         lines.append(
-            f"| {r['dataset']} | {r['loss']} | {r['status']} | {_number(r.get('hit@8'), '.4f')} "
-            f"| {_number(r.get('ndcg@10'), '.4f')} | {_number(r.get('recall@10'), '.4f')} "
+            f"| {r['dataset']} | {r['loss']} | {r['status']} | {len(r['seeds']) or ''} "
+            f"| {_quality(r, 'hit@8')} | {_quality(r, 'ndcg@10')} | {_quality(r, 'recall@10')} "
             f"| {_number(r.get('steps_per_second'), '.3g')} "
             f"| {_number(r.get('peak_memory_mb'), ',.0f')} "
             f"| {_number(r.get('wall_seconds'), '.0f')} |"
@@ -135,40 +209,47 @@ def study_table(rows):
             popular.setdefault(r["dataset"], r)
     for dataset, r in popular.items():
         lines.append(
-            f"| {dataset} | most popular | - | {r['popularity_hit@8']:.4f} "
+            f"| {dataset} | most popular | - | - | {r['popularity_hit@8']:.4f} "
             f"| {r['popularity_ndcg@10']:.4f} | {r['popularity_recall@10']:.4f} | - | - | - |"
         )
     return "\n".join(lines)
 
 
-def plot_curves(rows, path, dataset):
-    """PNG of ndcg@10 after every epoch, one line per loss of `dataset`."""
+def plot_curves(summaries, path, dataset):
+    """PNG of mean ndcg@10 after every epoch (+- sd band over seeds), one line per loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4.2))
+    figure, axis = plt.subplots(figsize=(7.5, 4.5))
     popular = None
     styles = {"cutbce": {"linewidth": 4, "alpha": 0.5}, "dense": {"linestyle": ":"}}
     epochs = 1
-    for r in rows:
+    for r in summaries:
         curve = r.get("ndcg@10_per_epoch")
         if r["dataset"] != dataset or not curve:
             continue
         epochs = max(epochs, len(curve))
-        axis.plot(range(1, len(curve) + 1), curve, marker="o", label=r["loss"],
-                  **styles.get(r["loss"], {}))
+        x = list(range(1, len(curve) + 1))
+        label = f"{r['loss']} ({len(r['seeds'])} seed{'s' if len(r['seeds']) != 1 else ''})"
+        (line,) = axis.plot(x, curve, marker="o", markersize=3, label=label,
+                            **styles.get(r["loss"], {}))
+        sd = r.get("ndcg@10_per_epoch_sd") or []
+        if sd and all(v is not None for v in sd):
+            axis.fill_between(x, [m - v for m, v in zip(curve, sd)],
+                              [m + v for m, v in zip(curve, sd)], color=line.get_color(), alpha=0.15)
         popular = r.get("popularity_ndcg@10", popular)
-    axis.set_xticks(range(1, epochs + 1))
+    axis.set_xticks(range(1, epochs + 1, max(1, epochs // 10)))
     if popular is not None:
         axis.axhline(popular, color="grey", linestyle="--", label="most popular")
     axis.set_xlabel("epoch")
     axis.set_ylabel("ndcg@10 (leave-last-8-out)")
     axis.set_title(f"SASRec on {dataset}: ndcg@10 after each epoch, per loss\n"
-                   "(cutbce and dense compute the same loss: their curves coincide)", fontsize=10)
+                   "(mean over seeds, band = +- 1 sd; cutbce and dense compute the same loss)",
+                   fontsize=10)
     axis.grid(alpha=0.3)
-    axis.legend()
+    axis.legend(fontsize=8)
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -194,6 +275,38 @@ def datasets(args):
     return out
 
 
+def parse_losses(text):
+    """`"cutbce,sampled:256"` -> `[("cutbce", 1), ("sampled", 256)]`, in the given order."""
+    out = []
+    for item in text.split(","):
+        name, _, negatives = item.strip().partition(":")
+        if (name, int(negatives or 1)) not in LOSSES:
+            raise argparse.ArgumentTypeError(
+                f"unknown loss {item!r}; expected some of "
+                + ",".join(n if n != "sampled" else f"sampled:{k}" for n, k in LOSSES))
+        out.append((name, int(negatives or 1)))
+    return out
+
+
+def run_path(runs_dir, dataset, loss, seed):
+    """The cached row of one run: `<runs_dir>/<dataset>__<loss>__seed<seed>.json`."""
+    slug = "__".join("".join(c if c.isalnum() else "-" for c in part).strip("-")
+                     for part in (dataset, loss))
+    return os.path.join(runs_dir, f"{slug}__seed{seed}.json")
+
+
+def load_runs(runs_dir):
+    """Every cached run row in `runs_dir` (sorted by file name)."""
+    if not os.path.isdir(runs_dir):
+        return []
+    rows = []
+    for name in sorted(os.listdir(runs_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(runs_dir, name)) as f:
+                rows.append(json.load(f))
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -209,6 +322,15 @@ def main(argv=None):
     parser.add_argument("--num-users", type=int, default=1200, help="synthetic users")
     parser.add_argument("--eval-users", type=int, default=200,
                         help="synthetic: users evaluated (quality there is not a result)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per (dataset, loss), seeds 0..N-1; the table gives mean +- sd")
+    parser.add_argument("--losses", type=parse_losses,
+                        default=parse_losses("cutbce,dense,sampled:1,sampled:256,softmax"),
+                        help="losses to run, in this order (sampled:K = K negatives)")
+    parser.add_argument("--runs-dir", default=None,
+                        help="cache of per-run JSON rows (resume; default: OUT_runs)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: report the runs cached in --runs-dir")
     parser.add_argument("--memory-cap-gib", type=float, default=12.0,
                         help="address-space cap of every run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
@@ -226,48 +348,59 @@ def main(argv=None):
                                           "--batch-size", "16", "--eval-each-epoch"])]
         if args.out == parser.get_default("out"):
             args.out = "/tmp/sasrec_losses_quick"
+    runs_dir = args.runs_dir or args.out + "_runs"
     start = time.perf_counter()
-    rows = []
-    for dataset, example_args in cases:
-        for loss, negatives in LOSSES:
-            row = run_case(dataset, loss, negatives, example_args, args, backend)
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.endswith("_per_epoch")}),
-                  flush=True)
+    if not args.report_only:
+        for seed in range(args.seeds):
+            for dataset, example_args in cases:
+                for loss, negatives in args.losses:
+                    path = run_path(runs_dir, dataset, loss_name(loss, negatives), seed)
+                    if os.path.exists(path):
+                        print(f"cached: {path}", flush=True)
+                        continue
+                    row = run_case(dataset, loss, negatives, example_args, args, backend, seed)
+                    row["load_average_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
+                    write_json(path, row)
+                    print(json.dumps({k: v for k, v in row.items()
+                                      if not k.endswith("_per_epoch")}), flush=True)
+    rows = load_runs(runs_dir)
+    summaries = summarize(rows)
     info = machine_info(
         backend=backend, epochs=args.epochs, max_len=args.max_len, batch_size=args.batch_size,
-        steps_1e5=args.steps_1e5, steps_1e6=args.steps_1e6, memory_cap_gib=args.memory_cap_gib,
+        seeds=args.seeds, steps_1e5=args.steps_1e5, steps_1e6=args.steps_1e6,
+        memory_cap_gib=args.memory_cap_gib, runs=len(rows),
         total_seconds=round(time.perf_counter() - start),
+        run_seconds=round(sum(r.get("wall_seconds", 0) for r in rows)),
         load_average_1_5_15=[round(v, 2) for v in os.getloadavg()],
     )
-    table = study_table(rows)
     report = "\n".join([
         "# SASRec: every loss, same model, same data, same evaluation",
         "",
         "hit@8, ndcg@10, recall@10: leave-last-8-out (each user's last 8 items held out, the "
-        "whole catalogue ranked, items the user has seen excluded), after the last epoch. "
-        "train steps/s: 1 / median step time after 2 warm-up steps. peak RSS: the whole process (host). wall time: "
-        "the whole run (start-up, data, training, evaluation). Each run in its own process, "
-        f"capped at {args.memory_cap_gib:g} GiB of address space. On the synthetic catalogues "
-        "a run is only a few steps: its metrics are not a quality result, only its cost and "
-        "whether it runs.",
+        "whole catalogue ranked, items the user has seen excluded), after the last epoch; mean "
+        "+- sample sd over the seeds that trained (seeds: how many). train steps/s: 1 / median "
+        "step time after 2 warm-up steps; steps/s, peak RSS (the whole process, host) and wall "
+        "time (start-up, data, training, evaluation) are medians over the seeds. Each run in its "
+        f"own process, capped at {args.memory_cap_gib:g} GiB of address space. On the synthetic "
+        "catalogues a run is only a few steps: its metrics are not a quality result, only its "
+        "cost and whether it runs. Every run's row (seed, load average at its end) is in "
+        f"`{os.path.relpath(runs_dir, REPO)}/`.",
         "",
         "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
         "",
-        table,
+        study_table(summaries),
     ])
-    errors = [f"- {r['dataset']}, {r['loss']}: `{r['error']}`" for r in rows if "error" in r]
+    errors = [f"- {r['dataset']}, {r['loss']}: `{r['error']}`" for r in summaries if "error" in r]
     if errors:
         report += "\n\nErrors:\n\n" + "\n".join(errors)
     print(report)
     write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "rows": rows})
-    curves = [d for d, _ in cases if any(r["dataset"] == d and r.get("ndcg@10_per_epoch")
-                                         for r in rows)]
+    write_json(args.out + ".json", {"machine": info, "summaries": summaries, "runs": rows})
+    curves = [r["dataset"] for r in summaries if r.get("ndcg@10_per_epoch")]
     if curves:
-        print(f"wrote {plot_curves(rows, args.out + '.png', curves[0])}")
+        print(f"wrote {plot_curves(summaries, args.out + '.png', curves[0])}")
     print(f"wrote {args.out}.md and {args.out}.json")
-    return rows
+    return summaries
 
 
 if __name__ == "__main__":

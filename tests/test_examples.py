@@ -776,21 +776,56 @@ def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
 
 def test_loss_study_table_and_plot(tmp_path):
     sys.path.insert(0, ROOT)
-    from benchmarks.sasrec_losses import LOSSES, plot_curves, study_table
+    from benchmarks.sasrec_losses import LOSSES, plot_curves, study_table, summarize
 
     assert ("sampled", 1) in LOSSES and ("sampled", 256) in LOSSES and len(LOSSES) == 5
+    popular = {"popularity_hit@8": 0.19, "popularity_ndcg@10": 0.04, "popularity_recall@10": 0.04}
     rows = [
-        {"dataset": "ml", "loss": "cutbce", "status": "trained", "hit@8": 0.3, "ndcg@10": 0.08,
-         "recall@10": 0.08, "steps_per_second": 3.1, "peak_memory_mb": 1279.0,
-         "wall_seconds": 61.0, "ndcg@10_per_epoch": [0.04, 0.06, 0.08],
-         "popularity_hit@8": 0.19, "popularity_ndcg@10": 0.04, "popularity_recall@10": 0.04},
-        {"dataset": "1e6", "loss": "dense", "status": "out of memory (cap 12 GiB)",
-         "wall_seconds": 30.0},
+        {"dataset": "ml", "loss": "cutbce", "seed": 0, "status": "trained", "hit@8": 0.3,
+         "ndcg@10": 0.08, "recall@10": 0.08, "steps_per_second": 3.1, "peak_memory_mb": 1279.0,
+         "wall_seconds": 61.0, "ndcg@10_per_epoch": [0.04, 0.06, 0.08], **popular},
+        {"dataset": "ml", "loss": "cutbce", "seed": 1, "status": "trained", "hit@8": 0.4,
+         "ndcg@10": 0.06, "recall@10": 0.08, "steps_per_second": 2.9, "peak_memory_mb": 1281.0,
+         "wall_seconds": 63.0, "ndcg@10_per_epoch": [0.02, 0.04, 0.06], **popular},
+        {"dataset": "synthetic 1,000,000 items", "loss": "dense", "seed": 0,
+         "status": "out of memory (cap 12 GiB)",
+         "wall_seconds": 30.0, "error": "Out of memory allocating 38430615872 bytes."},
     ]
-    table = study_table(rows).splitlines()
-    assert table[0].startswith("| data | loss | status | hit@8 | ndcg@10 | recall@10")
-    assert table[2] == "| ml | cutbce | trained | 0.3000 | 0.0800 | 0.0800 | 3.1 | 1,279 | 61 |"
-    assert table[3] == "| 1e6 | dense | out of memory (cap 12 GiB) |  |  |  |  |  | 30 |"
-    assert table[4].startswith("| ml | most popular |")
-    path = plot_curves(rows, str(tmp_path / "curves.png"), "ml")
+    summaries = summarize(rows)
+    assert [s["seeds"] for s in summaries] == [[0, 1], []]
+    assert summaries[0]["ndcg@10_per_epoch"] == pytest.approx([0.03, 0.05, 0.07])
+    assert summaries[0]["hit@8_sd"] == pytest.approx(0.0707107, rel=1e-5)
+    assert summaries[1]["error"].startswith("Out of memory")
+    table = study_table(summaries).splitlines()
+    assert table[0].startswith("| data | loss | status | seeds | hit@8 | ndcg@10 | recall@10")
+    assert table[2] == ("| ml | cutbce | trained | 2 | 0.3500 +- 0.0707 | 0.0700 +- 0.0141 "
+                        "| 0.0800 +- 0.0000 | 3 | 1,280 | 62 |")
+    assert table[3] == ("| synthetic 1,000,000 items | dense | out of memory (cap 12 GiB) "
+                        "|  |  |  |  |  |  | 30 |")
+    assert table[4].startswith("| ml | most popular | - | - | 0.1900")
+    path = plot_curves(summaries, str(tmp_path / "curves.png"), "ml")
     assert open(path, "rb").read(4) == b"\x89PNG"
+
+
+def test_loss_study_caches_runs_and_resumes(tmp_path, monkeypatch):
+    sys.path.insert(0, ROOT)
+    from benchmarks import sasrec_losses
+
+    calls = []
+
+    def fake_run(dataset, loss, negatives, example_args, args, backend, seed=0):
+        calls.append((loss, negatives, seed))
+        return {"dataset": dataset, "loss": sasrec_losses.loss_name(loss, negatives),
+                "seed": seed, "status": "trained", "hit@8": 0.1 * (seed + 1),
+                "ndcg@10": 0.05, "recall@10": 0.05}
+
+    monkeypatch.setattr(sasrec_losses, "run_case", fake_run)
+    argv = ["--quick", "--seeds", "2", "--losses", "sampled:256,cutbce",
+            "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "study")]
+    summaries = sasrec_losses.main(argv)
+    assert calls == [("sampled", 256, 0), ("cutbce", 1, 0), ("sampled", 256, 1), ("cutbce", 1, 1)]
+    assert {s["loss"]: s["hit@8"] for s in summaries} == pytest.approx(
+        {"sampled (256 neg.)": 0.15, "cutbce": 0.15})
+    assert sasrec_losses.main(argv + ["--seeds", "3"]) and len(calls) == 6  # resumes: seed 2 only
+    with pytest.raises(SystemExit):
+        sasrec_losses.main(["--losses", "sampled:7"])
