@@ -697,8 +697,8 @@ def test_ctr_refuses_to_time_only_warm_up_steps():
 
 
 def test_verbosity_is_one_line_per_epoch_off_a_terminal(monkeypatch):
-    from examples.ctr.train import default_verbosity as ctr_default
-    from examples.sasrec.train import default_verbosity as sasrec_default
+    from examples.ctr.cli import default_verbosity as ctr_default
+    from examples.sasrec.cli import default_verbosity as sasrec_default
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
     assert sasrec_default() == ctr_default() == 2
