@@ -9,6 +9,26 @@ import sys
 DEFAULT_OUTPUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs")
 
 
+BACKENDS = ("jax", "torch", "tensorflow")
+
+
+def example_parser(prog, description):
+    """The argument parser every example starts from: `--backend`, defaults shown in `--help`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--backend", choices=BACKENDS, help="Keras backend (None: $KERAS_BACKEND)")
+    return parser
+
+
+def add_run_arguments(parser):
+    """Adds the arguments every example run takes: `--seed`, `--json`, `--verbose`."""
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
+                        help="fit's verbosity: 1 progress bar, 2 one line per epoch "
+                             "(default: %(default)s here; 1 on a terminal, else 2)")
+
+
 def select_backend(argv):
     """Sets KERAS_BACKEND from a `--backend` flag in `argv`, before Keras is imported.
 
@@ -17,7 +37,7 @@ def select_backend(argv):
     >>> select_backend(["--epochs", "1"])  # no flag: the environment decides
     """
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"])
+    parser.add_argument("--backend", choices=BACKENDS)
     known, _ = parser.parse_known_args(argv)
     if known.backend:
         os.environ["KERAS_BACKEND"] = known.backend

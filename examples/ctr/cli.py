@@ -5,9 +5,8 @@ Parsing imports no backend, so `--help` and usage errors are immediate
 `train.py`, which re-exports `MODES` and `build_parser`).
 """
 
-import argparse
-
-from examples import default_verbosity, non_negative_int, output_path, positive_float, positive_int
+from examples import (add_run_arguments, example_parser, non_negative_int, output_path,
+                      positive_float, positive_int)
 
 DESCRIPTION = "Train the CTR model with ERASE: `python -m examples.ctr`."
 
@@ -23,12 +22,7 @@ MODES = (
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="python -m examples.ctr", description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
-                        help="Keras backend (None: $KERAS_BACKEND)")
+    parser = example_parser("python -m examples.ctr", DESCRIPTION)
     parser.add_argument("--mode", choices=MODES, default="erase-auto",
                         help="model and schedule: baseline (no detachment), detached (standard "
                              "step), erase-auto (times the schedules, keeps the fastest; every "
@@ -59,15 +53,11 @@ def build_parser():
     parser.add_argument("--warmup-steps", type=non_negative_int, default=10,
                         help="first steps left out of the throughput (must be fewer than the "
                              "training steps)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--seeds", type=positive_int, default=1,
                         help="training runs per mode (seeds --seed, --seed + 1, ...; same data): "
                              "NE and AUC reported as mean +- sd, the NE gap on the means")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
-                        help="fit's verbosity: 1 progress bar, 2 one line per epoch "
-                             "(default: %(default)s here; 1 on a terminal, else 2)")
     parser.add_argument("--nproc", type=positive_int, default=1,
                         help="torch: N local gloo ranks, data parallel; global QPS per step is "
                              "N * batch / the slowest rank's step time")
+    add_run_arguments(parser)
     return parser

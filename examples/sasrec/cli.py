@@ -8,7 +8,7 @@ Parsing imports no backend, so `--help` and usage errors are immediate
 import argparse
 import os
 
-from examples import default_verbosity, positive_float, positive_int
+from examples import add_run_arguments, example_parser, positive_float, positive_int
 
 LOSSES = ("cutbce", "dense", "sampled", "softmax")
 DESCRIPTION = (
@@ -27,12 +27,7 @@ def unit_interval(text):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="python -m examples.sasrec", description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--backend", choices=["jax", "torch", "tensorflow"],
-                        help="Keras backend (None: $KERAS_BACKEND)")
+    parser = example_parser("python -m examples.sasrec", DESCRIPTION)
     parser.add_argument("--loss", choices=LOSSES, default="cutbce",
                         help="cutbce: exact full-catalogue BCE without logits; dense: the same "
                              "BCE through the full logits; sampled: BCE on each positive and "
@@ -66,11 +61,7 @@ def build_parser():
                         help="evaluate after every epoch (adds the per-epoch metrics to --json)")
     parser.add_argument("--eval-users", type=positive_int, default=None,
                         help="evaluate the first N users only (None: all)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    parser.add_argument("--verbose", type=int, choices=[0, 1, 2], default=default_verbosity(),
-                        help="fit's verbosity: 1 progress bar, 2 one line per epoch "
-                             "(default: %(default)s here; 1 on a terminal, else 2)")
+    add_run_arguments(parser)
     return parser
 
 
