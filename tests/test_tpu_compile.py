@@ -14,6 +14,8 @@ its `CompileReport` checked:
   copy, pad, transpose or relayout (tables here are 64 MiB to 1 GiB);
 - every kernel's scoped VMEM within its limit (the limit it asked for, else
   16 MiB, the smallest default);
+- every kernel has a "parallel" grid axis, and on two-core chips (v4, v5p,
+  generation known) its outputs are per-core partials (megacore);
 - retrieval (`cut_top_k`, `cut_count_at_least`: XLA loops, no Pallas kernel)
   compiles without host callbacks.
 
@@ -109,3 +111,11 @@ def test_compiles_for_tpu(reports, case):
     for kernel in report["kernels"]:
         limit = kernel["vmem_limit_bytes"] or DEFAULT_SCOPED_VMEM
         assert 0 < kernel["scoped_vmem_bytes"] <= limit, kernel
+    if case["op"] in PALLAS_OPS:
+        # Megacore (C4): the vocabulary axis is "parallel" and, on two-core
+        # chips whose generation the trace knows, every kernel writes one
+        # loss / hidden-gradient partial per core (leading dim 2).
+        cores = 2 if case["mesh"] and case["topology"].split(":")[0] in ("v4", "v5p") else 1
+        for kernel in report["kernels"]:
+            assert kernel["parallel_axis"], kernel
+            assert kernel["output_shapes"][0].split("[")[1].startswith(f"{cores},"), kernel

@@ -22,6 +22,7 @@ Example (skipped without libtpu):
 0
 """
 
+import base64
 import functools
 import json
 import os
@@ -37,6 +38,8 @@ class Kernel(NamedTuple):
     name: str
     scoped_vmem_bytes: int  # `used_scoped_memory_configs`, summed
     vmem_limit_bytes: int  # the `vmem_limit_bytes` it asked for, 0 for the default
+    parallel_axis: bool  # its Mosaic module has a "parallel" grid axis (megacore: split across cores)
+    output_shapes: tuple  # e.g. ("f32[2,1,2048]", ...): per-core partials lead with the core count
 
 
 class CompileReport(NamedTuple):
@@ -72,10 +75,25 @@ def _config_bytes(key, line):
     return sum(map(int, re.findall(r'"size":"(\d+)"', found.group(1)))) if found else 0
 
 
+def _has_parallel_axis(line):
+    """Whether the kernel's Mosaic module (base64 MLIR bytecode) names a parallel grid axis."""
+    found = re.search(r'"body":"([A-Za-z0-9+/=]+)"', line)
+    return bool(found) and b"dimension_semantics<parallel>" in base64.b64decode(found.group(1))
+
+
+def _output_shapes(line):
+    """The shapes of a custom call's result (one, or a tuple)."""
+    found = re.match(r"^[^=]*=(.*?)\scustom-call\(", line)
+    if found is None:
+        return ()
+    return tuple(re.findall(r"\b[a-z]+\d*\[[\d,]*\]", found.group(1)))
+
+
 def _kernel(name, line):
     # "scoped_memory_configs" holds the kernel's `vmem_limit_bytes` when it asked for one.
     return Kernel(name.split(".")[0], _config_bytes("used_scoped_memory_configs", line),
-                  _config_bytes("scoped_memory_configs", line))
+                  _config_bytes("scoped_memory_configs", line), _has_parallel_axis(line),
+                  _output_shapes(line))
 
 
 def parse_hlo(text):

@@ -1,9 +1,9 @@
 """CutBCE as Pallas TPU (Mosaic) kernels, under `jax.custom_vjp`.
 
-The loss of a row is `(1 / V) * sum_v term(z_v)`, computed by Pallas
-kernels over a grid of (row tiles, vocabulary tiles); a `[tm, tv]` logits
-tile exists only in VMEM, float32 accumulators live in VMEM. Each logit's
-term is exact for its role:
+The loss of a row is `(1 / V) * sum_v term(z_v)`, computed by one Pallas
+kernel that makes one pass over the table per block of resident rows; a
+`[tm, tv]` logits tile exists only in VMEM, float32 accumulators live in
+VMEM. Each logit's term is exact for its role:
 
 - a negative: `neg_scale * softplus(z) - neg_target * z`;
 - a positive (the column is one of the row's ids, found by `L` vector
@@ -21,25 +21,51 @@ max(+-z, 0) + log1p(e)`, `sigmoid(z) = 1 / (1 + e)` or `e / (1 + e)`), in
 float32, so the loss and its gradients stay finite for any `|z|`; the fused
 kernel shares the one `exp` between the loss and the gradient.
 
-Kernels (all recompute the logits `z = h @ E.T + b`; matmuls run in the
+Every pass recomputes the logits `z = h @ E.T + b` (matmuls in the
 matmul dtype with float32 accumulation: the hidden states' dtype when it is
 16-bit (Keras mixed precision: bfloat16 activations, float32 table; the
 table tile is cast in VMEM), else the promoted dtype; float32 matmuls at
 `precision="default"`, what Keras's dense BCE gets on a TPU, or
-`"highest"` (3-6 bf16 MXU passes) when asked):
+`"highest"` (3-6 bf16 MXU passes) when asked).
 
-1. forward, grid `(rows, vocab)`: the per-row sum of the terms.
-2. `grad_hidden`, grid `(rows, vocab)`: `sum_v dz[m, v] E_v`,
-   `dz = g_m term'(z)`.
-3. `grad_table` and `grad_bias`, grid `(vocab, rows)` (transposed):
-   `sum_m dz[m, v] h_m` and `sum_m dz[m, v]` accumulated over row tiles.
-4. fused (the training path of a reduced loss, `cut_bce_weighted_sum`),
-   grid `(vocab, rows)`: the loss and the three gradients for constant row
-   weights in ONE pass over the logits. The table and bias gradient blocks
-   accumulate over the inner row axis; the loss and hidden gradient of every
-   row stay resident in VMEM for the whole grid (`[M, 128 + D]` float32).
-   When they do not fit in a quarter of the VMEM budget, the fused path runs
-   kernels 1-3 instead (three logits passes).
+One kernel (`_kernel`), three uses: the forward (the rows' loss sums),
+the gradients under any row cotangent (the per-row loss's backward), and
+both in ONE pass (the training path of a reduced loss,
+`cut_bce_weighted_sum`: the backward pass then only scales the saved
+gradients). Its grid is `(core, vocabulary tile, row tile)`:
+
+- the rows are resident: hidden states, ids `[L, mb]` and row weights
+  `[1, mb]` are fetched once per pass, and the loss `[1, mb]` and hidden
+  gradient (`[D, mb]` or `[mb, D]`, the table view's layout) stay in VMEM
+  for the whole pass, written back once. Per-row values travel lane-dense;
+  the kernel moves them to and from the sublanes with one 128-aligned
+  transpose per tile (`[L, tm]`, `[1, tm]`, `[tm, 1]`: O(tm L) work
+  against the tile's O(tm tv)).
+- the table tile and its gradient accumulator stay in VMEM across the
+  inner row axis, so a pass reads the table once and writes its gradient
+  once.
+- rows beyond one resident block (`row_blocks`: the rows' double-buffered
+  bytes within a quarter of the VMEM budget; at D = 64 float32 about 13.8k
+  rows on v5e/v6e, 6.9k on v5p, 1.7k on v4) run one pass per block; the
+  table and bias gradients of block k are inputs of block k + 1, aliased
+  to its outputs, so they accumulate in place (written in the table's
+  dtype: a bfloat16 table's gradient is rounded once per block, not once;
+  a float32 copy would be a table-sized temporary).
+- megacore (v4, v5p: one device, two TensorCores): the leading grid axis
+  is "parallel" over the cores, each taking a contiguous half of the
+  vocabulary tiles (the second core's step past the last tile, when the
+  count is odd, does nothing); each core writes its own loss and hidden
+  gradient partials (`[cores, ...]`, summed by XLA: O(M D)). On one-core
+  chips the axis has size 1.
+
+Measured from the kernels' pipeline schedule for v6e
+(`benchmarks/pallas_traffic.py`; bytes the kernels move, nothing timed),
+value and gradients, (M, D, V) = (4096, 64, 876000) float32: the reduced
+loss moves 0.42 GiB (1.07 before: row inputs re-fetched per vocabulary
+tile, 0.65 GiB of them), the per-row loss 0.63 GiB (4.42 before: three
+kernels, the table read 17 times); M = 16384: 1.05 GiB, the table read
+twice and its gradient carried once (16.4 GiB before, the table read 65
+times).
 
 The table is never padded, copied or relaid out: the grid covers
 `cdiv(V, tv)` tiles and the last, partial tile is masked in the kernels (its
@@ -61,9 +87,7 @@ matmul, no explicit transpose). Measured by compiling for v6e, value and
 gradients of the weighted loss at (M, D, V) = (4096, 64, 876000) float32:
 HBM temporaries 876 MiB before (two padded `[V, 128]` copies for the row-major
 kernels, the positives' gather/scatter relayouts), 0 after; D = 128: 0;
-bfloat16 D = 64: 0. Per-row vectors (the forward output, the cotangent)
-travel lane-broadcast as `[rows, 128]` float32 arrays, the bias as a `[1, V]`
-float32 row.
+bfloat16 D = 64: 0. The bias travels as a `[1, V]` float32 row.
 
 Dispatch (`keras_cutbce.backends.jax.tpu_target`): the kernels compile with
 Mosaic when the program is compiled for a TPU and run in the Pallas
@@ -103,7 +127,8 @@ per-logit vector work (one `exp`, one `log1p`, one reciprocal and ~30 VPU
 ops: compares, selects, the `L` id compares) is of the same order, so the
 kernels are designed to be MXU/VPU-bound with the table streamed from HBM
 once per pass (0.22 GiB at float32; 1.4 ms at v6e's 1.6 TB/s), never
-HBM-bound on logits, which never leave VMEM.
+HBM-bound on logits, which never leave VMEM. On megacore chips the two
+TensorCores each take half of the vocabulary tiles.
 
 Portability (JAX 0.10.2 and 0.11+): `pltpu.CompilerParams` was once
 `pltpu.TPUCompilerParams`, `pltpu.InterpretParams` is recent; each is looked
@@ -136,6 +161,8 @@ from keras_cutbce.common import ids_as_int32
 from keras_cutbce.common import round_up as _round_up
 
 LANES = 128
+PADDING_ID = np.iinfo(np.int32).max  # sorted ids: padding last, never a column
+MAX_PREFETCHED_COUNTS = 2**14  # in-tile id counts kept per row tile up to 64 KiB of SMEM
 MAX_ROW_TILE = 512
 MIN_ROW_TILE = 128
 MAX_VOCAB_TILE = 4096
@@ -152,6 +179,12 @@ def vmem_capacity_bytes():
     """VMEM bytes of one TensorCore of the target TPU, or None (not a TPU, unknown generation)."""
     chip = tpu_target.target_chip()
     return None if chip is None else chip.vmem_bytes
+
+
+def tensorcores():
+    """TensorCores one device of the target TPU drives (2 on v4 and v5p megacore chips), else 1."""
+    chip = tpu_target.target_chip()
+    return 1 if chip is None else chip.cores
 
 
 def vmem_budget_bytes(capacity=None):
@@ -221,6 +254,7 @@ class _Config(NamedTuple):
     precision: object  # lax.Precision of float32 matmuls (None: DEFAULT)
     table_dtype: str  # dtype of the table gradient the kernels write
     dv_view: bool  # the kernels read the table as its `[D, V]` view (D % 128 != 0)
+    cores: int = 1  # TensorCores of the target chip (the vocabulary is split across them)
 
 
 # ----------------------------------------------------------------------------
@@ -241,51 +275,71 @@ def _matmul(x, y, dims, cfg):
     )
 
 
-def _table_tile(t_ref, j, cfg):
+def _table_tile(t_ref, tile, cfg):
     """The table tile (`[D, tv]` or `[tv, D]`); items past V (last tile) are zeroed."""
     t = t_ref[...]
     if cfg.vocab_size % cfg.vocab_tile:
         items = lax.broadcasted_iota(jnp.int32, t.shape, 1 if cfg.dv_view else 0)
-        t = jnp.where(items + j * cfg.vocab_tile < cfg.vocab_size, t, jnp.zeros_like(t))
+        t = jnp.where(items + tile * cfg.vocab_tile < cfg.vocab_size, t, jnp.zeros_like(t))
     return t
 
 
-def _logits_dims(cfg):
-    """`h @ t` for a `[D, tv]` tile, `h @ t.T` for a `[tv, D]` one."""
-    return _NN if cfg.dv_view else _NT
-
-
-def _grad_hidden_tile(dz, t, cfg):
-    """`dz @ E_tile`, `[tm, D]`."""
-    return _matmul(dz, t, _NT if cfg.dv_view else _NN, cfg)
-
-
-def _grad_table_tile(h, dz, cfg):
-    """The table gradient tile in the table view's layout, no transpose of `dz`."""
-    return _matmul(h, dz, _TN, cfg) if cfg.dv_view else _matmul(dz, h, _TN, cfg)
-
-
-def _masks(ids_ref, shape, j, cfg):
-    """`(valid, positive)` bool `[tm, tv]` of a tile (valid is None when every column is).
-
-    `valid`: columns below V (only the last tile of an unaligned V has
-    others). `positive`: the column is one of the row's ids (compared one id
-    column at a time; padding ids never match, duplicates match once).
-    """
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + j * cfg.vocab_tile
-    valid = cols < cfg.vocab_size if cfg.vocab_size % cfg.vocab_tile else None
-    positive = cols == ids_ref[:, 0:1]
-    for k in range(1, cfg.num_ids):
-        positive = jnp.logical_or(positive, cols == ids_ref[:, k : k + 1])
-    return valid, positive
-
-
-def _tile_logits(h, t, b_ref, cfg):
-    """Float32 logits `[tm, tv]` of a row tile `h` against a `[D, tv]` table tile `t`."""
-    z = _matmul(h, t, _logits_dims(cfg), cfg)
+def _logits(h, t, b_ref, cfg):
+    """Float32 logits `[tm, tv]`: `h.T @ t` (`[D, tm]` rows, `[D, tv]` tile) or `h @ t.T`."""
+    z = _matmul(h, t, _TN if cfg.dv_view else _NT, cfg)
     if b_ref is not None:
         z = z + b_ref[...]
     return z
+
+
+def _grad_hidden_tile(dz, t, cfg):
+    """The hidden gradient of a tile in the rows' layout: `t @ dz.T` `[D, tm]` or `dz @ t`."""
+    return _matmul(t, dz, _NT, cfg) if cfg.dv_view else _matmul(dz, t, _NN, cfg)
+
+
+def _grad_table_tile(h, dz, cfg):
+    """The table gradient tile in the table view's layout: `h @ dz` `[D, tv]` or `dz.T @ h`."""
+    return _matmul(h, dz, _NN, cfg) if cfg.dv_view else _matmul(dz, h, _TN, cfg)
+
+
+def _as_columns(rows, fill):
+    """`[k, tm]` -> `[tm, k]` (one 128-aligned transpose: per-row values to the sublanes)."""
+    k, tm = rows.shape
+    padded = _round_up(k, LANES)
+    if padded != k:
+        rows = jnp.concatenate([rows, jnp.full((padded - k, tm), fill, rows.dtype)], axis=0)
+    return jnp.transpose(rows)[:, :k]
+
+
+def _as_row(column):
+    """`[tm, 1]` -> `[1, tm]` (per-row values back to the lanes)."""
+    return jnp.transpose(jnp.broadcast_to(column, (column.shape[0], LANES)))[0:1, :]
+
+
+def _masks(ids, in_tile, shape, tile, cfg):
+    """`(valid, positive)` bool `[tm, tv]` of a tile (valid is None when every column is).
+
+    `valid`: columns below V (only the last tile of an unaligned V has
+    others). `positive`: the column is one of the row's ids. `ids` `[L, tm]`
+    are each row's ids sorted ascending (padding sorted last as
+    `PADDING_ID`), so the ids inside this tile are consecutive: row `m`'s
+    start at `first[m]` (its ids below the tile, counted in O(L tm)), and
+    no row has more than `in_tile` of them (a scalar from the kernel's
+    prefetched counts, usually 0 or 1). One compare per logit per such id,
+    not one per id of the row: padding ids never match, duplicates match
+    once.
+    """
+    lo = tile * cfg.vocab_tile
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + lo
+    valid = cols < cfg.vocab_size if cfg.vocab_size % cfg.vocab_tile else None
+    first = jnp.sum((ids < lo).astype(jnp.int32), axis=0, keepdims=True)  # [1, tm]
+    slot = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+
+    def add(k, hits):  # int32, not bool: Mosaic cannot carry a mask vector through a loop
+        pick = jnp.max(jnp.where(slot == first + k, ids, -1), axis=0, keepdims=True)
+        return jnp.where(cols == _as_columns(pick, -1), 1, hits)
+
+    return valid, lax.fori_loop(0, in_tile, add, jnp.zeros(shape, jnp.int32)) != 0
 
 
 def _softplus_parts(z):
@@ -294,14 +348,14 @@ def _softplus_parts(z):
     return jnp.maximum(z, 0.0), jnp.maximum(-z, 0.0), e, jnp.log1p(e)
 
 
-def _terms(z, positive, coef, parts=None):
+def _terms(z, positive, coef, parts):
     """Each logit's exact loss term.
 
     Negatives: `neg_scale softplus(z) - neg_target z`; positives:
     `pos_minus softplus(-z) + pos_plus softplus(z)` (non-negative parts, so a
     saturated positive keeps float32 precision).
     """
-    relu, relu_neg, _, log1p_e = _softplus_parts(z) if parts is None else parts
+    relu, relu_neg, _, log1p_e = parts
     sp, sp_neg = relu + log1p_e, relu_neg + log1p_e
     neg = sp if coef.neg_scale == 1.0 else coef.neg_scale * sp
     neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target * z
@@ -310,13 +364,13 @@ def _terms(z, positive, coef, parts=None):
     return jnp.where(positive, pos, neg)
 
 
-def _slopes(z, positive, coef, parts=None):
+def _slopes(z, positive, coef, parts):
     """Each term's exact derivative in z.
 
     Negatives: `neg_scale sigmoid(z) - neg_target`; positives:
     `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
     """
-    e = jnp.exp(-jnp.abs(z)) if parts is None else parts[2]
+    e = parts[2]
     inv = 1.0 / (1.0 + e)
     sig, sig_neg = jnp.where(z >= 0, inv, e * inv), jnp.where(z >= 0, e * inv, inv)
     neg = sig if coef.neg_scale == 1.0 else coef.neg_scale * sig
@@ -329,130 +383,147 @@ def _masked(x, valid):
     return x if valid is None else jnp.where(valid, x, 0.0)
 
 
-def _unpack(refs, has_bias, has_weights):
-    """Splits kernel refs into `(h, t, ids, bias | None, g | None, outputs_and_scratch)`."""
+class _Pass(NamedTuple):
+    """Static shape of one kernel pass over the table for one block of resident rows."""
+
+    has_bias: bool
+    with_loss: bool  # write the rows' loss sums
+    with_grads: bool  # write the hidden, table and bias gradients (rows weighted by `g`)
+    carry: bool  # the table/bias gradients add to those of earlier row blocks (aliased inputs)
+    block_rows: int  # resident rows of this pass (a multiple of the row tile)
+    tiles_per_core: int  # vocabulary tiles a TensorCore visits (the last core may idle)
+    counts_per_row_tile: bool  # in-tile id counts per (vocab tile, row tile), else per vocab tile
+
+
+# ----------------------------------------------------------------------------
+# The kernel: one pass over the table, grid (core, vocabulary tile, row tile).
+# ----------------------------------------------------------------------------
+
+
+def _kernel(*refs, cfg, ps):
+    """Loss sums and/or gradients of one block of resident rows, one pass over the table.
+
+    Grid `(c, j, i)`: TensorCore `c` ("parallel": megacore chips split the
+    vocabulary across their two cores), its vocabulary tile `j`, row tile
+    `i` of the resident block. The table tile and its gradient accumulator
+    stay in VMEM across the inner row axis (the table is read once per
+    pass); the rows (hidden states `[D, mb]` or `[mb, D]`, ids `[L, mb]`,
+    weights `[1, mb]`) and their outputs (loss `[1, mb]`, hidden gradient
+    in the rows' layout) are resident for the whole pass, one copy per core.
+    """
     refs = list(refs)
-    h_ref, t_ref, ids_ref = refs.pop(0), refs.pop(0), refs.pop(0)
-    b_ref = refs.pop(0) if has_bias else None
-    g_ref = refs.pop(0) if has_weights else None
-    return h_ref, t_ref, ids_ref, b_ref, g_ref, refs
+    in_tile_ref, h_ref, ids_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    g_ref = refs.pop(0) if ps.with_grads else None
+    t_ref = refs.pop(0)
+    b_ref = refs.pop(0) if ps.has_bias else None
+    dt_in = refs.pop(0) if ps.carry else None
+    db_in = refs.pop(0) if ps.carry and ps.has_bias else None
+    loss_ref = refs.pop(0) if ps.with_loss else None
+    dh_ref = dt_ref = db_ref = acc_t = acc_b = None
+    if ps.with_grads:
+        dh_ref, dt_ref = refs.pop(0), refs.pop(0)
+        db_ref = refs.pop(0) if ps.has_bias else None
+        acc_t = refs.pop(0)
+        acc_b = refs.pop(0) if ps.has_bias else None
+    c, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = c * ps.tiles_per_core + j
+    tm = cfg.row_tile
+    rows = pl.ds(pl.multiple_of(i * tm, tm), tm)
 
+    def hidden_rows(ref):
+        return ref.at[:, rows] if cfg.dv_view else ref.at[rows, :]
 
-def _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg):
-    """`(h, t, z, (valid, positive))` of one (row tile, vocabulary tile)."""
-    h, t = h_ref[...], _table_tile(t_ref, j, cfg)
-    z = _tile_logits(h, t, b_ref, cfg)
-    return h, t, z, _masks(ids_ref, z.shape, j, cfg)
+    def body():
+        @pl.when(j == 0)
+        def _init_rows():  # this core's first visit of these rows
+            if ps.with_loss:
+                loss_ref[:, rows] = jnp.zeros((1, tm), jnp.float32)
+            if ps.with_grads:
+                dh = hidden_rows(dh_ref)
+                dh[...] = jnp.zeros(dh.shape, jnp.float32)
 
+        if ps.with_grads:
+            @pl.when(i == 0)
+            def _init_tile():  # first row tile of this vocabulary tile
+                start_t = dt_in[...].astype(jnp.float32) if ps.carry else 0.0
+                acc_t[...] = jnp.zeros_like(acc_t) + start_t
+                if ps.has_bias:
+                    start_b = db_in[...] if ps.carry else 0.0
+                    acc_b[...] = jnp.zeros_like(acc_b) + start_b
 
-# ----------------------------------------------------------------------------
-# Kernels.
-# ----------------------------------------------------------------------------
+        h = hidden_rows(h_ref)[...]
+        t = _table_tile(t_ref, tile, cfg)
+        z = _logits(h, t, b_ref, cfg)
+        in_tile = in_tile_ref[tile * pl.num_programs(2) + i if ps.counts_per_row_tile else tile]
+        valid, positive = _masks(ids_ref[:, rows], in_tile, z.shape, tile, cfg)
+        parts = _softplus_parts(z)  # one exp per logit for the loss and the gradient
+        if ps.with_loss:
+            term = _masked(_terms(z, positive, cfg.coef, parts), valid)
+            loss_ref[:, rows] += _as_row(jnp.sum(term, axis=1, keepdims=True))
+        if ps.with_grads:
+            # Padded rows carry a zero weight, so they add nothing.
+            g = _as_columns(g_ref[:, rows], 0.0)
+            dz = _masked(g * _slopes(z, positive, cfg.coef, parts), valid)
+            dh = hidden_rows(dh_ref)
+            dh[...] += _grad_hidden_tile(dz, t, cfg)
+            acc_t[...] += _grad_table_tile(h, dz, cfg)
+            if ps.has_bias:
+                acc_b[...] += jnp.sum(dz, axis=0, keepdims=True)
 
+            @pl.when(i == pl.num_programs(2) - 1)
+            def _store():
+                dt_ref[...] = acc_t[...].astype(dt_ref.dtype)
+                if ps.has_bias:
+                    db_ref[...] = acc_b[...]
 
-def _forward_kernel(*refs, cfg, has_bias):
-    h_ref, t_ref, ids_ref, b_ref, _, (out_ref, acc_ref) = _unpack(refs, has_bias, False)
-    j = pl.program_id(1)
-
-    @pl.when(j == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    _, _, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    term = _masked(_terms(z, positive, cfg.coef), valid)
-    acc_ref[...] += jnp.sum(term, axis=1, keepdims=True)
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _store():
-        out_ref[...] = acc_ref[...]
-
-
-def _grad_hidden_kernel(*refs, cfg, has_bias):
-    h_ref, t_ref, ids_ref, b_ref, g_ref, (out_ref, acc_ref) = _unpack(refs, has_bias, True)
-    j = pl.program_id(1)
-
-    @pl.when(j == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    _, t, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    dz = _masked(g_ref[:, :1] * _slopes(z, positive, cfg.coef), valid)
-    acc_ref[...] += _grad_hidden_tile(dz, t, cfg)
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _store():
-        out_ref[...] = acc_ref[...]
-
-
-def _grad_table_kernel(*refs, cfg, has_bias):
-    h_ref, t_ref, ids_ref, b_ref, g_ref, outs = _unpack(refs, has_bias, True)
-    if has_bias:
-        dt_ref, db_ref, acc_t_ref, acc_b_ref = outs
-    else:
-        (dt_ref, acc_t_ref), db_ref, acc_b_ref = outs, None, None
-    j, i = pl.program_id(0), pl.program_id(1)  # i: the reduction axis of this transposed grid.
-
-    @pl.when(i == 0)
-    def _init():
-        acc_t_ref[...] = jnp.zeros_like(acc_t_ref)
-        if has_bias:
-            acc_b_ref[...] = jnp.zeros_like(acc_b_ref)
-
-    h, _, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    # Padded rows carry a zero cotangent, so they add nothing.
-    dz = _masked(g_ref[:, :1] * _slopes(z, positive, cfg.coef), valid)
-    acc_t_ref[...] += _grad_table_tile(h, dz, cfg)
-    if has_bias:
-        acc_b_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
-
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _store():
-        dt_ref[...] = acc_t_ref[...].astype(dt_ref.dtype)
-        if has_bias:
-            db_ref[...] = acc_b_ref[...]
-
-
-def _fused_kernel(*refs, cfg, has_bias):
-    """Loss and all gradients in one pass; grid (vocab tile j, row tile i)."""
-    h_ref, t_ref, ids_ref, b_ref, g_ref, outs = _unpack(refs, has_bias, True)
-    if has_bias:
-        loss_ref, dh_ref, dt_ref, db_ref, acc_t_ref, acc_b_ref = outs
-    else:
-        (loss_ref, dh_ref, dt_ref, acc_t_ref), db_ref, acc_b_ref = outs, None, None
-    j, i = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(pl.multiple_of(i * cfg.row_tile, cfg.row_tile), cfg.row_tile)
-
-    @pl.when(j == 0)
-    def _init_rows():  # resident [M, .] outputs: first visit of these rows
-        loss_ref[rows, :] = jnp.zeros((cfg.row_tile, LANES), jnp.float32)
-        dh_ref[rows, :] = jnp.zeros((cfg.row_tile, dh_ref.shape[1]), jnp.float32)
-
-    @pl.when(i == 0)
-    def _init_tile():
-        acc_t_ref[...] = jnp.zeros_like(acc_t_ref)
-        if has_bias:
-            acc_b_ref[...] = jnp.zeros_like(acc_b_ref)
-
-    h, t, z, (valid, positive) = _tile(h_ref, t_ref, ids_ref, b_ref, j, cfg)
-    parts = _softplus_parts(z)  # one exp per logit for the loss and the gradient
-    term = _masked(_terms(z, positive, cfg.coef, parts), valid)
-    loss_ref[rows, :] += jnp.sum(term, axis=1, keepdims=True) + jnp.zeros((1, LANES), jnp.float32)
-    dz = _masked(g_ref[:, :1] * _slopes(z, positive, cfg.coef, parts), valid)
-    dh_ref[rows, :] += _grad_hidden_tile(dz, t, cfg)
-    acc_t_ref[...] += _grad_table_tile(h, dz, cfg)
-    if has_bias:
-        acc_b_ref[...] += jnp.sum(dz, axis=0, keepdims=True)
-
-    @pl.when(i == pl.num_programs(1) - 1)
-    def _store():
-        dt_ref[...] = acc_t_ref[...].astype(dt_ref.dtype)
-        if has_bias:
-            db_ref[...] = acc_b_ref[...]
+    tiles = pl.cdiv(cfg.vocab_size, cfg.vocab_tile)
+    if ps.tiles_per_core * _cores_used(cfg) == tiles:
+        body()
+    else:  # the last core's steps past the last tile do nothing (their blocks are clamped)
+        pl.when(tile < tiles)(body)
 
 
 # ----------------------------------------------------------------------------
 # pallas_call wrappers: rows padded to the row tile, the table never padded.
 # ----------------------------------------------------------------------------
+
+_SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+
+
+def _num_tiles(cfg):
+    return pl.cdiv(cfg.vocab_size, cfg.vocab_tile)
+
+
+def _cores_used(cfg):
+    """TensorCores the vocabulary is split across (each gets at least one tile)."""
+    return max(1, min(cfg.cores, _num_tiles(cfg)))
+
+
+def _resident_bytes_per_row(dim, num_ids, hidden_itemsize, with_grads):
+    """VMEM bytes a resident row costs a pass (double-buffered, sublane-padded rows)."""
+    per_row = _round_up(dim, 16) * hidden_itemsize + _round_up(num_ids, 8) * 4 + 8 * 4  # h, ids, loss
+    if with_grads:
+        per_row += 8 * 4 + _round_up(dim, 8) * 4  # weights, hidden gradient
+    return 2 * per_row
+
+
+def _resident_budget_bytes(cfg):
+    """The resident rows' VMEM share: a quarter of the tiles' budget."""
+    return vmem_budget_bytes(cfg.vmem_capacity) // 4
+
+
+def row_blocks(num_rows, dim, hidden_itemsize, cfg, with_grads=True):
+    """`(count, block_rows)`: the resident row blocks a loss pass splits `num_rows` into.
+
+    Each block is one pass over the table (one `pallas_call`); the table and
+    bias gradients accumulate across blocks.
+    """
+    tm = cfg.row_tile
+    mp = _round_up(max(num_rows, 1), tm)
+    per_row = _resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize, with_grads)
+    cap = max(tm, _resident_budget_bytes(cfg) // per_row // tm * tm)
+    count = pl.cdiv(mp, cap)
+    return count, _round_up(pl.cdiv(mp, count), tm)
 
 
 def _pad_rows(x, rows, value=0):
@@ -462,59 +533,45 @@ def _pad_rows(x, rows, value=0):
     return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
 
 
-def _row_inputs(h, ids, g, cfg):
-    """Hidden states, ids and (lane-broadcast) row weights padded to the row tile."""
-    mp = _round_up(h.shape[0], cfg.row_tile)
-    hp, idsp = _pad_rows(h, mp), _pad_rows(ids, mp, -1)
-    gp = None
-    if g is not None:
-        gp = jnp.broadcast_to(_pad_rows(g.astype(jnp.float32), mp)[:, None], (mp, LANES))
+def _row_inputs(h, ids, g, rows, cfg):
+    """Rows padded to `rows` in the kernels' layout: hidden `[D, rows]` or `[rows, D]`,
+    ids `[L, rows]`, weights `[1, rows]` float32 (or None)."""
+    hp = _pad_rows(h, rows)
+    hp = hp.T if cfg.dv_view else hp
+    idsp = _pad_rows(_sorted_ids(ids, cfg), rows, PADDING_ID).T
+    gp = None if g is None else _pad_rows(g.astype(jnp.float32), rows)[None, :]
     return hp, idsp, gp
+
+
+def _sorted_ids(ids, cfg):
+    """Each row's ids ascending, padding (outside `[0, V)`) as `PADDING_ID` at the end."""
+    real = jnp.logical_and(ids >= 0, ids < cfg.vocab_size)
+    return jnp.sort(jnp.where(real, ids, PADDING_ID), axis=1)
+
+
+def _in_tile_counts(ids_t, cfg):
+    """`[tiles, row tiles]` int32: the most ids one row of the row tile has in the vocab tile.
+
+    `ids_t`: sorted ids `[L, rows]` (`_row_inputs`). O(rows L): a row's ids
+    in one tile are consecutive, so an id's rank among them is its slot
+    minus the slot where its tile starts.
+    """
+    ids = ids_t.T
+    rows, length = ids.shape
+    tiles = _num_tiles(cfg)
+    tile_of = jnp.where(ids < cfg.vocab_size, ids // cfg.vocab_tile, tiles)  # padding: dropped
+    slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones((rows, 1), bool), tile_of[:, 1:] != tile_of[:, :-1]], axis=1)
+    rank = slot - lax.cummax(jnp.where(starts, slot, 0), axis=1)
+    row_tile = jnp.broadcast_to((jnp.arange(rows, dtype=jnp.int32) // cfg.row_tile)[:, None],
+                                ids.shape)
+    counts = jnp.zeros((tiles, rows // cfg.row_tile), jnp.int32)
+    return counts.at[tile_of, row_tile].max(rank + 1, mode="drop")
 
 
 def _bias_row(b):
     return None if b is None else b.astype(jnp.float32).reshape(1, -1)
-
-
-def _grid_sizes(mp, cfg):
-    return mp // cfg.row_tile, pl.cdiv(cfg.vocab_size, cfg.vocab_tile)
-
-
-def _specs(cfg, d, has_bias, has_weights, transposed):
-    """BlockSpecs of (h, t, ids[, b][, g]) for grid (i, j), or (j, i) when `transposed`."""
-    tm, tv, length = cfg.row_tile, cfg.vocab_tile, cfg.num_ids
-
-    def at(fn):
-        return (lambda j, i: fn(i, j)) if transposed else fn
-
-    specs = [
-        pl.BlockSpec((tm, d), at(lambda i, j: (i, 0))),
-        _table_spec(cfg, d, at(lambda i, j: j)),
-        pl.BlockSpec((tm, length), at(lambda i, j: (i, 0))),
-    ]
-    if has_bias:
-        specs.append(pl.BlockSpec((1, tv), at(lambda i, j: (0, j))))
-    if has_weights:
-        specs.append(pl.BlockSpec((tm, LANES), at(lambda i, j: (i, 0))))
-    return specs
-
-
-def _cost(cfg, mp, d, itemsize, matmuls, transcendentals):
-    """`pl.CostEstimate` of one pass over the `[mp, V]` logits (for XLA's scheduler)."""
-    logits = mp * cfg.vocab_size
-    return pl.CostEstimate(
-        flops=int(2 * logits * d * matmuls + 12 * logits),
-        transcendentals=int(transcendentals * logits),
-        bytes_accessed=int(cfg.vocab_size * d * itemsize * (1 + matmuls // 2)
-                           + mp * (d * itemsize + 4 * cfg.num_ids + 4 * LANES)),
-    )
-
-
-def _table_spec(cfg, d, tile_index):
-    """BlockSpec of a table-shaped array in the kernels' view, at vocabulary tile `tile_index`."""
-    if cfg.dv_view:
-        return pl.BlockSpec((d, cfg.vocab_tile), lambda *g: (0, tile_index(*g)))
-    return pl.BlockSpec((cfg.vocab_tile, d), lambda *g: (tile_index(*g), 0))
 
 
 def _table_view(t, cfg):
@@ -522,119 +579,147 @@ def _table_view(t, cfg):
     return t.T if cfg.dv_view else t
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, semantics, cfg, has_bias,
-          cost):
-    """The kernel as a function of its inputs: Mosaic on a TPU target, else the interpreter."""
+def _cost(cfg, rows, d, itemsize, ps):
+    """`pl.CostEstimate` of one pass over the `[rows, V]` logits (for XLA's scheduler)."""
+    logits = rows * cfg.vocab_size
+    matmuls = 3 if ps.with_grads else 1
+    table = cfg.vocab_size * d
+    grad_bytes = (table * 4 * (2 if ps.carry else 1)) if ps.with_grads else 0
+    return pl.CostEstimate(
+        flops=int(2 * logits * d * matmuls + 12 * logits),
+        transcendentals=int(2 * logits),
+        bytes_accessed=int(table * itemsize + grad_bytes
+                           + rows * (d * itemsize + 4 * cfg.num_ids + 8 + 4 * d)),
+    )
+
+
+def _pass(hp, t, b, idsp, gp, counts, carried, block, ps, cfg):
+    """One `pallas_call`: row block `block` of the padded rows against the whole table.
+
+    Returns `(loss [mb] | None, grad_hidden (rows' layout) | None, grad_table
+    (view) | None, grad_bias [1, V] | None)`; `counts` the block's in-tile
+    id counts (prefetched to SMEM, flat); `carried` are the table/bias
+    gradients of earlier blocks to add to, or None.
+    """
+    d = t.shape[1]
+    tv, mb, per = cfg.vocab_tile, ps.block_rows, ps.tiles_per_core
+    tiles, cores = _num_tiles(cfg), _cores_used(cfg)
+    grid = (cores, per, mb // cfg.row_tile)
+
+    def tile(c, j):
+        return j if cores == 1 else jnp.minimum(c * per + j, tiles - 1)
+
+    def table_spec():
+        if cfg.dv_view:
+            return pl.BlockSpec((d, tv), lambda c, j, i, *_: (0, tile(c, j)))
+        return pl.BlockSpec((tv, d), lambda c, j, i, *_: (tile(c, j), 0))
+
+    bias_spec = pl.BlockSpec((1, tv), lambda c, j, i, *_: (0, tile(c, j)))
+    h_block = (d, mb) if cfg.dv_view else (mb, d)
+    in_specs = [
+        pl.BlockSpec(h_block, (lambda c, j, i, *_: (0, block)) if cfg.dv_view
+                     else (lambda c, j, i, *_: (block, 0))),
+        pl.BlockSpec((idsp.shape[0], mb), lambda c, j, i, *_: (0, block)),
+    ]
+    inputs = [hp, idsp]
+    if ps.with_grads:
+        in_specs.append(pl.BlockSpec((1, mb), lambda c, j, i, *_: (0, block)))
+        inputs.append(gp)
+    in_specs.append(table_spec())
+    inputs.append(_table_view(t, cfg))
+    if ps.has_bias:
+        in_specs.append(bias_spec)
+        inputs.append(_bias_row(b))
+    if ps.carry:
+        in_specs += [table_spec()] + ([bias_spec] if ps.has_bias else [])
+        inputs += list(carried)
+    out_specs, out_shapes, scratch = [], [], []
+    if ps.with_loss:
+        out_specs.append(pl.BlockSpec((_SQUEEZED, 1, mb), lambda c, j, i, *_: (c, 0, 0)))
+        out_shapes.append(jax.ShapeDtypeStruct((cores, 1, mb), jnp.float32))
+    aliases = {}
+    if ps.with_grads:
+        view = (d, cfg.vocab_size) if cfg.dv_view else (cfg.vocab_size, d)
+        out_specs += [pl.BlockSpec((_SQUEEZED,) + h_block, lambda c, j, i, *_: (c, 0, 0)),
+                      table_spec()]
+        out_shapes += [jax.ShapeDtypeStruct((cores,) + h_block, jnp.float32),
+                       jax.ShapeDtypeStruct(view, cfg.table_dtype)]
+        scratch.append(pltpu.VMEM((d, tv) if cfg.dv_view else (tv, d), jnp.float32))
+        if ps.has_bias:
+            out_specs.append(bias_spec)
+            out_shapes.append(jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32))
+            scratch.append(pltpu.VMEM((1, tv), jnp.float32))
+        if ps.carry:  # accumulate in place: the carried gradients' buffers are the outputs'
+            first_out = 1 if ps.with_loss else 0
+            carry_in = 1 + len(inputs) - len(carried)  # operand 0: the prefetched counts
+            aliases = {carry_in + k: first_out + 1 + k for k in range(len(carried))}
+    name = "cutbce_fused" if ps.with_loss and ps.with_grads else (
+        "cutbce_grads" if ps.with_grads else "cutbce_forward")
 
     def build(interpret, plain=False):
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=scratch)
         return pl.pallas_call(
-            functools.partial(kernel, cfg=cfg, has_bias=has_bias),
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            out_shape=out_shape,
-            scratch_shapes=scratch,
-            compiler_params=_compiler_params(semantics, None if interpret else cfg.vmem_capacity),
+            functools.partial(_kernel, cfg=cfg, ps=ps),
+            grid_spec=grid_spec,
+            out_shape=out_shapes,
+            # Mosaic only: the TPU interpreter mishandles aliased outputs with
+            # a partial last block (JAX 0.10.2); without aliasing the numbers
+            # are the same, only the carried buffers are not reused.
+            input_output_aliases={} if interpret else aliases,
+            compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"),
+                                             None if interpret else cfg.vmem_capacity),
             interpret=True if plain else _interpret_arg(interpret),
-            cost_estimate=cost,
+            cost_estimate=_cost(cfg, mb, d, t.dtype.itemsize, ps),
             name=name,
         )
 
     if cfg.interpret is None:  # target unknown at trace time: decided at lowering
         # The plain (effect-free) interpreter: `platform_dependent` cannot drop
         # the ordered effects of `pltpu.InterpretParams`'s callbacks.
-        return lambda *args: tpu_target.by_target(args, build(False), build(True, plain=True))
-    return build(cfg.interpret)
+        outs = tpu_target.by_target((counts, *inputs), build(False), build(True, plain=True))
+    else:
+        outs = build(cfg.interpret)(counts, *inputs)
+    outs = list(outs)
+    loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
+    if not ps.with_grads:
+        return loss, None, None, None
+    dh, dt = outs[0].sum(axis=0), outs[1]
+    return loss, dh, dt, (outs[2] if ps.has_bias else None)
 
 
-def _table_grad_outputs(cfg, d, has_bias, index):
-    """Out specs/shapes/scratch of the table (and bias) gradient, blocks at vocab tile `index`."""
-    tv, vocab = cfg.vocab_tile, cfg.vocab_size
-    specs = [_table_spec(cfg, d, index)]
-    shape = (d, vocab) if cfg.dv_view else (vocab, d)
-    shapes = [jax.ShapeDtypeStruct(shape, cfg.table_dtype)]
-    scratch = [pltpu.VMEM(specs[0].block_shape, jnp.float32)]
-    if has_bias:
-        specs.append(pl.BlockSpec((1, tv), lambda j, i: (0, index(j, i))))
-        shapes.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
-        scratch.append(pltpu.VMEM((1, tv), jnp.float32))
-    return specs, shapes, scratch
-
-
-def _dense_forward(h, t, b, ids, cfg):
-    """Per-row sums over the negatives `[M]` float32 (kernel 1)."""
-    hp, idsp, _ = _row_inputs(h, ids, None, cfg)
-    mp, d = hp.shape
-    has_bias = b is not None
-    out = _call(
-        _forward_kernel, "cutbce_forward", _grid_sizes(mp, cfg),
-        _specs(cfg, d, has_bias, False, False),
-        pl.BlockSpec((cfg.row_tile, LANES), lambda i, j: (i, 0)),
-        jax.ShapeDtypeStruct((mp, LANES), jnp.float32),
-        [pltpu.VMEM((cfg.row_tile, LANES), jnp.float32)],
-        ("parallel", "arbitrary"), cfg, has_bias, _cost(cfg, mp, d, t.dtype.itemsize, 1, 2),
-    )(*([hp, _table_view(t, cfg), idsp] + ([_bias_row(b)] if has_bias else [])))
-    return out[: h.shape[0], 0]
-
-
-def _dense_backward(h, t, b, ids, g, cfg):
-    """`(grad_hidden [M, D], grad_table (the kernels' view), grad_bias [V] | None)` (kernels 2, 3)."""
-    hp, idsp, gp = _row_inputs(h, ids, g, cfg)
-    mp, d = hp.shape
-    has_bias = b is not None
-    inputs = [hp, _table_view(t, cfg), idsp] + ([_bias_row(b)] if has_bias else []) + [gp]
-    rows, tiles = _grid_sizes(mp, cfg)
-    grad_h = _call(
-        _grad_hidden_kernel, "cutbce_grad_hidden", (rows, tiles),
-        _specs(cfg, d, has_bias, True, False),
-        pl.BlockSpec((cfg.row_tile, d), lambda i, j: (i, 0)),
-        jax.ShapeDtypeStruct((mp, d), jnp.float32),
-        [pltpu.VMEM((cfg.row_tile, d), jnp.float32)],
-        ("parallel", "arbitrary"), cfg, has_bias, _cost(cfg, mp, d, t.dtype.itemsize, 2, 1),
-    )(*inputs)
-    # Transposed grid (vocab tile j, row tile i): the table gradient is
-    # accumulated over row tiles while its block stays in VMEM.
-    specs, shapes, scratch = _table_grad_outputs(cfg, d, has_bias, lambda j, i: j)
-    outs = _call(
-        _grad_table_kernel, "cutbce_grad_table", (tiles, rows),
-        _specs(cfg, d, has_bias, True, True), specs, shapes, scratch,
-        ("parallel", "arbitrary"), cfg, has_bias, _cost(cfg, mp, d, t.dtype.itemsize, 2, 1),
-    )(*inputs)
-    grad_b = outs[1][0] if has_bias else None
-    return grad_h[: h.shape[0]], outs[0], grad_b
-
-
-def _fused_fits(num_rows, dim, cfg):
-    """Whether the fused kernel's resident `[M, 128 + D]` float32 rows fit its VMEM share."""
-    budget = vmem_budget_bytes(cfg.vmem_capacity)
-    mp = _round_up(num_rows, cfg.row_tile)
-    return 2 * mp * (LANES + dim) * 4 <= budget // 4
-
-
-def _dense_fused(h, t, b, ids, w, cfg):
-    """Kernel 4: `(negatives [M], grad_hidden, grad_table (view), grad_bias | None)`, one pass."""
-    hp, idsp, gp = _row_inputs(h, ids, w, cfg)
-    mp, d = hp.shape
-    has_bias = b is not None
-    rows, tiles = _grid_sizes(mp, cfg)
-    specs, shapes, scratch = _table_grad_outputs(cfg, d, has_bias, lambda j, i: j)
-    resident = [
-        pl.BlockSpec((mp, LANES), lambda j, i: (0, 0)),
-        pl.BlockSpec((mp, d), lambda j, i: (0, 0)),
-    ]
-    resident_shapes = [
-        jax.ShapeDtypeStruct((mp, LANES), jnp.float32),
-        jax.ShapeDtypeStruct((mp, d), jnp.float32),
-    ]
-    outs = _call(
-        _fused_kernel, "cutbce_fused", (tiles, rows),
-        _specs(cfg, d, has_bias, True, True), resident + specs, resident_shapes + shapes,
-        scratch, ("arbitrary", "arbitrary"), cfg, has_bias,
-        _cost(cfg, mp, d, t.dtype.itemsize, 3, 2),
-    )(*([hp, _table_view(t, cfg), idsp] + ([_bias_row(b)] if has_bias else []) + [gp]))
+def _passes(h, t, b, ids, g, cfg, with_loss):
+    """Row loss sums `[M]` (or None) and `(grad_hidden [M, D], grad_table (view), grad_bias [V])`
+    weighted by `g` (or None), one pass over the table per resident row block."""
+    with_grads = g is not None
+    count, mb = row_blocks(h.shape[0], h.shape[1], h.dtype.itemsize, cfg, with_grads)
+    hp, idsp, gp = _row_inputs(h, ids, g, count * mb, cfg)
+    per = pl.cdiv(_num_tiles(cfg), _cores_used(cfg))
+    counts = _in_tile_counts(idsp, cfg)
+    row_tiles = mb // cfg.row_tile
+    per_row_tile = counts.shape[0] * row_tiles <= MAX_PREFETCHED_COUNTS
+    losses, hidden_grads, carried = [], [], None
+    for block in range(count):
+        ps = _Pass(b is not None, with_loss, with_grads, carried is not None, mb, per,
+                   per_row_tile)
+        block_counts = counts[:, block * row_tiles : (block + 1) * row_tiles]
+        block_counts = block_counts.reshape(-1) if per_row_tile else block_counts.max(axis=1)
+        loss, dh, dt, db = _pass(hp, t, b, idsp, gp, block_counts, carried, block, ps, cfg)
+        losses.append(loss)
+        hidden_grads.append(dh)
+        if with_grads:
+            carried = (dt,) + (() if b is None else (db,))
     num_rows = h.shape[0]
-    grad_b = outs[3][0] if has_bias else None
-    return outs[0][:num_rows, 0], outs[1][:num_rows], outs[2], grad_b
+    loss = jnp.concatenate(losses)[:num_rows] if with_loss else None
+    if not with_grads:
+        return loss, None
+    if cfg.dv_view:
+        dh = jnp.concatenate(hidden_grads, axis=1).T[:num_rows]
+    else:
+        dh = jnp.concatenate(hidden_grads, axis=0)[:num_rows]
+    grad_b = None if b is None else carried[1][0]
+    return loss, (dh, _table_view(carried[0], cfg), grad_b)
 
 
 def _grads_out(h, t, b, ids, grads):
@@ -652,17 +737,7 @@ def _grads_out(h, t, b, ids, grads):
 
 
 def _per_row_loss(cfg, h, t, b, ids):
-    return _dense_forward(h, t, b, ids, cfg) / cfg.vocab_size
-
-
-def _table_layout(grads, cfg):
-    """`(dh, dt, db)` with the table gradient back as `[V, D]` (a bitcast on TPU)."""
-    dh, dt, db = grads
-    return dh, _table_view(dt, cfg), db
-
-
-def _gradients(cfg, h, t, b, ids, gv):
-    return _table_layout(_dense_backward(h, t, b, ids, gv, cfg), cfg)
+    return _passes(h, t, b, ids, None, cfg, with_loss=True)[0] / cfg.vocab_size
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -677,21 +752,11 @@ def _cut_bce_fwd(cfg, h, t, b, ids):
 def _cut_bce_bwd(cfg, residuals, g):
     h, t, b, ids = residuals
     gv = g.astype(jnp.float32) / cfg.vocab_size
-    return _grads_out(h, t, b, ids, _gradients(cfg, h, t, b, ids, gv))
+    _, grads = _passes(h, t, b, ids, gv, cfg, with_loss=False)
+    return _grads_out(h, t, b, ids, grads)
 
 
 _cut_bce.defvjp(_cut_bce_fwd, _cut_bce_bwd)
-
-
-def _fused_loss_and_grads(cfg, h, t, b, ids, w):
-    """`(sum_m w_m loss_m, float32 gradients at cotangent 1)`: one logits pass when it fits."""
-    gv = w / cfg.vocab_size
-    if not _fused_fits(h.shape[0], h.shape[1], cfg):  # three logits passes
-        sums = _dense_forward(h, t, b, ids, cfg)
-        grads = _dense_backward(h, t, b, ids, gv, cfg)
-    else:
-        sums, *grads = _dense_fused(h, t, b, ids, gv, cfg)
-    return jnp.vdot(w, sums / cfg.vocab_size), _table_layout(grads, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -701,8 +766,8 @@ def _weighted_sum(cfg, h, t, b, ids, w):
 
 
 def _weighted_sum_fwd(cfg, h, t, b, ids, w):
-    total, grads = _fused_loss_and_grads(cfg, h, t, b, ids, w)
-    return total, (grads, h, t, b, ids, jnp.zeros_like(w))
+    sums, grads = _passes(h, t, b, ids, w / cfg.vocab_size, cfg, with_loss=True)
+    return jnp.vdot(w, sums / cfg.vocab_size), (grads, h, t, b, ids, jnp.zeros_like(w))
 
 
 def _weighted_sum_bwd(cfg, residuals, c):
@@ -773,6 +838,7 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, 
         precision=_PRECISIONS[precision],
         table_dtype=jnp.dtype(table.dtype).name,
         dv_view=dim % LANES != 0,
+        cores=int(tensorcores()),
     )
     return cfg, hidden, table, bias, ids
 
@@ -844,10 +910,10 @@ def cut_bce_weighted_sum(
     """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
 
     The fused training path of a reduced loss (`keras_cutbce.ops`): when a
-    gradient is asked for, one Pallas kernel (kernel 4 of the module) makes
-    one pass over the logits computing the loss and the gradients of
-    `hidden`, `table` and `bias` at cotangent 1; the backward pass only
-    scales them. Plain evaluation runs the forward kernel alone.
+    gradient is asked for, one Pallas pass per resident row block (one in
+    all when the rows fit VMEM) goes over the logits once, computing the
+    loss and the gradients of `hidden`, `table` and `bias` at cotangent 1;
+    the backward pass only scales them. Plain evaluation runs the forward kernel alone.
 
     Args:
         hidden: float `[M, D]`.
