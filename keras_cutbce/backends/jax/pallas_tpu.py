@@ -68,15 +68,16 @@ twice and its gradient carried once (16.4 GiB before, the table read 65
 times).
 
 The table is never padded, copied or relaid out: the grid covers
-`cdiv(V, tv)` tiles and the last, partial tile is masked in the kernels (its
+`cdiv(V, tv)` tiles and the last, partial tile is masked in the kernel (its
 out-of-range items are zeroed before any product, its columns masked out of
-every sum; the masks exist only when V is not a multiple of the tile). Only
-the rows (hidden states, ids, cotangent: `O(M (D + L))`) are padded to the
-row tile; padded rows have zero weight. The table gradient is written in the
-table's dtype (float32 accumulation in VMEM, one rounding at the end: the
-same numbers as a float32 gradient cast afterwards; a backward cotangent
-`c != 1` of the fused path then scales the rounded gradient, one more
-rounding for a bfloat16 table).
+every sum; the masks run on that tile only, the others take a branch
+without them). Only the rows (hidden states, ids, cotangent: `O(M (D + L))`)
+are padded to the row tile; padded rows have zero weight. The table
+gradient is written in the table's dtype (float32 accumulation in VMEM, one
+rounding per row block: the same numbers as a float32 gradient cast
+afterwards when the rows fit one block; a backward cotangent `c != 1` of the
+fused path then scales the rounded gradient, one more rounding for a
+bfloat16 table).
 
 Layout: XLA:TPU stores a narrow table `[V, D]` (`D % 128 != 0`) with V on
 the lanes, so the kernels read it as its `[D, V]` view (a bitcast: blocks
@@ -275,10 +276,10 @@ def _matmul(x, y, dims, cfg):
     )
 
 
-def _table_tile(t_ref, tile, cfg):
-    """The table tile (`[D, tv]` or `[tv, D]`); items past V (last tile) are zeroed."""
+def _table_tile(t_ref, tile, cfg, edge):
+    """The table tile (`[D, tv]` or `[tv, D]`); on the `edge` tile, items past V are zeroed."""
     t = t_ref[...]
-    if cfg.vocab_size % cfg.vocab_tile:
+    if edge:
         items = lax.broadcasted_iota(jnp.int32, t.shape, 1 if cfg.dv_view else 0)
         t = jnp.where(items + tile * cfg.vocab_tile < cfg.vocab_size, t, jnp.zeros_like(t))
     return t
@@ -316,11 +317,11 @@ def _as_row(column):
     return jnp.transpose(jnp.broadcast_to(column, (column.shape[0], LANES)))[0:1, :]
 
 
-def _masks(ids, in_tile, shape, tile, cfg):
+def _masks(ids, in_tile, shape, tile, cfg, edge):
     """`(valid, positive)` bool `[tm, tv]` of a tile (valid is None when every column is).
 
-    `valid`: columns below V (only the last tile of an unaligned V has
-    others). `positive`: the column is one of the row's ids. `ids` `[L, tm]`
+    `valid`: columns below V, on the `edge` tile only (the last tile of an
+    unaligned V). `positive`: the column is one of the row's ids. `ids` `[L, tm]`
     are each row's ids sorted ascending (padding sorted last as
     `PADDING_ID`), so the ids inside this tile are consecutive: row `m`'s
     start at `first[m]` (its ids below the tile, counted in O(L tm)), and
@@ -331,7 +332,7 @@ def _masks(ids, in_tile, shape, tile, cfg):
     """
     lo = tile * cfg.vocab_tile
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + lo
-    valid = cols < cfg.vocab_size if cfg.vocab_size % cfg.vocab_tile else None
+    valid = cols < cfg.vocab_size if edge else None
     first = jnp.sum((ids < lo).astype(jnp.int32), axis=0, keepdims=True)  # [1, tm]
     slot = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
 
@@ -433,7 +434,7 @@ def _kernel(*refs, cfg, ps):
     def hidden_rows(ref):
         return ref.at[:, rows] if cfg.dv_view else ref.at[rows, :]
 
-    def body():
+    def body(edge):
         @pl.when(j == 0)
         def _init_rows():  # this core's first visit of these rows
             if ps.with_loss:
@@ -452,10 +453,10 @@ def _kernel(*refs, cfg, ps):
                     acc_b[...] = jnp.zeros_like(acc_b) + start_b
 
         h = hidden_rows(h_ref)[...]
-        t = _table_tile(t_ref, tile, cfg)
+        t = _table_tile(t_ref, tile, cfg, edge)
         z = _logits(h, t, b_ref, cfg)
         in_tile = in_tile_ref[tile * pl.num_programs(2) + i if ps.counts_per_row_tile else tile]
-        valid, positive = _masks(ids_ref[:, rows], in_tile, z.shape, tile, cfg)
+        valid, positive = _masks(ids_ref[:, rows], in_tile, z.shape, tile, cfg, edge)
         parts = _softplus_parts(z)  # one exp per logit for the loss and the gradient
         if ps.with_loss:
             term = _masked(_terms(z, positive, cfg.coef, parts), valid)
@@ -476,11 +477,16 @@ def _kernel(*refs, cfg, ps):
                 if ps.has_bias:
                     db_ref[...] = acc_b[...]
 
+    # The edge masks run on the last tile of an unaligned V only; the last
+    # core's steps past the last tile (their blocks clamped) do nothing.
     tiles = pl.cdiv(cfg.vocab_size, cfg.vocab_tile)
-    if ps.tiles_per_core * _cores_used(cfg) == tiles:
-        body()
-    else:  # the last core's steps past the last tile do nothing (their blocks are clamped)
-        pl.when(tile < tiles)(body)
+    if cfg.vocab_size % cfg.vocab_tile:
+        pl.when(tile < tiles - 1)(lambda: body(False))
+        pl.when(tile == tiles - 1)(lambda: body(True))
+    elif ps.tiles_per_core * _cores_used(cfg) == tiles:
+        body(False)
+    else:
+        pl.when(tile < tiles)(lambda: body(False))
 
 
 # ----------------------------------------------------------------------------
