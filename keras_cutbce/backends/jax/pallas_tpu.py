@@ -6,11 +6,14 @@ kernel that makes one pass over the table per block of resident rows; a
 VMEM. Each logit's term is exact for its role:
 
 - a negative: `neg_scale * softplus(z) - neg_target * z`;
-- a positive (the column is one of the row's ids, found by `L` vector
-  compares per logit against the row's `[tm, L]` ids; padding ids never
-  match, duplicates match once): `pos_minus softplus(-z) + pos_plus
-  softplus(z)`, two non-negative parts, so a saturated positive (|z| = 1e4,
-  a row of loss 1e-43) keeps float32 precision; its derivative is
+- a positive (the column is one of the row's ids; each row's ids are
+  sorted, so those inside a vocabulary tile are consecutive and each logit
+  is compared with at most as many ids as the tile's most crowded row has
+  there, a prefetched count: 1.25 on average for 8 uniform ids at 876k
+  items, not 8; padding ids never match, duplicates match once):
+  `pos_minus softplus(-z) + pos_plus softplus(z)`, two non-negative parts,
+  so a saturated positive (|z| = 1e4, a row of loss 1e-43) keeps float32
+  precision; its derivative is
   `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
 
 So the positives need no gather or scatter over the table (on TPU, XLA
