@@ -76,6 +76,7 @@ def _bounded(kind, ok, rule):
 positive_int = _bounded(int, lambda v: v >= 1, "an integer >= 1")
 non_negative_int = _bounded(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _bounded(float, lambda v: v > 0, "> 0")
+unit_interval = _bounded(float, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
 
 def default_verbosity():

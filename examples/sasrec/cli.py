@@ -5,10 +5,15 @@ Parsing imports no backend, so `--help` and usage errors are immediate
 `train.py`).
 """
 
-import argparse
 import os
 
-from examples import add_run_arguments, example_parser, positive_float, positive_int
+from examples import (
+    add_run_arguments,
+    example_parser,
+    positive_float,
+    positive_int,
+    unit_interval,
+)
 
 LOSSES = ("cutbce", "dense", "sampled", "softmax")
 DESCRIPTION = (
@@ -16,14 +21,6 @@ DESCRIPTION = (
     "8 items; each user's last 8 items are held out and ranked against the whole catalogue, "
     "beside the most-popular-items baseline."
 )
-
-
-def unit_interval(text):
-    """argparse type: a float in [0, 1)."""
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
 
 
 def build_parser():
