@@ -80,7 +80,7 @@ def _block_indices(mapping, grid):
     return np.stack([np.broadcast_to(np.asarray(o), flat[0].shape) for o in out], axis=1)
 
 
-def _moves(indices, is_output):
+def _moves(indices):
     """How many block transfers a pipelined operand makes."""
     import numpy as np
 
@@ -98,20 +98,17 @@ def kernel_traffic(jaxpr, vocab_size):
         grid = tuple(int(n) for n in gm.grid)
         mappings = list(gm.block_mappings)
         num_in = gm.num_inputs
-        entry = dict(name=str(eqn.params.get("name") or eqn.params.get("debug") or "kernel"),
+        entry = dict(name=str(eqn.params.get("name") or "kernel"),
                      grid=grid, table_read=0, table_written=0, rows=0, total=0)
-        meta = eqn.params.get("metadata") or {}
-        entry["name"] = str(getattr(eqn.params.get("name_and_src_info", None), "name", entry["name"]))
         for k, mapping in enumerate(mappings):
             aval = mapping.array_aval
             block_bytes = int(np.prod(mapping.block_aval.shape)) * aval.dtype.itemsize
-            moved = _moves(_block_indices(mapping, grid), k >= num_in) * block_bytes
+            moved = _moves(_block_indices(mapping, grid)) * block_bytes
             entry["total"] += moved
             if vocab_size in aval.shape:
                 entry["table_written" if k >= num_in else "table_read"] += moved
             elif k < num_in:
                 entry["rows"] += moved
-        del meta
         calls.append(entry)
     return calls
 
@@ -156,12 +153,13 @@ def _compares_per_logit(case, device, ids):
     from types import SimpleNamespace
 
     from keras_cutbce.backends.jax import tpu_target
+    from keras_cutbce.common import round_up
 
     m, d, v, dtype = case
     capacity = tpu_target.chip_info(device.device_kind).vmem_bytes
     tm, tv = pallas_tpu.choose_tiles(m, v, d, dtype, pallas_tpu.vmem_budget_bytes(capacity))
     cfg = SimpleNamespace(vocab_size=v, vocab_tile=tv, row_tile=tm, dv_view=d % 128 != 0)
-    rows = -(-m // tm) * tm
+    rows = round_up(m, tm)
     with jax.default_device(jax.devices("cpu")[0]):
         _, ids_t, _ = pallas_tpu._row_inputs(jnp.zeros((m, d)), jnp.asarray(ids), None, rows, cfg)
         return float(np.mean(np.asarray(pallas_tpu._in_tile_counts(ids_t, cfg))))

@@ -482,7 +482,7 @@ def _kernel(*refs, cfg, ps):
 
     # The edge masks run on the last tile of an unaligned V only; the last
     # core's steps past the last tile (their blocks clamped) do nothing.
-    tiles = pl.cdiv(cfg.vocab_size, cfg.vocab_tile)
+    tiles = _num_tiles(cfg)
     if cfg.vocab_size % cfg.vocab_tile:
         pl.when(tile < tiles - 1)(lambda: body(False))
         pl.when(tile == tiles - 1)(lambda: body(True))
