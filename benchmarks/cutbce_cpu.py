@@ -329,7 +329,7 @@ def _side_by_side_fns(backend, shape, old_root):
 
     from keras_cutbce import cut_binary_crossentropy
     from keras_cutbce.ops import weighted_loss_sum
-    from keras_cutbce.tiling import default_chunk_size, tile_budget_bytes
+    from keras_cutbce.math.tiling import default_chunk_size, tile_budget_bytes
 
     fns = {"dense": _variant_fn(backend, "dense", shape)}
     hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))

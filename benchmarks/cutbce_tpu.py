@@ -110,7 +110,7 @@ def _loss_fn(variant, ids, vocab):
     from keras_cutbce import ops
 
     if variant == "dense":
-        from keras_cutbce.reference import multi_hot
+        from keras_cutbce.math.reference import multi_hot
 
         def dense(h, t, b):
             z = jnp.matmul(h, t.T, preferred_element_type=jnp.float32) + b.astype(jnp.float32)

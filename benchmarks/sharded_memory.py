@@ -166,7 +166,7 @@ def main():
         "table, bias) on 8 devices, from the compiled executable's `memory_analysis()`; "
         "peak bound = arguments + outputs + temporaries - aliased; XLA peak = "
         "`peak_memory_in_bytes` of the same analysis. Temporaries follow the tile "
-        "rule (`keras_cutbce.tiling`, ~64 MiB of [rows, tile] intermediates), and "
+        "rule (`keras_cutbce.math.tiling`, ~64 MiB of [rows, tile] intermediates), and "
         "with the table split on V alone every device sees all M rows. Platform: "
         f"{results[0].get('platform', '?')} ({results[0].get('devices', '?')} devices)."
     )

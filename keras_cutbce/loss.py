@@ -87,7 +87,7 @@ class CutBCELoss(keras.losses.Loss):
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width, `None` for the default rule
-            (`keras_cutbce.tiling`).
+            (`keras_cutbce.math.tiling`).
         implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX) or
             `"reference"` (dense).
         reduction: any Keras reduction (`"sum_over_batch_size"`, `"sum"`,

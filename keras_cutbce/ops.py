@@ -33,14 +33,14 @@ from keras import ops
 
 from keras_cutbce import validation
 from keras_cutbce.common import EMPTY_ID
-from keras_cutbce.tiling import default_chunk_size
-from keras_cutbce.tiling import tile_budget_bytes
+from keras_cutbce.math.tiling import default_chunk_size
+from keras_cutbce.math.tiling import tile_budget_bytes
 
 IMPLEMENTATIONS = validation.IMPLEMENTATIONS
 
 # (op, implementation) -> module defining `op`; "{backend}" is the Keras backend.
 _MODULES = {
-    ("cut_bce", "reference"): "keras_cutbce.reference",
+    ("cut_bce", "reference"): "keras_cutbce.math.reference",
     ("cut_bce", "chunked"): "keras_cutbce.backends.{backend}.chunked",
     ("cut_bce", "pallas"): "keras_cutbce.backends.jax.pallas_tpu",
     ("cut_bce", "sharded"): "keras_cutbce.backends.jax.sharded",
@@ -294,7 +294,7 @@ def cut_binary_crossentropy(
         label_smoothing: float in `[0, 1]`.
         pos_weight: finite float > 0 weighting the positive terms.
         chunk_size: vocabulary tile width (an int, NumPy ints accepted);
-            `None` uses `keras_cutbce.tiling.default_chunk_size`.
+            `None` uses `keras_cutbce.math.tiling.default_chunk_size`.
         implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX only) or
             `"reference"` (dense, for tests and debugging). With `"auto"` or
             `"chunked"` on JAX, a table split along V over a mesh runs the

@@ -11,7 +11,7 @@ import pytest
 from keras import ops
 
 from keras_cutbce import cut_binary_crossentropy
-from keras_cutbce.reference import multi_hot
+from keras_cutbce.math.reference import multi_hot
 from tests.backend_utils import BACKEND, dtype_name, to_numpy, value_and_grads, value_and_grads_tensors
 
 IMPLEMENTATIONS = ["reference", "chunked"]

@@ -97,7 +97,7 @@ def _check_public_ops(mesh, rng, calls):
     from jax.sharding import PartitionSpec as P
 
     from keras_cutbce import ops as cut_ops
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
     from keras_cutbce.backends.jax import retrieval, sharded
 
     batch, seq, dim, vocab = 4, 3, 8, 40
@@ -171,7 +171,7 @@ def _check_uneven_vocab(mesh, rng, bf16=False):
     import jax.numpy as jnp
     import numpy as np
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
     from keras_cutbce.backends.jax import chunked, sharded
 
     rows, dim, vocab = 8, 8, 37

@@ -64,7 +64,7 @@ def _value_and_grads(loss_fn, hidden, table, bias, cotangent):
 
 
 def _dense_keras(ids, vocab, a):
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     multi_hot = reference.multi_hot(ids, vocab)
 
@@ -100,7 +100,7 @@ CASES = [
 @pytest.mark.parametrize("rows,dim,vocab,length,chunk,use_bias,a,p", CASES)
 def test_matches_reference_and_keras(rows, dim, vocab, length, chunk, use_bias, a, p):
     _, _, chunked = _jax()
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     hidden, table, bias, ids, cotangent = _problem(
         np.random.default_rng(rows * vocab + length), rows, dim, vocab, length
@@ -161,7 +161,7 @@ def test_integer_id_dtypes(dtype):
 
 def test_large_logits_are_finite_and_exact():
     jax, jnp, chunked = _jax()
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     rng = np.random.default_rng(3)
     hidden, table, bias, ids, cotangent = _problem(rng, 8, 4, 23, 3)
@@ -187,7 +187,7 @@ def test_large_logits_are_finite_and_exact():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_inputs(dtype):
     jax, jnp, chunked = _jax()
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     hidden, table, bias, ids, cotangent = _problem(np.random.default_rng(4), 9, 8, 45, 3)
     low = [jnp.asarray(x, dtype) for x in (hidden, table, bias)]
@@ -227,7 +227,7 @@ def test_jit_and_default_chunk_size():
 
 def test_vmap_over_a_leading_axis():
     jax, jnp, chunked = _jax()
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     rng = np.random.default_rng(6)
     batch, rows, dim, vocab = 3, 5, 4, 19
@@ -285,7 +285,7 @@ def _largest_intermediate(fn, *args):
 
 def test_no_rows_by_vocab_array_in_forward_and_backward():
     jax, jnp, chunked = _jax()
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     rows, dim, vocab = 16, 6, 67  # M * V = 1072 > V * D = 402 > M * tile
     hidden, table, bias, ids, cotangent = _problem(np.random.default_rng(7), rows, dim, vocab, 3)
@@ -318,7 +318,7 @@ def test_ids_get_no_gradient_and_bias_none():
 
 def test_dispatch_through_ops_with_leading_dims():
     from keras_cutbce import ops as cut_ops
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     rng = np.random.default_rng(9)
     hidden = rng.normal(size=(2, 3, 5)).astype("float32")

@@ -68,7 +68,7 @@ def _assert_close(got, want, rtol=2e-5, atol=2e-6):
 def _objectives(ids, weights, a, p, chunk):
     """The fused sum, the reference's weighted sum and the per-row kernel's weighted sum."""
     _, jnp, chunked = _jax()
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     def fused(h, t, b):
         return chunked.cut_bce_weighted_sum(

@@ -6,7 +6,7 @@ import pytest
 from keras import ops
 
 from keras_cutbce import CutBCELoss
-from keras_cutbce.reference import multi_hot
+from keras_cutbce.math.reference import multi_hot
 from tests.backend_utils import BACKEND, to_numpy
 
 REDUCTIONS = ["sum_over_batch_size", "sum", "mean", "mean_with_sample_weight", "none", None]

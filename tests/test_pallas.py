@@ -53,7 +53,7 @@ def _value_and_grads(loss_fn, h, t, b, g):
 
 def _keras_dense(ids, v, ls):
     """Per-row Keras BCE of the dense logits, as a function of (h, t, b)."""
-    from keras_cutbce.reference import multi_hot
+    from keras_cutbce.math.reference import multi_hot
 
     y = multi_hot(ids, v)
 
@@ -67,7 +67,7 @@ def _keras_dense(ids, v, ls):
 
 
 def _reference(ids, ls, pw):
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     def loss_fn(h, t, b):
         f32 = lambda x: None if x is None else keras.ops.cast(x, "float32")  # noqa: E731

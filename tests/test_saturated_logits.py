@@ -101,7 +101,7 @@ def _kernels():
 
 
 def _reference_kernel(h, t, i, b, g, a, p):
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     return reference.cut_bce(h, t, i, b, label_smoothing=a, pos_weight=p)
 
@@ -167,7 +167,7 @@ def test_exact_against_float64(name, a, p):
 
 @pytest.mark.parametrize("name,a", KERAS_CASES)
 def test_matches_keras_dense_binary_crossentropy(name, a):
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     hidden, table, bias, ids, g = _problem()
     multi_hot = reference.multi_hot(keras.ops.convert_to_tensor(ids.astype("int32")), VOCAB)

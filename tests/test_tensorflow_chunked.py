@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_cutbce import reference
+from keras_cutbce.math import reference
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="TensorFlow backend kernel"

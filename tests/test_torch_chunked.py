@@ -45,7 +45,7 @@ def _np(x):
 
 def _keras_bce(h, e, ids, b, label_smoothing):
     """Keras dense BCE of the multi-hot target, per row, differentiable in torch."""
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     z = reference.logits(h, e, b)
     y = reference.multi_hot(ids, e.shape[0])
@@ -86,7 +86,7 @@ def _ids(kind, m, v, rng):
 def test_matches_reference_and_keras(name, rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v, chunk, kind, with_bias, a, p = CASES[name]
     h, e, b = _tensors(rng, m, d, v, with_bias)
@@ -125,7 +125,7 @@ def test_rows_with_zero_cotangent(zero_rows, rng):
     """Masked positions (cotangent 0) are skipped in the backward pass, exactly."""
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v = 10, 4, 45
     h, e, b = _tensors(rng, m, d, v, True)
@@ -166,7 +166,7 @@ def test_pos_weight_changes_the_loss(rng):
 def test_any_integer_id_dtype(dtype, rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     h, e, b = _tensors(rng, 5, 4, 40, True)
     raw = np.array([[0, 3, 3], [39, 1, 2], [5, 6, 100], [7, 7, 7], [8, 9, 10]])
@@ -179,7 +179,7 @@ def test_any_integer_id_dtype(dtype, rng):
 def test_bfloat16_inputs(rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v = 16, 8, 70
     h, e, b = _tensors(rng, m, d, v, True, dtype="bfloat16")
@@ -277,7 +277,7 @@ def _count_matmuls(ops):
 def test_only_needed_gradients_are_computed(rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v, chunk = 6, 4, 30, 8  # 4 tiles
     h, e, b = _tensors(rng, m, d, v, True)
@@ -337,7 +337,7 @@ def test_ops_dispatch_reaches_the_torch_kernel(rng, monkeypatch):
     import torch
 
     from keras_cutbce import ops as cut_ops
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     chunked = _chunked()
     calls = []

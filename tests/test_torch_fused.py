@@ -97,7 +97,7 @@ CASES = {
 def test_matches_reference_keras_and_cut_bce(name, rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v, chunk, kind, with_bias, a, p = CASES[name]
     h, e, b = _tensors(rng, m, d, v, with_bias)
@@ -174,7 +174,7 @@ def test_all_rows_masked(rng):
 def test_bfloat16_inputs(rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v = 16, 8, 70
     h, e, b = _tensors(rng, m, d, v, True, dtype="bfloat16")
@@ -324,7 +324,7 @@ def test_one_pass_and_a_backward_without_tile_work(rng):
 def test_only_needed_gradients_are_computed(requires, rng):
     import torch
 
-    from keras_cutbce import reference
+    from keras_cutbce.math import reference
 
     m, d, v, chunk = 6, 4, 30, 8
     h, e, b = _tensors(rng, m, d, v, True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from keras_cutbce import CutBCELoss
-from keras_cutbce.reference import multi_hot
+from keras_cutbce.math.reference import multi_hot
 from tests.backend_utils import BACKEND, to_numpy
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="JAX stateless training loop")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from keras_cutbce import CutBCELoss, ThresholdConfusion, TopKRetrieval, count_out_of_range_ids
-from keras_cutbce import reference
+from keras_cutbce.math import reference
 from tests.backend_utils import to_numpy
 from tests.test_training_loops import DIM, VOCAB, data, frozen_table
 from tests.test_training_loops import tied_model as model_and_items

@@ -6,7 +6,7 @@ from keras import ops
 from keras_cutbce import _keras_private
 from keras_cutbce import ops as cut_ops
 from keras_cutbce import validation
-from keras_cutbce.backends.targets import distinct_targets
+from keras_cutbce.math.positives import distinct_targets
 
 
 def _stored_variables(source):
@@ -70,7 +70,7 @@ class ItemTableMetric(keras.metrics.Metric):
         """Checked inputs: `(hidden [..., D], valid distinct targets, mask)`.
 
         Returns `(y_pred, safe [M, L] int32, keep [M, L] bool, mask)`: each
-        row's targets de-duplicated (`keras_cutbce.backends.targets`), ids
+        row's targets de-duplicated (`keras_cutbce.math.positives`), ids
         outside `[0, V)` (any integer width) and the ids in `never` dropped.
         """
         mask = _keras_private.get_keras_mask(y_pred)

@@ -1,7 +1,7 @@
 """CutBCE on JAX: an XLA loop over vocabulary tiles under `jax.custom_vjp`.
 
 The loss of one row is `(1 / V) * sum_v [scale_v softplus(z_v) - target_v z_v]`
-with `z = h @ E.T + b` (see `DESIGN.md` and `keras_cutbce.coefficients`). It
+with `z = h @ E.T + b` (see `DESIGN.md` and `keras_cutbce.math.coefficients`). It
 is computed in two parts, so the `[M, V]` logits never exist:
 
 - the negatives: every item with the negative weights
@@ -12,7 +12,7 @@ is computed in two parts, so the `[M, V]` logits never exist:
   set to `-inf` in each tile's logits by one O(M L) scatter of their ids
   (`mask_positives`), so their dense terms are exactly 0;
 - the positives: the table rows of the valid, de-duplicated target ids
-  (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
+  (`keras_cutbce.math.positives.distinct_targets`, sort-based) are
   gathered and their exact terms `pos_minus softplus(-z) + pos_plus
   softplus(z)` added (gradient `pos_plus sigmoid(z) - pos_minus
   sigmoid(-z)`). Nothing is added and subtracted back, so a saturated
@@ -38,16 +38,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from keras_cutbce.backends.targets import distinct_targets
-from keras_cutbce.coefficients import bce_coefficients
-from keras_cutbce.tiling import default_chunk_size
-from keras_cutbce.tiling import tile_budget_bytes
+from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.tiling import default_chunk_size
+from keras_cutbce.math.tiling import tile_budget_bytes
 
 _F32 = jnp.float32
 
 
 def tile_budget():
-    """The `keras_cutbce.tiling` budget for JAX on its default platform."""
+    """The `keras_cutbce.math.tiling` budget for JAX on its default platform."""
     return tile_budget_bytes("jax", jax.default_backend())
 
 
@@ -416,7 +416,7 @@ def cut_bce(
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width (a positive int); `None` uses
-            `keras_cutbce.tiling.default_chunk_size`.
+            `keras_cutbce.math.tiling.default_chunk_size`.
 
     Returns:
         Float32 `[M]`: `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`.
@@ -467,7 +467,7 @@ def cut_bce_weighted_sum(
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width (a positive int); `None` uses
-            `keras_cutbce.tiling.default_chunk_size`.
+            `keras_cutbce.math.tiling.default_chunk_size`.
 
     Returns:
         A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`

@@ -18,7 +18,7 @@ VMEM. Each logit's term is exact for its role:
 
 So the positives need no gather or scatter over the table (on TPU, XLA
 offloads those to the SparseCore and relays the whole table out for them).
-The coefficients come from `keras_cutbce.coefficients.bce_coefficients`.
+The coefficients come from `keras_cutbce.math.coefficients.bce_coefficients`.
 One `exp` and one `log1p` per logit (`e = exp(-|z|)`, `softplus(+-z) =
 max(+-z, 0) + log1p(e)`, `sigmoid(z) = 1 / (1 + e)` or `e / (1 + e)`), in
 float32, so the loss and its gradients stay finite for any `|z|`; the fused
@@ -160,7 +160,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from keras_cutbce.backends.jax import tpu_target
-from keras_cutbce.coefficients import BCECoefficients, bce_coefficients
+from keras_cutbce.math.coefficients import BCECoefficients, bce_coefficients
 from keras_cutbce.common import ids_as_int32
 from keras_cutbce.common import round_up as _round_up
 

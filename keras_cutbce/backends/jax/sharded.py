@@ -88,9 +88,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from keras_cutbce.backends.jax import chunked, pallas_tpu, retrieval
-from keras_cutbce.coefficients import bce_coefficients
+from keras_cutbce.math.coefficients import bce_coefficients
 from keras_cutbce.common import ids_as_int32
-from keras_cutbce.tiling import default_chunk_size
+from keras_cutbce.math.tiling import default_chunk_size
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):

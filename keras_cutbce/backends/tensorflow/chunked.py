@@ -1,7 +1,7 @@
 """CutBCE on TensorFlow: `tf.custom_gradient` around a `tf.while_loop` over tiles.
 
 The loss of one row is `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`
-(see `keras_cutbce.coefficients`). It is split in two parts:
+(see `keras_cutbce.math.coefficients`). It is split in two parts:
 
 - the negatives, `neg_scale softplus(z) - neg_target z`, summed tile by tile
   over the vocabulary (`V // tile` full tiles in a `tf.while_loop`, then one
@@ -11,7 +11,7 @@ The loss of one row is `(1/V) sum_v [scale_v softplus(z_v) - target_v z_v]`
   and nothing is added and subtracted back; one `exp(-|z|)` per logit
   serves softplus and sigmoid;
 - the positives: the table rows of the valid, de-duplicated ids
-  (`keras_cutbce.backends.targets.distinct_targets`, sort-based) are
+  (`keras_cutbce.math.positives.distinct_targets`, sort-based) are
   gathered and their exact, cancellation-free terms
   `pos_minus softplus(-z) + pos_plus softplus(z)` added (gradient
   `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`), so saturated positives
@@ -34,8 +34,8 @@ import functools
 
 import tensorflow as tf
 
-from keras_cutbce.backends.targets import distinct_targets
-from keras_cutbce.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.math.coefficients import bce_coefficients
 
 
 def tile_logits(hidden, table_tile, bias_tile=None):

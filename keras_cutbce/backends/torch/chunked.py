@@ -1,7 +1,7 @@
 """CutBCE on torch: a `torch.autograd.Function` looping over vocabulary tiles.
 
 The loss of one row is `(1 / V) * sum_v [scale_v softplus(z_v) - target_v z_v]`
-with `z = h @ E.T + b` (see `keras_cutbce.coefficients`). The negatives get
+with `z = h @ E.T + b` (see `keras_cutbce.math.coefficients`). The negatives get
 the weights `(neg_scale, neg_target)`; the positives their exact,
 cancellation-free term `pos_minus softplus(-z) + pos_plus softplus(z)`. So
 the work splits in three:
@@ -18,7 +18,7 @@ the work splits in three:
   + sum_v b_v)`, in closed form (it is non-zero only with label smoothing),
   with the positives' `z` taken back out;
 - the positives, a gather of the table rows at the valid, de-duplicated ids
-  (`keras_cutbce.backends.targets.distinct_targets`).
+  (`keras_cutbce.math.positives.distinct_targets`).
 
 `cut_bce_weighted_sum` is the fused training path of a reduced loss: the
 row weights are constants, so the gradient for any upstream cotangent is a
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from keras_cutbce.backends.targets import distinct_targets
-from keras_cutbce.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.math.coefficients import bce_coefficients
 
 
 def tile_logits(hidden, table_tile, bias_tile=None):
@@ -84,7 +84,7 @@ def _capturing(tensor):
 def _positives(ids, vocab_size):
     """Safe item ids `[M, L]` and their 0/1 weights: valid, each id counted once.
 
-    `keras_cutbce.backends.targets.distinct_targets` (sort-based, O(M L)):
+    `keras_cutbce.math.positives.distinct_targets` (sort-based, O(M L)):
     invalid ids (outside `[0, V)`) and repeats get weight 0 and point at
     item 0.
     """

@@ -6,7 +6,7 @@ They build the full `[rows, V]` logits: use them only on small shapes.
 
 from keras import ops
 
-from keras_cutbce.coefficients import bce_coefficients
+from keras_cutbce.math.coefficients import bce_coefficients
 
 
 def multi_hot(ids, vocab_size):
@@ -57,7 +57,7 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     z = logits(hidden, table, bias)
     y = multi_hot(ids, ops.shape(table)[0])
     # `p y' softplus(-z) + (1 - y') softplus(z)`: two non-negative parts, no
-    # cancellation at saturated logits (see `keras_cutbce.coefficients`).
+    # cancellation at saturated logits (see `keras_cutbce.math.coefficients`).
     weight_minus = coef.neg_target + (coef.pos_minus - coef.neg_target) * y
     weight_plus = (coef.neg_scale - coef.neg_target) + (
         coef.pos_plus - (coef.neg_scale - coef.neg_target)
