@@ -8,7 +8,9 @@ import ast
 import os
 
 PACKAGE = "keras_erase"
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
+ROOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), PACKAGE
+)
 
 
 def import_graph():

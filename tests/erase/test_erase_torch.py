@@ -15,7 +15,7 @@ import pytest
 
 from keras_erase import DetachBlock, EraseModel
 from tests.backend_utils import BACKEND, to_numpy
-from tests.test_erase import build_ctr, ctr_data, make_tower, train
+from tests.erase.test_erase import build_ctr, ctr_data, make_tower, train
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="ERASE dispatch runs on torch")
 

@@ -52,7 +52,7 @@ def _shard(array, rank, world):
 def _train(dispatch, detach_input, x, y, batch_size, initial=None, seed=0):
     import keras
 
-    from tests.test_erase import build_ctr
+    from tests.erase.test_erase import build_ctr
 
     model = build_ctr(
         dispatch,
@@ -73,7 +73,7 @@ def _train(dispatch, detach_input, x, y, batch_size, initial=None, seed=0):
 def _rank_main(rank, world, workdir):
     """One rank (process group initialized by `run_local`): trains every case on its shard."""
     from tests.backend_utils import to_numpy
-    from tests.test_erase import ctr_data
+    from tests.erase.test_erase import ctr_data
 
     x, y = ctr_data(N)
     x, y = _shard(x, rank, world), _shard(y, rank, world)
@@ -136,7 +136,7 @@ def _presence_check(rank):
 
 def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_path):
     from tests.backend_utils import to_numpy
-    from tests.test_erase import build_ctr, ctr_data
+    from tests.erase.test_erase import build_ctr, ctr_data
 
     # Initial weights (saved for rank 0) and the single-process reference (stock step).
     x, y = ctr_data(N)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.backend_utils import BACKEND, to_numpy
-from tests.test_cuda_graphs import stand_in_captures
+from tests.erase.test_cuda_graphs import stand_in_captures
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
 
 

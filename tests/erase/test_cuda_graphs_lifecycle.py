@@ -18,7 +18,7 @@ import pytest
 
 from keras_erase.torch_step import close_dispatchers
 from tests.backend_utils import BACKEND, to_numpy
-from tests.test_cuda_graphs import stand_in_captures, train_block
+from tests.erase.test_cuda_graphs import stand_in_captures, train_block
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="CUDA Graphs are torch's")
 
