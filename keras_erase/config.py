@@ -26,7 +26,7 @@ class EraseConfig:
         num_streams: number of CUDA streams for `"streams"` (round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
-            (see `keras_erase.threads`).
+            (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"`.
     """
 

@@ -315,7 +315,7 @@ class DetachBlock(keras.layers.Layer):
 
         The same value as Keras's `Loss.__call__`. On torch it is computed
         without any tensor made from host data and without host syncs (so a
-        CUDA Graph can capture it, see `keras_erase.cuda_graphs`): the loss's
+        CUDA Graph can capture it, see `keras_erase.torch.cuda_graphs`): the loss's
         per-sample values (`Loss.call`), weighted and reduced with device ops
         and Python constants (`capture_safe_loss`). Masked predictions, losses
         that override `__call__`, and JAX/TensorFlow (which trace host

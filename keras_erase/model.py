@@ -10,9 +10,9 @@ logged as `"val_<block name>_loss"`). A block's
 own losses belong to its local objective: on torch its early backward
 differentiates them, the main backward does not. On JAX and
 TensorFlow the standard train step trains the model. On torch, `train_step`
-runs the ERASE schedule (`keras_erase.torch_step`): each block's backward pass
-is launched right after its forward pass and local loss (see
-`keras_erase.dispatch`), overlapping the forward pass of later blocks; the
+runs the ERASE schedule (`keras_erase.torch.train_step`): each block's backward
+pass is launched right after its forward pass and local loss (see
+`keras_erase.torch.schedules`), overlapping the forward pass of later blocks; the
 gradients are those of the standard step.
 
 Dispatch modes (torch):
@@ -31,7 +31,7 @@ Dispatch modes (torch):
   candidate computes the same gradients, so the measuring steps are ordinary
   training steps.
 
-Intra-op threads (torch CPU): see `keras_erase.threads`.
+Intra-op threads (torch CPU): see `keras_erase.torch.threads`.
 
 At the first train step on every backend, trainable variables that no loss
 reaches (e.g. an embedding read only by blocks with `detach_input=True`) are
@@ -45,9 +45,7 @@ import keras
 
 from keras_erase import _keras_private
 from keras_erase.config import AUTO_STEPS
-from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
 from keras_erase.config import EraseConfig
-from keras_erase.auto import AUTO_MARGIN  # noqa: F401 - re-exported
 from keras_erase.detach_block import DetachBlock
 from keras_erase.detach_block import collecting
 from keras_erase.frozen_upstream import warn_if_frozen
@@ -55,6 +53,7 @@ from keras_erase.local_losses import add_local_losses
 from keras_erase.local_losses import losses_outside_blocks
 from keras_erase.monitor_modes import minimise_block_losses
 from keras_erase.runtime import EraseRuntime
+from keras_erase.runtime import torch_runtime
 from keras_erase.targets import check_targets
 
 LOGGER = logging.getLogger("keras_erase")
@@ -90,7 +89,7 @@ class EraseModel(keras.Model):
             and `evaluate` work anywhere. On JAX and TensorFlow they warn at
             construction and the standard step runs.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
-            (see `keras_erase.threads`).
+            (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"` (more
             rounds make the choice steadier).
         *args, **kwargs: as for `keras.Model`.
@@ -274,22 +273,13 @@ class EraseModel(keras.Model):
         minimise_block_losses(callbacks, self._erase.trackers.names())
         if not _is_torch():
             return super().fit(*args, **kwargs)
-        from keras_erase.threads import restored_intra_op_threads
-        from keras_erase.torch_step import close_dispatchers
-
-        self._erase.needs_broadcast = True  # rank 0's weights at the start of training
-        try:
-            with restored_intra_op_threads():
-                return super().fit(*args, **kwargs)
-        finally:
-            close_dispatchers(self._erase)  # training ended: no idle worker thread
+        with torch_runtime().train_step.training_scope(self._erase, whole_fit=True):
+            return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         if not _is_torch():
             return super().train_on_batch(*args, **kwargs)
-        from keras_erase.threads import restored_intra_op_threads
-
-        with restored_intra_op_threads():
+        with torch_runtime().train_step.training_scope(self._erase, whole_fit=False):
             return super().train_on_batch(*args, **kwargs)
 
     def test_step(self, *args, **kwargs):
@@ -317,10 +307,9 @@ class EraseModel(keras.Model):
             self._check_frozen_upstream(args)
             if not _is_torch():  # JAX (state, data) and TensorFlow (data): the stock step
                 return super().train_step(*args, **kwargs)
-            from keras_erase import torch_step
-
             (data,) = args
-            return torch_step.train_step(self, self._erase, data, super().train_step)
+            step = torch_runtime().train_step
+            return step.train_step(self, self._erase, data, super().train_step)
         finally:
             self._erase.in_train_step = False
 

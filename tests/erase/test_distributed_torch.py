@@ -9,7 +9,7 @@ so does a layer outside the towers. Rank 1 starts from
 different weights: the broadcast from rank 0 at the start of `fit` must fix them. The ranks also report the order
 in which they launched their gradient all-reduces (block order, then the rest).
 
-The ranks are spawned by `keras_erase.launch.run_local` (gloo on 127.0.0.1, one
+The ranks are spawned by `keras_erase.torch.launch.run_local` (gloo on 127.0.0.1, one
 torch thread each, a timeout so that nothing hangs).
 """
 
@@ -108,7 +108,7 @@ def _presence_check(rank):
     import keras
     import torch
 
-    from keras_erase.distributed import GradientSync
+    from keras_erase.torch.distributed import GradientSync
 
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
@@ -153,7 +153,7 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
         moved = max(np.abs(a - b).max() for a, b in zip(references[detach_input], initial))
         assert moved > 1e-2
 
-    from keras_erase.launch import run_local
+    from keras_erase.torch.launch import run_local
 
     outputs = run_local(_rank_main, 2, args=(str(tmp_path),), threads_per_rank=1, timeout_s=240)
     ranks = [weights for weights, _ in outputs]
@@ -180,7 +180,7 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
 
 
 def test_gradient_sync_is_inactive_without_a_process_group():
-    from keras_erase import distributed
+    from keras_erase.torch import distributed
 
     assert not distributed.active()
 
@@ -189,7 +189,7 @@ def test_gradient_sync_is_inactive_without_a_process_group():
 def test_run_local_reports_a_failing_rank_with_its_traceback():
     import operator
 
-    from keras_erase.launch import run_local
+    from keras_erase.torch.launch import run_local
 
     # operator.getitem(rank, world) raises TypeError on every rank.
     with pytest.raises(RuntimeError, match=r"(?s)rank [01] failed:.*not subscriptable"):

@@ -81,7 +81,7 @@ def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     import torch
 
     from keras_erase.auto import AUTO_MARGIN
-    from keras_erase.threads import threads_for_worker
+    from keras_erase.torch.threads import threads_for_worker
 
     x, y = ctr_data(128)
     threads = torch.get_num_threads()
@@ -160,7 +160,7 @@ def test_train_on_batch_restores_the_thread_count(dispatch, two_threads):
 
 
 def _live_workers():
-    from keras_erase.worker import NAME
+    from keras_erase.torch.schedules.threaded import NAME
 
     return [t for t in threading.enumerate() if t.name == NAME and t.is_alive()]
 
@@ -196,7 +196,7 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
     import torch
 
     from keras_erase.auto import ScheduleSelector
-    from keras_erase.torch_step import auto_candidates
+    from keras_erase.torch.train_step import auto_candidates
 
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
@@ -219,7 +219,7 @@ def test_worker_sets_its_own_intra_op_team_size(two_threads):
     parallel op, whatever the main thread sets later; so the worker sets its own."""
     import torch
 
-    from keras_erase.dispatch import ThreadedDispatcher
+    from keras_erase.torch.schedules.threaded import ThreadedDispatcher
 
     def count_in_worker(dispatcher):
         seen = []
@@ -425,7 +425,7 @@ def test_block_weight_penalties_make_no_tensor_from_host_data():
     regularizer call (the control) casts its factor to a tensor from host data."""
     import torch
 
-    from keras_erase.cuda_graphs import forbidden_ops
+    from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
     from tests.backend_utils import TorchOpRecorder
 
     layer = keras.Sequential([

@@ -1,8 +1,7 @@
-"""Torch structure helpers shared by the ERASE step modules (the bottom layer: imports no sibling).
+"""Torch tensor-structure helpers of the torch runtime (the bottom layer: imports no sibling).
 
-`dispatch`, `streams`, `cuda_graphs` and `handoff` all use these; keeping them
-here makes the import graph one-way (`dispatch -> streams -> block_dispatcher ->
-torch_tensors`, `cuda_graphs -> graph_capture -> op_tape`).
+The schedules, the CUDA Graph runner and the gradient hand-off all use these;
+keeping them here keeps the import graph one-way.
 
 Example:
 
@@ -11,7 +10,10 @@ Example:
 torch.Size([2])
 """
 
+import keras
+import numpy as np
 import torch
+from keras import tree
 
 
 def is_tensor(value):
@@ -66,10 +68,6 @@ def to_device(structure, device):
 
     Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
     """
-    import keras
-    import numpy as np
-    from keras import tree
-
     device = torch.device(device)
 
     def move(t):

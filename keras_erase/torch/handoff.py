@@ -44,7 +44,7 @@ import threading
 
 import torch
 
-from keras_erase.torch_tensors import map_tensors
+from keras_erase.torch.tensors import map_tensors
 
 
 class GradientHandOff:

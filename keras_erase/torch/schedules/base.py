@@ -1,13 +1,14 @@
 """`Dispatcher`: the base of every ERASE schedule (forward, early backward, hand-off, trace).
 
 A dispatcher runs each `DetachBlock` met by the torch ERASE step (see
-`keras_erase.dispatch` for the schedules and their contract). The base class
-owns what every schedule shares:
+`keras_erase.torch.schedules` for the schedules and their contract). The base
+class owns what every schedule shares:
 
 - the block's forward pass and local objective, through the dispatcher's CUDA
-  Graph runner when it has one (`graphs`, see `keras_erase.cuda_graphs`);
+  Graph runner when it has one (`graphs`, see
+  `keras_erase.torch.cuda_graphs.runner`);
 - the early backward of the local objective, which ends at the block's input:
-  for a `detach_input=False` block the inputs are cut (`keras_erase.handoff`)
+  for a `detach_input=False` block the inputs are cut (`keras_erase.torch.handoff`)
   before the forward and their gradients handed over after the backward, so
   the shared upstream runs one backward per step (`final_backward`);
 - the optional trace of forward/backward intervals and the `after_backward`
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from keras_erase.handoff import GradientHandOff
+from keras_erase.torch.handoff import GradientHandOff
 
 
 def forward_block(block, inputs, y_true, sample_weight):
@@ -55,10 +56,11 @@ class Dispatcher:
         self.trace = None
         # Called as `after_backward(block)` right after each block's backward, on the
         # thread (and CUDA stream) that ran it, in block order (used for the
-        # torch.distributed gradient all-reduce; see `keras_erase.distributed`).
+        # torch.distributed gradient all-reduce; see `keras_erase.torch.distributed`).
         self.after_backward = None
-        # A `keras_erase.cuda_graphs.CudaGraphRunner` (set by `make_dispatcher` when
-        # `cuda_graphs=True`): every mode's block forward then goes through it.
+        # A `CudaGraphRunner` (`keras_erase.torch.cuda_graphs.runner`), set by
+        # `make_dispatcher` when `cuda_graphs=True`: every mode's block forward then
+        # goes through it.
         self.graphs = None
         self.handoff = GradientHandOff(accumulate=self.sums_on_block_thread)
 

@@ -30,7 +30,7 @@ is not called again in the step, which is checked), the
 block's `.grad` are final for the step and can be reduced at once, whatever
 the other backward calls do later. The remainder's gradients come from the
 final backward (the main loss and, with `detach_input=False`, the input
-gradients the blocks handed over: `keras_erase.handoff`); they are reduced
+gradients the blocks handed over: `keras_erase.torch.handoff`); they are reduced
 only after it ended. DDP is not used: its reducer hooks fire on every backward and
 assume one backward per step per iteration (`find_unused_parameters` and
 `no_sync` do not express "this parameter's gradient is final after *that*

@@ -6,7 +6,7 @@ among them on the loopback address (a free port), calls
 order. Each rank runs with `KERAS_BACKEND=torch` and `threads_per_rank` torch
 intra-op threads (default: the cores divided by `nproc`). Under the process
 group, `keras_erase.EraseModel` averages gradients over the ranks (see
-`keras_erase.distributed`), so `fn` only has to build the model and train it on
+`keras_erase.torch.distributed`), so `fn` only has to build the model and train it on
 its shard of the data.
 
 Backend: with at least `nproc` CUDA devices, NCCL, rank `r` on `cuda:r`
@@ -21,7 +21,7 @@ an importable module, not a lambda or a function of `__main__` run without the
 Example:
 
 ```python
-from keras_erase.launch import run_local
+from keras_erase.torch.launch import run_local
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
 
 class StepTimes(keras.callbacks.Callback):   # per-step seconds of this rank
@@ -52,6 +52,9 @@ import queue
 import socket
 import traceback
 
+import torch
+import torch.distributed as dist
+
 LOGGER = logging.getLogger("keras_erase")
 
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "KERAS_BACKEND")
@@ -78,9 +81,6 @@ def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results, back
     try:
         os.environ["RANK"] = str(rank)
         os.environ["LOCAL_RANK"] = str(rank)
-        import torch
-        import torch.distributed as dist
-
         torch.set_num_threads(threads)
         if devices is not None:  # one GPU per rank, before anything touches CUDA
             torch.cuda.set_device(devices[rank])
@@ -129,8 +129,6 @@ def run_local(
         raise ValueError(f"run_local: `nproc` must be >= 1. Received: nproc={nproc}")
     kwargs = dict(kwargs or {})
     threads = int(threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
-    import torch
-
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     chosen, devices = process_group_backend(cuda_devices, nproc)
     if backend is not None and backend != chosen:
@@ -149,7 +147,7 @@ def run_local(
             )
         chosen = backend
     LOGGER.info(
-        "keras_erase.launch: %d ranks on backend %r%s", nproc, chosen,
+        "keras_erase.torch.launch: %d ranks on backend %r%s", nproc, chosen,
         "" if devices is None else f" (rank r on cuda:r, devices {devices})",
     )
     context = multiprocessing.get_context("spawn")

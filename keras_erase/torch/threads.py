@@ -12,12 +12,14 @@
 - `None`: never touches thread counts.
 
 OpenMP teams are per thread: the worker thread sets its own count, in its own
-thread (`keras_erase.worker` says what was measured). Whatever is changed on
-the main thread is restored when `fit` or `train_on_batch` returns.
+thread (`keras_erase.torch.schedules.threaded`). Whatever is changed on the
+main thread is restored when `fit` or `train_on_batch` returns.
 """
 
 import contextlib
 import os
+
+import torch
 
 
 def threads_for_worker():
@@ -27,8 +29,6 @@ def threads_for_worker():
 
 def set_intra_op_threads(n):
     """Sets torch's intra-op thread count of the calling thread if `n` differs from it."""
-    import torch
-
     if n is not None and int(n) != torch.get_num_threads():
         torch.set_num_threads(int(n))
 
@@ -54,8 +54,6 @@ def worker_thread_count(policy, cuda):
 @contextlib.contextmanager
 def restored_intra_op_threads():
     """Restores the calling thread's torch intra-op count on exit."""
-    import torch
-
     before = torch.get_num_threads()
     try:
         yield before
