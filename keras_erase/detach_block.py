@@ -14,8 +14,8 @@ How the local loss reaches the model (all backends):
   training call the block keeps its head's prediction in a small pending list;
   `EraseModel.compute_loss` (same trace, same step) consumes it, compares it
   with the model's target and adds it to the main loss.
-- ERASE step (torch): the model installs a *step handler* (see `step_handler`)
-  before calling itself; a block that finds one hands its whole computation to
+- ERASE step (torch): the model installs a *step handler*
+  (`keras_erase.step_protocol.step_handler`) before calling itself; a block that finds one hands its whole computation to
   it (`handler.run_block(block, inputs)`), which computes the local loss right
   after the block's forward pass and launches that loss's backward pass.
 
@@ -24,108 +24,26 @@ How the local loss reaches the model (all backends):
 `val_loss` is comparable with `loss`.
 """
 
-import contextlib
-import math
-import numbers
-import threading
 import warnings
 
 import keras
-import numpy as np
 from keras import ops
 from keras import tree
 
 from keras_erase import _keras_private
+from keras_erase.capture_safe import capture_safe_loss
+from keras_erase.capture_safe import is_capture_safe
+from keras_erase.capture_safe import weight_penalty
+from keras_erase.loss_arguments import checked_loss_weight
+from keras_erase.loss_arguments import to_loss_object
+from keras_erase.step_protocol import PendingPrediction
+from keras_erase.step_protocol import collector_evaluating
+from keras_erase.step_protocol import collector_training
+from keras_erase.step_protocol import current_collector
+from keras_erase.step_protocol import current_step_handler
+from keras_erase.step_protocol import record_inputs
 
-_STATE = threading.local()
-
-
-def weight_penalty(regularizer, weight):
-    """`regularizer(weight)`; Keras's L1, L2 and L1L2 with Python-float factors.
-
-    Same value as Keras's (which casts each factor to a tensor: a tensor made
-    from host data at every call, which a CUDA Graph cannot capture). Any other
-    regularizer is called as is.
-
-    Example:
-
-    >>> w = keras.Variable([[1.0, -2.0]])
-    >>> float(weight_penalty(keras.regularizers.L1L2(l1=0.5, l2=0.25), w))
-    2.75
-    """
-    kind = type(regularizer)
-    if kind is keras.regularizers.L1:
-        return regularizer.l1 * ops.sum(ops.absolute(weight))
-    if kind is keras.regularizers.L2:
-        return regularizer.l2 * ops.sum(ops.square(weight))
-    if kind is keras.regularizers.L1L2:
-        total = None
-        if regularizer.l1 != 0.0:
-            total = regularizer.l1 * ops.sum(ops.absolute(weight))
-        if regularizer.l2 != 0.0:
-            term = regularizer.l2 * ops.sum(ops.square(weight))
-            total = term if total is None else total + term
-        return ops.zeros((), weight.dtype) if total is None else total
-    return regularizer(weight)
-
-
-class PendingPrediction:
-    """A training call's head prediction and the block's own losses, kept for `compute_loss`."""
-
-    def __init__(self, prediction, own_losses=None):
-        self.prediction = prediction
-        self.own_losses = own_losses
-
-
-def current_step_handler():
-    """The ERASE step handler installed on this thread, or `None`."""
-    stack = getattr(_STATE, "stack", None)
-    return stack[-1] if stack else None
-
-
-def current_collector():
-    """The `EraseModel` whose call is running on this thread (it consumes local losses), or `None`."""
-    stack = getattr(_STATE, "collectors", None)
-    return stack[-1][0] if stack else None
-
-
-def _collector_setting(index, default=None):
-    stack = getattr(_STATE, "collectors", None)
-    return stack[-1][index] if stack else default
-
-
-@contextlib.contextmanager
-def collecting(model, training=None, evaluating=False):
-    """Marks `model` (an `EraseModel`) as the consumer of its blocks' local losses during a call.
-
-    `training`: the value a block called with `training=None` uses (`True` in
-    a train step, so that a model whose `call` has no `training` argument still
-    trains its blocks). `evaluating`: a test step, where blocks also keep their
-    head's prediction (inference mode) so validation losses include them.
-    """
-    stack = getattr(_STATE, "collectors", None)
-    if stack is None:
-        stack = _STATE.collectors = []
-    stack.append((model, training, evaluating))
-    try:
-        yield model
-    finally:
-        stack.pop()
-
-
-@contextlib.contextmanager
-def recording_inputs():
-    """Records `(block, inputs)` for every `DetachBlock` call in this thread; yields the list.
-
-    Used by `keras_erase.frozen_upstream` to ask which variables each block's
-    input depends on.
-    """
-    previous = getattr(_STATE, "inputs", None)
-    _STATE.inputs = records = []
-    try:
-        yield records
-    finally:
-        _STATE.inputs = previous
+__all__ = ["DetachBlock"]
 
 
 def _warn_outside_erase_model(block):
@@ -139,66 +57,6 @@ def _warn_outside_erase_model(block):
         "keras_erase.EraseModel(inputs, outputs) or subclass keras_erase.EraseModel.",
         stacklevel=3,
     )
-
-
-@contextlib.contextmanager
-def step_handler(handler):
-    """Installs `handler` for the training calls of `DetachBlock`s in this thread.
-
-    The handler must implement `run_block(block, inputs) -> outputs`. Used by
-    `EraseModel`'s torch train step; user code does not need it.
-    """
-    stack = getattr(_STATE, "stack", None)
-    if stack is None:
-        stack = _STATE.stack = []
-    stack.append(handler)
-    try:
-        yield handler
-    finally:
-        stack.pop()
-
-
-class _FunctionLoss(keras.losses.Loss):
-    """Wraps a plain loss function `fn(y_true, y_pred)` into a `keras.losses.Loss`."""
-
-    def __init__(self, fn, name=None):
-        super().__init__(name=name or getattr(fn, "__name__", "loss"))
-        self.fn = fn
-
-    def call(self, y_true, y_pred):
-        return self.fn(y_true, y_pred)
-
-
-def _to_loss_object(loss):
-    if loss is None or isinstance(loss, keras.losses.Loss):
-        return loss
-    obj = keras.losses.get(loss)
-    if obj is None:
-        raise ValueError(f"DetachBlock: unknown `loss`. Received: loss={loss!r}")
-    if isinstance(obj, keras.losses.Loss):
-        return obj
-    if callable(obj):
-        return _FunctionLoss(obj)
-    raise TypeError(
-        f"DetachBlock: `loss` must be a string, a callable or a `keras.losses.Loss`. "
-        f"Received: loss={loss!r}"
-    )
-
-
-def _checked_loss_weight(loss_weight):
-    """`loss_weight` as a float; `TypeError`/`ValueError` naming it unless a finite number >= 0."""
-    if isinstance(loss_weight, bool) or not isinstance(loss_weight, numbers.Real):
-        raise TypeError(
-            "DetachBlock: `loss_weight` must be a number >= 0. "
-            f"Received: loss_weight={loss_weight!r} of type {type(loss_weight).__name__}"
-        )
-    value = float(loss_weight)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"DetachBlock: `loss_weight` must be a finite number >= 0. "
-            f"Received: loss_weight={loss_weight!r}"
-        )
-    return value
 
 
 def _has_symbolic(structure):
@@ -273,8 +131,8 @@ class DetachBlock(keras.layers.Layer):
         self.layer = layer
         self.head = head
         self.loss_identifier = loss
-        self.loss_fn = _to_loss_object(loss)
-        self.loss_weight = _checked_loss_weight(loss_weight)
+        self.loss_fn = to_loss_object(loss)
+        self.loss_weight = checked_loss_weight(loss_weight)
         self.detach_input = bool(detach_input)
         self.target = target
         # Pending head predictions of training calls, consumed by
@@ -321,7 +179,7 @@ class DetachBlock(keras.layers.Layer):
         that override `__call__`, and JAX/TensorFlow (which trace host
         constants into their graphs) use `Loss.__call__`.
         """
-        if _torch_backend() and _capture_safe(self.loss_fn, y_pred):
+        if _torch_backend() and is_capture_safe(self.loss_fn, y_pred):
             value = capture_safe_loss(self.loss_fn, y_true, y_pred, sample_weight)
         else:
             value = self.loss_fn(y_true, y_pred, sample_weight=sample_weight)
@@ -360,11 +218,9 @@ class DetachBlock(keras.layers.Layer):
         return value if own is None else value + own
 
     def call(self, inputs, training=None):
-        records = getattr(_STATE, "inputs", None)
-        if records is not None:
-            records.append((self, inputs))
+        record_inputs(self, inputs)
         if training is None:
-            training = _collector_setting(1)
+            training = collector_training()
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)
         if train_local:
             handler = current_step_handler()
@@ -377,7 +233,7 @@ class DetachBlock(keras.layers.Layer):
         keep = train_local or (
             not training
             and self.has_local_loss
-            and _collector_setting(2, False)
+            and collector_evaluating()
             and not _has_symbolic(inputs)
         )
         outputs = self.forward_layer(inputs, training=training)
@@ -428,69 +284,3 @@ class DetachBlock(keras.layers.Layer):
 
 def _torch_backend():
     return keras.backend.backend() == "torch"
-
-
-def _capture_safe(loss_fn, y_pred):
-    from keras_erase._keras_private import keras_mask
-
-    overrides_call = type(loss_fn).__call__ is not keras.losses.Loss.__call__
-    masked = any(keras_mask(t) is not None for t in tree.flatten(y_pred))
-    return not overrides_call and not masked
-
-
-def _match_rank(values, weight):
-    """Squeezes/expands a trailing 1 so `values` and `weight` have the same rank (as Keras)."""
-    values_rank, weight_rank = len(values.shape), len(weight.shape)
-    if values_rank == weight_rank + 1 and values.shape[-1] == 1:
-        if weight_rank == 1:
-            weight = ops.expand_dims(weight, -1)
-        else:
-            values = ops.squeeze(values, -1)
-    elif weight_rank == values_rank + 1 and weight.shape[-1] == 1:
-        if values_rank == 1:
-            values = ops.expand_dims(values, -1)
-        else:
-            weight = ops.squeeze(weight, -1)
-    return values, weight
-
-
-def capture_safe_loss(loss_fn, y_true, y_pred, sample_weight=None):
-    """`loss_fn(y_true, y_pred, sample_weight)` for an unmasked `keras.losses.Loss`, host-data free.
-
-    Computes the per-sample values with `loss_fn.call`, weights them and
-    applies `loss_fn.reduction` exactly as `Loss.__call__` does, but divides
-    by Python constants (the static element count) instead of a tensor built
-    from the shape, and never calls `divide_no_nan` with a Python scalar.
-
-    Example:
-
-    >>> loss = keras.losses.MeanSquaredError()
-    >>> y_true, y_pred = np.array([[1.0], [0.0]]), np.array([[0.5], [0.5]])
-    >>> float(capture_safe_loss(loss, y_true, y_pred))
-    0.25
-    """
-    dtype = loss_fn.dtype
-    y_pred = tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
-    y_true = tree.map_structure(lambda t: ops.cast(t, dtype), y_true)
-    values = loss_fn.call(y_true, y_pred)
-    if _keras_private.keras_mask(values) is not None:  # a masking loss: Keras's own path
-        return loss_fn(y_true, y_pred, sample_weight=sample_weight)
-    values = ops.cast(values, dtype)
-    weight = None
-    if sample_weight is not None:
-        weight = ops.cast(sample_weight, values.dtype)
-        values, weight = _match_rank(values, weight)
-        values = values * weight
-    reduction = loss_fn.reduction
-    shape = tuple(values.shape)
-    if reduction in (None, "none") or shape in ((), (0,)):
-        return values
-    total = ops.sum(values)
-    if reduction not in ("sum_over_batch_size", "mean", "mean_with_sample_weight"):
-        return total  # "sum"
-    if reduction == "mean_with_sample_weight" and weight is not None:
-        divisor = ops.sum(weight)
-        nonzero = ops.cast(divisor != 0, total.dtype)
-        return total * nonzero / (divisor + (1 - nonzero))  # divide_no_nan
-    count = int(np.prod(shape))
-    return total / count if count else total * 0

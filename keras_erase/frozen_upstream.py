@@ -33,7 +33,7 @@ import keras
 from keras import ops
 from keras import tree
 
-from keras_erase.detach_block import recording_inputs
+from keras_erase.step_protocol import recording_inputs
 from keras_erase.gradient_paths import reached
 
 LOGGER = logging.getLogger("keras_erase")

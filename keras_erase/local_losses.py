@@ -35,7 +35,7 @@ class LocalLossTrackers:
 def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
     """`total` plus every block's pending local losses; logs each in its tracker.
 
-    A pending entry is either a `PendingPrediction` (standard step: the loss is
+    A pending entry is either a `step_protocol.PendingPrediction` (standard step: the loss is
     computed here, in the same trace as the main loss; the block's own `losses`
     are already in the main loss through `model.losses`) or a `LocalLossValue`
     (torch ERASE step: the block's whole objective, its own `losses` included,

@@ -47,7 +47,7 @@ from keras_erase import _keras_private
 from keras_erase.config import AUTO_STEPS
 from keras_erase.config import EraseConfig
 from keras_erase.detach_block import DetachBlock
-from keras_erase.detach_block import collecting
+from keras_erase.step_protocol import collecting
 from keras_erase.frozen_upstream import warn_if_frozen
 from keras_erase.local_losses import add_local_losses
 from keras_erase.local_losses import losses_outside_blocks

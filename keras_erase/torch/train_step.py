@@ -32,7 +32,7 @@ from keras import tree
 
 from keras_erase import _keras_private
 from keras_erase.auto import ScheduleSelector
-from keras_erase.detach_block import step_handler
+from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.targets import select_target
 from keras_erase.torch import distributed

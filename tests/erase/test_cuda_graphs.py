@@ -59,9 +59,10 @@ LOSSES = [
 @pytest.mark.parametrize("weights", [None, "rank1", "rank2"])
 def test_capture_safe_loss_matches_keras_loss_call(loss, weights, rng):
     """`DetachBlock.local_loss` gives Keras's `Loss.__call__` numbers (every backend)."""
-    from keras_erase.detach_block import _to_loss_object, capture_safe_loss
+    from keras_erase.capture_safe import capture_safe_loss
+    from keras_erase.loss_arguments import to_loss_object
 
-    loss = _to_loss_object(loss)
+    loss = to_loss_object(loss)
     sparse = isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
     y_pred = rng.normal(size=(6, 3 if sparse else 1)).astype("float32")
     y_true = (rng.integers(0, 3, size=(6, 1)) if sparse else rng.integers(0, 2, size=(6, 1)))
@@ -85,7 +86,7 @@ def test_capture_safe_loss_keeps_keras_masking(rng):
     """Masked predictions or per-sample values with a mask take Keras's own (masked) path."""
     from keras.src.backend.common.masking import set_keras_mask
 
-    from keras_erase.detach_block import capture_safe_loss
+    from keras_erase.capture_safe import capture_safe_loss
 
     class MaskingLoss(keras.losses.Loss):
         def call(self, y_true, y_pred):
