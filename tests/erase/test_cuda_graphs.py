@@ -255,7 +255,7 @@ def train_block(mode, graphs, data=None, detach_input=True, close=True):
     return [to_numpy(v) for v in weights], losses, dispatcher, capture
 
 
-# -- B1: no host data and no host sync in the captured region -------------------------------
+# -- no host data and no host sync in the captured region -------------------------------
 
 
 def record_block_step(block, x, y, sw):
@@ -280,7 +280,7 @@ def test_block_step_has_no_host_data_and_no_host_sync():
     x, y, sw = batches(1)[0]
     assert forbidden_ops(record_block_step(make_block(), x, y, sw)) == []
     assert forbidden_ops(record_block_step(make_block(), x, y, None)) == []
-    # The CTR example's towers (the dot interaction used to convert a numpy index per call).
+    # The CTR example's towers (e.g. the dot interaction must not index with numpy per call).
     rng = np.random.default_rng(0)
     features = _tensor(rng.normal(size=(4, 13 + 26 * 4)).astype("float32"))
     for kind in ("dot_interaction", "cross_network", "factorization_machine"):
@@ -323,7 +323,7 @@ def test_recording_capture_refuses_host_data_and_syncs():
     assert capture.replays == 1
 
 
-# -- B2 / B3: graphs in every mode give the eager gradients --------------------------------
+# -- graphs in every mode give the eager gradients ----------------------------------------
 
 
 @torch_only
@@ -340,7 +340,7 @@ def test_graphs_give_eager_weights_in_every_mode(mode, detach_input):
     np.testing.assert_allclose(graphed_losses, eager_losses, rtol=1e-6)
     for a, b in zip(graphed, eager):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    if not detach_input:  # B3: the upstream layer trains through the replayed input gradient
+    if not detach_input:  # the upstream layer trains through the replayed input gradient
         keras.utils.set_random_seed(7)
         upstream = keras.layers.Dense(5)
         upstream.build((None, 5))
@@ -419,7 +419,7 @@ def test_freezing_a_layer_after_capture_captures_again():
 
 @torch_only
 def test_graph_capture_keeps_the_inputs_requires_grad():
-    """B3: a detach_input=False block's static inputs require grad like the real ones."""
+    """A detach_input=False block's static inputs require grad like the real ones."""
     import torch
 
     _, _, dispatcher, _ = train_block(
@@ -433,7 +433,7 @@ def test_graph_capture_keeps_the_inputs_requires_grad():
 
 @torch_only
 def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
-    """B5: CPU tensors are moved to the dispatcher's device; record_stream only on CUDA tensors."""
+    """CPU tensors are moved to the dispatcher's device; record_stream only on CUDA tensors."""
     import torch
 
     from keras_erase.torch import tensors
@@ -467,7 +467,7 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     streams.protect([x, y], object())  # CPU tensors: no record_stream (would raise here)
 
 
-# -- B4: capture failures -----------------------------------------------------------------
+# -- capture failures ---------------------------------------------------------------------
 
 
 @torch_only
@@ -619,7 +619,7 @@ class _FakeCudaGraph:
 @torch_only
 @pytest.mark.parametrize("fail_in", [None, "begin", "region", "end"])
 def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch, fail_in):
-    """B4 on CPU: `CudaGraphCapture` against a fake `torch.cuda` (stream restored in `finally`)."""
+    """On CPU: `CudaGraphCapture` against a fake `torch.cuda` (stream restored in `finally`)."""
     import torch
 
     from keras_erase.torch.cuda_graphs import capture as graph_capture
@@ -664,12 +664,12 @@ def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch
     assert graphs[0].calls[0] == ("begin", "thread_local")
 
 
-# -- B5: the rest of the GPU plumbing --------------------------------------------------------
+# -- the rest of the GPU plumbing ------------------------------------------------------------
 
 
 @torch_only
 def test_gradient_sync_builds_no_tensor_from_host_data_per_block(tmp_path):
-    """B5: a block's all-reduce launch creates its presence flags with device ops only."""
+    """A block's all-reduce launch creates its presence flags with device ops only."""
     import torch
     import torch.distributed as dist
 

@@ -139,7 +139,7 @@ def _mlp_model(mode, graphs, detach_input=True, **kwargs):
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
 @pytest.mark.parametrize("detach_input", [True, False])
 def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
-    """B2/B3 end to end: `fit` with graphs in each CPU mode gives the eager weights and logs."""
+    """End to end: `fit` with graphs in each CPU mode gives the eager weights and logs."""
     from keras_erase.torch.cuda_graphs import runner as graph_runner
 
     rng = np.random.default_rng(0)
@@ -164,7 +164,7 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
 
 @torch_only
 def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
-    """B1/B5: the torch step moves y/sample_weight once; every block gets that same tensor."""
+    """The torch step moves y/sample_weight once; every block gets that same tensor."""
     from keras_erase.torch import train_step
     from keras_erase.torch.schedules.blocking import BlockingDispatcher
 
@@ -196,7 +196,7 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
 
 @torch_only
 def test_auto_with_graphs_never_times_warm_up_or_capture_steps():
-    """B5: `dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
+    """`dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
     from keras_erase.torch.cuda_graphs import capture as graph_capture
     from keras_erase.torch.cuda_graphs import runner as graph_runner
 

@@ -64,8 +64,8 @@ def test_every_dispatch_mode_gives_the_standard_weights_and_logs(detach_input, h
 
 def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guard):
     """A block's regularizers and activity regularizer (`add_loss`) are part of its early
-    backward: every mode gives the standard weights and logs (used to crash: "Trying to
-    backward through the graph a second time")."""
+    backward: every mode gives the standard weights and logs, and no backward runs through
+    the block's graph a second time."""
     x, y = ctr_data(64)
     kwargs = dict(num_towers=2, regularized=True, auto_steps=1)
     _, reference, ref_history = _train_mode("standard", x, y, **kwargs)
@@ -215,7 +215,7 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
 
 
 def test_worker_sets_its_own_intra_op_team_size(two_threads):
-    """OpenMP teams are per thread (measured): a thread keeps the count it had at its first
+    """OpenMP teams are per thread: a thread keeps the count it had at its first
     parallel op, whatever the main thread sets later; so the worker sets its own."""
     import torch
 
