@@ -19,7 +19,7 @@ __all__ = ["capture_safe_loss", "is_capture_safe", "weight_penalty"]
 
 
 def weight_penalty(regularizer, weight):
-    """`regularizer(weight)`; Keras's L1, L2 and L1L2 with Python-float factors.
+    """Computes `regularizer(weight)`; Keras's L1, L2 and L1L2 with Python-float factors.
 
     Same value as Keras's (which casts each factor to a tensor: a tensor made
     from host data at every call, which a CUDA Graph cannot capture). Any other
@@ -48,7 +48,7 @@ def weight_penalty(regularizer, weight):
 
 
 def is_capture_safe(loss_fn, y_pred):
-    """Whether `capture_safe_loss` computes `loss_fn` on `y_pred` (else Keras's `Loss.__call__`).
+    """Returns whether `capture_safe_loss` computes `loss_fn` on `y_pred` (else `Loss.__call__`).
 
     It does unless the loss overrides `__call__` or a prediction carries a
     Keras mask (masked losses keep Keras's own path).
@@ -75,7 +75,7 @@ def _match_rank(values, weight):
 
 
 def capture_safe_loss(loss_fn, y_true, y_pred, sample_weight=None):
-    """`loss_fn(y_true, y_pred, sample_weight)` for an unmasked `keras.losses.Loss`, host-data free.
+    """Computes `loss_fn(y_true, y_pred, sample_weight)` for an unmasked Keras loss, host-data free.
 
     Computes the per-sample values with `loss_fn.call`, weights them and
     applies `loss_fn.reduction` exactly as `Loss.__call__` does, but divides

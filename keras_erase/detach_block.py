@@ -24,7 +24,11 @@ How the local loss reaches the model (all backends):
 `val_loss` is comparable with `loss`.
 """
 
+from __future__ import annotations
+
 import warnings
+from typing import Any
+from typing import Callable
 
 import keras
 from keras import ops
@@ -60,7 +64,7 @@ def _warn_outside_erase_model(block):
 
 
 def _has_symbolic(structure):
-    """True for shape-inference calls (KerasTensors or Keras's symbolic scope)."""
+    """Returns whether this is a shape-inference call (KerasTensors or Keras's symbolic scope)."""
     if _keras_private.in_symbolic_scope():
         return True
     return any(keras.backend.is_keras_tensor(t) for t in tree.flatten(structure))
@@ -105,23 +109,23 @@ class DetachBlock(keras.layers.Layer):
 
     def __init__(
         self,
-        layer,
-        head=None,
-        loss=None,
-        loss_weight=1.0,
-        detach_input=True,
-        target=None,
-        name=None,
-        **kwargs,
-    ):
+        layer: keras.layers.Layer,
+        head: keras.layers.Layer | None = None,
+        loss: str | Callable[..., Any] | keras.losses.Loss | None = None,
+        loss_weight: float = 1.0,
+        detach_input: bool = True,
+        target: str | int | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(name=name, **kwargs)
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
-                f"DetachBlock: `layer` must be a keras Layer or Model. Received: {layer!r}"
+                f"DetachBlock: `layer` must be a keras Layer or Model. Received: layer={layer!r}"
             )
         if head is not None and not isinstance(head, keras.layers.Layer):
             raise TypeError(
-                f"DetachBlock: `head` must be a keras Layer or None. Received: {head!r}"
+                f"DetachBlock: `head` must be a keras Layer or None. Received: head={head!r}"
             )
         if target is not None and not isinstance(target, (str, int)):
             raise TypeError(
@@ -140,7 +144,7 @@ class DetachBlock(keras.layers.Layer):
         self.__dict__["_pending_predictions"] = []
 
     @property
-    def has_local_loss(self):
+    def has_local_loss(self) -> bool:
         """Whether the block contributes a local loss in training."""
         return self.loss_fn is not None
 
@@ -156,20 +160,27 @@ class DetachBlock(keras.layers.Layer):
 
     # -- forward pieces (also used by the torch ERASE dispatchers) -----------
 
-    def forward_layer(self, inputs, training=None):
-        """The wrapped layer on (optionally) detached inputs; output not detached."""
+    def forward_layer(self, inputs: Any, training: bool | None = None) -> Any:
+        """Calls the wrapped layer on the (optionally detached) inputs; the output is not detached.
+
+        Example:
+
+        >>> block = DetachBlock(keras.layers.Dense(2))
+        >>> tuple(block.forward_layer(keras.ops.ones((3, 4))).shape)
+        (3, 2)
+        """
         if self.detach_input:
             inputs = tree.map_structure(ops.stop_gradient, inputs)
         if training is None:
             return self.layer(inputs)
         return self.layer(inputs, training=training)
 
-    def predict_local(self, outputs):
-        """The head's prediction for the local loss (the output itself without head)."""
+    def predict_local(self, outputs: Any) -> Any:
+        """Returns the head's prediction for the local loss (the output itself without a head)."""
         return outputs if self.head is None else self.head(outputs)
 
-    def local_loss(self, y_true, y_pred, sample_weight=None):
-        """`loss_weight * loss(y_true, y_pred, sample_weight)` as a float32 scalar.
+    def local_loss(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        """Computes `loss_weight * loss(y_true, y_pred, sample_weight)` as a float32 scalar.
 
         The same value as Keras's `Loss.__call__`. On torch it is computed
         without any tensor made from host data and without host syncs (so a
@@ -178,6 +189,13 @@ class DetachBlock(keras.layers.Layer):
         and Python constants (`capture_safe_loss`). Masked predictions, losses
         that override `__call__`, and JAX/TensorFlow (which trace host
         constants into their graphs) use `Loss.__call__`.
+
+        Example:
+
+        >>> import numpy as np
+        >>> block = DetachBlock(keras.layers.Dense(1), loss="mse", loss_weight=0.5)
+        >>> float(block.local_loss(np.zeros((2, 1)), np.full((2, 1), 2.0)))
+        2.0
         """
         if _torch_backend() and is_capture_safe(self.loss_fn, y_pred):
             value = capture_safe_loss(self.loss_fn, y_true, y_pred, sample_weight)
@@ -187,12 +205,12 @@ class DetachBlock(keras.layers.Layer):
         return ops.cast(value, "float32") * self.loss_weight
 
     @staticmethod
-    def detach(outputs):
-        """`outputs` (any structure of tensors) with the gradient stopped."""
+    def detach(outputs: Any) -> Any:
+        """Returns `outputs` (any structure of tensors) with the gradient stopped."""
         return tree.map_structure(ops.stop_gradient, outputs)
 
-    def own_losses(self):
-        """The block's own `losses` summed as a float32 scalar, or `None` when it has none.
+    def own_losses(self) -> Any:
+        """Sums the block's own `losses` into a float32 scalar (`None` when it has none).
 
         These are the weight regularizers of its layer and head and the
         `add_loss` values (e.g. `activity_regularizer`) of its current call.
@@ -211,8 +229,8 @@ class DetachBlock(keras.layers.Layer):
             total = loss if total is None else total + loss
         return total
 
-    def local_objective(self, y_true, outputs, sample_weight=None):
-        """What the block's early backward differentiates: its local loss plus its own `losses`."""
+    def local_objective(self, y_true: Any, outputs: Any, sample_weight: Any = None) -> Any:
+        """Computes what the block's early backward differentiates: local loss plus own `losses`."""
         value = self.local_loss(y_true, self.predict_local(outputs), sample_weight)
         own = self.own_losses()
         return value if own is None else value + own
@@ -243,7 +261,7 @@ class DetachBlock(keras.layers.Layer):
             )
         return self.detach(outputs)
 
-    def pop_pending_predictions(self):
+    def _pop_pending_predictions(self):
         """Returns and clears the predictions kept by training calls."""
         pending = list(self._pending_predictions)
         self._pending_predictions.clear()

@@ -32,7 +32,7 @@ __all__ = ["reached"]
 
 
 def reached(fn, values):
-    """`[[has path from output i to value j for j] for i]` for `outputs = fn(values)`.
+    """Answers, for `outputs = fn(values)`, `[[has path from output i to value j for j] for i]`.
 
     Args:
         fn: `fn(values) -> list of float scalars`, written with Keras ops.
@@ -48,7 +48,10 @@ def reached(fn, values):
         return _tf_reached(fn, values)
     if backend == "jax":
         return _jax_reached(fn, values)
-    raise NotImplementedError(f"gradient_paths: backend {backend!r} is not supported.")
+    raise NotImplementedError(
+        "gradient_paths.reached supports the jax, tensorflow and torch backends. "
+        f"Received: backend={backend!r}"
+    )
 
 
 def _tf_reached(fn, values):

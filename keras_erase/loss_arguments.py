@@ -48,7 +48,7 @@ def to_loss_object(loss):
 
 
 def checked_loss_weight(loss_weight):
-    """Returns `loss_weight` as a float; `TypeError`/`ValueError` naming it unless a finite number >= 0."""
+    """Returns `loss_weight` as a float; raises naming it unless it is a finite number >= 0."""
     if isinstance(loss_weight, bool) or not isinstance(loss_weight, numbers.Real):
         raise TypeError(
             "DetachBlock: `loss_weight` must be a number >= 0. "

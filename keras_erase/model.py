@@ -38,8 +38,11 @@ reaches (e.g. an embedding read only by blocks with `detach_input=True`) are
 reported once with a `FrozenUpstreamWarning` (`keras_erase.frozen_upstream`).
 """
 
+from __future__ import annotations
+
 import logging
 import warnings
+from typing import Any
 
 import keras
 
@@ -55,6 +58,8 @@ from keras_erase.monitor_modes import minimise_block_losses
 from keras_erase.runtime import EraseRuntime
 from keras_erase.runtime import torch_runtime
 from keras_erase.targets import check_targets
+
+__all__ = ["EraseModel", "FunctionalEraseModel"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -118,20 +123,22 @@ class EraseModel(keras.Model):
 
     def __init__(
         self,
-        *args,
-        dispatch="auto",
-        num_streams=4,
-        cuda_graphs=False,
-        intra_op_threads="auto",
-        auto_steps=AUTO_STEPS,
-        **kwargs,
-    ):
+        *args: Any,
+        dispatch: str = "auto",
+        num_streams: int = 4,
+        cuda_graphs: bool = False,
+        intra_op_threads: str | int | None = "auto",
+        auto_steps: int = AUTO_STEPS,
+        **kwargs: Any,
+    ) -> None:
         if _functional_arguments(args, kwargs) and not isinstance(
             self, _keras_private.Functional
         ):
             raise TypeError(
-                f"{type(self).__name__} is called with inputs/outputs: a Functional subclass "
-                "must inherit from keras_erase.model.FunctionalEraseModel."
+                "EraseModel: a subclass called with `inputs` and `outputs` must inherit from "
+                "keras_erase.model.FunctionalEraseModel. "
+                f"Received: a {type(self).__name__} (bases: "
+                f"{', '.join(b.__name__ for b in type(self).__bases__)})"
             )
         config = EraseConfig(dispatch, num_streams, cuda_graphs, intra_op_threads, auto_steps)
         note = config.backend_note(keras.backend.backend())
@@ -147,38 +154,38 @@ class EraseModel(keras.Model):
     # -- configuration ------------------------------------------------------------
 
     @property
-    def dispatch(self):
+    def dispatch(self) -> str:
         """The schedule asked for: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or `"streams"`."""
         return self._erase.config.dispatch
 
     @property
-    def num_streams(self):
+    def num_streams(self) -> int:
         """CUDA streams used by `dispatch="streams"`."""
         return self._erase.config.num_streams
 
     @property
-    def cuda_graphs(self):
+    def cuda_graphs(self) -> bool:
         """Whether each block's step is captured and replayed as a CUDA Graph."""
         return self._erase.config.cuda_graphs
 
     @property
-    def intra_op_threads(self):
+    def intra_op_threads(self) -> str | int | None:
         """torch CPU thread policy: `"auto"`, an int or `None` (see the class docstring)."""
         return self._erase.config.intra_op_threads
 
     @property
-    def auto_steps(self):
+    def auto_steps(self) -> int:
         """Timed rounds per candidate schedule for `dispatch="auto"`."""
         return self._erase.config.auto_steps
 
     @property
-    def dispatch_choice(self):
+    def dispatch_choice(self) -> str | None:
         """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures."""
         return self._erase.dispatch_choice
 
     @property
-    def auto_timings(self):
-        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` measured by `"auto"` (empty before)."""
+    def auto_timings(self) -> dict[str, dict[str, float]]:
+        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` measured by `"auto"` (empty until it measures)."""
         selector = self._erase.selector
         return {} if selector is None else selector.timings()
 
@@ -189,8 +196,17 @@ class EraseModel(keras.Model):
 
     # -- blocks, targets and local losses (all backends) ----------------------
 
-    def detach_blocks(self):
-        """Every `DetachBlock` of the model (nested ones included), in layer order."""
+    def detach_blocks(self) -> list[DetachBlock]:
+        """Returns every `DetachBlock` of the model (nested ones included), in layer order.
+
+        Example:
+
+        >>> inputs = keras.Input((4,))
+        >>> block = DetachBlock(keras.layers.Dense(2), loss="mse", name="tower")
+        >>> model = EraseModel(inputs, keras.layers.Dense(1)(block(inputs)), dispatch="standard")
+        >>> [b.name for b in model.detach_blocks()]
+        ['tower']
+        """
         return [
             layer for layer in _keras_private.sublayers(self) if isinstance(layer, DetachBlock)
         ]
@@ -208,8 +224,15 @@ class EraseModel(keras.Model):
         for block in self.detach_blocks():
             block._pending_predictions.clear()
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        """Main (compiled) loss plus every block's pending local loss; logs each local loss."""
+    def compute_loss(
+        self,
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:
+        """Computes the main (compiled) loss plus every block's pending local loss; logs each."""
         total = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         return add_local_losses(
             total,
@@ -221,7 +244,7 @@ class EraseModel(keras.Model):
         )
 
     @property
-    def losses(self):
+    def losses(self) -> list[Any]:
         """As `keras.Model.losses`; during a torch ERASE step, without the blocks' own losses."""
         erase = self.__dict__.get("_erase")
         if erase is None or not erase.blocks_own_losses:
@@ -247,18 +270,28 @@ class EraseModel(keras.Model):
 
     # -- tracing (torch) ------------------------------------------------------------
 
-    def start_trace(self):
+    def start_trace(self) -> list[dict[str, Any]]:
         """Starts recording forward/backward intervals of the ERASE step; returns the event list.
 
         Each event is a dict with `block`, `phase` (`"forward"`, `"submit"`,
         `"backward"`), `start`, `end` (`time.perf_counter()`) and `thread`.
+        Events are recorded on torch, by the early-backward schedules.
+
+        Example:
+
+        ```python
+        events = model.start_trace()
+        model.fit(x, y, epochs=1)
+        model.stop_trace()
+        backwards = [e for e in events if e["phase"] == "backward"]
+        ```
         """
         self._erase.trace = []
         for dispatcher in self._erase.dispatchers.values():
             dispatcher.trace = self._erase.trace
         return self._erase.trace
 
-    def stop_trace(self):
+    def stop_trace(self) -> list[dict[str, Any]] | None:
         """Stops recording and returns the recorded events."""
         events, self._erase.trace = self._erase.trace, None
         for dispatcher in self._erase.dispatchers.values():

@@ -49,7 +49,7 @@ def current_step_handler():
 
 
 def current_collector():
-    """Returns the `EraseModel` whose call runs on this thread (it consumes local losses), or `None`."""
+    """Returns the `EraseModel` whose call runs on this thread (it consumes local losses) or `None`."""
     stack = getattr(_STATE, "collectors", None)
     return stack[-1][0] if stack else None
 

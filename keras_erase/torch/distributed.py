@@ -74,16 +74,18 @@ model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
 import torch
 import torch.distributed as dist
 
+__all__ = ["GradientSync", "active", "mean_over_ranks"]
+
 
 def active(group=None):
-    """Whether a `torch.distributed` process group with more than one rank is initialized."""
+    """Returns whether a `torch.distributed` process group of more than one rank is initialized."""
     return (
         dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     )
 
 
 def mean_over_ranks(values, group=None):
-    """The mean of a list of floats over the ranks of `group` (one blocking all-reduce).
+    """Averages a list of floats over the ranks of `group` (one blocking all-reduce).
 
     Example: `mean_over_ranks([0.12, 0.10])` on 2 ranks -> the per-entry averages.
     """

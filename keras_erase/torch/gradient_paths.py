@@ -9,7 +9,7 @@ __all__ = ["reached"]
 
 
 def reached(fn, values):
-    """`[[has path from output i to value j for j] for i]` for `outputs = fn(values)` on torch.
+    """Answers `[[has path from output i to value j for j] for i]` for `fn(values)` on torch.
 
     `fn` runs once (eagerly, with gradients enabled) on fresh leaves standing
     for `values`; the autograd graph of each output is walked back to the

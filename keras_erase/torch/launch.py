@@ -55,20 +55,22 @@ import traceback
 import torch
 import torch.distributed as dist
 
+__all__ = ["free_port", "process_group_backend", "run_local"]
+
 LOGGER = logging.getLogger("keras_erase")
 
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "KERAS_BACKEND")
 
 
 def free_port():
-    """A TCP port free on 127.0.0.1 right now."""
+    """Returns a TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def process_group_backend(cuda_devices, nproc):
-    """`("nccl", [device per rank])` with at least one CUDA device per rank, else `("gloo", None)`.
+    """Picks `("nccl", [device per rank])` with a CUDA device per rank, else `("gloo", None)`.
 
     Example: `process_group_backend(cuda_devices=8, nproc=2)` -> `("nccl", [0, 1])`.
     """
@@ -135,15 +137,15 @@ def run_local(
         if backend == "nccl":
             if cuda_devices < nproc:
                 raise ValueError(
-                    f"run_local: backend='nccl' needs one CUDA device per rank; "
-                    f"{cuda_devices} for {nproc} ranks."
+                    "run_local: backend='nccl' needs one CUDA device per rank. "
+                    f"Received: backend='nccl', nproc={nproc} with {cuda_devices} CUDA devices"
                 )
             devices = list(range(nproc))
         elif backend == "gloo":
             devices = None
         else:
             raise ValueError(
-                f"run_local: `backend` must be 'gloo', 'nccl' or None. Received: {backend!r}"
+                f"run_local: `backend` must be 'gloo', 'nccl' or None. Received: backend={backend!r}"
             )
         chosen = backend
     LOGGER.info(

@@ -21,9 +21,14 @@ import os
 
 import torch
 
+__all__ = [
+    "main_thread_count", "restored_intra_op_threads", "set_intra_op_threads", "threads_for_worker",
+    "worker_thread_count",
+]
+
 
 def threads_for_worker():
-    """Intra-op threads for each of the two threads of the threaded schedule: half the cores (>= 1)."""
+    """Returns the intra-op threads of each thread of the threaded schedule: half the cores."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
@@ -34,7 +39,7 @@ def set_intra_op_threads(n):
 
 
 def main_thread_count(mode, policy, cuda):
-    """The main thread's intra-op count for `mode` under `policy` (`None`: leave it)."""
+    """Returns the main thread's intra-op count for `mode` under `policy` (`None`: leave it)."""
     if policy is None:
         return None
     if policy == "auto":
@@ -43,7 +48,7 @@ def main_thread_count(mode, policy, cuda):
 
 
 def worker_thread_count(policy, cuda):
-    """The threaded worker's own intra-op count under `policy` (`None`: leave it)."""
+    """Returns the threaded worker's own intra-op count under `policy` (`None`: leave it)."""
     if policy is None:
         return None
     if policy == "auto":

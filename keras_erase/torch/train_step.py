@@ -54,7 +54,7 @@ LOGGER = logging.getLogger("keras_erase")
 
 
 def cuda_available():
-    """Whether torch sees a CUDA device."""
+    """Returns whether torch sees a CUDA device."""
     return torch.cuda.is_available()
 
 
@@ -80,17 +80,17 @@ class BlockRunner:
 
 
 def auto_candidates(threads):
-    """The `"auto"` candidates: `(mode, main-thread intra-op count)`, baseline first."""
+    """Lists the `"auto"` candidates: `(mode, main-thread intra-op count)`, baseline first."""
     if cuda_available():
         return [("standard", None), ("streams", None)]
     # "threaded" only at most half the cores: a worker thread whose OpenMP team is
-    # as wide as the machine slowed every later 2-thread step of the process about 2x
-    # (measured on 2 cores), so even trying it would cost the standard step.
+    # as wide as the machine slows every later step of the process that runs on fewer
+    # threads, so even trying it would cost the standard step.
     return [("standard", threads), ("threaded", min(threads, threads_for_worker()))]
 
 
 def gradient_sync(runtime):
-    """The `GradientSync` when a multi-rank torch.distributed group is initialized."""
+    """Returns the `GradientSync` when a multi-rank torch.distributed group is initialized."""
     if not distributed.active():
         return None
     if runtime.grad_sync is None:
@@ -99,7 +99,7 @@ def gradient_sync(runtime):
 
 
 def next_schedule(runtime):
-    """`(mode, threads)` for this step."""
+    """Returns `(mode, threads)` for this step."""
     config = runtime.config
     if config.dispatch != "auto":
         return config.dispatch, main_thread_count(
@@ -127,7 +127,7 @@ def next_schedule(runtime):
 
 
 def dispatcher_for(runtime, mode):
-    """The runtime's dispatcher for `mode` (built at its first use), tracing as the runtime does."""
+    """Returns the runtime's dispatcher for `mode` (built at its first use), tracing as it does."""
     dispatcher = runtime.dispatchers.get(mode)
     if dispatcher is None:
         config = runtime.config
@@ -143,7 +143,7 @@ def dispatcher_for(runtime, mode):
 
 
 def train_step(model, runtime, data, standard_step):
-    """One torch training step of `model` (see the module docstring).
+    """Runs one torch training step of `model` (see the module docstring).
 
     `standard_step(data)` is Keras's own torch `train_step`.
     """
@@ -226,7 +226,7 @@ def _log_choice(runtime):
 
 
 def erase_step(model, runtime, data, dispatcher, sync=None):
-    """One ERASE step: zero grads, forward with early block backwards, main backward, update.
+    """Runs one ERASE step: zero grads, forward with early block backwards, main backward, update.
 
     Without a dispatcher, the standard schedule (one backward). With a
     `GradientSync`, each block's gradients are all-reduced right after its

@@ -209,7 +209,7 @@ def require_capture():
 
 
 def default_capture():
-    """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
+    """Returns the capture of a runner built without one: `CudaGraphCapture()` (needs CUDA)."""
     require_capture()
     if _CAPTURE_FACTORY is not None:
         return _CAPTURE_FACTORY()

@@ -49,7 +49,7 @@ class CaptureRefused(RuntimeError):
 
 
 def forbidden_ops(op_names):
-    """The names among `op_names` (aten overload packet names) that a capture refuses, sorted."""
+    """Returns the names among `op_names` (aten overload packets) that a capture refuses, sorted."""
     return sorted(set(op_names) & CAPTURE_FORBIDDEN_OPS)
 
 
@@ -103,7 +103,7 @@ class OpTape(TorchDispatchMode):
 
 
 def _written_args(func, args, kwargs):
-    """The tensor arguments an aten op writes in place (its schema's mutable arguments)."""
+    """Returns the tensor arguments an aten op writes in place (its schema's mutable arguments)."""
     written = []
     for index, argument in enumerate(func._schema.arguments):
         alias = argument.alias_info

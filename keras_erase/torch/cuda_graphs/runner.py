@@ -81,12 +81,12 @@ def _flat(structure):
 
 
 def live_runners():
-    """Every `CudaGraphRunner` still alive (benchmarks read their counters)."""
+    """Returns every `CudaGraphRunner` still alive (benchmarks read their counters)."""
     return list(_RUNNERS)
 
 
 def untimed_steps(warmup):
-    """Steps of one schedule that include graph warm-up or capture (never time them)."""
+    """Counts the steps of one schedule that include graph warm-up or capture (never timed)."""
     return int(warmup) + 1
 
 
@@ -119,7 +119,7 @@ class BlockGraph:
         self.grad_slots = grad_slots  # per static input: index into backward outputs or None
 
     def stale(self):
-        """Whether the block's trainable weights changed (re-created, or (un)frozen) since capture."""
+        """Returns whether the block's trainable weights were re-created or (un)frozen since capture."""
         current = _params(self.block)
         return [id(p) for p in current] != [id(p) for p in self.params] or any(
             p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
@@ -241,7 +241,7 @@ class CudaGraphRunner:
         self._occurrences.clear()
 
     def forward(self, block, inputs, y_true, sample_weight, eager_forward):
-        """`(outputs, local_loss)` of `block`, replayed from its graphs once captured.
+        """Runs `block`: returns `(outputs, local_loss)`, replayed from its graphs once captured.
 
         `eager_forward(block, inputs, y_true, sample_weight)` is the dispatcher's
         eager forward (block, head, local objective); it is what gets captured.
@@ -286,7 +286,7 @@ class CudaGraphRunner:
         return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
 
     def _checked_eager(self, block, inputs, y_true, sample_weight, eager_forward):
-        """An eager forward that records its aten ops; refuses graphs if capture could not hold them.
+        """Runs an eager forward that records its aten ops; refuses graphs a capture could not hold.
 
         This turns a capture failure deep inside CUDA into a clear message before
         any capture is attempted (e.g. a Keras regularizer or `activity_regularizer`

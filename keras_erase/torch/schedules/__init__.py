@@ -80,7 +80,8 @@ def make_dispatcher(
         dispatcher = StreamDispatcher(num_streams=num_streams)
     else:
         raise ValueError(
-            f"Unknown dispatch mode {mode!r}; expected 'blocking', 'threaded' or 'streams'."
+            "make_dispatcher: `mode` must be 'blocking', 'threaded' or 'streams'. "
+            f"Received: mode={mode!r}"
         )
     if cuda_graphs:
         warmup = DEFAULT_WARMUP if graph_warmup is None else graph_warmup

@@ -31,9 +31,11 @@ import torch
 
 from keras_erase.torch.handoff import GradientHandOff
 
+__all__ = ["Dispatcher", "forward_block"]
+
 
 def forward_block(block, inputs, y_true, sample_weight):
-    """`(outputs, local objective)` of `block`: its layer, head and local losses (eager)."""
+    """Runs `block` eagerly; returns `(outputs, local objective)` (layer, head, local losses)."""
     outputs = block.forward_layer(inputs, training=True)
     loss = block.local_objective(y_true, outputs, sample_weight)
     return outputs, loss
@@ -77,7 +79,7 @@ class Dispatcher:
             )
 
     def _timed_forward(self, block, inputs, y_true, sample_weight):
-        """`(outputs, loss, cuts)`: the block's forward on its cut inputs (see `handoff`)."""
+        """Runs the block's forward on its cut inputs (`handoff`); returns `(outputs, loss, cuts)`."""
         start = time.perf_counter()
         cuts = []
         if not block.detach_input:
@@ -121,7 +123,7 @@ class Dispatcher:
         """Waits for the step's block backwards (the schedule's own part of `finish`)."""
 
     def final_backward(self, loss):
-        """Ends the step's backward: the main `loss` (or `None`) and the handed-over gradients.
+        """Ends the step's backward: runs the main `loss` (or `None`) and the handed-over gradients.
 
         Without a hand-off (every block detaches its input) the main backward
         runs first, overlapping the blocks still running, then `finish()`.
@@ -144,6 +146,6 @@ class Dispatcher:
         self.handoff.clear()
 
     def close(self):
-        """Ends the dispatcher's resources: its block graphs (a later step recaptures)."""
+        """Releases the dispatcher's resources: its block graphs (a later step recaptures)."""
         if self.graphs is not None:
             self.graphs.close()

@@ -66,7 +66,7 @@ class CudaStreams:
 
 
 def protect(tensors, stream):
-    """`record_stream(stream)` on each CUDA tensor (CPU tensors have no stream; skipped)."""
+    """Calls `record_stream(stream)` on each CUDA tensor (CPU tensors have no stream; skipped)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.is_cuda:
             t.record_stream(stream)

@@ -40,7 +40,7 @@ NAME = "keras_erase-backward"
 
 
 def _serve(jobs, errors, settings):
-    """The worker thread's loop (a function: the thread must not keep the worker alive)."""
+    """Runs the worker thread's loop (a function: the thread must not keep the worker alive)."""
     while True:
         job = jobs.get()
         try:
