@@ -25,8 +25,8 @@ Schedules:
 
 - `blocking.BlockingDispatcher` (`"blocking"`): the backward runs inline on
   the main thread, right after the block's forward pass.
-- `threaded.ThreadedDispatcher` (`"threaded"`): the backward is submitted to one FIFO
-  worker thread (submission order is execution order) which runs nothing but
+- `threaded.ThreadedDispatcher` (`"threaded"`): the backward is submitted to
+  one FIFO worker thread (submission order is execution order) which runs nothing but
   `torch.autograd.backward`; Keras state (thread-local scopes) is never touched
   from the worker. An error in the worker is re-raised by `finish()` in the
   main thread; the worker keeps serving (and is restarted if it ever died), so
@@ -36,8 +36,8 @@ Schedules:
   backward on its own CUDA stream.
 
 CUDA Graphs (`cuda_graphs=True`, any mode): `make_dispatcher` gives the
-dispatcher a `keras_erase.torch.cuda_graphs.runner.CudaGraphRunner` as `graphs`; the block
-forward of every mode then goes through it (captured after `graph_warmup`
+dispatcher a `CudaGraphRunner` (`keras_erase.torch.cuda_graphs.runner`) as
+`graphs`; the block forward of every mode then goes through it (captured after `graph_warmup`
 eager steps per block and input signature, replayed afterwards; the backward
 graph is replayed by the same `torch.autograd.backward` call, on the thread and
 stream the mode uses).
