@@ -175,9 +175,9 @@ def auto_window(selector, warmup, steps):
 
 
 def run_cell(model_name, mode, batch, args, sync):
-    from keras_erase import cuda_graphs
+    from keras_erase.torch.cuda_graphs import runner as graph_runner
 
-    before = set(map(id, cuda_graphs.live_runners()))
+    before = set(map(id, graph_runner.live_runners()))
     model, x, y = prepared(model_name, mode, batch, args)
     counts, hook = upstream_counter(model_name, model)
     seconds = time_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps, sync=sync)
@@ -190,7 +190,7 @@ def run_cell(model_name, mode, batch, args, sync):
         measuring, timed = auto_window(model._erase.selector, args.warmup, args.steps)
         row["auto_measuring_steps"], row["auto_timed_measuring_steps"] = measuring, timed
     if parse_mode(mode)[1]:
-        runners = [r for r in cuda_graphs.live_runners() if id(r) not in before]
+        runners = [r for r in graph_runner.live_runners() if id(r) not in before]
         row.update(graph_counters(runners))
     return row
 
@@ -363,19 +363,19 @@ def resolve(args, cuda):
 def main(argv=None):
     import torch
 
-    from keras_erase import cuda_graphs
+    from keras_erase.torch.cuda_graphs import capture as graph_capture
 
     args = build_parser().parse_args(argv)
     cuda = torch.cuda.is_available()
     args = resolve(args, cuda)
     previous = None
     if not cuda:  # graph modes run through the CPU stand-in capture (checks the code path)
-        previous = cuda_graphs.set_default_capture(cuda_graphs.RecordingCapture)
+        previous = graph_capture.set_default_capture(graph_capture.RecordingCapture)
     try:
         rows = run_all(args, cuda)
     finally:
         if not cuda:
-            cuda_graphs.set_default_capture(previous)
+            graph_capture.set_default_capture(previous)
     problems = graph_problems(rows)
     for line in problems:
         print("GRAPHS NOT USED:", line, flush=True)

@@ -4,20 +4,25 @@ Checked against Keras 3.15.1. Each entry says why no public API does the job;
 if a Keras release breaks one, only this module changes.
 """
 
+__all__ = [
+    "Functional", "call_has_training_arg", "compute_loss", "in_symbolic_scope", "keras_mask",
+    "loss_tracker", "own_added_losses", "sublayers",
+]
+
 # `EraseModel(inputs, outputs)` must be a Functional model (Keras's graph of
 # layers, `output_names`, serialization of the graph): Keras exposes no public
 # Functional class to subclass (`keras.Model(inputs, outputs)` returns one but
 # its class is only importable from `keras.src`).
-from keras.src.models.functional import Functional  # noqa: F401
+from keras.src.models.functional import Functional
 
 # `DetachBlock` must not compute a local loss during shape inference (Keras
 # traces `call` symbolically in `compute_output_spec`); Keras has no public way
 # to ask whether a symbolic trace is in progress.
-from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # noqa: F401
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 
 def sublayers(layer, include_self=False):
-    """Every layer nested in `layer` (recursively, deduplicated), in tracking order.
+    """Returns every layer nested in `layer` (recursively, deduplicated), in tracking order.
 
     `Layer._flatten_layers`: the public `layers` attribute exists on models only
     and is not recursive; nested layers held as attributes of a custom layer
@@ -27,7 +32,7 @@ def sublayers(layer, include_self=False):
 
 
 def own_added_losses(layer):
-    """The `add_loss` values of `layer` itself (not of its sublayers) in the current call.
+    """Returns the `add_loss` values of `layer` itself (not of its sublayers) in the current call.
 
     `Layer._get_own_losses`: the public `losses` property always adds every
     sublayer's losses and every weight regularizer, with no way to split them.
@@ -36,17 +41,17 @@ def own_added_losses(layer):
 
 
 def call_has_training_arg(model):
-    """Whether `model.call` accepts `training` (Keras computes it once at construction)."""
+    """Returns whether `model.call` accepts `training` (Keras computes it once at construction)."""
     return model._call_has_training_arg
 
 
 def loss_tracker(model):
-    """The `Mean` metric behind the logged `"loss"` (Keras's trainers update it in `train_step`)."""
+    """Returns the `Mean` metric behind the logged `"loss"` (updated by Keras's `train_step`)."""
     return getattr(model, "_loss_tracker", None)
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
-    """`Trainer._compute_loss`: calls `compute_loss` with `training` only if the override accepts it.
+    """Calls `model.compute_loss` with `training` only if the override accepts it (Keras's rule).
 
     Used by the torch ERASE step exactly as Keras's own torch `train_step` does,
     so a user's `compute_loss` override without `training` keeps working.
@@ -57,7 +62,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
 
 
 def keras_mask(tensor):
-    """The Keras mask attached to `tensor` (or `None`): `backend.get_keras_mask` has no public alias.
+    """Returns the Keras mask attached to `tensor` (or `None`); `get_keras_mask` is not public.
 
     Used by `DetachBlock.local_loss` to keep Keras's masked-loss semantics.
     """

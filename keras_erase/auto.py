@@ -43,6 +43,8 @@ Example:
 
 import numpy as np
 
+__all__ = ["AUTO_MARGIN", "EARLY_STOP_ROUNDS", "ScheduleSelector", "label"]
+
 # A schedule replaces the baseline only when this much faster (median and p90).
 AUTO_MARGIN = 0.03
 # Timed steps after which a challenger not clearly faster than the baseline is dropped.
@@ -50,7 +52,7 @@ EARLY_STOP_ROUNDS = 2
 
 
 def label(schedule):
-    """`("threaded", 1)` -> `"threaded@1"` (the key of `EraseModel.auto_timings`)."""
+    """Formats a schedule as its `EraseModel.auto_timings` key: `("threaded", 1)` -> `"threaded@1"`."""
     if isinstance(schedule, tuple):
         return "@".join(str(part) for part in schedule)
     return str(schedule)
@@ -84,7 +86,10 @@ class ScheduleSelector:
         combine=None,
     ):
         if not candidates:
-            raise ValueError("ScheduleSelector needs at least one candidate.")
+            raise ValueError(
+                "ScheduleSelector: `candidates` must hold at least one schedule. "
+                f"Received: candidates={candidates!r}"
+            )
         self.candidates = list(candidates)
         self.timed_rounds = max(1, int(timed_rounds))
         self.warmup = {
@@ -111,7 +116,7 @@ class ScheduleSelector:
         return self.seen[candidate] < self.warmup[candidate] + self.timed_rounds
 
     def next_schedule(self):
-        """The schedule for the next step: a trial, or the choice once made."""
+        """Returns the schedule for the next step: a trial, or the choice once made."""
         if self.done:
             return self.choice
         waiting = [c for c in self.active if self._needs(c)]
@@ -145,7 +150,7 @@ class ScheduleSelector:
             self.choice = base
 
     def statistics(self):
-        """`{candidate: (median_s, p90_s)}` over the timed steps (candidates with any)."""
+        """Returns `{candidate: (median_s, p90_s)}` over the timed steps (candidates with any)."""
         return {
             c: (float(np.median(t)), float(np.percentile(t, 90)))
             for c, t in self.times.items()
@@ -169,7 +174,7 @@ class ScheduleSelector:
         self.choice = min(faster, key=lambda c: stats[c][1]) if faster else base
 
     def timings(self):
-        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` for every timed candidate."""
+        """Returns `{"mode@threads": {"median_s", "p90_s", "steps"}}` for every timed candidate."""
         stats = self.combined or self.statistics()
         return {
             label(c): {"median_s": m, "p90_s": p, "steps": len(self.times[c])}

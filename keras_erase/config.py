@@ -10,6 +10,8 @@ Example:
 
 import dataclasses
 
+__all__ = ["AUTO_STEPS", "DISPATCH_MODES", "EraseConfig"]
+
 DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
 
 # Timed rounds per candidate for dispatch="auto" (see `keras_erase.auto`).
@@ -26,7 +28,7 @@ class EraseConfig:
         num_streams: number of CUDA streams for `"streams"` (round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
-            (see `keras_erase.threads`).
+            (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"`.
     """
 
@@ -61,7 +63,7 @@ class EraseConfig:
         object.__setattr__(self, "auto_steps", int(self.auto_steps))
 
     def backend_note(self, backend):
-        """What runs instead of a torch-only setting on `backend`, or `None` if nothing changes.
+        """Describes what runs instead of a torch-only setting on `backend` (`None`: no change).
 
         `"streams"` and `cuda_graphs=True` exist on torch only; on JAX and
         TensorFlow the standard step trains the model (same gradients).
@@ -93,5 +95,5 @@ class EraseConfig:
         return self.dispatch == "streams" or self.cuda_graphs
 
     def to_dict(self):
-        """The arguments as a dict (for `get_config`)."""
+        """Returns the arguments as a dict (for `get_config`)."""
         return dataclasses.asdict(self)

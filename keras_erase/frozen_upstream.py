@@ -33,8 +33,10 @@ import keras
 from keras import ops
 from keras import tree
 
-from keras_erase.detach_block import recording_inputs
+from keras_erase.step_protocol import recording_inputs
 from keras_erase.gradient_paths import reached
+
+__all__ = ["FrozenUpstreamWarning", "frozen_message", "frozen_variables", "warn_if_frozen"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -44,7 +46,7 @@ class FrozenUpstreamWarning(UserWarning):
 
 
 def _scalar(structure):
-    """The sum of every float tensor of `structure` as a float32 scalar (0 for none)."""
+    """Sums every float tensor of `structure` into a float32 scalar (0 for none)."""
     total = ops.zeros((), "float32")
     for tensor in tree.flatten(structure):
         if "float" in str(getattr(tensor, "dtype", "")):
@@ -53,7 +55,7 @@ def _scalar(structure):
 
 
 def _objectives_fn(model, data, state):
-    """`fn(trainable values) -> [total loss, one input scalar per detaching block]`."""
+    """Builds `fn(trainable values) -> [total loss, one input scalar per detaching block]`."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     blocks = []
 
@@ -78,7 +80,7 @@ def _objectives_fn(model, data, state):
 
 
 def frozen_variables(model, data, state=None):
-    """`[(variable, [blocks whose input reads it])]` for trainable variables no loss reaches.
+    """Finds the trainable variables no loss reaches: `[(variable, [blocks whose input reads it])]`.
 
     Args:
         model: an `EraseModel`, built and compiled.
@@ -109,7 +111,7 @@ def frozen_variables(model, data, state=None):
 
 
 def frozen_message(frozen):
-    """The warning text for `frozen_variables`'s result."""
+    """Writes the warning text for `frozen_variables`'s result."""
     lines = [
         f"EraseModel: {len(frozen)} trainable variable(s) get no gradient from any loss, so "
         "they never train:"

@@ -6,7 +6,8 @@ scalar returned by `fn(values)` has a gradient path to it (a path that no
 see the graph:
 
 - torch: `fn` runs eagerly (one forward) and its autograd graph is walked
-  from each scalar to the leaves (no backward runs).
+  from each scalar to the leaves (no backward runs;
+  `keras_erase.torch.gradient_paths`).
 - TensorFlow: `fn` is traced into a concrete function that is never called;
   `GradientTape.gradient` returns `None` where no path exists.
 - JAX: `jax.grad` of each scalar is traced to a jaxpr (never run); a
@@ -25,9 +26,13 @@ Example:
 
 import keras
 
+from keras_erase.runtime import torch_runtime
+
+__all__ = ["reached"]
+
 
 def reached(fn, values):
-    """`[[has path from output i to value j for j] for i]` for `outputs = fn(values)`.
+    """Answers, for `outputs = fn(values)`, `[[has path from output i to value j for j] for i]`.
 
     Args:
         fn: `fn(values) -> list of float scalars`, written with Keras ops.
@@ -38,40 +43,15 @@ def reached(fn, values):
     """
     backend = keras.backend.backend()
     if backend == "torch":
-        return _torch_reached(fn, values)
+        return torch_runtime().gradient_paths.reached(fn, values)
     if backend == "tensorflow":
         return _tf_reached(fn, values)
     if backend == "jax":
         return _jax_reached(fn, values)
-    raise NotImplementedError(f"gradient_paths: backend {backend!r} is not supported.")
-
-
-def _torch_reached(fn, values):
-    import torch
-
-    leaves = [torch.as_tensor(v).detach().requires_grad_(True) for v in values]
-    index = {id(leaf): i for i, leaf in enumerate(leaves)}
-    with torch.enable_grad():
-        outputs = fn(leaves)
-    answers = []
-    for output in outputs:
-        found = [False] * len(leaves)
-        if id(output) in index:
-            found[index[id(output)]] = True
-        grad_fn = getattr(output, "grad_fn", None)
-        stack = [grad_fn] if grad_fn is not None else []
-        seen = set()
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-            if variable is not None and id(variable) in index:
-                found[index[id(variable)]] = True
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        answers.append(found)
-    return answers
+    raise NotImplementedError(
+        "gradient_paths.reached supports the jax, tensorflow and torch backends. "
+        f"Received: backend={backend!r}"
+    )
 
 
 def _tf_reached(fn, values):

@@ -7,6 +7,8 @@ from keras import tree
 from keras_erase import _keras_private
 from keras_erase.targets import select_target
 
+__all__ = ["LocalLossTrackers", "LocalLossValue", "add_local_losses", "losses_outside_blocks"]
+
 
 class LocalLossValue:
     """A block's local loss already computed (and back-propagated) by the torch ERASE step."""
@@ -33,9 +35,9 @@ class LocalLossTrackers:
 
 
 def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
-    """`total` plus every block's pending local losses; logs each in its tracker.
+    """Adds every block's pending local losses to `total`; logs each in its tracker.
 
-    A pending entry is either a `PendingPrediction` (standard step: the loss is
+    A pending entry is either a `step_protocol.PendingPrediction` (standard step: the loss is
     computed here, in the same trace as the main loss; the block's own `losses`
     are already in the main loss through `model.losses`) or a `LocalLossValue`
     (torch ERASE step: the block's whole objective, its own `losses` included,
@@ -44,7 +46,7 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
     """
     batch = None
     for block in blocks:
-        pending = block.pop_pending_predictions()
+        pending = block._pop_pending_predictions()
         if not pending:
             continue
         y_true, weight = select_target(block, y, sample_weight, output_names)
@@ -67,7 +69,7 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
 
 
 def losses_outside_blocks(model, blocks):
-    """`model.losses` without those of `blocks` (their early backward owns them).
+    """Returns `model.losses` without those of `blocks` (their early backward owns them).
 
     The `add_loss` values of every layer not inside one of `blocks`, and the
     regularizers of every trainable weight none of `blocks` owns: what the

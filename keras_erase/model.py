@@ -10,9 +10,9 @@ logged as `"val_<block name>_loss"`). A block's
 own losses belong to its local objective: on torch its early backward
 differentiates them, the main backward does not. On JAX and
 TensorFlow the standard train step trains the model. On torch, `train_step`
-runs the ERASE schedule (`keras_erase.torch_step`): each block's backward pass
-is launched right after its forward pass and local loss (see
-`keras_erase.dispatch`), overlapping the forward pass of later blocks; the
+runs the ERASE schedule (`keras_erase.torch.train_step`): each block's backward
+pass is launched right after its forward pass and local loss (see
+`keras_erase.torch.schedules`), overlapping the forward pass of later blocks; the
 gradients are those of the standard step.
 
 Dispatch modes (torch):
@@ -31,31 +31,35 @@ Dispatch modes (torch):
   candidate computes the same gradients, so the measuring steps are ordinary
   training steps.
 
-Intra-op threads (torch CPU): see `keras_erase.threads`.
+Intra-op threads (torch CPU): see `keras_erase.torch.threads`.
 
 At the first train step on every backend, trainable variables that no loss
 reaches (e.g. an embedding read only by blocks with `detach_input=True`) are
 reported once with a `FrozenUpstreamWarning` (`keras_erase.frozen_upstream`).
 """
 
+from __future__ import annotations
+
 import logging
 import warnings
+from typing import Any
 
 import keras
 
 from keras_erase import _keras_private
 from keras_erase.config import AUTO_STEPS
-from keras_erase.config import DISPATCH_MODES  # noqa: F401 - re-exported
 from keras_erase.config import EraseConfig
-from keras_erase.auto import AUTO_MARGIN  # noqa: F401 - re-exported
 from keras_erase.detach_block import DetachBlock
-from keras_erase.detach_block import collecting
+from keras_erase.step_protocol import collecting
 from keras_erase.frozen_upstream import warn_if_frozen
 from keras_erase.local_losses import add_local_losses
 from keras_erase.local_losses import losses_outside_blocks
 from keras_erase.monitor_modes import minimise_block_losses
 from keras_erase.runtime import EraseRuntime
+from keras_erase.runtime import torch_runtime
 from keras_erase.targets import check_targets
+
+__all__ = ["EraseModel", "FunctionalEraseModel"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -90,7 +94,7 @@ class EraseModel(keras.Model):
             and `evaluate` work anywhere. On JAX and TensorFlow they warn at
             construction and the standard step runs.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
-            (see `keras_erase.threads`).
+            (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"` (more
             rounds make the choice steadier).
         *args, **kwargs: as for `keras.Model`.
@@ -119,20 +123,22 @@ class EraseModel(keras.Model):
 
     def __init__(
         self,
-        *args,
-        dispatch="auto",
-        num_streams=4,
-        cuda_graphs=False,
-        intra_op_threads="auto",
-        auto_steps=AUTO_STEPS,
-        **kwargs,
-    ):
+        *args: Any,
+        dispatch: str = "auto",
+        num_streams: int = 4,
+        cuda_graphs: bool = False,
+        intra_op_threads: str | int | None = "auto",
+        auto_steps: int = AUTO_STEPS,
+        **kwargs: Any,
+    ) -> None:
         if _functional_arguments(args, kwargs) and not isinstance(
             self, _keras_private.Functional
         ):
             raise TypeError(
-                f"{type(self).__name__} is called with inputs/outputs: a Functional subclass "
-                "must inherit from keras_erase.model.FunctionalEraseModel."
+                "EraseModel: a subclass called with `inputs` and `outputs` must inherit from "
+                "keras_erase.model.FunctionalEraseModel. "
+                f"Received: a {type(self).__name__} (bases: "
+                f"{', '.join(b.__name__ for b in type(self).__bases__)})"
             )
         config = EraseConfig(dispatch, num_streams, cuda_graphs, intra_op_threads, auto_steps)
         note = config.backend_note(keras.backend.backend())
@@ -148,38 +154,38 @@ class EraseModel(keras.Model):
     # -- configuration ------------------------------------------------------------
 
     @property
-    def dispatch(self):
+    def dispatch(self) -> str:
         """The schedule asked for: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or `"streams"`."""
         return self._erase.config.dispatch
 
     @property
-    def num_streams(self):
+    def num_streams(self) -> int:
         """CUDA streams used by `dispatch="streams"`."""
         return self._erase.config.num_streams
 
     @property
-    def cuda_graphs(self):
+    def cuda_graphs(self) -> bool:
         """Whether each block's step is captured and replayed as a CUDA Graph."""
         return self._erase.config.cuda_graphs
 
     @property
-    def intra_op_threads(self):
+    def intra_op_threads(self) -> str | int | None:
         """torch CPU thread policy: `"auto"`, an int or `None` (see the class docstring)."""
         return self._erase.config.intra_op_threads
 
     @property
-    def auto_steps(self):
+    def auto_steps(self) -> int:
         """Timed rounds per candidate schedule for `dispatch="auto"`."""
         return self._erase.config.auto_steps
 
     @property
-    def dispatch_choice(self):
+    def dispatch_choice(self) -> str | None:
         """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures."""
         return self._erase.dispatch_choice
 
     @property
-    def auto_timings(self):
-        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` measured by `"auto"` (empty before)."""
+    def auto_timings(self) -> dict[str, dict[str, float]]:
+        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` measured by `"auto"` (empty until it measures)."""
         selector = self._erase.selector
         return {} if selector is None else selector.timings()
 
@@ -190,8 +196,17 @@ class EraseModel(keras.Model):
 
     # -- blocks, targets and local losses (all backends) ----------------------
 
-    def detach_blocks(self):
-        """Every `DetachBlock` of the model (nested ones included), in layer order."""
+    def detach_blocks(self) -> list[DetachBlock]:
+        """Returns every `DetachBlock` of the model (nested ones included), in layer order.
+
+        Example:
+
+        >>> inputs = keras.Input((4,))
+        >>> block = DetachBlock(keras.layers.Dense(2), loss="mse", name="tower")
+        >>> model = EraseModel(inputs, keras.layers.Dense(1)(block(inputs)), dispatch="standard")
+        >>> [b.name for b in model.detach_blocks()]
+        ['tower']
+        """
         return [
             layer for layer in _keras_private.sublayers(self) if isinstance(layer, DetachBlock)
         ]
@@ -209,8 +224,15 @@ class EraseModel(keras.Model):
         for block in self.detach_blocks():
             block._pending_predictions.clear()
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        """Main (compiled) loss plus every block's pending local loss; logs each local loss."""
+    def compute_loss(
+        self,
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:
+        """Computes the main (compiled) loss plus every block's pending local loss; logs each."""
         total = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         return add_local_losses(
             total,
@@ -222,7 +244,7 @@ class EraseModel(keras.Model):
         )
 
     @property
-    def losses(self):
+    def losses(self) -> list[Any]:
         """As `keras.Model.losses`; during a torch ERASE step, without the blocks' own losses."""
         erase = self.__dict__.get("_erase")
         if erase is None or not erase.blocks_own_losses:
@@ -248,18 +270,28 @@ class EraseModel(keras.Model):
 
     # -- tracing (torch) ------------------------------------------------------------
 
-    def start_trace(self):
+    def start_trace(self) -> list[dict[str, Any]]:
         """Starts recording forward/backward intervals of the ERASE step; returns the event list.
 
         Each event is a dict with `block`, `phase` (`"forward"`, `"submit"`,
         `"backward"`), `start`, `end` (`time.perf_counter()`) and `thread`.
+        Events are recorded on torch, by the early-backward schedules.
+
+        Example:
+
+        ```python
+        events = model.start_trace()
+        model.fit(x, y, epochs=1)
+        model.stop_trace()
+        backwards = [e for e in events if e["phase"] == "backward"]
+        ```
         """
         self._erase.trace = []
         for dispatcher in self._erase.dispatchers.values():
             dispatcher.trace = self._erase.trace
         return self._erase.trace
 
-    def stop_trace(self):
+    def stop_trace(self) -> list[dict[str, Any]] | None:
         """Stops recording and returns the recorded events."""
         events, self._erase.trace = self._erase.trace, None
         for dispatcher in self._erase.dispatchers.values():
@@ -274,22 +306,13 @@ class EraseModel(keras.Model):
         minimise_block_losses(callbacks, self._erase.trackers.names())
         if not _is_torch():
             return super().fit(*args, **kwargs)
-        from keras_erase.threads import restored_intra_op_threads
-        from keras_erase.torch_step import close_dispatchers
-
-        self._erase.needs_broadcast = True  # rank 0's weights at the start of training
-        try:
-            with restored_intra_op_threads():
-                return super().fit(*args, **kwargs)
-        finally:
-            close_dispatchers(self._erase)  # training ended: no idle worker thread
+        with torch_runtime().train_step.training_scope(self._erase, whole_fit=True):
+            return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         if not _is_torch():
             return super().train_on_batch(*args, **kwargs)
-        from keras_erase.threads import restored_intra_op_threads
-
-        with restored_intra_op_threads():
+        with torch_runtime().train_step.training_scope(self._erase, whole_fit=False):
             return super().train_on_batch(*args, **kwargs)
 
     def test_step(self, *args, **kwargs):
@@ -317,10 +340,9 @@ class EraseModel(keras.Model):
             self._check_frozen_upstream(args)
             if not _is_torch():  # JAX (state, data) and TensorFlow (data): the stock step
                 return super().train_step(*args, **kwargs)
-            from keras_erase import torch_step
-
             (data,) = args
-            return torch_step.train_step(self, self._erase, data, super().train_step)
+            step = torch_runtime().train_step
+            return step.train_step(self, self._erase, data, super().train_step)
         finally:
             self._erase.in_train_step = False
 

@@ -19,6 +19,8 @@ Example:
 'min'
 """
 
+__all__ = ["minimise_block_losses"]
+
 
 def minimise_block_losses(callbacks, loss_names):
     """Sets `mode="min"` on callbacks in `"auto"` mode that monitor a block loss; returns them.

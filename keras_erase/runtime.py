@@ -2,9 +2,36 @@
 
 Kept outside Keras's and torch's attribute tracking (the model stores it once,
 as `model._erase`), so none of it is saved, tracked as a layer or a weight.
+
+`torch_runtime()` is the one door from the backend-neutral code into
+`keras_erase.torch` (every module that imports torch): it is called on the
+torch backend only, so `import keras_erase` needs no torch elsewhere.
 """
 
 from keras_erase.local_losses import LocalLossTrackers
+
+__all__ = ["EraseRuntime", "torch_runtime"]
+
+
+def torch_runtime():
+    """Imports and returns `keras_erase.torch` with its two entry modules loaded.
+
+    The entry modules are `train_step` (the ERASE train step, used by
+    `EraseModel`) and `gradient_paths` (used by `keras_erase.gradient_paths`).
+    This is the only import of `keras_erase.torch` outside that package; call
+    it on the torch backend only.
+
+    Example:
+
+    ```python
+    if keras.backend.backend() == "torch":
+        logs = torch_runtime().train_step.train_step(model, model._erase, data, step)
+    ```
+    """
+    import keras_erase.torch.gradient_paths
+    import keras_erase.torch.train_step
+
+    return keras_erase.torch
 
 
 class EraseRuntime:

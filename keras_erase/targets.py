@@ -1,5 +1,7 @@
 """Which of the model's targets (and sample weights) a `DetachBlock`'s local loss uses."""
 
+__all__ = ["check_targets", "select_target"]
+
 
 def _bad_target(block, outputs):
     return ValueError(
@@ -13,7 +15,8 @@ def _output_index(output_names, name, block=None):
         if block is not None:
             raise _bad_target(block, output_names)
         raise ValueError(
-            f"DetachBlock target {name!r} is not an output of the model; outputs: {output_names}"
+            f"DetachBlock: `target` must name one of the model's outputs {output_names}. "
+            f"Received: target={name!r}"
         )
     return output_names.index(name)
 
@@ -63,7 +66,8 @@ def select_target(block, y, sample_weight, output_names=()):
     output_names = list(output_names or [])
     if y is None:
         raise ValueError(
-            f"DetachBlock {block.name!r} has a local loss but the model received no target."
+            f"DetachBlock {block.name!r} has a local loss, so the model needs a target. "
+            "Received: y=None"
         )
 
     def pick(structure):
@@ -72,7 +76,7 @@ def select_target(block, y, sample_weight, output_names=()):
                 if len(structure) != 1:
                     raise ValueError(
                         f"DetachBlock {block.name!r}: the model has several targets "
-                        f"{sorted(structure)}; pass `target=` to choose one."
+                        f"{sorted(structure)}; pass `target=` to choose one. Received: target=None"
                     )
                 return next(iter(structure.values()))
             names = output_names or list(structure)
@@ -88,7 +92,8 @@ def select_target(block, y, sample_weight, output_names=()):
                 if len(structure) != 1:
                     raise ValueError(
                         f"DetachBlock {block.name!r}: the model has {len(structure)} "
-                        "targets; pass `target=` (an output name or index) to choose one."
+                        "targets; pass `target=` (an output name or index) to choose one. "
+                        "Received: target=None"
                     )
                 return structure[0]
             names = output_names or list(range(len(structure)))
@@ -101,7 +106,8 @@ def select_target(block, y, sample_weight, output_names=()):
             isinstance(target, str) and _output_index(output_names, target, block) == 0
         ):
             raise ValueError(
-                f"DetachBlock {block.name!r}: target={target!r} but the model has one target."
+                f"DetachBlock {block.name!r}: the model has one target, so `target` must be "
+                f"None, 0 or its output's name. Received: target={target!r}"
             )
         return structure
 

@@ -14,9 +14,11 @@ Example:
 
 import numpy as np
 
+__all__ = ["examples_per_second", "global_step_seconds", "throughput_percentiles"]
+
 
 def examples_per_second(step_seconds, batch_size):
-    """Per-step examples/s: `batch_size / t` for each step time `t` (seconds).
+    """Computes per-step examples/s: `batch_size / t` for each step time `t` (seconds).
 
     Args:
         step_seconds: sequence of positive step durations in seconds.
@@ -25,17 +27,27 @@ def examples_per_second(step_seconds, batch_size):
 
     Returns:
         A float64 numpy array, one entry per step.
+
+    Example:
+
+    >>> examples_per_second([0.5, 0.25], batch_size=10).tolist()
+    [20.0, 40.0]
     """
     seconds = np.asarray(step_seconds, dtype=np.float64).reshape(-1)
     if seconds.size == 0:
-        raise ValueError("`step_seconds` is empty: time at least one step.")
+        raise ValueError(
+            "`step_seconds` must hold at least one step time. Received: step_seconds=[]"
+        )
     if np.any(~np.isfinite(seconds)) or np.any(seconds <= 0):
-        raise ValueError(f"Step times must be finite and > 0; got {seconds.tolist()}.")
+        raise ValueError(
+            "`step_seconds` must be finite and > 0. "
+            f"Received: step_seconds={seconds.tolist()}"
+        )
     return float(batch_size) / seconds
 
 
 def throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90)):
-    """Percentiles of per-step examples/s (p90 = the fast end, as in the ERASE paper).
+    """Computes percentiles of per-step examples/s (p90 = the fast end, as in the ERASE paper).
 
     Args:
         step_seconds: sequence of post-warm-up step durations in seconds.
@@ -57,7 +69,7 @@ def throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90)):
 
 
 def global_step_seconds(per_rank_step_seconds):
-    """Global step times of a data-parallel run: for each step, the slowest rank.
+    """Computes the global step times of a data-parallel run: for each step, the slowest rank.
 
     A synchronous step ends when its last rank ends, so the global examples/s of a
     step is `world_size * batch / max_over_ranks(t)`. Percentiles of per-rank
@@ -76,5 +88,8 @@ def global_step_seconds(per_rank_step_seconds):
     """
     table = np.asarray(per_rank_step_seconds, dtype=np.float64)
     if table.ndim != 2:
-        raise ValueError("Expected one equal-length sequence of step times per rank.")
+        raise ValueError(
+            "`per_rank_step_seconds` must be one equal-length sequence of step times per "
+            f"rank. Received: an array of shape {table.shape}"
+        )
     return table.max(axis=0)

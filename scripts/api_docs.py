@@ -30,7 +30,7 @@ OUTPUT = os.path.join(ROOT, "docs", "api.md")
 PACKAGES = ("keras_cutbce", "keras_erase")
 EXTRA_NAMES = {
     "keras_cutbce.ops": ("cut_count_at_least", "weighted_loss_sum"),
-    "keras_erase.launch": ("run_local",),
+    "keras_erase.torch.launch": ("run_local",),
     "keras_erase.throughput": ("examples_per_second", "throughput_percentiles",
                                "global_step_seconds"),
 }

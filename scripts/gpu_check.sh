@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh --quick      # same, one batch size and fewer steps
 #   scripts/gpu_check.sh --dry-run    # no GPU: checks this script's steps on CPU (nothing measured)
 #
-# 1. runs the CUDA tests (tests/test_cuda_graphs.py, tests/test_erase_torch.py) and fails if
+# 1. runs the CUDA tests (tests/erase/test_cuda_graphs.py, tests/erase/test_erase_torch.py) and fails if
 #    any of them was skipped for lack of CUDA;
 # 2. runs benchmarks/erase_gpu.py --strict: standard / blocking / threaded / streams / auto,
 #    each with and without CUDA Graphs, on the CTR example (its towers hand their input
@@ -23,8 +23,8 @@ PYTHON=${PYTHON:-python}
 export KERAS_BACKEND=torch
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RESULTS=benchmarks/results
-TESTS=(tests/test_cuda_graphs.py tests/test_cuda_graphs_lifecycle.py tests/test_erase_handoff.py
-       tests/test_erase_torch.py)
+TESTS=(tests/erase/test_cuda_graphs.py tests/erase/test_cuda_graphs_lifecycle.py tests/erase/test_erase_handoff.py
+       tests/erase/test_erase_torch.py)
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   shift

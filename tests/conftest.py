@@ -37,15 +37,15 @@ SLOW = (
     # Subprocesses: fresh interpreters, meshes of simulated devices, other backends.
     "tests/test_distributed_jax.py",
     "tests/test_sharded_metrics.py",
-    "tests/test_distributed_torch.py",
+    "tests/erase/test_distributed_torch.py",
     "tests/test_distributed_tf.py",
     "tests/test_distributed_processes.py",
     "tests/test_tpu_compile.py",
     "tests/test_sharded_tpu.py",
     "tests/test_wheel.py",
     "tests/test_examples.py::test_ctr_nproc_global_qps_is_the_slowest_rank_per_step",
-    "tests/test_erase_gpu_path.py::test_benchmark_cpu_dry_run_goes_through_graphs",
-    "tests/test_erase.py::test_cross_backend_same_weights",
+    "tests/erase/test_erase_gpu_path.py::test_benchmark_cpu_dry_run_goes_through_graphs",
+    "tests/erase/test_erase.py::test_cross_backend_same_weights",
     "tests/test_examples.py::test_backend_flag_selects_backend_before_import",
     "tests/test_memory.py::test_forward_backward_peak_is_under_ten_percent_of_dense_logits",
     "tests/test_readme.py::test_documented_block_runs_as_written",
@@ -64,7 +64,7 @@ SLOW = (
     "tests/test_examples.py::test_baseline_has_no_local_losses_and_same_layers",
     "tests/test_examples.py::test_popularity_metrics_agree_with_top_k_retrieval",
     # fit / save / load round trips.
-    "tests/test_erase.py::test_keras_file_round_trip",
+    "tests/erase/test_erase.py::test_keras_file_round_trip",
     "tests/test_loss.py::test_first_step_matches_dense_bce_and_loss_falls",
     "tests/test_loss.py::test_save_and_load_rebinds_the_table",
     "tests/test_loss.py::test_lora_embedding_table_trains_saves_and_loads",
@@ -74,8 +74,8 @@ SLOW = (
     "tests/test_training_loops.py::test_stateless_compute_loss_trains_the_table",
     "tests/test_metrics.py::test_get_config_from_config",
     "tests/test_keras_contract.py::test_tf_function_unknown_batch_with_sample_weight",
-    "tests/test_erase_torch.py::test_every_dispatch_mode_gives_the_standard_weights_and_logs",
-    "tests/test_cuda_graphs.py::test_block_step_has_no_host_data_and_no_host_sync",
+    "tests/erase/test_erase_torch.py::test_every_dispatch_mode_gives_the_standard_weights_and_logs",
+    "tests/erase/test_cuda_graphs.py::test_block_step_has_no_host_data_and_no_host_sync",
     # A 2**24-row table.
     "tests/test_loss.py::test_ids_stay_integers_beyond_float32_precision",
     # Many compiled shapes, or Pallas kernels in interpret mode (JAX).

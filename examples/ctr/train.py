@@ -331,7 +331,7 @@ def run_distributed(mode, args, seed=None):
     is `N * batch / max over ranks(step seconds)` (`global_step_seconds`), and
     p50/p90 are taken over those global steps, never summed over ranks.
     """
-    from keras_erase.launch import run_local
+    from keras_erase.torch.launch import run_local
 
     if keras.backend.backend() != "torch":
         raise SystemExit("--nproc needs --backend torch (torch.distributed, gloo).")

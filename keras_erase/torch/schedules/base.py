@@ -1,13 +1,14 @@
 """`Dispatcher`: the base of every ERASE schedule (forward, early backward, hand-off, trace).
 
 A dispatcher runs each `DetachBlock` met by the torch ERASE step (see
-`keras_erase.dispatch` for the schedules and their contract). The base class
-owns what every schedule shares:
+`keras_erase.torch.schedules` for the schedules and their contract). The base
+class owns what every schedule shares:
 
 - the block's forward pass and local objective, through the dispatcher's CUDA
-  Graph runner when it has one (`graphs`, see `keras_erase.cuda_graphs`);
+  Graph runner when it has one (`graphs`, see
+  `keras_erase.torch.cuda_graphs.runner`);
 - the early backward of the local objective, which ends at the block's input:
-  for a `detach_input=False` block the inputs are cut (`keras_erase.handoff`)
+  for a `detach_input=False` block the inputs are cut (`keras_erase.torch.handoff`)
   before the forward and their gradients handed over after the backward, so
   the shared upstream runs one backward per step (`final_backward`);
 - the optional trace of forward/backward intervals and the `after_backward`
@@ -28,11 +29,13 @@ import time
 
 import torch
 
-from keras_erase.handoff import GradientHandOff
+from keras_erase.torch.handoff import GradientHandOff
+
+__all__ = ["Dispatcher", "forward_block"]
 
 
 def forward_block(block, inputs, y_true, sample_weight):
-    """`(outputs, local objective)` of `block`: its layer, head and local losses (eager)."""
+    """Runs `block` eagerly; returns `(outputs, local objective)` (layer, head, local losses)."""
     outputs = block.forward_layer(inputs, training=True)
     loss = block.local_objective(y_true, outputs, sample_weight)
     return outputs, loss
@@ -55,10 +58,11 @@ class Dispatcher:
         self.trace = None
         # Called as `after_backward(block)` right after each block's backward, on the
         # thread (and CUDA stream) that ran it, in block order (used for the
-        # torch.distributed gradient all-reduce; see `keras_erase.distributed`).
+        # torch.distributed gradient all-reduce; see `keras_erase.torch.distributed`).
         self.after_backward = None
-        # A `keras_erase.cuda_graphs.CudaGraphRunner` (set by `make_dispatcher` when
-        # `cuda_graphs=True`): every mode's block forward then goes through it.
+        # A `CudaGraphRunner` (`keras_erase.torch.cuda_graphs.runner`), set by
+        # `make_dispatcher` when `cuda_graphs=True`: every mode's block forward then
+        # goes through it.
         self.graphs = None
         self.handoff = GradientHandOff(accumulate=self.sums_on_block_thread)
 
@@ -75,7 +79,7 @@ class Dispatcher:
             )
 
     def _timed_forward(self, block, inputs, y_true, sample_weight):
-        """`(outputs, loss, cuts)`: the block's forward on its cut inputs (see `handoff`)."""
+        """Runs the block's forward on its cut inputs (`handoff`); returns `(outputs, loss, cuts)`."""
         start = time.perf_counter()
         cuts = []
         if not block.detach_input:
@@ -119,7 +123,7 @@ class Dispatcher:
         """Waits for the step's block backwards (the schedule's own part of `finish`)."""
 
     def final_backward(self, loss):
-        """Ends the step's backward: the main `loss` (or `None`) and the handed-over gradients.
+        """Ends the step's backward: runs the main `loss` (or `None`) and the handed-over gradients.
 
         Without a hand-off (every block detaches its input) the main backward
         runs first, overlapping the blocks still running, then `finish()`.
@@ -142,6 +146,6 @@ class Dispatcher:
         self.handoff.clear()
 
     def close(self):
-        """Ends the dispatcher's resources: its block graphs (a later step recaptures)."""
+        """Releases the dispatcher's resources: its block graphs (a later step recaptures)."""
         if self.graphs is not None:
             self.graphs.close()

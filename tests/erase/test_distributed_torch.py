@@ -9,7 +9,7 @@ so does a layer outside the towers. Rank 1 starts from
 different weights: the broadcast from rank 0 at the start of `fit` must fix them. The ranks also report the order
 in which they launched their gradient all-reduces (block order, then the rest).
 
-The ranks are spawned by `keras_erase.launch.run_local` (gloo on 127.0.0.1, one
+The ranks are spawned by `keras_erase.torch.launch.run_local` (gloo on 127.0.0.1, one
 torch thread each, a timeout so that nothing hangs).
 """
 
@@ -52,7 +52,7 @@ def _shard(array, rank, world):
 def _train(dispatch, detach_input, x, y, batch_size, initial=None, seed=0):
     import keras
 
-    from tests.test_erase import build_ctr
+    from tests.erase.test_erase import build_ctr
 
     model = build_ctr(
         dispatch,
@@ -73,7 +73,7 @@ def _train(dispatch, detach_input, x, y, batch_size, initial=None, seed=0):
 def _rank_main(rank, world, workdir):
     """One rank (process group initialized by `run_local`): trains every case on its shard."""
     from tests.backend_utils import to_numpy
-    from tests.test_erase import ctr_data
+    from tests.erase.test_erase import ctr_data
 
     x, y = ctr_data(N)
     x, y = _shard(x, rank, world), _shard(y, rank, world)
@@ -108,7 +108,7 @@ def _presence_check(rank):
     import keras
     import torch
 
-    from keras_erase.distributed import GradientSync
+    from keras_erase.torch.distributed import GradientSync
 
     layer = keras.layers.Dense(2)
     layer.build((None, 3))
@@ -136,7 +136,7 @@ def _presence_check(rank):
 
 def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_path):
     from tests.backend_utils import to_numpy
-    from tests.test_erase import build_ctr, ctr_data
+    from tests.erase.test_erase import build_ctr, ctr_data
 
     # Initial weights (saved for rank 0) and the single-process reference (stock step).
     x, y = ctr_data(N)
@@ -153,7 +153,7 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
         moved = max(np.abs(a - b).max() for a, b in zip(references[detach_input], initial))
         assert moved > 1e-2
 
-    from keras_erase.launch import run_local
+    from keras_erase.torch.launch import run_local
 
     outputs = run_local(_rank_main, 2, args=(str(tmp_path),), threads_per_rank=1, timeout_s=240)
     ranks = [weights for weights, _ in outputs]
@@ -180,7 +180,7 @@ def test_two_gloo_ranks_on_half_batches_match_one_process_on_full_batches(tmp_pa
 
 
 def test_gradient_sync_is_inactive_without_a_process_group():
-    from keras_erase import distributed
+    from keras_erase.torch import distributed
 
     assert not distributed.active()
 
@@ -189,7 +189,7 @@ def test_gradient_sync_is_inactive_without_a_process_group():
 def test_run_local_reports_a_failing_rank_with_its_traceback():
     import operator
 
-    from keras_erase.launch import run_local
+    from keras_erase.torch.launch import run_local
 
     # operator.getitem(rank, world) raises TypeError on every rank.
     with pytest.raises(RuntimeError, match=r"(?s)rank [01] failed:.*not subscriptable"):

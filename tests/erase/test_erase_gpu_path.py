@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.backend_utils import BACKEND, to_numpy
-from tests.test_cuda_graphs import stand_in_captures
+from tests.erase.test_cuda_graphs import stand_in_captures
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
 
 
@@ -139,8 +139,8 @@ def _mlp_model(mode, graphs, detach_input=True, **kwargs):
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
 @pytest.mark.parametrize("detach_input", [True, False])
 def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
-    """B2/B3 end to end: `fit` with graphs in each CPU mode gives the eager weights and logs."""
-    from keras_erase import cuda_graphs
+    """End to end: `fit` with graphs in each CPU mode gives the eager weights and logs."""
+    from keras_erase.torch.cuda_graphs import runner as graph_runner
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(48, 6)).astype("float32")
@@ -150,7 +150,7 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
     with stand_in_captures() as captures:
         graphed = _mlp_model(mode, True, detach_input)
         history = graphed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
-    runners = [r for r in cuda_graphs.live_runners() if r._capture in captures]
+    runners = [r for r in graph_runner.live_runners() if r._capture in captures]
     assert len(runners) == 1
     runner = runners[0]
     assert not runner.disabled, runner.disabled_reason
@@ -164,25 +164,26 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
 
 @torch_only
 def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
-    """B1/B5: the torch step moves y/sample_weight once; every block gets that same tensor."""
-    from keras_erase import dispatch, torch_tensors
+    """The torch step moves y/sample_weight once; every block gets that same tensor."""
+    from keras_erase.torch import train_step
+    from keras_erase.torch.schedules.blocking import BlockingDispatcher
 
     calls, seen = [], []
-    real_to_device = torch_tensors.to_device
+    real_to_device = train_step.to_device
 
     def spy(structure, device):
         moved = real_to_device(structure, device)
         calls.append(moved)
         return moved
 
-    real_run_block = dispatch.BlockingDispatcher.run_block
+    real_run_block = BlockingDispatcher.run_block
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         seen.append(y_true)
         return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
 
-    monkeypatch.setattr(torch_tensors, "to_device", spy)
-    monkeypatch.setattr(dispatch.BlockingDispatcher, "run_block", run_block)
+    monkeypatch.setattr(train_step, "to_device", spy)
+    monkeypatch.setattr(BlockingDispatcher, "run_block", run_block)
     model = _mlp_model("blocking", False)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype("float32")
@@ -195,24 +196,25 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
 
 @torch_only
 def test_auto_with_graphs_never_times_warm_up_or_capture_steps():
-    """B5: `dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
-    from keras_erase import cuda_graphs
+    """`dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
+    from keras_erase.torch.cuda_graphs import capture as graph_capture
+    from keras_erase.torch.cuda_graphs import runner as graph_runner
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(8 * 14, 6)).astype("float32")
     y = (rng.random((8 * 14, 1)) < 0.4).astype("float32")
-    previous = cuda_graphs.set_default_capture(cuda_graphs.RecordingCapture)
+    previous = graph_capture.set_default_capture(graph_capture.RecordingCapture)
     try:
         model = _mlp_model("auto", True, auto_steps=2)
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
     finally:
-        cuda_graphs.set_default_capture(previous)
+        graph_capture.set_default_capture(previous)
     selector = model._erase.selector
     graphed = [c for c in selector.candidates if c[0] != "standard"]
     assert graphed, selector.candidates
     for candidate in graphed:
         # one auto warm-up round + the graph warm-up steps + the capture step
-        assert selector.warmup[candidate] == cuda_graphs.untimed_steps(cuda_graphs.DEFAULT_WARMUP)
+        assert selector.warmup[candidate] == graph_runner.untimed_steps(graph_runner.DEFAULT_WARMUP)
         assert len(selector.times[candidate]) == selector.seen[candidate] - selector.warmup[candidate]
     runner = model._erase.dispatchers[graphed[0][0]].graphs
     assert runner.captures == 3 and not runner.disabled

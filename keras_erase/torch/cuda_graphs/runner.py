@@ -1,13 +1,12 @@
 """CUDA Graphs for `DetachBlock`s: capture a block's forward + local loss and its backward once, replay them.
 
 This module is the graph runner; the capture back-ends are in
-`keras_erase.graph_capture` (`CudaGraphCapture`, the CPU stand-in
+`keras_erase.torch.cuda_graphs.capture` (`CudaGraphCapture`, the CPU stand-in
 `RecordingCapture`, `set_default_capture`) and the op recording in
-`keras_erase.op_tape` (what a capture refuses); their public names are
-re-exported here.
+`keras_erase.torch.cuda_graphs.op_recording` (what a capture refuses).
 
 A `CudaGraphRunner` sits in front of a dispatcher's eager block forward (see
-`keras_erase.block_dispatcher.Dispatcher.graphs`), so graphs work with every
+`keras_erase.torch.schedules.base.Dispatcher.graphs`), so graphs work with every
 early-backward mode (`"blocking"`, `"threaded"`, `"streams"`). For each block,
 input signature (shapes, dtypes, devices and `requires_grad` of the block's
 inputs, target and sample weight) and occurrence in the step (a block met
@@ -48,28 +47,27 @@ factors), `Dropout` without a seed and batch normalization capture fine.
 
 Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
 
+>>> from keras_erase.torch.cuda_graphs.capture import RecordingCapture
 >>> runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
 >>> runner.captures, runner.disabled
 (0, False)
 """
 
-
 import logging
 import threading
 import weakref
 
-from keras_erase.graph_capture import Capture  # noqa: F401 - re-exported
-from keras_erase.graph_capture import CudaGraphCapture  # noqa: F401 - re-exported
-from keras_erase.graph_capture import RecordingCapture  # noqa: F401 - re-exported
-from keras_erase.graph_capture import default_capture
-from keras_erase.graph_capture import require_capture  # noqa: F401 - re-exported
-from keras_erase.graph_capture import set_default_capture  # noqa: F401 - re-exported
-from keras_erase.op_tape import CAPTURE_FORBIDDEN_OPS  # noqa: F401 - re-exported
-from keras_erase.op_tape import CaptureRefused
-from keras_erase.op_tape import OpTape
-from keras_erase.op_tape import forbidden_ops
-from keras_erase.torch_tensors import is_tensor
-from keras_erase.torch_tensors import same_storage
+import torch
+from keras import tree
+
+from keras_erase.torch.cuda_graphs.capture import default_capture
+from keras_erase.torch.cuda_graphs.op_recording import CaptureRefused
+from keras_erase.torch.cuda_graphs.op_recording import OpTape
+from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
+from keras_erase.torch.tensors import is_tensor
+from keras_erase.torch.tensors import same_storage
+
+__all__ = ["DEFAULT_WARMUP", "BlockGraph", "CudaGraphRunner", "live_runners", "untimed_steps"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -79,18 +77,16 @@ _RUNNERS = weakref.WeakSet()
 
 
 def _flat(structure):
-    from keras import tree
-
     return list(tree.flatten(structure)) if structure is not None else []
 
 
 def live_runners():
-    """Every `CudaGraphRunner` still alive (benchmarks read their counters)."""
+    """Returns every `CudaGraphRunner` still alive (benchmarks read their counters)."""
     return list(_RUNNERS)
 
 
 def untimed_steps(warmup):
-    """Steps of one schedule that include graph warm-up or capture (never time them)."""
+    """Counts the steps of one schedule that include graph warm-up or capture (never timed)."""
     return int(warmup) + 1
 
 
@@ -123,7 +119,7 @@ class BlockGraph:
         self.grad_slots = grad_slots  # per static input: index into backward outputs or None
 
     def stale(self):
-        """Whether the block's trainable weights changed (re-created, or (un)frozen) since capture."""
+        """Returns whether the block's trainable weights were re-created or (un)frozen since capture."""
         current = _params(self.block)
         return [id(p) for p in current] != [id(p) for p in self.params] or any(
             p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
@@ -139,58 +135,51 @@ class BlockGraph:
         self.grad_loss = None
 
     def load(self, flat_inputs):
-        import torch
-
         with torch.no_grad():
             for static, value in zip(self.static_inputs, flat_inputs):
                 if is_tensor(static) and not same_storage(static, value):
                     static.copy_(value, non_blocking=True)
 
 
-def _replay_function():
-    import torch
+class _ReplayBlock(torch.autograd.Function):
+    """Forward: replay the forward graph. Backward: replay the backward graph."""
 
-    class ReplayBlock(torch.autograd.Function):
-        """Forward: replay the forward graph. Backward: replay the backward graph."""
+    @staticmethod
+    def forward(ctx, graph, runner, *tensors):
+        n = len(graph.static_inputs)
+        graph.load(tensors[:n])
+        graph.forward.replay()
+        runner._count("replays")
+        ctx.graph, ctx.runner = graph, runner
+        *outputs, loss = graph.forward.outputs
+        outputs = [o.clone() for o in outputs]
+        ctx.mark_non_differentiable(*outputs)
+        return (*outputs, loss.clone())
 
-        @staticmethod
-        def forward(ctx, graph, runner, *tensors):
-            n = len(graph.static_inputs)
-            graph.load(tensors[:n])
-            graph.forward.replay()
-            runner._count("replays")
-            ctx.graph, ctx.runner = graph, runner
-            *outputs, loss = graph.forward.outputs
-            outputs = [o.clone() for o in outputs]
-            ctx.mark_non_differentiable(*outputs)
-            return (*outputs, loss.clone())
-
-        @staticmethod
-        def backward(ctx, *grads):
-            graph = ctx.graph
-            grad_loss = grads[-1]
-            with torch.no_grad():
-                if grad_loss is None:
-                    graph.grad_loss.zero_()
-                else:
-                    graph.grad_loss.copy_(grad_loss)
-            graph.backward.replay()
-            ctx.runner._count("backward_replays")
-            results = graph.backward.outputs
-            # Copies, never the static buffers: autograd's AccumulateGrad adopts a
-            # returned tensor as `param.grad`, and the next replay (the same block met
-            # again, or the next step) overwrites the static buffer in place.
-            input_grads = [
-                None if slot is None or results[slot] is None else results[slot].clone()
-                for slot in graph.grad_slots
-            ]
-            n_params = len(graph.params)
-            param_grads = [
-                None if g is None else g.clone() for g in results[len(results) - n_params :]
-            ]
-            return (None, None, *input_grads, *param_grads)
-
-    return ReplayBlock
+    @staticmethod
+    def backward(ctx, *grads):
+        graph = ctx.graph
+        grad_loss = grads[-1]
+        with torch.no_grad():
+            if grad_loss is None:
+                graph.grad_loss.zero_()
+            else:
+                graph.grad_loss.copy_(grad_loss)
+        graph.backward.replay()
+        ctx.runner._count("backward_replays")
+        results = graph.backward.outputs
+        # Copies, never the static buffers: autograd's AccumulateGrad adopts a
+        # returned tensor as `param.grad`, and the next replay (the same block met
+        # again, or the next step) overwrites the static buffer in place.
+        input_grads = [
+            None if slot is None or results[slot] is None else results[slot].clone()
+            for slot in graph.grad_slots
+        ]
+        n_params = len(graph.params)
+        param_grads = [
+            None if g is None else g.clone() for g in results[len(results) - n_params :]
+        ]
+        return (None, None, *input_grads, *param_grads)
 
 
 class CudaGraphRunner:
@@ -221,7 +210,7 @@ class CudaGraphRunner:
         self._graphs = {}
         self._occurrences = {}  # this step: how often each block and signature was met
         self._lock = threading.Lock()
-        self._function = _replay_function()
+        self._function = _ReplayBlock
         _RUNNERS.add(self)
 
     def _count(self, name):
@@ -252,7 +241,7 @@ class CudaGraphRunner:
         self._occurrences.clear()
 
     def forward(self, block, inputs, y_true, sample_weight, eager_forward):
-        """`(outputs, local_loss)` of `block`, replayed from its graphs once captured.
+        """Runs `block`: returns `(outputs, local_loss)`, replayed from its graphs once captured.
 
         `eager_forward(block, inputs, y_true, sample_weight)` is the dispatcher's
         eager forward (block, head, local objective); it is what gets captured.
@@ -294,12 +283,10 @@ class CudaGraphRunner:
         params = graph.params
         results = self._function.apply(graph, self, *flat, *params)
         *outputs, loss = results
-        from keras import tree
-
         return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
 
     def _checked_eager(self, block, inputs, y_true, sample_weight, eager_forward):
-        """An eager forward that records its aten ops; refuses graphs if capture could not hold them.
+        """Runs an eager forward that records its aten ops; refuses graphs a capture could not hold.
 
         This turns a capture failure deep inside CUDA into a clear message before
         any capture is attempted (e.g. a Keras regularizer or `activity_regularizer`
@@ -319,14 +306,11 @@ class CudaGraphRunner:
         return result
 
     def _capture_block(self, block, inputs, y_true, sample_weight, eager_forward):
-        import torch
-        from keras import tree
-
         def static_copy(t):
             if not is_tensor(t):
                 return t
             copy = t.detach().clone()
-            # B3: a detach_input=False block's inputs require grad; so must the sample.
+            # A detach_input=False block's inputs require grad; so must the sample.
             return copy.requires_grad_(t.requires_grad) if t.is_floating_point() else copy
 
         s_inputs = tree.map_structure(static_copy, inputs)

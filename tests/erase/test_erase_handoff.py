@@ -112,7 +112,7 @@ def _walk(node):
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
 def test_a_block_backward_walks_only_the_block(mode, monkeypatch):
-    from keras_erase.block_dispatcher import Dispatcher
+    from keras_erase.torch.schedules.base import Dispatcher
 
     walked = []
     real = Dispatcher._timed_backward

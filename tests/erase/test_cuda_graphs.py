@@ -30,19 +30,19 @@ needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs CUDA (scripts/gpu_che
 @contextlib.contextmanager
 def stand_in_captures():
     """`cuda_graphs=True` captures with `RecordingCapture` on this CPU machine; yields them."""
-    from keras_erase import cuda_graphs
+    from keras_erase.torch.cuda_graphs import capture as graph_capture
 
     captures = []
 
     def factory():
-        captures.append(cuda_graphs.RecordingCapture())
+        captures.append(graph_capture.RecordingCapture())
         return captures[-1]
 
-    previous = cuda_graphs.set_default_capture(factory)
+    previous = graph_capture.set_default_capture(factory)
     try:
         yield captures
     finally:
-        cuda_graphs.set_default_capture(previous)
+        graph_capture.set_default_capture(previous)
 
 LOSSES = [
     keras.losses.BinaryCrossentropy(from_logits=True),
@@ -59,9 +59,10 @@ LOSSES = [
 @pytest.mark.parametrize("weights", [None, "rank1", "rank2"])
 def test_capture_safe_loss_matches_keras_loss_call(loss, weights, rng):
     """`DetachBlock.local_loss` gives Keras's `Loss.__call__` numbers (every backend)."""
-    from keras_erase.detach_block import _to_loss_object, capture_safe_loss
+    from keras_erase.capture_safe import capture_safe_loss
+    from keras_erase.loss_arguments import to_loss_object
 
-    loss = _to_loss_object(loss)
+    loss = to_loss_object(loss)
     sparse = isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
     y_pred = rng.normal(size=(6, 3 if sparse else 1)).astype("float32")
     y_true = (rng.integers(0, 3, size=(6, 1)) if sparse else rng.integers(0, 2, size=(6, 1)))
@@ -85,7 +86,7 @@ def test_capture_safe_loss_keeps_keras_masking(rng):
     """Masked predictions or per-sample values with a mask take Keras's own (masked) path."""
     from keras.src.backend.common.masking import set_keras_mask
 
-    from keras_erase.detach_block import capture_safe_loss
+    from keras_erase.capture_safe import capture_safe_loss
 
     class MaskingLoss(keras.losses.Loss):
         def call(self, y_true, y_pred):
@@ -212,14 +213,15 @@ class FakeStreams:
 
 
 def make_dispatcher(mode, graphs):
-    from keras_erase import dispatch
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
-    from keras_erase.streams import StreamDispatcher
+    from keras_erase.torch import schedules
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
+    from keras_erase.torch.schedules.streams import StreamDispatcher
 
     dispatcher = (
         StreamDispatcher(num_streams=2, streams=FakeStreams())
         if mode == "streams"
-        else dispatch.make_dispatcher(mode)
+        else schedules.make_dispatcher(mode)
     )
     capture = None
     if graphs:
@@ -253,19 +255,19 @@ def train_block(mode, graphs, data=None, detach_input=True, close=True):
     return [to_numpy(v) for v in weights], losses, dispatcher, capture
 
 
-# -- B1: no host data and no host sync in the captured region -------------------------------
+# -- no host data and no host sync in the captured region -------------------------------
 
 
 def record_block_step(block, x, y, sw):
     """Op names of one block step (forward, local loss, backward) as the runner captures it."""
     import torch
 
-    from keras_erase import dispatch
+    from keras_erase.torch.schedules.base import forward_block
     from tests.backend_utils import TorchOpRecorder
 
     recorder = TorchOpRecorder()
     with recorder:
-        _, loss = dispatch.forward_block(block, x, y, sw)
+        _, loss = forward_block(block, x, y, sw)
         torch.autograd.grad(loss, [v.value for v in block.trainable_weights], allow_unused=True)
     return recorder.ops
 
@@ -273,12 +275,12 @@ def record_block_step(block, x, y, sw):
 @torch_only
 def test_block_step_has_no_host_data_and_no_host_sync():
     from examples.ctr.model import Tower
-    from keras_erase.cuda_graphs import forbidden_ops
+    from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
 
     x, y, sw = batches(1)[0]
     assert forbidden_ops(record_block_step(make_block(), x, y, sw)) == []
     assert forbidden_ops(record_block_step(make_block(), x, y, None)) == []
-    # The CTR example's towers (the dot interaction used to convert a numpy index per call).
+    # The CTR example's towers (e.g. the dot interaction must not index with numpy per call).
     rng = np.random.default_rng(0)
     features = _tensor(rng.normal(size=(4, 13 + 26 * 4)).astype("float32"))
     for kind in ("dot_interaction", "cross_network", "factorization_machine"):
@@ -291,7 +293,7 @@ def test_block_step_has_no_host_data_and_no_host_sync():
 @torch_only
 def test_keras_loss_call_would_break_capture():
     """The control: Keras's `Loss.__call__` makes a tensor from the shape (why local_loss avoids it)."""
-    from keras_erase.cuda_graphs import forbidden_ops
+    from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
     from tests.backend_utils import TorchOpRecorder
 
     x, y, sw = batches(1)[0]
@@ -306,7 +308,8 @@ def test_keras_loss_call_would_break_capture():
 def test_recording_capture_refuses_host_data_and_syncs():
     import torch
 
-    from keras_erase.cuda_graphs import CaptureRefused, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.op_recording import CaptureRefused
 
     x = torch.ones(3)
     for region in (lambda: x * torch.tensor(2.0), lambda: x.sum().item(), lambda: x.nonzero()):
@@ -320,7 +323,7 @@ def test_recording_capture_refuses_host_data_and_syncs():
     assert capture.replays == 1
 
 
-# -- B2 / B3: graphs in every mode give the eager gradients --------------------------------
+# -- graphs in every mode give the eager gradients ----------------------------------------
 
 
 @torch_only
@@ -337,7 +340,7 @@ def test_graphs_give_eager_weights_in_every_mode(mode, detach_input):
     np.testing.assert_allclose(graphed_losses, eager_losses, rtol=1e-6)
     for a, b in zip(graphed, eager):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    if not detach_input:  # B3: the upstream layer trains through the replayed input gradient
+    if not detach_input:  # the upstream layer trains through the replayed input gradient
         keras.utils.set_random_seed(7)
         upstream = keras.layers.Dense(5)
         upstream.build((None, 5))
@@ -375,7 +378,8 @@ def test_graphs_add_no_batch_norm_update(mode):
 @torch_only
 def test_each_block_has_its_own_memory_pool_shared_only_with_its_backward():
     """A pool may only be shared by graphs replayed in capture order: never across blocks."""
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     dispatcher, _ = make_dispatcher("threaded", graphs=False)
     capture = RecordingCapture()
@@ -392,7 +396,8 @@ def test_each_block_has_its_own_memory_pool_shared_only_with_its_backward():
 
 @torch_only
 def test_freezing_a_layer_after_capture_captures_again():
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     block = make_block()
     dispatcher, _ = make_dispatcher("blocking", graphs=False)
@@ -414,7 +419,7 @@ def test_freezing_a_layer_after_capture_captures_again():
 
 @torch_only
 def test_graph_capture_keeps_the_inputs_requires_grad():
-    """B3: a detach_input=False block's static inputs require grad like the real ones."""
+    """A detach_input=False block's static inputs require grad like the real ones."""
     import torch
 
     _, _, dispatcher, _ = train_block(
@@ -428,13 +433,14 @@ def test_graph_capture_keeps_the_inputs_requires_grad():
 
 @torch_only
 def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
-    """B5: CPU tensors are moved to the dispatcher's device; record_stream only on CUDA tensors."""
+    """CPU tensors are moved to the dispatcher's device; record_stream only on CUDA tensors."""
     import torch
 
-    from keras_erase import streams, torch_tensors
+    from keras_erase.torch import tensors
+    from keras_erase.torch.schedules import streams
 
     moved = []
-    real_to_device = torch_tensors.to_device
+    real_to_device = tensors.to_device
 
     def spy(structure, device):
         moved.append(device)
@@ -461,12 +467,13 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     streams.protect([x, y], object())  # CPU tensors: no record_stream (would raise here)
 
 
-# -- B4: capture failures -----------------------------------------------------------------
+# -- capture failures ---------------------------------------------------------------------
 
 
 @torch_only
 def test_a_capture_failure_disables_graphs_for_the_run_logged_once(caplog):
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     data = batches()
     eager, _, _, _ = train_block("blocking", False, data)
@@ -489,7 +496,8 @@ def test_a_capture_failure_disables_graphs_for_the_run_logged_once(caplog):
 
 @torch_only
 def test_a_failure_after_other_captures_sends_every_block_back_to_eager():
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     dispatcher, _ = make_dispatcher("blocking", graphs=False)
     capture = RecordingCapture(fail_after=3)  # block A's two graphs succeed, block B's fails
@@ -508,7 +516,8 @@ def test_a_failure_after_other_captures_sends_every_block_back_to_eager():
 @torch_only
 def test_a_block_with_a_host_sync_is_refused_and_trains_eagerly():
     """A region with `.item()` (like Keras's seeded Dropout) cannot be captured: eager fallback."""
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     class Syncing(keras.layers.Layer):
         def build(self, shape):
@@ -534,7 +543,8 @@ def test_a_block_with_a_host_sync_is_refused_and_trains_eagerly():
 @torch_only
 def test_host_data_in_a_block_is_refused_before_any_capture(caplog):
     """Keras's activity_regularizer casts the batch size in every call: refused with a clear reason."""
-    from keras_erase.cuda_graphs import CudaGraphRunner, RecordingCapture
+    from keras_erase.torch.cuda_graphs.capture import RecordingCapture
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     layer = keras.Sequential([keras.layers.Dense(4, activity_regularizer="l2")])
     block = make_block(layer=layer)
@@ -609,10 +619,10 @@ class _FakeCudaGraph:
 @torch_only
 @pytest.mark.parametrize("fail_in", [None, "begin", "region", "end"])
 def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch, fail_in):
-    """B4 on CPU: `CudaGraphCapture` against a fake `torch.cuda` (stream restored in `finally`)."""
+    """On CPU: `CudaGraphCapture` against a fake `torch.cuda` (stream restored in `finally`)."""
     import torch
 
-    from keras_erase import cuda_graphs
+    from keras_erase.torch.cuda_graphs import capture as graph_capture
 
     state = {"stream": "main"}
     graphs = []
@@ -636,7 +646,7 @@ def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: state.get("current", main))
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: state.__setitem__("current", s))
-    capture = cuda_graphs.CudaGraphCapture()
+    capture = graph_capture.CudaGraphCapture()
 
     def region():
         assert state["current"] is capture.stream  # captured on the side stream
@@ -654,18 +664,18 @@ def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch
     assert graphs[0].calls[0] == ("begin", "thread_local")
 
 
-# -- B5: the rest of the GPU plumbing --------------------------------------------------------
+# -- the rest of the GPU plumbing ------------------------------------------------------------
 
 
 @torch_only
 def test_gradient_sync_builds_no_tensor_from_host_data_per_block(tmp_path):
-    """B5: a block's all-reduce launch creates its presence flags with device ops only."""
+    """A block's all-reduce launch creates its presence flags with device ops only."""
     import torch
     import torch.distributed as dist
 
-    from keras_erase.cuda_graphs import forbidden_ops
-    from keras_erase.distributed import GradientSync
-    from keras_erase.launch import free_port
+    from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
+    from keras_erase.torch.distributed import GradientSync
+    from keras_erase.torch.launch import free_port
     from tests.backend_utils import TorchOpRecorder
 
     dist.init_process_group(
@@ -702,7 +712,7 @@ class _FakeModel:
 
 @torch_only
 def test_launch_picks_nccl_with_one_device_per_rank_when_cuda_is_present():
-    from keras_erase.launch import process_group_backend
+    from keras_erase.torch.launch import process_group_backend
 
     assert process_group_backend(cuda_devices=0, nproc=2) == ("gloo", None)
     assert process_group_backend(cuda_devices=4, nproc=2) == ("nccl", [0, 1])
@@ -711,7 +721,7 @@ def test_launch_picks_nccl_with_one_device_per_rank_when_cuda_is_present():
 
 @torch_only
 def test_graph_warmup_steps_are_untimed_for_auto():
-    from keras_erase.cuda_graphs import untimed_steps
+    from keras_erase.torch.cuda_graphs.runner import untimed_steps
 
     assert untimed_steps(2) == 3  # two eager warm-up steps and the capture step
 
@@ -725,12 +735,12 @@ def test_cuda_graphs_capture_and_replay_on_gpu(mode):
     """On a GPU: a real graph is captured and replayed in every mode, with eager weights."""
     import torch
 
-    from keras_erase import dispatch
-    from keras_erase.cuda_graphs import CudaGraphRunner
+    from keras_erase.torch import schedules
+    from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     def run(graphs):
         block = make_block()
-        d = dispatch.make_dispatcher(mode, num_streams=2)
+        d = schedules.make_dispatcher(mode, num_streams=2)
         if graphs:
             d.graphs = CudaGraphRunner(warmup=2)
         for x, y, sw in batches(6):
@@ -757,7 +767,8 @@ def test_cuda_graphs_capture_and_replay_on_gpu(mode):
 @pytest.mark.parametrize("mode", ["blocking", "threaded", "streams"])
 def test_erase_model_fit_with_cuda_graphs_on_gpu(mode):
     """On a GPU: `EraseModel(cuda_graphs=True)` captures every block and trains like eager."""
-    from keras_erase import EraseModel, cuda_graphs
+    from keras_erase import EraseModel
+    from keras_erase.torch.cuda_graphs import runner as graph_runner
 
     def build(graphs):
         keras.utils.set_random_seed(5)
@@ -780,10 +791,10 @@ def test_erase_model_fit_with_cuda_graphs_on_gpu(mode):
     y = (rng.random((64, 1)) < 0.4).astype("float32")
     eager = build(False)
     eager.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    before = set(map(id, cuda_graphs.live_runners()))
+    before = set(map(id, graph_runner.live_runners()))
     graphed = build(True)
     graphed.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    (runner,) = [r for r in cuda_graphs.live_runners() if id(r) not in before]
+    (runner,) = [r for r in graph_runner.live_runners() if id(r) not in before]
     assert not runner.disabled, runner.disabled_reason
     assert runner.captures == 3 and runner.replays == 3 * (8 - 2)
     for a, b in zip(graphed.get_weights(), eager.get_weights()):
@@ -794,7 +805,7 @@ def test_erase_model_fit_with_cuda_graphs_on_gpu(mode):
 def test_cuda_capture_failure_restores_the_stream_on_gpu():
     import torch
 
-    from keras_erase.cuda_graphs import CudaGraphCapture
+    from keras_erase.torch.cuda_graphs.capture import CudaGraphCapture
 
     capture = CudaGraphCapture()
     x = torch.ones(3, device="cuda")

@@ -5,7 +5,7 @@ One step (`train_step`):
 1. The schedule: the configured `dispatch`, or with `"auto"` the trial
    schedule handed out by the model's `ScheduleSelector` (then its choice).
 2. The main thread's intra-op thread count for that schedule
-   (`keras_erase.threads`).
+   (`keras_erase.torch.threads`).
 3. Under a multi-rank torch.distributed group: rank 0's weights are broadcast
    at the start of training, and a `GradientSync` all-reduces each block's
    gradients right after its backward and the rest after the main backward.
@@ -15,7 +15,7 @@ One step (`train_step`):
    backward, which ends at the block's input), the main loss, then the
    dispatcher's `final_backward`: wait for the blocks and run one backward of
    the main loss and of the shared upstream with the input gradients the
-   `detach_input=False` blocks handed over (`keras_erase.handoff`), update.
+   `detach_input=False` blocks handed over (`keras_erase.torch.handoff`), update.
    It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
    `compute_loss`, loss tracker, backward, `optimizer.apply`,
    `compute_metrics`); it has to own the step because the block backwards
@@ -26,25 +26,35 @@ import contextlib
 import logging
 import time
 
-from keras import tree
 import keras
+import torch
+from keras import tree
 
 from keras_erase import _keras_private
 from keras_erase.auto import ScheduleSelector
-from keras_erase.detach_block import step_handler
+from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.targets import select_target
-from keras_erase.threads import main_thread_count
-from keras_erase.threads import set_intra_op_threads
-from keras_erase.threads import threads_for_worker
-from keras_erase.threads import worker_thread_count
+from keras_erase.torch import distributed
+from keras_erase.torch.cuda_graphs.capture import require_capture
+from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
+from keras_erase.torch.cuda_graphs.runner import untimed_steps
+from keras_erase.torch.schedules import make_dispatcher
+from keras_erase.torch.tensors import require_cuda
+from keras_erase.torch.tensors import to_device
+from keras_erase.torch.threads import main_thread_count
+from keras_erase.torch.threads import restored_intra_op_threads
+from keras_erase.torch.threads import set_intra_op_threads
+from keras_erase.torch.threads import threads_for_worker
+from keras_erase.torch.threads import worker_thread_count
+
+__all__ = ["close_dispatchers", "erase_step", "train_step", "training_scope"]
 
 LOGGER = logging.getLogger("keras_erase")
 
 
 def cuda_available():
-    import torch
-
+    """Returns whether torch sees a CUDA device."""
     return torch.cuda.is_available()
 
 
@@ -70,19 +80,17 @@ class BlockRunner:
 
 
 def auto_candidates(threads):
-    """The `"auto"` candidates: `(mode, main-thread intra-op count)`, baseline first."""
+    """Lists the `"auto"` candidates: `(mode, main-thread intra-op count)`, baseline first."""
     if cuda_available():
         return [("standard", None), ("streams", None)]
     # "threaded" only at most half the cores: a worker thread whose OpenMP team is
-    # as wide as the machine slowed every later 2-thread step of the process about 2x
-    # (measured on 2 cores), so even trying it would cost the standard step.
+    # as wide as the machine slows every later step of the process that runs on fewer
+    # threads, so even trying it would cost the standard step.
     return [("standard", threads), ("threaded", min(threads, threads_for_worker()))]
 
 
 def gradient_sync(runtime):
-    """The `GradientSync` when a multi-rank torch.distributed group is initialized."""
-    from keras_erase import distributed
-
+    """Returns the `GradientSync` when a multi-rank torch.distributed group is initialized."""
     if not distributed.active():
         return None
     if runtime.grad_sync is None:
@@ -91,26 +99,20 @@ def gradient_sync(runtime):
 
 
 def next_schedule(runtime):
-    """`(mode, threads)` for this step."""
+    """Returns `(mode, threads)` for this step."""
     config = runtime.config
     if config.dispatch != "auto":
         return config.dispatch, main_thread_count(
             config.dispatch, config.intra_op_threads, cuda_available()
         )
     if runtime.selector is None:
-        import torch
-
         sync = gradient_sync(runtime)
         combine = None
         if sync is not None:  # every rank must choose the same schedule
-            from keras_erase.distributed import mean_over_ranks
-
-            combine = mean_over_ranks
+            combine = distributed.mean_over_ranks
         candidates = auto_candidates(torch.get_num_threads())
         extra_warmup = None
-        if config.cuda_graphs:  # graph warm-up and capture steps are never timed (ERASE-GPU)
-            from keras_erase.cuda_graphs import DEFAULT_WARMUP, untimed_steps
-
+        if config.cuda_graphs:  # graph warm-up and capture steps are never timed
             extra_warmup = {
                 c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if c[0] != "standard"
             }
@@ -125,12 +127,11 @@ def next_schedule(runtime):
 
 
 def dispatcher_for(runtime, mode):
-    from keras_erase import dispatch as dispatch_lib
-
+    """Returns the runtime's dispatcher for `mode` (built at its first use), tracing as it does."""
     dispatcher = runtime.dispatchers.get(mode)
     if dispatcher is None:
         config = runtime.config
-        dispatcher = dispatch_lib.make_dispatcher(
+        dispatcher = make_dispatcher(
             mode,
             num_streams=config.num_streams,
             cuda_graphs=config.cuda_graphs,
@@ -142,21 +143,15 @@ def dispatcher_for(runtime, mode):
 
 
 def train_step(model, runtime, data, standard_step):
-    """One torch training step of `model` (see the module docstring).
+    """Runs one torch training step of `model` (see the module docstring).
 
     `standard_step(data)` is Keras's own torch `train_step`.
     """
-    import torch
-
     if runtime.config.needs_cuda:  # checked here, not at construction: loading works anywhere
-        from keras_erase.torch_tensors import require_cuda
-
         config = runtime.config
         if config.dispatch == "streams":
             require_cuda("dispatch='streams'")
         if config.cuda_graphs:  # CUDA, or the CPU stand-in capture (tests, dry runs)
-            from keras_erase.cuda_graphs import require_capture
-
             require_capture()
     schedule = next_schedule(runtime)
     mode, threads = schedule
@@ -187,6 +182,32 @@ def train_step(model, runtime, data, standard_step):
     return logs
 
 
+@contextlib.contextmanager
+def training_scope(runtime, whole_fit):
+    """Wraps one `fit` (`whole_fit=True`) or `train_on_batch` call of an `EraseModel` on torch.
+
+    The calling thread's intra-op thread count is restored on exit. For a whole
+    `fit`, rank 0's weights are broadcast at its first step (under a process
+    group) and every dispatcher is closed when it ends, so no worker thread
+    idles after training.
+
+    Example:
+
+    ```python
+    with training_scope(model._erase, whole_fit=True):
+        keras.Model.fit(model, x, y)
+    ```
+    """
+    if whole_fit:
+        runtime.needs_broadcast = True  # rank 0's weights at the start of training
+    try:
+        with restored_intra_op_threads():
+            yield
+    finally:
+        if whole_fit:
+            close_dispatchers(runtime)  # training ended: no idle worker thread
+
+
 def close_dispatchers(runtime, keep=None):
     """Closes every dispatcher (its worker thread ends) except `keep`'s; a later step reopens."""
     for mode, dispatcher in list(runtime.dispatchers.items()):
@@ -205,18 +226,14 @@ def _log_choice(runtime):
 
 
 def erase_step(model, runtime, data, dispatcher, sync=None):
-    """One ERASE step: zero grads, forward with early block backwards, main backward, update.
+    """Runs one ERASE step: zero grads, forward with early block backwards, main backward, update.
 
     Without a dispatcher, the standard schedule (one backward). With a
     `GradientSync`, each block's gradients are all-reduced right after its
     backward, the rest after the final backward, all waited before the update.
     """
-    import torch
-
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if dispatcher is not None:  # targets on the weights' device once per step, not per block
-        from keras_erase.torch_tensors import to_device
-
         weights = model.trainable_weights
         if weights:
             y, sample_weight = to_device((y, sample_weight), weights[0].value.device)

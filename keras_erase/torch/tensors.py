@@ -1,8 +1,7 @@
-"""Torch structure helpers shared by the ERASE step modules (the bottom layer: imports no sibling).
+"""Torch tensor-structure helpers of the torch runtime (the bottom layer: imports no sibling).
 
-`dispatch`, `streams`, `cuda_graphs` and `handoff` all use these; keeping them
-here makes the import graph one-way (`dispatch -> streams -> block_dispatcher ->
-torch_tensors`, `cuda_graphs -> graph_capture -> op_tape`).
+The schedules, the CUDA Graph runner and the gradient hand-off all use these;
+keeping them here keeps the import graph one-way.
 
 Example:
 
@@ -11,16 +10,24 @@ Example:
 torch.Size([2])
 """
 
+import keras
+import numpy as np
 import torch
+from keras import tree
+
+__all__ = [
+    "detach_tensors", "flat_tensors", "is_tensor", "map_tensors", "require_cuda", "same_storage",
+    "to_device",
+]
 
 
 def is_tensor(value):
-    """Whether `value` is a torch tensor."""
+    """Returns whether `value` is a torch tensor."""
     return isinstance(value, torch.Tensor)
 
 
 def map_tensors(fn, structure):
-    """`structure` (nested lists, tuples, dicts) with `fn` applied to every torch tensor."""
+    """Applies `fn` to every torch tensor of `structure` (nested lists, tuples, dicts)."""
     if isinstance(structure, torch.Tensor):
         return fn(structure)
     if isinstance(structure, (list, tuple)):
@@ -31,12 +38,12 @@ def map_tensors(fn, structure):
 
 
 def detach_tensors(structure):
-    """`structure` with every torch tensor detached."""
+    """Returns `structure` with every torch tensor detached."""
     return map_tensors(lambda t: t.detach(), structure)
 
 
 def flat_tensors(structure):
-    """Every torch tensor of `structure`, in order."""
+    """Returns every torch tensor of `structure`, in order."""
     if isinstance(structure, torch.Tensor):
         return [structure]
     if isinstance(structure, (list, tuple)):
@@ -47,7 +54,7 @@ def flat_tensors(structure):
 
 
 def same_storage(a, b):
-    """Whether tensors `a` and `b` start at the same memory (one is a view of the other's start)."""
+    """Returns whether tensors `a` and `b` start at the same memory (one a view of the other)."""
     return (
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and a.storage_offset() == b.storage_offset()
@@ -66,10 +73,6 @@ def to_device(structure, device):
 
     Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
     """
-    import keras
-    import numpy as np
-    from keras import tree
-
     device = torch.device(device)
 
     def move(t):
@@ -86,6 +89,6 @@ def require_cuda(what):
     """Raises a clear `ValueError` when `what` needs CUDA and torch has none."""
     if not torch.cuda.is_available():
         raise ValueError(
-            f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False. "
-            "Use dispatch='threaded', 'blocking', 'standard' or 'auto' on CPU."
+            f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False; "
+            f"use dispatch='threaded', 'blocking', 'standard' or 'auto' on CPU. Received: {what}"
         )

@@ -7,7 +7,7 @@ same static tensors and whose `outputs` are the region's static outputs;
 side stream (`capture_error_mode="thread_local"`, one capture at a time in the
 process); `RecordingCapture` is the CPU stand-in the tests and the GPU
 benchmark's dry run use (it records the region's aten ops with
-`keras_erase.op_tape.OpTape` and replays them). `set_default_capture` picks
+`keras_erase.torch.cuda_graphs.op_recording.OpTape` and replays them). `set_default_capture` picks
 what a runner built without a capture uses.
 
 Example:
@@ -22,11 +22,18 @@ Example:
 import threading
 import weakref
 
-from keras_erase.op_tape import CaptureRefused
-from keras_erase.op_tape import OpTape
-from keras_erase.torch_tensors import is_tensor
-from keras_erase.torch_tensors import require_cuda
-from keras_erase.torch_tensors import same_storage
+import torch
+
+from keras_erase.torch.cuda_graphs.op_recording import CaptureRefused
+from keras_erase.torch.cuda_graphs.op_recording import OpTape
+from keras_erase.torch.tensors import is_tensor
+from keras_erase.torch.tensors import require_cuda
+from keras_erase.torch.tensors import same_storage
+
+__all__ = [
+    "Capture", "CudaGraphCapture", "RecordingCapture", "default_capture", "require_capture",
+    "set_default_capture",
+]
 
 
 class Capture:
@@ -72,14 +79,10 @@ class CudaGraphCapture:
     """
 
     def __init__(self):
-        import torch
-
         self.stream = torch.cuda.Stream()
         self.lock = _CAPTURE_LOCK  # one capture at a time in the process, whatever the object
 
     def __call__(self, fn, pool=None):
-        import torch
-
         graph = torch.cuda.CUDAGraph()
         previous = torch.cuda.current_stream()
         with self.lock:
@@ -146,8 +149,6 @@ class RecordingCapture:
         self.released += 1
 
     def __call__(self, fn, pool=None):
-        import torch
-
         if self.fail_after is not None and len(self.captured) + 1 >= self.fail_after:
             self.captured.append(("<injected failure>",))
             raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
@@ -208,7 +209,7 @@ def require_capture():
 
 
 def default_capture():
-    """The capture of a runner built without one: `CudaGraphCapture()` (refused without CUDA)."""
+    """Returns the capture of a runner built without one: `CudaGraphCapture()` (needs CUDA)."""
     require_capture()
     if _CAPTURE_FACTORY is not None:
         return _CAPTURE_FACTORY()

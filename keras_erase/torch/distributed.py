@@ -30,7 +30,7 @@ is not called again in the step, which is checked), the
 block's `.grad` are final for the step and can be reduced at once, whatever
 the other backward calls do later. The remainder's gradients come from the
 final backward (the main loss and, with `detach_input=False`, the input
-gradients the blocks handed over: `keras_erase.handoff`); they are reduced
+gradients the blocks handed over: `keras_erase.torch.handoff`); they are reduced
 only after it ended. DDP is not used: its reducer hooks fire on every backward and
 assume one backward per step per iteration (`find_unused_parameters` and
 `no_sync` do not express "this parameter's gradient is final after *that*
@@ -74,16 +74,18 @@ model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
 import torch
 import torch.distributed as dist
 
+__all__ = ["GradientSync", "active", "mean_over_ranks"]
+
 
 def active(group=None):
-    """Whether a `torch.distributed` process group with more than one rank is initialized."""
+    """Returns whether a `torch.distributed` process group of more than one rank is initialized."""
     return (
         dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     )
 
 
 def mean_over_ranks(values, group=None):
-    """The mean of a list of floats over the ranks of `group` (one blocking all-reduce).
+    """Averages a list of floats over the ranks of `group` (one blocking all-reduce).
 
     Example: `mean_over_ranks([0.12, 0.10])` on 2 ranks -> the per-entry averages.
     """

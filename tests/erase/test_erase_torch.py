@@ -15,7 +15,7 @@ import pytest
 
 from keras_erase import DetachBlock, EraseModel
 from tests.backend_utils import BACKEND, to_numpy
-from tests.test_erase import build_ctr, ctr_data, make_tower, train
+from tests.erase.test_erase import build_ctr, ctr_data, make_tower, train
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="ERASE dispatch runs on torch")
 
@@ -64,8 +64,8 @@ def test_every_dispatch_mode_gives_the_standard_weights_and_logs(detach_input, h
 
 def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guard):
     """A block's regularizers and activity regularizer (`add_loss`) are part of its early
-    backward: every mode gives the standard weights and logs (used to crash: "Trying to
-    backward through the graph a second time")."""
+    backward: every mode gives the standard weights and logs, and no backward runs through
+    the block's graph a second time."""
     x, y = ctr_data(64)
     kwargs = dict(num_towers=2, regularized=True, auto_steps=1)
     _, reference, ref_history = _train_mode("standard", x, y, **kwargs)
@@ -81,7 +81,7 @@ def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     import torch
 
     from keras_erase.auto import AUTO_MARGIN
-    from keras_erase.threads import threads_for_worker
+    from keras_erase.torch.threads import threads_for_worker
 
     x, y = ctr_data(128)
     threads = torch.get_num_threads()
@@ -160,7 +160,7 @@ def test_train_on_batch_restores_the_thread_count(dispatch, two_threads):
 
 
 def _live_workers():
-    from keras_erase.worker import NAME
+    from keras_erase.torch.schedules.threaded import NAME
 
     return [t for t in threading.enumerate() if t.name == NAME and t.is_alive()]
 
@@ -196,7 +196,7 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
     import torch
 
     from keras_erase.auto import ScheduleSelector
-    from keras_erase.torch_step import auto_candidates
+    from keras_erase.torch.train_step import auto_candidates
 
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
@@ -215,11 +215,11 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
 
 
 def test_worker_sets_its_own_intra_op_team_size(two_threads):
-    """OpenMP teams are per thread (measured): a thread keeps the count it had at its first
+    """OpenMP teams are per thread: a thread keeps the count it had at its first
     parallel op, whatever the main thread sets later; so the worker sets its own."""
     import torch
 
-    from keras_erase.dispatch import ThreadedDispatcher
+    from keras_erase.torch.schedules.threaded import ThreadedDispatcher
 
     def count_in_worker(dispatcher):
         seen = []
@@ -425,7 +425,7 @@ def test_block_weight_penalties_make_no_tensor_from_host_data():
     regularizer call (the control) casts its factor to a tensor from host data."""
     import torch
 
-    from keras_erase.cuda_graphs import forbidden_ops
+    from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
     from tests.backend_utils import TorchOpRecorder
 
     layer = keras.Sequential([

@@ -8,7 +8,7 @@ Per block, in the main thread:
    for the main stream, so it reads finished inputs.
 3. On the block's stream: the forward pass and local loss (replayed from CUDA
    Graphs when the dispatcher has a `graphs` runner, see
-   `keras_erase.cuda_graphs`), an event recorded right after it, then the
+   `keras_erase.torch.cuda_graphs`), an event recorded right after it, then the
    local loss's backward. Tensors crossing streams are protected with
    `record_stream` (CUDA tensors only) so the caching allocator does not
    reuse their memory while another stream still reads them.
@@ -17,7 +17,7 @@ Per block, in the main thread:
    block stream used in the step.
 5. A `detach_input=False` block's backward ends at its input: its input
    gradient (made on the block's stream, protected for the main stream) is
-   handed over (`keras_erase.handoff`) and summed on the main stream after
+   handed over (`keras_erase.torch.handoff`) and summed on the main stream after
    `finish()`, for the one backward of the shared upstream. So a block's
    backward never reaches main-stream autograd nodes, which would make the
    main stream (and through it the next block's stream) wait for it.
@@ -36,11 +36,13 @@ import time
 
 import torch
 
-from keras_erase.block_dispatcher import Dispatcher
-from keras_erase.torch_tensors import detach_tensors
-from keras_erase.torch_tensors import flat_tensors
-from keras_erase.torch_tensors import require_cuda
-from keras_erase.torch_tensors import to_device
+from keras_erase.torch.schedules.base import Dispatcher
+from keras_erase.torch.tensors import detach_tensors
+from keras_erase.torch.tensors import flat_tensors
+from keras_erase.torch.tensors import require_cuda
+from keras_erase.torch.tensors import to_device
+
+__all__ = ["CudaStreams", "StreamDispatcher"]
 
 
 class CudaStreams:
@@ -55,6 +57,7 @@ class CudaStreams:
 
     def current_stream(self):
         return torch.cuda.current_stream()
+
     def use(self, stream):
         return torch.cuda.stream(stream)
 
@@ -63,7 +66,7 @@ class CudaStreams:
 
 
 def protect(tensors, stream):
-    """`record_stream(stream)` on each CUDA tensor (CPU tensors have no stream; skipped)."""
+    """Calls `record_stream(stream)` on each CUDA tensor (CPU tensors have no stream; skipped)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.is_cuda:
             t.record_stream(stream)

@@ -44,7 +44,9 @@ import threading
 
 import torch
 
-from keras_erase.torch_tensors import map_tensors
+from keras_erase.torch.tensors import map_tensors
+
+__all__ = ["GradientHandOff"]
 
 
 class GradientHandOff:
@@ -69,7 +71,7 @@ class GradientHandOff:
         return self.cuts > 0
 
     def cut(self, inputs):
-        """`(inputs with each grad-requiring tensor replaced by a leaf, cuts)`.
+        """Replaces each grad-requiring tensor of `inputs` by a leaf; returns `(inputs, cuts)`.
 
         `cuts` is the list of `(upstream tensor, leaf)` pairs to `deliver` after
         the block's backward.
@@ -109,7 +111,7 @@ class GradientHandOff:
                     self._grads[key] = total + grad
 
     def gradients(self):
-        """`(upstream tensors, summed gradients)` delivered this step; clears the hand-off."""
+        """Returns `(upstream tensors, summed gradients)` of this step; clears the hand-off."""
         with self._lock:
             sources, grads = self._sources, self._grads
             self._sources, self._grads, self.cuts = {}, {}, 0
@@ -125,7 +127,7 @@ class GradientHandOff:
         return tensors, totals
 
     def backward(self, loss):
-        """One backward of `loss` (or `None`) and every handed-over gradient; clears the hand-off."""
+        """Runs one backward of `loss` (or `None`) and the handed-over gradients; clears them."""
         tensors, grads = self.gradients()
         if loss is not None and loss.requires_grad:
             tensors, grads = [loss] + tensors, [None] + grads

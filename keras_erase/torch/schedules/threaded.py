@@ -1,4 +1,11 @@
-"""`BackwardWorker`: the FIFO thread of the `"threaded"` ERASE schedule, with a lifecycle.
+"""`ThreadedDispatcher` (`dispatch="threaded"`): each block's backward on one FIFO worker thread.
+
+The main thread runs the forward passes; right after a block's forward pass
+and local loss its backward is submitted to a `BackwardWorker`, which runs
+nothing but `torch.autograd.backward`, in submission order, while the main
+thread goes on with the next layers.
+
+`BackwardWorker`, the worker thread with a lifecycle:
 
 - One daemon thread (named `"keras_erase-backward"`) runs submitted closures in
   submission order; an error is kept and re-raised by `wait()` in the caller's
@@ -11,24 +18,29 @@
 - Intra-op threads: OpenMP teams are per thread. A thread's torch intra-op
   count is its own (`torch.set_num_threads` sets the calling thread's OpenMP
   team size); a new thread takes the last count any thread set when it first
-  runs a parallel op, and keeps it afterwards. Measured with torch 2.13 on CPU
-  (`tests/test_erase_torch.py`): the main thread at 1 thread, a worker's first
-  op, then the main thread at 2: the worker stays at 1. So the worker sets its
-  own count, `threads`, itself, in its own thread, before every job (a no-op
-  when unchanged).
+  runs a parallel op, and keeps it afterwards (with the main thread at 1
+  thread, a worker's first op, then the main thread at 2, the worker stays at
+  1). So the worker sets its own count, `threads`, itself, in its own thread,
+  before every job (a no-op when unchanged).
 """
 
 import queue
 import threading
+import time
 import weakref
+
+import torch
+
+from keras_erase.torch.schedules.base import Dispatcher
+from keras_erase.torch.tensors import detach_tensors
+
+__all__ = ["BackwardWorker", "ThreadedDispatcher"]
 
 NAME = "keras_erase-backward"
 
 
 def _serve(jobs, errors, settings):
-    """The worker thread's loop (a function: the thread must not keep the worker alive)."""
-    import torch
-
+    """Runs the worker thread's loop (a function: the thread must not keep the worker alive)."""
     while True:
         job = jobs.get()
         try:
@@ -130,3 +142,41 @@ class BackwardWorker:
             if self._thread is not None:
                 _stop_thread(self._jobs, self._thread, True)
             self._thread = None
+
+
+class ThreadedDispatcher(Dispatcher):
+    """Backward of each block submitted to one FIFO worker thread (pure torch autograd).
+
+    Args:
+        worker_threads: torch intra-op threads of the worker thread, set by the
+            worker itself (`None`: left alone). See `BackwardWorker`.
+    """
+
+    name = "threaded"
+
+    def __init__(self, worker_threads=None):
+        super().__init__()
+        self._worker = BackwardWorker(threads=worker_threads)
+
+    @property
+    def worker_threads(self):
+        return self._worker.threads
+
+    @worker_threads.setter
+    def worker_threads(self, value):
+        self._worker.threads = value
+
+    def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
+        outputs, loss, cuts = self._timed_forward(block, inputs, y_true, sample_weight)
+        if loss.requires_grad:
+            scaled = scale_loss(loss)
+            self._record(block, "submit", time.perf_counter())
+            self._worker.submit(lambda: self._timed_backward(block, scaled, cuts))
+        return detach_tensors(outputs), loss.detach()
+
+    def _wait(self):
+        self._worker.wait()
+
+    def close(self):
+        self._worker.stop()
+        super().close()

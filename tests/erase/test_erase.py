@@ -31,7 +31,7 @@ def grad_wrt_input(fn, x):
         return np.zeros_like(x) if grad is None else to_numpy(grad)
     return value_and_grads(fn, x)[1][0]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- builders shared with test_erase_torch.py ---------------------------------------
@@ -434,7 +434,7 @@ def _child(in_path, out_path):
 def _run_backend(backend, in_path, out_path):
     env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_erase", in_path, out_path],
+        [sys.executable, "-m", "tests.erase.test_erase", in_path, out_path],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,29 +12,34 @@
 - `None`: never touches thread counts.
 
 OpenMP teams are per thread: the worker thread sets its own count, in its own
-thread (`keras_erase.worker` says what was measured). Whatever is changed on
-the main thread is restored when `fit` or `train_on_batch` returns.
+thread (`keras_erase.torch.schedules.threaded`). Whatever is changed on the
+main thread is restored when `fit` or `train_on_batch` returns.
 """
 
 import contextlib
 import os
 
+import torch
+
+__all__ = [
+    "main_thread_count", "restored_intra_op_threads", "set_intra_op_threads", "threads_for_worker",
+    "worker_thread_count",
+]
+
 
 def threads_for_worker():
-    """Intra-op threads for each of the two threads of the threaded schedule: half the cores (>= 1)."""
+    """Returns the intra-op threads of each thread of the threaded schedule: half the cores."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
 def set_intra_op_threads(n):
     """Sets torch's intra-op thread count of the calling thread if `n` differs from it."""
-    import torch
-
     if n is not None and int(n) != torch.get_num_threads():
         torch.set_num_threads(int(n))
 
 
 def main_thread_count(mode, policy, cuda):
-    """The main thread's intra-op count for `mode` under `policy` (`None`: leave it)."""
+    """Returns the main thread's intra-op count for `mode` under `policy` (`None`: leave it)."""
     if policy is None:
         return None
     if policy == "auto":
@@ -43,7 +48,7 @@ def main_thread_count(mode, policy, cuda):
 
 
 def worker_thread_count(policy, cuda):
-    """The threaded worker's own intra-op count under `policy` (`None`: leave it)."""
+    """Returns the threaded worker's own intra-op count under `policy` (`None`: leave it)."""
     if policy is None:
         return None
     if policy == "auto":
@@ -54,8 +59,6 @@ def worker_thread_count(policy, cuda):
 @contextlib.contextmanager
 def restored_intra_op_threads():
     """Restores the calling thread's torch intra-op count on exit."""
-    import torch
-
     before = torch.get_num_threads()
     try:
         yield before

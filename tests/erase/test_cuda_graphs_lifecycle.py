@@ -16,9 +16,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_erase.torch_step import close_dispatchers
+from keras_erase.torch.train_step import close_dispatchers
 from tests.backend_utils import BACKEND, to_numpy
-from tests.test_cuda_graphs import stand_in_captures, train_block
+from tests.erase.test_cuda_graphs import stand_in_captures, train_block
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="CUDA Graphs are torch's")
 
@@ -113,11 +113,11 @@ def test_fit_releases_the_graphs_when_training_ends(mode, stand_in):
 
 
 def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch):
-    from keras_erase import torch_step
+    from keras_erase.torch import train_step
 
     # Two graphed candidates on CPU; the slower one is dropped with its graphs.
     monkeypatch.setattr(
-        torch_step, "auto_candidates", lambda threads: [("blocking", None), ("threaded", None)]
+        train_step, "auto_candidates", lambda threads: [("blocking", None), ("threaded", None)]
     )
     x, y = data()
     model = shared_tower_model("auto", True)
@@ -157,12 +157,12 @@ def test_graphs_are_freed_with_their_model(stand_in):
 def test_the_capture_lock_is_one_per_process(monkeypatch):
     import torch
 
-    from keras_erase import cuda_graphs
+    from keras_erase.torch.cuda_graphs import capture as graph_capture
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
-    first, second = cuda_graphs.CudaGraphCapture(), cuda_graphs.CudaGraphCapture()
+    first, second = graph_capture.CudaGraphCapture(), graph_capture.CudaGraphCapture()
     assert first.lock is second.lock
-    assert "process" in type(first).__doc__ or "process" in cuda_graphs.__doc__
+    assert "process" in type(first).__doc__ or "process" in graph_capture.__doc__
 
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])

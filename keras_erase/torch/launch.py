@@ -6,7 +6,7 @@ among them on the loopback address (a free port), calls
 order. Each rank runs with `KERAS_BACKEND=torch` and `threads_per_rank` torch
 intra-op threads (default: the cores divided by `nproc`). Under the process
 group, `keras_erase.EraseModel` averages gradients over the ranks (see
-`keras_erase.distributed`), so `fn` only has to build the model and train it on
+`keras_erase.torch.distributed`), so `fn` only has to build the model and train it on
 its shard of the data.
 
 Backend: with at least `nproc` CUDA devices, NCCL, rank `r` on `cuda:r`
@@ -21,7 +21,7 @@ an importable module, not a lambda or a function of `__main__` run without the
 Example:
 
 ```python
-from keras_erase.launch import run_local
+from keras_erase.torch.launch import run_local
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
 
 class StepTimes(keras.callbacks.Callback):   # per-step seconds of this rank
@@ -52,20 +52,25 @@ import queue
 import socket
 import traceback
 
+import torch
+import torch.distributed as dist
+
+__all__ = ["free_port", "process_group_backend", "run_local"]
+
 LOGGER = logging.getLogger("keras_erase")
 
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "KERAS_BACKEND")
 
 
 def free_port():
-    """A TCP port free on 127.0.0.1 right now."""
+    """Returns a TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def process_group_backend(cuda_devices, nproc):
-    """`("nccl", [device per rank])` with at least one CUDA device per rank, else `("gloo", None)`.
+    """Picks `("nccl", [device per rank])` with a CUDA device per rank, else `("gloo", None)`.
 
     Example: `process_group_backend(cuda_devices=8, nproc=2)` -> `("nccl", [0, 1])`.
     """
@@ -78,9 +83,6 @@ def _rank_entry(fn, rank, world, args, kwargs, threads, timeout_s, results, back
     try:
         os.environ["RANK"] = str(rank)
         os.environ["LOCAL_RANK"] = str(rank)
-        import torch
-        import torch.distributed as dist
-
         torch.set_num_threads(threads)
         if devices is not None:  # one GPU per rank, before anything touches CUDA
             torch.cuda.set_device(devices[rank])
@@ -129,27 +131,25 @@ def run_local(
         raise ValueError(f"run_local: `nproc` must be >= 1. Received: nproc={nproc}")
     kwargs = dict(kwargs or {})
     threads = int(threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
-    import torch
-
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     chosen, devices = process_group_backend(cuda_devices, nproc)
     if backend is not None and backend != chosen:
         if backend == "nccl":
             if cuda_devices < nproc:
                 raise ValueError(
-                    f"run_local: backend='nccl' needs one CUDA device per rank; "
-                    f"{cuda_devices} for {nproc} ranks."
+                    "run_local: backend='nccl' needs one CUDA device per rank. "
+                    f"Received: backend='nccl', nproc={nproc} with {cuda_devices} CUDA devices"
                 )
             devices = list(range(nproc))
         elif backend == "gloo":
             devices = None
         else:
             raise ValueError(
-                f"run_local: `backend` must be 'gloo', 'nccl' or None. Received: {backend!r}"
+                f"run_local: `backend` must be 'gloo', 'nccl' or None. Received: backend={backend!r}"
             )
         chosen = backend
     LOGGER.info(
-        "keras_erase.launch: %d ranks on backend %r%s", nproc, chosen,
+        "keras_erase.torch.launch: %d ranks on backend %r%s", nproc, chosen,
         "" if devices is None else f" (rank r on cuda:r, devices {devices})",
     )
     context = multiprocessing.get_context("spawn")
