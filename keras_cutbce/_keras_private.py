@@ -32,7 +32,8 @@ Checked against Keras 3.15.1. Nothing else in `keras_cutbce` imports
    (silently on torch and TensorFlow). The loss finds the model whose
    `train_step` is running and checks that its table is among the model's
    trainable variables; Keras hands a loss no model. The stack walk reads
-   only the code names until it meets `train_step`.
+   only the code names until it meets `train_step`, and the loss remembers
+   a model found to train its table, so later steps skip the check.
 7. Metric names in the logs (`keras.src.trainers.compile_utils.CompileMetrics`,
    call-stack inspection): Keras logs two compiled metrics of one name as
    `name` and `name_1`, but flattens a metric's dict result into its own
