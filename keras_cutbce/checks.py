@@ -143,6 +143,9 @@ def check_pos_weight(pos_weight):
     return value
 
 
+_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch", "tensorflow": "TensorFlow"}
+
+
 def check_implementation(implementation):
     """Returns `implementation`, one of `registry.NAMES` (`"pallas"` on JAX only)."""
     if not isinstance(implementation, str) or implementation not in registry.NAMES:
@@ -151,9 +154,11 @@ def check_implementation(implementation):
             f"Received: implementation={implementation!r}"
         )
     backend = keras.backend.backend()
-    if not registry.available(implementation, backend):
+    runs_on = registry.backends_of(implementation)
+    if backend in registry.BACKENDS and backend not in runs_on:
+        names = " or ".join(_BACKEND_NAMES.get(b, b) for b in runs_on)
         raise ValueError(
-            f"`implementation={implementation!r}` needs the JAX backend. "
+            f"`implementation={implementation!r}` needs the {names} backend. "
             f"Received: the Keras backend {backend!r}"
         )
     return implementation

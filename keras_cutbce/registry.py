@@ -32,15 +32,19 @@ import importlib
 __all__ = [
     "ANY_BACKEND",
     "AUTO_ORDER",
+    "BACKENDS",
     "IMPLEMENTATIONS",
     "NAMES",
     "auto",
-    "available",
+    "backends_of",
     "get",
     "has",
 ]
 
 ANY_BACKEND = "*"
+
+# The Keras backends with kernels.
+BACKENDS = ("jax", "torch", "tensorflow")
 
 # The values of `implementation=` a user may pass.
 NAMES = ("auto", "chunked", "pallas", "reference")
@@ -110,17 +114,21 @@ def has(op, implementation, backend):
     return _path(op, implementation, backend) is not None
 
 
-def available(implementation, backend):
-    """Returns True when `implementation` (a value of `implementation=`) exists on `backend`.
+def backends_of(implementation):
+    """Returns the Keras backends on which `implementation` runs some op.
 
     Example:
 
-    >>> available("auto", "torch"), available("pallas", "tensorflow")
-    (True, False)
+    >>> backends_of("pallas"), backends_of("auto")
+    (('jax',), ('jax', 'torch', 'tensorflow'))
     """
     if implementation == "auto":
-        return True
-    return any(has(op, implementation, backend) for op in IMPLEMENTATIONS)
+        return BACKENDS
+    return tuple(
+        backend
+        for backend in BACKENDS
+        if any(has(op, implementation, backend) for op in IMPLEMENTATIONS)
+    )
 
 
 def get(op, implementation, backend):
