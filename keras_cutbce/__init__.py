@@ -2,8 +2,9 @@
 
 from keras_cutbce.loss import CutBCELoss
 from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
-from keras_cutbce.ops import cut_binary_crossentropy, cut_top_k
-from keras_cutbce.validation import count_out_of_range_ids
+from keras_cutbce.ops import count_out_of_range_ids
+from keras_cutbce.ops import cut_binary_crossentropy
+from keras_cutbce.ops import cut_top_k
 from keras_cutbce.version import __version__
 
 __all__ = [

@@ -31,7 +31,9 @@ Checked against Keras 3.15.1. Nothing else in `keras_cutbce` imports
    that is not one of the model's variables is never updated by `fit`
    (silently on torch and TensorFlow). The loss finds the model whose
    `train_step` is running and checks that its table is among the model's
-   trainable variables; Keras hands a loss no model.
+   trainable variables; Keras hands a loss no model. The stack walk reads
+   only the code names until it meets `train_step`, and the loss remembers
+   a model found to train its table, so later steps skip the check.
 7. Metric names in the logs (`keras.src.trainers.compile_utils.CompileMetrics`,
    call-stack inspection): Keras logs two compiled metrics of one name as
    `name` and `name_1`, but flattens a metric's dict result into its own
@@ -99,9 +101,10 @@ def jax_step_state():
     Maps the model's trainable and non-trainable variables to the traced
     values of the enclosing `train_step`/`test_step`/`predict_step`'s `state`.
     """
-    for frame, model in _models_on_stack():
-        state = frame.f_locals.get("state")
-        if frame.f_code.co_name not in _JAX_STEPS:
+    for frame in _frames_named(*_JAX_STEPS):
+        local = frame.f_locals
+        model, state = local.get("self"), local.get("state")
+        if not isinstance(model, keras.Model):
             continue
         if not isinstance(state, (tuple, list)) or len(state) < 2:
             continue
@@ -112,11 +115,28 @@ def jax_step_state():
     return None
 
 
+def _frames_named(*names):
+    """The frames of the call stack running a function called one of `names`, innermost first.
+
+    Reads only each frame's code name; the (costly) locals are left to the
+    caller, for the frames that match.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name in names:
+                yield frame
+            frame = frame.f_back
+    finally:
+        del frame
+
+
 def training_model():
     """The `keras.Model` whose `train_step` is running now (innermost), or None."""
-    for frame, model in _models_on_stack():
-        if frame.f_code.co_name == "train_step":
-            return model
+    for frame in _frames_named("train_step"):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model):
+            return owner
     return None
 
 
@@ -129,19 +149,10 @@ def compiled_metric_name(metric):
     (`weighted_name` in `weighted_metrics`). None outside a compiled model's
     metrics.
     """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            local = frame.f_locals
-            if (
-                frame.f_code.co_name == "result"
-                and isinstance(local.get("self"), CompileMetrics)
-                and local.get("m") is metric
-            ):
-                name = local.get("name")
-                output = getattr(local.get("mls"), "output_name", None)
-                return (name, output) if isinstance(name, str) else None
-            frame = frame.f_back
-    finally:
-        del frame
+    for frame in _frames_named("result"):
+        local = frame.f_locals
+        if isinstance(local.get("self"), CompileMetrics) and local.get("m") is metric:
+            name = local.get("name")
+            output = getattr(local.get("mls"), "output_name", None)
+            return (name, output) if isinstance(name, str) else None
     return None

@@ -12,6 +12,8 @@ import numbers
 
 import numpy as np
 
+__all__ = ["EMPTY_ID", "ids_as_int32", "is_host_array", "on_tpu", "round_up"]
+
 EMPTY_ID = -1
 
 
@@ -27,7 +29,7 @@ def round_up(value, multiple):
 
 
 def on_tpu():
-    """True when JAX's default device is a TPU (False without JAX devices)."""
+    """Returns True when JAX's default device is a TPU (False without JAX devices)."""
     try:
         import jax
 
@@ -37,12 +39,12 @@ def on_tpu():
 
 
 def is_host_array(ids):
-    """True for NumPy arrays and scalars, Python ints, lists and tuples."""
+    """Returns True for NumPy arrays and scalars, Python ints, lists and tuples."""
     return isinstance(ids, (np.ndarray, np.generic, list, tuple, int))
 
 
 def ids_as_int32(ids, vocab_size):
-    """Integer ids as int32, with every id outside `[0, vocab_size)` set to `EMPTY_ID`.
+    """Returns integer ids as int32, with every id outside `[0, vocab_size)` set to `EMPTY_ID`.
 
     NumPy inputs (and lists) are clamped in NumPy, in their own dtype, before
     they become tensors (JAX without x64 would otherwise wrap int64 on
@@ -71,7 +73,7 @@ def ids_as_int32(ids, vocab_size):
     if is_host_array(ids):
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"ids must be integers; received dtype {ids.dtype}.")
+            raise TypeError(f"`ids` must be integers. Received: ids.dtype={ids.dtype}")
         upper = int(vocab_size) if isinstance(vocab_size, numbers.Integral) else int32_limit
         ids = np.where((ids >= 0) & (ids < upper), ids, EMPTY_ID).astype(np.int32)
         return ops.convert_to_tensor(ids)

@@ -1,11 +1,23 @@
 """`CutBCELoss`: the Keras loss around `cut_binary_crossentropy`."""
 
+import weakref
+from typing import Optional
+
 import keras
 from keras import ops
 
 from keras_cutbce import _keras_private
+from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
-from keras_cutbce import validation
+from keras_cutbce.item_table import ItemTable
+from keras_cutbce.item_table import table_config
+from keras_cutbce.item_table import tables_from_config
+from keras_cutbce.item_table import trainable_table_variables
+
+__all__ = ["CutBCELoss"]
+
+# model -> the table variables already found among its trainable variables.
+_TRAINED_BY = weakref.WeakKeyDictionary()
 
 
 def _is_jax_tracer(x):
@@ -52,7 +64,7 @@ def _refuse_differentiation(y_pred):
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class CutBCELoss(keras.losses.Loss):
-    """Full-vocabulary binary cross-entropy of hidden states against item ids.
+    """Computes the full-vocabulary binary cross-entropy of hidden states against item ids.
 
     The model outputs hidden states `y_pred [..., D]`; the loss projects them
     on the item table `E [V, D]` (plus an optional bias `[V]`) tile by tile
@@ -112,23 +124,64 @@ class CutBCELoss(keras.losses.Loss):
         embeddings,
         bias=None,
         *,
-        label_smoothing=0.0,
-        pos_weight=1.0,
-        chunk_size=None,
-        implementation="auto",
-        reduction="sum_over_batch_size",
-        name="cut_binary_crossentropy",
-        dtype=None,
+        label_smoothing: float = 0.0,
+        pos_weight: float = 1.0,
+        chunk_size: Optional[int] = None,
+        implementation: str = "auto",
+        reduction: Optional[str] = "sum_over_batch_size",
+        name: Optional[str] = "cut_binary_crossentropy",
+        dtype: Optional[str] = None,
     ):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         if embeddings is None:
-            raise ValueError("`embeddings` is required: the item table [V, D].")
+            raise ValueError(
+                "`embeddings` is required: the item table [V, D]. Received: embeddings=None"
+            )
         self.embeddings = embeddings
         self.bias = bias
-        self.label_smoothing = validation.check_label_smoothing(label_smoothing)
-        self.pos_weight = validation.check_pos_weight(pos_weight)
-        self.chunk_size = validation.check_chunk_size(chunk_size)
-        self.implementation = validation.check_implementation(implementation)
+        self._options = checks.loss_options(
+            label_smoothing, pos_weight, chunk_size, implementation
+        )
+
+    def _set_option(self, **change):
+        options = self._options._replace(**change)
+        self._options = checks.loss_options(*options)
+
+    @property
+    def label_smoothing(self):
+        """The label smoothing, a float in `[0, 1]`."""
+        return self._options.label_smoothing
+
+    @label_smoothing.setter
+    def label_smoothing(self, value):
+        self._set_option(label_smoothing=value)
+
+    @property
+    def pos_weight(self):
+        """The weight of the positive terms, a finite float > 0."""
+        return self._options.pos_weight
+
+    @pos_weight.setter
+    def pos_weight(self, value):
+        self._set_option(pos_weight=value)
+
+    @property
+    def chunk_size(self):
+        """The vocabulary tile width, or None for the default rule."""
+        return self._options.chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, value):
+        self._set_option(chunk_size=value)
+
+    @property
+    def implementation(self):
+        """The implementation: `"auto"`, `"chunked"`, `"pallas"` or `"reference"`."""
+        return self._options.implementation
+
+    @implementation.setter
+    def implementation(self, value):
+        self._set_option(implementation=value)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         mask = _keras_private.get_keras_mask(y_pred)
@@ -136,19 +189,18 @@ class CutBCELoss(keras.losses.Loss):
             y_pred = ops.convert_to_tensor(y_pred)
             y_true = self._integral_ids(y_true)
             y_pred, table, bias = self._tables(y_pred)
+            inputs = cut_ops.loss_inputs(y_pred, table, y_true, bias)
             sample_weight = self._sample_weight(sample_weight, y_pred)
             if self.reduction in (None, "none"):
-                losses = cut_ops.cut_binary_crossentropy(
-                    y_pred, table, y_true, bias, **self._op_kwargs()
+                losses = ops.reshape(
+                    cut_ops.per_position_loss(inputs, self._options), inputs.lead_shape
                 )
                 return _keras_private.reduce_weighted_values(
                     losses, sample_weight=self._merge_mask(sample_weight, mask),
                     reduction=self.reduction, dtype=self.dtype,
                 )
             weights = self._row_weights(y_pred, sample_weight, mask)
-            total = cut_ops.weighted_loss_sum(
-                y_pred, table, y_true, weights, bias, **self._op_kwargs()
-            )
+            total = cut_ops.loss_sum(inputs, self._options, weights)
             total = ops.cast(total, self.dtype)
             if self.reduction != "sum":
                 total = _keras_private.scale_loss_for_distribution(total)
@@ -167,7 +219,7 @@ class CutBCELoss(keras.losses.Loss):
         """
         if keras.backend.backend() != "tensorflow" or not hasattr(y_true, "dtype"):
             return y_true
-        if validation.is_int(y_true) or not keras.ops.is_tensor(y_true):
+        if checks.is_int(y_true) or not keras.ops.is_tensor(y_true):
             return y_true
         import tensorflow as tf
 
@@ -187,8 +239,8 @@ class CutBCELoss(keras.losses.Loss):
         if sample_weight is None:
             return None
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
-        loss_dims = validation.static_dims(y_pred)[:-1]
-        dims = validation.static_dims(sample_weight)
+        loss_dims = checks.static_dims(y_pred)[:-1]
+        dims = checks.static_dims(sample_weight)
         if len(dims) == len(loss_dims) + 1 and dims[-1] == 1:
             effective = dims[:-1]
         else:
@@ -196,7 +248,7 @@ class CutBCELoss(keras.losses.Loss):
             while 0 < len(effective) < len(loss_dims):
                 sample_weight = ops.expand_dims(sample_weight, -1)
                 effective = effective + (1,)
-        validation.check_sample_weight(effective, loss_dims, received=dims)
+        checks.check_sample_weight(effective, loss_dims, received=dims)
         return sample_weight
 
     def _merge_mask(self, sample_weight, mask):
@@ -255,18 +307,16 @@ class CutBCELoss(keras.losses.Loss):
         differentiated (`_refuse_differentiation`). A frozen table
         (`trainable=False`, a constant) is never refused.
         """
-        source = validation.table_source(self.embeddings, "embeddings")
-        table = cut_ops.resolve_table(source)
-        bias_source = bias = None
-        if self.bias is not None:
-            bias_source = validation.table_source(self.bias, "bias")
-            bias = validation.read_table(bias_source, "bias")
+        table = ItemTable.read(self.embeddings, "embeddings")
+        bias = None if self.bias is None else ItemTable.read(self.bias, "bias")
         trained = [
-            (value, variable)
-            for value, part in ((table.value, source), (bias, bias_source))
-            for variable in validation.trainable_table_variables(part)
+            (part.value, variable)
+            for part in (table, bias)
+            if part is not None
+            for variable in trainable_table_variables(part.source)
         ]
-        self._check_trained_by(_keras_private.training_model(), [v for _, v in trained])
+        if trained:
+            self._check_trained_by(_keras_private.training_model(), [v for _, v in trained])
         if (
             _is_jax_tracer(y_pred)
             and any(not _is_jax_tracer(value) for value, _ in trained)
@@ -276,12 +326,23 @@ class CutBCELoss(keras.losses.Loss):
         return y_pred, table, bias
 
     def _check_trained_by(self, model, variables):
-        """Raises if `model` is being trained and does not train the table's `variables`."""
+        """Raises if `model` is being trained and does not train the table's `variables`.
+
+        A model found to train them is remembered (per model), so the next
+        steps skip the walk over the model's variables.
+        """
         if model is None or not variables:
+            return
+        verified = _TRAINED_BY.setdefault(model, {})
+        key = tuple(id(v) for v in variables)
+        known = verified.get(key)
+        if known is not None and all(a is b for a, b in zip(known, variables)):
             return
         owned = {id(v) for v in model.trainable_variables}
         missing = [v for v in variables if id(v) not in owned]
-        if missing:
+        if not missing:
+            verified[key] = list(variables)
+        else:
             names = ", ".join(repr(v.path) for v in missing)
             raise ValueError(
                 f"CutBCELoss's item table is not among the trainable variables of the "
@@ -293,31 +354,22 @@ class CutBCELoss(keras.losses.Loss):
                 "`keras.Variable(..., trainable=False)`) or pass it as a tensor."
             )
 
-    def _op_kwargs(self):
-        return dict(
-            label_smoothing=self.label_smoothing,
-            pos_weight=self.pos_weight,
-            chunk_size=self.chunk_size,
-            implementation=self.implementation,
-        )
-
     def call(self, y_true, y_pred):
-        """Per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
+        """Computes the per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
         y_pred, table, bias = self._tables(y_pred)
-        return cut_ops.cut_binary_crossentropy(
-            y_pred, table, y_true, bias, **self._op_kwargs()
-        )
+        inputs = cut_ops.loss_inputs(y_pred, table, y_true, bias)
+        return ops.reshape(cut_ops.per_position_loss(inputs, self._options), inputs.lead_shape)
 
     def get_config(self):
-        """Config with the table (and bias) saved as variable paths.
+        """Returns the config, with the table (and bias) saved as variable paths.
 
         On load inside `keras.saving.load_model`, the paths re-bind to the
         loaded model's variables (or to the LoRA-enabled layer that owns it).
         """
         config = super().get_config()
         config.update(
-            embeddings=validation.table_config(self.embeddings, "embeddings"),
-            bias=validation.table_config(self.bias, "bias"),
+            embeddings=table_config(self.embeddings, "embeddings"),
+            bias=table_config(self.bias, "bias"),
             label_smoothing=self.label_smoothing,
             pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,
@@ -327,4 +379,4 @@ class CutBCELoss(keras.losses.Loss):
 
     @classmethod
     def from_config(cls, config):
-        return cls(**validation.tables_from_config(config))
+        return cls(**tables_from_config(config))

@@ -1,104 +1,54 @@
-"""Public CutBCE ops: argument checks, flattening and one dispatch table.
+"""Public CutBCE ops: check and normalise the inputs once, then run the registry's kernel.
 
-Every implementation module defines the same small interface on 2-D inputs
-(ids already int32, out-of-range ids already `EMPTY_ID`):
+Each op checks its arguments (`keras_cutbce.checks`), reads the item table
+into one `ItemTable` (`keras_cutbce.item_table`), turns the ids into int32
+with one padding id (`EMPTY_ID`), flattens to 2-D and calls the function
+`keras_cutbce.registry` names for the op and implementation. The kernels
+trust their inputs.
 
-- `cut_bce(hidden [M, D], table [V, D], ids [M, L], bias [V] | None,
-  *, label_smoothing, pos_weight, chunk_size) -> loss [M] float32`
-- `cut_bce_weighted_sum(hidden, table, ids, bias, row_weights [M], *,
-  label_smoothing, pos_weight, chunk_size) -> scalar` (optional: a fused
-  loss-and-gradient pass; without it the per-row loss is reduced)
-- `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
-  -> (scores [M, k] float32, ids [M, k] int32)`
-- `count_at_least(hidden, table, bias, threshold, *, chunk_size) -> [M]
-  int32`, the number of logits `>= threshold` per row.
-
-`_MODULES` below says which module implements which op for each
-implementation; the vocabulary-sharded one (`"sharded"`, JAX only) takes an
-extra `sharding=` keyword and is used whenever the table is split along V
-over a JAX mesh (`keras_cutbce.backends.jax.sharded`), read from the table's
-variable, so a traced value inside a compiled step is routed too.
-
-Argument checks live in `keras_cutbce.validation` and run before any
-kernel; `chunk_size=None` resolves with `tiling.default_chunk_size` for the
-chunked kernels (Pallas and the sharded path choose their own tiles).
+Routing: a table split along V over a JAX mesh runs `"sharded"` under
+`"auto"` and `"chunked"` (read from the table's variable, so a traced value
+inside a compiled step is routed too); `"auto"` otherwise runs the first
+implementation of `registry.AUTO_ORDER` for the device the program is
+compiled for (on JAX with the TPU compiler and no known target, both are
+traced and the lowering keeps the target's: `backends.jax.tpu_target`).
+`chunk_size=None` resolves with `tiling.default_chunk_size` for the chunked
+kernels (Pallas and the sharded path choose their own tiles).
 """
 
-import importlib
 import math
+import numbers
 from typing import NamedTuple
+from typing import Optional
 
 import keras
+import numpy as np
 from keras import ops
 
-from keras_cutbce import validation
+from keras_cutbce import checks
+from keras_cutbce import registry
 from keras_cutbce.common import EMPTY_ID
+from keras_cutbce.common import is_host_array
+from keras_cutbce.item_table import ItemTable
 from keras_cutbce.math.tiling import default_chunk_size
 from keras_cutbce.math.tiling import tile_budget_bytes
 
-IMPLEMENTATIONS = validation.IMPLEMENTATIONS
+__all__ = [
+    "count_out_of_range_ids",
+    "cut_binary_crossentropy",
+    "cut_count_at_least",
+    "cut_top_k",
+    "weighted_loss_sum",
+]
 
-# (op, implementation) -> module defining `op`; "{backend}" is the Keras backend.
-_MODULES = {
-    ("cut_bce", "reference"): "keras_cutbce.math.reference",
-    ("cut_bce", "chunked"): "keras_cutbce.backends.{backend}.chunked",
-    ("cut_bce", "pallas"): "keras_cutbce.backends.jax.pallas_tpu",
-    ("cut_bce", "sharded"): "keras_cutbce.backends.jax.sharded",
-    ("cut_bce_weighted_sum", "chunked"): "keras_cutbce.backends.{backend}.chunked",
-    ("cut_bce_weighted_sum", "pallas"): "keras_cutbce.backends.jax.pallas_tpu",
-    ("cut_bce_weighted_sum", "sharded"): "keras_cutbce.backends.jax.sharded",
-    ("top_k", "chunked"): "keras_cutbce.backends.{backend}.retrieval",
-    ("top_k", "sharded"): "keras_cutbce.backends.jax.sharded",
-    ("count_at_least", "chunked"): "keras_cutbce.backends.{backend}.retrieval",
-    ("count_at_least", "sharded"): "keras_cutbce.backends.jax.sharded",
-}
+IMPLEMENTATIONS = registry.NAMES
 
 
-class ItemTable(NamedTuple):
-    """A resolved item table: its current value and its vocabulary sharding (or None)."""
-
-    value: object
-    sharding: object
-
-
-def _vocab_sharding(*candidates):
-    """The `VocabSharding` of the first candidate split along V over a JAX mesh."""
-    if keras.backend.backend() != "jax":
-        return None
-    from keras_cutbce.backends.jax import sharded
-
-    for candidate in candidates:
-        if candidate is not None:
-            found = sharded.vocab_sharding_of(candidate)
-            if found is not None:
-                return found
-    return None
-
-
-def resolve_table(source, argument="embeddings", value=None):
-    """An `ItemTable` for a table given as a tensor, variable, layer (or `ItemTable`).
-
-    The sharding is read from the variable behind `source` when there is one
-    (its layout), else from the value. `value`, when given, is the value to
-    use instead of reading `source` (e.g. the traced state of a JAX step).
-    """
-    if isinstance(source, ItemTable):
-        return source
-    variable = validation.table_variable(source, argument)
-    if value is None:
-        value = validation.read_table(source, argument)
-    value = ops.convert_to_tensor(value)
-    stored = variable if isinstance(variable, keras.Variable) else None
-    return ItemTable(value, _vocab_sharding(stored, value))
-
-
-def resolve_embeddings(embeddings, argument="embeddings"):
-    """The current value of an item table given as a tensor, variable or layer."""
-    return resolve_table(embeddings, argument).value
+# -- routing ----------------------------------------------------------------------
 
 
 def _platform(tensor):
-    """"cpu", "gpu", "tpu", ... where the active backend runs `tensor`."""
+    """Returns "cpu", "gpu", "tpu", ... where the active backend runs `tensor`."""
     backend = keras.backend.backend()
     if backend == "jax":
         import jax
@@ -114,14 +64,16 @@ def _platform(tensor):
 
 
 def _default_chunk_size(hidden, table):
-    lead = validation.static_dims(hidden)[:-1]
+    lead = checks.static_dims(hidden)[:-1]
     rows = None if None in lead else int(math.prod(lead))
     budget = tile_budget_bytes(keras.backend.backend(), _platform(hidden))
-    return default_chunk_size(rows or 4096, validation.static_dims(table)[0] or 2**20, budget)
+    return default_chunk_size(rows or 4096, checks.static_dims(table)[0] or 2**20, budget)
 
 
-def _jax_target_platform():
-    """The platform a JAX program is compiled for, or None: decided at lowering."""
+def _target_platform(backend):
+    """Returns the platform the program is compiled for; None on JAX when decided at lowering."""
+    if backend != "jax":
+        return None
     from keras_cutbce.backends.jax import tpu_target
 
     return tpu_target.target_platform()
@@ -136,60 +88,52 @@ def select_implementation(implementation="auto"):
     compiler), the ops compile both and keep the target's
     (`keras_cutbce.backends.jax.tpu_target`); this function then answers for
     the host.
+
+    Args:
+        implementation: a value of `implementation=`; any but `"auto"` is
+            returned as it is.
+
+    Returns:
+        The implementation's name.
+
+    Example:
+
+    >>> select_implementation("reference")
+    'reference'
     """
-    validation.check_implementation(implementation)
+    checks.check_implementation(implementation)
     if implementation != "auto":
         return implementation
-    if keras.backend.backend() == "jax" and _jax_target_platform() == "tpu":
-        return "pallas"
-    return "chunked"
-
-
-def _by_target_auto(op, implementation):
-    """Whether `op` under `implementation` is decided at lowering (JAX, `auto`, TPU unknown)."""
-    return (
-        implementation == "auto"
-        and keras.backend.backend() == "jax"
-        and _MODULES.get((op, "pallas")) is not None
-        and _jax_target_platform() is None
-    )
-
-
-def _route(op, implementation, sharding):
-    """The implementation that runs `op`: sharded tables first, then the chosen one."""
-    if sharding is not None and implementation in ("auto", "chunked"):
-        return "sharded"
-    return select_implementation(implementation)
-
-
-def _kernel(op, implementation):
-    """The function implementing `op` for `implementation`, or None (optional ops)."""
     backend = keras.backend.backend()
-    if backend not in ("jax", "torch", "tensorflow"):
-        raise NotImplementedError(f"CutBCE has no kernel for the {backend!r} backend.")
-    path = _MODULES.get((op, implementation))
-    if path is None:
-        return None
-    return getattr(importlib.import_module(path.format(backend=backend)), op, None)
+    return registry.auto("cut_bce", backend, _target_platform(backend))
 
 
 def _dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
-    """Runs `op` on 2-D inputs with the implementation `_route` picks.
+    """Runs `op` on checked 2-D inputs; `table` is an `ItemTable`.
 
-    Returns None when the routed implementation lacks an optional op.
+    Returns None when the chosen implementation has no such op (only
+    `cut_bce_weighted_sum`, which the caller then reduces from `cut_bce`).
     """
-    if table.sharding is None and _by_target_auto(op, implementation):
-        from keras_cutbce.backends.jax import tpu_target
+    backend = keras.backend.backend()
+    if implementation in ("auto", "chunked") and table.sharding is not None:
+        route = "sharded"
+    elif implementation == "auto":
+        platform = _target_platform(backend)
+        tpu, other = registry.auto(op, backend, "tpu"), registry.auto(op, backend, platform)
+        if platform is None and tpu != other:
+            from keras_cutbce.backends.jax import tpu_target
 
-        def run(route):
-            return lambda h, t, *a: _dispatch(op, route, h, ItemTable(t, None), *a,
-                                               chunk_size=chunk_size, **kwargs)
+            def run(route):
+                return lambda h, t, *a: _dispatch(op, route, h, ItemTable(t, sharding=None),
+                                                   *a, chunk_size=chunk_size, **kwargs)
 
-        return tpu_target.by_target((hidden, table.value) + args, run("pallas"), run("chunked"))
-    route = _route(op, implementation, table.sharding)
-    kernel = _kernel(op, route)
-    if kernel is None:
+            return tpu_target.by_target((hidden, table.value) + args, run(tpu), run(other))
+        route = other
+    else:
+        route = implementation
+    if not registry.has(op, route, backend):
         return None
+    kernel = registry.get(op, route, backend)
     if route == "reference":
         return kernel(hidden, table.value, *args, **kwargs)
     if route == "sharded":
@@ -209,55 +153,66 @@ def _flatten(hidden, ids=None):
     return flat_hidden, ops.reshape(ids, (ops.shape(flat_hidden)[0], ops.shape(ids)[-1]))
 
 
-def _tensor(x):
-    return ops.convert_to_tensor(x)
+def _read_bias(bias):
+    return None if bias is None else ItemTable.read(bias, "bias").value
 
 
-class _LossArgs(NamedTuple):
-    """Checked, flattened arguments of the loss ops."""
+# -- the loss ---------------------------------------------------------------------
+
+
+class LossInputs(NamedTuple):
+    """Checked, flattened tensors of the loss ops."""
 
     hidden: object
     table: ItemTable
     ids: object
-    bias: object
+    bias: Optional[object]
     lead_shape: tuple
-    chunk_size: object
-    implementation: str
-    label_smoothing: float
-    pos_weight: float
 
 
-def _prepare_loss(hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
-                  chunk_size, implementation):
-    """Checks every argument (before any kernel runs) and flattens to 2-D."""
-    implementation = validation.check_implementation(implementation)
-    chunk_size = validation.check_chunk_size(chunk_size)
-    label_smoothing = validation.check_label_smoothing(label_smoothing)
-    pos_weight = validation.check_pos_weight(pos_weight)
-    hidden = _tensor(hidden)
-    table = resolve_table(embeddings)
-    if implementation not in ("auto", "chunked"):
-        table = ItemTable(table.value, None)
-    bias = None if bias is None else resolve_embeddings(bias, "bias")
-    validation.check_hidden_and_table(hidden, table.value, bias)
-    ids = validation.checked_ids(
-        target_ids, hidden, validation.vocab_size_of(table.value), "target_ids"
-    )
+def loss_inputs(hidden, embeddings, target_ids, bias=None):
+    """Returns the loss ops' tensors checked and flattened to 2-D, as `LossInputs`.
+
+    `embeddings` and `bias` may be given as `ItemTable`s (used as they are).
+    The scalar options are checked separately (`checks.loss_options`), so a
+    caller that holds checked options (`CutBCELoss`) checks only the tensors
+    of each call.
+    """
+    hidden = ops.convert_to_tensor(hidden)
+    table = ItemTable.read(embeddings)
+    bias = _read_bias(bias)
+    checks.check_hidden_and_table(hidden, table.value, bias)
+    ids = checks.int32_ids(target_ids, hidden, table.vocab_size, "target_ids")
     flat_hidden, flat_ids = _flatten(hidden, ids)
-    return _LossArgs(
-        flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1], chunk_size,
-        implementation, label_smoothing, pos_weight,
-    )
+    return LossInputs(flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1])
 
 
-def _per_row_loss(p):
-    """Flat float32 `[M]` loss of prepared arguments."""
+def per_position_loss(inputs, options):
+    """Returns the flat float32 `[M]` loss of checked `LossInputs` and `LossOptions`."""
     loss = _dispatch(
-        "cut_bce", p.implementation, p.hidden, p.table, p.ids, p.bias,
-        chunk_size=p.chunk_size, label_smoothing=p.label_smoothing,
-        pos_weight=p.pos_weight,
+        "cut_bce", options.implementation, inputs.hidden, inputs.table, inputs.ids,
+        inputs.bias, chunk_size=options.chunk_size,
+        label_smoothing=options.label_smoothing, pos_weight=options.pos_weight,
     )
     return ops.cast(loss, "float32")
+
+
+def loss_sum(inputs, options, row_weights):
+    """Returns `sum(row_weights * loss)` of checked `LossInputs` and `LossOptions`, float32.
+
+    `row_weights` (shape `hidden.shape[:-1]`) are constants: no gradient.
+    """
+    weights = ops.reshape(
+        ops.stop_gradient(ops.cast(row_weights, "float32")), (ops.shape(inputs.hidden)[0],)
+    )
+    total = _dispatch(
+        "cut_bce_weighted_sum", options.implementation, inputs.hidden, inputs.table,
+        inputs.ids, inputs.bias, weights, chunk_size=options.chunk_size,
+        label_smoothing=options.label_smoothing, pos_weight=options.pos_weight,
+    )
+    if total is None:  # no fused kernel on this implementation
+        return ops.sum(weights * per_position_loss(inputs, options))
+    return ops.cast(total, "float32")
 
 
 def cut_binary_crossentropy(
@@ -266,12 +221,12 @@ def cut_binary_crossentropy(
     target_ids,
     bias=None,
     *,
-    label_smoothing=0.0,
-    pos_weight=1.0,
-    chunk_size=None,
-    implementation="auto",
+    label_smoothing: float = 0.0,
+    pos_weight: float = 1.0,
+    chunk_size: Optional[int] = None,
+    implementation: str = "auto",
 ):
-    """Per-position binary cross-entropy over the full vocabulary, without logits.
+    """Computes the per-position binary cross-entropy over the full vocabulary, without logits.
 
     For each position with hidden state `h`, logits `z = h @ E.T + b` and the
     multi-hot target of its ids, returns
@@ -314,11 +269,9 @@ def cut_binary_crossentropy(
     >>> tuple(loss.shape), keras.backend.standardize_dtype(loss.dtype)
     ((2, 3), 'float32')
     """
-    p = _prepare_loss(
-        hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
-        chunk_size, implementation,
-    )
-    return ops.reshape(_per_row_loss(p), p.lead_shape)
+    options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
+    inputs = loss_inputs(hidden, embeddings, target_ids, bias)
+    return ops.reshape(per_position_loss(inputs, options), inputs.lead_shape)
 
 
 def weighted_loss_sum(
@@ -328,12 +281,12 @@ def weighted_loss_sum(
     row_weights,
     bias=None,
     *,
-    label_smoothing=0.0,
-    pos_weight=1.0,
-    chunk_size=None,
-    implementation="auto",
+    label_smoothing: float = 0.0,
+    pos_weight: float = 1.0,
+    chunk_size: Optional[int] = None,
+    implementation: str = "auto",
 ):
-    """`sum(row_weights * cut_binary_crossentropy(...))`: the scalar a reduced loss needs.
+    """Computes `sum(row_weights * cut_binary_crossentropy(...))`: the scalar a reduced loss needs.
 
     `CutBCELoss` reduces per-position losses with known weights (sample
     weights, masks, the reduction's divisor), so only this scalar is
@@ -342,7 +295,8 @@ def weighted_loss_sum(
     (`cut_bce_weighted_sum`) compute that gradient in the same pass over the
     vocabulary as the loss (one logits matmul and one `exp` per logit instead
     of two); the others reduce `cut_binary_crossentropy`. `row_weights`
-    (shape `hidden.shape[:-1]`) are constants: no gradient.
+    (shape `hidden.shape[:-1]`) are constants: no gradient. The other
+    arguments are those of `cut_binary_crossentropy`.
 
     Example:
 
@@ -352,34 +306,32 @@ def weighted_loss_sum(
     >>> round(float(weighted_loss_sum(h, table, ids, np.array([0.5, 0.5]))), 3)
     3.618
     """
-    p = _prepare_loss(
-        hidden, embeddings, target_ids, bias, label_smoothing, pos_weight,
-        chunk_size, implementation,
-    )
-    weights = ops.reshape(
-        ops.stop_gradient(ops.cast(row_weights, "float32")), (ops.shape(p.hidden)[0],)
-    )
-    total = _dispatch(
-        "cut_bce_weighted_sum", p.implementation, p.hidden, p.table, p.ids, p.bias,
-        weights, chunk_size=p.chunk_size, label_smoothing=p.label_smoothing,
-        pos_weight=p.pos_weight,
-    )
-    if total is None:  # no fused kernel on this implementation
-        return ops.sum(weights * _per_row_loss(p))
-    return ops.cast(total, "float32")
+    options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
+    inputs = loss_inputs(hidden, embeddings, target_ids, bias)
+    return loss_sum(inputs, options, row_weights)
+
+
+# -- retrieval --------------------------------------------------------------------
 
 
 def _prepare_retrieval(hidden, embeddings, bias, chunk_size):
-    chunk_size = validation.check_chunk_size(chunk_size)
-    hidden = _tensor(hidden)
-    table = resolve_table(embeddings)
-    bias = None if bias is None else resolve_embeddings(bias, "bias")
-    validation.check_hidden_and_table(hidden, table.value, bias)
+    chunk_size = checks.check_chunk_size(chunk_size)
+    hidden = ops.convert_to_tensor(hidden)
+    table = ItemTable.read(embeddings)
+    bias = _read_bias(bias)
+    checks.check_hidden_and_table(hidden, table.value, bias)
     return hidden, table, bias, chunk_size
 
 
-def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=None):
-    """Top-k items per position without the `[positions, V]` logits.
+def cut_top_k(
+    hidden,
+    embeddings,
+    k: int,
+    bias=None,
+    exclude_ids=None,
+    chunk_size: Optional[int] = None,
+):
+    """Returns the top-k items per position without the `[positions, V]` logits.
 
     Keeps a running top-k merged tile by tile over the vocabulary, so memory
     is O(positions x (k + tile)). Exact against a dense `top_k` of
@@ -411,11 +363,9 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
     (4, 5)
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
-    k = validation.check_k(k, validation.static_dims(table.value)[0])
+    k = checks.check_k(k, checks.static_dims(table.value)[0])
     if exclude_ids is not None:
-        exclude_ids = validation.checked_ids(
-            exclude_ids, hidden, validation.vocab_size_of(table.value), "exclude_ids"
-        )
+        exclude_ids = checks.int32_ids(exclude_ids, hidden, table.vocab_size, "exclude_ids")
     lead_shape = tuple(ops.shape(hidden)[:-1])
     flat_hidden, flat_exclude = _flatten(hidden, exclude_ids)
     scores, ids = _dispatch(
@@ -430,7 +380,7 @@ def cut_top_k(hidden, embeddings, k, bias=None, exclude_ids=None, chunk_size=Non
 
 
 def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None):
-    """Number of items whose logit is `>= threshold`, per position, without logits.
+    """Counts the items whose logit is `>= threshold`, per position, without logits.
 
     Args:
         hidden: float tensor `[..., D]`.
@@ -458,3 +408,41 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
         chunk_size=chunk_size,
     )
     return ops.reshape(ops.cast(counts, "int32"), lead_shape)
+
+
+# -- ids --------------------------------------------------------------------------
+
+
+def count_out_of_range_ids(ids, embeddings) -> dict[int, int]:
+    """Counts the ids outside `[0, V)`, which the loss and metrics treat as padding.
+
+    A debug check for target ids before training: by design every id outside
+    `[0, V)` is padding (ignored), so an off-by-one (1-based ids `1..V` with a
+    table of V rows) loses item V silently. Your padding id (e.g. -1) is
+    listed too; any other entry is a real item the loss would ignore.
+
+    Args:
+        ids: integer ids of any shape (NumPy, a list, or a tensor of the
+            active backend).
+        embeddings: the item table (a layer, `keras.Variable`, array or
+            tensor `[V, D]`) or V itself, an int.
+
+    Returns:
+        A dict `{id: count}` of every distinct id outside `[0, V)`, sorted by
+        id (empty when all ids are items).
+
+    Example:
+
+    >>> count_out_of_range_ids([[1, 2, 3], [3, -1, 0]], 3)  # V = 3
+    {-1: 1, 3: 2}
+    """
+    if isinstance(embeddings, numbers.Integral) and not isinstance(embeddings, bool):
+        vocab_size = checks.check_int(embeddings, "embeddings", minimum=1)
+    else:
+        vocab_size = checks.static_dims(ItemTable.read(embeddings).value)[0]
+    values = np.asarray(ids if is_host_array(ids) else ops.convert_to_numpy(ids))
+    if values.dtype.kind not in "iu":
+        raise TypeError(f"`ids` must be integer item ids. Received: ids.dtype={values.dtype}")
+    outside = values[(values < 0) | (values >= vocab_size)]
+    found, counts = np.unique(outside, return_counts=True)
+    return {int(i): int(c) for i, c in zip(found, counts)}

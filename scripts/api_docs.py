@@ -4,8 +4,9 @@
 the committed page is out of date or a public name has no docstring (the test
 suite runs the same check, `tests/test_api_docs.py`).
 
-The public surface is each package's `__all__`, plus the few functions of
-named modules listed in `EXTRA_NAMES`. For a public class, every public method
+The public surface is each package's `__all__`, plus the names in the
+`__all__` of the modules listed in `MODULES` that the package itself does not
+export, plus the few functions of named modules listed in `EXTRA_NAMES`. For a public class, every public method
 or property the class adds to its Keras base class is documented (and must
 have a docstring); overrides of Keras methods (`call`, `get_config`, ...) keep
 Keras's documentation and are listed by name only.
@@ -28,8 +29,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUT = os.path.join(ROOT, "docs", "api.md")
 PACKAGES = ("keras_cutbce", "keras_erase")
+MODULES = ("keras_cutbce.ops",)
 EXTRA_NAMES = {
-    "keras_cutbce.ops": ("cut_count_at_least", "weighted_loss_sum"),
     "keras_erase.torch.launch": ("run_local",),
     "keras_erase.throughput": ("examples_per_second", "throughput_percentiles",
                                "global_step_seconds"),
@@ -43,6 +44,14 @@ def public_names():
     for package_name in PACKAGES:
         package = importlib.import_module(package_name)
         names += [(f"{package_name}.{n}", getattr(package, n)) for n in package.__all__]
+        for module_name in MODULES:
+            if module_name.startswith(package_name + "."):
+                module = importlib.import_module(module_name)
+                names += [
+                    (f"{module_name}.{n}", getattr(module, n))
+                    for n in module.__all__
+                    if n not in package.__all__
+                ]
         for module_name, members in EXTRA_NAMES.items():
             if module_name.startswith(package_name + "."):
                 module = importlib.import_module(module_name)

@@ -274,3 +274,72 @@ def test_dispatch_table_runs_the_named_implementation(monkeypatch):
     got = cut_ops.weighted_loss_sum(hidden, table, ids, weights, implementation="chunked")
     assert calls and set(calls) <= {"cut_bce", "cut_bce_weighted_sum"}
     np.testing.assert_allclose(to_numpy(got), to_numpy(ref), rtol=1e-5)
+
+
+def test_registry_entries_of_this_backend_resolve_to_functions():
+    """Every path in the registry for the active backend names a function that exists."""
+    from keras_cutbce import registry
+
+    for op, implementations in registry.IMPLEMENTATIONS.items():
+        for implementation in implementations:
+            if registry.has(op, implementation, BACKEND):
+                assert callable(registry.get(op, implementation, BACKEND)), (op, implementation)
+
+
+def test_registry_has_no_silent_fallbacks():
+    """A missing (op, implementation) raises; the fused sum has no sharded entry."""
+    from keras_cutbce import registry
+
+    assert not registry.has("cut_bce_weighted_sum", "sharded", "jax")
+    assert not registry.has("cut_bce_weighted_sum", "reference", BACKEND)
+    with pytest.raises(NotImplementedError, match="pallas"):
+        registry.get("cut_bce", "pallas", "torch")
+
+
+def test_auto_tries_the_device_order():
+    from keras_cutbce import registry
+
+    assert registry.auto("cut_bce", "jax", "tpu") == "pallas"
+    assert registry.auto("top_k", "jax", "tpu") == "chunked"  # no Pallas top-k: the next in order
+    assert registry.auto("cut_bce", "torch", "tpu") == "chunked"
+    assert registry.auto("cut_bce", "tensorflow", "gpu") == "chunked"
+
+
+def test_the_loss_checks_its_scalar_options_at_construction_only(monkeypatch):
+    """`CutBCELoss` checks label_smoothing, pos_weight, chunk_size, implementation once."""
+    from keras_cutbce import CutBCELoss, checks
+
+    calls = []
+    original = checks.loss_options
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "loss_options", counted)
+    rng = np.random.default_rng(3)
+    hidden, table, ids, bias, _ = make_case(rng, (2, 3), 4, 20, 2)
+    loss = CutBCELoss(keras.Variable(table), keras.Variable(bias), label_smoothing=0.1)
+    assert len(calls) == 1
+    for _ in range(2):
+        loss(ids, hidden)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="label_smoothing"):
+        loss.label_smoothing = 1.5  # an assignment is checked too
+    assert loss.label_smoothing == 0.1
+
+
+def test_item_table_reads_a_layer_once_into_value_variable_and_sharding():
+    from keras_cutbce.item_table import ItemTable
+
+    layer = keras.layers.Embedding(7, 3)
+    layer.build((None,))
+    table = ItemTable.read(layer)
+    assert table.variable is layer.embeddings and table.source is layer
+    assert table.vocab_size == 7 and table.sharding is None
+    np.testing.assert_array_equal(to_numpy(table.value), to_numpy(layer.embeddings))
+    assert ItemTable.read(table) is table
+    constant = ItemTable.read(np.zeros((5, 3), "float32"))
+    assert constant.variable is None and constant.trainable_variables() == []
+    with pytest.raises(TypeError, match="not built"):
+        ItemTable.read(keras.layers.Embedding(7, 3))

@@ -1,4 +1,4 @@
-"""Ids of any integer width (issue 11 B1): ids outside `[0, V)` are padding, never wrapped.
+"""Ids of any integer width: ids outside `[0, V)` are padding, never wrapped.
 
 An int64 id `2**32 + 16` cast to int32 is 16, a valid item. The public ops
 and the metrics must treat it (and `2**32`, `2**31`, ...) as padding on every

@@ -1,4 +1,4 @@
-"""Bad and unusual inputs: the right answer or a clear error, on every backend (issue 11 B2-B4)."""
+"""Bad and unusual inputs: the right answer or a clear error, on every backend."""
 
 import keras
 import numpy as np
@@ -17,7 +17,7 @@ def case(seed=0, rows=3, dim=4, vocab=11):
     return hidden, table, ids
 
 
-# -- B2: clear errors naming the argument ----------------------------------------
+# -- clear errors naming the argument ----------------------------------------
 
 
 def test_empty_vocabulary_names_embeddings():
@@ -79,7 +79,7 @@ def test_zero_rows(implementation):
     assert float(to_numpy(total)) == 0.0
 
 
-# -- B3: one output dtype -------------------------------------------------------------
+# -- one output dtype -------------------------------------------------------------
 
 
 def test_float64_inputs_give_float32_everywhere():
@@ -96,7 +96,7 @@ def test_float64_inputs_give_float32_everywhere():
     assert dtype_name(CutBCELoss(keras.Variable(t64))(ids, h64)) == keras.config.floatx()
 
 
-# -- B4: NaN hidden states in cut_top_k ----------------------------------------------------
+# -- NaN hidden states in cut_top_k ----------------------------------------------------
 
 
 def test_nan_hidden_row_has_nan_scores_and_empty_ids():

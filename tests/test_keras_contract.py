@@ -1,6 +1,6 @@
 """Keras's own `BinaryCrossentropy` and `Loss` test cases, run through `CutBCELoss`.
 
-Keras is the spec (issue 11 A): each case of `keras/src/losses/losses_test.py`
+Keras is the spec: each case of `keras/src/losses/losses_test.py`
 (`BinaryCrossentropyTest`) and `keras/src/losses/loss_test.py` (reductions,
 masks, sample weights, rank adjustment) is mapped onto CutBCE with an identity
 table: the hidden states are the logits and the table is `eye(V)`, so
@@ -88,7 +88,7 @@ def test_scalar_weighted():
 
 @pytest.mark.parametrize("shape", [(2,), (2, 1)])
 def test_sample_weighted(shape):
-    """Keras's `test_sample_weighted`: `[B]` and `[B, 1]` weights for `[B]` losses (A1)."""
+    """Keras's `test_sample_weighted`: `[B]` and `[B, 1]` weights for `[B]` losses."""
     weights = np.array([4.0, 3.0]).reshape(shape)
     assert float(to_numpy(cut_loss(Y, Z, sample_weight=weights))) == pytest.approx(10.0, abs=1e-3)
 
@@ -99,7 +99,7 @@ def test_no_reduction():
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_trailing_unit_weight_axis_has_keras_shape(reduction):
-    """A `[B, 1]` weight for `[B]` losses: Keras's value and shape (`(2, 1)` unreduced), not `[B, B]` (A1)."""
+    """A `[B, 1]` weight for `[B]` losses: Keras's value and shape (`(2, 1)` unreduced), not `[B, B]`."""
     weights = np.array([[1.2], [3.4]], "float32")
     ours = to_numpy(cut_loss(Y, Z, sample_weight=weights, reduction=reduction))
     theirs = to_numpy(keras_loss(Y, Z, sample_weight=weights, reduction=reduction))
@@ -127,9 +127,9 @@ def sequence_case(seed=0, batch=3, steps=4, vocab=6):
 WEIGHT_SHAPES = {
     "none": None,
     "scalar": (),
-    "per_example_b1": (3, 1),  # [B, 1] over [B, T] losses (A2)
+    "per_example_b1": (3, 1),  # [B, 1] over [B, T] losses
     "per_position": (3, 4),
-    "per_position_t1": (3, 4, 1),  # [B, T, 1] over [B, T] losses (A1)
+    "per_position_t1": (3, 4, 1),  # [B, T, 1] over [B, T] losses
 }
 
 
@@ -199,7 +199,7 @@ def test_everything_masked_or_zero_weights_gives_zero_not_nan():
 
 @pytest.mark.parametrize("shape", [(4,), (3, 5), (3, 4, 2), (2, 1)])
 def test_sample_weight_of_a_wrong_shape_names_both_shapes(shape):
-    """B5: a clear error naming `sample_weight` and both shapes, not a backend error."""
+    """A clear error naming `sample_weight` and both shapes, not a backend error."""
     y, z = sequence_case()
     sw = np.ones(shape, "float32")
     for reduction in ("sum_over_batch_size", None):
@@ -208,7 +208,7 @@ def test_sample_weight_of_a_wrong_shape_names_both_shapes(shape):
 
 
 
-# -- A3: TensorFlow, unknown batch size ------------------------------------------------
+# -- TensorFlow, unknown batch size ------------------------------------------------
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function only on TensorFlow")
@@ -241,7 +241,7 @@ def test_tf_function_unknown_batch_with_sample_weight():
     ["none", "sum_over_batch_size"] if BACKEND == "tensorflow" else ["sum_over_batch_size"],
 )
 def test_fit_with_sample_weight_and_unreduced_loss(reduction):
-    """A3: `fit` with `reduction="none"` and a sample weight (unknown batch on TF) trains."""
+    """`fit` with `reduction="none"` and a sample weight (unknown batch on TF) trains."""
     vocab, dim = 13, 4
     rng = np.random.default_rng(0)
     items = keras.layers.Embedding(vocab, dim, name="items")

@@ -225,7 +225,7 @@ def test_reduced_loss_gradients_match_keras_with_weights_and_mask(reduction, imp
 
 
 def test_lora_embedding_table_trains_saves_and_loads(tmp_path):
-    """A6: a LoRA-enabled Embedding as the table: the loss reads the merged table, saves, reloads."""
+    """A LoRA-enabled Embedding as the table: the loss reads the merged table, saves, reloads."""
     vocab, dim = 31, 4
     x, y = fit_data(vocab)
     model, items = build_model(vocab, dim)

@@ -322,7 +322,7 @@ def test_empty_target_lists(rng):
 
 
 def test_two_retrieval_metrics_log_under_their_names():
-    """A5: a metric named `name=` logs its keys under that name; two metrics never overwrite."""
+    """A metric named `name=` logs its keys under that name; two metrics never overwrite."""
     vocab, dim = 19, 4
     rng = np.random.default_rng(0)
     items = keras.layers.Embedding(vocab, dim, name="items")
@@ -355,7 +355,7 @@ def test_two_retrieval_metrics_log_under_their_names():
 
 
 def test_cutoff_beyond_the_vocabulary_raises(rng):
-    """A5: `k > V` raises like `cut_top_k` instead of reporting hit@k computed at depth V."""
+    """`k > V` raises like `cut_top_k` instead of reporting hit@k computed at depth V."""
     table = quantized(rng, (7, 3))
     metric = TopKRetrieval(table_variable(table), k=(3, 12))
     with pytest.raises(ValueError, match=r"`k`.*V = 7"):

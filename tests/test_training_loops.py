@@ -1,4 +1,4 @@
-"""The item table trains through `CutBCELoss` in every Keras training style (issue 11 A4).
+"""The item table trains through `CutBCELoss` in every Keras training style.
 
 `fit` is covered elsewhere; here Keras's documented JAX custom training loop
 (`model.stateless_call` + `jax.grad` over the trainable variables): the loss
@@ -142,7 +142,7 @@ def test_stateless_loop_without_the_values_raises_clearly():
     assert np.isfinite(float(value))
 
 
-# -- issue 18 B: no false positives --------------------------------------------------
+# -- no false positives --------------------------------------------------
 
 
 def _dense_bce(hidden, table, y):
@@ -155,7 +155,7 @@ def _dense_bce(hidden, table, y):
 
 @pytest.mark.parametrize("frozen", ["layer", "variable", "constant"])
 def test_a_frozen_table_is_never_refused(frozen):
-    """The issue's reproduction and its kin: jit forward and grad w.r.t. the hidden states."""
+    """A jit forward and a grad w.r.t. the hidden states, with a frozen table, run."""
     import jax
     import jax.numpy as jnp
 

@@ -1,8 +1,7 @@
-"""No silent no-ops for a Keras user (issue 17 C), on every backend.
+"""No silent no-ops for a Keras user, on every backend.
 
 1. A trainable item table that is not one of the model's variables: the first
-   train step raises a `ValueError` saying so (before: torch and TensorFlow
-   left the table unchanged, JAX pointed at `StatelessScope`). A frozen or
+   train step raises a `ValueError` saying so, on every backend. A frozen or
    constant table outside the model trains the model as asked.
 2. A constant (NumPy) table is saved in the loss's config: `model.save` and
    `keras.saving.load_model` work, and the reloaded loss gives the same value.
@@ -184,9 +183,9 @@ def test_count_out_of_range_ids_finds_the_off_by_one():
 
 
 def test_count_out_of_range_ids_rejects_bad_arguments():
-    with pytest.raises(TypeError, match="`ids` must be integer item ids; received dtype float"):
+    with pytest.raises(TypeError, match=r"`ids` must be integer item ids\. Received: ids\.dtype=float"):
         count_out_of_range_ids(np.array([1.0, 2.0]), VOCAB)
-    with pytest.raises(ValueError, match="`embeddings` must be an int >= 1; received 0"):
+    with pytest.raises(ValueError, match="`embeddings` must be an int >= 1. Received: embeddings=0"):
         count_out_of_range_ids([1, 2], 0)
 
 

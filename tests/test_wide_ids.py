@@ -1,4 +1,4 @@
-"""Issue 11 B1 (kernel side): int64 ids >= 2**31 are padding, never wrapped onto valid ids.
+"""Kernel side of wide ids: int64 ids >= 2**31 are padding, never wrapped onto valid ids.
 
 Out-of-range ids are padding by contract. Each backend's kernels (the loss
 and the top-k exclusions) get int64 ids such as `2**32 + 16` (which an int32

@@ -4,9 +4,14 @@ import keras
 from keras import ops
 
 from keras_cutbce import _keras_private
-from keras_cutbce import ops as cut_ops
-from keras_cutbce import validation
+from keras_cutbce import checks
+from keras_cutbce.item_table import ItemTable
+from keras_cutbce.item_table import bind
+from keras_cutbce.item_table import table_config
+from keras_cutbce.item_table import tables_from_config
 from keras_cutbce.math.positives import distinct_targets
+
+__all__ = ["ItemTableMetric"]
 
 
 def _stored_variables(source):
@@ -42,32 +47,37 @@ class ItemTableMetric(keras.metrics.Metric):
     def __init__(self, embeddings, bias=None, chunk_size=None, name=None, dtype=None):
         super().__init__(name=name, dtype=dtype or "float32")
         if embeddings is None:
-            raise ValueError("`embeddings` is required: the item table [V, D].")
-        self.chunk_size = validation.check_chunk_size(chunk_size)
+            raise ValueError(
+                "`embeddings` is required: the item table [V, D]. Received: embeddings=None"
+            )
+        self.chunk_size = checks.check_chunk_size(chunk_size)
         object.__setattr__(self, "embeddings", embeddings)
         object.__setattr__(self, "bias", bias)
 
     def _read(self, source, argument):
-        """The current value of a table source: the JAX trainer step's traced one if any."""
-        source = validation.table_source(source, argument)
+        """Returns the `ItemTable` of a table source as this update sees it.
+
+        Inside Keras's JAX train and test steps, the value is the step's traced
+        state of the table's variables, not the variables' concrete values.
+        """
+        source = bind(source, argument)
         if keras.backend.backend() == "jax":
             state = _keras_private.jax_step_state()
             variables = _stored_variables(source)
             if state is not None and any(id(v) in state for v in variables):
                 mapping = [(v, state[id(v)]) for v in variables if id(v) in state]
                 with keras.StatelessScope(state_mapping=mapping):
-                    return source, validation.read_table(source, argument)
-        return source, validation.read_table(source, argument)
+                    return ItemTable.read(source, argument)
+        return ItemTable.read(source, argument)
 
     def read_tables(self):
-        """`(ItemTable, bias value or None)` as this update should see them."""
-        source, value = self._read(self.embeddings, "embeddings")
-        table = cut_ops.resolve_table(source, "embeddings", value=value)
-        bias = None if self.bias is None else self._read(self.bias, "bias")[1]
+        """Returns `(table, bias)` as this update should see them, as `ItemTable`s (bias None if unset)."""
+        table = self._read(self.embeddings, "embeddings")
+        bias = None if self.bias is None else self._read(self.bias, "bias")
         return table, bias
 
     def prepare(self, y_true, y_pred, vocab_size, never=()):
-        """Checked inputs: `(hidden [..., D], valid distinct targets, mask)`.
+        """Returns checked inputs: `(hidden [..., D], valid distinct targets, mask)`.
 
         Returns `(y_pred, safe [M, L] int32, keep [M, L] bool, mask)`: each
         row's targets de-duplicated (`keras_cutbce.math.positives`), ids
@@ -75,9 +85,12 @@ class ItemTableMetric(keras.metrics.Metric):
         """
         mask = _keras_private.get_keras_mask(y_pred)
         y_pred = ops.convert_to_tensor(y_pred)
-        if not validation.is_float(y_pred):
-            raise TypeError(f"`y_pred` must be float hidden states; received {y_pred.dtype}.")
-        ids = validation.checked_ids(y_true, y_pred, vocab_size, "y_true")
+        if not checks.is_float(y_pred):
+            raise TypeError(
+                "`y_pred` must be float hidden states. "
+                f"Received: y_pred.dtype={keras.backend.standardize_dtype(y_pred.dtype)}"
+            )
+        ids = checks.int32_ids(y_true, y_pred, vocab_size, "y_true")
         num_rows = ops.shape(ops.reshape(y_pred, (-1, ops.shape(y_pred)[-1])))[0]
         rows = ops.reshape(ids, (num_rows, ops.shape(ids)[-1]))
         safe, keep = distinct_targets(rows, vocab_size)
@@ -86,7 +99,7 @@ class ItemTableMetric(keras.metrics.Metric):
         return y_pred, safe, keep, mask
 
     def position_weights(self, sample_weight, mask, y_pred):
-        """Per-position weights `[M]`: `sample_weight` broadcast over positions, times the mask."""
+        """Returns per-position weights `[M]`: `sample_weight` broadcast over positions, times the mask."""
         lead_ndim = len(y_pred.shape) - 1
         weights = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
         if sample_weight is not None:
@@ -95,8 +108,8 @@ class ItemTableMetric(keras.metrics.Metric):
                 sample_weight = ops.squeeze(sample_weight, -1)
             while len(sample_weight.shape) < lead_ndim:
                 sample_weight = ops.expand_dims(sample_weight, -1)
-            validation.check_sample_weight(
-                validation.static_dims(sample_weight), validation.static_dims(weights)
+            checks.check_sample_weight(
+                checks.static_dims(sample_weight), checks.static_dims(weights)
             )
             weights = weights * sample_weight
         if mask is not None:
@@ -104,7 +117,7 @@ class ItemTableMetric(keras.metrics.Metric):
         return ops.reshape(weights, (-1,))
 
     def key_prefix(self):
-        """The prefix of this metric's `result()` keys, so that metrics log apart.
+        """Returns the prefix of this metric's `result()` keys, so that metrics log apart.
 
         `""` under the default name, `"{name}_"` under another. Compiled into
         a model, the keys follow Keras's names for its own metrics: a second
@@ -127,16 +140,16 @@ class ItemTableMetric(keras.metrics.Metric):
             variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))
 
     def get_config(self):
-        """Config with the table (and bias) saved as variable paths."""
+        """Returns the config, with the table (and bias) saved as variable paths."""
         return {
             "name": self.name,
             "dtype": self.dtype,
-            "embeddings": validation.table_config(self.embeddings, "embeddings"),
-            "bias": validation.table_config(self.bias, "bias"),
+            "embeddings": table_config(self.embeddings, "embeddings"),
+            "bias": table_config(self.bias, "bias"),
             "chunk_size": self.chunk_size,
         }
 
     @classmethod
     def from_config(cls, config):
-        return cls(**validation.tables_from_config(config))
+        return cls(**tables_from_config(config))
 

@@ -1,20 +1,23 @@
 """`ThresholdConfusion`: precision, recall and F1 at a probability threshold, without logits."""
 
 import math
+from typing import Optional
 
 import keras
 from keras import ops
 
+from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
-from keras_cutbce import validation
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
+
+__all__ = ["ThresholdConfusion"]
 
 DEFAULT_NAME = "threshold_confusion"
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class ThresholdConfusion(ItemTableMetric):
-    """Precision, recall and F1 of every item at a probability threshold, without logits.
+    """Computes precision, recall and F1 of every item at a probability threshold, without logits.
 
     Each position predicts item v when `sigmoid(h . E_v + b_v) >= threshold`,
     i.e. when its logit is `>= log(threshold / (1 - threshold))`. Over the
@@ -57,13 +60,13 @@ class ThresholdConfusion(ItemTableMetric):
     def __init__(
         self,
         embeddings,
-        threshold=0.5,
+        threshold: float = 0.5,
         bias=None,
-        chunk_size=None,
-        name=DEFAULT_NAME,
-        dtype=None,
+        chunk_size: Optional[int] = None,
+        name: str = DEFAULT_NAME,
+        dtype: Optional[str] = None,
     ):
-        threshold = validation.check_probability(threshold, "threshold")
+        threshold = checks.check_probability(threshold, "threshold")
         super().__init__(embeddings, bias, chunk_size, name, dtype)
         self.threshold = threshold
         self.logit_threshold = math.log(threshold) - math.log1p(-threshold)
@@ -85,6 +88,7 @@ class ThresholdConfusion(ItemTableMetric):
         """
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
+        bias = None if bias is None else bias.value
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size)
         predicted = cut_ops.cut_count_at_least(
             y_pred, table, self.logit_threshold, bias=bias, chunk_size=self.chunk_size
@@ -111,7 +115,7 @@ class ThresholdConfusion(ItemTableMetric):
         )
 
     def result(self):
-        """Dict `{"precision", "recall", "f1"}`.
+        """Returns the dict `{"precision", "recall", "f1"}`.
 
         Under a non-default name the keys start with it (`"{name}_precision"`);
         a second metric of the same name in one compiled model logs under

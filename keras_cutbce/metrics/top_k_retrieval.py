@@ -1,20 +1,25 @@
 """`TopKRetrieval`: hit@k, recall@k and ndcg@k without logits."""
 
 import math
+from typing import Optional
+from typing import Sequence
+from typing import Union
 
 import keras
 from keras import ops
 
+from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
-from keras_cutbce import validation
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
+
+__all__ = ["TopKRetrieval"]
 
 DEFAULT_NAME = "top_k_retrieval"
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class TopKRetrieval(ItemTableMetric):
-    """hit@k, recall@k and ndcg@k of full-vocabulary retrieval, without logits.
+    """Computes hit@k, recall@k and ndcg@k of full-vocabulary retrieval, without logits.
 
     For every position, the top `max(k)` items by logit `h . E_v + b_v` are
     retrieved with `cut_top_k` (exact, ties to the lower id; memory
@@ -70,16 +75,16 @@ class TopKRetrieval(ItemTableMetric):
     def __init__(
         self,
         embeddings,
-        k=(8, 10),
-        exclude_ids=None,
+        k: Union[int, Sequence[int]] = (8, 10),
+        exclude_ids: Optional[Sequence[int]] = None,
         bias=None,
-        chunk_size=None,
-        name=DEFAULT_NAME,
-        dtype=None,
+        chunk_size: Optional[int] = None,
+        name: str = DEFAULT_NAME,
+        dtype: Optional[str] = None,
     ):
         super().__init__(embeddings, bias, chunk_size, name, dtype)
-        self.k = validation.check_cutoffs(k)
-        self.exclude_ids = validation.check_id_list(exclude_ids, "exclude_ids")
+        self.k = checks.check_cutoffs(k)
+        self.exclude_ids = checks.check_id_list(exclude_ids, "exclude_ids")
         self._sums = {}
         for cut in self.k:
             for measure in ("hit", "recall", "ndcg"):
@@ -103,18 +108,19 @@ class TopKRetrieval(ItemTableMetric):
         """
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
+        bias = None if bias is None else bias.value
         depth = max(self.k)
         if depth > vocab_size:
             raise ValueError(
-                f"`k` must be at most V = {vocab_size} (the number of items); "
-                f"received k={list(self.k)}."
+                f"`k` must be at most V = {vocab_size} (the number of items). "
+                f"Received: k={list(self.k)}"
             )
         never = tuple(i for i in self.exclude_ids if 0 <= i < vocab_size)
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size, never)
 
         exclusions = None
         if exclude_ids is not None:
-            exclusions = validation.checked_ids(exclude_ids, y_pred, vocab_size, "exclude_ids")
+            exclusions = checks.int32_ids(exclude_ids, y_pred, vocab_size, "exclude_ids")
         if never:
             constant = ops.zeros_like(y_pred[..., :1], dtype="int32") + ops.convert_to_tensor(
                 never, dtype="int32"
@@ -157,7 +163,7 @@ class TopKRetrieval(ItemTableMetric):
         self.total_weight.assign_add(ops.sum(weights))
 
     def result(self):
-        """Dict `{"hit@k", "recall@k", "ndcg@k"}` for every cut-off k.
+        """Returns the dict `{"hit@k", "recall@k", "ndcg@k"}` for every cut-off k.
 
         With a `name` other than the default the keys start with it
         (`"{name}_hit@k"`), so two metrics in one model log apart; a second

@@ -174,7 +174,7 @@ def vocab_sharding_of(embeddings):
     """
     import keras
 
-    from keras_cutbce.validation import table_variable
+    from keras_cutbce.item_table import table_variable
 
     embeddings = table_variable(embeddings)  # a layer's table variable (LoRA too)
     if isinstance(embeddings, keras.Variable):

@@ -1,0 +1,367 @@
+"""Check the arguments of the public ops and metrics, once, before any kernel runs.
+
+Every check raises a `ValueError` or `TypeError` naming the argument, what it
+must be and what was received (`"... Received: chunk_size=2.5"`), and returns
+the value normalised (a Python int or float, int32 ids with one padding id).
+Below the public entry points nothing checks again: the kernels trust what
+they get.
+"""
+
+import math
+import numbers
+from typing import NamedTuple
+from typing import Optional
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_cutbce import registry
+from keras_cutbce.common import ids_as_int32
+from keras_cutbce.common import is_host_array
+
+__all__ = [
+    "LossOptions",
+    "check_chunk_size",
+    "check_cutoffs",
+    "check_hidden_and_table",
+    "check_id_list",
+    "check_implementation",
+    "check_int",
+    "check_k",
+    "check_label_smoothing",
+    "check_pos_weight",
+    "check_probability",
+    "check_sample_weight",
+    "int32_ids",
+    "is_float",
+    "is_int",
+    "loss_options",
+    "static_dims",
+]
+
+
+# -- shapes and dtypes --------------------------------------------------------
+
+
+def static_dims(x):
+    """Returns the static dimensions of `x` as a tuple of ints, None where unknown.
+
+    Example:
+
+    >>> import numpy as np
+    >>> static_dims(np.zeros((2, 3)))
+    (2, 3)
+    """
+    shape = getattr(x, "shape", None)
+    shape = tuple(ops.shape(x)) if shape is None else tuple(shape)
+    out = []
+    for d in shape:
+        try:
+            out.append(None if d is None else int(d))
+        except TypeError:
+            out.append(None)
+    return tuple(out)
+
+
+def _dtype(x):
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def is_float(x):
+    """Returns True for a float tensor (bfloat16 included)."""
+    return keras.backend.is_float_dtype(_dtype(x))
+
+
+def is_int(x):
+    """Returns True for an integer tensor (signed or unsigned)."""
+    return keras.backend.is_int_dtype(_dtype(x))
+
+
+# -- scalars --------------------------------------------------------------------
+
+
+def check_int(value, argument, minimum=1):
+    """Returns `value` as a Python int (NumPy integers accepted), `>= minimum`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> check_int(np.int64(3), "k")
+    3
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(
+            f"`{argument}` must be an int >= {minimum}. Received: {argument}={value!r}"
+        )
+    return int(value)
+
+
+def check_chunk_size(chunk_size):
+    """Returns None or a positive Python int (NumPy integers accepted)."""
+    if chunk_size is None:
+        return None
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size < 1
+    ):
+        raise ValueError(
+            "`chunk_size` must be None or a positive int. "
+            f"Received: chunk_size={chunk_size!r}"
+        )
+    return int(chunk_size)
+
+
+def _as_float(value, argument, expected):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{argument}` must be a float {expected}. Received: {argument}={value!r} "
+            f"of type {type(value).__name__}"
+        )
+    return float(value)
+
+
+def check_label_smoothing(label_smoothing):
+    """Returns `label_smoothing` as a float in `[0, 1]`."""
+    value = _as_float(label_smoothing, "label_smoothing", "in [0, 1]")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            "`label_smoothing` must be in [0, 1]. "
+            f"Received: label_smoothing={label_smoothing!r}"
+        )
+    return value
+
+
+def check_pos_weight(pos_weight):
+    """Returns `pos_weight` as a finite float `> 0`."""
+    value = _as_float(pos_weight, "pos_weight", "> 0")
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(
+            f"`pos_weight` must be a finite float > 0. Received: pos_weight={pos_weight!r}"
+        )
+    return value
+
+
+_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch", "tensorflow": "TensorFlow"}
+
+
+def check_implementation(implementation):
+    """Returns `implementation`, one of `registry.NAMES` (`"pallas"` on JAX only)."""
+    if not isinstance(implementation, str) or implementation not in registry.NAMES:
+        raise ValueError(
+            f"`implementation` must be one of {registry.NAMES}. "
+            f"Received: implementation={implementation!r}"
+        )
+    backend = keras.backend.backend()
+    runs_on = registry.backends_of(implementation)
+    if backend in registry.BACKENDS and backend not in runs_on:
+        names = " or ".join(_BACKEND_NAMES.get(b, b) for b in runs_on)
+        raise ValueError(
+            f"`implementation={implementation!r}` needs the {names} backend. "
+            f"Received: the Keras backend {backend!r}"
+        )
+    return implementation
+
+
+class LossOptions(NamedTuple):
+    """The checked scalar options of the loss ops."""
+
+    label_smoothing: float
+    pos_weight: float
+    chunk_size: Optional[int]
+    implementation: str
+
+
+def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implementation="auto"):
+    """Returns the loss ops' scalar options checked, as a `LossOptions`.
+
+    Example:
+
+    >>> loss_options(label_smoothing=0, chunk_size=64)
+    LossOptions(label_smoothing=0.0, pos_weight=1.0, chunk_size=64, implementation='auto')
+    """
+    return LossOptions(
+        label_smoothing=check_label_smoothing(label_smoothing),
+        pos_weight=check_pos_weight(pos_weight),
+        chunk_size=check_chunk_size(chunk_size),
+        implementation=check_implementation(implementation),
+    )
+
+
+def check_k(k, vocab_size):
+    """Returns `k` as an int in `[1, V]` (NumPy integers accepted)."""
+    upper = "V" if vocab_size is None else vocab_size
+    if (
+        isinstance(k, bool)
+        or not isinstance(k, numbers.Integral)
+        or k < 1
+        or (vocab_size is not None and k > vocab_size)
+    ):
+        raise ValueError(f"`k` must be an int in [1, V] = [1, {upper}]. Received: k={k!r}")
+    return int(k)
+
+
+def check_cutoffs(k):
+    """Returns an int or a non-empty sequence of ints >= 1 as a sorted tuple of distinct ints.
+
+    Example:
+
+    >>> check_cutoffs([10, 5, 10])
+    (5, 10)
+    """
+    ks = (k,) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k
+    try:
+        ks = tuple(ks)
+    except TypeError:
+        ks = ()
+    if not ks or any(
+        isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in ks
+    ):
+        raise ValueError(f"`k` must be a positive int or a sequence of them. Received: k={k!r}")
+    return tuple(sorted({int(x) for x in ks}))
+
+
+def check_id_list(ids, argument):
+    """Returns None, an int or a sequence of ints as a tuple of Python ints."""
+    if ids is None:
+        return ()
+    if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+        ids = (ids,)
+    try:
+        values = tuple(ids)
+    except TypeError:
+        values = None
+    if values is None or any(
+        isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in values
+    ):
+        raise TypeError(
+            f"`{argument}` must be None or a list of int item ids. Received: {argument}={ids!r}"
+        )
+    return tuple(int(x) for x in values)
+
+
+def check_probability(value, argument):
+    """Returns `value` as a float strictly inside `(0, 1)`."""
+    number = _as_float(value, argument, "in (0, 1)")
+    if not 0.0 < number < 1.0:
+        raise ValueError(
+            f"`{argument}` must be a probability in (0, 1). Received: {argument}={value!r}"
+        )
+    return number
+
+
+# -- tensors ----------------------------------------------------------------------
+
+
+def check_hidden_and_table(hidden, table, bias):
+    """Raises unless `hidden [..., D]`, `table [V, D]` (V >= 1) and `bias [V]` are floats that fit."""
+    h_dims, t_dims = static_dims(hidden), static_dims(table)
+    if len(h_dims) < 2:
+        raise ValueError(
+            f"`hidden` must have rank >= 2, shape [..., D]. Received: hidden.shape={h_dims}"
+        )
+    if not is_float(hidden):
+        raise TypeError(
+            f"`hidden` must be a float tensor. Received: hidden.dtype={_dtype(hidden)}"
+        )
+    if len(t_dims) != 2:
+        raise ValueError(
+            f"`embeddings` must have shape [V, D]. Received: embeddings.shape={t_dims}"
+        )
+    if t_dims[0] == 0:
+        raise ValueError(
+            "`embeddings` must hold at least one item (V >= 1). "
+            f"Received: embeddings.shape={t_dims}"
+        )
+    if not is_float(table):
+        raise TypeError(
+            f"`embeddings` must be a float table. Received: embeddings.dtype={_dtype(table)}"
+        )
+    if None not in (h_dims[-1], t_dims[1]) and h_dims[-1] != t_dims[1]:
+        raise ValueError(
+            "`hidden` and `embeddings` must share the last dimension D: expected "
+            f"hidden [..., {t_dims[1]}] for embeddings {t_dims}. "
+            f"Received: hidden.shape={h_dims}"
+        )
+    if bias is not None:
+        b_dims = static_dims(bias)
+        if len(b_dims) != 1 or (None not in (b_dims[0], t_dims[0]) and b_dims[0] != t_dims[0]):
+            raise ValueError(
+                f"`bias` must have shape [V] = [{t_dims[0]}] to match `embeddings` "
+                f"{t_dims}. Received: bias.shape={b_dims}"
+            )
+        if not is_float(bias):
+            raise TypeError(f"`bias` must be float. Received: bias.dtype={_dtype(bias)}")
+
+
+def _check_id_shape(i_dims, h_dims, argument):
+    """`i_dims` with the `L` axis: `[...]` (one id a position) gains a trailing 1."""
+    lead = h_dims[:-1]
+    if len(i_dims) == len(lead):  # one id per position
+        i_dims = i_dims + (1,)
+    if len(i_dims) != len(lead) + 1 or any(
+        a is not None and b is not None and a != b for a, b in zip(i_dims[:-1], lead)
+    ):
+        raise ValueError(
+            f"`{argument}` must have shape [..., L] with the leading dimensions of "
+            f"`hidden` {h_dims}, i.e. {lead + ('L',)}. Received: {argument}.shape={i_dims}"
+        )
+    return i_dims
+
+
+def int32_ids(ids, hidden, vocab_size, argument):
+    """Returns integer ids checked for `hidden [..., D]`: int32 `[..., L]`, padding `EMPTY_ID`.
+
+    Ids of any integer dtype, `[..., L]` or `[...]` (one a position). Every id
+    outside `[0, vocab_size)` becomes `EMPTY_ID` in its own dtype before the
+    cast (`keras_cutbce.common.ids_as_int32`), so an int64 id >= 2**31 never
+    wraps to a valid id; host (NumPy) ids are clamped on the host.
+
+    Example:
+
+    >>> import numpy as np
+    >>> ids = int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")
+    >>> np.asarray(ids).tolist()
+    [[0], [-1], [-1]]
+    """
+    host = is_host_array(ids) and np.asarray(ids).dtype.kind in "iu"
+    if host:
+        ids = np.asarray(ids)
+    else:
+        ids = ops.convert_to_tensor(ids)
+        if not is_int(ids):
+            raise TypeError(
+                f"`{argument}` must be an integer tensor of item ids (ids outside "
+                "[0, V) are padding); float ids are exact only below 2**24, so keep "
+                f"them integral. Received: {argument}.dtype={_dtype(ids)}"
+            )
+    h_dims, i_dims = static_dims(hidden), static_dims(ids)
+    with_labels = _check_id_shape(i_dims, h_dims, argument)
+    if len(with_labels) != len(i_dims):
+        ids = np.expand_dims(ids, -1) if host else ops.expand_dims(ids, -1)
+    return ids_as_int32(ids, vocab_size)
+
+
+def check_sample_weight(weight_dims, loss_dims, received=None):
+    """Raises unless `sample_weight` dims broadcast onto the per-position loss dims.
+
+    `weight_dims` are the dims after Keras's rank adjustment (a trailing
+    size-1 axis squeezed, or the weight expanded over trailing positions).
+    Unknown (None) dims are not checked. `received` is the shape the caller
+    gave, for the message (default `weight_dims`).
+    """
+    ok = len(weight_dims) <= len(loss_dims)
+    if ok:
+        for w, d in zip(reversed(weight_dims), reversed(loss_dims)):
+            if None not in (w, d) and w not in (1, d):
+                ok = False
+                break
+    if not ok:
+        shown = weight_dims if received is None else received
+        raise ValueError(
+            "`sample_weight` must broadcast to the per-position loss of shape "
+            f"{loss_dims} (y_pred.shape[:-1]); it may be a scalar, one weight per "
+            "example or per position, with an optional trailing axis of size 1. "
+            f"Received: sample_weight.shape={shown}"
+        )

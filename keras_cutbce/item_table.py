@@ -1,0 +1,221 @@
+"""`ItemTable`: the item table (or bias) as the ops, the loss and the metrics read it.
+
+A table can be given as a tensor or array (a constant), a `keras.Variable`,
+or a layer holding one as `embeddings` (`keras.layers.Embedding`, with or
+without LoRA, `keras.layers.ReversibleEmbedding`). `ItemTable.read` resolves
+it once per call into one object holding
+
+- `value`: the current value (a layer's `embeddings` property, so a LoRA
+  layer gives its merged table; a variable's value, which inside a
+  `keras.StatelessScope`, as in Keras's JAX train step, is the traced one);
+- `variable`: the `keras.Variable` storing it, or None for a constant;
+- `sharding`: its `VocabSharding` when split along V over a JAX mesh (read
+  from the variable's layout, else from the value), or None.
+
+Saved configs hold a table as its variable's path (re-bound to the loaded
+model's variable) or, for a constant, as an array: `table_config`,
+`tables_from_config` and `bind`.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_cutbce import _keras_private
+
+__all__ = [
+    "ItemTable",
+    "bind",
+    "table_config",
+    "table_variable",
+    "tables_from_config",
+    "trainable_table_variables",
+]
+
+_UNKNOWN = object()
+
+
+def table_variable(source, argument="embeddings"):
+    """Returns the `keras.Variable` storing a table given as a variable or a layer.
+
+    A layer's table is its `embeddings` attribute when that is a variable,
+    else (LoRA, quantized layers, where `embeddings` is computed) its weight
+    named `embeddings`. Tensors and None are returned as they are.
+    """
+    if not isinstance(source, keras.layers.Layer):
+        return source
+    if not source.built:
+        raise TypeError(
+            f"`{argument}` layer {source.name!r} is not built: build it (or the model "
+            "that owns it) before passing it as an item table. "
+            f"Received: {argument}={source.name!r} (not built)"
+        )
+    variable = getattr(source, "embeddings", None)
+    if isinstance(variable, keras.Variable):
+        return variable
+    for weight in source.weights:
+        if weight.name == "embeddings":
+            return weight
+    raise TypeError(
+        f"`{argument}` must be a [V, D] tensor, a keras.Variable or a layer with an "
+        "`embeddings` variable (e.g. keras.layers.Embedding). "
+        f"Received: {argument}={source.name!r} of type {type(source).__name__} without one"
+    )
+
+
+def trainable_table_variables(source):
+    """Returns the trainable variables a table source reads (none for a frozen table or a constant).
+
+    A layer's trainable weights (none when `layer.trainable` is False; a
+    LoRA layer's factors), a variable created with `trainable=True`, and
+    nothing for a tensor, an array or None.
+    """
+    if isinstance(source, keras.layers.Layer):
+        return list(source.trainable_weights)
+    if isinstance(source, keras.Variable) and source.trainable:
+        return [source]
+    return []
+
+
+def bind(source, argument="embeddings"):
+    """Returns `source`, with a variable path (from a config) bound to the running model's variable."""
+    if not isinstance(source, str):
+        return source
+    found = _keras_private.find_model_table(source)
+    if found is None:
+        raise ValueError(
+            f"`{argument}` refers to the variable {source!r}, and no Keras model with "
+            "that variable is being compiled, trained or evaluated. Pass the variable "
+            f"or layer itself, or compile the model that owns it. Received: {argument}={source!r}"
+        )
+    return found
+
+
+class ItemTable:
+    """An item table (or bias) read for one call: its value, variable and sharding.
+
+    Build one with `ItemTable.read`; the ops accept one wherever they accept a
+    table and use it as it is.
+
+    Args:
+        value: the table's current value, a tensor of the active backend.
+        variable: the `keras.Variable` storing it, or None for a constant.
+        source: what the caller gave (a layer, a variable, a tensor).
+        sharding: its `VocabSharding`, None when not split along V; by
+            default found on first use.
+
+    Example:
+
+    >>> import numpy as np
+    >>> table = ItemTable.read(np.zeros((10, 4), "float32"))
+    >>> table.vocab_size, table.variable is None, table.sharding is None
+    (10, True, True)
+    """
+
+    __slots__ = ("value", "variable", "source", "_sharding")
+
+    def __init__(self, value, variable=None, source=None, sharding=_UNKNOWN):
+        self.value = value
+        self.variable = variable
+        self.source = value if source is None else source
+        self._sharding = sharding
+
+    @classmethod
+    def read(cls, source, argument="embeddings", value=None):
+        """Returns the `ItemTable` of `source` as it is now (an `ItemTable` as it is).
+
+        Args:
+            source: a tensor, array, `keras.Variable`, layer with an
+                `embeddings` variable, or the path of a variable of the model
+                being loaded, compiled or trained.
+            argument: the argument's name, for error messages.
+            value: the value to use instead of reading `source` (e.g. the
+                traced state of a JAX train step).
+        """
+        if isinstance(source, ItemTable):
+            return source
+        source = bind(source, argument)
+        variable = table_variable(source, argument)
+        if value is None:
+            value = source.embeddings if isinstance(source, keras.layers.Layer) else source
+        stored = variable if isinstance(variable, keras.Variable) else None
+        return cls(ops.convert_to_tensor(value), stored, source)
+
+    @property
+    def vocab_size(self):
+        """V: a Python int when static, else a scalar tensor."""
+        static = self.value.shape[0]
+        try:
+            return int(static)
+        except TypeError:
+            return ops.shape(self.value)[0]
+
+    @property
+    def sharding(self):
+        """The table's `VocabSharding` when split along V over a JAX mesh, else None."""
+        if self._sharding is _UNKNOWN:
+            self._sharding = _vocab_sharding(self.variable, self.value)
+        return self._sharding
+
+    def unsharded(self):
+        """Returns this table's value as an `ItemTable` read as not sharded."""
+        return ItemTable(self.value, self.variable, self.source, sharding=None)
+
+    def trainable_variables(self):
+        """Returns the trainable variables this table reads (see `trainable_table_variables`)."""
+        return trainable_table_variables(self.source)
+
+
+def _vocab_sharding(*candidates):
+    """The `VocabSharding` of the first candidate split along V over a JAX mesh."""
+    if keras.backend.backend() != "jax":
+        return None
+    from keras_cutbce.backends.jax import sharded
+
+    for candidate in candidates:
+        if candidate is not None:
+            found = sharded.vocab_sharding_of(candidate)
+            if found is not None:
+                return found
+    return None
+
+
+# -- saving: tables as variable paths, constants as arrays ----------------------------
+
+
+def table_config(source, argument):
+    """Returns `source` as a config value: its variable's path, or the constant itself.
+
+    A table held in a `keras.Variable` (or a layer) is saved as the variable's
+    path, which re-binds to the loaded model's variable (its value is in the
+    model's weights). A constant table (a NumPy array or a tensor, which no
+    optimizer trains) is saved in the config as an array, so `model.save`
+    works for it too; a large constant table is better held in a
+    non-trainable `keras.Variable` of the model (saved with the weights).
+    None and paths pass through.
+    """
+    if source is None or isinstance(source, str):
+        return source
+    if isinstance(source, (keras.Variable, keras.layers.Layer)):
+        path = getattr(table_variable(source, argument), "path", None)
+        if path is not None:
+            return path
+    return keras.saving.serialize_keras_object(np.asarray(ops.convert_to_numpy(source)))
+
+
+def tables_from_config(config, keys=("embeddings", "bias")):
+    """Returns `config` with its tables restored.
+
+    Paths are bound to the loaded model's variables where one is found,
+    constants become NumPy arrays.
+    """
+    config = dict(config)
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, str):
+            found = _keras_private.find_model_table(value)
+            if found is not None:
+                config[key] = found
+        elif isinstance(value, dict):
+            config[key] = keras.saving.deserialize_keras_object(value)
+    return config
