@@ -1,5 +1,6 @@
 """Exact binary cross-entropy over huge item vocabularies, without logits."""
 
+from keras_cutbce.item_embedding import ItemEmbedding
 from keras_cutbce.loss import CutBCELoss
 from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
 from keras_cutbce.ops import count_out_of_range_ids
@@ -9,6 +10,7 @@ from keras_cutbce.version import __version__
 
 __all__ = [
     "CutBCELoss",
+    "ItemEmbedding",
     "ThresholdConfusion",
     "TopKRetrieval",
     "count_out_of_range_ids",

@@ -12,6 +12,10 @@ it once per call into one object holding
 - `sharding`: its `VocabSharding` when split along V over a JAX mesh (read
   from the variable's layout, else from the value), or None.
 
+A layer that owns a bias (`keras_cutbce.ItemEmbedding(..., use_bias=True)`)
+gives the bias too: `layer_bias` finds it and `resolve_bias` chooses the
+bias a call uses (the layer's, or the `bias=` argument, never both).
+
 Saved configs hold a table as its variable's path (re-bound to the loaded
 model's variable) or, for a constant, as an array: `table_config`,
 `tables_from_config` and `bind`.
@@ -26,7 +30,11 @@ from keras_cutbce import _keras_private
 __all__ = [
     "ItemTable",
     "bind",
+    "layer_bias",
+    "resolve_bias",
+    "static_vocab_size",
     "table_config",
+    "tables_config",
     "table_variable",
     "tables_from_config",
     "trainable_table_variables",
@@ -61,6 +69,72 @@ def table_variable(source, argument="embeddings"):
         "`embeddings` variable (e.g. keras.layers.Embedding). "
         f"Received: {argument}={source.name!r} of type {type(source).__name__} without one"
     )
+
+
+def layer_bias(source):
+    """Returns the bias variable `[V]` an item table layer owns, or None.
+
+    An `ItemEmbedding` built with `use_bias=True` owns one; any other table
+    source (another layer, a variable, a tensor, a path) has none.
+    """
+    from keras_cutbce.item_embedding import ItemEmbedding
+
+    if isinstance(source, ItemTable):
+        source = source.source
+    if isinstance(source, ItemEmbedding) and source.use_bias:
+        return source.bias
+    return None
+
+
+def resolve_bias(embeddings, bias):
+    """Returns the bias a call uses: `bias`, or the bias the table layer owns.
+
+    Args:
+        embeddings: the table source (or its `ItemTable`).
+        bias: the `bias=` argument (None, a variable, a tensor, an
+            `ItemTable`).
+
+    Raises:
+        ValueError: when the table layer owns a bias and another `bias=` is
+            given too (the layer's own bias, given again, is accepted).
+    """
+    own = layer_bias(embeddings)
+    if own is None or bias is None:
+        return own if bias is None else bias
+    given = bias.source if isinstance(bias, ItemTable) else bias
+    if given is own:
+        return bias
+    layer = embeddings.source if isinstance(embeddings, ItemTable) else embeddings
+    raise ValueError(
+        f"The item table layer {layer.name!r} owns a bias (use_bias=True), and "
+        "`bias` was given too: pass one of them (the layer's bias is read "
+        "with its table). Received: bias="
+        f"{getattr(given, 'path', None) or type(given).__name__}"
+    )
+
+
+def static_vocab_size(source):
+    """Returns V of a table source when known without reading it (an int), else None.
+
+    A `keras.layers.Embedding` gives its `input_dim`, built or not; a
+    variable, array or tensor its first static dimension; a path (from a
+    config) or an unknown dimension gives None.
+    """
+    if isinstance(source, ItemTable):
+        source = source.value
+    if isinstance(source, keras.layers.Embedding):
+        return int(source.input_dim)
+    if isinstance(source, keras.layers.Layer):
+        if not source.built:
+            return None
+        source = table_variable(source)
+    shape = getattr(source, "shape", None)
+    if shape is None or len(shape) != 2:
+        return None
+    try:
+        return int(shape[0])
+    except TypeError:
+        return None
 
 
 def trainable_table_variables(source):
@@ -201,6 +275,18 @@ def table_config(source, argument):
         if path is not None:
             return path
     return keras.saving.serialize_keras_object(np.asarray(ops.convert_to_numpy(source)))
+
+
+def tables_config(embeddings, bias):
+    """Returns `{"embeddings": ..., "bias": ...}` as config values (see `table_config`).
+
+    The bias a table layer owns is saved as the bias's own path, so the
+    loaded object reads the same bias whatever its table re-binds to.
+    """
+    return {
+        "embeddings": table_config(embeddings, "embeddings"),
+        "bias": table_config(resolve_bias(embeddings, bias), "bias"),
+    }
 
 
 def tables_from_config(config, keys=("embeddings", "bias")):

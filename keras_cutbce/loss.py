@@ -10,7 +10,8 @@ from keras_cutbce import _keras_private
 from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
 from keras_cutbce.item_table import ItemTable
-from keras_cutbce.item_table import table_config
+from keras_cutbce.item_table import resolve_bias
+from keras_cutbce.item_table import tables_config
 from keras_cutbce.item_table import tables_from_config
 from keras_cutbce.item_table import trainable_table_variables
 
@@ -93,9 +94,13 @@ class CutBCELoss(keras.losses.Loss):
     Args:
         embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
             `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
-            `ReversibleEmbedding`), or a constant `[V, D]` array or tensor.
-        bias: optional `keras.Variable` `[V]` (or a constant array), under
-            the same rules as the table.
+            `ReversibleEmbedding`, `keras_cutbce.ItemEmbedding`), or a
+            constant `[V, D]` array or tensor. An `ItemEmbedding` built with
+            `use_bias=True` gives its bias too: the trainable bias of a
+            model (it trains with the table).
+        bias: optional bias `[V]`, for a table without its own: a constant
+            array or tensor, or a `keras.Variable` of the model (a trainable
+            variable outside the model is refused by `fit`, as the table).
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width, `None` for the default rule
@@ -111,6 +116,8 @@ class CutBCELoss(keras.losses.Loss):
 
     ```python
     items = keras.layers.Embedding(num_items, 64, name="items")
+    # or, with a trainable per-item bias the loss reads (and trains) too:
+    # items = keras_cutbce.ItemEmbedding(num_items, 64, use_bias=True, name="items")
     ids = keras.Input((None,), dtype="int32")
     hidden = keras.layers.Dense(64)(items(ids))
     model = keras.Model(ids, hidden)
@@ -308,15 +315,17 @@ class CutBCELoss(keras.losses.Loss):
         (`trainable=False`, a constant) is never refused.
         """
         table = ItemTable.read(self.embeddings, "embeddings")
-        bias = None if self.bias is None else ItemTable.read(self.bias, "bias")
-        trained = [
-            (part.value, variable)
-            for part in (table, bias)
-            if part is not None
-            for variable in trainable_table_variables(part.source)
-        ]
-        if trained:
-            self._check_trained_by(_keras_private.training_model(), [v for _, v in trained])
+        bias = resolve_bias(table, self.bias)
+        bias = None if bias is None else ItemTable.read(bias, "bias")
+        model = _keras_private.training_model()
+        trained = []
+        for part, role in ((table, "item table"), (bias, "bias")):
+            if part is None:
+                continue
+            variables = trainable_table_variables(part.source)
+            if variables:
+                self._check_trained_by(model, variables, role)
+            trained += [(part.value, variable) for variable in variables]
         if (
             _is_jax_tracer(y_pred)
             and any(not _is_jax_tracer(value) for value, _ in trained)
@@ -325,11 +334,12 @@ class CutBCELoss(keras.losses.Loss):
             y_pred = _refuse_differentiation(y_pred)
         return y_pred, table, bias
 
-    def _check_trained_by(self, model, variables):
-        """Raises if `model` is being trained and does not train the table's `variables`.
+    def _check_trained_by(self, model, variables, role="item table"):
+        """Raises if `model` is being trained and does not train the `variables` of the table or bias.
 
-        A model found to train them is remembered (per model), so the next
-        steps skip the walk over the model's variables.
+        `role` (`"item table"` or `"bias"`) names what they are in the
+        message. A model found to train them is remembered (per model), so
+        the next steps skip the walk over the model's variables.
         """
         if model is None or not variables:
             return
@@ -342,17 +352,29 @@ class CutBCELoss(keras.losses.Loss):
         missing = [v for v in variables if id(v) not in owned]
         if not missing:
             verified[key] = list(variables)
-        else:
-            names = ", ".join(repr(v.path) for v in missing)
+            return
+        names = ", ".join(repr(v.path) for v in missing)
+        if role == "bias":
             raise ValueError(
-                f"CutBCELoss's item table is not among the trainable variables of the "
-                f"model being trained ({model.name!r}): {names} would never be updated "
-                "by `fit`. Pass the model's own item table (the layer or variable the "
-                "model embeds items with, e.g. `CutBCELoss(model.get_layer('items'))`), "
-                "or build the model with that table as one of its layers. To keep a table "
-                "fixed on purpose, make it non-trainable (`layer.trainable = False`, "
-                "`keras.Variable(..., trainable=False)`) or pass it as a tensor."
+                f"CutBCELoss's bias is not among the trainable variables of the model "
+                f"being trained ({model.name!r}): {names} would never be updated by "
+                "`fit`. Let the model's item table layer own the bias: embed items with "
+                "`items = keras_cutbce.ItemEmbedding(num_items, dim, use_bias=True)` "
+                "and pass `CutBCELoss(items)` (no `bias=`): the loss and the metrics "
+                "read the table and its bias, and both train. To keep a bias fixed on "
+                "purpose, make it non-trainable (`keras.Variable(..., trainable=False)`) "
+                "or pass it as a tensor. Received: bias="
+                f"{getattr(missing[0], 'path', None)!r}"
             )
+        raise ValueError(
+            f"CutBCELoss's item table is not among the trainable variables of the "
+            f"model being trained ({model.name!r}): {names} would never be updated "
+            "by `fit`. Pass the model's own item table (the layer or variable the "
+            "model embeds items with, e.g. `CutBCELoss(model.get_layer('items'))`), "
+            "or build the model with that table as one of its layers. To keep a table "
+            "fixed on purpose, make it non-trainable (`layer.trainable = False`, "
+            "`keras.Variable(..., trainable=False)`) or pass it as a tensor."
+        )
 
     def call(self, y_true, y_pred):
         """Computes the per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
@@ -368,8 +390,7 @@ class CutBCELoss(keras.losses.Loss):
         """
         config = super().get_config()
         config.update(
-            embeddings=table_config(self.embeddings, "embeddings"),
-            bias=table_config(self.bias, "bias"),
+            **tables_config(self.embeddings, self.bias),
             label_smoothing=self.label_smoothing,
             pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,

@@ -30,6 +30,7 @@ from keras_cutbce import registry
 from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.common import is_host_array
 from keras_cutbce.item_table import ItemTable
+from keras_cutbce.item_table import resolve_bias
 from keras_cutbce.math.tiling import default_chunk_size
 from keras_cutbce.math.tiling import tile_budget_bytes
 
@@ -153,7 +154,9 @@ def _flatten(hidden, ids=None):
     return flat_hidden, ops.reshape(ids, (ops.shape(flat_hidden)[0], ops.shape(ids)[-1]))
 
 
-def _read_bias(bias):
+def _read_bias(table, bias):
+    """The bias value a call uses: `bias=`, or the bias the table layer owns (None without)."""
+    bias = resolve_bias(table, bias)
     return None if bias is None else ItemTable.read(bias, "bias").value
 
 
@@ -180,7 +183,7 @@ def loss_inputs(hidden, embeddings, target_ids, bias=None):
     """
     hidden = ops.convert_to_tensor(hidden)
     table = ItemTable.read(embeddings)
-    bias = _read_bias(bias)
+    bias = _read_bias(table, bias)
     checks.check_hidden_and_table(hidden, table.value, bias)
     ids = checks.int32_ids(target_ids, hidden, table.vocab_size, "target_ids")
     flat_hidden, flat_ids = _flatten(hidden, ids)
@@ -241,11 +244,12 @@ def cut_binary_crossentropy(
         hidden: float tensor `[..., D]`, rank >= 2.
         embeddings: item table `[V, D]`, `V >= 1`: a tensor, a
             `keras.Variable`, or a layer with an `embeddings` variable
-            (`keras.layers.Embedding`, LoRA-enabled too).
+            (`keras.layers.Embedding`, LoRA-enabled too,
+            `keras_cutbce.ItemEmbedding`, whose own bias is used).
         target_ids: integer ids `[..., L]` (or `[...]` for one id a position),
             of any integer dtype. Ids outside `[0, V)` are padding (int64 ids
             beyond the int32 range too); duplicates count once.
-        bias: optional float `[V]`.
+        bias: optional float `[V]`, for a table without its own bias.
         label_smoothing: float in `[0, 1]`.
         pos_weight: finite float > 0 weighting the positive terms.
         chunk_size: vocabulary tile width (an int, NumPy ints accepted);
@@ -318,7 +322,7 @@ def _prepare_retrieval(hidden, embeddings, bias, chunk_size):
     chunk_size = checks.check_chunk_size(chunk_size)
     hidden = ops.convert_to_tensor(hidden)
     table = ItemTable.read(embeddings)
-    bias = _read_bias(bias)
+    bias = _read_bias(table, bias)
     checks.check_hidden_and_table(hidden, table.value, bias)
     return hidden, table, bias, chunk_size
 
@@ -341,9 +345,10 @@ def cut_top_k(
 
     Args:
         hidden: float tensor `[..., D]`, rank >= 2.
-        embeddings: item table `[V, D]` (tensor, variable or Embedding layer).
+        embeddings: item table `[V, D]` (tensor, variable or Embedding layer;
+            an `ItemEmbedding` with `use_bias=True` gives its bias too).
         k: number of items to return, an int in `[1, V]` (NumPy ints too).
-        bias: optional float `[V]`.
+        bias: optional float `[V]`, for a table without its own bias.
         exclude_ids: optional integer ids `[..., X]` never returned for that
             position (e.g. items already seen); ids outside `[0, V)` (int64
             ids beyond the int32 range too) are ignored.

@@ -7,7 +7,8 @@ from keras_cutbce import _keras_private
 from keras_cutbce import checks
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import bind
-from keras_cutbce.item_table import table_config
+from keras_cutbce.item_table import resolve_bias
+from keras_cutbce.item_table import tables_config
 from keras_cutbce.item_table import tables_from_config
 from keras_cutbce.math.positives import distinct_targets
 
@@ -35,8 +36,9 @@ class ItemTableMetric(keras.metrics.Metric):
 
     Args:
         embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable (`keras.layers.Embedding`).
-        bias: optional `keras.Variable` `[V]`.
+            an `embeddings` variable (`keras.layers.Embedding`; an
+            `ItemEmbedding` with `use_bias=True` gives its bias too).
+        bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
         name: metric name.
         dtype: dtype of the accumulators (default float32).
@@ -73,7 +75,8 @@ class ItemTableMetric(keras.metrics.Metric):
     def read_tables(self):
         """Returns `(table, bias)` as this update should see them, as `ItemTable`s (bias None if unset)."""
         table = self._read(self.embeddings, "embeddings")
-        bias = None if self.bias is None else self._read(self.bias, "bias")
+        bias = resolve_bias(table, self.bias)
+        bias = None if bias is None else self._read(bias, "bias")
         return table, bias
 
     def prepare(self, y_true, y_pred, vocab_size, never=()):
@@ -144,8 +147,7 @@ class ItemTableMetric(keras.metrics.Metric):
         return {
             "name": self.name,
             "dtype": self.dtype,
-            "embeddings": table_config(self.embeddings, "embeddings"),
-            "bias": table_config(self.bias, "bias"),
+            **tables_config(self.embeddings, self.bias),
             "chunk_size": self.chunk_size,
         }
 

@@ -38,9 +38,10 @@ class ThresholdConfusion(ItemTableMetric):
 
     Args:
         embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable.
+            an `embeddings` variable (an `ItemEmbedding` with `use_bias=True`
+            gives its bias too).
         threshold: probability in `(0, 1)`.
-        bias: optional `keras.Variable` `[V]`.
+        bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
         name: metric name.
         dtype: dtype of the accumulators (default float32).
@@ -88,7 +89,6 @@ class ThresholdConfusion(ItemTableMetric):
         """
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
-        bias = None if bias is None else bias.value
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size)
         predicted = cut_ops.cut_count_at_least(
             y_pred, table, self.logit_threshold, bias=bias, chunk_size=self.chunk_size
@@ -98,7 +98,7 @@ class ThresholdConfusion(ItemTableMetric):
         rows = ops.cast(ops.take(table.value, targets, axis=0), "float32")  # [M, L, D]
         logits = ops.sum(ops.expand_dims(hidden, 1) * rows, axis=-1)
         if bias is not None:
-            logits = logits + ops.cast(ops.take(bias, targets, axis=0), "float32")
+            logits = logits + ops.cast(ops.take(bias.value, targets, axis=0), "float32")
         hit = ops.logical_and(counted, logits >= self.logit_threshold)
 
         dtype = self.dtype

@@ -43,10 +43,11 @@ class TopKRetrieval(ItemTableMetric):
 
     Args:
         embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable (`keras.layers.Embedding`).
+            an `embeddings` variable (`keras.layers.Embedding`; an
+            `ItemEmbedding` with `use_bias=True` gives its bias too).
         k: an int or a sequence of ints, the cut-offs reported.
         exclude_ids: optional list of int item ids excluded everywhere.
-        bias: optional `keras.Variable` `[V]`.
+        bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
         name: metric name.
         dtype: dtype of the accumulators (default float32).
@@ -108,7 +109,6 @@ class TopKRetrieval(ItemTableMetric):
         """
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
-        bias = None if bias is None else bias.value
         depth = max(self.k)
         if depth > vocab_size:
             raise ValueError(
