@@ -2,7 +2,7 @@
 
 from keras_cutbce.item_embedding import ItemEmbedding
 from keras_cutbce.loss import CutBCELoss
-from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
+from keras_cutbce.metrics import OutOfRangeTargets, ThresholdConfusion, TopKRetrieval
 from keras_cutbce.ops import count_out_of_range_ids
 from keras_cutbce.ops import cut_binary_crossentropy
 from keras_cutbce.ops import cut_top_k
@@ -11,6 +11,7 @@ from keras_cutbce.version import __version__
 __all__ = [
     "CutBCELoss",
     "ItemEmbedding",
+    "OutOfRangeTargets",
     "ThresholdConfusion",
     "TopKRetrieval",
     "count_out_of_range_ids",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from keras_cutbce import cut_top_k
 from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
 from tests.backend_utils import to_numpy
 
@@ -355,8 +356,18 @@ def test_two_retrieval_metrics_log_under_their_names():
 
 
 def test_cutoff_beyond_the_vocabulary_raises(rng):
-    """`k > V` raises like `cut_top_k` instead of reporting hit@k computed at depth V."""
+    """`k > V` raises like `cut_top_k`: at construction when V is known, else at the first update."""
     table = quantized(rng, (7, 3))
-    metric = TopKRetrieval(table_variable(table), k=(3, 12))
+    built = keras.layers.Embedding(7, 3)
+    built.build((None,))
+    for known in (table, table_variable(table), built, keras.layers.Embedding(7, 3)):
+        with pytest.raises(ValueError, match=r"`k` must be at most V = 7.*Received: k=\[3, 12\]"):
+            TopKRetrieval(known, k=(3, 12))
+    assert TopKRetrieval(table, k=7).k == (7,)  # k = V is fine
+    with pytest.raises(ValueError, match=r"`k` must be an int in \[1, V\] = \[1, 7\]"):
+        cut_top_k(quantized(rng, (2, 3)), table, k=8)
+    # V unknown at construction (a variable path, bound later): the first update raises.
+    metric = TopKRetrieval("some_model/items/embeddings", k=(3, 12))
+    object.__setattr__(metric, "embeddings", table_variable(table))
     with pytest.raises(ValueError, match=r"`k`.*V = 7"):
         metric.update_state(np.zeros((2, 1), "int32"), quantized(rng, (2, 3)))

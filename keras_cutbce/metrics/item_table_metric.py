@@ -12,7 +12,39 @@ from keras_cutbce.item_table import tables_config
 from keras_cutbce.item_table import tables_from_config
 from keras_cutbce.math.positives import distinct_targets
 
-__all__ = ["ItemTableMetric"]
+__all__ = ["ItemTableMetric", "key_prefix", "position_weights"]
+
+
+def position_weights(sample_weight, mask, ones, dtype):
+    """Returns per-position weights `[M]`: `sample_weight` broadcast over `ones`, times the mask.
+
+    `ones` is a tensor of ones shaped like the positions (`y_pred.shape[:-1]`).
+    """
+    lead_ndim = len(ones.shape)
+    weights = ones
+    if sample_weight is not None:
+        sample_weight = ops.cast(ops.convert_to_tensor(sample_weight), dtype)
+        while len(sample_weight.shape) > lead_ndim and sample_weight.shape[-1] == 1:
+            sample_weight = ops.squeeze(sample_weight, -1)
+        while len(sample_weight.shape) < lead_ndim:
+            sample_weight = ops.expand_dims(sample_weight, -1)
+        checks.check_sample_weight(checks.static_dims(sample_weight), checks.static_dims(weights))
+        weights = weights * sample_weight
+    if mask is not None:
+        weights = weights * ops.cast(mask, dtype)
+    return ops.reshape(weights, (-1,))
+
+
+def key_prefix(metric, default_name):
+    """Returns the prefix of `metric`'s `result()` keys (see `ItemTableMetric.key_prefix`)."""
+    own = "" if metric.name == default_name else f"{metric.name}_"
+    logged = _keras_private.compiled_metric_name(metric)
+    if logged is None:
+        return own
+    log_name, output = logged
+    if log_name != (f"{output}_{metric.name}" if output else metric.name):
+        return f"{log_name}_"  # Keras de-duplicated the name
+    return (f"{output}_" if output else "") + own
 
 
 def _stored_variables(source):
@@ -103,21 +135,9 @@ class ItemTableMetric(keras.metrics.Metric):
 
     def position_weights(self, sample_weight, mask, y_pred):
         """Returns per-position weights `[M]`: `sample_weight` broadcast over positions, times the mask."""
-        lead_ndim = len(y_pred.shape) - 1
-        weights = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
-        if sample_weight is not None:
-            sample_weight = ops.cast(ops.convert_to_tensor(sample_weight), self.dtype)
-            while len(sample_weight.shape) > lead_ndim and sample_weight.shape[-1] == 1:
-                sample_weight = ops.squeeze(sample_weight, -1)
-            while len(sample_weight.shape) < lead_ndim:
-                sample_weight = ops.expand_dims(sample_weight, -1)
-            checks.check_sample_weight(
-                checks.static_dims(sample_weight), checks.static_dims(weights)
-            )
-            weights = weights * sample_weight
-        if mask is not None:
-            weights = weights * ops.cast(mask, self.dtype)
-        return ops.reshape(weights, (-1,))
+        return position_weights(
+            sample_weight, mask, ops.ones_like(y_pred[..., 0], dtype=self.dtype), self.dtype
+        )
 
     def key_prefix(self):
         """Returns the prefix of this metric's `result()` keys, so that metrics log apart.
@@ -129,14 +149,7 @@ class ItemTableMetric(keras.metrics.Metric):
         model prefixes the output's name (`"{output}_hit@10"`), on every
         backend.
         """
-        own = "" if self.name == self.default_name else f"{self.name}_"
-        logged = _keras_private.compiled_metric_name(self)
-        if logged is None:
-            return own
-        log_name, output = logged
-        if log_name != (f"{output}_{self.name}" if output else self.name):
-            return f"{log_name}_"  # Keras de-duplicated the name
-        return (f"{output}_" if output else "") + own
+        return key_prefix(self, self.default_name)
 
     def reset_state(self):
         for variable in self.variables:

@@ -10,11 +10,21 @@ from keras import ops
 
 from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
+from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
 
 __all__ = ["TopKRetrieval"]
 
 DEFAULT_NAME = "top_k_retrieval"
+
+
+def _check_depth(cutoffs, vocab_size):
+    """Raises unless every cut-off is at most V (unknown V: not checked)."""
+    if vocab_size is not None and max(cutoffs) > vocab_size:
+        raise ValueError(
+            f"`k` must be at most V = {vocab_size} (the number of items). "
+            f"Received: k={list(cutoffs)}"
+        )
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
@@ -45,7 +55,9 @@ class TopKRetrieval(ItemTableMetric):
         embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
             an `embeddings` variable (`keras.layers.Embedding`; an
             `ItemEmbedding` with `use_bias=True` gives its bias too).
-        k: an int or a sequence of ints, the cut-offs reported.
+        k: an int or a sequence of ints, the cut-offs reported, each at
+            most V (checked here when V is known: a table, an `Embedding`
+            layer built or not; else at the first update).
         exclude_ids: optional list of int item ids excluded everywhere.
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
@@ -85,6 +97,7 @@ class TopKRetrieval(ItemTableMetric):
     ):
         super().__init__(embeddings, bias, chunk_size, name, dtype)
         self.k = checks.check_cutoffs(k)
+        _check_depth(self.k, static_vocab_size(embeddings))
         self.exclude_ids = checks.check_id_list(exclude_ids, "exclude_ids")
         self._sums = {}
         for cut in self.k:
@@ -110,11 +123,7 @@ class TopKRetrieval(ItemTableMetric):
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
         depth = max(self.k)
-        if depth > vocab_size:
-            raise ValueError(
-                f"`k` must be at most V = {vocab_size} (the number of items). "
-                f"Received: k={list(self.k)}"
-            )
+        _check_depth(self.k, vocab_size)
         never = tuple(i for i in self.exclude_ids if 0 <= i < vocab_size)
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size, never)
 
