@@ -72,7 +72,12 @@ def _models_on_stack():
 
 
 def _owning_layer(model, variable):
-    """The layer of `model` whose item table (`embeddings` weight) is `variable`."""
+    """The LoRA-enabled layer of `model` whose item table (`embeddings` weight) is `variable`.
+
+    Any other variable (a bias, a table without LoRA) is returned as it is.
+    """
+    if variable.name != "embeddings":
+        return variable
     for layer in model._flatten_layers(include_self=False):
         if getattr(layer, "lora_enabled", False) and any(
             weight is variable for weight in layer.weights

@@ -102,6 +102,9 @@ def resolve_bias(embeddings, bias):
     if own is None or bias is None:
         return own if bias is None else bias
     given = bias.source if isinstance(bias, ItemTable) else bias
+    if isinstance(given, str):  # a path from a config: the layer's own bias, once bound
+        found = _keras_private.find_model_table(given)
+        given = given if found is None else found
     if given is own:
         return bias
     layer = embeddings.source if isinstance(embeddings, ItemTable) else embeddings

@@ -389,9 +389,10 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
 
     Args:
         hidden: float tensor `[..., D]`.
-        embeddings: item table `[V, D]` (tensor, variable or Embedding layer).
+        embeddings: item table `[V, D]` (tensor, variable or Embedding layer;
+            an `ItemEmbedding` with `use_bias=True` gives its bias too).
         threshold: float logit threshold.
-        bias: optional float `[V]`.
+        bias: optional float `[V]`, for a table without its own bias.
         chunk_size: vocabulary tile width; `None` uses the default rule.
 
     Returns:

@@ -76,6 +76,7 @@ SLOW = (
     "tests/test_item_embedding.py::test_fit_first_step_matches_dense_bce_for_table_bias_and_model",
     "tests/test_item_embedding.py::test_bias_trains_with_metrics_in_the_step",
     "tests/test_item_embedding.py::test_save_and_load_round_trip",
+    "tests/test_item_embedding.py::test_lora_layer_with_a_bias_saves_and_loads",
     "tests/test_item_embedding.py::test_jax_stateless_compute_loss_differentiates_the_bias",
     "tests/test_out_of_range_targets.py::test_logged_by_fit_and_evaluate_and_saved",
     "tests/test_keras_contract.py::test_tf_function_unknown_batch_with_sample_weight",

@@ -272,3 +272,21 @@ def test_jax_stateless_compute_loss_differentiates_the_bias():
     assert np.abs(to_numpy(want[bias_at])).max() > 1e-4
     for g, w in zip(got, want):
         np.testing.assert_allclose(to_numpy(g), to_numpy(w), rtol=1e-4, atol=1e-7)
+
+
+def test_lora_layer_with_a_bias_saves_and_loads(tmp_path):
+    """The bias of a LoRA-enabled ItemEmbedding re-binds as the bias (the table as the merged layer)."""
+    x, y = data()
+    model, items = build()
+    items.enable_lora(2)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=CutBCELoss(items, chunk_size=8))
+    before = to_numpy(items.bias).copy()
+    model.fit(x, y, epochs=1, verbose=0)
+    assert np.abs(to_numpy(items.bias) - before).max() > 0
+    path = tmp_path / "lora_bias.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    layer = loaded.get_layer("items")
+    assert loaded.loss.bias is layer.bias
+    np.testing.assert_allclose(
+        loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-5)
