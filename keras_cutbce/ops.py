@@ -42,10 +42,10 @@ IMPLEMENTATIONS = validation.IMPLEMENTATIONS
 _MODULES = {
     ("cut_bce", "reference"): "keras_cutbce.math.reference",
     ("cut_bce", "chunked"): "keras_cutbce.backends.{backend}.chunked",
-    ("cut_bce", "pallas"): "keras_cutbce.backends.jax.pallas_tpu",
+    ("cut_bce", "pallas"): "keras_cutbce.backends.jax.pallas",
     ("cut_bce", "sharded"): "keras_cutbce.backends.jax.sharded",
     ("cut_bce_weighted_sum", "chunked"): "keras_cutbce.backends.{backend}.chunked",
-    ("cut_bce_weighted_sum", "pallas"): "keras_cutbce.backends.jax.pallas_tpu",
+    ("cut_bce_weighted_sum", "pallas"): "keras_cutbce.backends.jax.pallas",
     ("cut_bce_weighted_sum", "sharded"): "keras_cutbce.backends.jax.sharded",
     ("top_k", "chunked"): "keras_cutbce.backends.{backend}.retrieval",
     ("top_k", "sharded"): "keras_cutbce.backends.jax.sharded",

@@ -38,8 +38,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.backends.jax import math, vjp
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
 from keras_cutbce.math.tiling import default_chunk_size
 from keras_cutbce.math.tiling import tile_budget_bytes
 
@@ -57,52 +58,6 @@ def tile_logits(hidden, table_tile, bias_tile=None):
     if bias_tile is not None:
         z = z + bias_tile.astype(jnp.float32)
     return z
-
-
-def _exp_neg_abs(z):
-    """`exp(-|z|)`: the one exponential that softplus and sigmoid share."""
-    return jnp.exp(-jnp.abs(z))
-
-
-def _softplus(z, e):
-    """Stable `log(1 + exp(z))` from `e = exp(-|z|)`: finite for any finite z."""
-    return jnp.maximum(z, 0.0) + jnp.log1p(e)
-
-
-def _sigmoid(z, e):
-    """Stable `1 / (1 + exp(-z))` from `e = exp(-|z|)`."""
-    return jnp.where(z >= 0, 1.0, e) / (1.0 + e)
-
-
-def _bce_terms(z, e, scale, target):
-    """`scale * softplus(z) - target * z`, skipping terms whose weight is 0."""
-    out = _softplus(z, e) if scale == 1.0 else scale * _softplus(z, e)
-    return out if target == 0.0 else out - target * z
-
-
-def _bce_slopes(z, e, scale, target):
-    """`d/dz` of `_bce_terms`: `scale * sigmoid(z) - target`."""
-    out = _sigmoid(z, e) if scale == 1.0 else scale * _sigmoid(z, e)
-    return out if target == 0.0 else out - target
-
-
-def _positive_terms(z, e, coef):
-    """A positive's exact term `pos_minus softplus(-z) + pos_plus softplus(z)`.
-
-    Both parts are non-negative, so nothing cancels at any `|z|`.
-    """
-    log_part = (coef.pos_minus + coef.pos_plus) * jnp.log1p(e)
-    return coef.pos_minus * jnp.maximum(-z, 0.0) + coef.pos_plus * jnp.maximum(z, 0.0) + log_part
-
-
-def _positive_slopes(z, e, coef):
-    """`d/dz` of `_positive_terms`: `pos_plus sigmoid(z) - pos_minus sigmoid(-z)`."""
-    inv = 1.0 / (1.0 + e)
-    sigmoid_neg = jnp.where(z >= 0, e, 1.0) * inv  # sigmoid(-z)
-    out = -coef.pos_minus * sigmoid_neg
-    if coef.pos_plus != 0.0:
-        out = out + coef.pos_plus * jnp.where(z >= 0, 1.0, e) * inv
-    return out
 
 
 def mask_positives(z, ids, start):
@@ -171,14 +126,14 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, los
     (untransposed) for XLA's CPU backend.
     """
     z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
-    e = _exp_neg_abs(z)
+    e = math.exp_neg_abs(z)
     loss_rows = None
     if loss:
-        terms = _drop_masked(_bce_terms(z, e, coef.neg_scale, coef.neg_target), z, coef)
+        terms = _drop_masked(math.terms(z, e, coef), z, coef)
         loss_rows = jnp.sum(terms, axis=1)
     if row_scale is None:
         return loss_rows, None, None
-    slopes = _drop_masked(_bce_slopes(z, e, coef.neg_scale, coef.neg_target), z, coef)
+    slopes = _drop_masked(math.slopes(z, e, coef), z, coef)
     dz = row_scale[:, None] * slopes
     return loss_rows, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
@@ -273,13 +228,13 @@ def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=N
     vocab = table.shape[0]
     index, keep = distinct_targets(ids, vocab)
     z, rows = _positive_logits(hidden, table, bias, index)
-    e = _exp_neg_abs(z)
+    e = math.exp_neg_abs(z)
     if loss_rows is not None:
-        terms = _positive_terms(z, e, coef)
+        terms = math.terms(z, e, coef, positive=True)
         loss_rows = loss_rows + jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
     if grads is not None:
         grad_hidden, grad_table, grad_bias = grads
-        dz = jnp.where(keep, row_scale[:, None] * _positive_slopes(z, e, coef), 0.0)
+        dz = jnp.where(keep, row_scale[:, None] * math.slopes(z, e, coef, positive=True), 0.0)
         grad_hidden = grad_hidden + jnp.sum(dz[..., None] * rows.astype(_F32), axis=1)
         drop = jnp.where(keep, index, vocab)  # out of range: dropped by the scatter
         updates = dz[..., None] * hidden.astype(_F32)[:, None, :]
@@ -306,87 +261,26 @@ def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=Non
     return loss_rows, grads
 
 
-def _cast_grads(grads, hidden, table, bias, factor=None):
-    """Gradients in each input's dtype, optionally times a scalar cotangent first."""
-    grad_hidden, grad_table, grad_bias = grads
-    if factor is not None:
-        grad_hidden, grad_table = factor * grad_hidden, factor * grad_table
-        grad_bias = None if grad_bias is None else factor * grad_bias
-    return (
-        grad_hidden.astype(hidden.dtype),
-        grad_table.astype(table.dtype),
-        None if bias is None else grad_bias.astype(bias.dtype),
-    )
+@functools.lru_cache(maxsize=128)
+def _functions(coef, tile):
+    """Returns the jitted `(per_row_loss, weighted_sum)` of one configuration (`vjp`'s builders)."""
 
+    def loss_fn(hidden, table, ids, bias):
+        return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
 
-# ------------------------------------------------- custom_vjp: per-row loss ---
+    def grads_fn(hidden, table, ids, bias, row_scale):
+        row_scale = row_scale / table.shape[0]
+        return _loss_and_grads(
+            hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale
+        )[1]
 
+    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
+        row_scale = row_weights / table.shape[0]
+        return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True, row_scale=row_scale)
 
-def _loss(hidden, table, ids, bias, coef, tile):
-    return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _cut_bce(hidden, table, ids, bias, coef, tile):
-    return _loss(hidden, table, ids, bias, coef, tile)
-
-
-def _cut_bce_fwd(hidden, table, ids, bias, coef, tile):
-    return _loss(hidden, table, ids, bias, coef, tile), (hidden, table, ids, bias)
-
-
-def _cut_bce_bwd(coef, tile, residuals, g):
-    hidden, table, ids, bias = residuals
-    row_scale = g.astype(_F32) / table.shape[0]
-    _, grads = _loss_and_grads(
-        hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale
-    )
-    grad_hidden, grad_table, grad_bias = _cast_grads(grads, hidden, table, bias)
-    return grad_hidden, grad_table, None, grad_bias
-
-
-_cut_bce.defvjp(_cut_bce_fwd, _cut_bce_bwd)
-
-# Compiled as one XLA program even when called eagerly; a no-op inside `jit`.
-_cut_bce_jit = jax.jit(_cut_bce, static_argnums=(4, 5))
-
-
-# ------------------------------------------- custom_vjp: fused weighted sum ---
-
-
-def _weighted_sum(hidden, table, ids, bias, row_weights, coef, tile):
-    loss_rows = _loss(hidden, table, ids, bias, coef, tile)
-    return jnp.vdot(row_weights.astype(_F32), loss_rows)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fused(hidden, table, ids, bias, row_weights, coef, tile):
-    # Plain evaluation (no gradient asked): the loss alone.
-    return _weighted_sum(hidden, table, ids, bias, row_weights, coef, tile)
-
-
-def _fused_fwd(hidden, table, ids, bias, row_weights, coef, tile):
-    # The scalar's gradient at cotangent 1, in the same pass as the loss.
-    weights = row_weights.astype(_F32)
-    loss_rows, grads = _loss_and_grads(
-        hidden, table, ids, bias, coef, tile, loss=True, row_scale=weights / table.shape[0]
-    )
-    total = jnp.vdot(weights, loss_rows)
-    zero_weights = jnp.zeros_like(row_weights)
-    return total, (grads, hidden, table, bias, zero_weights)
-
-
-def _fused_bwd(coef, tile, residuals, c):
-    grads, hidden, table, bias, zero_weights = residuals
-    grad_hidden, grad_table, grad_bias = _cast_grads(
-        grads, hidden, table, bias, factor=c.astype(_F32)
-    )
-    return grad_hidden, grad_table, None, grad_bias, zero_weights
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-_fused_jit = jax.jit(_fused, static_argnums=(5, 6))
+    # Compiled as one XLA program even when called eagerly; a no-op inside `jit`.
+    return (jax.jit(vjp.per_row_loss(loss_fn, grads_fn)),
+            jax.jit(vjp.weighted_sum(loss_fn, loss_and_grads_fn)))
 
 
 def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
@@ -431,8 +325,10 @@ def cut_bce(
     >>> cut_bce(h, table, np.array([[1, 2], [3, -1], [5, 5]]), chunk_size=32).shape
     (3,)
     """
-    args = _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size)
-    return _cut_bce_jit(*args)
+    hidden, table, ids, bias, coef, tile = _prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
+    )
+    return _functions(coef, tile)[0](hidden, table, ids, bias)
 
 
 def cut_bce_weighted_sum(
@@ -488,4 +384,4 @@ def cut_bce_weighted_sum(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
     )
     row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
-    return _fused_jit(hidden, table, ids, bias, row_weights, coef, tile)
+    return _functions(coef, tile)[1](hidden, table, ids, bias, row_weights)
