@@ -1,36 +1,35 @@
 """CutBCE on JAX: an XLA loop over vocabulary tiles under `jax.custom_vjp`.
 
 The loss of one row is `(1 / V) * sum_v [scale_v softplus(z_v) - target_v z_v]`
-with `z = h @ E.T + b` (see `DESIGN.md` and `keras_cutbce.math.coefficients`). It
-is computed in two parts, so the `[M, V]` logits never exist:
+with `z = h @ E.T + b` (`keras_cutbce.math.coefficients`). It is computed in
+two parts, so the `[M, V]` logits never exist:
 
-- the negatives: every item with the negative weights
-  `(neg_scale, neg_target)`, one vocabulary tile at a time in a `lax.scan`
-  over tile indices (each tile a `dynamic_slice` of the table, plus one
-  narrower tile for the remainder when `tile` does not divide `V`: the table
-  is never copied, padded or masked per logit), with the row's positives
-  set to `-inf` in each tile's logits by one O(M L) scatter of their ids
-  (`mask_positives`), so their dense terms are exactly 0;
-- the positives: the table rows of the valid, de-duplicated target ids
-  (`keras_cutbce.math.positives.distinct_targets`, sort-based) are
-  gathered and their exact terms `pos_minus softplus(-z) + pos_plus
-  softplus(z)` added (gradient `pos_plus sigmoid(z) - pos_minus
-  sigmoid(-z)`). Nothing is added and subtracted back, so a saturated
-  positive (|z| = 1e4, or a row whose loss is 1e-43) keeps full float32
+- the negatives: every item with the negative weights, one vocabulary tile
+  at a time in a `lax.scan` over tile indices (each tile a `dynamic_slice`
+  of the table, plus one narrower tile for the remainder when `tile` does
+  not divide `V`: the table is never copied, padded or masked per logit),
+  with the row's positives set to `-inf` in each tile's logits by one
+  O(M L) scatter of their ids (`mask_positives`), so their dense terms are
+  exactly 0;
+- the positives (`keras_cutbce.math.positives.distinct_targets`): their
+  table rows are gathered and their exact terms added. Nothing is added
+  and subtracted back, so a saturated positive keeps full float32
   precision whatever V.
 
-`cut_bce` (per-row loss, `jax.custom_vjp`) keeps only the inputs as
-residuals; its backward pass recomputes the logits tile by tile: with
-`dZ = g / V * (scale sigmoid(z) - target)` it accumulates
-`grad_hidden += dZ @ E_tile` in the scan's carry and emits
-`[h, 1].T @ dZ` (the table gradient tile, transposed, and the bias gradient
-tile in its last row) into a `[D + 1, V]` carry in place, then scatter-adds the
-positives' gradients. `cut_bce_weighted_sum` (a scalar, the training path of
-a reduced loss) computes the loss and the gradients at cotangent 1 in one
-scan instead, and its backward pass only scales them. Both run the same
-per-tile function (`_tile_pass`). Everything accumulates in float32;
-gradients come back in each input's dtype. `cut_bce` is batch-polymorphic, so
-`jax.vmap` works over it.
+The per-logit terms and slopes are `keras_cutbce.backends.jax.math`'s (the
+functions the Pallas kernel calls); the `custom_vjp` is
+`keras_cutbce.backends.jax.vjp`'s. What is this kernel's own: the loop (a
+`lax.scan` with the per-row loss, the hidden gradient and the table and
+bias gradients in its carry, the table gradient written tile by tile in
+place into its `[V, D]` buffer) and the positives' gather and scatter-add.
+
+`cut_bce` (per-row loss) keeps only the inputs as residuals; its backward
+pass recomputes the logits tile by tile. `cut_bce_weighted_sum` (a scalar,
+the training path of a reduced loss) computes the loss and the gradients at
+cotangent 1 in one scan, and its backward pass only scales them. Both run
+the same per-tile function (`_tile_pass`). Everything accumulates in
+float32; gradients come back in each input's dtype. `cut_bce` is
+batch-polymorphic, so `jax.vmap` works over it.
 """
 
 import functools
@@ -48,12 +47,12 @@ _F32 = jnp.float32
 
 
 def tile_budget():
-    """The `keras_cutbce.math.tiling` budget for JAX on its default platform."""
+    """Returns the `keras_cutbce.math.tiling` budget for JAX on its default platform."""
     return tile_budget_bytes("jax", jax.default_backend())
 
 
 def tile_logits(hidden, table_tile, bias_tile=None):
-    """Float32 logits `[M, T]` of one vocabulary tile: the one fused tile function."""
+    """Returns the float32 logits `[M, tile]` of one vocabulary tile."""
     z = jnp.matmul(hidden, table_tile.T, preferred_element_type=jnp.float32)
     if bias_tile is not None:
         z = z + bias_tile.astype(jnp.float32)
@@ -61,9 +60,9 @@ def tile_logits(hidden, table_tile, bias_tile=None):
 
 
 def mask_positives(z, ids, start):
-    """The tile's logits `z` `[M, T]` with `-inf` at the row's positives: O(M L).
+    """Returns the tile's logits `z` `[M, tile]` with `-inf` at the row's positives: O(M L).
 
-    The tile covers the items `[start, start + T)`. One scatter of the
+    The tile covers the items `[start, start + tile)`. One scatter of the
     `[M, L]` ids (duplicates set the same place twice; padding and ids of
     other tiles are dropped), never a per-logit compare. At `-inf` the
     negatives' `softplus` and `sigmoid` are exactly 0 (`exp(-|z|)` is 0), so
@@ -78,17 +77,17 @@ def mask_positives(z, ids, start):
     >>> np.asarray(mask_positives(z, jnp.array([[5, 5], [-1, 9]]), 4)).tolist()
     [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
-    rows, width = z.shape
+    rows, tile = z.shape
     if ids.shape[-1] == 0:
         return z
     local = ids - start
-    column = jnp.where((local >= 0) & (local < width), local, width)  # width: dropped
+    column = jnp.where((local >= 0) & (local < tile), local, tile)  # tile: dropped
     row = jax.lax.broadcasted_iota(column.dtype, column.shape, 0)
     return z.at[row, column].set(-jnp.inf, mode="drop")
 
 
 def _drop_masked(values, z, coef):
-    """`values` with 0 where `mask_positives` put `-inf`: needed only with label smoothing."""
+    """Returns `values` with 0 where `mask_positives` put `-inf` (only label smoothing needs it)."""
     if coef.neg_target == 0.0:
         return values
     return jnp.where(z == -jnp.inf, 0.0, values)
@@ -97,15 +96,15 @@ def _drop_masked(values, z, coef):
 # ----------------------------------------------------------------- tiling ---
 
 
-def _tile_at(table, bias, start, width):
-    """The tile `[start, start + width)` of the table and bias: a slice, never a copy of the table."""
-    table_tile = jax.lax.dynamic_slice_in_dim(table, start, width, axis=0)
-    bias_tile = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, width)
+def _tile_at(table, bias, start, size):
+    """Returns the items `[start, start + size)` of the table and bias: slices, never copies."""
+    table_tile = jax.lax.dynamic_slice_in_dim(table, start, size, axis=0)
+    bias_tile = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
     return table_tile, bias_tile
 
 
 def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, loss, row_scale):
-    """One vocabulary tile's negatives: the per-tile math, written once.
+    """Computes one vocabulary tile's negatives: the per-tile math, written once.
 
     Computes the tile's logits `z` (one matmul), sets the row's positives to
     `-inf` (`mask_positives`, O(M L)), so their terms are exactly 0 here (the
@@ -121,8 +120,8 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, los
       transposed, and in its last row the bias gradient when `hidden_t`
       carries a row of ones), else `None, None`.
 
-    Per logit: one exp, one log1p (loss), one divide (gradient) and a few
-    selects; per tile, `dZ` is read by two matmuls only, both plain
+    Per logit: one exp, one log1p (loss), one reciprocal (gradient) and a
+    few selects; per tile, `dZ` is read by two matmuls only, both plain
     (untransposed) for XLA's CPU backend.
     """
     z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
@@ -139,15 +138,15 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, los
 
 
 def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
-    """The negatives of every tile, in one `lax.scan` over tile indices.
+    """Sums the negatives of every tile in one `lax.scan` over tile indices.
 
     Returns `(loss_rows, grads)`: `loss_rows` is the per-row
     `sum_v [neg_scale softplus(z_v) - neg_target z_v]` over the row's
     negatives (`[M]` float32) when `loss`, else `None`; `grads` is `None`
     without `row_scale`, else the float32 gradients
     `(hidden, table, bias or None)` of `sum_m row_scale_m * loss_rows_m`.
-    The per-row loss sum, the hidden gradient and the transposed table
-    gradient (updated in place, tile by tile) ride in the scan's carry. Tiles are
+    The per-row loss sum, the hidden gradient and the table and bias
+    gradients (updated in place, tile by tile) ride in the scan's carry. Tiles are
     sliced out of the table inside the loop (`dynamic_slice`), plus one
     narrower tile for the remainder when `tile` does not divide `V`: the
     table is never copied, padded or masked.
@@ -159,8 +158,8 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
         if bias is not None:
             hidden_t = jnp.concatenate([hidden_t, jnp.ones_like(hidden_t[:1])], axis=0)
 
-    def tile_pass(start, width):
-        table_tile, bias_tile = _tile_at(table, bias, start, width)
+    def tile_pass(start, size):
+        table_tile, bias_tile = _tile_at(table, bias, start, size)
         return _tile_pass(
             hidden, hidden_t, table_tile, bias_tile, ids, start, coef,
             loss=loss, row_scale=row_scale,
@@ -169,14 +168,21 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     def add(a, b):
         return None if a is None else a + b
 
-    def accumulate(carry, start, width):
-        loss_rows, grad_hidden, grad_table_t = carry
-        tile_loss, tile_hidden, tile_table_t = tile_pass(start, width)
-        if grad_table_t is not None:
-            grad_table_t = jax.lax.dynamic_update_slice_in_dim(
-                grad_table_t, tile_table_t, start, axis=1
+    dim = table.shape[1]
+
+    def accumulate(carry, start, size):
+        loss_rows, grad_hidden, grad_table, grad_bias = carry
+        tile_loss, tile_hidden, tile_table_t = tile_pass(start, size)
+        if want_grads:
+            # A [D (+1), tile] block, transposed in place into the [V, D] gradient.
+            grad_table = jax.lax.dynamic_update_slice_in_dim(
+                grad_table, tile_table_t[:dim].T, start, axis=0
             )
-        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table_t
+            if bias is not None:
+                grad_bias = jax.lax.dynamic_update_slice_in_dim(
+                    grad_bias, tile_table_t[dim], start, axis=0
+                )
+        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table, grad_bias
 
     rows = hidden.shape[0]
     vocab = table.shape[0]
@@ -184,9 +190,10 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     carry = (
         jnp.zeros((rows,), _F32) if loss else None,
         jnp.zeros(hidden.shape, _F32) if want_grads else None,
-        # The transposed table (and bias) gradient, written tile by tile in
-        # place: no stacked tiles, no concatenation, one [D (+1), V] buffer.
-        jnp.zeros((hidden_t.shape[0], vocab), _F32) if want_grads else None,
+        # The table and bias gradients, written tile by tile in place: no
+        # stacked tiles, no concatenation, no transposed copy.
+        jnp.zeros((vocab, dim), _F32) if want_grads else None,
+        jnp.zeros((vocab,), _F32) if want_grads and bias is not None else None,
     )
     carry, _ = jax.lax.scan(
         lambda carry, index: (accumulate(carry, index * tile, tile), None),
@@ -195,19 +202,17 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     )
     if rest:
         carry = accumulate(carry, num_tiles * tile, rest)
-    loss_rows, grad_hidden, grad_table_t = carry
+    loss_rows, grad_hidden, grad_table, grad_bias = carry
     if not want_grads:
         return loss_rows, None
-    dim = table.shape[1]
-    grad_bias = None if bias is None else grad_table_t[dim]
-    return loss_rows, (grad_hidden, grad_table_t[:dim].T, grad_bias)
+    return loss_rows, (grad_hidden, grad_table, grad_bias)
 
 
 # -------------------------------------------------------------- positives ---
 
 
 def _positive_logits(hidden, table, bias, index):
-    """Float32 logits `[M, L]` at the gathered rows, and the rows `[M, L, D]`."""
+    """Returns the float32 logits `[M, L]` at the gathered rows, and the rows `[M, L, D]`."""
     rows = jnp.take(table, index, axis=0)
     z = jnp.sum(hidden.astype(_F32)[:, None, :] * rows.astype(_F32), axis=-1)
     if bias is not None:
@@ -246,7 +251,7 @@ def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=N
 
 
 def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None):
-    """Per-row loss `[M]` (or `None`) and the float32 gradients (or `None`).
+    """Returns the per-row loss `[M]` (or `None`) and the float32 gradients (or `None`).
 
     The gradients are those of `sum_m row_scale_m * V * loss_m`, i.e. of
     `sum_m row_scale_m * (dense + positives)_m`: `row_scale` already holds
@@ -299,7 +304,7 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
 def cut_bce(
     hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None
 ):
-    """Per-row full-vocabulary binary cross-entropy, tile by tile, with exact gradients.
+    """Computes the per-row full-vocabulary binary cross-entropy tile by tile, with exact gradients.
 
     Args:
         hidden: float `[M, D]` (float32, bfloat16 or float16).
@@ -342,7 +347,7 @@ def cut_bce_weighted_sum(
     pos_weight=1.0,
     chunk_size=None,
 ):
-    """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
+    """Computes `sum_m row_weights[m] * cut_bce(...)[m]` and its gradients in one pass.
 
     The fused training path of a reduced loss (`keras_cutbce.ops.weighted_loss_sum`).
     The output is a scalar, so the gradient for an upstream cotangent `c` is
