@@ -301,7 +301,7 @@ def _check_count_and_cache(mesh, rng):
             line for line in hlo.splitlines() if "all-gather" in line
         )
 
-    # D2: the second eager call with the same configuration builds nothing.
+    # the second eager call with the same configuration builds nothing.
     ids = _ids(rng, rows, 3, table.shape[0])
     for build, call in (
         (sharded.loss._loss_program, lambda: sharded.cut_bce(hidden, table, ids, bias, sharding=spec, chunk_size=4)),

@@ -265,7 +265,7 @@ def _walk(jaxpr, inside_pallas=False):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
-    """Issue 11 D3: the reduced loss's loss and gradients come from ONE pallas_call.
+    """The reduced loss's loss and gradients come from ONE pallas_call.
 
     M = 130 over 128-row tiles (two row tiles, so the resident rows
     accumulate across the grid), V = 1000 over 256-wide tiles (a partial,
@@ -302,7 +302,7 @@ def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
 
 
 def test_table_is_never_padded(rng):
-    """Issue 11 D3: V = 1000 over 256-wide tiles: no `[1024, D]` copy of the table.
+    """V = 1000 over 256-wide tiles: no `[1024, D]` copy of the table.
 
     The last tile is partial and masked in the kernels; the forward, the
     per-row backward and the fused path are checked.
@@ -331,7 +331,7 @@ def test_table_is_never_padded(rng):
 
 
 def test_mixed_precision_does_not_promote_to_float32_highest(rng):
-    """Issue 11 D3: bf16 hidden with an f32 table: every kernel matmul runs in bf16.
+    """Bf16 hidden with an f32 table: every kernel matmul runs in bf16.
 
     The loss and gradients still match the reference (at bf16 accuracy) and
     come back in each input's dtype.
@@ -384,7 +384,7 @@ def test_int64_ids_beyond_int32_stay_padding(rng):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
-    """Issue 16 C3: rows split into resident blocks, one pass over the table each.
+    """Rows split into resident blocks, one pass over the table each.
 
     A tiny resident budget makes 3 blocks of 128 rows (M = 300): the fused
     path and the per-row backward run 3 `pallas_call`s each, the table and
@@ -425,7 +425,7 @@ def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
 
 @pytest.mark.parametrize("vocab", [1000, 1100, 200])
 def test_vocabulary_split_across_two_tensorcores(rng, monkeypatch, vocab):
-    """Issue 16 C4: megacore chips (v4, v5p) split the vocabulary tiles across two cores.
+    """Megacore chips (v4, v5p) split the vocabulary tiles across two cores.
 
     V = 1000 over 256-wide tiles: 4 tiles, 2 per core; V = 1100: 5 tiles, the
     second core's last step is past the end and does nothing; V = 200: one
@@ -498,7 +498,7 @@ def test_target_known_only_at_lowering(rng, monkeypatch):
 
 
 def test_in_tile_counts_match_a_brute_force_count(rng):
-    """Issue 16 C6: the prefetched counts bound every row's ids in every (vocab, row) tile."""
+    """The prefetched counts bound every row's ids in every (vocab, row) tile."""
     import jax.numpy as jnp
 
     from keras_cutbce.backends.jax import pallas
@@ -526,7 +526,7 @@ def test_in_tile_counts_match_a_brute_force_count(rng):
 
 @pytest.mark.parametrize("per_row_tile", [True, False])
 def test_rows_with_many_ids_in_one_tile(rng, monkeypatch, per_row_tile):
-    """Issue 16 C6: positives from the sorted ids, however many fall in one tile.
+    """Positives from the sorted ids, however many fall in one tile.
 
     Some rows have all 6 ids in the first 256 items (duplicates among them),
     some none; the counts are per (vocab tile, row tile) or, past the SMEM

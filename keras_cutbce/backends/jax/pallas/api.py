@@ -29,7 +29,7 @@ _PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST}
 
 
 def _matmul_dtype(hidden, table):
-    """Returns the hidden states' dtype when it is 16-bit (mixed precision), else the promoted one."""
+    """Returns the hidden states' dtype when 16-bit (mixed precision), else the promoted one."""
     if jnp.dtype(hidden.dtype).itemsize == 2:
         return jnp.dtype(hidden.dtype).name
     return jnp.result_type(hidden.dtype, table.dtype).name
@@ -48,7 +48,8 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
     """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays.
 
     `chunk_size` (the vocabulary tile) and `block_rows` (the row tile; None:
-    `tiling.choose_tiles`) are rounded up to 128. Ids of any integer width; the kernel reads each row's positives
+    `tiling.choose_tiles`) are rounded up to 128. Ids of any integer width;
+    the kernel reads each row's positives
     (`keras_cutbce.backends.jax.math.sorted_positives`).
     """
     hidden = jnp.asarray(hidden)
@@ -72,7 +73,8 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
     if chunk_size is not None:
         tile = min(round_up(chunk_size, tiling.LANES), round_up(vocab_size, tiling.LANES))
     if block_rows is not None:
-        rows_tile = min(round_up(block_rows, tiling.LANES), round_up(max(num_rows, 1), tiling.LANES))
+        rows_tile = min(round_up(block_rows, tiling.LANES),
+                        round_up(max(num_rows, 1), tiling.LANES))
     cfg = Config(
         vocab_size=int(vocab_size),
         coef=bce_coefficients(label_smoothing, pos_weight),

@@ -34,7 +34,7 @@ _SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 
 def interpret_arg(interpret):
-    """Returns the `interpret=` value for `pl.pallas_call` (None: the compilation target decides)."""
+    """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target)."""
     if interpret is None:
         interpret = tpu_target.target_platform() != "tpu"
     if not interpret:
@@ -104,7 +104,7 @@ def table_view(table, cfg):
 
 
 def _cost(cfg, rows, dim, itemsize, ps):
-    """Returns the `pl.CostEstimate` of one pass over the `[rows, V]` logits (for XLA's scheduler)."""
+    """Returns the `pl.CostEstimate` of one pass over the `[rows, V]` logits (for XLA)."""
     logits = rows * cfg.vocab_size
     matmuls = 3 if ps.with_grads else 1
     table = cfg.vocab_size * dim

@@ -50,7 +50,7 @@ def _matmul(x, y, dims, cfg):
 
 
 def _table_tile(table_ref, tile_index, cfg, edge):
-    """Returns the table tile (`[D, tile]` or `[tile, D]`); on the `edge` tile, items past V are 0."""
+    """Returns the table tile (`[D, tile]` or `[tile, D]`), items past V zeroed on the edge."""
     table = table_ref[...]
     if edge:
         items = lax.broadcasted_iota(jnp.int32, table.shape, 1 if cfg.dv_view else 0)
@@ -60,7 +60,7 @@ def _table_tile(table_ref, tile_index, cfg, edge):
 
 
 def _logits(hidden, table, bias_ref, cfg):
-    """Returns the float32 logits `[row_tile, tile]`: `hidden.T @ table` (`[D, V]` view) or `hidden @ table.T`."""
+    """Returns the float32 logits `[row_tile, tile]`: `hidden.T @ table` or `hidden @ table.T`."""
     z = _matmul(hidden, table, _TN if cfg.dv_view else _NT, cfg)
     if bias_ref is not None:
         z = z + bias_ref[...]
@@ -68,12 +68,12 @@ def _logits(hidden, table, bias_ref, cfg):
 
 
 def _grad_hidden_tile(dz, table, cfg):
-    """Returns a tile's hidden gradient in the rows' layout: `table @ dz.T` `[D, row_tile]` or `dz @ table`."""
+    """Returns a tile's hidden gradient in the rows' layout: `table @ dz.T` or `dz @ table`."""
     return _matmul(table, dz, _NT, cfg) if cfg.dv_view else _matmul(dz, table, _NN, cfg)
 
 
 def _grad_table_tile(hidden, dz, cfg):
-    """Returns a tile's table gradient in the table view's layout: `hidden @ dz` or `dz.T @ hidden`."""
+    """Returns a tile's table gradient in the table view's layout: `hidden @ dz` or `dz.T @ h`."""
     return _matmul(hidden, dz, _NN, cfg) if cfg.dv_view else _matmul(dz, hidden, _TN, cfg)
 
 

@@ -45,7 +45,7 @@ KERNELS = ("auto", "chunked", "pallas")
 
 
 def _shard_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile):
-    """Returns `(h, t, ids, b) -> [rows]`, the per-row CutBCE of one shard for the target platform."""
+    """Returns `(h, t, ids, b) -> [rows]`: one shard's per-row CutBCE on the target platform."""
     settings = dict(label_smoothing=label_smoothing, pos_weight=pos_weight)
 
     def xla(h, t, i, b):
