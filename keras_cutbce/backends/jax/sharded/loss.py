@@ -91,7 +91,7 @@ def cut_bce(
         hidden: float `[M, D]`.
         table: float `[V, D]` (any placement; resharded to `P(vocab_axes,
             None)` if it is not already).
-        ids: int32 `[M, L]`, ids outside `[0, V)` already `EMPTY_ID`.
+        ids: integer `[M, L]`; ids outside `[0, V)` are padding.
         bias: optional float `[V]`.
         sharding: a `VocabSharding`.
         label_smoothing: float in `[0, 1]`.
@@ -144,7 +144,7 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
 
     def shard_sum(h, t, i, b):
         """This shard's `sum_v` of the loss terms, `[rows]`."""
-        local_ids = mesh_lib.rebase(i, mesh_lib.shard_offset(vocab_axes, local), local)
+        local_ids = mesh_lib.rebase(i, mesh_lib.shard_offset(vocab_axes, local), local, vocab)
         return shard_loss(h, t, local_ids, b) * local
 
     row_spec, vocab_spec = mesh_lib.spec(rows, None), P(vocab_axes, None)

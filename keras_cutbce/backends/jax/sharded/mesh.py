@@ -92,8 +92,11 @@ def shard_offset(vocab_axes, local):
     return jax.lax.axis_index(vocab_axes) * local
 
 
-def rebase(ids, offset, local):
-    """Returns the ids of this shard moved to `[0, local)`; every other id becomes `EMPTY_ID`."""
+def rebase(ids, offset, local, vocab):
+    """Returns the ids of this shard moved to `[0, local)`; every other id becomes `EMPTY_ID`.
+
+    The padded rows of the last shard (ids `>= vocab`) are never items.
+    """
     ids = ids.astype(jnp.int32) if ids.dtype.itemsize < 8 else ids
-    inside = (ids >= offset) & (ids < offset + local)
+    inside = (ids >= offset) & (ids < offset + local) & (ids < vocab)
     return jnp.where(inside, ids - offset, EMPTY_ID)

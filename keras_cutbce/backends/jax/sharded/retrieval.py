@@ -113,7 +113,7 @@ def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, a
 
     def shard_top_k(h, t, x=None, b=None):
         offset = mesh_lib.shard_offset(vocab_axes, local)
-        x = None if x is None else mesh_lib.rebase(x, offset, local)
+        x = None if x is None else mesh_lib.rebase(x, offset, local, vocab)
         scores, ids = retrieval.top_k(h, t, min(arg, local), b, x, chunk_size=chunk_size)
         ids = jnp.where(ids < 0, ids, ids + offset)
         scores = jax.lax.all_gather(scores, vocab_axes, axis=1, tiled=True)
