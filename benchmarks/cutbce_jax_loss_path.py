@@ -61,6 +61,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old-root", help="an older checkout measured beside this one")
+    parser.add_argument("--old-label", default="", help="what the older checkout is (e.g. a commit)")
     parser.add_argument("--memory-shape", default="1024,128,262144")
     parser.add_argument("--speed-shape", default="4096,64,32768")
     parser.add_argument("--memory-runs", type=int, default=3)
@@ -108,10 +109,14 @@ def main():
                 f"CPU, {os.cpu_count()} cores, default threads. Memory: peak RSS of the timed runs "
                 "above the inputs, one subprocess per run. Speed: dense Keras BCE and the loss "
                 f"paths alternating in one process, medians of {args.repeats}; seconds in "
-                f"`{os.path.basename(args.out)}_side_by_side.md`. Load average at the end: "
+                f"`{os.path.basename(args.out)}_side_by_side.md`. "
+                + (f"Before: {args.old_label}. " if args.old_label else "")
+                + "Load average at the end: "
                 f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} (a shared machine).\n\n"
                 f"Command: `python benchmarks/cutbce_jax_loss_path.py"
-                f"{' --old-root ' + args.old_root if args.old_root else ''}`\n\n{table}\n")
+                f"{' --old-root ' + args.old_root if args.old_root else ''}"
+                f"{' --memory-runs ' + str(args.memory_runs) if args.memory_runs != 3 else ''}`"
+                f"\n\n{table}\n")
 
 
 if __name__ == "__main__":
