@@ -14,7 +14,7 @@ Variants:
 - `chunked`: `cut_binary_crossentropy(..., implementation="chunked")`, the
   XLA loop over vocabulary tiles.
 - `pallas`: `cut_binary_crossentropy(..., implementation="pallas")`, the
-  Pallas TPU kernels (`keras_cutbce/backends/jax/pallas_tpu.py`).
+  Pallas TPU kernel (`keras_cutbce/backends/jax/pallas/`).
 
 Usage (on a TPU VM, from the repository root):
 
@@ -54,6 +54,8 @@ PAPER_HBM_CHANGE = "-65.7%"  # the CutBCE paper's HBM reduction vs dense BCE (Ya
 HBM_BYTES = {"TPU v5 lite": 16 * 2**30, "TPU v6 lite": 32 * 2**30, "TPU v5": 95 * 2**30,
              "TPU v4": 32 * 2**30}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `benchmarks.tpu_aot` and this checkout's package
+    sys.path.insert(0, ROOT)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_JSON = os.path.join(RESULTS, "cutbce_tpu.json")
 CPU_CHECK_JSON = os.path.join(RESULTS, "cutbce_tpu_cpu_check.json")
@@ -144,9 +146,9 @@ def run_deviceless_worker(args):
     import jax
     import jax.numpy as jnp
 
-    from keras_cutbce.backends.jax import aot
+    from benchmarks import tpu_aot
 
-    device = aot.topology_devices(args.deviceless)[0]
+    device = tpu_aot.topology_devices(args.deviceless)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def spec(shape, dtype):
@@ -164,7 +166,7 @@ def run_deviceless_worker(args):
                 def step(h, t, b, ids, cotangent, variant=variant, vocab=vocab):
                     return _step(_loss_fn(variant, ids, vocab), cotangent)(h, t, b)
 
-                report = aot.compile_report(step, shapes, target=device)
+                report = tpu_aot.compile_report(step, shapes, target=device)
                 result.update(temp_bytes=report.temp_bytes, argument_bytes=report.argument_bytes,
                               output_bytes=report.output_bytes,
                               kernels=[k.name for k in report.kernels],
@@ -286,9 +288,9 @@ def run_worker(args):
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     result["peak_bytes"] = None if not stats else stats.get("peak_bytes_in_use")
     if args.worker == "pallas":
-        from keras_cutbce.backends.jax import pallas_tpu
+        from keras_cutbce.backends.jax.pallas import tiling
 
-        result["tiles"] = pallas_tpu.choose_tiles(args.rows, args.vocab, args.dim, args.dtype)
+        result["tiles"] = tiling.choose_tiles(args.rows, args.vocab, args.dim, args.dtype)
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -117,9 +117,8 @@ def _program(case, device):
     import jax
     import jax.numpy as jnp
 
-    from keras_cutbce.backends.jax import pallas_tpu
-
     m, d, v, dtype = case
+    pallas = _pallas()
 
     def spec(shape, dt):
         return jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.SingleDeviceSharding(device))
@@ -129,15 +128,24 @@ def _program(case, device):
 
     def weighted_sum(h, t, ids, w):
         return jax.value_and_grad(
-            lambda h, t: pallas_tpu.cut_bce_weighted_sum(h, t, ids, None, w), argnums=(0, 1)
+            lambda h, t: pallas.cut_bce_weighted_sum(h, t, ids, None, w), argnums=(0, 1)
         )(h, t)
 
     def per_row(h, t, ids, w):
         return jax.value_and_grad(
-            lambda h, t: jnp.vdot(w, pallas_tpu.cut_bce(h, t, ids, None)), argnums=(0, 1)
+            lambda h, t: jnp.vdot(w, pallas.cut_bce(h, t, ids, None)), argnums=(0, 1)
         )(h, t)
 
     return {"weighted_sum": (weighted_sum, args), "loss": (per_row, args)}
+
+
+def _pallas():
+    """The Pallas package of the checkout being measured (`pallas_tpu` in older ones)."""
+    try:
+        from keras_cutbce.backends.jax import pallas
+    except ImportError:
+        from keras_cutbce.backends.jax import pallas_tpu as pallas
+    return pallas
 
 
 def _compares_per_logit(case, device, ids):
@@ -146,23 +154,29 @@ def _compares_per_logit(case, device, ids):
     import jax.numpy as jnp
     import numpy as np
 
-    from keras_cutbce.backends.jax import pallas_tpu
-
-    if not hasattr(pallas_tpu, "_in_tile_counts"):
-        return float(ids.shape[1])
-    from types import SimpleNamespace
-
     from keras_cutbce.backends.jax import tpu_target
     from keras_cutbce.common import round_up
 
+    pallas = _pallas()
+    if not hasattr(pallas, "call"):  # an older checkout: one module
+        if not hasattr(pallas, "_in_tile_counts"):
+            return float(ids.shape[1])
+        tiling = pallas
+        row_inputs, in_tile_counts = pallas._row_inputs, pallas._in_tile_counts
+    else:
+        tiling = pallas.tiling
+        row_inputs, in_tile_counts = pallas.call.row_inputs, pallas.call.in_tile_counts
+    from types import SimpleNamespace
+
     m, d, v, dtype = case
     capacity = tpu_target.chip_info(device.device_kind).vmem_bytes
-    tm, tv = pallas_tpu.choose_tiles(m, v, d, dtype, pallas_tpu.vmem_budget_bytes(capacity))
-    cfg = SimpleNamespace(vocab_size=v, vocab_tile=tv, row_tile=tm, dv_view=d % 128 != 0)
-    rows = round_up(m, tm)
+    row_tile, tile = tiling.choose_tiles(m, v, d, dtype, tiling.vmem_budget_bytes(capacity))
+    cfg = SimpleNamespace(vocab_size=v, tile=tile, vocab_tile=tile, row_tile=row_tile,
+                          dv_view=d % 128 != 0)
+    rows = round_up(m, row_tile)
     with jax.default_device(jax.devices("cpu")[0]):
-        _, ids_t, _ = pallas_tpu._row_inputs(jnp.zeros((m, d)), jnp.asarray(ids), None, rows, cfg)
-        return float(np.mean(np.asarray(pallas_tpu._in_tile_counts(ids_t, cfg))))
+        _, ids_t, _ = row_inputs(jnp.zeros((m, d)), jnp.asarray(ids), None, rows, cfg)
+        return float(np.mean(np.asarray(in_tile_counts(ids_t, cfg))))
 
 
 def _ids(m, v, zipf, seed=0):
@@ -180,9 +194,11 @@ def measure(topology):
     import jax
     import numpy as np
 
-    from keras_cutbce.backends.jax import aot
+    if ROOT not in sys.path:  # after `--repo`: keras_cutbce still comes from there
+        sys.path.append(ROOT)
+    from benchmarks import tpu_aot
 
-    device = aot.topology_devices(topology)[0]
+    device = tpu_aot.topology_devices(topology)[0]
     rows = []
     for case in CASES:
         m, d, v, dtype = case

@@ -61,7 +61,7 @@ IMPLEMENTATIONS = {
             "torch": f"{_TORCH}.chunked:cut_bce",
             "tensorflow": f"{_TF}.chunked:cut_bce",
         },
-        "pallas": {"jax": f"{_JAX}.pallas_tpu:cut_bce"},
+        "pallas": {"jax": f"{_JAX}.pallas:cut_bce"},
         "sharded": {"jax": f"{_JAX}.sharded:cut_bce"},
     },
     "cut_bce_weighted_sum": {
@@ -70,7 +70,7 @@ IMPLEMENTATIONS = {
             "torch": f"{_TORCH}.chunked:cut_bce_weighted_sum",
             "tensorflow": f"{_TF}.chunked:cut_bce_weighted_sum",
         },
-        "pallas": {"jax": f"{_JAX}.pallas_tpu:cut_bce_weighted_sum"},
+        "pallas": {"jax": f"{_JAX}.pallas:cut_bce_weighted_sum"},
     },
     "top_k": {
         "chunked": {

@@ -102,7 +102,7 @@ SLOW = (
     "tests/test_pallas.py::test_odd_shapes_bias_smoothing_padding_duplicates",
     "tests/test_pallas.py::test_single_label_pos_weight_large_logits_through_ops",
     "tests/test_saturated_logits.py::test_matches_keras_dense_binary_crossentropy[pallas-0.0]",
-    "tests/test_doctests.py::test_docstring_examples[keras_cutbce.backends.jax.pallas_tpu]",
+    "tests/test_doctests.py::test_docstring_examples[keras_cutbce.backends.jax.pallas]",
     "tests/test_wide_ids.py::test_loss_kernels_treat_wide_ids_as_padding[pallas]",
 )
 

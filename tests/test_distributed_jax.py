@@ -121,7 +121,7 @@ def _check_public_ops(mesh, rng, calls):
         return jnp.sum(cotangent.reshape(-1) * loss)
 
     before = calls.get("cut_bce", 0)
-    if sharded._explicit(mesh):
+    if sharded.mesh.explicit(mesh):
         # Explicit axes: the sharding is part of the traced type, seen under jit.
         step = jax.jit(jax.value_and_grad(sharded_objective, argnums=(0, 1, 2)))
     else:
@@ -156,7 +156,7 @@ def _check_public_ops(mesh, rng, calls):
     top_k = lambda h, t, b: cut_ops.cut_top_k(  # noqa: E731
         h, t, 6, b, exclude_ids=exclude, chunk_size=4
     )
-    scores, top = (jax.jit(top_k) if sharded._explicit(mesh) else top_k)(*args)
+    scores, top = (jax.jit(top_k) if sharded.mesh.explicit(mesh) else top_k)(*args)
     assert calls.get("top_k", 0) > before, "the sharded top-k was not dispatched"
     want_scores, want_ids = retrieval.top_k(
         hidden.reshape(-1, dim), table, 6, bias, exclude.reshape(-1, 3), chunk_size=4
@@ -301,12 +301,12 @@ def _check_count_and_cache(mesh, rng):
             line for line in hlo.splitlines() if "all-gather" in line
         )
 
-    # D2: the second eager call with the same configuration builds nothing.
+    # the second eager call with the same configuration builds nothing.
     ids = _ids(rng, rows, 3, table.shape[0])
     for build, call in (
-        (sharded._loss_program, lambda: sharded.cut_bce(hidden, table, ids, bias, sharding=spec, chunk_size=4)),
-        (sharded._retrieval_program, lambda: sharded.top_k(hidden, table, 3, bias, ids, sharding=spec, chunk_size=4)),
-        (sharded._retrieval_program, lambda: sharded.count_at_least(hidden, table, bias, 0.5, sharding=spec)),
+        (sharded.loss._loss_program, lambda: sharded.cut_bce(hidden, table, ids, bias, sharding=spec, chunk_size=4)),
+        (sharded.retrieval._retrieval_program, lambda: sharded.top_k(hidden, table, 3, bias, ids, sharding=spec, chunk_size=4)),
+        (sharded.retrieval._retrieval_program, lambda: sharded.count_at_least(hidden, table, bias, 0.5, sharding=spec)),
     ):
         first = call()
         misses, hits = build.cache_info().misses, build.cache_info().hits

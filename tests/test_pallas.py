@@ -86,13 +86,13 @@ def _assert_close(got, want, rtol, name):
 
 
 def _check(inputs, *, ls, pw, rtol, pallas_kwargs, keras_too):
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     h, t, b, ids, g = inputs
     v = t.shape[0]
 
     def pallas_fn(h, t, b):
-        return pallas_tpu.cut_bce(
+        return pallas.cut_bce(
             h, t, ids, b, label_smoothing=ls, pos_weight=pw, **pallas_kwargs
         )
 
@@ -219,14 +219,14 @@ def test_interpreter_is_the_default_off_tpu():
     import jax
     import jax.experimental.pallas.tpu as pltpu
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     if jax.devices()[0].platform == "tpu":
         pytest.skip("on a TPU the kernels are compiled")
-    arg = pallas_tpu._interpret_arg(None)
+    arg = pallas.call.interpret_arg(None)
     params = getattr(pltpu, "InterpretParams", None)
     assert isinstance(arg, params) if params is not None else arg is True
-    assert pallas_tpu._interpret_arg(False) is False
+    assert pallas.call.interpret_arg(False) is False
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -236,15 +236,15 @@ def test_interpreter_is_the_default_off_tpu():
      (4096, 10**5, 1024, 64 * 2**20), (3, 5, 4, 1)],
 )
 def test_tile_rule(rows, vocab, dim, budget, dtype):
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
-    tm, tv = pallas_tpu.choose_tiles(rows, vocab, dim, dtype, budget_bytes=budget)
+    tm, tv = pallas.tiling.choose_tiles(rows, vocab, dim, dtype, budget_bytes=budget)
     assert tm % 128 == 0 and tv % 128 == 0
     assert 128 <= tm <= max(128, -(-rows // 128) * 128)
     assert 128 <= tv <= -(-vocab // 128) * 128
     itemsize = 2 if dtype == "bfloat16" else 4
     if budget > 1:
-        assert pallas_tpu._footprint_bytes(tm, tv, dim, itemsize) <= budget
+        assert pallas.tiling.footprint_bytes(tm, tv, dim, itemsize) <= budget
     else:
         assert (tm, tv) == (128, 128)  # nothing fits: the smallest aligned tiles
 
@@ -265,7 +265,7 @@ def _walk(jaxpr, inside_pallas=False):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
-    """Issue 11 D3: the reduced loss's loss and gradients come from ONE pallas_call.
+    """The reduced loss's loss and gradients come from ONE pallas_call.
 
     M = 130 over 128-row tiles (two row tiles, so the resident rows
     accumulate across the grid), V = 1000 over 256-wide tiles (a partial,
@@ -274,7 +274,7 @@ def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
     import jax
     import jax.numpy as jnp
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     h, t, b, ids, g = _inputs(rng, 130, 1000, 64, 4, bias=with_bias)
     w = np.abs(g)
@@ -282,7 +282,7 @@ def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
     argnums = (0, 1, 2) if with_bias else (0, 1)
 
     def fused(h, t, b):
-        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
+        return pallas.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
 
     def oracle(h, t, b):
         return jnp.sum(w * _reference(ids, 0.1, 2.0)(h, t, b))
@@ -302,23 +302,23 @@ def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
 
 
 def test_table_is_never_padded(rng):
-    """Issue 11 D3: V = 1000 over 256-wide tiles: no `[1024, D]` copy of the table.
+    """V = 1000 over 256-wide tiles: no `[1024, D]` copy of the table.
 
     The last tile is partial and masked in the kernels; the forward, the
     per-row backward and the fused path are checked.
     """
     import jax
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     h, t, b, ids, g = _inputs(rng, 10, 1000, 8, 2, bias=True)
     kwargs = dict(chunk_size=256)
 
     def per_row(h, t, b):
-        return (pallas_tpu.cut_bce(h, t, ids, b, **kwargs) * g).sum()
+        return (pallas.cut_bce(h, t, ids, b, **kwargs) * g).sum()
 
     def fused(h, t, b):
-        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, g, **kwargs)
+        return pallas.cut_bce_weighted_sum(h, t, ids, b, g, **kwargs)
 
     for fn in (per_row, fused):
         jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, argnums=(0, 1, 2)))(h, t, b).jaxpr
@@ -331,7 +331,7 @@ def test_table_is_never_padded(rng):
 
 
 def test_mixed_precision_does_not_promote_to_float32_highest(rng):
-    """Issue 11 D3: bf16 hidden with an f32 table: every kernel matmul runs in bf16.
+    """Bf16 hidden with an f32 table: every kernel matmul runs in bf16.
 
     The loss and gradients still match the reference (at bf16 accuracy) and
     come back in each input's dtype.
@@ -340,13 +340,13 @@ def test_mixed_precision_does_not_promote_to_float32_highest(rng):
     import jax.numpy as jnp
     import ml_dtypes
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     h, t, b, ids, g = _inputs(rng, 20, 300, 16, 2, bias=True)
     h = np.asarray(h, ml_dtypes.bfloat16)
 
     def fused(h, t, b):
-        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, np.abs(g), chunk_size=128)
+        return pallas.cut_bce_weighted_sum(h, t, ids, b, np.abs(g), chunk_size=128)
 
     grad_fn = jax.value_and_grad(fused, argnums=(0, 1, 2))
     jaxpr = jax.make_jaxpr(grad_fn)(h, t, b).jaxpr
@@ -370,20 +370,21 @@ def test_mixed_precision_does_not_promote_to_float32_highest(rng):
 
 
 def test_int64_ids_beyond_int32_stay_padding(rng):
-    """Issue 11 B1: an int64 id 2**32 + k is padding, not item k (no `astype(int32)` wrap)."""
-    from keras_cutbce.backends.jax import pallas_tpu
+    """An int64 id 2**32 + k reaches the Pallas kernel as padding, not as item k."""
+    from keras_cutbce import ops
 
     h, t, _, _, _ = _inputs(rng, 3, 200, 8, 1, bias=False)
     wide = np.array([[2**32 + 5, 7], [2**31, -1], [2**32 + 16, 2**33]], np.int64)
     clean = np.array([[-1, 7], [-1, -1], [-1, -1]], np.int32)
-    got = pallas_tpu.cut_bce(h, t, wide, None, chunk_size=128)
-    want = pallas_tpu.cut_bce(h, t, clean, None, chunk_size=128)
+    kwargs = dict(chunk_size=128, implementation="pallas")
+    got = ops.cut_binary_crossentropy(h, t, wide, **kwargs)
+    want = ops.cut_binary_crossentropy(h, t, clean, **kwargs)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
-    """Issue 16 C3: rows split into resident blocks, one pass over the table each.
+    """Rows split into resident blocks, one pass over the table each.
 
     A tiny resident budget makes 3 blocks of 128 rows (M = 300): the fused
     path and the per-row backward run 3 `pallas_call`s each, the table and
@@ -393,24 +394,24 @@ def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
     """
     import jax
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     h, t, b, ids, g = _inputs(rng, 300, 1000, 8, 3, bias=True, dtype=dtype)
     w = np.abs(g)
     kwargs = dict(chunk_size=256, block_rows=128, label_smoothing=0.1)
 
     def fused(h, t, b):
-        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
+        return pallas.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
 
     def per_row(h, t, b):
-        return (pallas_tpu.cut_bce(h, t, ids, b, **kwargs) * g).sum()
+        return (pallas.cut_bce(h, t, ids, b, **kwargs) * g).sum()
 
     programs = [jax.value_and_grad(fn, argnums=(0, 1, 2)) for fn in (fused, per_row)]
     wants = [fn(h, t, b) for fn in programs]
-    cfg = pallas_tpu._prepare(h, t, ids, b, 0.1, 1.0, 256, 128, None)[0]
-    assert pallas_tpu.row_blocks(300, 8, h.dtype.itemsize, cfg) == (1, 384)
-    monkeypatch.setattr(pallas_tpu, "_resident_budget_bytes", lambda cfg: 1)
-    assert pallas_tpu.row_blocks(300, 8, h.dtype.itemsize, cfg) == (3, 128)
+    cfg = pallas.api.prepare(h, t, ids, b, 0.1, 1.0, 256, 128, None)[0]
+    assert pallas.tiling.row_blocks(300, 8, h.dtype.itemsize, cfg) == (1, 384)
+    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg: 1)
+    assert pallas.tiling.row_blocks(300, 8, h.dtype.itemsize, cfg) == (3, 128)
     for grad_fn, (want_value, want_grads) in zip(programs, wants):
         assert _count_pallas_calls(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr) in (3, 6)
         value, grads = grad_fn(h, t, b)
@@ -424,7 +425,7 @@ def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
 
 @pytest.mark.parametrize("vocab", [1000, 1100, 200])
 def test_vocabulary_split_across_two_tensorcores(rng, monkeypatch, vocab):
-    """Issue 16 C4: megacore chips (v4, v5p) split the vocabulary tiles across two cores.
+    """Megacore chips (v4, v5p) split the vocabulary tiles across two cores.
 
     V = 1000 over 256-wide tiles: 4 tiles, 2 per core; V = 1100: 5 tiles, the
     second core's last step is past the end and does nothing; V = 200: one
@@ -433,17 +434,17 @@ def test_vocabulary_split_across_two_tensorcores(rng, monkeypatch, vocab):
     """
     import jax
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
-    monkeypatch.setattr(pallas_tpu, "tensorcores", lambda: 2)
+    monkeypatch.setattr(pallas.tiling, "tensorcores", lambda: 2)
     h, t, b, ids, g = _inputs(rng, 130, vocab, 8, 3, bias=True)
-    cfg = pallas_tpu._prepare(h, t, ids, b, 0.0, 1.0, 256, 128, None)[0]
-    assert cfg.cores == 2 and pallas_tpu._cores_used(cfg) == (1 if vocab == 200 else 2)
+    cfg = pallas.api.prepare(h, t, ids, b, 0.0, 1.0, 256, 128, None)[0]
+    assert cfg.cores == 2 and pallas.tiling.cores_used(cfg) == (1 if vocab == 200 else 2)
     _check((h, t, b, ids, g), ls=0.1, pw=2.0, rtol=2e-5,
            pallas_kwargs=dict(chunk_size=256, block_rows=128), keras_too=False)
 
     def fused(h, t, b):
-        return pallas_tpu.cut_bce_weighted_sum(h, t, ids, b, np.abs(g), chunk_size=256,
+        return pallas.cut_bce_weighted_sum(h, t, ids, b, np.abs(g), chunk_size=256,
                                                block_rows=128)
 
     def oracle(h, t, b):
@@ -463,11 +464,11 @@ def test_lane_aligned_dim_reads_the_table_row_major(rng):
 
 
 def test_precision_is_checked():
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     h, t = np.zeros((2, 8), "float32"), np.zeros((10, 8), "float32")
     with pytest.raises(ValueError, match="precision"):
-        pallas_tpu.cut_bce(h, t, np.array([[1], [2]]), precision="fast")
+        pallas.cut_bce(h, t, np.array([[1], [2]]), precision="fast")
 
 
 def test_target_known_only_at_lowering(rng, monkeypatch):
@@ -480,14 +481,14 @@ def test_target_known_only_at_lowering(rng, monkeypatch):
     import jax
 
     from keras_cutbce import ops
-    from keras_cutbce.backends.jax import pallas_tpu, tpu_target
+    from keras_cutbce.backends.jax import pallas, tpu_target
 
     h, t, b, ids, g = _inputs(rng, 10, 300, 8, 2, bias=True)
-    want = pallas_tpu.cut_bce(h, t, ids, b, chunk_size=128, interpret=True)
+    want = pallas.cut_bce(h, t, ids, b, chunk_size=128, interpret=True)
     want_auto = ops.cut_binary_crossentropy(h, t, ids, b, implementation="chunked")
     monkeypatch.setattr(tpu_target, "tpu_compiler_available", lambda: True)
     assert tpu_target.target_platform() is None
-    got = pallas_tpu.cut_bce(h, t, ids, b, chunk_size=128)
+    got = pallas.cut_bce(h, t, ids, b, chunk_size=128)
     _assert_close(got, want, 1e-6, "interpret=None")
     jaxpr = jax.make_jaxpr(lambda h: ops.cut_binary_crossentropy(h, t, ids, b))(h).jaxpr
     # The Pallas branch holds the kernel twice: Mosaic and the interpreter.
@@ -497,10 +498,10 @@ def test_target_known_only_at_lowering(rng, monkeypatch):
 
 
 def test_in_tile_counts_match_a_brute_force_count(rng):
-    """Issue 16 C6: the prefetched counts bound every row's ids in every (vocab, row) tile."""
+    """The prefetched counts bound every row's ids in every (vocab, row) tile."""
     import jax.numpy as jnp
 
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     v, rows, length = 1000, 384, 7
     ids = rng.integers(0, v, size=(rows, length))
@@ -509,13 +510,13 @@ def test_in_tile_counts_match_a_brute_force_count(rng):
     ids[::3, 2:] = -1  # padding
     ids[1::7, :3] = v + 5  # out of range: padding
     h, t = np.zeros((rows, 8), "float32"), np.zeros((v, 8), "float32")
-    cfg, *_ = pallas_tpu._prepare(h, t, ids, None, 0.0, 1.0, 256, 128, None)
-    _, ids_t, _ = pallas_tpu._row_inputs(jnp.asarray(h), jnp.asarray(ids, jnp.int32), None,
+    cfg, *_ = pallas.api.prepare(h, t, ids, None, 0.0, 1.0, 256, 128, None)
+    _, ids_t, _ = pallas.call.row_inputs(jnp.asarray(h), jnp.asarray(ids, jnp.int32), None,
                                          rows, cfg)
-    got = np.asarray(pallas_tpu._in_tile_counts(ids_t, cfg))
+    got = np.asarray(pallas.call.in_tile_counts(ids_t, cfg))
     want = np.zeros((4, 3), np.int64)
     for m in range(rows):
-        real = ids[m][(ids[m] >= 0) & (ids[m] < v)]
+        real = np.unique(ids[m][(ids[m] >= 0) & (ids[m] < v)])  # duplicates count once
         for tile in range(4):
             count = int(np.sum(real // 256 == tile))
             want[tile, m // 128] = max(want[tile, m // 128], count)
@@ -525,16 +526,16 @@ def test_in_tile_counts_match_a_brute_force_count(rng):
 
 @pytest.mark.parametrize("per_row_tile", [True, False])
 def test_rows_with_many_ids_in_one_tile(rng, monkeypatch, per_row_tile):
-    """Issue 16 C6: positives from the sorted ids, however many fall in one tile.
+    """Positives from the sorted ids, however many fall in one tile.
 
     Some rows have all 6 ids in the first 256 items (duplicates among them),
     some none; the counts are per (vocab tile, row tile) or, past the SMEM
     cap, per vocab tile: the same exact numbers as the reference.
     """
-    from keras_cutbce.backends.jax import pallas_tpu
+    from keras_cutbce.backends.jax import pallas
 
     if not per_row_tile:
-        monkeypatch.setattr(pallas_tpu, "MAX_PREFETCHED_COUNTS", 0)
+        monkeypatch.setattr(pallas.call, "MAX_PREFETCHED_COUNTS", 0)
     h, t, b, ids, g = _inputs(rng, 140, 1000, 8, 6, bias=True, pad_frac=0.1)
     ids[::2] = rng.integers(0, 256, size=(70, 6))
     ids[::6, 3] = ids[::6, 2]

@@ -65,10 +65,11 @@ def _float64_oracle(hidden, ids, cotangent, a, p):
 def _kernels():
     """`name -> (per_row, fn)`: `fn(h, t, ids, b, g, a, p)` is a per-row loss or `sum(g * loss)`."""
     if BACKEND == "jax":
-        from keras_cutbce.backends.jax import chunked, pallas_tpu
+        from keras_cutbce.backends.jax import chunked
+        from keras_cutbce.backends.jax.pallas import cut_bce as pallas_cut_bce
 
         def pallas(h, t, ids, b, g, a, p):
-            return pallas_tpu.cut_bce(
+            return pallas_cut_bce(
                 h, t, ids, b, label_smoothing=a, pos_weight=p, chunk_size=128, interpret=True
             )
 

@@ -1,4 +1,4 @@
-"""Metrics on a vocabulary-sharded table run the sharded kernels (issue 11 D1, dispatch side).
+"""Metrics on a vocabulary-sharded table run the sharded kernels.
 
 Runs this file as a script in a subprocess with 8 simulated CPU devices (as
 `tests/test_distributed_jax.py` does). Under `keras.distribution.ModelParallel`

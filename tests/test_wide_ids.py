@@ -36,13 +36,13 @@ def _x64():
 
 def _loss_kernels():
     if BACKEND == "jax":
-        from keras_cutbce.backends.jax import chunked, pallas_tpu
+        from keras_cutbce.backends.jax import chunked, pallas
 
         return {
             "chunked": lambda h, t, i: chunked.cut_bce(h, t, i, chunk_size=16),
             "fused": lambda h, t, i: chunked.cut_bce_weighted_sum(
                 h, t, i, None, np.ones(3, "float32"), chunk_size=16),
-            "pallas": lambda h, t, i: pallas_tpu.cut_bce(h, t, i, chunk_size=128, interpret=True),
+            "pallas": lambda h, t, i: pallas.cut_bce(h, t, i, chunk_size=128, interpret=True),
         }
     if BACKEND == "torch":
         import torch

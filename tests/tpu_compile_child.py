@@ -23,7 +23,7 @@ import keras  # noqa: E402
 
 from keras_cutbce import CutBCELoss  # noqa: E402
 from keras_cutbce import ops as kc  # noqa: E402
-from keras_cutbce.backends.jax import aot  # noqa: E402
+from benchmarks import tpu_aot  # noqa: E402
 
 NUM_IDS = 4
 
@@ -89,12 +89,12 @@ def _train_program(case, device):
 
 
 def run_case(case):
-    device = aot.topology_devices(case["topology"])[0]
+    device = tpu_aot.topology_devices(case["topology"])[0]
     program = _train_program if case["op"] == "train" else _op_program
     fn, args = program(case, device)
     start = time.perf_counter()
-    report = aot.compile_report(fn, args, target=device if case["mesh"] else None)
-    data = json.loads(aot.report_json(report))
+    report = tpu_aot.compile_report(fn, args, target=device if case["mesh"] else None)
+    data = json.loads(tpu_aot.report_json(report))
     data["compile_s"] = round(time.perf_counter() - start, 2)
     return data
 

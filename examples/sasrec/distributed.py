@@ -114,7 +114,7 @@ def _sharded_loss_programs():
     """How many vocab-sharded loss programs this process built (0: the path was not taken)."""
     from keras_cutbce.backends.jax import sharded
 
-    return sharded._loss_program.cache_info().currsize
+    return sharded.loss._loss_program.cache_info().currsize
 
 
 class _ShardedRun:

@@ -1,36 +1,35 @@
 """CutBCE on JAX: an XLA loop over vocabulary tiles under `jax.custom_vjp`.
 
 The loss of one row is `(1 / V) * sum_v [scale_v softplus(z_v) - target_v z_v]`
-with `z = h @ E.T + b` (see `DESIGN.md` and `keras_cutbce.math.coefficients`). It
-is computed in two parts, so the `[M, V]` logits never exist:
+with `z = h @ E.T + b` (`keras_cutbce.math.coefficients`). It is computed in
+two parts, so the `[M, V]` logits never exist:
 
-- the negatives: every item with the negative weights
-  `(neg_scale, neg_target)`, one vocabulary tile at a time in a `lax.scan`
-  over tile indices (each tile a `dynamic_slice` of the table, plus one
-  narrower tile for the remainder when `tile` does not divide `V`: the table
-  is never copied, padded or masked per logit), with the row's positives
-  set to `-inf` in each tile's logits by one O(M L) scatter of their ids
-  (`mask_positives`), so their dense terms are exactly 0;
-- the positives: the table rows of the valid, de-duplicated target ids
-  (`keras_cutbce.math.positives.distinct_targets`, sort-based) are
-  gathered and their exact terms `pos_minus softplus(-z) + pos_plus
-  softplus(z)` added (gradient `pos_plus sigmoid(z) - pos_minus
-  sigmoid(-z)`). Nothing is added and subtracted back, so a saturated
-  positive (|z| = 1e4, or a row whose loss is 1e-43) keeps full float32
+- the negatives: every item with the negative weights, one vocabulary tile
+  at a time in a `lax.scan` over tile indices (each tile a `dynamic_slice`
+  of the table, plus one narrower tile for the remainder when `tile` does
+  not divide `V`: the table is never copied, padded or masked per logit),
+  with the row's positives set to `-inf` in each tile's logits by one
+  O(M L) scatter of their ids (`mask_positives`), so their dense terms are
+  exactly 0;
+- the positives (`keras_cutbce.math.positives.distinct_targets`): their
+  table rows are gathered and their exact terms added. Nothing is added
+  and subtracted back, so a saturated positive keeps full float32
   precision whatever V.
 
-`cut_bce` (per-row loss, `jax.custom_vjp`) keeps only the inputs as
-residuals; its backward pass recomputes the logits tile by tile: with
-`dZ = g / V * (scale sigmoid(z) - target)` it accumulates
-`grad_hidden += dZ @ E_tile` in the scan's carry and emits
-`[h, 1].T @ dZ` (the table gradient tile, transposed, and the bias gradient
-tile in its last row) into a `[D + 1, V]` carry in place, then scatter-adds the
-positives' gradients. `cut_bce_weighted_sum` (a scalar, the training path of
-a reduced loss) computes the loss and the gradients at cotangent 1 in one
-scan instead, and its backward pass only scales them. Both run the same
-per-tile function (`_tile_pass`). Everything accumulates in float32;
-gradients come back in each input's dtype. `cut_bce` is batch-polymorphic, so
-`jax.vmap` works over it.
+The per-logit terms and slopes are `keras_cutbce.backends.jax.math`'s (the
+functions the Pallas kernel calls); the `custom_vjp` is
+`keras_cutbce.backends.jax.vjp`'s. What is this kernel's own: the loop (a
+`lax.scan` with the per-row loss, the hidden gradient and the table and
+bias gradients in its carry, the table gradient written tile by tile in
+place into its `[V, D]` buffer) and the positives' gather and scatter-add.
+
+`cut_bce` (per-row loss) keeps only the inputs as residuals; its backward
+pass recomputes the logits tile by tile. `cut_bce_weighted_sum` (a scalar,
+the training path of a reduced loss) computes the loss and the gradients at
+cotangent 1 in one scan, and its backward pass only scales them. Both run
+the same per-tile function (`_tile_pass`). Everything accumulates in
+float32; gradients come back in each input's dtype. `cut_bce` is
+batch-polymorphic, so `jax.vmap` works over it.
 """
 
 import functools
@@ -38,8 +37,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.backends.jax import math, vjp
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
 from keras_cutbce.math.tiling import default_chunk_size
 from keras_cutbce.math.tiling import tile_budget_bytes
 
@@ -47,68 +47,22 @@ _F32 = jnp.float32
 
 
 def tile_budget():
-    """The `keras_cutbce.math.tiling` budget for JAX on its default platform."""
+    """Returns the `keras_cutbce.math.tiling` budget for JAX on its default platform."""
     return tile_budget_bytes("jax", jax.default_backend())
 
 
 def tile_logits(hidden, table_tile, bias_tile=None):
-    """Float32 logits `[M, T]` of one vocabulary tile: the one fused tile function."""
+    """Returns the float32 logits `[M, tile]` of one vocabulary tile."""
     z = jnp.matmul(hidden, table_tile.T, preferred_element_type=jnp.float32)
     if bias_tile is not None:
         z = z + bias_tile.astype(jnp.float32)
     return z
 
 
-def _exp_neg_abs(z):
-    """`exp(-|z|)`: the one exponential that softplus and sigmoid share."""
-    return jnp.exp(-jnp.abs(z))
-
-
-def _softplus(z, e):
-    """Stable `log(1 + exp(z))` from `e = exp(-|z|)`: finite for any finite z."""
-    return jnp.maximum(z, 0.0) + jnp.log1p(e)
-
-
-def _sigmoid(z, e):
-    """Stable `1 / (1 + exp(-z))` from `e = exp(-|z|)`."""
-    return jnp.where(z >= 0, 1.0, e) / (1.0 + e)
-
-
-def _bce_terms(z, e, scale, target):
-    """`scale * softplus(z) - target * z`, skipping terms whose weight is 0."""
-    out = _softplus(z, e) if scale == 1.0 else scale * _softplus(z, e)
-    return out if target == 0.0 else out - target * z
-
-
-def _bce_slopes(z, e, scale, target):
-    """`d/dz` of `_bce_terms`: `scale * sigmoid(z) - target`."""
-    out = _sigmoid(z, e) if scale == 1.0 else scale * _sigmoid(z, e)
-    return out if target == 0.0 else out - target
-
-
-def _positive_terms(z, e, coef):
-    """A positive's exact term `pos_minus softplus(-z) + pos_plus softplus(z)`.
-
-    Both parts are non-negative, so nothing cancels at any `|z|`.
-    """
-    log_part = (coef.pos_minus + coef.pos_plus) * jnp.log1p(e)
-    return coef.pos_minus * jnp.maximum(-z, 0.0) + coef.pos_plus * jnp.maximum(z, 0.0) + log_part
-
-
-def _positive_slopes(z, e, coef):
-    """`d/dz` of `_positive_terms`: `pos_plus sigmoid(z) - pos_minus sigmoid(-z)`."""
-    inv = 1.0 / (1.0 + e)
-    sigmoid_neg = jnp.where(z >= 0, e, 1.0) * inv  # sigmoid(-z)
-    out = -coef.pos_minus * sigmoid_neg
-    if coef.pos_plus != 0.0:
-        out = out + coef.pos_plus * jnp.where(z >= 0, 1.0, e) * inv
-    return out
-
-
 def mask_positives(z, ids, start):
-    """The tile's logits `z` `[M, T]` with `-inf` at the row's positives: O(M L).
+    """Returns the tile's logits `z` `[M, tile]` with `-inf` at the row's positives: O(M L).
 
-    The tile covers the items `[start, start + T)`. One scatter of the
+    The tile covers the items `[start, start + tile)`. One scatter of the
     `[M, L]` ids (duplicates set the same place twice; padding and ids of
     other tiles are dropped), never a per-logit compare. At `-inf` the
     negatives' `softplus` and `sigmoid` are exactly 0 (`exp(-|z|)` is 0), so
@@ -123,17 +77,17 @@ def mask_positives(z, ids, start):
     >>> np.asarray(mask_positives(z, jnp.array([[5, 5], [-1, 9]]), 4)).tolist()
     [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
-    rows, width = z.shape
+    rows, tile = z.shape
     if ids.shape[-1] == 0:
         return z
     local = ids - start
-    column = jnp.where((local >= 0) & (local < width), local, width)  # width: dropped
+    column = jnp.where((local >= 0) & (local < tile), local, tile)  # tile: dropped
     row = jax.lax.broadcasted_iota(column.dtype, column.shape, 0)
     return z.at[row, column].set(-jnp.inf, mode="drop")
 
 
 def _drop_masked(values, z, coef):
-    """`values` with 0 where `mask_positives` put `-inf`: needed only with label smoothing."""
+    """Returns `values` with 0 where `mask_positives` put `-inf` (only label smoothing needs it)."""
     if coef.neg_target == 0.0:
         return values
     return jnp.where(z == -jnp.inf, 0.0, values)
@@ -142,15 +96,15 @@ def _drop_masked(values, z, coef):
 # ----------------------------------------------------------------- tiling ---
 
 
-def _tile_at(table, bias, start, width):
-    """The tile `[start, start + width)` of the table and bias: a slice, never a copy of the table."""
-    table_tile = jax.lax.dynamic_slice_in_dim(table, start, width, axis=0)
-    bias_tile = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, width)
+def _tile_at(table, bias, start, size):
+    """Returns the items `[start, start + size)` of the table and bias: slices, never copies."""
+    table_tile = jax.lax.dynamic_slice_in_dim(table, start, size, axis=0)
+    bias_tile = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
     return table_tile, bias_tile
 
 
 def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, loss, row_scale):
-    """One vocabulary tile's negatives: the per-tile math, written once.
+    """Computes one vocabulary tile's negatives: the per-tile math, written once.
 
     Computes the tile's logits `z` (one matmul), sets the row's positives to
     `-inf` (`mask_positives`, O(M L)), so their terms are exactly 0 here (the
@@ -166,33 +120,33 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, los
       transposed, and in its last row the bias gradient when `hidden_t`
       carries a row of ones), else `None, None`.
 
-    Per logit: one exp, one log1p (loss), one divide (gradient) and a few
-    selects; per tile, `dZ` is read by two matmuls only, both plain
+    Per logit: one exp, one log1p (loss), one reciprocal (gradient) and a
+    few selects; per tile, `dZ` is read by two matmuls only, both plain
     (untransposed) for XLA's CPU backend.
     """
     z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
-    e = _exp_neg_abs(z)
+    e = math.exp_neg_abs(z)
     loss_rows = None
     if loss:
-        terms = _drop_masked(_bce_terms(z, e, coef.neg_scale, coef.neg_target), z, coef)
+        terms = _drop_masked(math.terms(z, e, coef), z, coef)
         loss_rows = jnp.sum(terms, axis=1)
     if row_scale is None:
         return loss_rows, None, None
-    slopes = _drop_masked(_bce_slopes(z, e, coef.neg_scale, coef.neg_target), z, coef)
+    slopes = _drop_masked(math.slopes(z, e, coef), z, coef)
     dz = row_scale[:, None] * slopes
     return loss_rows, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
 
 def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
-    """The negatives of every tile, in one `lax.scan` over tile indices.
+    """Sums the negatives of every tile in one `lax.scan` over tile indices.
 
     Returns `(loss_rows, grads)`: `loss_rows` is the per-row
     `sum_v [neg_scale softplus(z_v) - neg_target z_v]` over the row's
     negatives (`[M]` float32) when `loss`, else `None`; `grads` is `None`
     without `row_scale`, else the float32 gradients
     `(hidden, table, bias or None)` of `sum_m row_scale_m * loss_rows_m`.
-    The per-row loss sum, the hidden gradient and the transposed table
-    gradient (updated in place, tile by tile) ride in the scan's carry. Tiles are
+    The per-row loss sum, the hidden gradient and the table and bias
+    gradients (updated in place, tile by tile) ride in the scan's carry. Tiles are
     sliced out of the table inside the loop (`dynamic_slice`), plus one
     narrower tile for the remainder when `tile` does not divide `V`: the
     table is never copied, padded or masked.
@@ -204,8 +158,8 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
         if bias is not None:
             hidden_t = jnp.concatenate([hidden_t, jnp.ones_like(hidden_t[:1])], axis=0)
 
-    def tile_pass(start, width):
-        table_tile, bias_tile = _tile_at(table, bias, start, width)
+    def tile_pass(start, size):
+        table_tile, bias_tile = _tile_at(table, bias, start, size)
         return _tile_pass(
             hidden, hidden_t, table_tile, bias_tile, ids, start, coef,
             loss=loss, row_scale=row_scale,
@@ -214,14 +168,21 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     def add(a, b):
         return None if a is None else a + b
 
-    def accumulate(carry, start, width):
-        loss_rows, grad_hidden, grad_table_t = carry
-        tile_loss, tile_hidden, tile_table_t = tile_pass(start, width)
-        if grad_table_t is not None:
-            grad_table_t = jax.lax.dynamic_update_slice_in_dim(
-                grad_table_t, tile_table_t, start, axis=1
+    dim = table.shape[1]
+
+    def accumulate(carry, start, size):
+        loss_rows, grad_hidden, grad_table, grad_bias = carry
+        tile_loss, tile_hidden, tile_table_t = tile_pass(start, size)
+        if want_grads:
+            # A [D (+1), tile] block, transposed in place into the [V, D] gradient.
+            grad_table = jax.lax.dynamic_update_slice_in_dim(
+                grad_table, tile_table_t[:dim].T, start, axis=0
             )
-        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table_t
+            if bias is not None:
+                grad_bias = jax.lax.dynamic_update_slice_in_dim(
+                    grad_bias, tile_table_t[dim], start, axis=0
+                )
+        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table, grad_bias
 
     rows = hidden.shape[0]
     vocab = table.shape[0]
@@ -229,9 +190,10 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     carry = (
         jnp.zeros((rows,), _F32) if loss else None,
         jnp.zeros(hidden.shape, _F32) if want_grads else None,
-        # The transposed table (and bias) gradient, written tile by tile in
-        # place: no stacked tiles, no concatenation, one [D (+1), V] buffer.
-        jnp.zeros((hidden_t.shape[0], vocab), _F32) if want_grads else None,
+        # The table and bias gradients, written tile by tile in place: no
+        # stacked tiles, no concatenation, no transposed copy.
+        jnp.zeros((vocab, dim), _F32) if want_grads else None,
+        jnp.zeros((vocab,), _F32) if want_grads and bias is not None else None,
     )
     carry, _ = jax.lax.scan(
         lambda carry, index: (accumulate(carry, index * tile, tile), None),
@@ -240,19 +202,17 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     )
     if rest:
         carry = accumulate(carry, num_tiles * tile, rest)
-    loss_rows, grad_hidden, grad_table_t = carry
+    loss_rows, grad_hidden, grad_table, grad_bias = carry
     if not want_grads:
         return loss_rows, None
-    dim = table.shape[1]
-    grad_bias = None if bias is None else grad_table_t[dim]
-    return loss_rows, (grad_hidden, grad_table_t[:dim].T, grad_bias)
+    return loss_rows, (grad_hidden, grad_table, grad_bias)
 
 
 # -------------------------------------------------------------- positives ---
 
 
 def _positive_logits(hidden, table, bias, index):
-    """Float32 logits `[M, L]` at the gathered rows, and the rows `[M, L, D]`."""
+    """Returns the float32 logits `[M, L]` at the gathered rows, and the rows `[M, L, D]`."""
     rows = jnp.take(table, index, axis=0)
     z = jnp.sum(hidden.astype(_F32)[:, None, :] * rows.astype(_F32), axis=-1)
     if bias is not None:
@@ -273,13 +233,13 @@ def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=N
     vocab = table.shape[0]
     index, keep = distinct_targets(ids, vocab)
     z, rows = _positive_logits(hidden, table, bias, index)
-    e = _exp_neg_abs(z)
+    e = math.exp_neg_abs(z)
     if loss_rows is not None:
-        terms = _positive_terms(z, e, coef)
+        terms = math.terms(z, e, coef, positive=True)
         loss_rows = loss_rows + jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
     if grads is not None:
         grad_hidden, grad_table, grad_bias = grads
-        dz = jnp.where(keep, row_scale[:, None] * _positive_slopes(z, e, coef), 0.0)
+        dz = jnp.where(keep, row_scale[:, None] * math.slopes(z, e, coef, positive=True), 0.0)
         grad_hidden = grad_hidden + jnp.sum(dz[..., None] * rows.astype(_F32), axis=1)
         drop = jnp.where(keep, index, vocab)  # out of range: dropped by the scatter
         updates = dz[..., None] * hidden.astype(_F32)[:, None, :]
@@ -291,7 +251,7 @@ def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=N
 
 
 def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None):
-    """Per-row loss `[M]` (or `None`) and the float32 gradients (or `None`).
+    """Returns the per-row loss `[M]` (or `None`) and the float32 gradients (or `None`).
 
     The gradients are those of `sum_m row_scale_m * V * loss_m`, i.e. of
     `sum_m row_scale_m * (dense + positives)_m`: `row_scale` already holds
@@ -306,87 +266,26 @@ def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=Non
     return loss_rows, grads
 
 
-def _cast_grads(grads, hidden, table, bias, factor=None):
-    """Gradients in each input's dtype, optionally times a scalar cotangent first."""
-    grad_hidden, grad_table, grad_bias = grads
-    if factor is not None:
-        grad_hidden, grad_table = factor * grad_hidden, factor * grad_table
-        grad_bias = None if grad_bias is None else factor * grad_bias
-    return (
-        grad_hidden.astype(hidden.dtype),
-        grad_table.astype(table.dtype),
-        None if bias is None else grad_bias.astype(bias.dtype),
-    )
+@functools.lru_cache(maxsize=128)
+def _functions(coef, tile):
+    """Returns the jitted `(per_row_loss, weighted_sum)` of one configuration (`vjp`'s builders)."""
 
+    def loss_fn(hidden, table, ids, bias):
+        return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
 
-# ------------------------------------------------- custom_vjp: per-row loss ---
+    def grads_fn(hidden, table, ids, bias, row_scale):
+        row_scale = row_scale / table.shape[0]
+        return _loss_and_grads(
+            hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale
+        )[1]
 
+    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
+        row_scale = row_weights / table.shape[0]
+        return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True, row_scale=row_scale)
 
-def _loss(hidden, table, ids, bias, coef, tile):
-    return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _cut_bce(hidden, table, ids, bias, coef, tile):
-    return _loss(hidden, table, ids, bias, coef, tile)
-
-
-def _cut_bce_fwd(hidden, table, ids, bias, coef, tile):
-    return _loss(hidden, table, ids, bias, coef, tile), (hidden, table, ids, bias)
-
-
-def _cut_bce_bwd(coef, tile, residuals, g):
-    hidden, table, ids, bias = residuals
-    row_scale = g.astype(_F32) / table.shape[0]
-    _, grads = _loss_and_grads(
-        hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale
-    )
-    grad_hidden, grad_table, grad_bias = _cast_grads(grads, hidden, table, bias)
-    return grad_hidden, grad_table, None, grad_bias
-
-
-_cut_bce.defvjp(_cut_bce_fwd, _cut_bce_bwd)
-
-# Compiled as one XLA program even when called eagerly; a no-op inside `jit`.
-_cut_bce_jit = jax.jit(_cut_bce, static_argnums=(4, 5))
-
-
-# ------------------------------------------- custom_vjp: fused weighted sum ---
-
-
-def _weighted_sum(hidden, table, ids, bias, row_weights, coef, tile):
-    loss_rows = _loss(hidden, table, ids, bias, coef, tile)
-    return jnp.vdot(row_weights.astype(_F32), loss_rows)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fused(hidden, table, ids, bias, row_weights, coef, tile):
-    # Plain evaluation (no gradient asked): the loss alone.
-    return _weighted_sum(hidden, table, ids, bias, row_weights, coef, tile)
-
-
-def _fused_fwd(hidden, table, ids, bias, row_weights, coef, tile):
-    # The scalar's gradient at cotangent 1, in the same pass as the loss.
-    weights = row_weights.astype(_F32)
-    loss_rows, grads = _loss_and_grads(
-        hidden, table, ids, bias, coef, tile, loss=True, row_scale=weights / table.shape[0]
-    )
-    total = jnp.vdot(weights, loss_rows)
-    zero_weights = jnp.zeros_like(row_weights)
-    return total, (grads, hidden, table, bias, zero_weights)
-
-
-def _fused_bwd(coef, tile, residuals, c):
-    grads, hidden, table, bias, zero_weights = residuals
-    grad_hidden, grad_table, grad_bias = _cast_grads(
-        grads, hidden, table, bias, factor=c.astype(_F32)
-    )
-    return grad_hidden, grad_table, None, grad_bias, zero_weights
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-_fused_jit = jax.jit(_fused, static_argnums=(5, 6))
+    # Compiled as one XLA program even when called eagerly; a no-op inside `jit`.
+    return (jax.jit(vjp.per_row_loss(loss_fn, grads_fn)),
+            jax.jit(vjp.weighted_sum(loss_fn, loss_and_grads_fn)))
 
 
 def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
@@ -405,7 +304,7 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
 def cut_bce(
     hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None
 ):
-    """Per-row full-vocabulary binary cross-entropy, tile by tile, with exact gradients.
+    """Computes the per-row full-vocabulary binary cross-entropy tile by tile, with exact gradients.
 
     Args:
         hidden: float `[M, D]` (float32, bfloat16 or float16).
@@ -431,8 +330,10 @@ def cut_bce(
     >>> cut_bce(h, table, np.array([[1, 2], [3, -1], [5, 5]]), chunk_size=32).shape
     (3,)
     """
-    args = _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size)
-    return _cut_bce_jit(*args)
+    hidden, table, ids, bias, coef, tile = _prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
+    )
+    return _functions(coef, tile)[0](hidden, table, ids, bias)
 
 
 def cut_bce_weighted_sum(
@@ -446,7 +347,7 @@ def cut_bce_weighted_sum(
     pos_weight=1.0,
     chunk_size=None,
 ):
-    """`sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
+    """Computes `sum_m row_weights[m] * cut_bce(...)[m]` and its gradients in one pass.
 
     The fused training path of a reduced loss (`keras_cutbce.ops.weighted_loss_sum`).
     The output is a scalar, so the gradient for an upstream cotangent `c` is
@@ -488,4 +389,4 @@ def cut_bce_weighted_sum(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
     )
     row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
-    return _fused_jit(hidden, table, ids, bias, row_weights, coef, tile)
+    return _functions(coef, tile)[1](hidden, table, ids, bias, row_weights)

@@ -27,7 +27,7 @@ def _tiling(vocab_size, chunk_size):
 
 
 def _tile(table, bias, index, width):
-    """Start, table rows `[T, D]`, bias `[T]` and fresh-column mask `[T]` of tile `index`."""
+    """Returns the start, rows `[tile, D]`, bias `[tile]` and fresh-column mask of tile `index`."""
     vocab_size = table.shape[0]
     nominal = index * width
     start = jnp.minimum(nominal, vocab_size - width)
@@ -40,7 +40,7 @@ def _tile(table, bias, index, width):
 
 
 def _excluded_mask(exclude_ids, start, width):
-    """Bool `[M, T]`: True where the row excludes the tile's column."""
+    """Returns bool `[M, tile]`: True where the row excludes the tile's column."""
     local = exclude_ids.astype(jnp.int32) - start
     local = jnp.where((local >= 0) & (local < width), local, width)  # width: dropped
     rows = jnp.arange(exclude_ids.shape[0])[:, None]
@@ -49,7 +49,7 @@ def _excluded_mask(exclude_ids, start, width):
 
 
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Exact top-k logits per row without the `[M, V]` logits.
+    """Returns the exact top-k logits per row without the `[M, V]` logits.
 
     Args:
         hidden: float `[M, D]`.
@@ -116,7 +116,7 @@ def _top_k(hidden, table, k, bias, exclude_ids, *, chunk_size):
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Int32 `[M]`: how many of each row's V logits are `>= threshold`.
+    """Returns int32 `[M]`: how many of each row's V logits are `>= threshold`.
 
     Example:
 

@@ -61,20 +61,20 @@ class ChipInfo(NamedTuple):
 
 
 def chip_info(device_kind):
-    """The `ChipInfo` of a device kind, or None for an unknown kind."""
+    """Returns the `ChipInfo` of a device kind, or None for an unknown kind."""
     found = _CHIPS.get(str(device_kind))
     return None if found is None else ChipInfo(str(device_kind), *found)
 
 
 def _mesh_device():
-    """The abstract device of the current trace's mesh, or None."""
+    """Returns the abstract device of the current trace's mesh, or None."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get_mesh() if get_mesh is not None else None
     return getattr(mesh, "abstract_device", None)
 
 
 def _context_device():
-    """`(platform, device_kind)` the trace targets when something says so, else None."""
+    """Returns `(platform, device_kind)` the trace targets when something says so, else None."""
     device = _mesh_device()
     if device is not None:
         return device.platform, device.device_kind
@@ -88,7 +88,7 @@ def _context_device():
 
 
 def tpu_compiler_available():
-    """Whether this process could compile for a TPU it does not run on (libtpu, TPUs allowed)."""
+    """Returns whether this process could compile for a TPU it does not run on (libtpu)."""
     platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
     if platforms and "tpu" not in platforms.split(","):
         return False
@@ -96,7 +96,7 @@ def tpu_compiler_available():
 
 
 def target_platform():
-    """`"tpu"`, the host's platform, or None: decide at lowering (see the module)."""
+    """Returns `"tpu"`, the host's platform, or None: decide at lowering (see the module)."""
     found = _context_device()
     if found is not None:
         return found[0]
@@ -106,7 +106,7 @@ def target_platform():
 
 
 def target_chip():
-    """The `ChipInfo` of the TPU the trace targets, or None (unknown or not a TPU)."""
+    """Returns the `ChipInfo` of the TPU the trace targets, or None (unknown or not a TPU)."""
     found = _context_device()
     if found is None or found[0] != "tpu":
         return None
@@ -114,7 +114,7 @@ def target_chip():
 
 
 def by_target(operands, tpu, other):
-    """`tpu(*operands)` when compiled for a TPU, else `other(*operands)`.
+    """Runs `tpu(*operands)` when compiled for a TPU, else `other(*operands)`.
 
     Known targets trace one branch; otherwise both are traced and
     `jax.lax.platform_dependent` keeps the target's at lowering.

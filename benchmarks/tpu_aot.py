@@ -1,5 +1,9 @@
 """Compile for a TPU that is not there, and read what the compiler decided.
 
+A helper of the TPU compile tests (`tests/tpu_compile_child.py`) and the
+TPU benchmarks (`benchmarks/cutbce_tpu.py`, `benchmarks/pallas_traffic.py`),
+not part of the package.
+
 With `libtpu` installed (`pip install "keras-cutbce-erase[tpu-compile]"`),
 `jax.experimental.topologies` gives deviceless TPU devices; a function jitted
 on `jax.ShapeDtypeStruct` arguments placed on one of them is compiled by the

@@ -1,0 +1,121 @@
+"""The per-logit math of CutBCE on JAX, written once for the chunked and Pallas kernels.
+
+Plain `jax.numpy` functions, so they run in an XLA loop (`chunked`) and
+inside a Pallas kernel alike (`pallas.kernel`). The weights come from
+`keras_cutbce.math.coefficients.bce_coefficients`; every logit `z` gets one
+`exp` and one `log1p`, in float32: with `e = exp(-|z|)`,
+
+    softplus(+-z) = max(+-z, 0) + log1p(e)
+    sigmoid(z) = r if z >= 0 else e r,   sigmoid(-z) = e r if z >= 0 else r,
+    with r = 1 / (1 + e)
+
+- a negative's term `neg_scale softplus(z) - neg_target z`, slope
+  `neg_scale sigmoid(z) - neg_target`;
+- a positive's term `pos_minus softplus(-z) + pos_plus softplus(z)` (two
+  non-negative parts: no cancellation at any `|z|`), slope
+  `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
+
+`terms` and `slopes` take a `positive` flag (all negatives, all positives,
+or a per-logit mask: the chunked kernel sums the negatives densely and the
+positives apart, the Pallas kernel selects per logit). A weight that is
+statically 0 (or a scale of 1) costs nothing: the coefficients are Python
+floats, so the branch is taken at trace time.
+"""
+
+import jax.numpy as jnp
+
+from keras_cutbce.common import EMPTY_ID
+from keras_cutbce.math.positives import distinct_targets
+
+
+def exp_neg_abs(z):
+    """Returns `exp(-|z|)`, the one exponential of a logit."""
+    return jnp.exp(-jnp.abs(z))
+
+
+def _select(positive, pos, neg):
+    return neg if pos is None else pos if neg is None else jnp.where(positive, pos, neg)
+
+
+def terms(z, e, coef, positive=False):
+    """Returns each logit's loss term, from `e = exp_neg_abs(z)` (one `log1p` a logit).
+
+    Args:
+        z: float32 logits.
+        e: `exp(-|z|)`.
+        coef: `keras_cutbce.math.coefficients.BCECoefficients`.
+        positive: False (every logit is a negative), True (every logit is a
+            positive), or a bool array of `z`'s shape.
+
+    Returns:
+        `neg_scale softplus(z) - neg_target z` at the negatives and
+        `pos_minus softplus(-z) + pos_plus softplus(z)` at the positives.
+
+    Example:
+
+    >>> from keras_cutbce.math.coefficients import bce_coefficients
+    >>> z = jnp.array([-100.0, 0.0, 100.0])
+    >>> [round(float(x), 4) for x in terms(z, exp_neg_abs(z), bce_coefficients(), True)]
+    [100.0, 0.6931, 0.0]
+    """
+    log_e = jnp.log1p(e)
+    neg = pos = None
+    if positive is not True:
+        neg = jnp.maximum(z, 0.0) + log_e
+        neg = neg if coef.neg_scale == 1.0 else coef.neg_scale * neg
+        neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target * z
+    if positive is not False:
+        pos = coef.pos_minus * (jnp.maximum(-z, 0.0) + log_e)
+        if coef.pos_plus != 0.0:
+            pos = pos + coef.pos_plus * (jnp.maximum(z, 0.0) + log_e)
+    return _select(positive, pos, neg)
+
+
+def slopes(z, e, coef, positive=False):
+    """Returns each term's derivative in `z`, from `e = exp_neg_abs(z)` (one reciprocal a logit).
+
+    Args:
+        z: float32 logits.
+        e: `exp(-|z|)`.
+        coef: `keras_cutbce.math.coefficients.BCECoefficients`.
+        positive: False, True, or a bool array of `z`'s shape (as in `terms`).
+
+    Returns:
+        `neg_scale sigmoid(z) - neg_target` at the negatives and
+        `pos_plus - (pos_plus + pos_minus) sigmoid(-z)` at the positives.
+    """
+    r = 1.0 / (1.0 + e)
+    neg = pos = None
+    if positive is not True:
+        neg = jnp.where(z >= 0, r, e * r)  # sigmoid(z)
+        neg = neg if coef.neg_scale == 1.0 else coef.neg_scale * neg
+        neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target
+    if positive is not False:
+        pos = (coef.pos_plus + coef.pos_minus) * jnp.where(z >= 0, e * r, r)  # sigmoid(-z)
+        pos = -pos if coef.pos_plus == 0.0 else coef.pos_plus - pos
+    return _select(positive, pos, neg)
+
+
+def sorted_positives(ids, vocab_size):
+    """Returns each row's positives sorted ascending, `EMPTY_ID` (first) for the rest.
+
+    The positives are `keras_cutbce.math.positives.distinct_targets` (valid,
+    de-duplicated; ids of any integer width); the Pallas kernel finds a
+    row's positives inside a vocabulary tile as consecutive entries of this
+    array.
+
+    Args:
+        ids: integer `[M, L]`.
+        vocab_size: int, `V`.
+
+    Returns:
+        Int32 `[M, L]`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> np.asarray(sorted_positives(np.array([[3, -1, 3, 7, 1]]), 5)).tolist()
+    [[-1, -1, -1, 1, 3]]
+    """
+    safe, keep = distinct_targets(ids, vocab_size)
+    return jnp.sort(jnp.where(keep, safe, EMPTY_ID), axis=1)

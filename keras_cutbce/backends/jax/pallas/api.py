@@ -1,0 +1,223 @@
+"""The Pallas CutBCE functions: settings, the `custom_vjp` and the public entry points.
+
+Dispatch (`keras_cutbce.backends.jax.tpu_target`): the kernel compiles with
+Mosaic when the program is compiled for a TPU and runs in the Pallas
+interpreter otherwise (or whenever `interpret=True`); when the target is
+only known at lowering (a CPU host with libtpu, no mesh), both are traced
+and `jax.lax.platform_dependent` keeps the target's.
+
+Matmuls run in the hidden states' dtype when it is 16-bit (Keras mixed
+precision: bfloat16 activations, float32 table; the table tile is cast in
+VMEM), else in the promoted dtype, with float32 accumulation; float32
+matmuls at `precision="default"` (what Keras's dense BCE gets on a TPU) or
+`"highest"`.
+"""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+
+from keras_cutbce.backends.jax import tpu_target, vjp
+from keras_cutbce.backends.jax.pallas import tiling
+from keras_cutbce.backends.jax.pallas.call import passes
+from keras_cutbce.backends.jax.pallas.config import Config
+from keras_cutbce.common import EMPTY_ID, round_up
+from keras_cutbce.math.coefficients import bce_coefficients
+
+_PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST}
+
+
+def _matmul_dtype(hidden, table):
+    """Returns the hidden states' dtype when 16-bit (mixed precision), else the promoted one."""
+    if jnp.dtype(hidden.dtype).itemsize == 2:
+        return jnp.dtype(hidden.dtype).name
+    return jnp.result_type(hidden.dtype, table.dtype).name
+
+
+def _resolve_interpret(interpret):
+    """Returns True/False when asked or when the target is known at trace time, else None."""
+    if interpret is not None:
+        return bool(interpret)
+    platform = tpu_target.target_platform()
+    return None if platform is None else platform != "tpu"
+
+
+def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
+            interpret, precision="default"):
+    """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays.
+
+    `chunk_size` (the vocabulary tile) and `block_rows` (the row tile; None:
+    `tiling.choose_tiles`) are rounded up to 128. Ids of any integer width;
+    the kernel reads each row's positives
+    (`keras_cutbce.backends.jax.math.sorted_positives`).
+    """
+    hidden = jnp.asarray(hidden)
+    table = jnp.asarray(table)
+    bias = None if bias is None else jnp.asarray(bias)
+    ids = jnp.asarray(ids)
+    assert ids.ndim == 2, ids.shape
+    if ids.shape[1] == 0:  # No positives: one padding id keeps shapes non-empty.
+        ids = jnp.full((hidden.shape[0], 1), EMPTY_ID, jnp.int32)
+    if precision not in _PRECISIONS:
+        raise ValueError(
+            f"`precision` must be one of {sorted(_PRECISIONS)}. Received: precision={precision!r}"
+        )
+    num_rows, dim = hidden.shape
+    vocab_size = table.shape[0]
+    mm_dtype = _matmul_dtype(hidden, table)
+    capacity = tiling.vmem_capacity_bytes()
+    tiles = tiling.choose_tiles(num_rows, vocab_size, dim, mm_dtype,
+                                tiling.vmem_budget_bytes(capacity))
+    rows_tile, tile = tiles
+    if chunk_size is not None:
+        tile = min(round_up(chunk_size, tiling.LANES), round_up(vocab_size, tiling.LANES))
+    if block_rows is not None:
+        rows_tile = min(round_up(block_rows, tiling.LANES),
+                        round_up(max(num_rows, 1), tiling.LANES))
+    cfg = Config(
+        vocab_size=int(vocab_size),
+        coef=bce_coefficients(label_smoothing, pos_weight),
+        row_tile=int(rows_tile),
+        tile=int(tile),
+        num_ids=int(ids.shape[1]),
+        mm_dtype=mm_dtype,
+        interpret=_resolve_interpret(interpret),
+        vmem_capacity=capacity,
+        precision=_PRECISIONS[precision],
+        table_dtype=jnp.dtype(table.dtype).name,
+        dv_view=dim % tiling.LANES != 0,
+        cores=int(tiling.tensorcores()),
+    )
+    return cfg, hidden, table, bias, ids
+
+
+@functools.lru_cache(maxsize=128)
+def _functions(cfg):
+    """Returns the differentiable `(per_row_loss, weighted_sum)` of one configuration."""
+    vocab = cfg.vocab_size
+
+    def loss_fn(hidden, table, ids, bias):
+        return passes(hidden, table, bias, ids, None, cfg, with_loss=True)[0] / vocab
+
+    def grads_fn(hidden, table, ids, bias, row_scale):
+        return passes(hidden, table, bias, ids, row_scale / vocab, cfg, with_loss=False)[1]
+
+    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
+        sums, grads = passes(hidden, table, bias, ids, row_weights / vocab, cfg, with_loss=True)
+        return sums / vocab, grads
+
+    return (vjp.per_row_loss(loss_fn, grads_fn),
+            vjp.weighted_sum(loss_fn, loss_and_grads_fn))
+
+
+def cut_bce(
+    hidden,
+    table,
+    ids,
+    bias=None,
+    *,
+    label_smoothing=0.0,
+    pos_weight=1.0,
+    chunk_size=None,
+    block_rows=None,
+    interpret=None,
+    precision="default",
+):
+    """Computes the per-row CutBCE `[M]` float32 with the Pallas TPU kernel.
+
+    Gradients are exact for any cotangent.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates
+            count once.
+        bias: optional float `[V]`.
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float.
+        chunk_size: vocabulary tile width (rounded up to 128); None:
+            `tiling.choose_tiles`.
+        block_rows: rows of one kernel step (rounded up to 128); None:
+            `tiling.choose_tiles`.
+        interpret: run the kernel in the Pallas TPU interpreter; None: when
+            the program is not compiled for a TPU (`tpu_target`).
+        precision: `"default"` (float32 matmuls at the TPU's default
+            precision, as Keras's dense BCE computes them) or `"highest"`.
+
+    Returns:
+        Float32 `[M]`: `mean_v[scale_v softplus(z_v) - target_v z_v]`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
+    >>> loss = cut_bce(h, table, np.array([[1], [2], [-1]]), None)
+    >>> bool(np.allclose(loss, np.log(2.0)))
+    True
+    """
+    cfg, hidden, table, bias, ids = prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
+        precision,
+    )
+    if hidden.shape[0] == 0:
+        return jnp.zeros((0,), jnp.float32)
+    return _functions(cfg)[0](hidden, table, ids, bias)
+
+
+def cut_bce_weighted_sum(
+    hidden,
+    table,
+    ids,
+    bias,
+    row_weights,
+    *,
+    label_smoothing=0.0,
+    pos_weight=1.0,
+    chunk_size=None,
+    block_rows=None,
+    interpret=None,
+    precision="default",
+):
+    """Computes `sum_m row_weights[m] * cut_bce(...)[m]` and its gradients in one pass.
+
+    The training path of a reduced loss (`keras_cutbce.ops`): when a
+    gradient is asked for, one kernel pass per resident row block (one in
+    all when the rows fit VMEM) computes the loss and the gradients of
+    `hidden`, `table` and `bias` at cotangent 1; the backward pass only
+    scales them. Plain evaluation runs the forward pass alone.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates count once.
+        bias: float `[V]` or None.
+        row_weights: float `[M]` row weights (constants: their gradient is 0).
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float.
+        chunk_size: vocabulary tile width (rounded up to 128); None: the tile rule.
+        block_rows: rows of one kernel step (rounded up to 128); None: the tile rule.
+        interpret: run the kernel in the Pallas TPU interpreter; None: when
+            the program is not compiled for a TPU.
+        precision: `"default"` or `"highest"` (float32 matmuls).
+
+    Returns:
+        A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
+    >>> w = np.array([1.0, 0.5, 0.0], "float32")
+    >>> total = cut_bce_weighted_sum(h, table, np.array([[1], [2], [-1]]), None, w)
+    >>> bool(np.isclose(total, 1.5 * np.log(2.0)))
+    True
+    """
+    cfg, hidden, table, bias, ids = prepare(
+        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
+        precision,
+    )
+    row_weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
+    if hidden.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    return _functions(cfg)[1](hidden, table, ids, bias, row_weights)

@@ -1,0 +1,252 @@
+"""The `pallas_call` plumbing: rows padded and laid out, one call per resident row block.
+
+Only the rows (hidden states, ids, `row_scale`: `O(M (D + L))`) are padded to
+the row tile (padded rows have a zero `row_scale` and only `EMPTY_ID` ids);
+the table is never padded, copied or relaid out: the grid covers
+`cdiv(V, tile)` tiles and the kernel masks the last, partial one. The table
+gradient of row block k is an input of block k + 1, aliased to its output,
+so it accumulates in place (in the table's dtype: a bfloat16 table's
+gradient is rounded once per block; a float32 copy would be a table-sized
+temporary). The bias travels as a `[1, V]` float32 row.
+
+JAX-version shims (JAX 0.10.2 and later): `pltpu.CompilerParams` was once
+`pltpu.TPUCompilerParams`, `pltpu.InterpretParams` and `pl.Squeezed` are
+recent; each is looked up with `getattr` and has a fallback. Grid semantics
+are the strings `"parallel"` / `"arbitrary"`, accepted by every version.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from keras_cutbce.backends.jax import math, tpu_target
+from keras_cutbce.backends.jax.pallas.config import Pass
+from keras_cutbce.backends.jax.pallas.kernel import kernel
+from keras_cutbce.backends.jax.pallas.tiling import cores_used, num_tiles, row_blocks
+from keras_cutbce.common import EMPTY_ID
+
+MAX_PREFETCHED_COUNTS = 2**14  # in-tile id counts kept per row tile up to 64 KiB of SMEM
+_SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
+
+
+def interpret_arg(interpret):
+    """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target)."""
+    if interpret is None:
+        interpret = tpu_target.target_platform() != "tpu"
+    if not interpret:
+        return False
+    params = getattr(pltpu, "InterpretParams", None)  # JAX >= 0.6; else the generic interpreter.
+    return params() if params is not None else True
+
+
+def _compiler_params(semantics, vmem_capacity):
+    cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
+    kwargs = dict(dimension_semantics=semantics)
+    if vmem_capacity is not None:
+        kwargs["vmem_limit_bytes"] = int(vmem_capacity * 3 // 4)
+    return cls(**kwargs)
+
+
+def _pad_rows(x, rows, value=0):
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x
+    return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
+
+
+def row_inputs(hidden, ids, row_scale, rows, cfg):
+    """Returns the rows padded to `rows` in the kernel's layout.
+
+    Hidden states `[D, rows]` (`[D, V]` table view) or `[rows, D]`; each
+    row's positives sorted after `EMPTY_ID` padding, `[L, rows]`; `row_scale`
+    `[1, rows]` float32 (or None).
+    """
+    hidden = _pad_rows(hidden, rows)
+    hidden = hidden.T if cfg.dv_view else hidden
+    ids = _pad_rows(math.sorted_positives(ids, cfg.vocab_size), rows, EMPTY_ID).T
+    if row_scale is not None:
+        row_scale = _pad_rows(row_scale.astype(jnp.float32), rows)[None, :]
+    return hidden, ids, row_scale
+
+
+def in_tile_counts(ids_t, cfg):
+    """Returns `[tiles, row tiles]` int32: the most positives one row of a row tile has in a tile.
+
+    `ids_t`: sorted positives `[L, rows]` (`row_inputs`). O(rows L): a row's
+    positives in one tile are consecutive, so one's rank among them is its
+    slot minus the slot where its tile starts.
+    """
+    ids = ids_t.T
+    rows, length = ids.shape
+    tiles = num_tiles(cfg)
+    tile_of = jnp.where(ids >= 0, ids // cfg.tile, tiles)  # EMPTY_ID: dropped
+    slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones((rows, 1), bool), tile_of[:, 1:] != tile_of[:, :-1]], axis=1)
+    rank = slot - lax.cummax(jnp.where(starts, slot, 0), axis=1)
+    row_tile = jnp.broadcast_to((jnp.arange(rows, dtype=jnp.int32) // cfg.row_tile)[:, None],
+                                ids.shape)
+    counts = jnp.zeros((tiles, rows // cfg.row_tile), jnp.int32)
+    return counts.at[tile_of, row_tile].max(rank + 1, mode="drop")
+
+
+def _bias_row(bias):
+    return None if bias is None else bias.astype(jnp.float32).reshape(1, -1)
+
+
+def table_view(table, cfg):
+    """Returns the table as the kernel reads it: `[D, V]` (a layout bitcast on TPU) or `[V, D]`."""
+    return table.T if cfg.dv_view else table
+
+
+def _cost(cfg, rows, dim, itemsize, ps):
+    """Returns the `pl.CostEstimate` of one pass over the `[rows, V]` logits (for XLA)."""
+    logits = rows * cfg.vocab_size
+    matmuls = 3 if ps.with_grads else 1
+    table = cfg.vocab_size * dim
+    grad_bytes = (table * 4 * (2 if ps.carry else 1)) if ps.with_grads else 0
+    return pl.CostEstimate(
+        flops=int(2 * logits * dim * matmuls + 12 * logits),
+        transcendentals=int(2 * logits),
+        bytes_accessed=int(table * itemsize + grad_bytes
+                           + rows * (dim * itemsize + 4 * cfg.num_ids + 8 + 4 * dim)),
+    )
+
+
+def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
+    """Runs one `pallas_call`: row block `block` of the padded rows against the whole table.
+
+    Returns `(loss [rows] | None, grad_hidden (rows' layout) | None,
+    grad_table (view) | None, grad_bias [1, V] | None)`; `counts` are the
+    block's in-tile id counts (prefetched to SMEM, flat); `carried` the
+    table and bias gradients of earlier blocks to add to, or None.
+    """
+    dim = table.shape[1]
+    tile, block_rows, per_core = cfg.tile, ps.block_rows, ps.tiles_per_core
+    tiles, cores = num_tiles(cfg), cores_used(cfg)
+    grid = (cores, per_core, block_rows // cfg.row_tile)
+
+    def tile_of(core, j):
+        return j if cores == 1 else jnp.minimum(core * per_core + j, tiles - 1)
+
+    def table_spec():
+        if cfg.dv_view:
+            return pl.BlockSpec((dim, tile), lambda c, j, i, *_: (0, tile_of(c, j)))
+        return pl.BlockSpec((tile, dim), lambda c, j, i, *_: (tile_of(c, j), 0))
+
+    bias_spec = pl.BlockSpec((1, tile), lambda c, j, i, *_: (0, tile_of(c, j)))
+    hidden_block = (dim, block_rows) if cfg.dv_view else (block_rows, dim)
+    in_specs = [
+        pl.BlockSpec(hidden_block, (lambda c, j, i, *_: (0, block)) if cfg.dv_view
+                     else (lambda c, j, i, *_: (block, 0))),
+        pl.BlockSpec((ids.shape[0], block_rows), lambda c, j, i, *_: (0, block)),
+    ]
+    inputs = [hidden, ids]
+    if ps.with_grads:
+        in_specs.append(pl.BlockSpec((1, block_rows), lambda c, j, i, *_: (0, block)))
+        inputs.append(row_scale)
+    in_specs.append(table_spec())
+    inputs.append(table_view(table, cfg))
+    if ps.has_bias:
+        in_specs.append(bias_spec)
+        inputs.append(_bias_row(bias))
+    if ps.carry:
+        in_specs += [table_spec()] + ([bias_spec] if ps.has_bias else [])
+        inputs += list(carried)
+    out_specs, out_shapes, scratch = [], [], []
+    if ps.with_loss:
+        out_specs.append(pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0)))
+        out_shapes.append(jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32))
+    aliases = {}
+    if ps.with_grads:
+        view = (dim, cfg.vocab_size) if cfg.dv_view else (cfg.vocab_size, dim)
+        out_specs += [pl.BlockSpec((_SQUEEZED,) + hidden_block, lambda c, j, i, *_: (c, 0, 0)),
+                      table_spec()]
+        out_shapes += [jax.ShapeDtypeStruct((cores,) + hidden_block, jnp.float32),
+                       jax.ShapeDtypeStruct(view, cfg.table_dtype)]
+        scratch.append(pltpu.VMEM((dim, tile) if cfg.dv_view else (tile, dim), jnp.float32))
+        if ps.has_bias:
+            out_specs.append(bias_spec)
+            out_shapes.append(jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32))
+            scratch.append(pltpu.VMEM((1, tile), jnp.float32))
+        if ps.carry:  # accumulate in place: the carried gradients' buffers are the outputs'
+            first_out = 1 if ps.with_loss else 0
+            carry_in = 1 + len(inputs) - len(carried)  # operand 0: the prefetched counts
+            aliases = {carry_in + k: first_out + 1 + k for k in range(len(carried))}
+    name = "cutbce_fused" if ps.with_loss and ps.with_grads else (
+        "cutbce_grads" if ps.with_grads else "cutbce_forward")
+
+    def build(interpret, plain=False):
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=scratch)
+        return pl.pallas_call(
+            functools.partial(kernel, cfg=cfg, ps=ps),
+            grid_spec=grid_spec,
+            out_shape=out_shapes,
+            # Mosaic only: the TPU interpreter mishandles aliased outputs with
+            # a partial last block (JAX 0.10.2); without aliasing the numbers
+            # are the same, only the carried buffers are not reused.
+            input_output_aliases={} if interpret else aliases,
+            compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"),
+                                             None if interpret else cfg.vmem_capacity),
+            interpret=True if plain else interpret_arg(interpret),
+            cost_estimate=_cost(cfg, block_rows, dim, table.dtype.itemsize, ps),
+            name=name,
+        )
+
+    if cfg.interpret is None:  # target unknown at trace time: decided at lowering
+        # The plain (effect-free) interpreter: `platform_dependent` cannot drop
+        # the ordered effects of `pltpu.InterpretParams`'s callbacks.
+        outs = tpu_target.by_target((counts, *inputs), build(False), build(True, plain=True))
+    else:
+        outs = build(cfg.interpret)(counts, *inputs)
+    outs = list(outs)
+    loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
+    if not ps.with_grads:
+        return loss, None, None, None
+    grad_hidden, grad_table = outs[0].sum(axis=0), outs[1]
+    return loss, grad_hidden, grad_table, (outs[2] if ps.has_bias else None)
+
+
+def passes(hidden, table, bias, ids, row_scale, cfg, with_loss):
+    """Returns the rows' loss sums `[M]` (or None) and the gradients (or None).
+
+    The gradients `(grad_hidden [M, D], grad_table [V, D], grad_bias [V] |
+    None)` are those of `sum_m row_scale_m * loss_sum_m` when `row_scale`
+    is given; one pass over the table per resident row block.
+    """
+    with_grads = row_scale is not None
+    count, block_rows = row_blocks(hidden.shape[0], hidden.shape[1], hidden.dtype.itemsize, cfg,
+                                   with_grads)
+    hidden_p, ids_p, row_scale_p = row_inputs(hidden, ids, row_scale, count * block_rows, cfg)
+    per_core = pl.cdiv(num_tiles(cfg), cores_used(cfg))
+    counts = in_tile_counts(ids_p, cfg)
+    row_tiles = block_rows // cfg.row_tile
+    per_row_tile = counts.shape[0] * row_tiles <= MAX_PREFETCHED_COUNTS
+    losses, hidden_grads, carried = [], [], None
+    for block in range(count):
+        ps = Pass(bias is not None, with_loss, with_grads, carried is not None, block_rows,
+                  per_core, per_row_tile)
+        block_counts = counts[:, block * row_tiles : (block + 1) * row_tiles]
+        block_counts = block_counts.reshape(-1) if per_row_tile else block_counts.max(axis=1)
+        loss, grad_hidden, grad_table, grad_bias = _pass(
+            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg)
+        losses.append(loss)
+        hidden_grads.append(grad_hidden)
+        if with_grads:
+            carried = (grad_table,) + (() if bias is None else (grad_bias,))
+    num_rows = hidden.shape[0]
+    loss = jnp.concatenate(losses)[:num_rows] if with_loss else None
+    if not with_grads:
+        return loss, None
+    if cfg.dv_view:
+        grad_hidden = jnp.concatenate(hidden_grads, axis=1).T[:num_rows]
+    else:
+        grad_hidden = jnp.concatenate(hidden_grads, axis=0)[:num_rows]
+    grad_bias = None if bias is None else carried[1][0]
+    return loss, (grad_hidden, table_view(carried[0], cfg), grad_bias)

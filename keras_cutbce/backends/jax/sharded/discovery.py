@@ -1,0 +1,113 @@
+"""Where an item table is split along V over a JAX mesh (`VocabSharding`, `vocab_sharding_of`).
+
+`vocab_sharding_of` is what `keras_cutbce.ops` reads on the JAX backend, so
+`cut_binary_crossentropy`, `CutBCELoss` and `cut_top_k` take the sharded
+path by themselves. It looks at:
+
+- a Keras variable (or Embedding layer) laid out by the current
+  `keras.distribution` (e.g. `ModelParallel` with
+  `layout_map["items/embeddings"] = ("model", None)`): works inside the
+  traced Keras train step, because the layout belongs to the variable;
+- a concrete jax array with a `NamedSharding` that splits dimension 0;
+- a traced array on a mesh with explicit axes (`jax.make_mesh`'s default,
+  sharding-in-types), under `jit` too.
+
+A traced array on a mesh with automatic axes carries no sharding, so inside
+your own `jax.jit` with such a mesh, pass an explicit
+`VocabSharding(mesh, ("model",))`. Without the sharded path the result is
+still right (XLA partitions the single-device kernel), but each device then
+gathers the full table gradient (`benchmarks/results/sharded_memory.md`).
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+from jax.sharding import NamedSharding
+
+
+class VocabSharding(NamedTuple):
+    """Where the vocabulary dimension of the item table is split.
+
+    Attributes:
+        mesh: the `jax.sharding.Mesh`.
+        vocab_axes: tuple of mesh axis names dimension 0 of the table is
+            split over (their sizes multiply to the shard count).
+    """
+
+    mesh: object
+    vocab_axes: tuple
+
+    @property
+    def num_shards(self):
+        """The number of table shards."""
+        return math.prod(self.mesh.shape[a] for a in self.vocab_axes)
+
+
+def _from_spec(mesh, spec):
+    """Returns a `VocabSharding` if `spec` splits dimension 0 over > 1 devices, else None."""
+    if mesh is None or spec is None or len(spec) == 0 or spec[0] is None:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    sharding = VocabSharding(mesh, tuple(axes))
+    return sharding if sharding.num_shards > 1 else None
+
+
+def _keras_layout(variable):
+    """Returns the Keras `TensorLayout` (or jax sharding) of a Keras variable, if any."""
+    import keras
+
+    layout = None
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        layout = distribution.get_variable_layout(variable)
+    if layout is None:
+        # Set by Keras when the variable was created under a distribution.
+        layout = getattr(variable, "_layout", None)
+    return layout
+
+
+def vocab_sharding_of(embeddings):
+    """Returns the `VocabSharding` of an item table, or None when it is not split on V.
+
+    Looks, in order, at: a Keras variable's layout (from the current
+    `keras.distribution` or the one it was created under; a layer is read
+    through its `embeddings` variable), then a concrete jax array's
+    `NamedSharding`, then a traced array's sharding type (JAX explicit
+    sharding). Returns None unless dimension 0 is split over more than one
+    device.
+
+    Example:
+
+    >>> import numpy as np
+    >>> vocab_sharding_of(np.zeros((10, 4), "float32")) is None
+    True
+    """
+    import keras
+
+    from keras_cutbce.item_table import table_variable
+
+    embeddings = table_variable(embeddings)  # a layer's table variable (LoRA too)
+    if isinstance(embeddings, keras.Variable):
+        layout = _keras_layout(embeddings)
+        if layout is None:
+            return None
+        if isinstance(layout, NamedSharding):
+            return _from_spec(layout.mesh, layout.spec)
+        mesh = getattr(layout, "device_mesh", None)
+        if mesh is None:
+            return None
+        return _from_spec(mesh.backend_mesh, tuple(layout.axes))
+    if isinstance(embeddings, jax.core.Tracer):
+        try:
+            sharding = jax.typeof(embeddings).sharding
+        except Exception:  # no sharding-in-types on this jax
+            return None
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or getattr(mesh, "empty", True):
+            return None
+        return _from_spec(mesh, getattr(sharding, "spec", None))
+    sharding = getattr(embeddings, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return _from_spec(sharding.mesh, sharding.spec)
+    return None

@@ -1,0 +1,202 @@
+"""CutBCE with the item table split along V: each device runs a single-device kernel on its shard.
+
+Ids are rebased to the shard (`id - offset`; ids of other shards become
+padding), each device computes the sum of its shard's terms, and one `psum`
+over the vocabulary axes adds them; the mean uses the global V. The
+backward pass (`keras_cutbce.backends.jax.vjp.per_row_loss`) adds one
+`psum` for the hidden-state gradient, while the table and bias gradients
+stay sharded: no device ever holds the full table or its full gradient.
+
+Per-shard kernel (`kernel="auto"`): chosen by the platform the program is
+compiled for, not the host (`jax.lax.platform_dependent`): a TPU program
+runs the Pallas kernel (compiled by Mosaic, never the interpreter), any
+other runs the chunked XLA loop. So an ahead-of-time compile for a TPU pod
+from a CPU host builds the program a TPU host runs; only the chosen branch
+is lowered. `kernel="chunked"` forces the XLA loop everywhere;
+`kernel="pallas"` forces the Pallas kernel (in the Pallas TPU interpreter
+when compiled for a non-TPU platform: slow but exact, for tests).
+
+A padded table row (V not divisible by the shard count) is a zero row with
+zero bias: its logit is exactly 0, so its loss term is the constant
+`neg_scale * log(2)`, subtracted once, and it adds nothing to the
+hidden-state gradient.
+
+Keras and JAX cannot create a variable split unevenly, so under
+`ModelParallel` choose V (e.g. `num_items + 1`) divisible by the shard
+count; a table passed as an array with an explicit `VocabSharding` may have
+any V.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from keras_cutbce.backends.jax import chunked, pallas, vjp
+from keras_cutbce.backends.jax.sharded import mesh as mesh_lib
+from keras_cutbce.backends.jax.sharded.discovery import VocabSharding
+from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.tiling import default_chunk_size
+
+KERNELS = ("auto", "chunked", "pallas")
+
+
+def _shard_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile):
+    """Returns `(h, t, ids, b) -> [rows]`: one shard's per-row CutBCE on the target platform."""
+    settings = dict(label_smoothing=label_smoothing, pos_weight=pos_weight)
+
+    def xla(h, t, i, b):
+        return chunked.cut_bce(h, t, i, b, chunk_size=chunk_size, **settings)
+
+    def pallas_kernel(interpret):
+        def run(h, t, i, b):
+            return pallas.cut_bce(h, t, i, b, chunk_size=pallas_tile, interpret=interpret,
+                                  **settings)
+
+        return run
+
+    if kernel == "chunked":
+        return xla
+    default = pallas_kernel(True) if kernel == "pallas" else xla
+
+    def run(h, t, i, b):
+        return jax.lax.platform_dependent(h, t, i, b, tpu=pallas_kernel(False), default=default)
+
+    return run
+
+
+def cut_bce(
+    hidden,
+    table,
+    ids,
+    bias=None,
+    *,
+    sharding,
+    label_smoothing=0.0,
+    pos_weight=1.0,
+    chunk_size=None,
+    kernel="auto",
+):
+    """Computes the per-row CutBCE with the table split along V over `sharding.vocab_axes`.
+
+    Same contract and result as `chunked.cut_bce` on one device (up to the
+    float summation order); jit-, grad- and vmap-compatible. The
+    `shard_map`/`custom_vjp` program is built once per configuration
+    (cached) and jitted, so eager calls reuse it.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]` (any placement; resharded to `P(vocab_axes,
+            None)` if it is not already).
+        ids: integer `[M, L]`; ids outside `[0, V)` are padding.
+        bias: optional float `[V]`.
+        sharding: a `VocabSharding`.
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float.
+        chunk_size: vocabulary tile width per shard; `None`: the default
+            rule on the per-device rows and shard width (the Pallas kernel
+            then uses its own tile rule).
+        kernel: per-shard kernel: `"auto"` (Pallas when compiled for a TPU,
+            else chunked), `"chunked"` or `"pallas"` (interpreted off TPU).
+
+    Returns:
+        Float32 `[M]`.
+
+    Example:
+
+    ```python
+    spec = VocabSharding(jax.make_mesh((8,), ("model",)), ("model",))
+    loss = cut_bce(hidden, table, ids, sharding=spec, chunk_size=256)
+    ```
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
+    program = _loss_program(
+        VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]),
+        int(hidden.shape[0]),
+        bias is not None,
+        float(label_smoothing),
+        float(pos_weight),
+        None if chunk_size is None else int(chunk_size),
+        kernel,
+    )
+    return program(hidden, table, jnp.asarray(ids), bias)
+
+
+@functools.lru_cache(maxsize=64)
+def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size,
+                  kernel="auto"):
+    """Returns the jitted `(hidden, table, ids, bias) -> [M]` sharded loss of one configuration.
+
+    Cached: an eager call with the same mesh, shapes and settings reuses the
+    same `shard_map`/`custom_vjp` closures, so JAX's compilation cache hits.
+    """
+    mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
+    local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
+    pallas_tile = chunk_size  # None: the Pallas kernel's own tile rule
+    if chunk_size is None:
+        chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
+    shard_loss = _shard_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile)
+
+    def shard_sum(h, t, i, b):
+        """This shard's `sum_v` of the loss terms, `[rows]`."""
+        local_ids = mesh_lib.rebase(i, mesh_lib.shard_offset(vocab_axes, local), local, vocab)
+        return shard_loss(h, t, local_ids, b) * local
+
+    row_spec, vocab_spec = mesh_lib.spec(rows, None), P(vocab_axes, None)
+    bias_spec = P(vocab_axes) if has_bias else None
+    in_specs = [row_spec, vocab_spec, row_spec, bias_spec]
+
+    def forward(h, t, i, b):
+        return jax.lax.psum(shard_sum(h, t, i, b), vocab_axes)
+
+    def backward(h, t, i, b, row_scale):
+        _, pullback = jax.vjp(lambda h, t, b: shard_sum(h, t, i, b), h, t, b)
+        grad_h, grad_t, grad_b = pullback(row_scale)
+        # One psum over V for the hidden states; table and bias gradients
+        # stay sharded along V, summed over the rows' (data) axes only.
+        grad_h = jax.lax.psum(grad_h, vocab_axes)
+        if rows:
+            grad_t = jax.lax.psum(grad_t, rows)
+            grad_b = None if b is None else jax.lax.psum(grad_b, rows)
+        return grad_h, grad_t, grad_b
+
+    def padded(t, b):
+        return mesh_lib.pad_rows(t, pad), None if b is None else mesh_lib.pad_rows(b, pad)
+
+    def unpadded(x):
+        """Drops the padded rows of a V-sharded gradient."""
+        if not pad or x is None:
+            return x
+        if mesh_lib.explicit(mesh):  # a sharded dim cannot be sliced unevenly
+            x = jax.reshard(x, NamedSharding(mesh, P()))
+        return x[:vocab]
+
+    def loss_fn(h, t, i, b):
+        t, b = padded(t, b)
+        return mesh_lib.shard_mapped(forward, mesh, in_specs, mesh_lib.spec(rows), [h, t, i, b])
+
+    def grads_fn(h, t, i, b, row_scale):
+        t, b = padded(t, b)
+        grads = mesh_lib.shard_mapped(
+            backward, mesh, in_specs + [mesh_lib.spec(rows)], (row_spec, vocab_spec, bias_spec),
+            [h, t, i, b, row_scale],
+        )
+        return grads[0], unpadded(grads[1]), unpadded(grads[2])
+
+    total_of = vjp.per_row_loss(loss_fn, grads_fn)
+    neg_scale = bce_coefficients(label_smoothing, pos_weight).neg_scale
+
+    @jax.jit
+    def program(hidden, table, ids, bias):
+        total = total_of(hidden, table, ids, bias)
+        if pad:
+            # A zero row with zero bias has logit 0: a constant term per padded row.
+            total = total - pad * neg_scale * math.log(2.0)
+        return total / vocab
+
+    return program

@@ -1,0 +1,150 @@
+"""Top-k and threshold counts with the item table split along V.
+
+- top-k: each device takes its shard's top-k with global ids, one
+  `all_gather` of the `[rows, k]` candidates over the vocabulary axes, and a
+  merge (ties: the lower id, as on one device);
+- `count_at_least` (the metrics' false positives): each device counts its
+  shard, one `psum` of the `[rows]` counts.
+
+Padded table rows (V not divisible by the shard count) get a bias of `-inf`:
+never a candidate, never counted (except at a `-inf` threshold, corrected).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from keras_cutbce.backends.jax import chunked, retrieval
+from keras_cutbce.backends.jax.sharded import mesh as mesh_lib
+from keras_cutbce.backends.jax.sharded.discovery import VocabSharding
+from keras_cutbce.common import EMPTY_ID
+from keras_cutbce.math.tiling import default_chunk_size
+
+
+def _merge(scores, ids, k):
+    """Returns the top-k of candidates `[M, C]`: score descending, then lower id first."""
+    key = jnp.where(ids < 0, jnp.iinfo(jnp.int32).max, ids)
+    neg, key = jax.lax.sort((-scores, key), dimension=1, num_keys=2)
+    scores, ids = -neg[:, :k], key[:, :k]
+    return scores, jnp.where(scores == -jnp.inf, EMPTY_ID, ids)
+
+
+def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size=None):
+    """Returns the exact top-k logits per row with the table split along V.
+
+    Each device takes its shard's top `min(k, V / shards)` with global ids,
+    one `all_gather` brings the candidates together and a merge keeps the
+    best k (ties: lower id), as `retrieval.top_k` does on one device. The
+    program is built once per configuration (cached, jitted).
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        k: int in `[1, V]`.
+        bias: optional float `[V]`.
+        exclude_ids: optional int32 `[M, X]` ids never returned for that row
+            (ids outside `[0, V)` already `EMPTY_ID`).
+        sharding: a `VocabSharding`.
+        chunk_size: vocabulary tile width per shard (`None`: default rule).
+
+    Returns:
+        `(scores, ids)`: float32 `[M, k]` and int32 `[M, k]`.
+
+    Example:
+
+    ```python
+    scores, ids = top_k(hidden, table, 10, sharding=vocab_sharding_of(table))
+    ```
+    """
+    program = _retrieval_program(
+        "top_k", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]), int(hidden.shape[0]), bias is not None,
+        exclude_ids is not None, int(k), None if chunk_size is None else int(chunk_size),
+    )
+    return program(hidden, table, bias, None if exclude_ids is None else jnp.asarray(exclude_ids))
+
+
+def count_at_least(hidden, table, bias, threshold, *, sharding, chunk_size=None):
+    """Returns int32 `[M]`: how many of each row's V logits are `>= threshold`, table split along V.
+
+    Each device counts its own shard (`retrieval.count_at_least`) and one
+    `psum` over the vocabulary axes adds the counts: the table is never
+    gathered.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        bias: optional float `[V]`.
+        threshold: a Python float.
+        sharding: a `VocabSharding`.
+        chunk_size: vocabulary tile width per shard (`None`: default rule).
+
+    Returns:
+        Int32 `[M]`, the same as `retrieval.count_at_least` on one device.
+
+    Example:
+
+    ```python
+    counts = count_at_least(hidden, table, None, 0.0, sharding=vocab_sharding_of(table))
+    ```
+    """
+    program = _retrieval_program(
+        "count_at_least", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]), int(hidden.shape[0]), bias is not None, False,
+        float(threshold), None if chunk_size is None else int(chunk_size),
+    )
+    return program(hidden, table, bias, None)
+
+
+@functools.lru_cache(maxsize=64)
+def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, arg, chunk_size):
+    """Returns the jitted sharded `top_k` (`arg` = k) or `count_at_least` (`arg` = threshold).
+
+    Cached per configuration, like the loss program.
+    """
+    mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
+    local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
+    with_bias = has_bias or pad > 0
+
+    def shard_top_k(h, t, x=None, b=None):
+        offset = mesh_lib.shard_offset(vocab_axes, local)
+        x = None if x is None else mesh_lib.rebase(x, offset, local, vocab)
+        scores, ids = retrieval.top_k(h, t, min(arg, local), b, x, chunk_size=chunk_size)
+        ids = jnp.where(ids < 0, ids, ids + offset)
+        scores = jax.lax.all_gather(scores, vocab_axes, axis=1, tiled=True)
+        ids = jax.lax.all_gather(ids, vocab_axes, axis=1, tiled=True)
+        return _merge(scores, ids, arg)
+
+    def shard_count(h, t, x=None, b=None):
+        counts = retrieval.count_at_least(h, t, b, arg, chunk_size=chunk_size)
+        return jax.lax.psum(counts, vocab_axes)
+
+    in_specs = [
+        mesh_lib.spec(rows, None),
+        P(vocab_axes, None),
+        mesh_lib.spec(rows, None) if has_exclude else None,
+        P(vocab_axes) if with_bias else None,
+    ]
+    out = mesh_lib.spec(rows, None)
+    fn, out_specs = ((shard_top_k, (out, out)) if kind == "top_k"
+                     else (shard_count, mesh_lib.spec(rows)))
+
+    @jax.jit
+    def program(hidden, table, bias, exclude_ids):
+        if with_bias:
+            # Padded rows get a -inf logit: never a candidate, never counted.
+            bias = jnp.zeros((vocab,), jnp.float32) if bias is None else bias
+            bias = mesh_lib.pad_rows(bias, pad, -jnp.inf)
+            table = mesh_lib.pad_rows(table, pad)
+        result = mesh_lib.shard_mapped(fn, mesh, in_specs, out_specs,
+                                       [hidden, table, exclude_ids, bias])
+        if kind == "count_at_least" and pad and arg == -math.inf:
+            result = result - pad  # -inf >= -inf: the padded rows were counted
+        return result
+
+    return program
