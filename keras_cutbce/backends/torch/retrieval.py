@@ -1,20 +1,19 @@
 """Top-k retrieval and threshold counts on torch, tile by tile over the vocabulary.
 
 A Python loop over vocabulary tiles under `torch.no_grad()`: one `[M, T]`
-tile of logits (from `chunked.tile_logits`, the one fused tile function) and
+tile of logits (from `kernel.tile_logits`, the one fused tile function) and
 the running result are alive at a time, so memory is O(M * (k + T)).
 """
 
 import torch
 
-from keras_cutbce.backends.torch.chunked import tile_logits
+from keras_cutbce.backends.torch.kernel import tile_logits
 from keras_cutbce.common import EMPTY_ID
+from keras_cutbce.math.tiling import vocab_tiles
 
 
 def _tiles(vocab_size, chunk_size):
-    width = max(1, int(chunk_size))
-    for start in range(0, vocab_size, width):
-        yield start, min(start + width, vocab_size)
+    return vocab_tiles(vocab_size, chunk_size).bounds()
 
 
 def _excluded_mask(exclude_ids, start, stop):
