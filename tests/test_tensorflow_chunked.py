@@ -19,6 +19,7 @@ if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
 
     from keras_cutbce.backends.tensorflow import chunked
+    from keras_cutbce.backends.tensorflow import positives
 
 
 def make_case(rng, rows, dim, vocab, labels, *, bias=True, id_dtype="int32"):
@@ -349,7 +350,7 @@ def test_mask_positives_sets_exactly_the_positives(length):
     ids = rng.integers(-3, 70, size=(6, length)).astype("int32")
     ids[0, :] = 64  # duplicates
     dynamic = tf.function(
-        chunked.mask_positives,
+        positives.mask_positives,
         input_signature=[tf.TensorSpec([6, None], tf.float32), tf.TensorSpec([6, None], tf.int32),
                          tf.TensorSpec([], tf.int32)],
     )
@@ -360,6 +361,6 @@ def test_mask_positives_sets_exactly_the_positives(length):
             for i in row:
                 if start <= i < start + width:
                     want[m, i - start] = -np.inf
-        for mask in (chunked.mask_positives, dynamic):
+        for mask in (positives.mask_positives, dynamic):
             got = mask(tf.constant(z), tf.constant(ids), tf.constant(start)).numpy()
             np.testing.assert_array_equal(got, want)

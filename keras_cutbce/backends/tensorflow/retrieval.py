@@ -2,7 +2,7 @@
 
 Both functions run a `tf.while_loop` over vocabulary tiles (graph-friendly,
 fine inside `tf.function`) holding one `[M, T]` tile of logits (from
-`chunked.tile_logits`, the one fused tile function) plus the running result:
+`kernel.tile_logits`, the one fused tile function) plus the running result:
 memory O(M * (k + T)) whatever V is.
 
 Tiles all have the width `T = min(chunk_size, V)`. The last tile starts at
@@ -12,7 +12,7 @@ columns that the previous tile already covered are masked out.
 
 import tensorflow as tf
 
-from keras_cutbce.backends.tensorflow.chunked import tile_logits
+from keras_cutbce.backends.tensorflow.kernel import tile_logits
 
 from keras_cutbce.common import EMPTY_ID
 
