@@ -309,7 +309,7 @@ def test_trains_tied_embedding_in_keras_fit(jit_compile):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fused_weighted_sum_matches_per_row_and_scales(with_bias):
-    """Issue 11 E: `cut_bce_weighted_sum` (one XLA-compiled pass for loss and gradients).
+    """Checks `cut_bce_weighted_sum` (one XLA-compiled pass for loss and gradients).
 
     Same value and gradients as `sum(w * cut_bce)`, a non-unit upstream
     cotangent scales them, and an unknown batch size works in `tf.function`.

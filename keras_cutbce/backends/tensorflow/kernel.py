@@ -78,7 +78,7 @@ def _has_remainder(tiles):
 
 
 def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, row_scale, scaled_t):
-    """Returns one tile's negatives: `(loss_rows | None, (hidden_part, table_bias_t) | None)`.
+    """Returns one tile's negatives: `(loss_rows | None, (hidden_part, table_part, bias_part) | None)`.
 
     The row's positives are set to `-inf` in the logits (`mask_positives`,
     O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
@@ -86,9 +86,11 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, row_sca
     `dZ = row_scale * slopes(z)`; `scaled_t` is `[row_scale h, row_scale].T`
     (`[D + 1, M]`), so one plain matmul `scaled_t @ slopes(z)` gives the
     tile's table gradient, transposed, with the bias gradient in its last
-    row (no transposed operand, which XLA's CPU backend would copy). The
-    factor `row_scale` is applied to `hidden_part` by the caller (once, not
-    per tile).
+    row (no transposed `[M, T]` operand, which XLA's CPU backend would
+    copy); only that small `[D + 1, T]` product is transposed, so the tiles
+    stack into the `[V, D]` table gradient as they are. The factor
+    `row_scale` is applied to `hidden_part` by the caller (once, not per
+    tile).
     """
     z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
     e = math.exp_neg_abs(z)
@@ -100,7 +102,9 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, row_sca
         return loss_rows, None
     slopes = drop_masked(math.slopes(z, e, *weights), z, coef)
     hidden_part = tf.matmul(slopes, tf.cast(table_tile, tf.float32))
-    return loss_rows, (hidden_part, tf.matmul(scaled_t, slopes))
+    table_bias = tf.transpose(tf.matmul(scaled_t, slopes))  # [T, D + 1]
+    dim = tf.shape(table_tile)[1]
+    return loss_rows, (hidden_part, table_bias[:, :dim], table_bias[:, dim])
 
 
 def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
@@ -113,7 +117,6 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
     scaled_t = None
     if want_grads:
         scaled_t = tf.concat([tf.transpose(row_scale[:, None] * hidden), row_scale[None, :]], axis=0)
-    rows_t = None if table.shape[1] is None else table.shape[1] + 1  # D + 1
 
     def tile_pass(start, table_tile, bias_tile):
         return _tile_pass(
@@ -128,10 +131,13 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
         state.append(tf.zeros([rows], tf.float32))
     if want_grads:
         # Full tiles only (XLA needs one element shape); the remainder is
-        # concatenated at the end.
+        # concatenated at the end. Under XLA the stacked tiles are one
+        # `[V, D]` buffer written in place.
         state += [
             tf.zeros_like(hidden),
-            tf.TensorArray(tf.float32, size=tiles.num_full, element_shape=[rows_t, tiles.tile]),
+            tf.TensorArray(tf.float32, size=tiles.num_full,
+                           element_shape=[tiles.tile, table.shape[1]]),
+            tf.TensorArray(tf.float32, size=tiles.num_full, element_shape=[tiles.tile]),
         ]
 
     def add(state, tile_out, index=None):
@@ -142,10 +148,11 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
             state[0] = state[0] + tile_loss
             k = 1
         if want_grads:
-            hidden_part, table_bias_t = tile_grads
+            hidden_part, table_part, bias_part = tile_grads
             state[k] = state[k] + hidden_part
             if index is not None:
-                state[k + 1] = state[k + 1].write(index, table_bias_t)
+                state[k + 1] = state[k + 1].write(index, table_part)
+                state[k + 2] = state[k + 2].write(index, bias_part)
         return state
 
     if not (isinstance(tiles.num_full, int) and tiles.num_full == 0):
@@ -167,12 +174,13 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
     if not want_grads:
         return loss_rows, None
     k = 1 if loss else 0
-    dh, table_bias_tiles = state[k], state[k + 1]
-    # [tiles, D + 1, tile] -> [V, D + 1]: one transpose of the table gradient.
-    table_bias = tf.reshape(tf.transpose(table_bias_tiles.stack(), [0, 2, 1]), [-1, dim + 1])
+    dh, table_tiles, bias_tiles = state[k], state[k + 1], state[k + 2]
+    # [tiles, tile, D] -> [V, D]: a reshape, no copy.
+    dtable = tf.reshape(table_tiles.stack(), [-1, dim])
+    dbias = tf.reshape(bias_tiles.stack(), [-1])
     if rest is not None:
-        table_bias = tf.concat([table_bias, tf.transpose(rest[1][1])], axis=0)
-    dtable, dbias = table_bias[:, :dim], table_bias[:, dim]
+        dtable = tf.concat([dtable, rest[1][1]], axis=0)
+        dbias = tf.concat([dbias, rest[1][2]], axis=0)
     return loss_rows, (row_scale[:, None] * dh, dtable, dbias)
 
 
