@@ -17,9 +17,9 @@ softplus(z_v)]` (`keras_cutbce.math.coefficients`). It is split in two:
 Both call the one element-wise helper set `keras_cutbce.backends.
 tensorflow.math` (`terms`, `slopes`, from one `exp(-|z|)` per logit). One
 tile function (`_tile_pass`) computes what a pass needs from one logits
-matmul: the per-row loss sum and/or, for per-row factors `row_scale`, the
-tile's `dZ @ E_tile` (hidden) and the tile's table and bias gradients, with
-`dZ = row_scale * slopes(z)`. What is TensorFlow's own: the loop is a
+matmul: the per-row loss sum and/or, for a cotangent `[M]`, the tile's
+`dZ @ E_tile` (hidden) and the tile's table and bias gradients, with
+`dZ = row_scale * slopes(z)` and `row_scale = cotangent / V`. What is TensorFlow's own: the loop is a
 `tf.while_loop` whose state holds the table gradient tiles in a
 `TensorArray`; the caller compiles it with XLA. Everything accumulates in
 float32.
@@ -77,20 +77,22 @@ def _has_remainder(tiles):
     return not isinstance(tiles.remainder, int) or tiles.remainder > 0
 
 
-def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, row_scale, scaled_t):
+def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, scaled_t, inv_v):
     """Returns one tile's negatives: `(loss_rows | None, (hidden_part, table_part, bias_part) | None)`.
 
     The row's positives are set to `-inf` in the logits (`mask_positives`,
     O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
-    once for the term and the slope. With `row_scale` (`[M]`) given,
-    `dZ = row_scale * slopes(z)`; `scaled_t` is `[row_scale h, row_scale].T`
-    (`[D + 1, M]`), so one plain matmul `scaled_t @ slopes(z)` gives the
-    tile's table gradient, transposed, with the bias gradient in its last
-    row (no transposed `[M, T]` operand, which XLA's CPU backend would
-    copy); only that small `[D + 1, T]` product is transposed, so the tiles
-    stack into the `[V, D]` table gradient as they are. The factor
-    `row_scale` is applied to `hidden_part` by the caller (once, not per
-    tile).
+    once for the term and the slope. With `scaled_t` given (`[cotangent h,
+    cotangent].T`, `[D + 1, M]`), one plain matmul `scaled_t @ slopes(z)`
+    times `inv_v` (`1 / V`) gives the tile's table gradient, transposed,
+    with the bias gradient in its last row. Only that small `[D + 1, T]`
+    product is transposed, so the tiles stack into the `[V, D]` table
+    gradient as they are. The `1 / V` is applied to the product rather than
+    folded into `scaled_t` on purpose: without an op between them XLA
+    folds the transpose into the matmul, whose transposed `[M, T]` operand
+    is about three times slower on XLA's CPU backend. The row scales
+    `cotangent / V` are applied to `hidden_part` by the caller (once, not
+    per tile).
     """
     z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
     e = math.exp_neg_abs(z)
@@ -98,30 +100,31 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, row_sca
     loss_rows = None
     if loss:
         loss_rows = tf.reduce_sum(drop_masked(math.terms(z, e, *weights), z, coef), axis=1)
-    if row_scale is None:
+    if scaled_t is None:
         return loss_rows, None
     slopes = drop_masked(math.slopes(z, e, *weights), z, coef)
     hidden_part = tf.matmul(slopes, tf.cast(table_tile, tf.float32))
-    table_bias = tf.transpose(tf.matmul(scaled_t, slopes))  # [T, D + 1]
+    table_bias = tf.transpose(inv_v * tf.matmul(scaled_t, slopes))  # [T, D + 1]
     dim = tf.shape(table_tile)[1]
     return loss_rows, (hidden_part, table_bias[:, :dim], table_bias[:, dim])
 
 
-def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
+def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, cotangent=None):
     """Returns the negatives over every tile: `(loss_rows | None, (dh, dtable, dbias) | None)`.
 
-    Gradients (float32) are those of `sum_m row_scale_m loss_rows_m` when
-    `row_scale` is given.
+    Gradients (float32) are those of `sum_m cotangent_m loss_rows_m / V`
+    when `cotangent` is given.
     """
-    want_grads = row_scale is not None
+    want_grads = cotangent is not None
+    inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
     scaled_t = None
     if want_grads:
-        scaled_t = tf.concat([tf.transpose(row_scale[:, None] * hidden), row_scale[None, :]], axis=0)
+        scaled_t = tf.concat([tf.transpose(cotangent[:, None] * hidden), cotangent[None, :]], axis=0)
 
     def tile_pass(start, table_tile, bias_tile):
         return _tile_pass(
             hidden, table_tile, bias_tile, ids, start, coef,
-            loss=loss, row_scale=row_scale, scaled_t=scaled_t,
+            loss=loss, scaled_t=scaled_t, inv_v=inv_v,
         )
 
     rows = tf.shape(hidden)[0]
@@ -181,7 +184,7 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
     if rest is not None:
         dtable = tf.concat([dtable, rest[1][1]], axis=0)
         dbias = tf.concat([dbias, rest[1][2]], axis=0)
-    return loss_rows, (row_scale[:, None] * dh, dtable, dbias)
+    return loss_rows, ((cotangent * inv_v)[:, None] * dh, dtable, dbias)
 
 
 def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None):
@@ -203,8 +206,8 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None
     tiles = _tiles_of(table, tile)
     inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
     hidden = tf.cast(hidden, tf.float32)
-    row_scale = None if cotangent is None else tf.cast(cotangent, tf.float32) * inv_v
-    loss_rows, grads = _dense_pass(hidden, table, bias, ids, coef, tiles, loss=loss, row_scale=row_scale)
+    cotangent = None if cotangent is None else tf.cast(cotangent, tf.float32)
+    loss_rows, grads = _dense_pass(hidden, table, bias, ids, coef, tiles, loss=loss, cotangent=cotangent)
     if ids.shape[1] == 0:
         return (None if loss_rows is None else loss_rows * inv_v), grads
     safe, keep = distinct_targets(ids, tiles.vocab_size)
@@ -217,6 +220,7 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None
         loss_rows = loss_rows * inv_v
     if grads is not None:
         dh, dtable, dbias = grads
+        row_scale = cotangent * inv_v
         dz = row_scale[:, None] * keep * math.slopes(z_pos, e_pos, *weights)
         dh = dh + tf.einsum("ml,mld->md", dz, rows_pos)
         index = tf.reshape(safe, [-1, 1])
