@@ -553,6 +553,7 @@ def _side_by_side_header(results, args):
         f"{load(results['loadavg_start'])}, at end {load(results['loadavg_end'])} (a shared, "
         "loaded machine: ratios are the stable figures, absolute seconds are not).\n\n"
         "Command: `python benchmarks/cutbce_cpu.py --side-by-side"
+        + (f" --backends {args.backends}" if args.backends != ",".join(BACKENDS) else "")
         + (f" --old-root {args.old_root}" if args.old_root else "")
         + f" --repeats {args.repeats} --threads {','.join(results['threads'])}`"
         + (f" (package: `{PACKAGE_ROOT}`{_commit(PACKAGE_ROOT)})" if PACKAGE_ROOT != ROOT else "")

@@ -106,7 +106,10 @@ CASES = [
 
 def _deviations(backend, positive, label_smoothing):
     smoothed = "smoothed" if label_smoothing else "plain"
-    return [z for (b, pos, z, kind) in KNOWN_DEVIATIONS if (b, pos, kind) == (backend, positive, smoothed)]
+    return [
+        z for (b, pos, z, kind) in KNOWN_DEVIATIONS
+        if (b, pos, kind) == (backend, positive, smoothed)
+    ]
 
 
 @pytest.mark.parametrize("backend,dtype,label_smoothing,pos_weight,positive", CASES)
@@ -153,7 +156,7 @@ def test_kernel_coefficients_are_the_spec_weights(label_smoothing, pos_weight):
 
 
 def test_spec_table_is_the_contract_formula():
-    """Checks the table against the contract's `(1 + (p - 1) y') softplus(z) - p y' z` and its derivative."""
+    """Checks the table against the contract's `(1 + (p - 1) y') softplus(z) - p y' z`, and its slope."""
     for r in spec.table():
         if not np.isfinite(r.logit):
             continue

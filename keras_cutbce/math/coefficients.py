@@ -43,9 +43,10 @@ class BCECoefficients(NamedTuple):
 
     @property
     def negative_weights(self):
-        """Returns `(minus, plus)` of a negative: its term is `minus softplus(-z) + plus softplus(z)`.
+        """Returns `(minus, plus)` of a negative logit.
 
-        The same function as `neg_scale softplus(z) - neg_target z`.
+        Its term is `minus softplus(-z) + plus softplus(z)`, the same
+        function as `neg_scale softplus(z) - neg_target z`.
         """
         return self.neg_target, self.neg_scale - self.neg_target
 

@@ -31,7 +31,7 @@ MAX_TILE = 8192
 
 
 def tile_budget_bytes(backend, platform):
-    """The tile budget of the rule above for a Keras backend on a platform.
+    """Returns the tile budget of the width rule for a Keras backend on a platform.
 
     Example:
 
@@ -118,4 +118,5 @@ def vocab_tiles(vocab_size, tile):
     assert tile > 0, tile
     if isinstance(vocab_size, int):
         tile = max(1, min(tile, vocab_size))
-    return VocabTiles(vocab_size, tile, vocab_size // tile, vocab_size - (vocab_size // tile) * tile)
+    num_full = vocab_size // tile
+    return VocabTiles(vocab_size, tile, num_full, vocab_size - num_full * tile)

@@ -169,9 +169,10 @@ def _per_row_programs(coef, tile, has_bias, static_vocab):
 
 @functools.lru_cache(maxsize=32)
 def _fused_program(coef, tile, has_bias):
-    """Returns the fused pass `(hidden, table, ids, bias, row_weights) -> (total, dh, dtable, dbias)`.
+    """Returns the fused pass, `(hidden, table, ids, bias, row_weights) -> (total, *grads)`.
 
-    `total = sum_m row_weights_m loss_m`, and its float32 gradients,
+    `total = sum_m row_weights_m loss_m`, and its float32 gradients
+    `(dh, dtable, dbias)`,
     compiled by XLA: XLA runs the tile loop with the table gradient tiles
     written in place into one buffer (TensorFlow's graph executor would
     keep the tiles and their stacked copy, and copy again for the

@@ -19,8 +19,8 @@ tensorflow.math` (`terms`, `slopes`, from one `exp(-|z|)` per logit). One
 tile function (`_tile_pass`) computes what a pass needs from one logits
 matmul: the per-row loss sum and/or, for a cotangent `[M]`, the tile's
 `dZ @ E_tile` (hidden) and the tile's table and bias gradients, with
-`dZ = row_scale * slopes(z)` and `row_scale = cotangent / V`. What is TensorFlow's own: the loop is a
-`tf.while_loop` whose state holds the table gradient tiles in a
+`dZ = row_scale * slopes(z)` and `row_scale = cotangent / V`. What is
+TensorFlow's own: the loop is a `tf.while_loop` whose state holds the table gradient tiles in a
 `TensorArray`; the caller compiles it with XLA. Everything accumulates in
 float32.
 """
@@ -78,7 +78,9 @@ def _has_remainder(tiles):
 
 
 def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, scaled_t, inv_v):
-    """Returns one tile's negatives: `(loss_rows | None, (hidden_part, table_part, bias_part) | None)`.
+    """Returns one tile's negatives: `(loss_rows | None, tile_grads | None)`.
+
+    `tile_grads = (hidden_part, table_part, bias_part)`.
 
     The row's positives are set to `-inf` in the logits (`mask_positives`,
     O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
@@ -119,7 +121,9 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, cotangent=None):
     inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
     scaled_t = None
     if want_grads:
-        scaled_t = tf.concat([tf.transpose(cotangent[:, None] * hidden), cotangent[None, :]], axis=0)
+        scaled_t = tf.concat(
+            [tf.transpose(cotangent[:, None] * hidden), cotangent[None, :]], axis=0
+        )
 
     def tile_pass(start, table_tile, bias_tile):
         return _tile_pass(
@@ -188,7 +192,7 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, cotangent=None):
 
 
 def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None):
-    """Returns the per-row loss `[M]` (or None) and the float32 gradients of `sum_m cotangent_m loss_m` (or None).
+    """Returns the per-row loss `[M]` and the float32 gradients of `sum_m cotangent_m loss_m`.
 
     Args:
         hidden: float `[M, D]`.
@@ -207,7 +211,9 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None
     inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
     hidden = tf.cast(hidden, tf.float32)
     cotangent = None if cotangent is None else tf.cast(cotangent, tf.float32)
-    loss_rows, grads = _dense_pass(hidden, table, bias, ids, coef, tiles, loss=loss, cotangent=cotangent)
+    loss_rows, grads = _dense_pass(
+        hidden, table, bias, ids, coef, tiles, loss=loss, cotangent=cotangent
+    )
     if ids.shape[1] == 0:
         return (None if loss_rows is None else loss_rows * inv_v), grads
     safe, keep = distinct_targets(ids, tiles.vocab_size)

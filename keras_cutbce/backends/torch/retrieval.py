@@ -12,8 +12,8 @@ from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.math.tiling import vocab_tiles
 
 
-def _tiles(vocab_size, chunk_size):
-    return vocab_tiles(vocab_size, chunk_size).bounds()
+def _tiles(vocab_size, tile):
+    return vocab_tiles(vocab_size, tile).bounds()
 
 
 def _excluded_mask(exclude_ids, start, stop):
@@ -29,7 +29,7 @@ def _excluded_mask(exclude_ids, start, stop):
 
 
 def _stable_top_k(x, k):
-    """Top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
+    """Returns the top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
 
     `torch.topk` does not say which of equal values it keeps, so its answer
     is trusted only when no tie straddles the k-th value (the usual case,
@@ -63,7 +63,7 @@ def _bias_tile(bias, start, stop):
 
 @torch.no_grad()
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Exact top-k logits per row without the `[M, V]` logits.
+    """Returns the exact top-k logits per row, without the `[M, V]` logits.
 
     Args:
         hidden: float `[M, D]`.
@@ -109,7 +109,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
 
 @torch.no_grad()
 def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Int32 `[M]`: how many of each row's V logits are `>= threshold`.
+    """Counts, per row, the logits `>= threshold` among all V (int32 `[M]`).
 
     Example:
 
