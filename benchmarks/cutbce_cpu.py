@@ -22,18 +22,28 @@ after the warm-up, so what tracing and compilation alone needed is left out;
 memory the warm-up left allocated, e.g. allocator pools, still counts). The
 JSON also keeps `first_call_peak_extra_mb`, the warm-up call's peak with
 tracing and compilation. A run whose RSS passes
-`--memory-cap-gb` is killed and reported as out of memory. Torch runs with
-`torch.set_num_threads(--threads)` (default: all cores, 2 here).
+`--memory-cap-gb` is killed and reported as out of memory. `--threads`
+sets torch's, TensorFlow's and (at 1) XLA's thread counts; "default" (the
+default) leaves each backend at its own, as users run it.
 
-`--side-by-side` instead times, per backend in one process, dense BCE, the
-loss path and the op (and, with `--old-root`, an older checkout's chunked
-kernels, and on JAX a pure-JAX scan-and-checkpoint operator) alternating,
-one of each per round, and writes `..._side_by_side.{md,json}` with each
-one's ratio over dense.
+`--side-by-side` instead times, per backend and thread setting (`--threads`,
+a comma list, default "default,1") in one process, dense BCE, the loss path
+and the op (and, with `--old-root`, an older checkout's chunked kernels at
+the tile its own width rule picks, and on JAX a pure-JAX
+scan-and-checkpoint operator) alternating, one of each per round, and writes
+`..._side_by_side.{md,json}` with each one's wall and CPU ratio over dense:
+wall time at the default threads is what users see; CPU time at 1 thread
+has no waits at thread barriers.
+
+`--memory` writes the memory table `..._memory.{md,json}`: the extra peak
+RSS of one forward + backward of the loss path at (1024, 128, 262144), for
+this checkout and (with `--old-root`) that checkout's whole package, each
+in its own process.
 
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (takes ~15 min)
     python benchmarks/cutbce_cpu.py --side-by-side --old-root /tmp/cpu-old
+    python benchmarks/cutbce_cpu.py --memory --old-root /tmp/cpu-old --backends torch,tensorflow
     python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
 
 Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
@@ -326,19 +336,30 @@ def worker(args):
 SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
 
 
+def _old_module(old_root, *parts):
+    """A module file of an older checkout, loaded beside this one (its imports resolve here)."""
+    import importlib.util
+
+    path = os.path.join(old_root, "keras_cutbce", *parts)
+    spec = importlib.util.spec_from_file_location("_old_" + "_".join(parts)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _old_chunked(backend, old_root):
     """The chunked kernel module of an older checkout, loaded beside this one.
 
     Only `backends/<backend>/chunked.py` comes from `old_root`; its imports
-    (`targets`, `coefficients`, `tiling`) resolve to this checkout's.
+    (`positives`, `coefficients`, `tiling`) resolve to this checkout's.
     """
-    import importlib.util
+    return _old_module(old_root, "backends", backend, "chunked.py")
 
-    path = os.path.join(old_root, "keras_cutbce", "backends", backend, "chunked.py")
-    spec = importlib.util.spec_from_file_location(f"_old_{backend}_chunked", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _old_tile(backend, old_root, rows, vocab):
+    """The tile the older checkout's public API picks for these shapes (its own width rule)."""
+    tiling = _old_module(old_root, "math", "tiling.py")
+    return tiling.default_chunk_size(rows, vocab, tiling.tile_budget_bytes(backend, "cpu"))
 
 
 def _pure_jax_operator(ids, tile):
@@ -395,9 +416,11 @@ def _side_by_side_fns(backend, shape, old_root):
     inputs = (hidden, table, bias)
     fns["loss"] = (_value_and_grad_fn(backend, new_loss), inputs)
     fns["op"] = (_value_and_grad_fn(backend, new_op), inputs)
+    old_tile = None
     if old_root:
         old = _old_chunked(backend, old_root)
-        kwargs = dict(label_smoothing=0.0, pos_weight=1.0, chunk_size=tile)
+        old_tile = _old_tile(backend, old_root, rows, vocab)
+        kwargs = dict(label_smoothing=0.0, pos_weight=1.0, chunk_size=old_tile)
 
         def old_loss(h, t, b):
             return old.cut_bce_weighted_sum(h, t, ids, b, weights, **kwargs)
@@ -409,7 +432,7 @@ def _side_by_side_fns(backend, shape, old_root):
         fns["op_old"] = (_value_and_grad_fn(backend, old_op), inputs)
     if backend == "jax" and vocab % tile == 0:
         fns["pure_jax"] = (_value_and_grad_fn(backend, _pure_jax_operator(ids, tile)), inputs)
-    return fns, tile
+    return fns, tile, old_tile
 
 
 def side_by_side_worker(args):
@@ -417,7 +440,7 @@ def side_by_side_worker(args):
     backend = os.environ["KERAS_BACKEND"]
     threads_used = _set_threads(backend, _threads(args.threads))
     shape = tuple(int(x) for x in args.shape.split(","))
-    fns, tile = _side_by_side_fns(backend, shape, args.old_root)
+    fns, tile, old_tile = _side_by_side_fns(backend, shape, args.old_root)
     times = {name: [] for name in fns}
     cpu_times = {name: [] for name in fns}
     first = {}
@@ -433,7 +456,7 @@ def side_by_side_worker(args):
                 times[name].append(elapsed)
                 cpu_times[name].append(cpu)
     print(json.dumps({
-        "tile": tile, "times_s": times, "cpu_times_s": cpu_times, "first_s": first,
+        "tile": tile, "old_tile": old_tile, "times_s": times, "cpu_times_s": cpu_times, "first_s": first,
         "median_s": {name: statistics.median(t) for name, t in times.items()},
         "median_cpu_s": {name: statistics.median(t) for name, t in cpu_times.items()},
         "loadavg": os.getloadavg(), "threads": threads_used,
@@ -512,7 +535,8 @@ def _side_by_side_table(results):
             if key not in ok[0]["median_s"]:
                 continue
             label = "dense Keras BCE" if key == "dense" else SIDE_BY_SIDE_LABELS[key]
-            row = f"| {backend} | {tile} | {label} |"
+            row_tile = ok[0].get("old_tile") or tile if key.endswith("_old") else tile
+            row = f"| {backend} | {row_tile} | {label} |"
             for entry in entries:
                 if "error" in entry:
                     row += f" {entry['error'][:60]} | | |"
@@ -536,7 +560,8 @@ def _side_by_side_header(results, args):
     shape = ", ".join(map(str, results["shape"]))
     load = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
     old = (f"; old = `backends/<backend>/chunked.py` of `{args.old_root}`{_commit(args.old_root)} "
-           "(same tile, called as the public API calls it)" if args.old_root else "")
+           "at the tile that checkout's width rule picks, called as the public API calls it"
+           if args.old_root else "")
     return (
         f"# CutBCE side by side with dense Keras BCE, (M, D, V) = ({shape}), float32, CPU\n\n"
         f"Forward + gradients of h, E, b. Each backend in one process: every variant once per "

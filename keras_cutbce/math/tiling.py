@@ -8,10 +8,19 @@ loss or gradient term, and one temporary), and those must fit in a budget:
            clamped to [128, 8192], and never wider than V rounded up to 128.
 
 The budget is 64 MiB (`DEFAULT_TILE_BUDGET_BYTES`: 1024 items a tile at 4096
-rows, 4096 at 1024 rows), except for JAX and TensorFlow on CPU, where a tile
-that stays in cache is faster: 16 MiB (`CPU_CACHE_TILE_BUDGET_BYTES`: 256
-items at 4096 rows, 1024 at 1024 rows). `benchmarks/cutbce_cpu.py` measures
-the choice. Memory of the loss is O(rows * tile + V * D) whatever V is.
+rows, 4096 at 1024 rows), except on CPU:
+
+- JAX and TensorFlow: 16 MiB (`CPU_CACHE_TILE_BUDGET_BYTES`: 256 items at
+  4096 rows, 1024 at 1024 rows). Their tile loop is one compiled program, and
+  a tile that stays in cache is faster;
+- torch: 128 MiB (`TORCH_CPU_TILE_BUDGET_BYTES`: 2048 items at 4096 rows,
+  8192 at 1024 rows). Its tile loop runs one parallel region per op and
+  tile, each ending at a barrier of all its threads; fewer, wider tiles
+  wait at fewer barriers, which is what the default thread count costs
+  most (and more so when other processes share the cores).
+
+`benchmarks/cutbce_cpu.py` measures the choice. Memory of the loss is
+O(rows * tile + V * D) whatever V is.
 
 The split rule (`vocab_tiles`), the same for every chunked kernel: a tile is
 at most V wide; `V // tile` full tiles start at `0, tile, 2 tile, ...`, then
@@ -25,6 +34,7 @@ from keras_cutbce.common import round_up
 
 DEFAULT_TILE_BUDGET_BYTES = 64 * 2**20
 CPU_CACHE_TILE_BUDGET_BYTES = 16 * 2**20
+TORCH_CPU_TILE_BUDGET_BYTES = 128 * 2**20
 TILE_MULTIPLE = 128
 MIN_TILE = 128
 MAX_TILE = 8192
@@ -36,10 +46,12 @@ def tile_budget_bytes(backend, platform):
     Example:
 
     >>> tile_budget_bytes("jax", "cpu") // 2**20, tile_budget_bytes("torch", "cpu") // 2**20
-    (16, 64)
+    (16, 128)
     """
     if platform == "cpu" and backend in ("jax", "tensorflow"):
         return CPU_CACHE_TILE_BUDGET_BYTES
+    if platform == "cpu" and backend == "torch":
+        return TORCH_CPU_TILE_BUDGET_BYTES
     return DEFAULT_TILE_BUDGET_BYTES
 
 

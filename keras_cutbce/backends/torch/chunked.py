@@ -45,7 +45,7 @@ class _CutBCEFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, cotangent):
+    def backward(ctx, row_scale):
         hidden, table, bias, ids = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
         if not any(need):
@@ -53,9 +53,9 @@ class _CutBCEFunction(torch.autograd.Function):
         dtype = compute_dtype(hidden, table, bias)
         # Rows with a zero cotangent (masked or padded positions) add nothing:
         # drop them before the tile loop, scatter grad_hidden back at the end.
-        active_rows, cotangent, h, ids = drop_zero_rows(cotangent.to(dtype), hidden.to(dtype), ids)
+        active_rows, row_scale, h, ids = drop_zero_rows(row_scale.to(dtype), hidden.to(dtype), ids)
         grad_h, grad_e, grad_b = kernel.row_gradients(
-            h, table, bias, ids, ctx.coef, ctx.tile, cotangent, need
+            h, table, bias, ids, ctx.coef, ctx.tile, row_scale, need
         )
         if grad_h is not None:
             grad_h = scatter_rows(grad_h, active_rows, hidden.shape[0])

@@ -103,17 +103,17 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     """
     dtype, device = h.dtype, h.device
     num_rows, dim = h.shape
-    vocab_size, width = tiles.vocab_size, tiles.tile
+    vocab_size, tile = tiles.vocab_size, tiles.tile
     need_h, need_e, need_b = need if row_scale is not None else (False, False, False)
     grads = need_h or need_e or need_b
-    logits_buffer = torch.empty(num_rows * width, dtype=dtype, device=device)
+    logits_buffer = torch.empty(num_rows * tile, dtype=dtype, device=device)
     softplus_sum = None
     if loss:
-        ones = torch.ones(width, dtype=dtype, device=device)
+        ones = torch.ones(tile, dtype=dtype, device=device)
         softplus_sum = torch.zeros(num_rows, dtype=dtype, device=device)
         # With gradients the logits are still needed after softplus.
         softplus_buffer = (
-            torch.empty(num_rows * width, dtype=dtype, device=device) if grads else logits_buffer
+            torch.empty(num_rows * tile, dtype=dtype, device=device) if grads else logits_buffer
         )
     grad_h = torch.zeros(num_rows, dim, dtype=dtype, device=device) if need_h else None
     grad_b = torch.empty(vocab_size, dtype=dtype, device=device) if need_b else None
@@ -122,7 +122,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         # is a faster product than `S.T @ h` (a wide output).
         scaled_h_t = (row_scale[:, None] * h).T
         grad_e_t = torch.empty(dim, vocab_size, dtype=dtype, device=device)
-        grad_e_tile = torch.empty(dim * width, dtype=dtype, device=device)
+        grad_e_tile = torch.empty(dim * tile, dtype=dtype, device=device)
 
     for index, (start, stop) in enumerate(tiles.bounds()):
         size = num_rows * (stop - start)
@@ -220,38 +220,39 @@ def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads
     return terms
 
 
-def row_losses(h, table, bias, ids, coef, tile, cotangent=None, need=(False,) * 3):
-    """Returns the per-row losses `[M]` and, with a `cotangent` `[M]`, their gradients.
+def row_losses(h, table, bias, ids, coef, tile, row_scale=None, need=(False,) * 3):
+    """Returns the per-row losses `[M]` and, with a cotangent `row_scale` `[M]`, their gradients.
 
     Everything in one pass over the vocabulary: the gradients (in the
-    compute dtype, or None) are those of `sum_m cotangent_m * loss_m`.
+    compute dtype, or None) are those of `sum_m row_scale_m * loss_m`.
     """
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
-    row_scale = None if cotangent is None else cotangent / tiles.vocab_size
+    inv_v = 1.0 / tiles.vocab_size
     softplus_sum, grad_h, grad_e, grad_b = dense_pass(
         h, table, bias, tiles, positives, loss=True,
-        row_scale=None if row_scale is None else row_scale * coef.neg_scale, need=need,
+        row_scale=None if row_scale is None else row_scale * (coef.neg_scale * inv_v), need=need,
     )
     terms = sparse_terms(
-        h, table, bias, positives, coef, loss=True, row_scale=row_scale,
+        h, table, bias, positives, coef, loss=True,
+        row_scale=None if row_scale is None else row_scale * inv_v,
         grads=(grad_h, grad_e, grad_b),
     )
     loss = (coef.neg_scale * softplus_sum + terms) / tiles.vocab_size
     return loss, grad_h, grad_e, grad_b
 
 
-def row_gradients(h, table, bias, ids, coef, tile, cotangent, need):
-    """Returns the gradients of `sum_m cotangent_m * loss_m` (no loss), the table's contiguous."""
+def row_gradients(h, table, bias, ids, coef, tile, row_scale, need):
+    """Returns the gradients of `sum_m row_scale_m * loss_m` (no loss), the table's contiguous."""
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
-    row_scale = cotangent / tiles.vocab_size
+    inv_v = 1.0 / tiles.vocab_size
     _, grad_h, grad_e, grad_b = dense_pass(
-        h, table, bias, tiles, positives, loss=False, row_scale=row_scale * coef.neg_scale,
-        need=need,
+        h, table, bias, tiles, positives, loss=False,
+        row_scale=row_scale * (coef.neg_scale * inv_v), need=need,
     )
     sparse_terms(
-        h, table, bias, positives, coef, loss=False, row_scale=row_scale,
+        h, table, bias, positives, coef, loss=False, row_scale=row_scale * inv_v,
         grads=(grad_h, grad_e, grad_b),
     )
     return grad_h, None if grad_e is None else grad_e.contiguous(), grad_b

@@ -46,10 +46,10 @@ class Positives:
         self._tile_bounds = tiles.bounds()
 
     def flat(self, index):
-        """Returns the flat offsets of tile `index`'s positives in its `[M, width]` buffer.
+        """Returns the flat offsets of tile `index`'s positives in its `[M, stop - start]` buffer.
 
-        `row * width + item - start` for each kept positive of the tile, or
-        None when the tile has none.
+        `row * (stop - start) + item - start` for each kept positive of the
+        tile `[start, stop)`, or None when the tile has none.
         """
         if self.empty:
             return None

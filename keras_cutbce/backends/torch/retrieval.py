@@ -17,15 +17,15 @@ def _tiles(vocab_size, tile):
 
 
 def _excluded_mask(exclude_ids, start, stop):
-    """Bool `[M, T]`: True where the row excludes the column `start + j`."""
-    width = stop - start
+    """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`."""
+    tile = stop - start
     local = exclude_ids.long() - start
-    local = torch.where((local >= 0) & (local < width), local, width)  # width: dropped
+    local = torch.where((local >= 0) & (local < tile), local, tile)  # tile: dropped
     mask = torch.zeros(
-        (exclude_ids.shape[0], width + 1), dtype=torch.bool, device=exclude_ids.device
+        (exclude_ids.shape[0], tile + 1), dtype=torch.bool, device=exclude_ids.device
     )
     mask.scatter_(1, local, True)
-    return mask[:, :width]
+    return mask[:, :tile]
 
 
 def _stable_top_k(x, k):
