@@ -129,8 +129,8 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
         )
         loss = loss_program(hidden, table, ids, bias)
 
-        def grad(cotangent):
-            grads = grad_program(hidden, table, ids, bias, cotangent)
+        def grad(row_scale):
+            grads = grad_program(hidden, table, ids, bias, row_scale)
             return _cast_grads(grads, hidden, table, bias)
 
         return loss, grad
@@ -143,8 +143,8 @@ def _per_row_programs(coef, tile, has_bias, static_vocab):
     """Returns `cut_bce`'s two passes, compiled by XLA: `(loss_program, grad_program)`.
 
     `loss_program(hidden, table, ids, bias) -> loss [M]`;
-    `grad_program(hidden, table, ids, bias, cotangent) -> (dh, dtable,
-    dbias)` float32, the gradients of `sum_m cotangent_m loss_m` (it
+    `grad_program(hidden, table, ids, bias, row_scale) -> (dh, dtable,
+    dbias)` float32, the gradients of `sum_m row_scale_m loss_m` (it
     recomputes the logits tile by tile). Compiled, each tile's elementwise
     work is one fused pass (one `exp` per logit shared by softplus and
     sigmoid), which TensorFlow's graph executor would run as a kernel per op.
@@ -159,9 +159,9 @@ def _per_row_programs(coef, tile, has_bias, static_vocab):
         return loss_and_grads(hidden, table, ids, bias_or_none(bias), coef, tile, loss=True)[0]
 
     @tf.function(jit_compile=static_vocab, autograph=False)
-    def grad_program(hidden, table, ids, bias, cotangent):
+    def grad_program(hidden, table, ids, bias, row_scale):
         return loss_and_grads(
-            hidden, table, ids, bias_or_none(bias), coef, tile, loss=False, cotangent=cotangent
+            hidden, table, ids, bias_or_none(bias), coef, tile, loss=False, row_scale=row_scale
         )[1]
 
     return loss_program, grad_program
@@ -184,7 +184,7 @@ def _fused_program(coef, tile, has_bias):
     def program(hidden, table, ids, bias, row_weights):
         loss, (dh, dtable, dbias) = loss_and_grads(
             hidden, table, ids, bias if has_bias else None, coef, tile,
-            loss=True, cotangent=row_weights,
+            loss=True, row_scale=row_weights,
         )
         return tf.reduce_sum(row_weights * loss), dh, dtable, dbias
 

@@ -17,9 +17,9 @@ softplus(z_v)]` (`keras_cutbce.math.coefficients`). It is split in two:
 Both call the one element-wise helper set `keras_cutbce.backends.
 tensorflow.math` (`terms`, `slopes`, from one `exp(-|z|)` per logit). One
 tile function (`_tile_pass`) computes what a pass needs from one logits
-matmul: the per-row loss sum and/or, for a cotangent `[M]`, the tile's
-`dZ @ E_tile` (hidden) and the tile's table and bias gradients, with
-`dZ = row_scale * slopes(z)` and `row_scale = cotangent / V`. What is
+matmul: the per-row loss sum and/or, for a cotangent `row_scale` `[M]`,
+the tile's `dZ @ E_tile` (hidden) and the tile's table and bias gradients,
+with `dZ = row_scale / V * slopes(z)`. What is
 TensorFlow's own: the loop is a `tf.while_loop` whose state holds the table gradient tiles in a
 `TensorArray`; the caller compiles it with XLA. Everything accumulates in
 float32.
@@ -84,16 +84,16 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, scaled_
 
     The row's positives are set to `-inf` in the logits (`mask_positives`,
     O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
-    once for the term and the slope. With `scaled_t` given (`[cotangent h,
-    cotangent].T`, `[D + 1, M]`), one plain matmul `scaled_t @ slopes(z)`
+    once for the term and the slope. With `scaled_t` given (`[row_scale h,
+    row_scale].T`, `[D + 1, M]`), one plain matmul `scaled_t @ slopes(z)`
     times `inv_v` (`1 / V`) gives the tile's table gradient, transposed,
     with the bias gradient in its last row. Only that small `[D + 1, T]`
     product is transposed, so the tiles stack into the `[V, D]` table
     gradient as they are. The `1 / V` is applied to the product rather than
     folded into `scaled_t` on purpose: without an op between them XLA
     folds the transpose into the matmul, whose transposed `[M, T]` operand
-    is about three times slower on XLA's CPU backend. The row scales
-    `cotangent / V` are applied to `hidden_part` by the caller (once, not
+    is about three times slower on XLA's CPU backend. The row factors
+    `row_scale / V` are applied to `hidden_part` by the caller (once, not
     per tile).
     """
     z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
@@ -111,18 +111,18 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, scaled_
     return loss_rows, (hidden_part, table_bias[:, :dim], table_bias[:, dim])
 
 
-def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, cotangent=None):
+def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
     """Returns the negatives over every tile: `(loss_rows | None, (dh, dtable, dbias) | None)`.
 
-    Gradients (float32) are those of `sum_m cotangent_m loss_rows_m / V`
-    when `cotangent` is given.
+    Gradients (float32) are those of `sum_m row_scale_m loss_rows_m / V`
+    when `row_scale` is given.
     """
-    want_grads = cotangent is not None
+    want_grads = row_scale is not None
     inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
     scaled_t = None
     if want_grads:
         scaled_t = tf.concat(
-            [tf.transpose(cotangent[:, None] * hidden), cotangent[None, :]], axis=0
+            [tf.transpose(row_scale[:, None] * hidden), row_scale[None, :]], axis=0
         )
 
     def tile_pass(start, table_tile, bias_tile):
@@ -188,11 +188,11 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, cotangent=None):
     if rest is not None:
         dtable = tf.concat([dtable, rest[1][1]], axis=0)
         dbias = tf.concat([dbias, rest[1][2]], axis=0)
-    return loss_rows, ((cotangent * inv_v)[:, None] * dh, dtable, dbias)
+    return loss_rows, ((row_scale * inv_v)[:, None] * dh, dtable, dbias)
 
 
-def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None):
-    """Returns the per-row loss `[M]` and the float32 gradients of `sum_m cotangent_m loss_m`.
+def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None):
+    """Returns the per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m`.
 
     Args:
         hidden: float `[M, D]`.
@@ -202,7 +202,7 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None
         coef: the `BCECoefficients`.
         tile: the tile width (a positive Python int).
         loss: whether to compute the loss.
-        cotangent: optional `[M]`; gradients are computed when given.
+        row_scale: optional cotangent `[M]`; gradients are computed when given.
 
     Returns:
         `(loss_rows, grads)`, `grads = (dh, dtable, dbias)` or None.
@@ -210,9 +210,9 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None
     tiles = _tiles_of(table, tile)
     inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
     hidden = tf.cast(hidden, tf.float32)
-    cotangent = None if cotangent is None else tf.cast(cotangent, tf.float32)
+    row_scale = None if row_scale is None else tf.cast(row_scale, tf.float32)
     loss_rows, grads = _dense_pass(
-        hidden, table, bias, ids, coef, tiles, loss=loss, cotangent=cotangent
+        hidden, table, bias, ids, coef, tiles, loss=loss, row_scale=row_scale
     )
     if ids.shape[1] == 0:
         return (None if loss_rows is None else loss_rows * inv_v), grads
@@ -226,8 +226,7 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, cotangent=None
         loss_rows = loss_rows * inv_v
     if grads is not None:
         dh, dtable, dbias = grads
-        row_scale = cotangent * inv_v
-        dz = row_scale[:, None] * keep * math.slopes(z_pos, e_pos, *weights)
+        dz = (row_scale * inv_v)[:, None] * keep * math.slopes(z_pos, e_pos, *weights)
         dh = dh + tf.einsum("ml,mld->md", dz, rows_pos)
         index = tf.reshape(safe, [-1, 1])
         dtable_pos = tf.reshape(dz[:, :, None] * hidden[:, None, :], [-1, tf.shape(hidden)[1]])

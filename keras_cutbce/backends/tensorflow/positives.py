@@ -28,10 +28,10 @@ def mask_positives(z, ids, start):
     >>> mask_positives(tf.zeros([2, 4]), tf.constant([[5, 5], [-1, 9]]), 4).numpy().tolist()
     [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
-    width = z.shape[1]
-    if ids.shape[1] == 0 or width == 0:
+    tile = z.shape[1]
+    if ids.shape[1] == 0 or tile == 0:
         return z
-    if width is None:
+    if tile is None:
         # The remainder tile of a dynamic V may be empty, and a scatter into
         # `[M, 0]` fails: scatter into one more column (it can only take the
         # padding id V), then drop it.

@@ -22,17 +22,17 @@ def _tiles_of(table, tile):
     return vocab_tiles(int(static_vocab) if static_vocab is not None else tf.shape(table)[0], tile)
 
 
-def _tile(table, bias, start, width):
+def _tile_at(table, bias, start, tile):
     """Returns the columns `[T]`, table rows `[T, D]` and bias `[T]` of the tile at `start`."""
-    rows = tf.slice(table, tf.stack([start, 0]), tf.stack([width, -1]))
+    rows = tf.slice(table, tf.stack([start, 0]), tf.stack([tile, -1]))
     bias_tile = None
     if bias is not None:
-        bias_tile = tf.slice(bias, tf.reshape(start, [1]), tf.reshape(width, [1]))
-    return start + tf.range(width), rows, bias_tile
+        bias_tile = tf.slice(bias, tf.reshape(start, [1]), tf.reshape(tile, [1]))
+    return start + tf.range(tile), rows, bias_tile
 
 
 def _over_tiles(table, tile, step, init, name):
-    """Runs `step(start, width, *state) -> state` over every tile: a loop, then the remainder."""
+    """Runs `step(start, tile, *state) -> state` over every tile: a loop, then the remainder."""
     tiles = _tiles_of(table, tile)
     with tf.name_scope(name):
         state = tf.while_loop(
@@ -48,7 +48,7 @@ def _over_tiles(table, tile, step, init, name):
     return state
 
 
-def _excluded_mask(exclude_ids, start, width):
+def _excluded_mask(exclude_ids, start, tile):
     """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`.
 
     Compared in the ids' own dtype before the int32 cast, so an int64 id
@@ -59,13 +59,13 @@ def _excluded_mask(exclude_ids, start, width):
         raise TypeError(f"exclude_ids must be integers; received {exclude_ids.dtype}.")
     wide = tf.int64 if exclude_ids.dtype in (tf.int64, tf.uint32, tf.uint64) else tf.int32
     local = tf.cast(exclude_ids, wide) - tf.cast(start, wide)
-    inside = (local >= 0) & (local < tf.cast(width, wide))
-    local = tf.where(inside, tf.cast(local, tf.int32), width)  # width: dropped
+    inside = (local >= 0) & (local < tf.cast(tile, wide))
+    local = tf.where(inside, tf.cast(local, tf.int32), tile)  # tile: dropped
     rows = tf.shape(exclude_ids)[0]
     row_index = tf.broadcast_to(tf.range(rows)[:, None], tf.shape(local))
     indices = tf.stack([row_index, local], axis=-1)
-    counts = tf.scatter_nd(indices, tf.ones_like(local), tf.stack([rows, width + 1]))
-    return counts[:, :width] > 0
+    counts = tf.scatter_nd(indices, tf.ones_like(local), tf.stack([rows, tile + 1]))
+    return counts[:, :tile] > 0
 
 
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
@@ -99,16 +99,16 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     rows = tf.shape(hidden)[0]
     neg_inf = tf.constant(-float("inf"), tf.float32)
 
-    def step(start, width, best_scores, best_ids):
-        columns, table_tile, bias_tile = _tile(table, bias, start, width)
+    def step(start, tile, best_scores, best_ids):
+        columns, table_tile, bias_tile = _tile_at(table, bias, start, tile)
         z = tile_logits(hidden, table_tile, bias_tile)
         if exclude_ids is not None:
-            z = tf.where(_excluded_mask(exclude_ids, start, width), neg_inf, z)
+            z = tf.where(_excluded_mask(exclude_ids, start, tile), neg_inf, z)
         # Running entries come first and have lower ids than the tile's, and
         # tf.math.top_k puts the lower index first among equal values: ties
         # go to the lower id.
         scores = tf.concat([best_scores, z], axis=1)
-        columns = tf.broadcast_to(columns[None, :], tf.stack([rows, width]))
+        columns = tf.broadcast_to(columns[None, :], tf.stack([rows, tile]))
         ids = tf.concat([best_ids, columns], axis=1)
         best_scores, position = tf.math.top_k(scores, k=k, sorted=True)
         return best_scores, tf.gather(ids, position, batch_dims=1)
@@ -134,8 +134,8 @@ def count_at_least(hidden, table, bias, threshold, *, chunk_size):
     hidden = tf.convert_to_tensor(hidden)
     table = tf.convert_to_tensor(table)
 
-    def step(start, width, counts):
-        _, table_tile, bias_tile = _tile(table, bias, start, width)
+    def step(start, tile, counts):
+        _, table_tile, bias_tile = _tile_at(table, bias, start, tile)
         hits = tile_logits(hidden, table_tile, bias_tile) >= threshold
         return (counts + tf.reduce_sum(tf.cast(hits, tf.int32), axis=1),)
 
