@@ -22,18 +22,28 @@ after the warm-up, so what tracing and compilation alone needed is left out;
 memory the warm-up left allocated, e.g. allocator pools, still counts). The
 JSON also keeps `first_call_peak_extra_mb`, the warm-up call's peak with
 tracing and compilation. A run whose RSS passes
-`--memory-cap-gb` is killed and reported as out of memory. Torch runs with
-`torch.set_num_threads(--threads)` (default: all cores, 2 here).
+`--memory-cap-gb` is killed and reported as out of memory. `--threads`
+sets torch's, TensorFlow's and (at 1) XLA's thread counts; "default" (the
+default) leaves each backend at its own, as users run it.
 
-`--side-by-side` instead times, per backend in one process, dense BCE, the
-loss path and the op (and, with `--old-root`, an older checkout's chunked
-kernels, and on JAX a pure-JAX scan-and-checkpoint operator) alternating,
-one of each per round, and writes `..._side_by_side.{md,json}` with each
-one's ratio over dense.
+`--side-by-side` instead times, per backend and thread setting (`--threads`,
+a comma list, default "default,1") in one process, dense BCE, the loss path
+and the op (and, with `--old-root`, an older checkout's chunked kernels at
+the tile its own width rule picks, and on JAX a pure-JAX
+scan-and-checkpoint operator) alternating, one of each per round, and writes
+`..._side_by_side.{md,json}` with each one's wall and CPU ratio over dense:
+wall time at the default threads is what users see; CPU time at 1 thread
+has no waits at thread barriers.
+
+`--memory` writes the memory table `..._memory.{md,json}`: the extra peak
+RSS of one forward + backward of the loss path at (1024, 128, 262144), for
+this checkout and (with `--old-root`) that checkout's whole package, each
+in its own process.
 
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (takes ~15 min)
     python benchmarks/cutbce_cpu.py --side-by-side --old-root /tmp/cpu-old
+    python benchmarks/cutbce_cpu.py --memory --old-root /tmp/cpu-old --backends torch,tensorflow
     python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
 
 Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
@@ -51,8 +61,11 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # time this checkout's package, not an installed one
-    sys.path.insert(0, ROOT)
+# The checkout whose `keras_cutbce` is timed (`--package-root`; default this
+# one, never an installed copy).
+PACKAGE_ROOT = os.environ.get("CUTBCE_PACKAGE_ROOT", ROOT)
+if PACKAGE_ROOT not in sys.path:
+    sys.path.insert(0, PACKAGE_ROOT)
 SHAPES = [(4096, 64, 32768), (4096, 64, 131072), (1024, 128, 262144)]
 QUICK_SHAPES = [(512, 32, 4096)]
 BACKENDS = ["jax", "torch", "tensorflow"]
@@ -138,13 +151,25 @@ def _leaves(result):
 
 
 def _block(result):
+    """Waits until every tensor of `result` is computed, without copying it to the host.
+
+    (Not `.numpy()` on a TensorFlow tensor: that copies it, e.g. a 128 MB
+    table gradient, into a new NumPy array, which the memory figures would
+    count. One element is read instead.)
+    """
     import keras
 
     for x in _leaves(result):
         if hasattr(x, "block_until_ready"):
             x.block_until_ready()
+        elif hasattr(x, "detach"):  # torch: CPU ops have run when they return
+            x.detach()
+        elif hasattr(x, "numpy"):  # TensorFlow
+            import tensorflow as tf
+
+            tf.reshape(x, [-1])[:1].numpy()
         else:
-            keras.ops.convert_to_numpy(x) if not hasattr(x, "numpy") else x.numpy() if not hasattr(x, "detach") else x.detach()
+            keras.ops.convert_to_numpy(x)
 
 
 def _variant_fn(backend, variant, shape):
@@ -237,13 +262,44 @@ def _variant_fn(backend, variant, shape):
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def worker(args):
-    """Runs one (backend, variant, shape) in this process and prints a JSON line."""
-    backend = os.environ["KERAS_BACKEND"]
+def _threads(value):
+    """`--threads` as an int, or None for the backend's own default ("default")."""
+    return None if value in (None, "default") else int(value)
+
+
+def _set_threads(backend, threads):
+    """Sets the backend's thread counts in this process (None: leave the defaults).
+
+    Returns the intra-op thread count the backend uses (None where it
+    cannot tell).
+    """
     if backend == "torch":
         import torch
 
-        torch.set_num_threads(args.threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return torch.get_num_threads()
+    if backend == "tensorflow" and threads is not None:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return threads
+
+
+def _thread_env(env, threads):
+    """`env` with XLA's CPU client pinned to one thread when `threads` is 1 (it reads the flags)."""
+    env = dict(env)
+    if threads == 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                            " intra_op_parallelism_threads=1").strip()
+    return env
+
+
+def worker(args):
+    """Runs one (backend, variant, shape) in this process and prints a JSON line."""
+    backend = os.environ["KERAS_BACKEND"]
+    threads_used = _set_threads(backend, _threads(args.threads))
     shape = tuple(int(x) for x in args.shape.split(","))
     run, inputs = _variant_fn(backend, args.variant, shape)
     before = _status("VmRSS")
@@ -258,6 +314,7 @@ def worker(args):
         _block(run(*inputs))  # warm-up (compiles)
     first = time.perf_counter() - start
     first_peak = _status("VmHWM")
+    gc.collect()
     _reset_peak()  # the timed runs' own peak (tracing/compilation excluded)
     times = []
     for _ in range(args.repeats):
@@ -270,6 +327,7 @@ def worker(args):
         "median_s": statistics.median(times), "times_s": times, "first_s": first,
         "peak_extra_mb": (peak - before) / 2**20,
         "first_call_peak_extra_mb": (first_peak - before) / 2**20,
+        "threads": threads_used,
     }))
 
 
@@ -278,19 +336,30 @@ def worker(args):
 SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
 
 
+def _old_module(old_root, *parts):
+    """A module file of an older checkout, loaded beside this one (its imports resolve here)."""
+    import importlib.util
+
+    path = os.path.join(old_root, "keras_cutbce", *parts)
+    spec = importlib.util.spec_from_file_location("_old_" + "_".join(parts)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _old_chunked(backend, old_root):
     """The chunked kernel module of an older checkout, loaded beside this one.
 
     Only `backends/<backend>/chunked.py` comes from `old_root`; its imports
-    (`targets`, `coefficients`, `tiling`) resolve to this checkout's.
+    (`positives`, `coefficients`, `tiling`) resolve to this checkout's.
     """
-    import importlib.util
+    return _old_module(old_root, "backends", backend, "chunked.py")
 
-    path = os.path.join(old_root, "keras_cutbce", "backends", backend, "chunked.py")
-    spec = importlib.util.spec_from_file_location(f"_old_{backend}_chunked", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _old_tile(backend, old_root, rows, vocab):
+    """The tile the older checkout's public API picks for these shapes (its own width rule)."""
+    tiling = _old_module(old_root, "math", "tiling.py")
+    return tiling.default_chunk_size(rows, vocab, tiling.tile_budget_bytes(backend, "cpu"))
 
 
 def _pure_jax_operator(ids, tile):
@@ -347,9 +416,11 @@ def _side_by_side_fns(backend, shape, old_root):
     inputs = (hidden, table, bias)
     fns["loss"] = (_value_and_grad_fn(backend, new_loss), inputs)
     fns["op"] = (_value_and_grad_fn(backend, new_op), inputs)
+    old_tile = None
     if old_root:
         old = _old_chunked(backend, old_root)
-        kwargs = dict(label_smoothing=0.0, pos_weight=1.0, chunk_size=tile)
+        old_tile = _old_tile(backend, old_root, rows, vocab)
+        kwargs = dict(label_smoothing=0.0, pos_weight=1.0, chunk_size=old_tile)
 
         def old_loss(h, t, b):
             return old.cut_bce_weighted_sum(h, t, ids, b, weights, **kwargs)
@@ -361,23 +432,15 @@ def _side_by_side_fns(backend, shape, old_root):
         fns["op_old"] = (_value_and_grad_fn(backend, old_op), inputs)
     if backend == "jax" and vocab % tile == 0:
         fns["pure_jax"] = (_value_and_grad_fn(backend, _pure_jax_operator(ids, tile)), inputs)
-    return fns, tile
+    return fns, tile, old_tile
 
 
 def side_by_side_worker(args):
     """Times every side-by-side variant in this one process, alternating, and prints a JSON line."""
     backend = os.environ["KERAS_BACKEND"]
-    if backend == "torch":
-        import torch
-
-        torch.set_num_threads(args.threads)
-    elif backend == "tensorflow":
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    threads_used = _set_threads(backend, _threads(args.threads))
     shape = tuple(int(x) for x in args.shape.split(","))
-    fns, tile = _side_by_side_fns(backend, shape, args.old_root)
+    fns, tile, old_tile = _side_by_side_fns(backend, shape, args.old_root)
     times = {name: [] for name in fns}
     cpu_times = {name: [] for name in fns}
     first = {}
@@ -393,36 +456,43 @@ def side_by_side_worker(args):
                 times[name].append(elapsed)
                 cpu_times[name].append(cpu)
     print(json.dumps({
-        "tile": tile, "times_s": times, "cpu_times_s": cpu_times, "first_s": first,
+        "tile": tile, "old_tile": old_tile, "times_s": times, "cpu_times_s": cpu_times, "first_s": first,
         "median_s": {name: statistics.median(t) for name, t in times.items()},
         "median_cpu_s": {name: statistics.median(t) for name, t in cpu_times.items()},
-        "loadavg": os.getloadavg(),
+        "loadavg": os.getloadavg(), "threads": threads_used,
     }))
 
 
+def _thread_settings(value):
+    """`--threads` of `--side-by-side`: a comma list of counts and/or "default"."""
+    return [item.strip() for item in str(value).split(",") if item.strip()]
+
+
 def side_by_side(args):
-    """One process per backend: dense, loss, op (new and old), alternating; writes md + JSON."""
+    """One process per backend and thread setting: dense, loss, op (new and old), alternating."""
     shape = tuple(int(x) for x in (args.shapes or "4096,64,32768").split(";")[0].split(","))
-    results = {"shape": shape, "repeats": args.repeats, "threads": args.threads,
+    settings = _thread_settings(args.threads)
+    results = {"shape": shape, "repeats": args.repeats, "threads": settings,
                "old_root": args.old_root, "cpus": os.cpu_count(),
                "loadavg_start": os.getloadavg(), "backends": {}}
     for backend in args.backends.split(","):
-        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-        if args.threads == 1:  # XLA's CPU client reads its thread count from the flags
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                                " intra_op_parallelism_threads=1").strip()
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", "side_by_side",
-               "--shape", ",".join(map(str, shape)), "--repeats", str(args.repeats),
-               "--threads", str(args.threads)]
-        if args.old_root:
-            cmd += ["--old-root", args.old_root]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-            results["backends"][backend] = {"error": last[:300]}
-        else:
-            results["backends"][backend] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(backend, results["backends"][backend], flush=True)
+        results["backends"][backend] = {}
+        for threads in settings:
+            env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"),
+                              _threads(threads))
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant",
+                   "side_by_side", "--shape", ",".join(map(str, shape)),
+                   "--repeats", str(args.repeats), "--threads", threads]
+            if args.old_root:
+                cmd += ["--old-root", args.old_root]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                entry = {"error": last[:300]}
+            else:
+                entry = json.loads(proc.stdout.strip().splitlines()[-1])
+            results["backends"][backend][threads] = entry
+            print(backend, threads, entry, flush=True)
     results["loadavg_end"] = os.getloadavg()
     lines = _side_by_side_table(results)
     print("\n".join(lines))
@@ -440,25 +510,42 @@ SIDE_BY_SIDE_LABELS = {
 }
 
 
+def _threads_label(threads):
+    return "default threads" if threads == "default" else f"{threads} thread" + ("s" if threads != "1" else "")
+
+
 def _side_by_side_table(results):
-    lines = ["| backend | tile | variant | wall s | wall / dense | CPU s | CPU / dense | target |",
-             "|---|---|---|---|---|---|---|---|"]
-    for backend, entry in results["backends"].items():
-        if "error" in entry:
-            lines.append(f"| {backend} | - | {entry['error']} | | | | | |")
+    """Markdown rows: per variant, for each thread setting, wall s, wall / dense and CPU / dense."""
+    settings = results["threads"]
+    head = "| backend | tile | variant |"
+    rule = "|---|---|---|"
+    for threads in settings:
+        label = _threads_label(threads)
+        head += f" wall s, {label} | wall / dense, {label} | CPU / dense, {label} |"
+        rule += "---|---|---|"
+    lines = [head + " target |", rule + "---|"]
+    for backend, by_threads in results["backends"].items():
+        entries = [by_threads.get(threads, {"error": "not run"}) for threads in settings]
+        ok = [e for e in entries if "error" not in e]
+        if not ok:
+            lines.append(f"| {backend} | - | {entries[0]['error']} |" + " |" * (3 * len(settings) + 1))
             continue
-        wall, cpu = entry["median_s"], entry["median_cpu_s"]
-        lines.append(f"| {backend} | {entry['tile']} | dense Keras BCE | {wall['dense']:.3f} | 1 | "
-                     f"{cpu['dense']:.3f} | 1 | |")
-        for key, label in SIDE_BY_SIDE_LABELS.items():
-            if key not in wall:
+        tile = ok[0]["tile"]
+        for key in ["dense"] + list(SIDE_BY_SIDE_LABELS):
+            if key not in ok[0]["median_s"]:
                 continue
+            label = "dense Keras BCE" if key == "dense" else SIDE_BY_SIDE_LABELS[key]
+            row_tile = ok[0].get("old_tile") or tile if key.endswith("_old") else tile
+            row = f"| {backend} | {row_tile} | {label} |"
+            for entry in entries:
+                if "error" in entry:
+                    row += f" {entry['error'][:60]} | | |"
+                    continue
+                wall, cpu = entry["median_s"], entry["median_cpu_s"]
+                row += (f" {wall[key]:.3f} | {wall[key] / wall['dense']:.3f} | "
+                        f"{cpu[key] / cpu['dense']:.3f} |")
             target = SIDE_BY_SIDE_TARGETS.get(key)
-            lines.append(
-                f"| {backend} | {entry['tile']} | {label} | {wall[key]:.3f} | "
-                f"{wall[key] / wall['dense']:.2f} | {cpu[key]:.3f} | {cpu[key] / cpu['dense']:.2f} | "
-                f"{'' if target is None else f'<= {target}'} |"
-            )
+            lines.append(row + f" {'' if target is None else f'<= {target}'} |")
     return lines
 
 
@@ -473,7 +560,8 @@ def _side_by_side_header(results, args):
     shape = ", ".join(map(str, results["shape"]))
     load = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
     old = (f"; old = `backends/<backend>/chunked.py` of `{args.old_root}`{_commit(args.old_root)} "
-           "(same tile, called as the public API calls it)" if args.old_root else "")
+           "at the tile that checkout's width rule picks, called as the public API calls it"
+           if args.old_root else "")
     return (
         f"# CutBCE side by side with dense Keras BCE, (M, D, V) = ({shape}), float32, CPU\n\n"
         f"Forward + gradients of h, E, b. Each backend in one process: every variant once per "
@@ -482,20 +570,32 @@ def _side_by_side_header(results, args):
         "steadier than wall time on a loaded machine). loss = `weighted_loss_sum` (what `CutBCELoss` runs), op = "
         f"`sum(cut_binary_crossentropy)` (exact for any cotangent){old}; pure-JAX op = "
         "`lax.scan` over tiles under `jax.checkpoint` with autodiff (a reference written here, "
-        f"not exact at saturated positives). {results['cpus']} cores; threads per process "
-        f"(torch, TensorFlow, and XLA when 1): {results['threads']} (with 2 cores shared by "
-        "many jobs, multi-threaded runs mostly measure waits at thread barriers). Load average (1, 5, 15 min) at start "
+        f"not exact at saturated positives). {results['cpus']} cores; one process per thread "
+        f"setting ({', '.join(results['threads'])}): \"default\" leaves torch, TensorFlow and "
+        "XLA at their own thread counts, as users run them (wall time is what they see); "
+        "1 pins all three to one thread (CPU-time ratios without waits at thread barriers). "
+        "Load average (1, 5, 15 min) at start "
         f"{load(results['loadavg_start'])}, at end {load(results['loadavg_end'])} (a shared, "
         "loaded machine: ratios are the stable figures, absolute seconds are not).\n\n"
         "Command: `python benchmarks/cutbce_cpu.py --side-by-side"
+        + (f" --backends {args.backends}" if args.backends != ",".join(BACKENDS) else "")
         + (f" --old-root {args.old_root}" if args.old_root else "")
-        + f" --repeats {args.repeats} --threads {args.threads}`\n\n"
+        + f" --repeats {args.repeats} --threads {','.join(results['threads'])}`"
+        + (f" (package: `{PACKAGE_ROOT}`{_commit(PACKAGE_ROOT)})" if PACKAGE_ROOT != ROOT else "")
+        + "\n\n"
     )
 
 
-def run_variant(backend, variant, shape, repeats, threads, cap_bytes):
-    """Runs `worker` in a subprocess, killing it if its RSS passes `cap_bytes`."""
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+def run_variant(backend, variant, shape, repeats, threads, cap_bytes, package_root=None):
+    """Runs `worker` in a subprocess, killing it if its RSS passes `cap_bytes`.
+
+    `package_root`: the checkout whose `keras_cutbce` the worker imports
+    (default: `--package-root`, else this one).
+    """
+    env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"),
+                      _threads(threads))
+    if package_root:
+        env["CUTBCE_PACKAGE_ROOT"] = package_root
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant,
            "--shape", ",".join(map(str, shape)), "--repeats", str(repeats), "--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -524,6 +624,70 @@ def run_variant(backend, variant, shape, repeats, threads, cap_bytes):
     return json.loads(out.strip().splitlines()[-1])
 
 
+MEMORY_SHAPE = (1024, 128, 262144)
+MEMORY_TARGET_MB = 300
+
+
+def memory(args):
+    """The memory table: extra peak RSS of one forward + backward of the loss path.
+
+    Per backend, `weighted_loss_sum` (what `fit` runs) at `MEMORY_SHAPE` in a
+    fresh process (`worker`, variant `cutbce_loss`): the peak RSS of the
+    timed runs above the RSS once the inputs exist, compilation excluded
+    (and the first call's, compilation included). With `--old-root`, the
+    same for that checkout's whole package, in its own processes, one
+    backend at a time after this checkout's.
+    """
+    shape = tuple(int(x) for x in args.shapes.split(",")) if args.shapes else MEMORY_SHAPE
+    threads = args.threads or "default"
+    roots = {"after": ROOT}
+    if args.old_root:
+        roots = {"before": os.path.abspath(args.old_root), "after": ROOT}
+    cap = args.memory_cap_gb * 2**30
+    results = {"shape": shape, "repeats": args.repeats, "threads": threads, "roots": roots,
+               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "backends": {}}
+    for backend in args.backends.split(","):
+        results["backends"][backend] = {}
+        for label, root in roots.items():
+            entry = run_variant(backend, "cutbce_loss", shape, args.repeats, threads, cap,
+                                package_root=root)
+            results["backends"][backend][label] = entry
+            print(backend, label, entry, flush=True)
+    results["loadavg_end"] = os.getloadavg()
+    head = "| backend |" + "".join(f" {label} MB | {label} first call MB |" for label in roots)
+    lines = [head + " target |", "|---|" + "---|---|" * len(roots) + "---|"]
+    for backend, by_root in results["backends"].items():
+        row = f"| {backend} |"
+        for label in roots:
+            row += f" {_fmt(by_root[label], 'peak_extra_mb', 0)} |"
+            row += f" {_fmt(by_root[label], 'first_call_peak_extra_mb', 0)} |"
+        lines.append(row + f" < {MEMORY_TARGET_MB} |")
+    print("\n".join(lines))
+    out = args.out + "_memory"
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    rows, dim, vocab = shape
+    before = (f"before = `{args.old_root}`{_commit(args.old_root)}, " if args.old_root else "")
+    with open(out + ".md", "w") as f:
+        f.write(
+            f"# CutBCE loss path memory, (M, D, V) = ({rows}, {dim}, {vocab}), float32, CPU\n\n"
+            "Extra peak RSS of one forward + backward (gradients of h, E, b) of "
+            "`weighted_loss_sum` (what `CutBCELoss` runs in `fit`), `implementation=\"chunked\"`, "
+            "each in a fresh process: the peak RSS of the timed runs above the RSS once the "
+            "inputs exist (`/proc/self/clear_refs` resets the peak after the warm-up call); "
+            "\"first call\" includes tracing and compilation. The `[V, D]` table gradient alone "
+            f"is {vocab * dim * 4 / 2**20:.0f} MB. {before}after = this checkout"
+            f"{_commit(ROOT)}. Threads: {threads}; max of {args.repeats} timed runs. Load average "
+            f"(1, 5, 15 min) at the end: {', '.join(f'{v:.1f}' for v in results['loadavg_end'])} "
+            "(a shared machine).\n\n"
+            f"Command: `python benchmarks/cutbce_cpu.py --memory"
+            + (f" --old-root {args.old_root}" if args.old_root else "")
+            + f" --backends {args.backends} --repeats {args.repeats}`\n\n"
+        )
+        f.write("\n".join(lines) + "\n")
+
+
 def _fmt(entry, key="median_s", digits=3):
     if entry is None:
         return "-"
@@ -538,7 +702,14 @@ def main():
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: all three)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    parser.add_argument("--threads", default=None,
+                        help='intra-op threads: an int or "default" (the backends\' own); with '
+                             '--side-by-side a comma list (default "default,1")')
+    parser.add_argument("--variants", help="comma list of the table's variants (default: all)")
+    parser.add_argument("--memory", action="store_true",
+                        help="the memory table: extra peak RSS of the loss path, before (--old-root) and after")
+    parser.add_argument("--package-root",
+                        help="time the keras_cutbce of this checkout (default: this one)")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
     parser.add_argument("--side-by-side", action="store_true",
@@ -548,32 +719,45 @@ def main():
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.package_root:
+        os.environ["CUTBCE_PACKAGE_ROOT"] = os.path.abspath(args.package_root)
     if args.worker:
         return side_by_side_worker(args) if args.variant == "side_by_side" else worker(args)
     if args.side_by_side:
+        if args.threads is None:
+            args.threads = "default,1"
         return side_by_side(args)
+    if args.memory:
+        return memory(args)
 
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
     repeats = 2 if args.quick else args.repeats
     cap = args.memory_cap_gb * 2**30
+    args.threads = args.threads or "default"
+    variants = ("dense", "cutbce", "cutbce_loss", "matmuls", "topk_dense", "topk_cut")
+    if args.variants:
+        variants = tuple(v for v in variants if v in args.variants.split(","))
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "torch_threads": args.threads}, "rows": []}
+                           "threads": args.threads}, "rows": []}
     lines = [
         "| backend | M, D, V | dense s | CutBCELoss s | loss/dense | target | op s | op/dense | matmuls s | elementwise s | loss/floor | dense extra MB | loss extra MB | loss/dense mem | top-k dense s | cut_top_k s | top-k dense MB | cut_top_k MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    elementwise = {shape: run_variant("jax", "elementwise", shape, repeats, args.threads, cap) for shape in shapes}
+    elementwise = {
+        shape: run_variant("jax", "elementwise", shape, repeats, args.threads, cap)
+        if "matmuls" in variants else None for shape in shapes
+    }
     for backend in args.backends.split(","):
         for shape in shapes:
             row = {"backend": backend, "shape": shape, "elementwise": elementwise[shape]}
-            for variant in ("dense", "cutbce", "cutbce_loss", "matmuls", "topk_dense", "topk_cut"):
+            for variant in variants:
                 reps = max(2, repeats // 2) if variant == "dense" else repeats
                 row[variant] = run_variant(backend, variant, shape, reps, args.threads, cap)
                 print(backend, shape, variant, row[variant], flush=True)
-            dense, op, mm, ew = row["dense"], row["cutbce"], row["matmuls"], row["elementwise"]
-            cut = row["cutbce_loss"]
+            dense, op, mm, ew = (row.get(k) for k in ("dense", "cutbce", "matmuls", "elementwise"))
+            cut = row.get("cutbce_loss")
             ok = lambda e: e is not None and "error" not in e  # noqa: E731
             row["time_ratio"] = cut["median_s"] / dense["median_s"] if ok(dense) and ok(cut) else None
             row["op_time_ratio"] = op["median_s"] / dense["median_s"] if ok(dense) and ok(op) else None
@@ -588,8 +772,8 @@ def main():
                 f"{r(row['time_ratio'])} | <= {TARGETS.get(shape[2], '-')} | {_fmt(op)} | "
                 f"{r(row['op_time_ratio'])} | {_fmt(mm)} | {_fmt(ew)} | "
                 f"{r(row['floor_ratio'])} | {_fmt(dense, 'peak_extra_mb', 0)} | {_fmt(cut, 'peak_extra_mb', 0)} | "
-                f"{r(row['memory_ratio'])} | {_fmt(row['topk_dense'])} | {_fmt(row['topk_cut'])} | "
-                f"{_fmt(row['topk_dense'], 'peak_extra_mb', 0)} | {_fmt(row['topk_cut'], 'peak_extra_mb', 0)} |"
+                f"{r(row['memory_ratio'])} | {_fmt(row.get('topk_dense'))} | {_fmt(row.get('topk_cut'))} | "
+                f"{_fmt(row.get('topk_dense'), 'peak_extra_mb', 0)} | {_fmt(row.get('topk_cut'), 'peak_extra_mb', 0)} |"
             )
     table = "\n".join(lines)
     print(table)
@@ -598,7 +782,7 @@ def main():
         json.dump(results, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write("# CutBCE vs dense Keras BCE, forward+backward, float32, CPU\n\n")
-        f.write(f"{os.cpu_count()} cores; torch threads {args.threads}; medians of {repeats} runs "
+        f.write(f"{os.cpu_count()} cores; threads {args.threads}; medians of {repeats} runs "
                 "(dense: half as many) after one warm-up; floor = matmuls + elementwise; "
                 "memory = peak RSS of the timed runs above the inputs (the JSON also has the "
                 "warm-up's, with tracing and compilation). Load average at the end (1, 5, 15 min): "

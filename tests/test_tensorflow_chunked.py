@@ -19,6 +19,7 @@ if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
 
     from keras_cutbce.backends.tensorflow import chunked
+    from keras_cutbce.backends.tensorflow import positives
 
 
 def make_case(rng, rows, dim, vocab, labels, *, bias=True, id_dtype="int32"):
@@ -308,7 +309,7 @@ def test_trains_tied_embedding_in_keras_fit(jit_compile):
 
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_fused_weighted_sum_matches_per_row_and_scales(with_bias):
-    """Issue 11 E: `cut_bce_weighted_sum` (one XLA-compiled pass for loss and gradients).
+    """Checks `cut_bce_weighted_sum` (one XLA-compiled pass for loss and gradients).
 
     Same value and gradients as `sum(w * cut_bce)`, a non-unit upstream
     cotangent scales them, and an unknown batch size works in `tf.function`.
@@ -349,7 +350,7 @@ def test_mask_positives_sets_exactly_the_positives(length):
     ids = rng.integers(-3, 70, size=(6, length)).astype("int32")
     ids[0, :] = 64  # duplicates
     dynamic = tf.function(
-        chunked.mask_positives,
+        positives.mask_positives,
         input_signature=[tf.TensorSpec([6, None], tf.float32), tf.TensorSpec([6, None], tf.int32),
                          tf.TensorSpec([], tf.int32)],
     )
@@ -360,6 +361,6 @@ def test_mask_positives_sets_exactly_the_positives(length):
             for i in row:
                 if start <= i < start + width:
                     want[m, i - start] = -np.inf
-        for mask in (chunked.mask_positives, dynamic):
+        for mask in (positives.mask_positives, dynamic):
             got = mask(tf.constant(z), tf.constant(ids), tf.constant(start)).numpy()
             np.testing.assert_array_equal(got, want)

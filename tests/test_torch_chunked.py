@@ -364,10 +364,18 @@ def test_ops_dispatch_reaches_the_torch_kernel(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
-def test_rejects_bad_chunk_size(chunk_size):
+def test_public_op_rejects_bad_chunk_size_and_kernel_asserts(chunk_size):
+    """The public op checks `chunk_size`; the kernel below it only asserts."""
     import torch
 
+    from keras_cutbce import cut_binary_crossentropy
+
     with pytest.raises(ValueError, match="chunk_size"):
+        cut_binary_crossentropy(
+            torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
+            chunk_size=chunk_size, implementation="chunked",
+        )
+    with pytest.raises(AssertionError):
         _chunked().cut_bce(
             torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
             None, label_smoothing=0.0, pos_weight=1.0, chunk_size=chunk_size,

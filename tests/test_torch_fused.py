@@ -365,10 +365,18 @@ def test_never_allocates_the_full_logits(rng):
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
-def test_rejects_bad_chunk_size(chunk_size):
+def test_public_op_rejects_bad_chunk_size_and_kernel_asserts(chunk_size):
+    """The public op checks `chunk_size`; the kernel below it only asserts."""
     import torch
 
+    from keras_cutbce.ops import weighted_loss_sum
+
     with pytest.raises(ValueError, match="chunk_size"):
+        weighted_loss_sum(
+            torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
+            torch.ones(2), chunk_size=chunk_size, implementation="chunked",
+        )
+    with pytest.raises(AssertionError):
         _chunked().cut_bce_weighted_sum(
             torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
             None, torch.ones(2), label_smoothing=0.0, pos_weight=1.0, chunk_size=chunk_size,

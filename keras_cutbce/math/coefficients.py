@@ -3,22 +3,22 @@
 For one logit `z` with smoothed target `y' = y (1 - a) + a / 2` and positive
 weight `p`, the loss term is
 
-    p y' softplus(-z) + (1 - y') softplus(z)
+    minus * softplus(-z) + plus * softplus(z),   minus = p y',  plus = 1 - y'
 
-(`= scale * softplus(z) - target * z` with `scale = 1 + (p - 1) y'` and
-`target = p y'`), and its derivative is
-`(1 - y') sigmoid(z) - p y' sigmoid(-z)`.
+and its derivative `plus * sigmoid(z) - minus * sigmoid(-z)`
+(`keras_cutbce.math.spec` is the float64 table of both, which every
+backend's element-wise helpers are tested against). Each part is
+non-negative, so neither form cancels at any `|z|`.
 
 The kernels split the vocabulary in two:
 
-- the negatives (`y = 0`), summed densely tile by tile with
-  `neg_scale * softplus(z) - neg_target * z` (`neg_target = p a / 2` is 0
-  without label smoothing, so this is exact for any `z`);
+- the negatives (`y = 0`), summed densely tile by tile; their term is also
+  `neg_scale * softplus(z) - neg_target * z` (`neg_scale = minus + plus`,
+  `neg_target = minus = p a / 2`, 0 without label smoothing), so a kernel
+  may sum the linear part `neg_target * z` in closed form;
 - the positives, which the dense tiles skip (they are masked inside each
-  tile, never added and subtracted back), with the cancellation-free form
-  `pos_minus * softplus(-z) + pos_plus * softplus(z)` and the derivative
-  `pos_plus * sigmoid(z) - pos_minus * sigmoid(-z)`: both terms are
-  non-negative, so a positive's loss and gradient keep full float32
+  tile, never added and subtracted back), with the weights
+  `(pos_minus, pos_plus)`: a positive's loss and gradient keep full float32
   precision at any `|z|` (e.g. `softplus(-100) ~ 3.7e-44`), whatever `V`.
 """
 
@@ -40,6 +40,20 @@ class BCECoefficients(NamedTuple):
     neg_target: float
     pos_minus: float
     pos_plus: float
+
+    @property
+    def negative_weights(self):
+        """Returns `(minus, plus)` of a negative logit.
+
+        Its term is `minus softplus(-z) + plus softplus(z)`, the same
+        function as `neg_scale softplus(z) - neg_target z`.
+        """
+        return self.neg_target, self.neg_scale - self.neg_target
+
+    @property
+    def positive_weights(self):
+        """Returns `(minus, plus)` of a positive: `(pos_minus, pos_plus)`."""
+        return self.pos_minus, self.pos_plus
 
 
 def bce_coefficients(label_smoothing=0.0, pos_weight=1.0):

@@ -11,7 +11,7 @@ from keras import ops
 
 
 def distinct_targets(ids, vocab_size):
-    """The valid, de-duplicated target ids of each row, sorted.
+    """Returns the valid, de-duplicated target ids of each row, sorted.
 
     Ids outside `[0, vocab_size)` are padding (compared in the ids' own
     dtype, so an int64 id >= 2**31 never wraps to a valid id).

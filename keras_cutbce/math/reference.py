@@ -10,7 +10,7 @@ from keras_cutbce.math.coefficients import bce_coefficients
 
 
 def multi_hot(ids, vocab_size):
-    """Float32 `[rows, V]` multi-hot of integer ids `[rows, L]`.
+    """Returns the float32 `[rows, V]` multi-hot of integer ids `[rows, L]`.
 
     Ids outside `[0, V)` are ignored and duplicates count once.
 
@@ -32,7 +32,7 @@ def multi_hot(ids, vocab_size):
 
 
 def logits(hidden, table, bias=None):
-    """Float32 `hidden @ table.T + bias`, computed densely."""
+    """Returns the float32 `hidden @ table.T + bias`, computed densely."""
     z = ops.matmul(ops.cast(hidden, "float32"), ops.transpose(ops.cast(table, "float32")))
     if bias is not None:
         z = z + ops.cast(bias, "float32")
@@ -40,7 +40,7 @@ def logits(hidden, table, bias=None):
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0):
-    """Dense per-row loss `[rows]` of the CutBCE contract (see `DESIGN.md`).
+    """Computes the dense per-row loss `[rows]` of the CutBCE contract.
 
     Args:
         hidden: float `[rows, D]`.

@@ -1,40 +1,57 @@
-"""How wide a vocabulary tile is when the caller does not say.
+"""How the vocabulary splits into tiles: the width rule and the split rule.
 
-The rule (`chunk_size=None`): a tile holds about four float32 `[rows, tile]`
-intermediates (logits, their exponential, the loss or gradient term, and one
-temporary), and those must fit in a budget:
+The width rule (`chunk_size=None`, `default_chunk_size`): a tile holds about
+four float32 `[rows, tile]` intermediates (logits, their exponential, the
+loss or gradient term, and one temporary), and those must fit in a budget:
 
     tile = budget / (16 * rows), rounded down to a multiple of 128,
            clamped to [128, 8192], and never wider than V rounded up to 128.
 
 The budget is 64 MiB (`DEFAULT_TILE_BUDGET_BYTES`: 1024 items a tile at 4096
-rows, 4096 at 1024 rows), except for JAX and TensorFlow on CPU, where a tile
-that stays in cache is faster: 16 MiB (`CPU_CACHE_TILE_BUDGET_BYTES`: 256
-items at 4096 rows, 1024 at 1024 rows). Measured on 2 cores, forward+backward
-at (4096, 64, 32768): JAX 1.0-1.2 s at tile 256 vs 1.25-1.56 s at 1024;
-TensorFlow 1.85-2.08 s vs 2.30-2.86 s; torch 1.65-1.73 s vs 1.56-1.57 s (so
-torch keeps 64 MiB). Memory of the loss is O(rows * tile + V * D) whatever V is.
+rows, 4096 at 1024 rows), except on CPU:
+
+- JAX and TensorFlow: 16 MiB (`CPU_CACHE_TILE_BUDGET_BYTES`: 256 items at
+  4096 rows, 1024 at 1024 rows). Their tile loop is one compiled program, and
+  a tile that stays in cache is faster;
+- torch: 128 MiB (`TORCH_CPU_TILE_BUDGET_BYTES`: 2048 items at 4096 rows,
+  8192 at 1024 rows). Its tile loop runs one parallel region per op and
+  tile, each ending at a barrier of all its threads; fewer, wider tiles
+  wait at fewer barriers, which is what the default thread count costs
+  most (and more so when other processes share the cores).
+
+`benchmarks/cutbce_cpu.py` measures the choice. Memory of the loss is
+O(rows * tile + V * D) whatever V is.
+
+The split rule (`vocab_tiles`), the same for every chunked kernel: a tile is
+at most V wide; `V // tile` full tiles start at `0, tile, 2 tile, ...`, then
+one narrower remainder tile of `V % tile` items when `tile` does not divide
+V. The table is sliced, never padded.
 """
+
+from typing import NamedTuple
 
 from keras_cutbce.common import round_up
 
 DEFAULT_TILE_BUDGET_BYTES = 64 * 2**20
 CPU_CACHE_TILE_BUDGET_BYTES = 16 * 2**20
+TORCH_CPU_TILE_BUDGET_BYTES = 128 * 2**20
 TILE_MULTIPLE = 128
 MIN_TILE = 128
 MAX_TILE = 8192
 
 
 def tile_budget_bytes(backend, platform):
-    """The tile budget of the rule above for a Keras backend on a platform.
+    """Returns the tile budget of the width rule for a Keras backend on a platform.
 
     Example:
 
     >>> tile_budget_bytes("jax", "cpu") // 2**20, tile_budget_bytes("torch", "cpu") // 2**20
-    (16, 64)
+    (16, 128)
     """
     if platform == "cpu" and backend in ("jax", "tensorflow"):
         return CPU_CACHE_TILE_BUDGET_BYTES
+    if platform == "cpu" and backend == "torch":
+        return TORCH_CPU_TILE_BUDGET_BYTES
     return DEFAULT_TILE_BUDGET_BYTES
 
 
@@ -52,3 +69,66 @@ def default_chunk_size(num_rows, vocab_size, budget_bytes=DEFAULT_TILE_BUDGET_BY
     tile = (budget_bytes // per_column) // TILE_MULTIPLE * TILE_MULTIPLE
     tile = min(max(tile, MIN_TILE), MAX_TILE)
     return min(tile, round_up(max(int(vocab_size), 1), TILE_MULTIPLE))
+
+
+class VocabTiles(NamedTuple):
+    """The split of the vocabulary `[0, V)` into tiles (see `vocab_tiles`).
+
+    Attributes:
+        vocab_size: V (a Python int, or a scalar integer tensor for a V
+            unknown when the program is traced).
+        tile: the width of a full tile (a Python int).
+        num_full: how many full tiles, `V // tile`.
+        remainder: the width of the last, narrower tile, `V % tile` (0: none).
+    """
+
+    vocab_size: object
+    tile: int
+    num_full: object
+    remainder: object
+
+    @property
+    def remainder_start(self):
+        """Returns the first item of the remainder tile, `num_full * tile`."""
+        return self.num_full * self.tile
+
+    def bounds(self):
+        """Returns the `(start, stop)` of every tile, in order (a static V only).
+
+        Example:
+
+        >>> vocab_tiles(10, 4).bounds()
+        [(0, 4), (4, 8), (8, 10)]
+        """
+        full = [(i * self.tile, (i + 1) * self.tile) for i in range(self.num_full)]
+        if self.remainder:
+            full.append((self.remainder_start, self.vocab_size))
+        return full
+
+
+def vocab_tiles(vocab_size, tile):
+    """Splits the vocabulary `[0, vocab_size)` into tiles of `tile` items.
+
+    Args:
+        vocab_size: V, a Python int, or a scalar integer tensor (then the
+            tile is not narrowed to V, and `num_full` and `remainder` are
+            tensors).
+        tile: positive int, the requested tile width (the public
+            `chunk_size`, already checked).
+
+    Returns:
+        A `VocabTiles`.
+
+    Example:
+
+    >>> vocab_tiles(10, 4)
+    VocabTiles(vocab_size=10, tile=4, num_full=2, remainder=2)
+    >>> vocab_tiles(10, 64)
+    VocabTiles(vocab_size=10, tile=10, num_full=1, remainder=0)
+    """
+    tile = int(tile)
+    assert tile > 0, tile
+    if isinstance(vocab_size, int):
+        tile = max(1, min(tile, vocab_size))
+    num_full = vocab_size // tile
+    return VocabTiles(vocab_size, tile, num_full, vocab_size - num_full * tile)

@@ -2,40 +2,54 @@
 
 Both functions run a `tf.while_loop` over vocabulary tiles (graph-friendly,
 fine inside `tf.function`) holding one `[M, T]` tile of logits (from
-`chunked.tile_logits`, the one fused tile function) plus the running result:
+`kernel.tile_logits`, the one fused tile function) plus the running result:
 memory O(M * (k + T)) whatever V is.
 
-Tiles all have the width `T = min(chunk_size, V)`. The last tile starts at
-`V - T` instead of running past the table (no padded copy of the table); its
-columns that the previous tile already covered are masked out.
+The tiles are those of every chunked kernel (`keras_cutbce.math.tiling.
+vocab_tiles`): the full tiles in the loop, then the narrower remainder tile
+(the table is sliced, never padded).
 """
 
 import tensorflow as tf
 
-from keras_cutbce.backends.tensorflow.chunked import tile_logits
-
+from keras_cutbce.backends.tensorflow.kernel import tile_logits
 from keras_cutbce.common import EMPTY_ID
+from keras_cutbce.math.tiling import vocab_tiles
 
 
-def _tiling(table, chunk_size):
-    vocab_size = tf.shape(table)[0]
-    width = tf.maximum(tf.minimum(tf.constant(int(chunk_size)), vocab_size), 1)
-    num_tiles = (vocab_size + width - 1) // width
-    return vocab_size, width, num_tiles
+def _tiles_of(table, tile):
+    static_vocab = table.shape[0]
+    return vocab_tiles(int(static_vocab) if static_vocab is not None else tf.shape(table)[0], tile)
 
 
-def _tile(table, bias, index, vocab_size, width):
-    """Columns `[T]`, table rows `[T, D]`, bias `[T]` and fresh-column mask of a tile."""
-    nominal = index * width
-    start = tf.minimum(nominal, vocab_size - width)
-    rows = tf.slice(table, tf.stack([start, 0]), tf.stack([width, -1]))
-    bias_tile = None if bias is None else tf.slice(bias, [start], [width])
-    columns = start + tf.range(width)
-    return columns, rows, bias_tile, columns >= nominal
+def _tile_at(table, bias, start, tile):
+    """Returns the columns `[T]`, table rows `[T, D]` and bias `[T]` of the tile at `start`."""
+    rows = tf.slice(table, tf.stack([start, 0]), tf.stack([tile, -1]))
+    bias_tile = None
+    if bias is not None:
+        bias_tile = tf.slice(bias, tf.reshape(start, [1]), tf.reshape(tile, [1]))
+    return start + tf.range(tile), rows, bias_tile
 
 
-def _excluded_mask(exclude_ids, start, width):
-    """Bool `[M, T]`: True where the row excludes the column `start + j`.
+def _over_tiles(table, tile, step, init, name):
+    """Runs `step(start, tile, *state) -> state` over every tile: a loop, then the remainder."""
+    tiles = _tiles_of(table, tile)
+    with tf.name_scope(name):
+        state = tf.while_loop(
+            lambda index, *_: index < tiles.num_full,
+            lambda index, *state: (
+                (index + 1,) + tuple(step(index * tiles.tile, tiles.tile, *state))
+            ),
+            (tf.constant(0),) + tuple(init),
+            parallel_iterations=1,
+        )[1:]
+        if not isinstance(tiles.remainder, int) or tiles.remainder > 0:
+            state = step(tiles.remainder_start, tiles.remainder, *state)
+    return state
+
+
+def _excluded_mask(exclude_ids, start, tile):
+    """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`.
 
     Compared in the ids' own dtype before the int32 cast, so an int64 id
     `2**32 + j` never wraps onto column `j`.
@@ -45,17 +59,17 @@ def _excluded_mask(exclude_ids, start, width):
         raise TypeError(f"exclude_ids must be integers; received {exclude_ids.dtype}.")
     wide = tf.int64 if exclude_ids.dtype in (tf.int64, tf.uint32, tf.uint64) else tf.int32
     local = tf.cast(exclude_ids, wide) - tf.cast(start, wide)
-    inside = (local >= 0) & (local < tf.cast(width, wide))
-    local = tf.where(inside, tf.cast(local, tf.int32), width)  # width: dropped
+    inside = (local >= 0) & (local < tf.cast(tile, wide))
+    local = tf.where(inside, tf.cast(local, tf.int32), tile)  # tile: dropped
     rows = tf.shape(exclude_ids)[0]
     row_index = tf.broadcast_to(tf.range(rows)[:, None], tf.shape(local))
     indices = tf.stack([row_index, local], axis=-1)
-    counts = tf.scatter_nd(indices, tf.ones_like(local), tf.stack([rows, width + 1]))
-    return counts[:, :width] > 0
+    counts = tf.scatter_nd(indices, tf.ones_like(local), tf.stack([rows, tile + 1]))
+    return counts[:, :tile] > 0
 
 
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Exact top-k logits per row without the `[M, V]` logits.
+    """Returns the exact top-k logits per row, without the `[M, V]` logits.
 
     Args:
         hidden: float `[M, D]`.
@@ -82,39 +96,33 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     """
     hidden = tf.convert_to_tensor(hidden)
     table = tf.convert_to_tensor(table)
-    vocab_size, width, num_tiles = _tiling(table, chunk_size)
     rows = tf.shape(hidden)[0]
     neg_inf = tf.constant(-float("inf"), tf.float32)
 
-    def body(index, best_scores, best_ids):
-        columns, table_tile, bias_tile, fresh = _tile(table, bias, index, vocab_size, width)
+    def step(start, tile, best_scores, best_ids):
+        columns, table_tile, bias_tile = _tile_at(table, bias, start, tile)
         z = tile_logits(hidden, table_tile, bias_tile)
-        drop = tf.logical_not(fresh)[None, :]
         if exclude_ids is not None:
-            drop = drop | _excluded_mask(exclude_ids, columns[0], width)
-        z = tf.where(drop, neg_inf, z)
+            z = tf.where(_excluded_mask(exclude_ids, start, tile), neg_inf, z)
         # Running entries come first and have lower ids than the tile's, and
         # tf.math.top_k puts the lower index first among equal values: ties
         # go to the lower id.
         scores = tf.concat([best_scores, z], axis=1)
-        ids = tf.concat([best_ids, tf.broadcast_to(columns[None, :], [rows, width])], axis=1)
+        columns = tf.broadcast_to(columns[None, :], tf.stack([rows, tile]))
+        ids = tf.concat([best_ids, columns], axis=1)
         best_scores, position = tf.math.top_k(scores, k=k, sorted=True)
-        return index + 1, best_scores, tf.gather(ids, position, batch_dims=1)
+        return best_scores, tf.gather(ids, position, batch_dims=1)
 
     init = (
-        tf.constant(0),
         tf.fill(tf.stack([rows, k]), neg_inf),
         tf.fill(tf.stack([rows, k]), tf.constant(EMPTY_ID, tf.int32)),
     )
-    with tf.name_scope("cut_top_k"):
-        _, scores, ids = tf.while_loop(
-            lambda index, *_: index < num_tiles, body, init, parallel_iterations=1
-        )
+    scores, ids = _over_tiles(table, chunk_size, step, init, "cut_top_k")
     return scores, tf.where(scores == neg_inf, tf.constant(EMPTY_ID, tf.int32), ids)
 
 
 def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Int32 `[M]`: how many of each row's V logits are `>= threshold`.
+    """Counts, per row, the logits `>= threshold` among all V (int32 `[M]`).
 
     Example:
 
@@ -125,17 +133,12 @@ def count_at_least(hidden, table, bias, threshold, *, chunk_size):
     """
     hidden = tf.convert_to_tensor(hidden)
     table = tf.convert_to_tensor(table)
-    vocab_size, width, num_tiles = _tiling(table, chunk_size)
 
-    def body(index, counts):
-        _, table_tile, bias_tile, fresh = _tile(table, bias, index, vocab_size, width)
-        z = tile_logits(hidden, table_tile, bias_tile)
-        hits = tf.logical_and(z >= threshold, fresh[None, :])
-        return index + 1, counts + tf.reduce_sum(tf.cast(hits, tf.int32), axis=1)
+    def step(start, tile, counts):
+        _, table_tile, bias_tile = _tile_at(table, bias, start, tile)
+        hits = tile_logits(hidden, table_tile, bias_tile) >= threshold
+        return (counts + tf.reduce_sum(tf.cast(hits, tf.int32), axis=1),)
 
-    init = (tf.constant(0), tf.zeros(tf.shape(hidden)[:1], tf.int32))
-    with tf.name_scope("cut_count_at_least"):
-        _, counts = tf.while_loop(
-            lambda index, _: index < num_tiles, body, init, parallel_iterations=1
-        )
+    init = (tf.zeros(tf.shape(hidden)[:1], tf.int32),)
+    (counts,) = _over_tiles(table, chunk_size, step, init, "cut_count_at_least")
     return counts

@@ -1,36 +1,35 @@
 """Top-k retrieval and threshold counts on torch, tile by tile over the vocabulary.
 
 A Python loop over vocabulary tiles under `torch.no_grad()`: one `[M, T]`
-tile of logits (from `chunked.tile_logits`, the one fused tile function) and
+tile of logits (from `kernel.tile_logits`, the one fused tile function) and
 the running result are alive at a time, so memory is O(M * (k + T)).
 """
 
 import torch
 
-from keras_cutbce.backends.torch.chunked import tile_logits
+from keras_cutbce.backends.torch.kernel import tile_logits
 from keras_cutbce.common import EMPTY_ID
+from keras_cutbce.math.tiling import vocab_tiles
 
 
-def _tiles(vocab_size, chunk_size):
-    width = max(1, int(chunk_size))
-    for start in range(0, vocab_size, width):
-        yield start, min(start + width, vocab_size)
+def _tiles(vocab_size, tile):
+    return vocab_tiles(vocab_size, tile).bounds()
 
 
 def _excluded_mask(exclude_ids, start, stop):
-    """Bool `[M, T]`: True where the row excludes the column `start + j`."""
-    width = stop - start
+    """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`."""
+    tile = stop - start
     local = exclude_ids.long() - start
-    local = torch.where((local >= 0) & (local < width), local, width)  # width: dropped
+    local = torch.where((local >= 0) & (local < tile), local, tile)  # tile: dropped
     mask = torch.zeros(
-        (exclude_ids.shape[0], width + 1), dtype=torch.bool, device=exclude_ids.device
+        (exclude_ids.shape[0], tile + 1), dtype=torch.bool, device=exclude_ids.device
     )
     mask.scatter_(1, local, True)
-    return mask[:, :width]
+    return mask[:, :tile]
 
 
 def _stable_top_k(x, k):
-    """Top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
+    """Returns the top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
 
     `torch.topk` does not say which of equal values it keeps, so its answer
     is trusted only when no tie straddles the k-th value (the usual case,
@@ -64,7 +63,7 @@ def _bias_tile(bias, start, stop):
 
 @torch.no_grad()
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Exact top-k logits per row without the `[M, V]` logits.
+    """Returns the exact top-k logits per row, without the `[M, V]` logits.
 
     Args:
         hidden: float `[M, D]`.
@@ -110,7 +109,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
 
 @torch.no_grad()
 def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Int32 `[M]`: how many of each row's V logits are `>= threshold`.
+    """Counts, per row, the logits `>= threshold` among all V (int32 `[M]`).
 
     Example:
 

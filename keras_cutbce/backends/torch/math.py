@@ -1,0 +1,119 @@
+"""The element-wise math of the torch kernels: one loss term and one slope.
+
+`terms(z, minus, plus)` is `minus * softplus(-z) + plus * softplus(z)` and
+`slopes(z, minus, plus)` its derivative `plus * sigmoid(z) - minus *
+sigmoid(-z)` (`keras_cutbce.math.coefficients` gives the weights of a
+negative and of a positive; `keras_cutbce.math.spec` is the float64 table
+they are tested against). Every torch pass calls these two.
+
+What is torch's own: a term with only `softplus(z)` (what the dense tiles
+run) goes through the stock `softplus` / `sigmoid` kernels, each one pass
+over `[M, T]`, and can write into a preallocated `out=` buffer (the tile
+loop reuses one buffer for every tile). Sharing one `exp(-|z|)` between
+them would take more separate torch kernels, so more passes, than the
+second exponential costs.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(*tensors):
+    """Returns float32, or float64 when an input is float64: the dtype the kernels compute in.
+
+    Example:
+
+    >>> compute_dtype(torch.zeros(2, dtype=torch.bfloat16), None)
+    torch.float32
+    """
+    dtype = torch.float32
+    for tensor in tensors:
+        if tensor is not None:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def _softplus_threshold(dtype):
+    # Above the threshold softplus(z) = z to within exp(-threshold), which is
+    # below the dtype's resolution at that magnitude.
+    return 40.0 if dtype == torch.float64 else 20.0
+
+
+def _softplus(z, out=None):
+    threshold = _softplus_threshold(z.dtype)
+    if out is None:
+        return F.softplus(z, 1.0, threshold)
+    return torch.ops.aten.softplus.out(z, 1.0, threshold, out=out)
+
+
+def terms(z, minus, plus, *, out=None):
+    """Returns `minus * softplus(-z) + plus * softplus(z)`, per logit.
+
+    A part whose weight is 0 is left out, so `z = -inf` with `minus = 0`
+    gives exactly 0 (how the tile loop skips a positive). Otherwise both
+    parts share one `log1p(exp(-|z|))`: `minus * (max(-z, 0) + log_part) +
+    plus * (max(z, 0) + log_part)`, each non-negative, finite for any
+    finite `z`.
+
+    Args:
+        z: float logits, any shape.
+        minus: Python float, the weight of `softplus(-z)`.
+        plus: Python float, the weight of `softplus(z)`.
+        out: optional buffer of `z`'s shape and dtype for the result (used
+            only when `minus` is 0, by the stock `softplus`); not `z` itself.
+
+    Returns:
+        A tensor like `z` (`out` when given and used).
+
+    Example:
+
+    >>> terms(torch.tensor([-float("inf"), 0.0, 100.0]), 0.0, 1.0).tolist()
+    [0.0, 0.6931471824645996, 100.0]
+    >>> terms(torch.tensor([-100.0, 100.0]), 1.0, 0.0)[1].item() > 0.0
+    True
+    """
+    if minus == 0.0:
+        result = _softplus(z, out)
+        return result if plus == 1.0 else result.mul_(plus)
+    log_part = torch.log1p(torch.exp(-z.abs()))
+    result = minus * ((-z).clamp_min(0.0) + log_part)
+    if plus != 0.0:
+        result = result + plus * (z.clamp_min(0.0) + log_part)
+    return result
+
+
+def slopes(z, minus, plus, *, out=None):
+    """Returns `plus * sigmoid(z) - minus * sigmoid(-z)`, the `d/dz` of `terms`.
+
+    With one sigmoid, that of the larger weight's side: `plus - (plus +
+    minus) * sigmoid(-z)` when `minus >= plus`, else `(plus + minus) *
+    sigmoid(z) - minus`. So a weight of 0 drops its part exactly, and the
+    result is exact to float32 resolution at any `z` (a negative's
+    `sigmoid(-30) ~ 9e-14` is not lost as `1 - sigmoid(30)` would lose it).
+
+    Args:
+        z: float logits, any shape.
+        minus: Python float, the weight of `sigmoid(-z)`.
+        plus: Python float, the weight of `sigmoid(z)`.
+        out: optional buffer for the sigmoid; may be `z` itself (the tile
+            loop's in-place sigmoid).
+
+    Returns:
+        A tensor like `z`.
+
+    Example:
+
+    >>> slopes(torch.tensor([-float("inf"), 0.0]), 1.0, 0.0).tolist()
+    [-1.0, -0.5]
+    >>> f"{slopes(torch.tensor([-30.0]), 0.0, 1.0).item():.4e}"
+    '9.3576e-14'
+    """
+    total = plus + minus
+    if minus >= plus:
+        result = torch.sigmoid(-z, out=out) if out is not None else torch.sigmoid(-z)
+        result = result.mul_(-total)
+        return result if plus == 0.0 else result.add_(plus)
+    result = torch.sigmoid(z, out=out) if out is not None else torch.sigmoid(z)
+    if total != 1.0:
+        result = result.mul_(total)
+    return result if minus == 0.0 else result.sub_(minus)
