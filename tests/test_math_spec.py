@@ -54,27 +54,14 @@ def _tensorflow_helpers(dtype):
 
 
 def _jax_helpers(dtype):
-    # SLOT: the JAX helpers live in `keras_cutbce/backends/jax/chunked.py`
-    # today (`_bce_terms` / `_bce_slopes` for a negative, `_positive_terms` /
-    # `_positive_slopes` for a positive). When `keras_cutbce/backends/jax/math.py`
-    # holds them, point this entry at that module.
     import jax.numpy as jnp
 
-    from keras_cutbce.backends.jax import chunked
-
-    names = ("_exp_neg_abs", "_bce_terms", "_bce_slopes", "_positive_terms", "_positive_slopes")
-    missing = [name for name in names if not hasattr(chunked, name)]
-    if missing:
-        pytest.fail(f"JAX helpers moved: point `_jax_helpers` at their module. Missing: {missing}")
+    from keras_cutbce.backends.jax import math
 
     def run(z, positive, coef):
         z = jnp.asarray(z, dtype)
-        e = chunked._exp_neg_abs(z)
-        if positive:
-            loss, slope = chunked._positive_terms(z, e, coef), chunked._positive_slopes(z, e, coef)
-        else:
-            loss = chunked._bce_terms(z, e, coef.neg_scale, coef.neg_target)
-            slope = chunked._bce_slopes(z, e, coef.neg_scale, coef.neg_target)
+        e = math.exp_neg_abs(z)
+        loss, slope = math.terms(z, e, coef, positive), math.slopes(z, e, coef, positive)
         return np.asarray(loss, np.float64), np.asarray(slope, np.float64)
 
     return run
@@ -92,7 +79,6 @@ HELPERS = {
 # they still do, so a fix removes its entry here.
 KNOWN_DEVIATIONS = {
     ("jax", False, np.inf, "smoothed"): "`scale * softplus(z) - target * z` is inf - inf",
-    ("jax", True, np.inf, "plain"): "the zero `pos_plus` is kept: 0 * max(z, 0) at +inf",
 }
 
 CASES = [
