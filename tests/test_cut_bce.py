@@ -73,6 +73,7 @@ def check_against_keras(impl, hidden, table, ids, bias, cot, *, label_smoothing=
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.slow
 def test_random_shapes_match_keras_bce(impl, seed):
     rng = np.random.default_rng(seed)
     rank = int(rng.integers(1, 3))
@@ -90,6 +91,7 @@ def test_random_shapes_match_keras_bce(impl, seed):
 @pytest.mark.parametrize(
     "vocab,chunk", [(300, 128), (100, 128), (256, 128), (1, 128), (513, None)]
 )
+@pytest.mark.slow
 def test_vocab_not_multiple_of_tile(impl, vocab, chunk):
     case = make_case(np.random.default_rng(vocab), (5, 3), 16, vocab, 4)
     check_against_keras(impl, *case, chunk_size=chunk)
@@ -172,6 +174,7 @@ def test_huge_logits_are_finite_and_exact(impl):
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.slow
 def test_low_precision_inputs(impl, dtype):
     rng = np.random.default_rng(5)
     hidden, table, ids, bias, cot = make_case(rng, (3, 5), 16, 300, 4)

@@ -23,9 +23,9 @@ import pytest
 
 from tests.backend_utils import run_child_script
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX meshes need KERAS_BACKEND=jax"
-)
+)]
 
 
 def _run_child(case):

@@ -19,9 +19,9 @@ import pytest
 
 from tests.backend_utils import ROOT
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="multi-process training runs on JAX"
-)
+)]
 TRAIN_ARGS = [
     "--epochs", "1", "--steps-per-epoch", "3", "--batch-size", "16", "--num-items", "199",
     "--num-users", "40", "--max-len", "6", "--dim", "8", "--blocks", "1", "--dropout", "0",

@@ -14,10 +14,10 @@ import pytest
 
 from tests.backend_utils import run_child_script
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     keras.backend.backend() != "tensorflow",
     reason="tf.distribute needs KERAS_BACKEND=tensorflow",
-)
+)]
 
 
 def test_cut_bce_loss_trains_under_mirrored_strategy_like_one_device():

@@ -76,7 +76,14 @@ def _examples(module):
     return [t for t in doctest.DocTestFinder().find(module) if t.examples]
 
 
-@pytest.mark.parametrize("name", module_names())
+# Interpreted Pallas kernels take seconds per example.
+SLOW_PREFIXES = ("keras_cutbce.backends.jax.pallas",)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n.startswith(SLOW_PREFIXES) else n
+    for n in module_names()
+])
 def test_docstring_examples(name):
     module = _import_or_skip(name)
     runner = doctest.DocTestRunner(

@@ -137,6 +137,7 @@ def test_yambda_loader(tmp_path):
 # ----------------------------------------------------------------------------- SASRec model
 
 
+@pytest.mark.slow
 def test_sasrec_forward_shape_and_causality():
     from examples.sasrec.model import build_sasrec
 
@@ -155,6 +156,7 @@ def test_sasrec_forward_shape_and_causality():
     np.testing.assert_allclose(bias, np.full(31, np.log(8 / 30)), rtol=1e-6)  # prior log-odds
 
 
+@pytest.mark.slow
 def test_padding_keys_are_masked():
     from examples.sasrec.model import build_sasrec
 
@@ -171,6 +173,7 @@ def test_padding_keys_are_masked():
     np.testing.assert_allclose(before, after, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sasrec_with_cut_loss_round_trips_through_keras_file(tmp_path):
     from keras_cutbce import CutBCELoss
 
@@ -244,6 +247,7 @@ def test_popularity_metrics_by_hand():
 
 
 @needs_metrics
+@pytest.mark.slow
 def test_popularity_metrics_agree_with_top_k_retrieval():
     from keras_cutbce.metrics import TopKRetrieval
 
@@ -267,6 +271,7 @@ def test_popularity_metrics_agree_with_top_k_retrieval():
 
 @needs_metrics
 @pytest.mark.parametrize("loss", ["cutbce", "dense", "sampled", "softmax"])
+@pytest.mark.slow
 def test_sasrec_end_to_end(tmp_path, loss):
     from examples.sasrec.train import main
 
@@ -285,6 +290,7 @@ def test_sasrec_end_to_end(tmp_path, loss):
 
 
 @needs_metrics
+@pytest.mark.slow
 def test_sasrec_on_movielens_files(tmp_path):
     from examples.sasrec.train import main
 
@@ -369,6 +375,7 @@ def test_normalized_entropy_metric():
     assert float(keras.ops.convert_to_numpy(constant.result())) == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_towers_shapes():
     from examples.ctr.model import TOWERS, Tower
 
@@ -378,6 +385,7 @@ def test_towers_shapes():
         assert tuple(out.shape) == (5, 7), kind
 
 
+@pytest.mark.slow
 def test_baseline_has_no_local_losses_and_same_layers():
     from examples.ctr.model import build_ctr_model
 
@@ -389,6 +397,7 @@ def test_baseline_has_no_local_losses_and_same_layers():
 # ----------------------------------------------------------------------------- CTR end to end
 
 
+@pytest.mark.slow
 def test_ctr_default_mode_is_erase_auto_and_runs_on_every_backend(tmp_path):
     from examples.ctr.train import main
 
@@ -404,6 +413,7 @@ def test_ctr_default_mode_is_erase_auto_and_runs_on_every_backend(tmp_path):
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.distributed ranks")
+@pytest.mark.slow
 def test_ctr_nproc_global_qps_is_the_slowest_rank_per_step(tmp_path):
     from keras_erase.throughput import global_step_seconds, throughput_percentiles
 
@@ -422,6 +432,7 @@ def test_ctr_nproc_global_qps_is_the_slowest_rank_per_step(tmp_path):
     assert 0 < written["ne"] < 5
 
 
+@pytest.mark.slow
 def test_ctr_compare_table_and_plot(tmp_path, capsys):
     from examples.ctr.train import available_modes, main
 
@@ -517,6 +528,7 @@ def test_select_backend_sets_the_environment(monkeypatch):
     assert os.environ["KERAS_BACKEND"] == "tensorflow"
 
 
+@pytest.mark.slow
 def test_backend_flag_selects_backend_before_import(tmp_path):
     other = "jax" if BACKEND != "jax" else "torch"
     env = dict(os.environ, KERAS_BACKEND=other, PYTHONPATH=ROOT)
@@ -623,6 +635,7 @@ def test_negative_sampling_batches_draw_fresh_uniform_negatives():
 
 
 @needs_metrics
+@pytest.mark.slow
 def test_sasrec_eval_each_epoch_records_the_curve(tmp_path):
     from examples.sasrec.train import main
 
@@ -749,6 +762,7 @@ def test_run_all_docstring_and_output_folder():
 
 
 @needs_metrics
+@pytest.mark.slow
 def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
     """The main job end to end at tiny size (each example in this process)."""
     from examples import run_all

@@ -148,6 +148,7 @@ def test_a_second_bias_with_the_layers_is_refused():
 # -- fit -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_first_step_matches_dense_bce_for_table_bias_and_model():
     x, y = data()
     cut_model, items = build()
@@ -171,6 +172,7 @@ def test_fit_first_step_matches_dense_bce_for_table_bias_and_model():
         np.testing.assert_allclose(step, dense_step, rtol=1e-4, atol=1e-7, err_msg=path)
 
 
+@pytest.mark.slow
 def test_bias_trains_with_metrics_in_the_step():
     """Metrics compiled with the loss read the same (traced, on JAX) table and bias."""
     x, y = data()
@@ -186,6 +188,7 @@ def test_bias_trains_with_metrics_in_the_step():
     assert logs["ndcg@3"] == pytest.approx(float(to_numpy(alone.result()["ndcg@3"])), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_save_and_load_round_trip(tmp_path):
     x, y = data()
     model, items = build()
@@ -243,6 +246,7 @@ def test_frozen_free_bias_is_used_as_it_is():
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX stateless training loop")
+@pytest.mark.slow
 def test_jax_stateless_compute_loss_differentiates_the_bias():
     import jax
 
@@ -274,6 +278,7 @@ def test_jax_stateless_compute_loss_differentiates_the_bias():
         np.testing.assert_allclose(to_numpy(g), to_numpy(w), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_lora_layer_with_a_bias_saves_and_loads(tmp_path):
     """The bias of a LoRA-enabled ItemEmbedding re-binds as the bias (the table as the merged layer)."""
     x, y = data()

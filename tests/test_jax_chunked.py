@@ -98,6 +98,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("rows,dim,vocab,length,chunk,use_bias,a,p", CASES)
+@pytest.mark.slow
 def test_matches_reference_and_keras(rows, dim, vocab, length, chunk, use_bias, a, p):
     _, _, chunked = _jax()
     from keras_cutbce.math import reference

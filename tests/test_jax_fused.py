@@ -100,6 +100,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("rows,dim,vocab,length,chunk,use_bias,a,p", CASES)
+@pytest.mark.slow
 def test_matches_reference_and_per_row_kernel(rows, dim, vocab, length, chunk, use_bias, a, p):
     hidden, table, bias, ids, weights = _problem(
         np.random.default_rng(rows * vocab + length), rows, dim, vocab, length

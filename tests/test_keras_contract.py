@@ -212,6 +212,7 @@ def test_sample_weight_of_a_wrong_shape_names_both_shapes(shape):
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function only on TensorFlow")
+@pytest.mark.slow
 def test_tf_function_unknown_batch_with_sample_weight():
     import tensorflow as tf
 

@@ -59,6 +59,7 @@ def test_keras_mask_on_hidden_is_applied():
     np.testing.assert_allclose(ours, per_pos[mask].mean(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_ids_stay_integers_beyond_float32_precision():
     vocab = 2**24 + 8
     dim = 2
@@ -128,6 +129,7 @@ def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
     return x, y.astype("int32")
 
 
+@pytest.mark.slow
 def test_first_step_matches_dense_bce_and_loss_falls():
     vocab, dim = 53, 8
     x, y = fit_data(vocab)
@@ -152,6 +154,7 @@ def test_first_step_matches_dense_bce_and_loss_falls():
     assert history[-1] < 0.7 * history[0]
 
 
+@pytest.mark.slow
 def test_save_and_load_rebinds_the_table(tmp_path):
     vocab, dim = 31, 4
     x, y = fit_data(vocab)
@@ -193,6 +196,7 @@ def test_reversible_embedding_table():
 
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum", "mean_with_sample_weight", "none"])
 @pytest.mark.parametrize("implementation", ["chunked", "reference"])
+@pytest.mark.slow
 def test_reduced_loss_gradients_match_keras_with_weights_and_mask(reduction, implementation):
     """The fused reduced path (weighted sum) and the per-position path give Keras's gradients."""
     from keras.src.backend.common.masking import set_keras_mask
@@ -224,6 +228,7 @@ def test_reduced_loss_gradients_match_keras_with_weights_and_mask(reduction, imp
         np.testing.assert_allclose(g, gk, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_lora_embedding_table_trains_saves_and_loads(tmp_path):
     """A LoRA-enabled Embedding as the table: the loss reads the merged table, saves, reloads."""
     vocab, dim = 31, 4

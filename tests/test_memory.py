@@ -51,6 +51,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.slow
 def test_forward_backward_peak_is_under_ten_percent_of_dense_logits():
     env = dict(os.environ, KERAS_BACKEND=keras.backend.backend())
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -82,6 +82,7 @@ def assert_results(got, want):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow
 def test_top_k_retrieval_matches_numpy(rng):
     batch, steps, depth, vocab_size = 4, 3, 4, 37
     table = quantized(rng, (vocab_size, depth))
@@ -214,6 +215,7 @@ def test_argument_checks():
         metric.update_state(np.zeros((3, 1), "float32"), np.zeros((3, 2), "float32"))
 
 
+@pytest.mark.slow
 def test_get_config_from_config(rng):
     items = keras.layers.Embedding(11, 3, name="items")
     items.build()
@@ -252,6 +254,7 @@ def safe_divide(a, b):
     return a / b if b else 0.0
 
 
+@pytest.mark.slow
 def test_metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
     keras.utils.set_random_seed(0)
     vocab_size, depth, steps, batch = 23, 4, 5, 6
@@ -322,6 +325,7 @@ def test_empty_target_lists(rng):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_two_retrieval_metrics_log_under_their_names():
     """A metric named `name=` logs its keys under that name; two metrics never overwrite."""
     vocab, dim = 19, 4

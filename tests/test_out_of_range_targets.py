@@ -93,6 +93,7 @@ def test_table_sources_and_config():
         OutOfRangeTargets(VOCAB).update_state(np.array([[1.0]]))
 
 
+@pytest.mark.slow
 def test_logged_by_fit_and_evaluate_and_saved(tmp_path):
     keras.utils.set_random_seed(0)
     items = keras.layers.Embedding(VOCAB, DIM, name="items")

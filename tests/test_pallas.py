@@ -109,6 +109,7 @@ def _check(inputs, *, ls, pw, rtol, pallas_kwargs, keras_too):
             _assert_close(got, want, rtol, f"{name} grad_{arg}")
 
 
+@pytest.mark.slow
 def test_odd_shapes_bias_smoothing_padding_duplicates(rng):
     """M=130 over 128-row tiles, V=1000 over 256-wide tiles (masked last tile)."""
     inputs = _inputs(rng, 130, 1000, 64, 4, bias=True)
@@ -118,6 +119,7 @@ def test_odd_shapes_bias_smoothing_padding_duplicates(rng):
     )
 
 
+@pytest.mark.slow
 def test_single_label_pos_weight_large_logits_through_ops(rng):
     """One label a row, pos_weight, |z| >= 100, default tiles, via the public op."""
     from keras_cutbce import ops
@@ -142,6 +144,7 @@ def test_single_label_pos_weight_large_logits_through_ops(rng):
         _assert_close(got, want, 2e-5, f"grad_{arg}")
 
 
+@pytest.mark.slow
 def test_bfloat16_inputs(rng):
     inputs = _inputs(rng, 130, 1000, 64, 3, bias=True, dtype="bfloat16")
     _check(
@@ -151,6 +154,7 @@ def test_bfloat16_inputs(rng):
 
 
 @pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.slow
 def test_randomized(seed):
     """Random tiny shapes: V below one tile, L = 0, with or without bias."""
     rng = np.random.default_rng(seed)
@@ -264,6 +268,7 @@ def _walk(jaxpr, inside_pallas=False):
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.slow
 def test_fused_weighted_sum_one_logits_pass(rng, with_bias):
     """The reduced loss's loss and gradients come from ONE pallas_call.
 
@@ -330,6 +335,7 @@ def test_table_is_never_padded(rng):
         assert _count_pallas_calls(jaxpr) >= 1
 
 
+@pytest.mark.slow
 def test_mixed_precision_does_not_promote_to_float32_highest(rng):
     """Bf16 hidden with an f32 table: every kernel matmul runs in bf16.
 
@@ -383,6 +389,7 @@ def test_int64_ids_beyond_int32_stay_padding(rng):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
     """Rows split into resident blocks, one pass over the table each.
 
@@ -424,6 +431,7 @@ def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("vocab", [1000, 1100, 200])
+@pytest.mark.slow
 def test_vocabulary_split_across_two_tensorcores(rng, monkeypatch, vocab):
     """Megacore chips (v4, v5p) split the vocabulary tiles across two cores.
 

@@ -72,11 +72,13 @@ def test_block_extraction_finds_the_readme_blocks():
 @pytest.mark.parametrize(
     "page,heading,code", BLOCKS, ids=[f"{p}-{i}-{h}" for i, (p, h, _) in enumerate(BLOCKS)]
 )
+@pytest.mark.slow
 def test_documented_block_runs_as_written(page, heading, code, tmp_path):
     done = run_block(code, str(tmp_path), ROOT)
     assert done.returncode == 0, f"{page} block under '{heading}' failed:\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 def test_load_model_in_a_fresh_process_after_importing_keras_cutbce(tmp_path):
     """What the README says about saving: `import keras_cutbce`, then `load_model` works."""
     import numpy as np

@@ -113,7 +113,10 @@ EXACT_CASES = [
     (name, a, p) for name in KERNEL_NAMES for a, p in CASES
     if name != "pallas" or (a, p) in CASES[:2]
 ]
-KERAS_CASES = [(name, a) for name in KERNEL_NAMES for a in (0.0, 0.1) if name != "pallas" or a == 0.0]
+KERAS_CASES = [
+    pytest.param(name, a, marks=pytest.mark.slow) if name == "pallas" else (name, a)
+    for name in KERNEL_NAMES for a in (0.0, 0.1) if name != "pallas" or a == 0.0
+]
 
 
 def _run(name, a, p):
@@ -148,6 +151,7 @@ def _assert_close(got, want, rtol, atol, what):
 
 
 @pytest.mark.parametrize("name,a,p", EXACT_CASES)
+@pytest.mark.slow
 def test_exact_against_float64(name, a, p):
     hidden, _, _, ids, g = _problem()
     want_loss, want_dh, want_dt, want_db = _float64_oracle(hidden, ids, g, a, p)

@@ -17,9 +17,9 @@ import pytest
 
 from tests.backend_utils import run_child_script
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX meshes need KERAS_BACKEND=jax"
-)
+)]
 
 
 def test_metrics_run_sharded_and_match_one_device():

@@ -22,9 +22,9 @@ import pytest
 
 from tests.backend_utils import run_child_script
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX meshes need KERAS_BACKEND=jax"
-)
+)]
 MIB = 2**20
 
 

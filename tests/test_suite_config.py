@@ -1,36 +1,25 @@
-"""The suite's own configuration: every `SLOW` entry names a test that exists."""
+"""The suite's own configuration: the `slow` marker is declared, and markers are strict."""
 
 import os
-import re
+import tomllib
 
 import pytest
-
-from tests.conftest import SLOW, slow_entry_matches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("entry", SLOW)
-def test_slow_entry_names_an_existing_test(entry):
-    path, _, name = entry.partition("::")
-    name = name.split("[")[0]  # a case `test_x[id]` names the test `test_x`
-    file = os.path.join(ROOT, path)
-    assert os.path.isfile(file), f"SLOW entry {entry!r}: no file {path}"
-    if name:
-        source = open(file, encoding="utf-8").read()
-        assert re.search(rf"^\s*def {re.escape(name)}\(", source, re.M), (
-            f"SLOW entry {entry!r}: no test {name} in {path}"
-        )
+def _pytest_options():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["tool"]["pytest"]["ini_options"]
 
 
-def test_slow_entries_are_unique():
-    assert len(set(SLOW)) == len(SLOW)
+def test_slow_is_a_declared_marker_and_unknown_markers_fail():
+    options = _pytest_options()
+    assert any(m.startswith("slow:") for m in options["markers"])
+    assert "--strict-markers" in options["addopts"].split()  # a typo such as `slwo` fails collection
 
 
-def test_entry_matching_is_by_file_test_or_case_never_by_name_prefix():
-    assert slow_entry_matches("tests/a.py", "tests/a.py::test_x[1]")
-    assert slow_entry_matches("tests/a.py::test_x", "tests/a.py::test_x")
-    assert slow_entry_matches("tests/a.py::test_x", "tests/a.py::test_x[jax-1]")
-    assert not slow_entry_matches("tests/a.py::test_x", "tests/a.py::test_x_more")
-    assert not slow_entry_matches("tests/a.py", "tests/a.py.bak::test_x")
-    assert not slow_entry_matches("tests/a", "tests/a.py::test_x")
+@pytest.mark.slow
+def test_a_slow_test_is_left_out_of_the_fast_subset(request):
+    assert request.node.get_closest_marker("slow") is not None
+    assert "not slow" not in (request.config.getoption("markexpr") or "")

@@ -35,6 +35,7 @@ import keras
 import pytest
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(keras.backend.backend() != "jax", reason="TPU compilation is JAX only"),
     pytest.mark.skipif(
         importlib.util.find_spec("libtpu") is None,

@@ -86,6 +86,7 @@ def assert_grads_match_dense(model, items, objective):
     np.testing.assert_allclose(to_numpy(got[index]), to_numpy(want[index]), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_stateless_loop_with_a_stateless_scope_trains_the_table():
     model, items = tied_model()
     loss = CutBCELoss(items, chunk_size=8)
@@ -100,6 +101,7 @@ def test_stateless_loop_with_a_stateless_scope_trains_the_table():
     assert_grads_match_dense(model, items, objective)
 
 
+@pytest.mark.slow
 def test_stateless_compute_loss_trains_the_table():
     model, items = tied_model()
     model.compile(optimizer="sgd", loss=CutBCELoss(items, chunk_size=8))

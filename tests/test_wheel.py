@@ -20,6 +20,8 @@ import pytest
 
 from tests.test_readme import README, ROOT, page_blocks, run_block
 
+pytestmark = pytest.mark.slow
+
 DISTRIBUTION_FILES = ("pyproject.toml", "README.md", "LICENSE", "keras_cutbce", "keras_erase")
 
 

@@ -70,7 +70,9 @@ def _loss_kernels():
     }
 
 
-@pytest.mark.parametrize("name", sorted(_loss_kernels()))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n == "pallas" else n for n in sorted(_loss_kernels())
+])
 def test_loss_kernels_treat_wide_ids_as_padding(name):
     hidden, table = _inputs()
     kernel = _loss_kernels()[name]

@@ -273,6 +273,7 @@ def record_block_step(block, x, y, sw):
 
 
 @torch_only
+@pytest.mark.slow
 def test_block_step_has_no_host_data_and_no_host_sync():
     from examples.ctr.model import Tower
     from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops

@@ -39,7 +39,7 @@ def _backend():
     return BACKEND
 
 
-pytestmark = pytest.mark.skipif(_backend() != "torch", reason="torch.distributed test")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_backend() != "torch", reason="torch.distributed test")]
 
 
 def _shard(array, rank, world):

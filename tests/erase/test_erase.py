@@ -373,6 +373,7 @@ def test_subclassed_erase_model_whose_call_has_no_training_argument():
     assert all(not t._pending_predictions for t in model.towers)  # inference: no local loss
 
 
+@pytest.mark.slow
 def test_keras_file_round_trip(tmp_path):
     model = build_ctr("blocking", num_streams=2, auto_steps=5)
     x, y = ctr_data(32)
@@ -442,6 +443,7 @@ def _run_backend(backend, in_path, out_path):
     return [out[f"arr_{i}"] for i in range(len(out.files) - 1)], out["loss"]
 
 
+@pytest.mark.slow
 def test_cross_backend_same_weights(tmp_path):
     """torch ERASE ("threaded") and the JAX/TensorFlow standard step end at the same weights."""
     model = build_ctr("standard", num_towers=3, width=16)

@@ -61,6 +61,7 @@ def test_benchmark_arguments():
 
 
 @torch_only
+@pytest.mark.slow
 def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     from benchmarks import erase_gpu
 

@@ -45,6 +45,7 @@ def _train_mode(dispatch, x, y, epochs=2, **kwargs):
 
 
 @pytest.mark.parametrize("detach_input", [True, False])
+@pytest.mark.slow
 def test_every_dispatch_mode_gives_the_standard_weights_and_logs(detach_input, hang_guard):
     x, y = ctr_data(64)
     kwargs = dict(detach_input=detach_input, auto_steps=1)  # auto decides within 6 steps
