@@ -13,7 +13,7 @@ stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-
 if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[all]"
-  # The TPU compiler (libtpu) for tests/test_tpu_compile.py: compiles for
+  # The TPU compiler (libtpu) for tests/cutbce/test_tpu_compile.py: compiles for
   # deviceless TPUs; the ordinary JAX tests pin the CPU (tests/conftest.py).
   .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[tpu-compile]"
   rm -f .venv/.installed-*

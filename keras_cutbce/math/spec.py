@@ -1,7 +1,7 @@
 """The float64 spec table: the exact loss and slope of one logit.
 
 Every backend's element-wise helpers are tested against this table
-(`tests/test_math_spec.py`). For a logit `z` with target `y` (0 for a
+(`tests/cutbce/test_math_spec.py`). For a logit `z` with target `y` (0 for a
 negative, 1 for a positive), label smoothing `a` and positive weight `p`,
 with `y' = y (1 - a) + a / 2`:
 

@@ -19,7 +19,7 @@ from examples.ctr import data as ctr_data
 from examples.sasrec import data as seq_data
 
 BACKEND = keras.backend.backend()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SASREC_KEYS = {"loss", "num_negatives", "train_loss", "hit@8", "ndcg@10", "recall@10",
                "popularity_hit@8", "steps_per_second", "peak_memory_mb", "num_items"}
 CTR_KEYS = {"mode", "ne", "auc", "qps_p50", "qps_p90", "steps"}

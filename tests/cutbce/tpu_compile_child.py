@@ -1,4 +1,4 @@
-"""Child process of `tests/test_tpu_compile.py`: compiles CutBCE programs for deviceless TPUs.
+"""Child process of `tests/cutbce/test_tpu_compile.py`: compiles CutBCE programs for deviceless TPUs.
 
 Usage: `python tests/tpu_compile_child.py '<JSON list of cases>'`; prints one
 `RESULT <json>` line per case (its `CompileReport`, or its error). Each case:
@@ -15,7 +15,7 @@ import time
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

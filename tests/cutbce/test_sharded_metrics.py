@@ -1,7 +1,7 @@
 """Metrics on a vocabulary-sharded table run the sharded kernels.
 
 Runs this file as a script in a subprocess with 8 simulated CPU devices (as
-`tests/test_distributed_jax.py` does). Under `keras.distribution.ModelParallel`
+`tests/cutbce/test_distributed_jax.py` does). Under `keras.distribution.ModelParallel`
 with the item table laid out `("model", None)`, `model.evaluate` (a compiled
 step: the metrics see traced values) must route `TopKRetrieval` to
 `sharded.top_k` and `ThresholdConfusion` to `sharded.count_at_least` (the

@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_forward_backward_peak_is_under_ten_percent_of_dense_logits():
     env = dict(os.environ, KERAS_BACKEND=keras.backend.backend())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=root, timeout=900
     )
@@ -146,7 +146,7 @@ def test_loss_path_peak_stays_under_the_limit():
     table gradient alone is 128 MiB).
     """
     env = dict(os.environ, KERAS_BACKEND=keras.backend.backend(), TF_CPP_MIN_LOG_LEVEL="3")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(
         [sys.executable, "-c", LOSS_PATH_SCRIPT], capture_output=True, text=True, env=env,
         cwd=root, timeout=900,

@@ -17,8 +17,8 @@ import pytest
 from keras_cutbce import CutBCELoss, ThresholdConfusion, TopKRetrieval, count_out_of_range_ids
 from keras_cutbce.math import reference
 from tests.backend_utils import to_numpy
-from tests.test_training_loops import DIM, VOCAB, data, frozen_table
-from tests.test_training_loops import tied_model as model_and_items
+from tests.cutbce.test_training_loops import DIM, VOCAB, data, frozen_table
+from tests.cutbce.test_training_loops import tied_model as model_and_items
 
 ROWS = 6  # data(): x [6, 3], y [6, 3, 2]
 
