@@ -8,8 +8,10 @@
 3. the same SASRec with BCE on one sampled negative per target
    (`--loss sampled`, the original SASRec recipe), same seed;
 4. the CTR model in every ERASE mode available here (`--compare`), with
-   `erase-auto` (`EraseModel(dispatch="auto")`) on every backend, each mode
-   trained with `--ctr-seeds` seeds (default 3): NE and AUC as mean +- sd,
+   `erase-auto` (`EraseModel(dispatch="auto")`) on every backend: every mode
+   in one process, timed alternating (`examples.ctr.compare`), and the
+   baseline and detached models with `--ctr-seeds` seeds (default 3): NE and
+   AUC as mean +- sd (the ERASE schedules have the detached gradients),
 
 then prints the SASRec table (each loss vs most popular) and the CTR table
 (QPS gain and NE gap against the undetached baseline). The JSON results and

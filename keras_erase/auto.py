@@ -21,10 +21,15 @@ Rule:
   steps, so an epoch loses `3 * (s - 1)` baseline steps (1.5% of a 100-step
   epoch at `s = 1.5`). Only a challenger clearly faster in its first timed
   steps is measured fully, and those steps are faster ones.
+- A challenger may also name a `reference` (e.g. `"threaded"` at 1+1 threads
+  has the standard step at 1 thread, the threads each side of it gets): it
+  must then beat its reference as it must beat the baseline, in the early stop
+  and in the final choice, so a schedule is never kept for a gain that only
+  comes from running on a different thread budget.
 - After `timed_rounds` timed steps of every remaining candidate: a challenger
   replaces the baseline only if both its median and its 90th-percentile step
-  time are at least `margin` below the baseline's; among those the smallest
-  90th percentile wins.
+  time are at least `margin` below the baseline's (and its reference's);
+  among those the smallest 90th percentile wins.
 
 With `combine` (e.g. the mean over torch.distributed ranks) the statistics are
 combined before deciding, so every rank keeps the same schedule; early stop is
@@ -73,6 +78,8 @@ class ScheduleSelector:
             early stop.
         combine: optional function from a list of floats to a list of floats
             (same length) applied to the statistics before the final choice.
+        references: optional `{challenger: candidate}`: the challenger must
+            also be `margin` faster than that candidate to be kept.
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class ScheduleSelector:
         margin=AUTO_MARGIN,
         early_stop_rounds=EARLY_STOP_ROUNDS,
         combine=None,
+        references=None,
     ):
         if not candidates:
             raise ValueError(
@@ -98,6 +106,13 @@ class ScheduleSelector:
         self.margin = float(margin)
         self.early_stop_rounds = None if combine is not None else early_stop_rounds
         self.combine = combine
+        self.references = dict(references or {})
+        for challenger, reference in self.references.items():
+            if challenger not in self.candidates or reference not in self.candidates:
+                raise ValueError(
+                    "ScheduleSelector: every `references` key and value must be a candidate. "
+                    f"Received: references={references!r}"
+                )
         self.times = {c: [] for c in self.candidates}
         self.seen = {c: 0 for c in self.candidates}
         self.active = list(self.candidates)
@@ -141,9 +156,17 @@ class ScheduleSelector:
         base = self.candidates[0]
         if rounds is None or len(self.times[base]) < rounds:
             return
-        limit = np.median(self.times[base]) * (1.0 - self.margin)
+        keep = 1.0 - self.margin
+        limit = np.median(self.times[base]) * keep
         for c in self.active[1:]:
-            if len(self.times[c]) >= rounds and np.median(self.times[c]) > limit:
+            if len(self.times[c]) < rounds:
+                continue
+            median = np.median(self.times[c])
+            ref = self.references.get(c)
+            beaten = ref is not None and len(self.times[ref]) >= rounds and (
+                median > np.median(self.times[ref]) * keep
+            )
+            if median > limit or beaten:
                 self.active.remove(c)
                 self.dropped.append(c)
         if len(self.active) == 1:
@@ -167,9 +190,16 @@ class ScheduleSelector:
         base = self.candidates[0]
         base_median, base_p90 = stats[base]
         limit = 1.0 - self.margin
+
+        def beats(c, other):
+            return other not in stats or (
+                stats[c][0] <= stats[other][0] * limit and stats[c][1] <= stats[other][1] * limit
+            )
+
         faster = [
             c for c in self.active[1:]
             if stats[c][0] <= base_median * limit and stats[c][1] <= base_p90 * limit
+            and (c not in self.references or beats(c, self.references[c]))
         ]
         self.choice = min(faster, key=lambda c: stats[c][1]) if faster else base
 

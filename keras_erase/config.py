@@ -65,8 +65,9 @@ class EraseConfig:
     def backend_note(self, backend):
         """Describes what runs instead of a torch-only setting on `backend` (`None`: no change).
 
-        `"streams"` and `cuda_graphs=True` exist on torch only; on JAX and
-        TensorFlow the standard step trains the model (same gradients).
+        The early-backward schedules (`"blocking"`, `"threaded"`, `"streams"`)
+        and `cuda_graphs=True` exist on torch only; on JAX and TensorFlow the
+        standard step trains the model (same gradients).
 
         Example:
 
@@ -76,15 +77,16 @@ class EraseConfig:
         if backend == "torch":
             return None
         settings = []
-        if self.dispatch == "streams":
-            settings.append("dispatch='streams'")
+        if self.dispatch in ("blocking", "threaded", "streams"):
+            settings.append(f"dispatch={self.dispatch!r}")
         if self.cuda_graphs:
             settings.append("cuda_graphs=True")
         if not settings:
             return None
+        where = "torch (CUDA)" if self.needs_cuda else "torch"
         return (
             f"EraseModel: {' and '.join(settings)} {'is a' if len(settings) == 1 else 'are'} "
-            f"torch (CUDA) setting{'' if len(settings) == 1 else 's'}; on backend {backend!r} "
+            f"{where} setting{'' if len(settings) == 1 else 's'}; on backend {backend!r} "
             "the standard Keras train step runs instead (same gradients, no early backward). "
             "Leave them out (dispatch='auto', cuda_graphs=False) to silence this warning."
         )

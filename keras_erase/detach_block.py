@@ -82,7 +82,11 @@ class DetachBlock(keras.layers.Layer):
         loss: local loss (string, function or `keras.losses.Loss`). Without a
             loss the block has no local objective (it only detaches).
         loss_weight: multiplier of the local loss in the model's total loss: a
-            finite number >= 0 (`TypeError` / `ValueError` otherwise).
+            finite number >= 0 (`TypeError` / `ValueError` otherwise). With
+            `0` the local loss is still computed and logged, but gives no
+            gradient: like `loss=None`, the block's layer then trains only
+            through its own regularizers, and the first train step warns
+            (`FrozenUpstreamWarning`) about the variables no loss reaches.
         detach_input: stop the gradient at the block's input (default). With
             `False` the input is not detached, so upstream layers also receive
             the local loss's gradient.
@@ -201,8 +205,11 @@ class DetachBlock(keras.layers.Layer):
             value = capture_safe_loss(self.loss_fn, y_true, y_pred, sample_weight)
         else:
             value = self.loss_fn(y_true, y_pred, sample_weight=sample_weight)
+        value = ops.cast(value, "float32")
+        if self.loss_weight == 0:  # logged, not optimised: no gradient path (frozen check)
+            value = ops.stop_gradient(value)
         # A Python-scalar product (no host-to-device constant: CUDA Graph friendly).
-        return ops.cast(value, "float32") * self.loss_weight
+        return value * self.loss_weight
 
     @staticmethod
     def detach(outputs: Any) -> Any:

@@ -110,8 +110,13 @@ def frozen_variables(model, data, state=None):
     return frozen
 
 
-def frozen_message(frozen):
-    """Writes the warning text for `frozen_variables`'s result."""
+def frozen_message(frozen, zero_weight_owners=None):
+    """Writes the warning text for `frozen_variables`'s result.
+
+    `zero_weight_owners`: optional `{id(variable): block name}` for the
+    variables of `DetachBlock(loss_weight=0)` blocks.
+    """
+    zero_weight_owners = zero_weight_owners or {}
     lines = [
         f"EraseModel: {len(frozen)} trainable variable(s) get no gradient from any loss, so "
         "they never train:"
@@ -123,10 +128,22 @@ def frozen_message(frozen):
             lines.append(f"  {variable.path!r}: read only through DetachBlock(s) {names}, "
                          "which stop the gradient at their input (detach_input=True, the default)")
             fix.extend(b.name for b in readers)
+        elif id(variable) in zero_weight_owners:
+            lines.append(f"  {variable.path!r}: inside DetachBlock "
+                         f"{zero_weight_owners[id(variable)]!r}, whose loss_weight=0 gives its "
+                         "local loss no gradient (the loss is logged, not optimised)")
         else:
             lines.append(f"  {variable.path!r}: no loss depends on it (unused, or inside a "
                          "DetachBlock without `loss`)")
     fix = list(dict.fromkeys(fix))
+    zero = sorted(
+        {zero_weight_owners[id(v)] for v, r in frozen if not r and id(v) in zero_weight_owners}
+    )
+    if zero:
+        lines.append(
+            "To train them, give " + ", ".join(repr(n) for n in zero)
+            + " a loss_weight > 0 (loss_weight=0: the local loss is logged only)."
+        )
     if fix:
         lines.append(
             "To train them through the blocks' local losses, build the blocks that read them "
@@ -150,5 +167,11 @@ def warn_if_frozen(model, data, state=None):
         LOGGER.debug("frozen-upstream check skipped: %r", error)
         return []
     if frozen:
-        warnings.warn(frozen_message(frozen), FrozenUpstreamWarning, stacklevel=2)
+        owners = {
+            id(weight): block.name
+            for block in model.detach_blocks()
+            if block.has_local_loss and block.loss_weight == 0
+            for weight in block.trainable_weights
+        }
+        warnings.warn(frozen_message(frozen, owners), FrozenUpstreamWarning, stacklevel=2)
     return frozen

@@ -42,7 +42,9 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
     are already in the main loss through `model.losses`) or a `LocalLossValue`
     (torch ERASE step: the block's whole objective, its own `losses` included,
     already computed and back-propagated). Either way a block's log is its
-    local loss plus its own `losses`.
+    local loss plus its own `losses`. A block called several times in a step
+    (a shared tower) adds one local loss per call to the total, so its log is
+    their sum, the objective its gradient is of (one log entry per step).
     """
     batch = None
     for block in blocks:
@@ -56,6 +58,7 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
         if tracker is None:
             trackers.ensure([block])
             tracker = trackers.by_name[block.name]
+        step_log = None  # a block called twice: the sum of its calls' objectives
         for entry in pending:
             if isinstance(entry, LocalLossValue):
                 value = logged = entry.value
@@ -63,8 +66,10 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
                 value = logged = block.local_loss(y_true, entry.prediction, weight)
                 if entry.own_losses is not None:
                     logged = logged + entry.own_losses
-            tracker.update_state(ops.stop_gradient(logged), sample_weight=batch)
+            logged = ops.cast(ops.stop_gradient(logged), "float32")
+            step_log = logged if step_log is None else step_log + logged
             total = ops.add(total, ops.cast(value, total.dtype))
+        tracker.update_state(step_log, sample_weight=batch)
     return total
 
 

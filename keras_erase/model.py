@@ -4,7 +4,9 @@ On every backend the total loss is the compiled (main) loss plus each block's
 `loss_weight * loss(y_true, head(output))` plus `model.losses` (regularizers,
 `add_loss`), and `fit` logs each block's local loss plus its own `losses` (the
 regularizers and `add_loss` values of its layer and head) as
-`"<block name>_loss"` (a `keras.metrics.Mean`, reset every epoch); `evaluate`
+`"<block name>_loss"` (a `keras.metrics.Mean` over the steps, reset every
+epoch; a block called several times in a step logs the sum of its calls' local
+losses, the objective its gradient is of); `evaluate`
 and validation compute them too (`val_loss` includes them as `loss` does; each
 logged as `"val_<block name>_loss"`). A block's
 own losses belong to its local objective: on torch its early backward
@@ -23,11 +25,16 @@ Dispatch modes (torch):
 - `"streams"` (CUDA): each block on its own CUDA stream; `cuda_graphs=True`
   also captures each block as CUDA Graphs.
 - `"auto"` (default): measures its first training steps and keeps the fastest
-  schedule (`keras_erase.auto`). Candidates on CPU: `"standard"` at the current
-  torch thread count `T` and `"threaded"` at `min(T, threads_for_worker())`.
-  On CUDA: `"standard"` and `"streams"`. The choice is logged on the
-  `"keras_erase"` logger and kept in `model.dispatch_choice`, the timings
-  (median and p90 seconds per candidate) in `model.auto_timings`. Every
+  schedule (`keras_erase.auto`). Candidates on CPU, at equal thread budgets:
+  `"standard"` at the current torch thread count `T`, `"standard"` at
+  `h = min(T, threads_for_worker())` threads and `"threaded"` with `h`
+  threads on each side (main thread and worker); `"threaded"` must beat both
+  standard steps (a gain from fewer threads per OpenMP team alone keeps the
+  standard step at `h` threads). On CUDA: `"standard"` and `"streams"`. The
+  choice and what was compared are logged on the `"keras_erase"` logger and
+  kept in `model.dispatch_choice` and `model.dispatch_explanation`, the
+  timings (median and p90 seconds per candidate) in `model.auto_timings`. A
+  `fit` that ends while `"auto"` still measures warns and says what ran. Every
   candidate computes the same gradients, so the measuring steps are ordinary
   training steps.
 
@@ -86,7 +93,8 @@ class EraseModel(keras.Model):
     Args:
         dispatch: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or
             `"streams"` (CUDA). Only used on torch; JAX and TensorFlow use the
-            standard step (`"streams"` there warns and runs the standard step).
+            standard step (`"blocking"`, `"threaded"` and `"streams"` there
+            warn at construction and run the standard step).
         num_streams: number of CUDA streams for `"streams"` (round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
             `"streams"` and `cuda_graphs=True` need CUDA to train on torch (the
@@ -180,8 +188,41 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch_choice(self) -> str | None:
-        """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures."""
+        """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures.
+
+        `dispatch_explanation` says what `"auto"` compared and why it kept this
+        schedule (or, while it measures, which schedules ran so far).
+        """
         return self._erase.dispatch_choice
+
+    @property
+    def dispatch_explanation(self) -> str:
+        """Says which schedule trains and why: with `"auto"`, what it compared, kept or still measures.
+
+        With `"auto"` on torch CPU the candidates are compared at equal thread
+        budgets: the standard step at the current intra-op threads `T`, the
+        standard step at `h = T // 2` threads and `"threaded"` with `h`
+        threads on each side (main thread and backward worker); `"threaded"`
+        is kept only if it beats both standard steps. When a `fit` ends while
+        `"auto"` is still measuring, this says so and which schedules ran (a
+        warning says it too); `dispatch_choice` is then still `None`.
+
+        Example:
+
+        ```python
+        model.fit(x, y)
+        print(model.dispatch_choice, model.dispatch_explanation)
+        ```
+        """
+        erase = self._erase
+        if not _is_torch():
+            return (f"dispatch={erase.config.dispatch!r} on backend {keras.backend.backend()!r}: "
+                    "the standard Keras train step trains the model")
+        if erase.config.dispatch != "auto":
+            return f"dispatch={erase.config.dispatch!r}: that schedule runs every step"
+        if erase.selector is None:
+            return "dispatch='auto' has not measured yet: it measures at the first training steps"
+        return torch_runtime().train_step.explain(erase)
 
     @property
     def auto_timings(self) -> dict[str, dict[str, float]]:
@@ -330,7 +371,7 @@ class EraseModel(keras.Model):
             return
         self.__dict__["_frozen_upstream_checked"] = True
         blocks = self.detach_blocks()
-        if any(b.detach_input or not b.has_local_loss for b in blocks):
+        if any(b.detach_input or not b.has_local_loss or b.loss_weight == 0 for b in blocks):
             state = args[0] if len(args) == 2 else None  # JAX: (state, data)
             warn_if_frozen(self, args[-1], state)
 

@@ -56,6 +56,9 @@ def build_parser():
     parser.add_argument("--seeds", type=positive_int, default=1,
                         help="training runs per mode (seeds --seed, --seed + 1, ...; same data): "
                              "NE and AUC reported as mean +- sd, the NE gap on the means")
+    parser.add_argument("--interleave-steps", type=positive_int, default=10,
+                        help="--compare: steps each mode trains in turn (one repeat) while "
+                             "all modes train in one process, timed alternating")
     parser.add_argument("--nproc", type=positive_int, default=1,
                         help="torch: N local gloo ranks, data parallel; global QPS per step is "
                              "N * batch / the slowest rank's step time")

@@ -24,7 +24,9 @@ per-step examples/s, the fast end). With `--nproc N` a global step lasts as
 long as its slowest rank: global QPS is `N * batch / max over ranks` per step,
 then percentiles (per-rank percentiles are never summed). `--compare` runs
 every mode available here and prints one table with each mode's QPS gain and
-NE gap against `baseline`, and saves a plot of the training NE per step.
+NE gap against `baseline`, and saves a plot of the training NE per step;
+it trains every mode in one process, timed alternating, and prints each gain
+with its spread over the repeats (`examples.ctr.compare`).
 
 Example:
 
@@ -46,6 +48,7 @@ import numpy as np
 
 from examples.ctr.cli import MODES, build_parser  # noqa: F401 (re-exported: the command line)
 from examples.ctr import data as data_lib
+from examples.ctr.compare import compare_modes
 from examples.ctr.model import NormalizedEntropy, build_ctr_model
 from examples.ctr.seeds import aggregate, mean_sd
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
@@ -246,31 +249,83 @@ TABLE_NOTE = (
     "candidate schedule during its first steps; those past the warm-up count in its QPS."
 )
 
+COMPARE_NOTE = (
+    "--compare: every mode trained in one process, {block} steps each in turn (a repeat = one "
+    "block per mode, adjacent in time; modes rotate, so none always runs first), the same "
+    "batches, the same torch intra-op threads (erase-threaded splits them between its main and "
+    "worker threads: equal thread budgets). QPS gain: of the pooled timed steps; in brackets the "
+    "spread (min..max) of the per-repeat gains over {repeats} repeats; a gain whose spread "
+    "includes 0 is marked 'no gain'. NE: baseline and detached over the seeds; every erase-* "
+    "schedule computes the detached model's gradients, so its NE (first seed, 'seeds' column) "
+    "must equal detached's first seed, and its NE gap is against detached's first seed."
+)
 
-def compare_table(results):
-    """Markdown table of the modes' results with gains against `baseline` (+ a note)."""
+CPU_NOTE = "CPU: ERASE's gain is a GPU matter"
+CPU_EXPLANATION = (
+    "On CPU the early backward and the forward pass share the same cores, so an erase-* row "
+    "shows what the schedule costs here, not ERASE's speed-up: that needs a GPU, where a "
+    "block's backward overlaps later blocks' forward on CUDA streams."
+)
+
+
+def _gain_cell(gain, pooled):
+    if gain is None:
+        return f"{pooled:+.1f}%"
+    median, low, high, clear = gain
+    cell = f"{pooled:+.1f}% ({100 * low:+.1f}..{100 * high:+.1f})"
+    return cell if clear else f"no gain: {cell}"
+
+
+def compare_table(results, cpu=None):
+    """Markdown table of the modes' results with gains against `baseline` (+ a note).
+
+    With `--compare`'s results (per-repeat gains `gain_p50`, `gain_p90`) each
+    gain gets its spread over the repeats, and one inside it reads "no gain".
+    `cpu` (default: no CUDA here) adds the CPU note to the erase-* rows.
+    """
+    cpu = not _cuda_available() if cpu is None else cpu
     base = next((r for r in results if r["mode"] == "baseline"), results[0])
-    seeds = base.get("seeds", [base.get("seed")])
-    over = f" (mean ± sd, {len(seeds)} seeds)" if len(seeds) > 1 else ""
+    by_mode = {r["mode"]: r for r in results}
+    alternating = "gain_p50" in base
     lines = [
-        f"| mode | NE{over} | AUC{over} | QPS p50 | QPS p90 | QPS gain p50 | QPS gain p90 | NE gap |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | seeds | NE | AUC | QPS p50 | QPS p90 | QPS gain p50 | QPS gain p90 | NE gap "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        seeds = r.get("seeds", [r.get("seed")])
         gain50 = 100.0 * (r["qps_p50"] / base["qps_p50"] - 1.0)
         gain90 = 100.0 * (r["qps_p90"] / base["qps_p90"] - 1.0)
-        gap = 100.0 * (r["ne"] / base["ne"] - 1.0)
+        reference = base
+        if alternating and r["mode"].startswith("erase-") and "detached" in by_mode:
+            reference = by_mode["detached"]  # the same gradients: compare on the first seed
+            gap = 100.0 * (r["ne_per_seed"][0] / reference["ne_per_seed"][0] - 1.0)
+        else:
+            gap = 100.0 * (r["ne"] / reference["ne"] - 1.0)
         name = r["mode"]
         choices = r.get("dispatch_choices") or [r.get("dispatch_choice")]
         distinct = list(dict.fromkeys(c for c in choices if c))  # each seed's choice, in order
-        if distinct and r["mode"] == "erase-auto":
-            name += f" ({'/'.join(distinct)})"
+        if r["mode"] == "erase-auto":
+            name += f" ({'/'.join(distinct) if distinct else 'still measuring'})"
+        if r is base:
+            cells = ["baseline", "baseline"]
+        else:
+            cells = [_gain_cell(r.get("gain_p50"), gain50), _gain_cell(r.get("gain_p90"), gain90)]
+        note = CPU_NOTE if cpu and r["mode"].startswith("erase-") else ""
+        gap_cell = f"{gap:+.2f}%" + (" vs detached" if reference is not base else "")
         lines.append(
-            f"| {name} | {mean_sd(r['ne'], r.get('ne_sd', 0.0), seeds)} "
+            f"| {name} | {len(seeds)} | {mean_sd(r['ne'], r.get('ne_sd', 0.0), seeds)} "
             f"| {mean_sd(r['auc'], r.get('auc_sd', 0.0), seeds)} | {r['qps_p50']:.0f} "
-            f"| {r['qps_p90']:.0f} | {gain50:+.1f}% | {gain90:+.1f}% | {gap:+.2f}% |"
+            f"| {r['qps_p90']:.0f} | {cells[0]} | {cells[1]} | {gap_cell} | {note} |"
         )
-    return "\n".join(lines) + "\n\n" + TABLE_NOTE
+    notes = [TABLE_NOTE]
+    if alternating:
+        block = len(base["repeats"][0]) if base.get("repeats") else 0
+        notes.append(COMPARE_NOTE.format(block=base.get("interleave_steps", block),
+                                         repeats=len(base.get("repeats", []))))
+    if cpu and any(r["mode"].startswith("erase-") for r in results):
+        notes.append(CPU_EXPLANATION)
+    return "\n".join(lines) + "\n\n" + "\n\n".join(notes)
 
 
 def plot_ne(results, path):
@@ -363,7 +418,7 @@ def _run(mode, args, train, test):
 
 
 def _summary(result):
-    curves = ("train_ne_per_step", "train_ne_sd_per_step", "step_seconds")
+    curves = ("train_ne_per_step", "train_ne_sd_per_step", "step_seconds", "repeats")
     return {k: v for k, v in result.items() if k not in curves}
 
 
@@ -372,7 +427,13 @@ def main(argv=None):
     train, test = load_data(args)
     check_warmup(args, len(train["label"]))
     if args.compare:
-        results = [_run(mode, args, train, test) for mode in available_modes()]
+        if args.nproc > 1:  # every rank a process: the modes run one after the other
+            results = [_run(mode, args, train, test) for mode in available_modes()]
+        else:
+            results = compare_modes(available_modes(), args, train, test, ERASE_OPTIONS,
+                                    make_synchronizer(), aggregate)
+            for r in results:
+                r["interleave_steps"] = args.interleave_steps
         table = compare_table(results)
         print(table)
         if args.plot:

@@ -25,6 +25,7 @@ One step (`train_step`):
 import contextlib
 import logging
 import time
+import warnings
 
 import keras
 import torch
@@ -32,6 +33,7 @@ from keras import tree
 
 from keras_erase import _keras_private
 from keras_erase.auto import ScheduleSelector
+from keras_erase.auto import label
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.targets import select_target
@@ -48,7 +50,9 @@ from keras_erase.torch.threads import set_intra_op_threads
 from keras_erase.torch.threads import threads_for_worker
 from keras_erase.torch.threads import worker_thread_count
 
-__all__ = ["close_dispatchers", "erase_step", "train_step", "training_scope"]
+__all__ = [
+    "auto_candidates", "close_dispatchers", "erase_step", "explain", "train_step", "training_scope",
+]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -80,13 +84,72 @@ class BlockRunner:
 
 
 def auto_candidates(threads):
-    """Lists the `"auto"` candidates: `(mode, main-thread intra-op count)`, baseline first."""
+    """Lists the `"auto"` candidates and their references: `([(mode, threads)], {c: ref})`.
+
+    The first candidate is the baseline. On CPU `"threaded"` at `h` threads
+    runs the main thread and the backward worker at `h` intra-op threads each:
+    it is compared with the standard step at `T` threads (the same budget,
+    `2h <= T`) and, as its reference, with the standard step at `h` threads
+    (the threads each side gets), so that a gain which only comes from fewer
+    OpenMP threads per thread (an oversubscribed machine) keeps the standard
+    step at `h` threads, not the threaded schedule.
+    """
     if cuda_available():
-        return [("standard", None), ("streams", None)]
+        return [("standard", None), ("streams", None)], {}
     # "threaded" only at most half the cores: a worker thread whose OpenMP team is
     # as wide as the machine slows every later step of the process that runs on fewer
     # threads, so even trying it would cost the standard step.
-    return [("standard", threads), ("threaded", min(threads, threads_for_worker()))]
+    half = min(threads, threads_for_worker())
+    if half == threads:  # one thread: both sides already run on the baseline's budget
+        return [("standard", threads), ("threaded", half)], {}
+    threaded, narrow = ("threaded", half), ("standard", half)
+    return [("standard", threads), narrow, threaded], {threaded: narrow}
+
+
+def describe_schedule(schedule):
+    """Says what a candidate runs, e.g. `("standard", 2)` -> `"standard (2 intra-op threads)"`."""
+    mode, threads = schedule
+    if threads is None:
+        return f"{mode} (torch's current intra-op threads)"
+    if mode == "threaded":
+        return (f"threaded (main thread {threads} + backward worker {threads} intra-op threads, "
+                f"{2 * threads} in all)")
+    return f"{mode} ({threads} intra-op thread{'s' if threads != 1 else ''})"
+
+
+def explain(runtime, finished_fit=False):
+    """Writes what `"auto"` compared and kept (or, still measuring, what ran so far)."""
+    selector = runtime.selector
+    if selector is None:
+        return None
+    stats = selector.combined or selector.statistics()
+    parts = []
+    for c in selector.candidates:
+        seen = selector.seen[c]
+        if c in stats:
+            median, p90 = stats[c]
+            timed = (f"median {median * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms over "
+                     f"{len(selector.times[c])} timed steps")
+        else:
+            timed = "no timed step yet"
+        dropped = " (dropped early: not clearly faster)" if c in selector.dropped else ""
+        parts.append(f"{label(c)} = {describe_schedule(c)}: {seen} steps, {timed}{dropped}")
+    refs = "; ".join(
+        f"{label(c)} must also beat {label(r)} (the same threads per side)"
+        for c, r in selector.references.items()
+    )
+    rule = (f"a challenger is kept only if its median and p90 step time are both at least "
+            f"{selector.margin:.0%} below the baseline {label(selector.candidates[0])}'s"
+            + (f"; {refs}" if refs else ""))
+    if selector.done:
+        head = (f"dispatch='auto' kept {label(selector.choice)} = "
+                f"{describe_schedule(selector.choice)} after {selector.steps} measuring steps")
+    else:
+        head = (f"dispatch='auto' is still measuring after {selector.steps} steps"
+                + (" when fit ended" if finished_fit else "")
+                + f": no schedule is kept yet (dispatch_choice is None); the steps so far ran "
+                "the candidates in turn, and the next training step goes on measuring")
+    return f"{head}. Compared: " + "; ".join(parts) + f". Rule: {rule}."
 
 
 def gradient_sync(runtime):
@@ -110,7 +173,7 @@ def next_schedule(runtime):
         combine = None
         if sync is not None:  # every rank must choose the same schedule
             combine = distributed.mean_over_ranks
-        candidates = auto_candidates(torch.get_num_threads())
+        candidates, references = auto_candidates(torch.get_num_threads())
         extra_warmup = None
         if config.cuda_graphs:  # graph warm-up and capture steps are never timed
             extra_warmup = {
@@ -122,6 +185,7 @@ def next_schedule(runtime):
             warmup_rounds=1,
             extra_warmup=extra_warmup,
             combine=combine,  # with combine (several ranks) early stop is off
+            references=references,
         )
     return runtime.selector.next_schedule()
 
@@ -206,6 +270,16 @@ def training_scope(runtime, whole_fit):
     finally:
         if whole_fit:
             close_dispatchers(runtime)  # training ended: no idle worker thread
+            _warn_if_still_measuring(runtime)
+
+
+def _warn_if_still_measuring(runtime):
+    selector = runtime.selector
+    if selector is None or selector.done:
+        return
+    message = "keras_erase: " + explain(runtime, finished_fit=True)
+    LOGGER.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def close_dispatchers(runtime, keep=None):
@@ -216,13 +290,7 @@ def close_dispatchers(runtime, keep=None):
 
 
 def _log_choice(runtime):
-    LOGGER.info(
-        "keras_erase: dispatch='auto' chose %r with intra_op_threads=%s "
-        "(step seconds per candidate: %s)",
-        runtime.selector.choice[0],
-        runtime.selector.choice[1],
-        runtime.selector.timings(),
-    )
+    LOGGER.info("keras_erase: %s", explain(runtime))
 
 
 def erase_step(model, runtime, data, dispatcher, sync=None):

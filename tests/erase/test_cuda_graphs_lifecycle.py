@@ -117,7 +117,8 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch
 
     # Two graphed candidates on CPU; the slower one is dropped with its graphs.
     monkeypatch.setattr(
-        train_step, "auto_candidates", lambda threads: [("blocking", None), ("threaded", None)]
+        train_step, "auto_candidates",
+        lambda threads: ([("blocking", None), ("threaded", None)], {}),
     )
     x, y = data()
     model = shared_tower_model("auto", True)

@@ -87,3 +87,39 @@ def test_no_early_stop_when_ranks_combine_their_timings():
     selector = ScheduleSelector(["standard", "threaded"], timed_rounds=8, combine=combine)
     assert run(selector, {"standard": [1.0] * 8, "threaded": [1.3] * 8}) == "standard"
     assert selector.steps == 18 and len(seen) == 1 and len(seen[0]) == 4
+
+
+# Equal thread budgets: on an oversubscribed 2-core machine the standard step at 2
+# threads is slow (the OpenMP teams fight), the standard step at 1 thread is fast, and
+# "threaded" at 1 + 1 threads only looks fast against the 2-thread one.
+OVERSUBSCRIBED = {
+    ("standard", 2): [10.0] * 10,
+    ("standard", 1): [1.0] * 10,
+    ("threaded", 1): [1.1] * 10,
+}
+CANDIDATES = [("standard", 2), ("standard", 1), ("threaded", 1)]
+REFERENCES = {("threaded", 1): ("standard", 1)}
+
+
+@pytest.mark.parametrize("early_stop_rounds", [None, 2])
+def test_threaded_must_beat_the_standard_step_at_its_own_threads(early_stop_rounds):
+    selector = ScheduleSelector(CANDIDATES, timed_rounds=6, references=REFERENCES,
+                                early_stop_rounds=early_stop_rounds)
+    assert run(selector, OVERSUBSCRIBED) == ("standard", 1)
+    if early_stop_rounds is not None:  # dropped as soon as its reference beats it
+        assert ("threaded", 1) in selector.dropped
+        assert len(selector.times[("threaded", 1)]) == 2
+    # without the reference the same timings would keep threaded (10x "faster")
+    plain = ScheduleSelector(CANDIDATES[::2], timed_rounds=6, early_stop_rounds=None)
+    assert run(plain, OVERSUBSCRIBED) == ("threaded", 1)
+
+
+def test_threaded_is_kept_when_it_beats_both_standard_steps():
+    times = {**OVERSUBSCRIBED, ("threaded", 1): [0.5] * 10}
+    selector = ScheduleSelector(CANDIDATES, timed_rounds=6, references=REFERENCES)
+    assert run(selector, times) == ("threaded", 1)
+
+
+def test_references_must_be_candidates():
+    with pytest.raises(ValueError, match=r"`references` .*Received: references="):
+        ScheduleSelector(CANDIDATES, references={("threaded", 1): ("standard", 4)})

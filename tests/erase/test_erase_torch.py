@@ -8,6 +8,7 @@ import logging
 import time
 import threading
 import traceback
+import warnings
 
 import keras
 import numpy as np
@@ -88,11 +89,17 @@ def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     threads = torch.get_num_threads()
     model = build_ctr("auto", auto_steps=2)
     with caplog.at_level(logging.INFO, logger="keras_erase"):
-        train(model, x, y, epochs=2)  # 16 steps; the choice needs 2 x (1 + 2) = 6
+        train(model, x, y, epochs=2)  # 16 steps; the choice needs 3 x (1 + 2) = 9
     selector = model._erase.selector
     candidates = selector.candidates
-    # standard at the current count; threaded at no more than half the cores
-    assert candidates == [("standard", threads), ("threaded", min(threads, threads_for_worker()))]
+    # equal thread budgets: standard at the current count and at the threads each side
+    # of threaded gets (no more than half the cores), which threaded must beat too
+    half = min(threads, threads_for_worker())
+    if half < threads:
+        assert candidates == [("standard", threads), ("standard", half), ("threaded", half)]
+        assert selector.references == {("threaded", half): ("standard", half)}
+    else:
+        assert candidates == [("standard", threads), ("threaded", half)]
     assert model.dispatch_choice == selector.choice[0]
     timings = model.auto_timings
     assert len(timings) == len(candidates)
@@ -103,17 +110,25 @@ def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
         np.testing.assert_allclose(timings[name]["p90_s"], np.percentile(times, 90))
     standard = timings[f"standard@{threads}"]
     limit = 1 - AUTO_MARGIN
+
+    def beats(name, other):
+        return (timings[name]["median_s"] <= timings[other]["median_s"] * limit
+                and timings[name]["p90_s"] <= timings[other]["p90_s"] * limit)
+
     faster = [
         name for name in timings
-        if timings[name]["median_s"] <= standard["median_s"] * limit
-        and timings[name]["p90_s"] <= standard["p90_s"] * limit
+        if beats(name, f"standard@{threads}")
+        and (not name.startswith("threaded") or half == threads or beats(name, f"standard@{half}"))
     ]
     mode, n = selector.choice
     if faster:
         assert f"{mode}@{n}" == min(faster, key=lambda name: timings[name]["p90_s"])
     else:
         assert (mode, n) == ("standard", threads)
-    assert any("dispatch='auto' chose" in r.getMessage() for r in caplog.records)
+    kept = [r.getMessage() for r in caplog.records if "dispatch='auto' kept" in r.getMessage()]
+    assert len(kept) == 1 and kept[0] == "keras_erase: " + model.dispatch_explanation
+    for name in timings:  # the explanation names every candidate compared
+        assert name in kept[0]
     assert torch.get_num_threads() == threads  # restored after fit
 
 
@@ -201,7 +216,8 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
 
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
-    candidates = auto_candidates(torch.get_num_threads())
+    candidates, references = auto_candidates(torch.get_num_threads())
+    candidates = [candidates[0], candidates[-1]]
     assert candidates[1][0] == "threaded"
     # margin 0.99: the standard step is kept unless threaded is 100x faster
     model._erase.selector = ScheduleSelector(candidates, timed_rounds=1, margin=0.99)
@@ -450,3 +466,55 @@ def test_block_weight_penalties_make_no_tensor_from_host_data():
     with control:
         keras.regularizers.L2(0.05)(block.trainable_weights[0])
     assert forbidden_ops(control.ops) != []
+
+
+def test_auto_compares_equal_thread_budgets_and_says_what_it_compared(
+    two_threads, monkeypatch, caplog
+):
+    from keras_erase.torch import train_step
+
+    monkeypatch.setattr(train_step, "threads_for_worker", lambda: 1)  # half of 2 cores
+    model = build_ctr("auto", auto_steps=2)
+    x, y = ctr_data(128)
+    with caplog.at_level(logging.INFO, logger="keras_erase"):
+        train(model, x, y, epochs=2)  # 16 steps; the choice needs at most 3 x (1 + 2) = 9
+    selector = model._erase.selector
+    assert selector.candidates == [("standard", 2), ("standard", 1), ("threaded", 1)]
+    assert selector.done and model.dispatch_choice == selector.choice[0]
+    text = model.dispatch_explanation
+    assert text.startswith(f"dispatch='auto' kept {selector.choice[0]}@{selector.choice[1]}")
+    for part in ("standard@2 = standard (2 intra-op threads)",
+                 "standard@1 = standard (1 intra-op thread)",
+                 "threaded@1 = threaded (main thread 1 + backward worker 1 intra-op threads, "
+                 "2 in all)",
+                 "threaded@1 must also beat standard@1 (the same threads per side)"):
+        assert part in text
+    assert any(r.getMessage() == "keras_erase: " + text for r in caplog.records)
+
+
+def test_a_fit_that_ends_while_auto_measures_says_so_and_what_ran(two_threads, monkeypatch):
+    from keras_erase.torch import train_step
+
+    monkeypatch.setattr(train_step, "threads_for_worker", lambda: 1)
+    model = build_ctr("auto", auto_steps=8)  # needs far more than the 4 steps of this fit
+    x, y = ctr_data(64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, x, y, epochs=1)
+    assert model.dispatch_choice is None
+    notes = [str(w.message) for w in caught if "still measuring" in str(w.message)]
+    assert len(notes) == 1
+    assert "still measuring after 4 steps when fit ended" in notes[0]
+    assert "dispatch_choice is None" in notes[0]
+    for name in ("standard@2", "standard@1", "threaded@1"):  # round robin: each ran
+        assert f"{name} = " in notes[0]
+    assert "standard@2 = standard (2 intra-op threads): 2 steps" in notes[0]
+    assert "still measuring after 4 steps" in model.dispatch_explanation
+    train(model, x, y, epochs=6)  # the next fit goes on measuring (at most 27 steps), keeps one
+    assert model.dispatch_choice is not None
+    assert "kept" in model.dispatch_explanation
+
+
+def test_fixed_schedules_explain_themselves():
+    model = build_ctr("blocking")
+    assert model.dispatch_explanation == "dispatch='blocking': that schedule runs every step"

@@ -473,7 +473,7 @@ def test_ctr_seeds_report_mean_and_sd(tmp_path, capsys):
     assert written["ne_per_seed"][0] != written["ne_per_seed"][1]  # the seeds differ
     assert written["timed_steps"] == 2 * 3  # both seeds' steps after warm-up
     printed = capsys.readouterr().out
-    assert "NE (mean ± sd, 2 seeds)" in printed
+    assert "| mode | seeds | NE |" in printed and "| detached | 2 |" in printed
     assert f"{written['ne']:.4f} ± {written['ne_sd']:.4f}" in printed
 
 
@@ -489,13 +489,87 @@ def test_ctr_gap_is_computed_on_the_means(tmp_path):
     other = aggregate([run("detached", 0, 0.75, 0.8), run("detached", 1, 0.73, 0.7)], 100)
     table = compare_table([base, other])
     gap = 100 * (0.74 / 0.72 - 1)  # means 0.72 and 0.74
-    assert f"| detached | 0.7400 ± 0.0141 | 0.7500 ± 0.0707 |" in table
+    assert f"| detached | 2 | 0.7400 ± 0.0141 | 0.7500 ± 0.0707 |" in table
     assert f"{gap:+.2f}% |" in table
     assert other["train_ne_per_step"] == pytest.approx([1.0, 0.74])
     assert other["train_ne_sd_per_step"] == pytest.approx([0.0, np.std([0.75, 0.73], ddof=1)])
     plot = tmp_path / "ne.png"
     plot_ne([base, other], str(plot))
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def _alternating_result(mode, ne, repeats, seeds=(0,)):
+    rates = [s for block in repeats for s in block]
+    return {"mode": mode, "ne": ne, "auc": 0.7, "ne_per_seed": [ne] * len(seeds),
+            "seeds": list(seeds), "ne_sd": 0.0, "auc_sd": 0.0, "repeats": repeats,
+            "qps_p50": float(np.percentile(100 / np.array(rates), 50)),
+            "qps_p90": float(np.percentile(100 / np.array(rates), 90)), "interleave_steps": 2}
+
+
+def test_compare_marks_a_gain_inside_the_spread_as_no_gain_and_notes_cpu_rows():
+    from examples.ctr.compare import gains, spread_gain
+    from examples.ctr.train import CPU_NOTE, compare_table
+
+    base = _alternating_result("baseline", 0.80, [[0.10, 0.10], [0.20, 0.20], [0.10, 0.10]],
+                               seeds=(0, 1, 2))
+    detached = _alternating_result("detached", 0.82, [[0.05, 0.05], [0.10, 0.10], [0.05, 0.05]])
+    # faster in one repeat, slower in the next: the spread includes 0
+    noisy = _alternating_result("erase-threaded", 0.82, [[0.05, 0.05], [0.40, 0.40], [0.10, 0.10]])
+    rows = [base, detached, noisy]
+    for r in rows:
+        r["gain_p50"] = spread_gain(gains(r, base, 100, 50))
+        r["gain_p90"] = spread_gain(gains(r, base, 100, 90))
+    assert detached["gain_p50"][1:] == (1.0, 1.0, True)  # 2x in every repeat: a clear gain
+    assert noisy["gain_p50"][1:3] == pytest.approx((-0.5, 1.0)) and not noisy["gain_p50"][3]
+    table = compare_table(rows, cpu=True)
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert "no gain" not in lines["detached"] and "(+100.0..+100.0)" in lines["detached"]
+    assert "no gain: " in lines["erase-threaded"] and "(-50.0..+100.0)" in lines["erase-threaded"]
+    assert CPU_NOTE in lines["erase-threaded"] and CPU_NOTE not in lines["detached"]
+    assert "+0.00% vs detached" in lines["erase-threaded"]  # same gradients: its own reference
+    assert "a gain whose spread includes 0 is marked 'no gain'" in table
+    assert "3 repeats" in table and "2 steps each in turn" in table
+    assert "| 3 | 0.8000 ± 0.0000 |" in lines["baseline"] and "| 1 | 0.8200 |" in lines["erase-threaded"]
+    assert CPU_NOTE not in compare_table(rows, cpu=False)
+
+
+def test_compare_trains_every_mode_in_one_process_alternating(monkeypatch, tmp_path):
+    from examples.ctr import compare
+    from examples.ctr.train import available_modes, main
+
+    order = []
+    build = compare._build
+
+    def recording_build(mode, *args):
+        model = build(mode, *args)
+        step = model.train_on_batch
+
+        def train_on_batch(*a, **k):
+            order.append(mode)
+            return step(*a, **k)
+
+        model.train_on_batch = train_on_batch
+        return model
+
+    monkeypatch.setattr(compare, "_build", recording_build)
+    results = main(TINY_CTR + ["--compare", "--seeds", "2", "--interleave-steps", "2",
+                               "--steps-per-epoch", "6", "--json", str(tmp_path / "c.json"),
+                               "--plot", str(tmp_path / "c.png")])  # the last cap wins
+    modes = available_modes()
+    first = order[: 6 * len(modes)]  # the timed run: every mode, 2 steps each in turn
+    blocks = [first[i:i + 2] for i in range(0, len(first), 2)]
+    assert all(b[0] == b[1] for b in blocks)
+    rounds = [[b[0] for b in blocks[i:i + len(modes)]] for i in range(0, len(blocks), len(modes))]
+    assert [sorted(r) for r in rounds] == [sorted(modes)] * 3  # each round: every mode once
+    assert rounds[0][0] != rounds[1][0]  # rotated: no mode always first
+    # the second seed trains only the modes whose NE differs
+    assert sorted(set(order[6 * len(modes):])) == ["baseline", "detached"]
+    by_mode = {r["mode"]: r for r in results}
+    assert by_mode["baseline"]["seeds"] == [0, 1] and by_mode["detached"]["seeds"] == [0, 1]
+    assert by_mode["erase-auto"]["seeds"] == [0]
+    for r in results:  # warm-up (1 step) left out of the first repeat
+        assert [len(b) for b in r["repeats"]] == [1, 2, 2]
+        assert len(r["gain_p50"]) == 4
 
 
 def test_main_job_runs_the_ctr_with_three_seeds():
