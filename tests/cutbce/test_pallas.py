@@ -375,6 +375,7 @@ def test_mixed_precision_does_not_promote_to_float32_highest(rng):
         _assert_close(np.asarray(got, np.float32), want, 3e-2, f"grad_{arg}")
 
 
+@pytest.mark.slow
 def test_int64_ids_beyond_int32_stay_padding(rng):
     """An int64 id 2**32 + k reaches the Pallas kernel as padding, not as item k."""
     from keras_cutbce import ops
@@ -465,6 +466,7 @@ def test_vocabulary_split_across_two_tensorcores(rng, monkeypatch, vocab):
         _assert_close(got, want, 2e-5, f"fused grad_{arg}")
 
 
+@pytest.mark.slow
 def test_lane_aligned_dim_reads_the_table_row_major(rng):
     """D = 128 uses `[V, D]` blocks (D % 128 != 0 uses the `[D, V]` view): same numbers."""
     inputs = _inputs(rng, 20, 300, 128, 2, bias=True)
@@ -479,6 +481,7 @@ def test_precision_is_checked():
         pallas.cut_bce(h, t, np.array([[1], [2]]), precision="fast")
 
 
+@pytest.mark.slow
 def test_target_known_only_at_lowering(rng, monkeypatch):
     """A CPU host with the TPU compiler: both variants are traced, the CPU keeps its own.
 
@@ -505,6 +508,7 @@ def test_target_known_only_at_lowering(rng, monkeypatch):
     _assert_close(got_auto, want_auto, 1e-6, "auto")
 
 
+@pytest.mark.slow
 def test_in_tile_counts_match_a_brute_force_count(rng):
     """The prefetched counts bound every row's ids in every (vocab, row) tile."""
     import jax.numpy as jnp
@@ -533,6 +537,7 @@ def test_in_tile_counts_match_a_brute_force_count(rng):
 
 
 @pytest.mark.parametrize("per_row_tile", [True, False])
+@pytest.mark.slow
 def test_rows_with_many_ids_in_one_tile(rng, monkeypatch, per_row_tile):
     """Positives from the sorted ids, however many fall in one tile.
 

@@ -460,6 +460,7 @@ def test_ctr_compare_table_and_plot(tmp_path, capsys):
         assert by_mode[mode]["ne"] == pytest.approx(by_mode["detached"]["ne"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_ctr_seeds_report_mean_and_sd(tmp_path, capsys):
     from examples.ctr.train import main
 
@@ -533,6 +534,7 @@ def test_compare_marks_a_gain_inside_the_spread_as_no_gain_and_notes_cpu_rows():
     assert CPU_NOTE not in compare_table(rows, cpu=False)
 
 
+@pytest.mark.slow
 def test_compare_trains_every_mode_in_one_process_alternating(monkeypatch, tmp_path):
     from examples.ctr import compare
     from examples.ctr.train import available_modes, main
