@@ -74,6 +74,7 @@ def _call_both(rng, options, batch=None):
     return per_row, total, weights
 
 
+@pytest.mark.slow  # compiles eight programs
 def test_varying_options_log_no_retracing_warning(tf_warnings, rng):
     for options in OPTION_SETS:
         per_row, total, weights = _call_both(rng, options)
