@@ -330,7 +330,9 @@ def test_never_allocates_the_full_logits(rng):
         (loss * torch.linspace(-1, 1, m)).sum().backward()
     assert all(x.grad is not None for x in args)
     assert recorder.largest < m * v
-    assert recorder.largest <= max(m * chunk, v * d, m * length * d)
+    # The tile's logits buffer has one spare element (where the other tiles'
+    # positives point).
+    assert recorder.largest <= max(m * chunk + 1, v * d, m * length * d)
 
 
 def test_ops_dispatch_reaches_the_torch_kernel(rng, monkeypatch):

@@ -361,7 +361,9 @@ def test_never_allocates_the_full_logits(rng):
         _, grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
     assert all(g is not None for g in grads)
     assert recorder.largest < m * v
-    assert recorder.largest <= max(m * chunk, v * d, m * length * d)
+    # The tile's logits buffer has one spare element (where the other tiles'
+    # positives point).
+    assert recorder.largest <= max(m * chunk + 1, v * d, m * length * d)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])

@@ -9,8 +9,10 @@ math is `keras_cutbce.backends.tensorflow.math`).
 
 What is TensorFlow's own here: the autograd mechanism (`tf.custom_gradient`,
 inputs `stop_gradient`-ed inside so an eager tape records no tile), and the
-compilation: every pass is a `tf.function(jit_compile=True)` (one XLA
-program per shape; the graph executor when V is unknown at trace time).
+compilation: every pass is a `tf.function(jit_compile=True)`, one per
+option set and input signature, traced once and never retraced (the rows
+are left unknown; XLA compiles per concrete size), the graph executor when
+V is unknown at trace time.
 The public op (`keras_cutbce.ops`) has checked every argument: these entry
 points trust it.
 """
@@ -125,12 +127,13 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
 
     def per_row(hidden, table, ids, bias):
         loss_program, grad_program = _per_row_programs(
-            coef, tile, bias is not None, table.shape[0] is not None
+            coef, tile, _specs(hidden, table, ids, bias), table.shape[0] is not None
         )
-        loss = loss_program(hidden, table, ids, bias)
+        loss = loss_program(hidden, table, ids, *_optional(bias))
 
         def grad(row_scale):
-            grads = grad_program(hidden, table, ids, bias, row_scale)
+            row_scale = tf.cast(row_scale, tf.float32)
+            grads = grad_program(hidden, table, ids, row_scale, *_optional(bias))
             return _cast_grads(grads, hidden, table, bias)
 
         return loss, grad
@@ -138,57 +141,96 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
     return _with_gradient(per_row, hidden, table, ids, bias)
 
 
-@functools.lru_cache(maxsize=32)
-def _per_row_programs(coef, tile, has_bias, static_vocab):
+def _optional(bias):
+    return () if bias is None else (bias,)
+
+
+def _specs(hidden, table, ids, bias):
+    """The input signature of a program: every static size but the number of rows.
+
+    The rows `M` are left unknown, so a program is traced once per option
+    set and serves every batch size (XLA still compiles per concrete
+    size); the vocabulary, the width, the number of target columns and the
+    dtypes are part of the key.
+    """
+    specs = (
+        tf.TensorSpec([None] + hidden.shape[1:].as_list(), hidden.dtype),
+        tf.TensorSpec(table.shape, table.dtype),
+        tf.TensorSpec([None] + ids.shape[1:].as_list(), ids.dtype),
+    )
+    return specs if bias is None else specs + (tf.TensorSpec(bias.shape, bias.dtype),)
+
+
+_ROW_WEIGHTS = tf.TensorSpec([None], tf.float32)
+
+
+def _program(body, specs, jit_compile):
+    """Returns `body` (a `functools.partial` binding the options) as a `tf.function` of `specs`.
+
+    One `tf.function` per option set, cached by the caller, with a fixed
+    input signature: it is traced once and never retraced. Each wraps its
+    own `functools.partial` object, which TensorFlow's retracing detector
+    tells apart (it groups functions by their code object), so compiling a
+    program for a new option set is not reported as retracing another.
+    """
+    return tf.function(body, input_signature=specs, jit_compile=jit_compile, autograph=False)
+
+
+def _loss_body(coef, tile, hidden, table, ids, bias=None):
+    return loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
+
+
+def _grad_body(coef, tile, hidden, table, ids, row_scale, bias=None):
+    return loss_and_grads(hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale)[1]
+
+
+def _fused_body(coef, tile, hidden, table, ids, row_weights, bias=None):
+    loss, (dh, dtable, dbias) = loss_and_grads(
+        hidden, table, ids, bias, coef, tile, loss=True, row_scale=row_weights
+    )
+    return tf.reduce_sum(row_weights * loss), dh, dtable, dbias
+
+
+@functools.lru_cache(maxsize=64)
+def _per_row_programs(coef, tile, specs, static_vocab):
     """Returns `cut_bce`'s two passes, compiled by XLA: `(loss_program, grad_program)`.
 
-    `loss_program(hidden, table, ids, bias) -> loss [M]`;
-    `grad_program(hidden, table, ids, bias, row_scale) -> (dh, dtable,
+    `loss_program(hidden, table, ids[, bias]) -> loss [M]`;
+    `grad_program(hidden, table, ids, row_scale[, bias]) -> (dh, dtable,
     dbias)` float32, the gradients of `sum_m row_scale_m loss_m` (it
-    recomputes the logits tile by tile). Compiled, each tile's elementwise
-    work is one fused pass (one `exp` per logit shared by softplus and
-    sigmoid), which TensorFlow's graph executor would run as a kernel per op.
-    A V unknown at trace time (`static_vocab=False`) keeps the graph
-    executor: XLA would compile the tile loop's body for a V smaller than a
-    tile, where it never runs but its slice does not fit.
+    recomputes the logits tile by tile). Cached per option set and input
+    signature (`_specs`). Compiled, each tile's elementwise work is one
+    fused pass (one `exp` per logit shared by softplus and sigmoid), which
+    TensorFlow's graph executor would run as a kernel per op. A V unknown
+    at trace time (`static_vocab=False`) keeps the graph executor: XLA
+    would compile the tile loop's body for a V smaller than a tile, where
+    it never runs but its slice does not fit.
     """
-    bias_or_none = (lambda b: b) if has_bias else (lambda b: None)
-
-    @tf.function(jit_compile=static_vocab, autograph=False)
-    def loss_program(hidden, table, ids, bias):
-        return loss_and_grads(hidden, table, ids, bias_or_none(bias), coef, tile, loss=True)[0]
-
-    @tf.function(jit_compile=static_vocab, autograph=False)
-    def grad_program(hidden, table, ids, bias, row_scale):
-        return loss_and_grads(
-            hidden, table, ids, bias_or_none(bias), coef, tile, loss=False, row_scale=row_scale
-        )[1]
-
+    hidden, table, ids, *bias = specs
+    loss_program = _program(functools.partial(_loss_body, coef, tile), specs, static_vocab)
+    grad_program = _program(
+        functools.partial(_grad_body, coef, tile),
+        (hidden, table, ids, _ROW_WEIGHTS, *bias),
+        static_vocab,
+    )
     return loss_program, grad_program
 
 
-@functools.lru_cache(maxsize=32)
-def _fused_program(coef, tile, has_bias):
-    """Returns the fused pass, `(hidden, table, ids, bias, row_weights) -> (total, *grads)`.
+@functools.lru_cache(maxsize=64)
+def _fused_program(coef, tile, specs):
+    """Returns the fused pass, `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`.
 
     `total = sum_m row_weights_m loss_m`, and its float32 gradients
-    `(dh, dtable, dbias)`,
-    compiled by XLA: XLA runs the tile loop with the table gradient tiles
-    written in place into one buffer (TensorFlow's graph executor would
-    keep the tiles and their stacked copy, and copy again for the
-    positives' scatter-add). Shapes are compiled per concrete size (an
-    unknown batch is fine).
+    `(dh, dtable, dbias)`, compiled by XLA: XLA runs the tile loop with the
+    table gradient tiles written in place into one buffer (TensorFlow's
+    graph executor would keep the tiles and their stacked copy, and copy
+    again for the positives' scatter-add). Cached per option set and input
+    signature (`_specs`); XLA compiles per concrete number of rows.
     """
-
-    @tf.function(jit_compile=True, autograph=False)
-    def program(hidden, table, ids, bias, row_weights):
-        loss, (dh, dtable, dbias) = loss_and_grads(
-            hidden, table, ids, bias if has_bias else None, coef, tile,
-            loss=True, row_scale=row_weights,
-        )
-        return tf.reduce_sum(row_weights * loss), dh, dtable, dbias
-
-    return program
+    hidden, table, ids, *bias = specs
+    return _program(
+        functools.partial(_fused_body, coef, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias), True
+    )
 
 
 def cut_bce_weighted_sum(
@@ -241,8 +283,8 @@ def cut_bce_weighted_sum(
     weights = tf.stop_gradient(tf.reshape(tf.cast(row_weights, tf.float32), [-1]))
 
     def fused(hidden, table, ids, bias):
-        total, *grads = _fused_program(coef, tile, bias is not None)(
-            hidden, table, ids, bias, weights
+        total, *grads = _fused_program(coef, tile, _specs(hidden, table, ids, bias))(
+            hidden, table, ids, weights, *_optional(bias)
         )
 
         def grad(cotangent):

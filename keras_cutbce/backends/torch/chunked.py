@@ -9,9 +9,11 @@ only scales them. Both run `keras_cutbce.backends.torch.kernel` (the tile
 loop; its element-wise math is `keras_cutbce.backends.torch.math`).
 
 What is torch's own here: the autograd mechanism (`torch.autograd.Function`,
-only the gradients that are needed, none under `torch.no_grad`), rows with a
-zero cotangent dropped before the tile loop, and the CUDA-graph-safe
-variants of both shortcuts (`keras_cutbce.backends.torch.graph_capture`).
+only the gradients that are needed, none under `torch.no_grad`) and rows
+with a zero cotangent masked (their hidden row zeroed, so they add exactly 0
+whatever they held). Nothing on the per-call path reads a device value on
+the host: no device-to-host sync on CUDA, no graph break under
+`torch.compile` and nothing that a CUDA graph capture could not record.
 The public op (`keras_cutbce.ops`) has checked every argument: these entry
 points assert, never re-check. Each gradient comes back in its input's
 dtype.
@@ -21,11 +23,24 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from keras_cutbce.backends.torch import kernel
-from keras_cutbce.backends.torch.graph_capture import drop_zero_rows
-from keras_cutbce.backends.torch.graph_capture import is_unit
-from keras_cutbce.backends.torch.graph_capture import scatter_rows
 from keras_cutbce.backends.torch.math import compute_dtype
 from keras_cutbce.math.coefficients import bce_coefficients
+
+
+def mask_zero_rows(weight, hidden):
+    """Returns `hidden` with the rows whose weight is zero set to zero.
+
+    A zero-weight row then adds exactly 0 to the loss and to every gradient,
+    even where its hidden row is not finite, and its hidden gradient is
+    exactly 0. The rows are masked, not dropped: dropping them would need
+    their count on the host.
+
+    Example:
+
+    >>> mask_zero_rows(torch.tensor([1.0, 0.0]), torch.full((2, 1), float("nan"))).isnan().tolist()
+    [[True], [False]]
+    """
+    return torch.where((weight != 0)[:, None], hidden, torch.zeros((), dtype=hidden.dtype))
 
 
 def _cast(grad, like):
@@ -51,14 +66,12 @@ class _CutBCEFunction(torch.autograd.Function):
         if not any(need):
             return None, None, None, None, None, None
         dtype = compute_dtype(hidden, table, bias)
-        # Rows with a zero cotangent (masked or padded positions) add nothing:
-        # drop them before the tile loop, scatter grad_hidden back at the end.
-        active_rows, row_scale, h, ids = drop_zero_rows(row_scale.to(dtype), hidden.to(dtype), ids)
+        # Rows with a zero cotangent (masked or padded positions) add nothing.
+        row_scale = row_scale.to(dtype)
+        h = mask_zero_rows(row_scale, hidden.to(dtype))
         grad_h, grad_e, grad_b = kernel.row_gradients(
             h, table, bias, ids, ctx.coef, ctx.tile, row_scale, need
         )
-        if grad_h is not None:
-            grad_h = scatter_rows(grad_h, active_rows, hidden.shape[0])
         return _cast(grad_h, hidden), _cast(grad_e, table), _cast(grad_b, bias), None, None, None
 
 
@@ -74,10 +87,9 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, row_weights, coef, tile, need):
         dtype = compute_dtype(hidden, table, bias)
-        active_rows, w, h, ids = drop_zero_rows(row_weights.to(dtype), hidden.to(dtype), ids)
+        w = row_weights.to(dtype)
+        h = mask_zero_rows(w, hidden.to(dtype))
         loss, grad_h, grad_e, grad_b = kernel.row_losses(h, table, bias, ids, coef, tile, w, need)
-        if grad_h is not None:
-            grad_h = scatter_rows(grad_h, active_rows, hidden.shape[0])
         ctx.save_for_backward(grad_h, grad_e, grad_b)
         ctx.dtypes = (hidden.dtype, table.dtype, None if bias is None else bias.dtype)
         return torch.dot(w, loss)
@@ -85,13 +97,11 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, cotangent):
-        # The usual cotangent is exactly 1 (a loss's own backward): then the
-        # saved gradients are returned as they are, without a second
-        # `[V, D]` buffer for the product.
-        unit = is_unit(cotangent)
+        # Always scaled (a cotangent of 1 scales exactly): comparing it with
+        # 1 first would read it on the host.
         grads = []
         for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
-            if grad is not None and not unit:
+            if grad is not None:
                 grad = grad * cotangent.to(grad.dtype)
             grads.append(None if grad is None else grad.to(dtype))
         return tuple(grads) + (None,) * 5
@@ -158,7 +168,7 @@ def cut_bce_weighted_sum(
     (only those that require grad): per tile, one logits matmul, one
     `softplus` and one `sigmoid` over the `[M, T]` logits, then one product
     per gradient. The backward pass only scales them by the upstream
-    cotangent. Rows with a zero weight are skipped. Without gradients (under
+    cotangent. Rows with a zero weight add exactly 0. Without gradients (under
     `torch.no_grad` or when no input requires grad) only the loss is
     computed.
 
@@ -207,6 +217,7 @@ def cut_bce_weighted_sum(
         )
     with torch.no_grad():
         dtype = compute_dtype(hidden, table, bias)
-        _, w, h, ids = drop_zero_rows(row_weights.to(dtype), hidden.to(dtype), ids)
+        w = row_weights.to(dtype)
+        h = mask_zero_rows(w, hidden.to(dtype))
         loss, _, _, _ = kernel.row_losses(h, table, bias, ids, coef, tile)
         return torch.dot(w, loss)

@@ -11,7 +11,7 @@ work splits in three:
   loss; one `sigmoid` and one matmul per needed gradient for the
   gradients (logits are recomputed per pass, never stored). The row's
   positives are set to `-inf` in each tile's logits (an O(M L)
-  `index_fill_`, see `Positives`), where `softplus` and `sigmoid` are
+  `index_fill_` of a mask, see `Positives`), where `softplus` and `sigmoid` are
   exactly 0: never added and subtracted back, so a saturated positive
   keeps full precision. `neg_scale` is folded into the reductions (the
   per-row sum and the row scales), not applied per logit;
@@ -106,7 +106,9 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     vocab_size, tile = tiles.vocab_size, tiles.tile
     need_h, need_e, need_b = need if row_scale is not None else (False, False, False)
     grads = need_h or need_e or need_b
-    logits_buffer = torch.empty(num_rows * tile, dtype=dtype, device=device)
+    # One spare element past the largest tile: where `Positives.flat` points
+    # the positives of the other tiles.
+    logits_buffer = torch.empty(num_rows * tile + 1, dtype=dtype, device=device)
     softplus_sum = None
     if loss:
         ones = torch.ones(tile, dtype=dtype, device=device)
@@ -131,7 +133,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
         skip = positives.flat(index)
         if skip is not None:
-            logits_buffer[:size].index_fill_(0, skip, float("-inf"))
+            logits_buffer[: size + 1].index_fill_(0, skip, float("-inf"))
         if loss:
             sp = math.terms(z, 0.0, 1.0, out=softplus_buffer[:size].view(num_rows, stop - start))
             softplus_sum.addmv_(sp, ones[: stop - start])

@@ -1,16 +1,52 @@
 """The positives of a torch pass: found once, then used by the tiles and the sparse part.
 
-`Positives(ids, tiles)` runs `keras_cutbce.math.positives.distinct_targets`
-(sort-based, O(M L)) once per pass and keeps what both parts of the pass
+`Positives(ids, tiles)` runs `distinct_targets`, torch's copy of
+`keras_cutbce.math.positives.distinct_targets` (the same sort-based O(M L)
+method and result, written without the Keras `full_like`, whose torch
+version reads its fill value on the host), once per pass and keeps what both parts of the pass
 need: the safe ids and their keep mask (the sparse part gathers the table
-rows there), and the kept `(row, item)` pairs sorted by item with the slice
-of them each vocabulary tile owns (the tile loop sets them to `-inf` in the
-tile's logits).
+rows there, the tile loop sets each tile's own to `-inf` in its logits).
+Which positives a tile owns is a mask over the `[M, L]` ids, never a count
+or a slice read on the host: O(M L) per tile, no device-to-host sync and
+no graph break under `torch.compile`.
 """
 
 import torch
 
-from keras_cutbce.math.positives import distinct_targets
+
+def distinct_targets(ids, vocab_size):
+    """Returns the valid, de-duplicated target ids of each row, sorted.
+
+    The same result as `keras_cutbce.math.positives.distinct_targets`:
+    ids outside `[0, vocab_size)` are padding, compared in a signed dtype
+    wide enough for the ids.
+
+    Args:
+        ids: integer `[M, L]` (L may be 0).
+        vocab_size: int, the number of items `V`.
+
+    Returns:
+        `(safe, keep)`: int32 `[M, L]` ids, sorted per row, where each kept
+        id is a valid first occurrence and every other entry is 0; and the
+        bool `[M, L]` mask of the kept entries.
+
+    Example:
+
+    >>> safe, keep = distinct_targets(torch.tensor([[3, -1, 3, 7, 1]]), 5)
+    >>> safe.tolist(), keep.tolist()
+    ([[0, 0, 1, 3, 0]], [[False, False, True, True, False]])
+    """
+    wide = ids.dtype in (torch.int64, torch.uint32, torch.uint64)
+    ids = ids.to(torch.int64 if wide else torch.int32)  # signed: -1 marks padding
+    valid = (ids >= 0) & (ids < vocab_size)
+    key = torch.sort(torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype)), dim=-1).values
+    if ids.shape[-1] <= 1:
+        keep = key >= 0
+    else:
+        first = torch.ones_like(key[:, :1], dtype=torch.bool)
+        keep = torch.cat([first, key[:, 1:] != key[:, :-1]], dim=1) & (key >= 0)
+    safe = torch.where(keep, key, torch.zeros((), dtype=key.dtype)).to(torch.int32)
+    return safe, keep
 
 
 class Positives:
@@ -25,8 +61,8 @@ class Positives:
 
     >>> from keras_cutbce.math.tiling import vocab_tiles
     >>> positives = Positives(torch.tensor([[3, -1, 3], [0, 9, 1]]), vocab_tiles(10, 4))
-    >>> positives.keep.sum().item(), positives.flat(0).tolist()
-    (4, [4, 5, 3])
+    >>> positives.keep.sum().item(), sorted(positives.flat(0).tolist())
+    (4, [3, 4, 5, 8, 8, 8])
     """
 
     def __init__(self, ids, tiles):
@@ -35,30 +71,25 @@ class Positives:
             return
         safe, keep = distinct_targets(ids, tiles.vocab_size)
         self.safe, self.keep = safe.long(), keep
-        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(self.safe)
-        self._items, order = torch.sort(self.safe[keep])
-        self._rows = rows[keep][order]
-        starts = [start for start, _ in tiles.bounds()] + [tiles.vocab_size]
-        # One host sync per pass: the slice of sorted positives each tile owns.
-        self._bounds = torch.searchsorted(
-            self._items, torch.tensor(starts, device=ids.device)
-        ).tolist()
+        self._rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
         self._tile_bounds = tiles.bounds()
 
     def flat(self, index):
         """Returns the flat offsets of tile `index`'s positives in its `[M, stop - start]` buffer.
 
         `row * (stop - start) + item - start` for each kept positive of the
-        tile `[start, stop)`, or None when the tile has none.
+        tile `[start, stop)`, as an int64 `[M * L]`; every other entry is
+        `M * (stop - start)`, one past the tile's buffer: the caller's
+        buffer has a spare element there. None when there are no targets.
         """
         if self.empty:
             return None
-        lo, hi = self._bounds[index], self._bounds[index + 1]
-        if lo == hi:
-            return None
         start, stop = self._tile_bounds[index]
-        return self._rows[lo:hi] * (stop - start) + (self._items[lo:hi] - start)
-
+        width = stop - start
+        in_tile = self.keep & (self.safe >= start) & (self.safe < stop)
+        offsets = self._rows * width + (self.safe - start)
+        spare = torch.full((), self.safe.shape[0] * width, dtype=offsets.dtype, device=offsets.device)
+        return torch.where(in_tile, offsets, spare).reshape(-1)
     def logits(self, hidden, table, bias, dtype):
         """Returns the table rows at the positives `[M, L, D]` and their logits `[M, L]`."""
         rows = table[self.safe].to(dtype)

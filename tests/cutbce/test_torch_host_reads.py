@@ -1,0 +1,121 @@
+"""The torch kernels never read a device value on the host.
+
+A host read (`.item()`, `int(tensor)`, `bool(tensor)`, a boolean-mask index,
+`nonzero`) is a device-to-host sync on CUDA and a graph break under
+`torch.compile`. Checked on CPU: every aten op of a forward and backward
+pass is recorded, and the loss is compiled with `fullgraph=True` (which
+fails on any graph break). Runs only under KERAS_BACKEND=torch.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="torch kernels: torch backend only"
+)
+
+# Ops that copy a device value to the host, or whose output shape depends on one.
+HOST_READS = ("_local_scalar_dense", "item", "nonzero", "masked_select", "unique")
+
+
+def _inputs(rng, m=6, d=4, v=37, length=3):
+    import torch
+
+    h = torch.tensor(rng.normal(size=(m, d)), dtype=torch.float32, requires_grad=True)
+    e = torch.tensor(rng.normal(size=(v, d)), dtype=torch.float32, requires_grad=True)
+    b = torch.tensor(rng.normal(size=(v,)), dtype=torch.float32, requires_grad=True)
+    ids = rng.integers(-1, v, size=(m, length))
+    ids[0, 1] = ids[0, 0]  # a duplicate
+    ids[1, :] = -1  # a row without targets
+    weights = torch.tensor(rng.uniform(0.5, 1.5, size=m), dtype=torch.float32)
+    weights[2] = 0.0  # a masked row
+    return h, e, b, torch.tensor(ids), weights
+
+
+def _recorded_ops(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    recorder = Recorder()
+    with recorder:
+        fn()
+    return recorder.ops
+
+
+def _losses():
+    from keras_cutbce.backends.torch import chunked
+
+    options = dict(label_smoothing=0.1, pos_weight=2.0, chunk_size=16)
+
+    def per_row(h, e, b, ids, weights):
+        return (weights * chunked.cut_bce(h, e, ids, b, **options)).sum()
+
+    def weighted_sum(h, e, b, ids, weights):
+        return chunked.cut_bce_weighted_sum(h, e, ids, b, weights, **options)
+
+    return {"cut_bce": per_row, "cut_bce_weighted_sum": weighted_sum}
+
+
+@pytest.mark.parametrize("name", ["cut_bce", "cut_bce_weighted_sum"])
+@pytest.mark.parametrize("cotangent", [1.0, 2.5])
+def test_forward_and_backward_make_no_host_read(name, cotangent, rng):
+    import torch
+
+    loss_fn = _losses()[name]
+    h, e, b, ids, weights = _inputs(rng)
+
+    def step():
+        loss = loss_fn(h, e, b, ids, weights)
+        torch.autograd.grad(loss * cotangent, (h, e, b))
+
+    ops = _recorded_ops(step)
+    assert "mm" in ops or "addmm" in ops  # the recorder sees the kernel's ops
+    assert not [op for op in ops if op in HOST_READS]
+
+
+@pytest.mark.parametrize("name", ["cut_bce", "cut_bce_weighted_sum"])
+def test_compiles_without_graph_break(name, rng):
+    import torch
+
+    loss_fn = _losses()[name]
+    h, e, b, ids, weights = _inputs(rng)
+    args = (h, e, b)
+    want = loss_fn(h, e, b, ids, weights)
+    want_grads = torch.autograd.grad(want, args)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    got = compiled(h, e, b, ids, weights)
+    got_grads = torch.autograd.grad(got, args)
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8", "int16"])
+@pytest.mark.parametrize("length", [0, 1, 5])
+def test_distinct_targets_equal_the_shared_ones(dtype, length, rng):
+    import torch
+
+    from keras_cutbce.backends.torch import positives
+    from keras_cutbce.math import positives as shared
+
+    v = 9
+    low = 0 if dtype == "uint8" else -2
+    ids = rng.integers(low, v + 3, size=(7, length)).astype(dtype)
+    if dtype == "int64" and length:
+        ids[0, 0] = 2**31 + 3  # never wraps to a valid id
+    got = positives.distinct_targets(torch.tensor(ids), v)
+    want = shared.distinct_targets(torch.tensor(ids), v)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
