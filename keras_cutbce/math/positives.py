@@ -36,7 +36,7 @@ def distinct_targets(ids, vocab_size):
     wide = keras.backend.standardize_dtype(ids.dtype) in ("int64", "uint32", "uint64")
     ids = ops.cast(ids, "int64" if wide else "int32")  # signed: -1 marks padding
     valid = ops.logical_and(ids >= 0, ids < vocab_size)
-    key = ops.sort(ops.where(valid, ids, ops.full_like(ids, -1)), axis=-1)
+    key = ops.sort(ops.where(valid, ids, -1), axis=-1)  # (full_like reads a host scalar on torch)
     length = ids.shape[-1]
     if length is not None and length <= 1:
         keep = key >= 0

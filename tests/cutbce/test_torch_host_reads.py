@@ -99,23 +99,3 @@ def test_compiles_without_graph_break(name, rng):
     np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=1e-6)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8", "int16"])
-@pytest.mark.parametrize("length", [0, 1, 5])
-def test_distinct_targets_equal_the_shared_ones(dtype, length, rng):
-    import torch
-
-    from keras_cutbce.backends.torch import positives
-    from keras_cutbce.math import positives as shared
-
-    v = 9
-    low = 0 if dtype == "uint8" else -2
-    ids = rng.integers(low, v + 3, size=(7, length)).astype(dtype)
-    if dtype == "int64" and length:
-        ids[0, 0] = 2**31 + 3  # never wraps to a valid id
-    got = positives.distinct_targets(torch.tensor(ids), v)
-    want = shared.distinct_targets(torch.tensor(ids), v)
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype
-        np.testing.assert_array_equal(g.numpy(), w.numpy())

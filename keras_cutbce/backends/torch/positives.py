@@ -1,10 +1,8 @@
 """The positives of a torch pass: found once, then used by the tiles and the sparse part.
 
-`Positives(ids, tiles)` runs `distinct_targets`, torch's copy of
-`keras_cutbce.math.positives.distinct_targets` (the same sort-based O(M L)
-method and result, written without the Keras `full_like`, whose torch
-version reads its fill value on the host), once per pass and keeps what both parts of the pass
-need: the safe ids and their keep mask (the sparse part gathers the table
+`Positives(ids, tiles)` runs `keras_cutbce.math.positives.distinct_targets`
+(sort-based, O(M L), no host read) once per pass and keeps what both parts
+of the pass need: the safe ids and their keep mask (the sparse part gathers the table
 rows there, the tile loop sets each tile's own to `-inf` in its logits).
 Which positives a tile owns is a mask over the `[M, L]` ids, never a count
 or a slice read on the host: O(M L) per tile, no device-to-host sync and
@@ -13,40 +11,7 @@ no graph break under `torch.compile`.
 
 import torch
 
-
-def distinct_targets(ids, vocab_size):
-    """Returns the valid, de-duplicated target ids of each row, sorted.
-
-    The same result as `keras_cutbce.math.positives.distinct_targets`:
-    ids outside `[0, vocab_size)` are padding, compared in a signed dtype
-    wide enough for the ids.
-
-    Args:
-        ids: integer `[M, L]` (L may be 0).
-        vocab_size: int, the number of items `V`.
-
-    Returns:
-        `(safe, keep)`: int32 `[M, L]` ids, sorted per row, where each kept
-        id is a valid first occurrence and every other entry is 0; and the
-        bool `[M, L]` mask of the kept entries.
-
-    Example:
-
-    >>> safe, keep = distinct_targets(torch.tensor([[3, -1, 3, 7, 1]]), 5)
-    >>> safe.tolist(), keep.tolist()
-    ([[0, 0, 1, 3, 0]], [[False, False, True, True, False]])
-    """
-    wide = ids.dtype in (torch.int64, torch.uint32, torch.uint64)
-    ids = ids.to(torch.int64 if wide else torch.int32)  # signed: -1 marks padding
-    valid = (ids >= 0) & (ids < vocab_size)
-    key = torch.sort(torch.where(valid, ids, torch.full((), -1, dtype=ids.dtype)), dim=-1).values
-    if ids.shape[-1] <= 1:
-        keep = key >= 0
-    else:
-        first = torch.ones_like(key[:, :1], dtype=torch.bool)
-        keep = torch.cat([first, key[:, 1:] != key[:, :-1]], dim=1) & (key >= 0)
-    safe = torch.where(keep, key, torch.zeros((), dtype=key.dtype)).to(torch.int32)
-    return safe, keep
+from keras_cutbce.math.positives import distinct_targets
 
 
 class Positives:
