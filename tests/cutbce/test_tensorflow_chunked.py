@@ -1,5 +1,9 @@
 """The TensorFlow chunked CutBCE kernel (`keras_cutbce.backends.tensorflow.chunked`).
 
+The checks shared with the other backends (odd shapes, smoothing and pos_weight
+against the reference and Keras BCE, low-precision inputs) are in
+tests/cutbce/test_chunked.py; these are TensorFlow's own.
+
 Loss and gradients (hidden, table, bias) under random cotangents against the
 dense reference and Keras's `binary_crossentropy`, on odd shapes; eager,
 `tf.function` and XLA agree; unknown batch dimension; Keras `fit`.
@@ -102,45 +106,6 @@ def assert_same(result, expected, rtol=2e-5):
         assert_close(g, r, rtol, f"d {name}")
 
 
-# (rows, dim, vocab, labels, chunk_size): V not a multiple of the tile, a
-# multiple, smaller than the tile, one tile exactly; L = 0, 1 and more.
-SHAPES = [
-    (9, 8, 300, 4, 128),
-    (6, 5, 256, 3, 64),
-    (5, 7, 50, 3, 128),
-    (4, 16, 128, 2, 128),
-    (7, 6, 130, 1, 32),
-    (5, 4, 90, 0, 32),
-]
-
-
-@pytest.mark.parametrize("rows,dim,vocab,labels,chunk", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_reference_and_keras(rows, dim, vocab, labels, chunk, with_bias):
-    rng = np.random.default_rng(rows * 1000 + vocab + labels)
-    h, t, ids, b, cot = make_case(rng, rows, dim, vocab, labels, bias=with_bias)
-    got = loss_and_grads(chunked_fn(chunk_size=chunk), h, t, ids, b, cot)
-    assert_same(got, loss_and_grads(reference_fn(), h, t, ids, b, cot))
-    assert_same(got, loss_and_grads(keras_fn(), h, t, ids, b, cot))
-    for g, x in zip(got[1], (h, t, b)):
-        assert g.dtype == tf.float32 and g.shape == x.shape
-
-
-@pytest.mark.parametrize(
-    "label_smoothing,pos_weight", [(0.1, 1.0), (0.0, 2.5), (0.3, 0.4), (1.0, 3.0)]
-)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_label_smoothing_and_pos_weight(label_smoothing, pos_weight, with_bias):
-    rng = np.random.default_rng(7)
-    h, t, ids, b, cot = make_case(rng, 8, 6, 200, 4, bias=with_bias)
-    fn = chunked_fn(label_smoothing, pos_weight, chunk_size=64)
-    got = loss_and_grads(fn, h, t, ids, b, cot)
-    ref = reference_fn(label_smoothing, pos_weight)
-    assert_same(got, loss_and_grads(ref, h, t, ids, b, cot))
-    if pos_weight == 1.0:
-        assert_same(got, loss_and_grads(keras_fn(label_smoothing), h, t, ids, b, cot))
-
-
 @pytest.mark.parametrize("id_dtype", ["int8", "int16", "int32", "int64", "uint8"])
 def test_id_dtypes(id_dtype):
     rng = np.random.default_rng(3)
@@ -167,23 +132,6 @@ def test_only_padding_and_duplicates():
     got = loss_and_grads(chunked_fn(chunk_size=16), h, t, ids, b, cot)
     assert_same(got, loss_and_grads(reference_fn(), h, t, ids, b, cot))
     assert_same(got, loss_and_grads(keras_fn(), h, t, ids, b, cot))
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_low_precision_inputs(dtype):
-    rng = np.random.default_rng(6)
-    h, t, ids, b, cot = make_case(rng, 8, 16, 300, 4)
-    low = [tf.cast(x, dtype) for x in (h, t, b)]
-    got = loss_and_grads(chunked_fn(chunk_size=128), low[0], low[1], ids, low[2], cot)
-    assert got[0].dtype == tf.float32
-    for g in got[1]:
-        assert g.dtype == dtype
-    # Against the reference on the same (rounded) values, in float32.
-    up = [tf.cast(x, tf.float32) for x in low]
-    ref = loss_and_grads(reference_fn(), up[0], up[1], ids, up[2], cot)
-    assert_close(got[0], ref[0], 1e-5, "loss")  # float32 accumulation
-    for name, g, r in zip(("hidden", "table", "bias"), got[1], ref[1]):
-        assert_close(g, r, 2e-2, f"d {name}")
 
 
 def test_extreme_logits_are_finite_and_exact():

@@ -1,6 +1,8 @@
 """The torch chunked CutBCE kernel against the dense reference and Keras BCE.
 
-Runs only under KERAS_BACKEND=torch; torch is imported inside the tests.
+Runs only under KERAS_BACKEND=torch; torch is imported inside the tests. The
+checks shared with the other backends (odd shapes against the reference and
+Keras BCE, low-precision inputs) are in tests/cutbce/test_chunked.py.
 """
 
 import keras
@@ -43,31 +45,6 @@ def _np(x):
     return x.detach().float().double().numpy()
 
 
-def _keras_bce(h, e, ids, b, label_smoothing):
-    """Keras dense BCE of the multi-hot target, per row, differentiable in torch."""
-    from keras_cutbce.math import reference
-
-    z = reference.logits(h, e, b)
-    y = reference.multi_hot(ids, e.shape[0])
-    return keras.losses.binary_crossentropy(
-        y, z, from_logits=True, label_smoothing=label_smoothing
-    )
-
-
-CASES = {
-    # name: (M, D, V, chunk, ids builder, bias, label_smoothing, pos_weight)
-    "v_not_multiple_of_tile": (9, 6, 37, 8, "mixed", True, 0.0, 1.0),
-    "v_smaller_than_tile": (5, 4, 10, 64, "mixed", False, 0.0, 1.0),
-    "single_label": (7, 5, 23, 5, "single", True, 0.0, 1.0),
-    "no_labels": (6, 5, 19, 4, "empty", True, 0.0, 1.0),
-    "duplicates_and_padding": (8, 3, 29, 7, "dups", False, 0.0, 1.0),
-    "label_smoothing": (6, 5, 31, 6, "mixed", True, 0.2, 1.0),
-    "pos_weight": (6, 5, 31, 6, "mixed", True, 0.0, 3.5),
-    "smoothing_and_pos_weight": (6, 5, 33, 10, "dups", False, 0.1, 0.3),
-    "tile_of_one": (4, 3, 6, 1, "mixed", True, 0.05, 2.0),
-}
-
-
 def _ids(kind, m, v, rng):
     if kind == "single":
         return rng.integers(0, v, size=(m, 1))
@@ -80,44 +57,6 @@ def _ids(kind, m, v, rng):
     ids[1, 2:] = [-1, v, v + 5]  # padding outside [0, V)
     ids[2, :] = -1  # a row with no valid id
     return ids
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_reference_and_keras(name, rng):
-    import torch
-
-    from keras_cutbce.math import reference
-
-    m, d, v, chunk, kind, with_bias, a, p = CASES[name]
-    h, e, b = _tensors(rng, m, d, v, with_bias)
-    ids = torch.tensor(_ids(kind, m, v, rng))
-    cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
-    chunked = _chunked()
-
-    loss, grads = _loss_and_grads(
-        lambda h, e, b: chunked.cut_bce(
-            h, e, ids, b, label_smoothing=a, pos_weight=p, chunk_size=chunk
-        ),
-        h, e, b, cotangent,
-    )
-    ref_loss, ref_grads = _loss_and_grads(
-        lambda h, e, b: reference.cut_bce(h, e, ids, b, label_smoothing=a, pos_weight=p),
-        h, e, b, cotangent,
-    )
-    assert loss.dtype == torch.float32 and loss.shape == (m,)
-    np.testing.assert_allclose(_np(loss), _np(ref_loss), rtol=1e-5, atol=1e-6)
-    assert len(grads) == len(ref_grads) == (3 if with_bias else 2)
-    for got, want, x in zip(grads, ref_grads, (h, e, b)):
-        assert got.dtype == x.dtype and got.shape == x.shape
-        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
-
-    if p == 1.0:
-        keras_loss, keras_grads = _loss_and_grads(
-            lambda h, e, b: _keras_bce(h, e, ids, b, a), h, e, b, cotangent
-        )
-        np.testing.assert_allclose(_np(loss), _np(keras_loss), rtol=1e-5, atol=1e-6)
-        for got, want in zip(grads, keras_grads):
-            np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("zero_rows", ["some", "all"])
@@ -174,34 +113,6 @@ def test_any_integer_id_dtype(dtype, rng):
     got = _chunked().cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=16)
     want = reference.cut_bce(h, e, torch.tensor(raw), b)
     np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
-
-
-def test_bfloat16_inputs(rng):
-    import torch
-
-    from keras_cutbce.math import reference
-
-    m, d, v = 16, 8, 70
-    h, e, b = _tensors(rng, m, d, v, True, dtype="bfloat16")
-    ids = torch.tensor(_ids("dups", m, v, rng))
-    cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
-    loss, grads = _loss_and_grads(
-        lambda h, e, b: _chunked().cut_bce(
-            h, e, ids, b, label_smoothing=0.1, pos_weight=1.0, chunk_size=32
-        ),
-        h, e, b, cotangent,
-    )
-    # Reference on the same (bf16-rounded) values in float32.
-    ref_loss, ref_grads = _loss_and_grads(
-        lambda h, e, b: reference.cut_bce(h, e, ids, b, label_smoothing=0.1),
-        h.float(), e.float(), b.float(), cotangent,
-    )
-    assert loss.dtype == torch.float32
-    np.testing.assert_allclose(_np(loss), _np(ref_loss), rtol=1e-5, atol=1e-6)
-    for got, want in zip(grads, ref_grads):
-        assert got.dtype == torch.bfloat16
-        scale = np.abs(_np(want)).max()
-        np.testing.assert_allclose(_np(got), _np(want), rtol=2e-2, atol=1e-2 * scale)
 
 
 def test_extreme_logits_are_finite_and_exact():
