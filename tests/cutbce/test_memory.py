@@ -161,7 +161,7 @@ def test_loss_path_peak_stays_under_the_limit():
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA memory analysis of the JAX kernel")
 @pytest.mark.parametrize("path", ["forward", "per_row_grads", "fused_grads"])
 def test_jax_chunked_temp_memory_when_tiles_do_not_divide_the_vocabulary(path):
-    """Issue 11 D4: V = 8292 over 256-wide tiles: no extra full copy of the table.
+    """V = 8292 over 256-wide tiles: no extra full copy of the table.
 
     XLA's compiled temp buffers must stay about one float32 table gradient
     (the `[D + 1, V]` buffer the tiles are written into) with gradients, and

@@ -1,4 +1,4 @@
-"""Issue 11 C: every kernel is exact at saturated logits.
+"""Every kernel is exact at saturated logits.
 
 A positive's term must not be added densely as `softplus(z) ~ z` and then
 subtracted back: with an identity table (`z = h` exactly in float32) the

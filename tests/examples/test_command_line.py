@@ -1,4 +1,4 @@
-"""The examples' command line as a new user meets it (issue 17 D).
+"""The examples' command line as a new user meets it.
 
 `--help` with no backend chosen imports no backend at all (no TensorFlow log
 lines); a bad `--data-dir` is a usage error, not a
