@@ -50,7 +50,8 @@ def spread_gain(per_repeat):
     return round(float(np.median(values)), 12), low, high, clear
 
 
-def _build(mode, args, train, seed, erase_options):
+def build_mode_model(mode, args, train, seed, erase_options):
+    """Returns the compiled CTR model of `mode` from the initial weights of `seed`."""
     keras.utils.set_random_seed(seed)
     model = build_ctr_model(
         detached=mode != "baseline",
@@ -92,7 +93,7 @@ def interleaved_run(modes, args, train, test, seed, erase_options, synchronize=N
     import time
 
     clock = clock or time.perf_counter
-    models = {mode: _build(mode, args, train, seed, erase_options) for mode in modes}
+    models = {mode: build_mode_model(mode, args, train, seed, erase_options) for mode in modes}
     batches = _batches(train, args, seed)
     block = max(1, int(args.interleave_steps))
     seconds = {mode: [] for mode in modes}

@@ -48,8 +48,7 @@ import numpy as np
 
 from examples.ctr.cli import MODES, build_parser  # noqa: F401 (re-exported: the command line)
 from examples.ctr import data as data_lib
-from examples.ctr.compare import compare_modes
-from examples.ctr.model import NormalizedEntropy, build_ctr_model
+from examples.ctr.compare import build_mode_model, compare_modes
 from examples.ctr.seeds import aggregate, mean_sd
 from keras_erase.throughput import global_step_seconds, throughput_percentiles
 
@@ -184,21 +183,7 @@ def run_mode(mode, args, train, test, seed=None):
             f"here; available: {', '.join(available_modes())}."
         )
     seed = args.seed if seed is None else seed
-    keras.utils.set_random_seed(seed)
-    model = build_ctr_model(
-        detached=mode != "baseline",
-        buckets=args.buckets,
-        embedding_dim=args.embedding_dim,
-        width=args.width,
-        depth=args.depth,
-        initial_ctr=float(np.clip(train["label"].mean(), 0.01, 0.99)),
-        **ERASE_OPTIONS.get(mode, {}),
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(args.learning_rate),
-        loss=keras.losses.BinaryCrossentropy(),
-        metrics=[NormalizedEntropy(name="ne"), keras.metrics.AUC(name="auc")],
-    )
+    model = build_mode_model(mode, args, train, seed, ERASE_OPTIONS)
     meter = Throughput(args.batch_size, synchronize=make_synchronizer())
     features = {"dense": train["dense"], "sparse": train["sparse"]}
     print(f"[ctr] backend={keras.backend.backend()} mode={mode} seed={seed} "

@@ -540,7 +540,7 @@ def test_compare_trains_every_mode_in_one_process_alternating(monkeypatch, tmp_p
     from examples.ctr.train import available_modes, main
 
     order = []
-    build = compare._build
+    build = compare.build_mode_model
 
     def recording_build(mode, *args):
         model = build(mode, *args)
@@ -553,7 +553,7 @@ def test_compare_trains_every_mode_in_one_process_alternating(monkeypatch, tmp_p
         model.train_on_batch = train_on_batch
         return model
 
-    monkeypatch.setattr(compare, "_build", recording_build)
+    monkeypatch.setattr(compare, "build_mode_model", recording_build)
     results = main(TINY_CTR + ["--compare", "--seeds", "2", "--interleave-steps", "2",
                                "--steps-per-epoch", "6", "--json", str(tmp_path / "c.json"),
                                "--plot", str(tmp_path / "c.png")])  # the last cap wins
