@@ -19,7 +19,7 @@
 # Environment: PYTHON (default: python), extra arguments go to erase_gpu.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}  # the project venv when there is one
 export KERAS_BACKEND=torch
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RESULTS=benchmarks/results
