@@ -135,9 +135,6 @@ LOSS_PATH_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
-@pytest.mark.skipif(
-    keras.backend.backend() == "jax", reason="the JAX chunked kernel is not yet under the limit"
-)
 def test_loss_path_peak_stays_under_the_limit():
     """Checks that `weighted_loss_sum` (what `fit` runs) peaks at about one table gradient.
 

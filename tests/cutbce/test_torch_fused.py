@@ -160,6 +160,30 @@ def test_upstream_cotangent_scales_the_gradients(rng):
             np.testing.assert_allclose(_np(got), c * _np(want), rtol=1e-6, atol=1e-7)
 
 
+def test_a_second_backward_through_the_same_graph_recomputes_the_gradients(rng):
+    """The first backward scales the fused gradients in place and hands them on.
+
+    A second one through the same graph (`retain_graph=True`) gets the
+    same gradients, scaled by its own cotangent.
+    """
+    import torch
+
+    h, e, b = _tensors(rng, 6, 4, 19, True)
+    ids = torch.tensor(_ids("dups", 6, 19, rng))
+    w = _row_weights(rng, 6)
+    fn = _fused(ids, w, 0.0, 1.0, 8)
+    args = [x.clone().requires_grad_(True) for x in (h, e, b)]
+    want = torch.autograd.grad(fn(*args), args)
+    value = fn(*args)
+    got = torch.autograd.grad(value, args, grad_outputs=torch.tensor(2.0), retain_graph=True)
+    for g, ref in zip(got, want):
+        np.testing.assert_allclose(_np(g), 2.0 * _np(ref), rtol=1e-6, atol=1e-7)
+    for c in (1.0, -0.5):
+        again = torch.autograd.grad(value, args, grad_outputs=torch.tensor(c), retain_graph=True)
+        for g, ref in zip(again, want):
+            np.testing.assert_allclose(_np(g), c * _np(ref), rtol=1e-6, atol=1e-7)
+
+
 def test_all_rows_masked(rng):
     import torch
 

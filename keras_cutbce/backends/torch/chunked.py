@@ -81,30 +81,44 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     The row weights are constants, so the gradient for an upstream scalar
     cotangent `c` is `c` times the gradient at `c = 1`: the forward pass
     computes it along with the loss (one logits matmul per tile instead of
-    two) and the backward pass only scales it.
+    two) and the backward pass only scales it, in place, so the `[V, D]`
+    table gradient exists once, not twice. A later backward through the same
+    graph (`retain_graph=True`, e.g. `gradcheck`) recomputes them.
     """
 
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, row_weights, coef, tile, need):
-        dtype = compute_dtype(hidden, table, bias)
-        w = row_weights.to(dtype)
-        h = mask_zero_rows(w, hidden.to(dtype))
-        loss, grad_h, grad_e, grad_b = kernel.row_losses(h, table, bias, ids, coef, tile, w, need)
-        ctx.save_for_backward(grad_h, grad_e, grad_b)
+        loss, *grads = _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need)
+        # Held on `ctx`, not saved: the first backward pass consumes them.
+        ctx.fused_grads = grads
+        ctx.save_for_backward(hidden, table, bias, ids, row_weights)
+        ctx.coef, ctx.tile, ctx.need = coef, tile, need
         ctx.dtypes = (hidden.dtype, table.dtype, None if bias is None else bias.dtype)
-        return torch.dot(w, loss)
+        return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, cotangent):
+        grads, ctx.fused_grads = ctx.fused_grads, None
+        if grads is None:  # a second backward: the first one consumed them
+            _, *grads = _fused_pass(*ctx.saved_tensors, ctx.coef, ctx.tile, ctx.need)
         # Always scaled (a cotangent of 1 scales exactly): comparing it with
         # 1 first would read it on the host.
-        grads = []
-        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes):
+        scaled = []
+        for grad, dtype in zip(grads, ctx.dtypes):
             if grad is not None:
-                grad = grad * cotangent.to(grad.dtype)
-            grads.append(None if grad is None else grad.to(dtype))
-        return tuple(grads) + (None,) * 5
+                grad = grad.mul_(cotangent.to(grad.dtype)).to(dtype)
+            scaled.append(grad)
+        return tuple(scaled) + (None,) * 5
+
+
+def _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need):
+    """Returns the weighted loss sum and the needed gradients at cotangent 1."""
+    dtype = compute_dtype(hidden, table, bias)
+    w = row_weights.to(dtype)
+    h = mask_zero_rows(w, hidden.to(dtype))
+    loss, grad_h, grad_e, grad_b = kernel.row_losses(h, table, bias, ids, coef, tile, w, need)
+    return torch.dot(w, loss), grad_h, grad_e, grad_b
 
 
 def _tile(chunk_size):
