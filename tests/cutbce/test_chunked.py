@@ -18,6 +18,7 @@ import pytest
 
 from keras_cutbce.math import reference
 from keras_cutbce.math.coefficients import bce_coefficients
+from tests.cutbce.kernel_inputs import mixed_ids
 
 BACKEND = keras.backend.backend()
 
@@ -166,15 +167,7 @@ def problem(rng, rows, dim, vocab, length, with_bias=True, scale=0.5):
     h = (scale * rng.normal(size=(rows, dim))).astype("float32")
     t = (scale * rng.normal(size=(vocab, dim))).astype("float32")
     b = rng.normal(size=(vocab,)).astype("float32") if with_bias else None
-    ids = rng.integers(0, vocab, size=(rows, length)).astype("int32")
-    if length >= 2:
-        ids[0, 1] = ids[0, 0]  # duplicate
-        ids[1, :] = ids[1, 0]  # a row of one repeated id
-        ids[2 % rows, -1] = -1
-    if length >= 1:
-        ids[3 % rows, -1] = vocab
-        ids[4 % rows, 0] = vocab + 5
-        ids[5 % rows, :] = -1  # a row with no valid id
+    ids = mixed_ids(rng, rows, vocab, length)
     cot = rng.normal(size=(rows,)).astype("float32")
     return h, t, ids, b, cot
 
@@ -276,10 +269,20 @@ def test_ids_get_no_gradient_and_bias_none():
         assert_close(got, want, 2e-5, 2e-6, "grad")
 
 
-def test_dispatch_through_ops_with_leading_dims():
-    """`ops.cut_binary_crossentropy(..., implementation="chunked")` on `[2, 3, D]` hidden."""
+def test_dispatch_through_ops_with_leading_dims(monkeypatch):
+    """`ops.cut_binary_crossentropy(..., implementation="chunked")` on `[2, 3, D]` hidden
+    reaches the active backend's kernel once, with the options as given."""
     from keras_cutbce import ops as cut_ops
 
+    chunked = importlib.import_module(f"keras_cutbce.backends.{BACKEND}.chunked")
+    calls = []
+    original = chunked.cut_bce
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "cut_bce", spy)
     rng = np.random.default_rng(9)
     hidden = rng.normal(size=(2, 3, 5)).astype("float32")
     table = rng.normal(size=(26, 5)).astype("float32")
@@ -290,5 +293,70 @@ def test_dispatch_through_ops_with_leading_dims():
         pos_weight=1.5,
     )
     want = reference.cut_bce(hidden.reshape(6, 5), table, ids.reshape(6, 4), pos_weight=1.5)
+    assert calls == [dict(label_smoothing=0.0, pos_weight=1.5, chunk_size=8)]
     assert tuple(got.shape) == (2, 3)
     assert_close(_np(got).reshape(-1), _np(want), 2e-5, 2e-6, "loss")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "int64"])
+def test_any_integer_id_dtype(dtype):
+    """Ids of any integer dtype give exactly the int32 ids' loss and gradients
+    (padding that each dtype can hold included)."""
+    h, t, _, b, cot = problem(np.random.default_rng(2), 5, 4, 100, 0)
+    ids = np.array([[0, 3, 3], [99, 1, 2], [5, 6, 100], [7, 7, 7], [8, 9, 120]])
+    got = run(kernel(chunk_size=32), h, t, ids.astype(dtype), b, cot)
+    want = run(kernel(chunk_size=32), h, t, ids.astype("int32"), b, cot)
+    np.testing.assert_array_equal(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_array_equal(g, w)
+    truth_loss, truth_grads = truth(h, t, ids, b, cot)
+    assert_close(got[0], truth_loss, 2e-5, 2e-6, "loss")
+    for g, w in zip(got[1], truth_grads):
+        assert_close(g, w, 2e-5, 2e-6, "grad")
+
+
+@pytest.mark.parametrize("a,p", [(0.0, 1.0), (0.1, 2.0)])
+def test_extreme_logits_are_finite_and_exact(a, p):
+    """Logits of +-200 and +-1000 (and 0), positives among them: softplus and
+    sigmoid must neither overflow nor lose the exact float64 value."""
+    vocab = 70
+    h = np.array([[10.0, 0.0], [-10.0, 0.0], [0.0, 50.0], [0.0, 0.0]], "float32")
+    t = np.zeros((vocab, 2), "float32")
+    t[:, 0] = np.where(np.arange(vocab) % 2 == 0, 20.0, -20.0)  # z = +-200, rows 0 and 1
+    t[:, 1] = np.where(np.arange(vocab) % 3 == 0, 20.0, -20.0)  # z = +-1000, row 2
+    b = np.where(np.arange(vocab) % 5 == 0, 150.0, 0.0).astype("float32")  # row 3: 0 or 150
+    ids = np.array([[0, 1, 2], [1, 3, -1], [0, 3, 5], [5, 6, vocab]])
+    cot = np.array([1.5, -0.5, 2.0, 0.7], "float32")
+    loss, grads, _, _ = run(kernel(a, p, chunk_size=32), h, t, ids, b, cot)
+    want_loss, want_grads = truth(h, t, ids, b, cot, a, p)
+    assert_close(loss, want_loss, 1e-6, 1e-6, "loss")
+    for name, got, want in zip(("hidden", "table", "bias"), grads, want_grads):
+        assert_close(got, want, 1e-5, 1e-5, f"d {name}")
+
+
+MASK_POSITIVES = {  # torch keeps its positives as a mask over the ids instead (positives.py)
+    "jax": "keras_cutbce.backends.jax.chunked",
+    "tensorflow": "keras_cutbce.backends.tensorflow.positives",
+}
+
+
+@pytest.mark.skipif(BACKEND not in MASK_POSITIVES, reason="the backend has no mask_positives")
+@pytest.mark.parametrize("length", [0, 1, 5, 40])
+def test_mask_positives_sets_exactly_the_positives(length):
+    """The O(M L) scatter puts -inf at each positive of the tile, and nowhere else."""
+    mask_positives = importlib.import_module(MASK_POSITIVES[BACKEND]).mask_positives
+    rng = np.random.default_rng(length)
+    ids = rng.integers(-3, 70, size=(6, length)).astype("int32")
+    if length:
+        ids[0, :] = 64  # duplicates
+    for start, width in ((0, 16), (48, 16), (64, 6)):
+        z = rng.normal(size=(6, width)).astype("float32")
+        want = z.copy()
+        for m, row in enumerate(ids):
+            for i in row:
+                if start <= i < start + width:
+                    want[m, i - start] = -np.inf
+        got = mask_positives(
+            keras.ops.convert_to_tensor(z), keras.ops.convert_to_tensor(ids), start
+        )
+        np.testing.assert_array_equal(_np(got), want)

@@ -3,12 +3,20 @@
 Every case compares the loss and the gradients of hidden, table and bias (for a
 random cotangent) with the dense reference. The checks shared with the other
 backends (odd shapes against the reference and Keras BCE, bias None,
-low-precision inputs, dispatch through ops) are in tests/cutbce/test_chunked.py.
+low-precision inputs, id dtypes, extreme logits, the positives' mask, dispatch
+through ops) are in tests/cutbce/test_chunked.py.
 """
 
 import keras
 import numpy as np
 import pytest
+
+from tests.cutbce.kernel_inputs import (
+    assert_close,
+    hidden_table_bias,
+    largest_intermediate,
+    mixed_ids,
+)
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX backend kernel"
@@ -25,21 +33,10 @@ def _jax():
 
 
 def _problem(rng, rows, dim, vocab, length, scale=1.0, dtype="float32"):
-    """Random inputs; ids mix valid ids, duplicates and padding (-1, V, V + 5)."""
-    hidden = (scale * rng.normal(size=(rows, dim))).astype(dtype)
-    table = rng.normal(size=(vocab, dim)).astype(dtype)
-    bias = rng.normal(size=(vocab,)).astype(dtype)
-    ids = rng.integers(0, vocab, size=(rows, length)).astype("int32")
-    if length >= 2:
-        ids[0, 1] = ids[0, 0]  # duplicate
-        ids[1, :] = ids[1, 0]  # a row of one repeated id
-        ids[2, -1] = -1
-    if length >= 1:
-        ids[3, -1] = vocab
-        ids[4, 0] = vocab + 5
-        ids[5, :] = -1  # a row with no valid id
-    cotangent = rng.normal(size=(rows,)).astype("float32")
-    return hidden, table, bias, ids, cotangent
+    """Random inputs (`kernel_inputs.mixed_ids`) and a random cotangent."""
+    hidden, table, bias = hidden_table_bias(rng, rows, dim, vocab, scale, dtype)
+    ids = mixed_ids(rng, rows, vocab, length)
+    return hidden, table, bias, ids, rng.normal(size=(rows,)).astype("float32")
 
 
 def _loss_value_and_grads(loss_fn, hidden, table, bias, cotangent):
@@ -59,17 +56,6 @@ def _loss_value_and_grads(loss_fn, hidden, table, bias, cotangent):
     return loss, value, grads
 
 
-def _value_and_grads(loss_fn, hidden, table, bias, cotangent):
-    """`sum(cotangent * loss)` and its gradients (see `_loss_value_and_grads`)."""
-    return _loss_value_and_grads(loss_fn, hidden, table, bias, cotangent)[1:]
-
-
-def _assert_close(got, want, rtol=2e-5, atol=2e-6):
-    np.testing.assert_allclose(
-        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol
-    )
-
-
 def test_duplicates_and_padding_are_ignored():
     _, jnp, chunked = _jax()
     hidden, table, bias, _, _ = _problem(np.random.default_rng(1), 6, 4, 10, 1)
@@ -78,47 +64,11 @@ def test_duplicates_and_padding_are_ignored():
     noisy = np.array([[2, 2, 10, 15], [7, 3, 3, 7], [-1, 10, -7, 15]])
     got = chunked.cut_bce(hidden, table, noisy, bias, chunk_size=4)
     want = chunked.cut_bce(hidden, table, clean, bias, chunk_size=4)
-    _assert_close(got, want, rtol=0, atol=0)
+    assert_close(got, want, rtol=0, atol=0)
     empty = chunked.cut_bce(hidden, table, jnp.zeros((3, 0), "int32"), bias, chunk_size=4)
-    _assert_close(got[2], empty[2], rtol=0, atol=0)
+    assert_close(got[2], empty[2], rtol=0, atol=0)
     # A positive changes the loss: the check above can fail.
     assert abs(float(got[0]) - float(empty[0])) > 1e-4
-
-
-@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint32"])
-def test_integer_id_dtypes(dtype):
-    _, _, chunked = _jax()
-    hidden, table, bias, _, _ = _problem(np.random.default_rng(2), 6, 3, 100, 1)
-    hidden = hidden[:4]
-    ids = np.array([[1, 2], [99, 99], [0, 50], [3, 7]])
-    got = chunked.cut_bce(hidden, table, ids.astype(dtype), bias, chunk_size=32)
-    want = chunked.cut_bce(hidden, table, ids.astype("int32"), bias, chunk_size=32)
-    _assert_close(got, want, rtol=0, atol=0)
-
-
-def test_large_logits_are_finite_and_exact():
-    jax, jnp, chunked = _jax()
-    from keras_cutbce.math import reference
-
-    rng = np.random.default_rng(3)
-    hidden, table, bias, ids, cotangent = _problem(rng, 8, 4, 23, 3)
-    hidden = hidden * 60.0  # logits spread over about +-300
-    z = np.asarray(reference.logits(hidden, table, bias))
-    assert z.max() > 200 and z.min() < -200
-
-    def cut(h, t, b):
-        return chunked.cut_bce(h, t, ids, b, label_smoothing=0.1, chunk_size=8)
-
-    def ref(h, t, b):
-        return reference.cut_bce(h, t, ids, b, label_smoothing=0.1)
-
-    value, grads = _value_and_grads(cut, hidden, table, bias, cotangent)
-    ref_value, ref_grads = _value_and_grads(ref, hidden, table, bias, cotangent)
-    assert np.isfinite(float(value))
-    _assert_close(value, ref_value, rtol=1e-5)
-    for got, want in zip(grads, ref_grads):
-        assert np.all(np.isfinite(np.asarray(got)))
-        _assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_jit_and_default_chunk_size():
@@ -133,9 +83,9 @@ def test_jit_and_default_chunk_size():
     jitted = jax.jit(
         jax.value_and_grad(objective, argnums=(0, 1, 2)), static_argnums=3
     )(hidden, table, bias, None)
-    _assert_close(jitted[0], eager[0])
+    assert_close(jitted[0], eager[0])
     for got, want in zip(jitted[1], eager[1]):
-        _assert_close(got, want)
+        assert_close(got, want)
 
 
 def test_vmap_over_a_leading_axis():
@@ -165,35 +115,9 @@ def test_vmap_over_a_leading_axis():
 
     value, grads = objective(cut)(hidden, table, bias)
     ref_value, ref_grads = objective(ref)(hidden, table, bias)
-    _assert_close(value, ref_value)
+    assert_close(value, ref_value)
     for got, want in zip(grads, ref_grads):
-        _assert_close(got, want)
-
-
-def _largest_intermediate(fn, *args):
-    """Largest number of elements of any value computed in `fn`'s jaxpr (sub-jaxprs too)."""
-    jax, _, _ = _jax()
-
-    def sub_jaxprs(value):
-        if hasattr(value, "eqns"):
-            yield value
-        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-            yield value.jaxpr
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                yield from sub_jaxprs(item)
-
-    def walk(jaxpr):
-        largest = 0
-        for eqn in jaxpr.eqns:
-            for var in eqn.outvars:
-                largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
-            for param in eqn.params.values():
-                for sub in sub_jaxprs(param):
-                    largest = max(largest, walk(sub))
-        return largest
-
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+        assert_close(got, want)
 
 
 def test_no_rows_by_vocab_array_in_forward_and_backward():
@@ -212,10 +136,10 @@ def test_no_rows_by_vocab_array_in_forward_and_backward():
     def cut(h, t, i, b):
         return chunked.cut_bce(h, t, i, b, label_smoothing=0.1, chunk_size=8)
 
-    largest = _largest_intermediate(value_and_grads(cut), hidden, table, bias)
+    largest = largest_intermediate(value_and_grads(cut), hidden, table, bias)
     assert largest < rows * vocab
     # The probe sees the dense reference's [M, V] logits, so it can fail.
-    dense = _largest_intermediate(value_and_grads(reference.cut_bce), hidden, table, bias)
+    dense = largest_intermediate(value_and_grads(reference.cut_bce), hidden, table, bias)
     assert dense >= rows * vocab
 
 
@@ -226,21 +150,3 @@ def test_keras_fit_trains_the_tied_table():
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert np.abs(after - before).max() > 1e-3
 
-
-@pytest.mark.parametrize("length", [0, 1, 5, 40])
-def test_mask_positives_sets_exactly_the_positives(length):
-    """The O(M L) scatter puts -inf at each positive of the tile, and nowhere else."""
-    jax, jnp, chunked = _jax()
-    rng = np.random.default_rng(length)
-    ids = rng.integers(-3, 70, size=(6, length)).astype("int32")
-    if length:
-        ids[0, :] = 64  # duplicates
-    for start, width in ((0, 16), (48, 16), (64, 6)):
-        z = rng.normal(size=(6, width)).astype("float32")
-        got = np.asarray(chunked.mask_positives(jnp.asarray(z), jnp.asarray(ids), start))
-        want = z.copy()
-        for m, row in enumerate(ids):
-            for i in row:
-                if start <= i < start + width:
-                    want[m, i - start] = -np.inf
-        np.testing.assert_array_equal(got, want)

@@ -13,6 +13,14 @@ import keras
 import numpy as np
 import pytest
 
+from tests.cutbce.kernel_inputs import (
+    assert_close,
+    hidden_table_bias,
+    largest_intermediate,
+    mixed_ids,
+    scan_dot_counts,
+)
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "jax", reason="JAX fused kernel: jax backend only"
 )
@@ -30,19 +38,9 @@ def _jax():
 
 
 def _problem(rng, rows, dim, vocab, length, dtype="float32", scale=1.0):
-    """Random inputs; ids mix valid ids, duplicates and padding; weights include zeros."""
-    hidden = (scale * rng.normal(size=(rows, dim))).astype(dtype)
-    table = rng.normal(size=(vocab, dim)).astype(dtype)
-    bias = rng.normal(size=(vocab,)).astype(dtype)
-    ids = rng.integers(0, vocab, size=(rows, length)).astype("int32")
-    if length >= 2:
-        ids[0, 1] = ids[0, 0]  # duplicate
-        ids[1, :] = ids[1, 0]  # a row of one repeated id
-        ids[2, -1] = -1
-    if length >= 1:
-        ids[3, -1] = vocab
-        ids[4, 0] = vocab + 5
-        ids[5, :] = -1  # a row with no valid id
+    """Random inputs (`kernel_inputs.mixed_ids`); the row weights include zeros."""
+    hidden, table, bias = hidden_table_bias(rng, rows, dim, vocab, scale, dtype)
+    ids = mixed_ids(rng, rows, vocab, length)
     weights = rng.uniform(0.1, 2.0, size=(rows,)).astype("float32")
     weights[[0, rows // 2]] = 0.0  # masked rows
     return hidden, table, bias, ids, weights
@@ -57,12 +55,6 @@ def _value_and_grads(objective, hidden, table, bias):
         return UPSTREAM * objective(h, t, b)
 
     return jax.jit(jax.value_and_grad(scaled, argnums=argnums))(hidden, table, bias)
-
-
-def _assert_close(got, want, rtol=2e-5, atol=2e-6):
-    np.testing.assert_allclose(
-        np.asarray(got, np.float64), np.asarray(want, np.float64), rtol=rtol, atol=atol
-    )
 
 
 def _objectives(ids, weights, a, p, chunk):
@@ -113,12 +105,12 @@ def test_matches_reference_and_per_row_kernel(rows, dim, vocab, length, chunk, u
     assert len(grads) == (3 if use_bias else 2)
     for other in (dense, per_row):
         want_value, want_grads = _value_and_grads(other, hidden, table, bias)
-        _assert_close(value, want_value)
+        assert_close(value, want_value)
         for got, want in zip(grads, want_grads):
             assert got.shape == want.shape and str(got.dtype) == "float32"
-            _assert_close(got, want)
+            assert_close(got, want)
     # Plain evaluation (the loss-only primal) agrees with value_and_grad's value.
-    _assert_close(UPSTREAM * fused(hidden, table, bias), value)
+    assert_close(UPSTREAM * fused(hidden, table, bias), value)
 
 
 def test_grad_matches_value_and_grad_and_zero_weights_give_zero_rows():
@@ -130,7 +122,7 @@ def test_grad_matches_value_and_grad_and_zero_weights_give_zero_rows():
     )
     _, want = _value_and_grads(fused, hidden, table, bias)
     for got, expected in zip(grads, want):
-        _assert_close(got, expected, rtol=1e-6, atol=0)
+        assert_close(got, expected, rtol=1e-6, atol=0)
     zero_rows = weights == 0
     assert zero_rows.any()
     assert np.all(np.asarray(grads[0])[zero_rows] == 0)
@@ -162,54 +154,14 @@ def test_low_precision_inputs(dtype):
     wide = [jnp.asarray(x, jnp.float32) for x in low]
     want_value, want_grads = _value_and_grads(dense, *wide)
     assert str(value.dtype) == "float32"
-    _assert_close(value, want_value, rtol=1e-5, atol=1e-5)
+    assert_close(value, want_value, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, want_grads):
         assert str(got.dtype) == dtype
         # Only the final rounding of each gradient to the input dtype differs.
-        _assert_close(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-3)
+        assert_close(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-3)
 
 
 # ------------------------------------------------------------ jaxpr checks ---
-
-
-def _sub_jaxprs(value):
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _sub_jaxprs(item)
-
-
-def _eqns(jaxpr):
-    """Every equation of `jaxpr` and of its sub-jaxprs."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in _sub_jaxprs(param):
-                yield from _eqns(sub)
-
-
-def _scan_dot_counts(fn, *args):
-    """For each `scan` in `fn`'s jaxpr: the number of `dot_general`s in its body."""
-    jax, _, _ = _jax()
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    counts = []
-    for eqn in _eqns(jaxpr):
-        if eqn.primitive.name == "scan":
-            body = eqn.params["jaxpr"]
-            counts.append(sum(e.primitive.name == "dot_general" for e in _eqns(body.jaxpr)))
-    return counts
-
-
-def _largest_intermediate(fn, *args):
-    """Largest number of elements of any value computed in `fn`'s jaxpr (sub-jaxprs too)."""
-    jax, _, _ = _jax()
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return max(
-        int(np.prod(getattr(var.aval, "shape", ()))) for eqn in _eqns(jaxpr) for var in eqn.outvars
-    )
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
@@ -220,13 +172,13 @@ def test_work_per_tile_and_no_recompute(use_bias):
     fused, _, per_row = _objectives(ids, weights, 0.1, 2.0, 8)
 
     # Plain evaluation: one scan over the tiles, one matmul (the logits) in it.
-    assert _scan_dot_counts(fused, hidden, table, bias) == [1]
+    assert scan_dot_counts(fused, hidden, table, bias) == [1]
     # Training: still one scan; logits, dZ @ E and [h, 1].T @ dZ; nothing recomputed.
     grad_fn = jax.value_and_grad(fused, argnums=(0, 1) if bias is None else (0, 1, 2))
-    assert _scan_dot_counts(grad_fn, hidden, table, bias) == [3]
+    assert scan_dot_counts(grad_fn, hidden, table, bias) == [3]
     # The probe can fail: the per-row kernel's gradient scans the tiles twice.
     per_row_grad = jax.value_and_grad(per_row, argnums=(0, 1))
-    assert sorted(_scan_dot_counts(per_row_grad, hidden, table, bias)) == [1, 3]
+    assert sorted(scan_dot_counts(per_row_grad, hidden, table, bias)) == [1, 3]
 
 
 def test_no_rows_by_vocab_array():
@@ -235,11 +187,11 @@ def test_no_rows_by_vocab_array():
     hidden, table, bias, ids, weights = _problem(np.random.default_rng(7), rows, dim, vocab, 3)
     fused, dense, _ = _objectives(ids, weights, 0.1, 1.0, 8)
     grad = jax.value_and_grad(fused, argnums=(0, 1, 2))
-    assert _largest_intermediate(fused, hidden, table, bias) < rows * vocab
-    assert _largest_intermediate(grad, hidden, table, bias) < rows * vocab
+    assert largest_intermediate(fused, hidden, table, bias) < rows * vocab
+    assert largest_intermediate(grad, hidden, table, bias) < rows * vocab
     # The probe sees the dense reference's [M, V] logits, so it can fail.
     dense_grad = jax.value_and_grad(dense, argnums=(0, 1, 2))
-    assert _largest_intermediate(dense_grad, hidden, table, bias) >= rows * vocab
+    assert largest_intermediate(dense_grad, hidden, table, bias) >= rows * vocab
 
 
 # ----------------------------------------------------------- Keras training ---

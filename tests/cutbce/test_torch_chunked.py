@@ -2,7 +2,8 @@
 
 Runs only under KERAS_BACKEND=torch; torch is imported inside the tests. The
 checks shared with the other backends (odd shapes against the reference and
-Keras BCE, low-precision inputs) are in tests/cutbce/test_chunked.py.
+Keras BCE, low-precision inputs, id dtypes, extreme logits, dispatch through
+ops) are in tests/cutbce/test_chunked.py.
 """
 
 import keras
@@ -101,53 +102,6 @@ def test_pos_weight_changes_the_loss(rng):
     assert changed.tolist() == [True, True, False, True]
 
 
-@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "int64"])
-def test_any_integer_id_dtype(dtype, rng):
-    import torch
-
-    from keras_cutbce.math import reference
-
-    h, e, b = _tensors(rng, 5, 4, 40, True)
-    raw = np.array([[0, 3, 3], [39, 1, 2], [5, 6, 100], [7, 7, 7], [8, 9, 10]])
-    ids = torch.tensor(raw.astype(dtype))
-    got = _chunked().cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=16)
-    want = reference.cut_bce(h, e, torch.tensor(raw), b)
-    np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
-
-
-def test_extreme_logits_are_finite_and_exact():
-    import torch
-
-    # D = 1: logits are h * e exactly, so they hit +-200 (and 0).
-    h = torch.tensor([[1.0], [-1.0], [0.5]])
-    e = torch.tensor([[200.0], [-200.0], [100.0], [0.0], [-150.0]])
-    b = torch.tensor([0.0, 0.0, 100.0, 200.0, -50.0])
-    ids = torch.tensor([[0, 1], [1, -1], [4, 2]])
-    cotangent = torch.tensor([0.7, -1.3, 2.0])
-    loss, grads = _loss_and_grads(
-        lambda h, e, b: _chunked().cut_bce(
-            h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=2
-        ),
-        h, e, b, cotangent,
-    )
-    # Exact float64 values.
-    hn, en, bn = h.double().numpy(), e.double().numpy(), b.double().numpy()
-    z = hn @ en.T + bn
-    y = np.zeros_like(z)
-    for row, items in enumerate(ids.tolist()):
-        for item in items:
-            if 0 <= item < z.shape[1]:
-                y[row, item] = 1.0
-    v = z.shape[1]
-    want_loss = (np.logaddexp(0.0, z) - y * z).mean(1)
-    dz = cotangent.double().numpy()[:, None] * (1.0 / (1.0 + np.exp(-z)) - y) / v
-    assert all(torch.isfinite(x).all() for x in [loss] + grads)
-    np.testing.assert_allclose(loss.double().numpy(), want_loss, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(_np(grads[0]), dz @ en, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(_np(grads[1]), dz.T @ hn, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(_np(grads[2]), dz.sum(0), rtol=1e-5, atol=1e-6)
-
-
 def test_gradcheck_float64(rng):
     import torch
 
@@ -244,36 +198,6 @@ def test_never_allocates_the_full_logits(rng):
     # The tile's logits buffer has one spare element (where the other tiles'
     # positives point).
     assert recorder.largest <= max(m * chunk + 1, v * d, m * length * d)
-
-
-def test_ops_dispatch_reaches_the_torch_kernel(rng, monkeypatch):
-    import torch
-
-    from keras_cutbce import ops as cut_ops
-    from keras_cutbce.math import reference
-
-    chunked = _chunked()
-    calls = []
-    original = chunked.cut_bce
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(chunked, "cut_bce", spy)
-    h = torch.tensor(rng.normal(size=(2, 3, 5)), dtype=torch.float32)
-    e = torch.tensor(rng.normal(size=(41, 5)), dtype=torch.float32)
-    ids = torch.tensor(rng.integers(-1, 41, size=(2, 3, 4)))
-    got = cut_ops.cut_binary_crossentropy(
-        h, e, ids, label_smoothing=0.1, pos_weight=2.0, chunk_size=16,
-        implementation="chunked",
-    )
-    assert calls == [dict(label_smoothing=0.1, pos_weight=2.0, chunk_size=16)]
-    want = reference.cut_bce(
-        h.reshape(6, 5), e, ids.reshape(6, 4), label_smoothing=0.1, pos_weight=2.0
-    )
-    assert tuple(got.shape) == (2, 3)
-    np.testing.assert_allclose(_np(got).reshape(-1), _np(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk_size", [0, -3, 2.5, True])
