@@ -99,3 +99,57 @@ def test_compiles_without_graph_break(name, rng):
     np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=1e-6)
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("k", [1, 5, 37])
+def test_top_k_and_threshold_counts_make_no_host_read(k, rng, monkeypatch):
+    """Retrieval with ties (integer logits) and exclusions reads nothing on the host
+    off the CPU (on CPU, where a host read is free, ties are checked on the host)."""
+    import torch
+
+    from keras_cutbce.backends.torch import retrieval
+
+    monkeypatch.setattr(retrieval, "host_reads_are_free", lambda device: False)
+
+    h = torch.tensor(rng.integers(-2, 3, size=(6, 4)), dtype=torch.float32)
+    e = torch.tensor(rng.integers(-2, 3, size=(37, 4)), dtype=torch.float32)
+    exclude = torch.tensor(rng.integers(-1, 37, size=(6, 3)))
+    result = {}
+
+    def retrieve():
+        result["top"] = retrieval.top_k(h, e, k, None, exclude, chunk_size=16)
+        result["count"] = retrieval.count_at_least(h, e, None, 1.0, chunk_size=16)
+
+    ops = _recorded_ops(retrieve)
+    assert "topk" in ops or "sort" in ops  # the recorder sees the kernel's ops
+    assert not [op for op in ops if op in HOST_READS]
+    z = (h @ e.T).numpy()
+    z[np.arange(6)[:, None], np.where(exclude.numpy() >= 0, exclude.numpy(), 0)] = np.where(
+        exclude.numpy() >= 0, -np.inf, z[np.arange(6)[:, None], 0]
+    )
+    want_ids = np.argsort(-z, axis=1, kind="stable")[:, :k]
+    got_scores, got_ids = result["top"]
+    filled = np.isfinite(np.take_along_axis(z, want_ids, 1))
+    np.testing.assert_array_equal(np.where(filled, got_ids.numpy(), -1), np.where(filled, want_ids, -1))
+    np.testing.assert_array_equal(result["count"].numpy(), (h @ e.T >= 1.0).sum(1).numpy())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_sync_free_top_k_matches_a_stable_sort(dtype, rng):
+    """The sync-free top k (`_top_k_by_keys`) and the CPU one agree with a stable sort
+    of `-x`: ties to the lower column, -0.0 tied with +0.0, infinities, NaN first."""
+    import torch
+
+    from keras_cutbce.backends.torch import retrieval
+
+    for trial in range(30):
+        x = torch.tensor(rng.integers(-3, 4, size=(5, 17)), dtype=getattr(torch, dtype))
+        x[0, 3], x[1, 2], x[2, 5] = -0.0, -float("inf"), float("inf")
+        if trial % 5 == 0:
+            x[3, 4] = float("nan")
+        k = int(rng.integers(1, 18))
+        want_values, want_columns = torch.sort(x, dim=1, descending=True, stable=True)
+        for top_k in (retrieval._top_k_by_keys, retrieval._top_k_reading_ties):
+            values, columns = top_k(x, k)
+            np.testing.assert_array_equal(columns.numpy(), want_columns[:, :k].numpy())
+            np.testing.assert_array_equal(values.double().numpy(), want_values[:, :k].double().numpy())

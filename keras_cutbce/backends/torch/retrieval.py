@@ -28,33 +28,82 @@ def _excluded_mask(exclude_ids, start, stop):
     return mask[:, :tile]
 
 
-def _stable_top_k(x, k):
-    """Returns the top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
+def _order_keys(x):
+    """Returns int64 `[M, T]` keys of float32/16 `x` ordered as (value descending, column ascending) is.
 
-    `torch.topk` does not say which of equal values it keeps, so its answer
-    is trusted only when no tie straddles the k-th value (the usual case,
-    seen from the (k+1)-th value); otherwise the tied columns are taken in
-    column order. The k winners are then ordered by a stable sort.
+    The float32 bits are mapped onto an int32 that orders as the floats do
+    (`-0.0` made `+0.0` first, so the two zeros tie as they compare, and
+    every NaN made one positive NaN, above `+inf`, as `torch.sort` ranks
+    it), and the column fills the low 32 bits, reversed, so every key of a
+    row is distinct and equal values rank the lower column higher.
+    """
+    x = torch.where(torch.isnan(x), torch.nan, x.float() + 0.0)
+    bits = x.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+    columns = torch.arange(x.shape[1], device=x.device, dtype=torch.int64)
+    return (ordered << 32) | (2**32 - 1 - columns)
+
+
+def _top_k_by_keys(x, k):
+    """`_stable_top_k` without reading any value on the host (CUDA: no sync)."""
+    if x.dtype == torch.float64:  # no room for the column beside 64 value bits
+        values, columns = torch.sort(x, dim=1, descending=True, stable=True)
+        return values[:, :k], columns[:, :k]
+    _, columns = torch.topk(_order_keys(x), k, dim=1, sorted=True)
+    return x.gather(1, columns), columns
+
+
+def _top_k_reading_ties(x, k):
+    """`_stable_top_k` for CPU tensors, where reading a value on the host costs nothing.
+
+    `torch.topk`'s answer is trusted when no tie straddles the k-th value
+    (the usual case, seen from the (k+1)-th value, read on the host);
+    otherwise the tied columns are taken in column order. The k winners are
+    then ordered by a stable sort. One `topk` pass over the tile, where the
+    sync-free keys of `_top_k_by_keys` cost several element-wise passes.
     """
     rows, width = x.shape
     if k >= width:
         return torch.sort(x, dim=1, descending=True, stable=True)
     values, columns = torch.topk(x, k + 1, dim=1, sorted=True)
+    if bool(torch.isnan(values).any()):  # NaN logits: the order of a full stable sort
+        values, columns = torch.sort(x, dim=1, descending=True, stable=True)
+        return values[:, :k], columns[:, :k]
     kth = values[:, k - 1 : k]
     if bool((values[:, k : k + 1] == kth).any()):
         above = x > kth
         tied = x == kth
         room = k - above.sum(dim=1, keepdim=True)
         chosen = above | (tied & (tied.cumsum(dim=1) <= room))
-        columns = chosen.nonzero()[:, 1]
-        if columns.numel() != rows * k:  # NaN somewhere: fall back to a full sort
-            values, columns = torch.sort(x, dim=1, descending=True, stable=True)
-            return values[:, :k], columns[:, :k]
-        columns = columns.view(rows, k)
+        columns = chosen.nonzero()[:, 1].view(rows, k)
     else:
         columns, _ = torch.sort(columns[:, :k], dim=1)
     values, order = torch.sort(x.gather(1, columns), dim=1, descending=True, stable=True)
     return values, columns.gather(1, order)
+
+
+def host_reads_are_free(device):
+    """Whether reading a value of a tensor on `device` on the host costs no sync (CPU)."""
+    return device.type == "cpu"
+
+
+def _stable_top_k(x, k):
+    """Returns the top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
+
+    `torch.topk` does not say which of equal values it keeps. On CPU ties
+    are checked on the host (`_top_k_reading_ties`); elsewhere `topk` runs
+    on distinct keys that order as a stable sort of `-x` does
+    (`_top_k_by_keys`), so nothing is read on the host.
+
+    Example:
+
+    >>> _stable_top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), 2)[1].tolist()
+    [[1, 2]]
+    """
+    k = min(k, x.shape[1])
+    if host_reads_are_free(x.device):
+        return _top_k_reading_ties(x, k)
+    return _top_k_by_keys(x, k)
 
 
 def _bias_tile(bias, start, stop):
