@@ -21,48 +21,6 @@ __all__ = ["CutBCELoss"]
 _TRAINED_BY = weakref.WeakKeyDictionary()
 
 
-def _is_jax_tracer(x):
-    if keras.backend.backend() != "jax":
-        return False
-    import jax
-
-    return isinstance(x, jax.core.Tracer)
-
-
-_DIFFERENTIATED_WITHOUT_TABLE = (
-    "CutBCELoss is being differentiated under a JAX transformation (jax.grad over "
-    "`model.stateless_call`) while its trainable item table is a keras.Variable with a "
-    "concrete value: the table would get no gradient and be frozen at trace time. Call "
-    "the loss inside `with keras.StatelessScope(state_mapping=list(zip("
-    "model.trainable_variables, trainable_variables)) + list(zip("
-    "model.non_trainable_variables, non_trainable_variables))):` (the values being "
-    "differentiated), or use `model.stateless_compute_loss`, as Keras's own train step "
-    "does. To differentiate w.r.t. the hidden states only, give the loss the table's "
-    "value (`CutBCELoss(keras.ops.convert_to_tensor(items.embeddings))`) or freeze it "
-    "(`trainable=False`). A forward pass under jax.jit is never refused."
-)
-
-
-def _refuse_differentiation(y_pred):
-    """`y_pred` unchanged, except that differentiating through it raises.
-
-    An identity with a `jax.custom_jvp` rule that raises: `jax.jit`, `vmap`
-    and plain evaluation never call the rule; `jax.grad`, `jax.vjp` and
-    `jax.jvp` call it as soon as `y_pred` carries a (non-zero) tangent.
-    """
-    import jax
-
-    @jax.custom_jvp
-    def guarded(x):
-        return x
-
-    @guarded.defjvp
-    def _refuse(primals, tangents):
-        raise RuntimeError(_DIFFERENTIATED_WITHOUT_TABLE)
-
-    return guarded(y_pred)
-
-
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class CutBCELoss(keras.losses.Loss):
     """Computes the full-vocabulary binary cross-entropy of hidden states against item ids.
@@ -311,7 +269,7 @@ class CutBCELoss(keras.losses.Loss):
         `keras.StatelessScope`) is baked in as a constant: fine for a forward
         pass, but differentiating it would silently drop the table's gradient,
         so `y_pred` is returned wrapped to raise if (and only if) it is
-        differentiated (`_refuse_differentiation`). A frozen table
+        differentiated (`backends/jax/table_guard.py`). A frozen table
         (`trainable=False`, a constant) is never refused.
         """
         table = ItemTable.read(self.embeddings, "embeddings")
@@ -326,12 +284,13 @@ class CutBCELoss(keras.losses.Loss):
             if variables:
                 self._check_trained_by(model, variables, role)
             trained += [(part.value, variable) for variable in variables]
-        if (
-            _is_jax_tracer(y_pred)
-            and any(not _is_jax_tracer(value) for value, _ in trained)
-            and not _keras_private.in_symbolic_scope()
-        ):
-            y_pred = _refuse_differentiation(y_pred)
+        if keras.backend.backend() == "jax" and trained:
+            from keras_cutbce.backends.jax import table_guard
+
+            if table_guard.table_would_be_constant(y_pred, [value for value, _ in trained]) and (
+                not _keras_private.in_symbolic_scope()
+            ):
+                y_pred = table_guard.refuse_differentiation(y_pred)
         return y_pred, table, bias
 
     def _check_trained_by(self, model, variables, role="item table"):
