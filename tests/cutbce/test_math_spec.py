@@ -74,13 +74,6 @@ HELPERS = {
 }
 """Per backend: `(factory, dtypes)`; `factory(dtype)(z, positive, coef) -> (loss, slope)`."""
 
-# Where a backend's helpers are known to give nan instead of the spec's value
-# (`(backend, positive, logit, "plain" | "smoothed") -> why`); the test checks
-# they still do, so a fix removes its entry here.
-KNOWN_DEVIATIONS = {
-    ("jax", False, np.inf, "smoothed"): "`scale * softplus(z) - target * z` is inf - inf",
-}
-
 CASES = [
     (backend, dtype, a, p, positive)
     for backend, (_, dtypes) in HELPERS.items()
@@ -88,14 +81,6 @@ CASES = [
     for a, p in spec.SETTINGS
     for positive in (False, True)
 ]
-
-
-def _deviations(backend, positive, label_smoothing):
-    smoothed = "smoothed" if label_smoothing else "plain"
-    return [
-        z for (b, pos, z, kind) in KNOWN_DEVIATIONS
-        if (b, pos, kind) == (backend, positive, smoothed)
-    ]
 
 
 @pytest.mark.parametrize("backend,dtype,label_smoothing,pos_weight,positive", CASES)
@@ -112,12 +97,10 @@ def test_helpers_match_the_spec_table(backend, dtype, label_smoothing, pos_weigh
     want_slope = np.array([r.slope for r in rows])
     got_loss, got_slope = factory(dtype)(z.astype(dtype), positive,
                                          bce_coefficients(label_smoothing, pos_weight))
-    checked = ~np.isin(z, _deviations(backend, positive, label_smoothing))
-    assert np.isnan(got_loss[~checked]).all(), "a known deviation is fixed: drop its entry"
     for what, got, want in (("loss", got_loss, want_loss), ("slope", got_slope, want_slope)):
         np.testing.assert_allclose(
-            got[checked], want[checked], rtol=RTOL[dtype], atol=ATOL[dtype],
-            err_msg=f"{backend} {dtype} {what} at logits {z[checked].tolist()}",
+            got, want, rtol=RTOL[dtype], atol=ATOL[dtype],
+            err_msg=f"{backend} {dtype} {what} at logits {z.tolist()}",
         )
 
 

@@ -9,7 +9,9 @@ inside a Pallas kernel alike (`pallas.kernel`). The weights come from
     sigmoid(z) = r if z >= 0 else e r,   sigmoid(-z) = e r if z >= 0 else r,
     with r = 1 / (1 + e)
 
-- a negative's term `neg_scale softplus(z) - neg_target z`, slope
+- a negative's term `neg_scale softplus(z) - neg_target z` (with label
+  smoothing summed as its two non-negative parts `plus max(z, 0) +
+  minus max(-z, 0) + neg_scale log1p(e)`, finite up to `|z| = inf`), slope
   `neg_scale sigmoid(z) - neg_target`;
 - a positive's term `pos_minus softplus(-z) + pos_plus softplus(z)` (two
   non-negative parts: no cancellation at any `|z|`), slope
@@ -61,9 +63,12 @@ def terms(z, e, coef, positive=False):
     log_e = jnp.log1p(e)
     neg = pos = None
     if positive is not True:
-        neg = jnp.maximum(z, 0.0) + log_e
-        neg = neg if coef.neg_scale == 1.0 else coef.neg_scale * neg
-        neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target * z
+        if coef.neg_target == 0.0:
+            neg = jnp.maximum(z, 0.0) + log_e
+            neg = neg if coef.neg_scale == 1.0 else coef.neg_scale * neg
+        else:  # label smoothing: two non-negative parts, no inf - inf at |z| = inf
+            minus, plus = coef.negative_weights
+            neg = plus * jnp.maximum(z, 0.0) + minus * jnp.maximum(-z, 0.0) + coef.neg_scale * log_e
     if positive is not False:
         pos = coef.pos_minus * (jnp.maximum(-z, 0.0) + log_e)
         if coef.pos_plus != 0.0:
