@@ -11,53 +11,17 @@ import numpy as np
 import pytest
 
 from tests.backend_utils import TorchOpRecorder
+from tests.cutbce.torch_inputs import (
+    as_numpy,
+    chunked,
+    ids_of_kind,
+    loss_and_grads,
+    tensors,
+)
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch chunked kernel: torch backend only"
 )
-
-
-def _chunked():
-    from keras_cutbce.backends.torch import chunked
-
-    return chunked
-
-
-def _tensors(rng, m, d, v, with_bias, dtype="float32", scale=0.5):
-    import torch
-
-    h = torch.tensor(rng.normal(size=(m, d)) * scale, dtype=getattr(torch, dtype))
-    e = torch.tensor(rng.normal(size=(v, d)) * scale, dtype=getattr(torch, dtype))
-    b = torch.tensor(rng.normal(size=(v,)), dtype=getattr(torch, dtype)) if with_bias else None
-    return h, e, b
-
-
-def _loss_and_grads(fn, h, e, b, cotangent):
-    """Loss `[M]` and grads of `sum(loss * cotangent)` for h, e and b (b may be None)."""
-    import torch
-
-    args = [x.detach().clone().requires_grad_(True) for x in (h, e) + ((b,) if b is not None else ())]
-    loss = fn(*args) if b is not None else fn(*args, None)
-    grads = torch.autograd.grad((loss * cotangent).sum(), args)
-    return loss.detach(), list(grads)
-
-
-def _np(x):
-    return x.detach().float().double().numpy()
-
-
-def _ids(kind, m, v, rng):
-    if kind == "single":
-        return rng.integers(0, v, size=(m, 1))
-    if kind == "empty":
-        return np.zeros((m, 0), dtype="int64")
-    ids = rng.integers(0, v, size=(m, 5))
-    if kind == "dups":
-        ids[:, 1] = ids[:, 0]  # duplicate in the same row
-        ids[0, :] = ids[0, 0]  # a row of one id repeated
-    ids[1, 2:] = [-1, v, v + 5]  # padding outside [0, V)
-    ids[2, :] = -1  # a row with no valid id
-    return ids
 
 
 @pytest.mark.parametrize("zero_rows", ["some", "all"])
@@ -68,22 +32,22 @@ def test_rows_with_zero_cotangent(zero_rows, rng):
     from keras_cutbce.math import reference
 
     m, d, v = 10, 4, 45
-    h, e, b = _tensors(rng, m, d, v, True)
-    ids = torch.tensor(_ids("dups", m, v, rng))
+    h, e, b = tensors(rng, m, d, v, True)
+    ids = torch.tensor(ids_of_kind("dups", m, v, rng))
     cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
     cotangent[[0, 3, 4, 9] if zero_rows == "some" else slice(None)] = 0.0
-    _, grads = _loss_and_grads(
-        lambda h, e, b: _chunked().cut_bce(
+    _, grads = loss_and_grads(
+        lambda h, e, b: chunked().cut_bce(
             h, e, ids, b, label_smoothing=0.1, pos_weight=2.0, chunk_size=16
         ),
         h, e, b, cotangent,
     )
-    _, ref_grads = _loss_and_grads(
+    _, ref_grads = loss_and_grads(
         lambda h, e, b: reference.cut_bce(h, e, ids, b, label_smoothing=0.1, pos_weight=2.0),
         h, e, b, cotangent,
     )
     for got, want in zip(grads, ref_grads):
-        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(as_numpy(got), as_numpy(want), rtol=1e-5, atol=1e-6)
     assert (grads[0][cotangent == 0] == 0).all()
     if zero_rows == "all":
         assert all((g == 0).all() for g in grads)
@@ -93,11 +57,11 @@ def test_pos_weight_changes_the_loss(rng):
     """pos_weight != 1 is not silently ignored: it moves the loss of rows with positives."""
     import torch
 
-    h, e, b = _tensors(rng, 4, 5, 20, True)
+    h, e, b = tensors(rng, 4, 5, 20, True)
     ids = torch.tensor([[1, 2], [3, -1], [-1, -1], [4, 4]])
-    chunked = _chunked()
-    one = chunked.cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=8)
-    three = chunked.cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=3.0, chunk_size=8)
+    kernels = chunked()
+    one = kernels.cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=1.0, chunk_size=8)
+    three = kernels.cut_bce(h, e, ids, b, label_smoothing=0.0, pos_weight=3.0, chunk_size=8)
     changed = (one - three).abs() > 1e-6
     assert changed.tolist() == [True, True, False, True]
 
@@ -105,12 +69,12 @@ def test_pos_weight_changes_the_loss(rng):
 def test_gradcheck_float64(rng):
     import torch
 
-    h, e, b = _tensors(rng, 4, 3, 11, True, dtype="float64")
+    h, e, b = tensors(rng, 4, 3, 11, True, dtype="float64")
     ids = torch.tensor([[0, 3, 3], [10, -1, 11], [2, 5, 7], [-2, -1, 4]])
-    chunked = _chunked()
+    kernels = chunked()
 
     def fn(h, e, b):
-        return chunked.cut_bce(
+        return kernels.cut_bce(
             h, e, ids, b, label_smoothing=0.15, pos_weight=2.0, chunk_size=4
         )
 
@@ -122,12 +86,12 @@ def test_gradcheck_float64(rng):
 def test_no_gradient_work_under_no_grad(rng):
     import torch
 
-    h, e, b = _tensors(rng, 6, 4, 30, True)
+    h, e, b = tensors(rng, 6, 4, 30, True)
     args = [x.requires_grad_(True) for x in (h, e, b)]
-    ids = torch.tensor(_ids("mixed", 6, 30, rng))
+    ids = torch.tensor(ids_of_kind("mixed", 6, 30, rng))
     recorder = TorchOpRecorder()
     with torch.no_grad(), recorder:
-        loss = _chunked().cut_bce(
+        loss = chunked().cut_bce(
             *args[:2], ids, args[2], label_smoothing=0.0, pos_weight=1.0, chunk_size=8
         )
     assert loss.grad_fn is None and not loss.requires_grad
@@ -145,14 +109,14 @@ def test_only_needed_gradients_are_computed(rng):
     from keras_cutbce.math import reference
 
     m, d, v, chunk = 6, 4, 30, 8  # 4 tiles
-    h, e, b = _tensors(rng, m, d, v, True)
-    ids = torch.tensor(_ids("mixed", m, v, rng))
+    h, e, b = tensors(rng, m, d, v, True)
+    ids = torch.tensor(ids_of_kind("mixed", m, v, rng))
     cotangent = torch.tensor(rng.normal(size=(m,)), dtype=torch.float32)
-    chunked = _chunked()
+    kernels = chunked()
 
     def backward_ops(requires):
         args = [x.detach().clone().requires_grad_(r) for x, r in zip((h, e, b), requires)]
-        loss = chunked.cut_bce(
+        loss = kernels.cut_bce(
             args[0], args[1], ids, args[2], label_smoothing=0.0, pos_weight=1.0,
             chunk_size=chunk,
         )
@@ -166,29 +130,29 @@ def test_only_needed_gradients_are_computed(rng):
     e_args, e_ops = backward_ops((False, True, False))
     assert h_args[1].grad is None and h_args[2].grad is None
     assert e_args[0].grad is None and e_args[2].grad is None
-    np.testing.assert_allclose(_np(h_args[0].grad), _np(all_args[0].grad), rtol=1e-6)
-    np.testing.assert_allclose(_np(e_args[1].grad), _np(all_args[1].grad), rtol=1e-6)
+    np.testing.assert_allclose(as_numpy(h_args[0].grad), as_numpy(all_args[0].grad), rtol=1e-6)
+    np.testing.assert_allclose(as_numpy(e_args[1].grad), as_numpy(all_args[1].grad), rtol=1e-6)
     # Per tile: logits + one product per needed gradient (hidden, table, bias).
     assert _count_matmuls(h_ops) < _count_matmuls(all_ops)
     assert _count_matmuls(e_ops) < _count_matmuls(all_ops)
     assert "index_add" not in h_ops and "index_add_" not in h_ops
 
-    _, ref_grads = _loss_and_grads(
+    _, ref_grads = loss_and_grads(
         lambda h, e, b: reference.cut_bce(h, e, ids, b), h, e, b, cotangent
     )
-    np.testing.assert_allclose(_np(h_args[0].grad), _np(ref_grads[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(h_args[0].grad), as_numpy(ref_grads[0]), rtol=1e-5, atol=1e-6)
 
 
 def test_never_allocates_the_full_logits(rng):
     import torch
 
     m, d, v, chunk, length = 64, 8, 1000, 128, 4
-    h, e, b = _tensors(rng, m, d, v, True)
+    h, e, b = tensors(rng, m, d, v, True)
     args = [x.requires_grad_(True) for x in (h, e, b)]
     ids = torch.tensor(rng.integers(-1, v, size=(m, length)))
     recorder = TorchOpRecorder()
     with recorder:
-        loss = _chunked().cut_bce(
+        loss = chunked().cut_bce(
             args[0], args[1], ids, args[2], label_smoothing=0.1, pos_weight=2.0,
             chunk_size=chunk,
         )
@@ -213,7 +177,7 @@ def test_public_op_rejects_bad_chunk_size_and_kernel_asserts(chunk_size):
             chunk_size=chunk_size, implementation="chunked",
         )
     with pytest.raises(AssertionError):
-        _chunked().cut_bce(
+        chunked().cut_bce(
             torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
             None, label_smoothing=0.0, pos_weight=1.0, chunk_size=chunk_size,
         )
@@ -224,14 +188,14 @@ def test_cuda_matches_cpu(rng):
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    h, e, b = _tensors(rng, 33, 16, 500, True)
-    ids = torch.tensor(_ids("dups", 33, 500, rng))
+    h, e, b = tensors(rng, 33, 16, 500, True)
+    ids = torch.tensor(ids_of_kind("dups", 33, 500, rng))
     cotangent = torch.tensor(rng.normal(size=(33,)), dtype=torch.float32)
-    chunked = _chunked()
+    kernels = chunked()
 
     def run(device):
-        return _loss_and_grads(
-            lambda h, e, b: chunked.cut_bce(
+        return loss_and_grads(
+            lambda h, e, b: kernels.cut_bce(
                 h, e, ids.to(device), b, label_smoothing=0.1, pos_weight=2.0, chunk_size=128
             ),
             h.to(device), e.to(device), b.to(device), cotangent.to(device),
@@ -240,7 +204,7 @@ def test_cuda_matches_cpu(rng):
     cpu_loss, cpu_grads = run("cpu")
     gpu_loss, gpu_grads = run("cuda")
     assert gpu_loss.device.type == "cuda"
-    np.testing.assert_allclose(_np(gpu_loss.cpu()), _np(cpu_loss), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(gpu_loss.cpu()), as_numpy(cpu_loss), rtol=1e-4, atol=1e-6)
     for got, want in zip(gpu_grads, cpu_grads):
         assert got.device.type == "cuda"
-        np.testing.assert_allclose(_np(got.cpu()), _np(want), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(as_numpy(got.cpu()), as_numpy(want), rtol=1e-4, atol=1e-6)

@@ -10,71 +10,23 @@ import numpy as np
 import pytest
 
 from tests.backend_utils import TorchOpRecorder
+from tests.cutbce.torch_inputs import (
+    UPSTREAM,
+    as_numpy,
+    chunked,
+    ids_of_kind,
+    row_weights,
+    scaled_value_and_grads,
+    tensors,
+)
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="torch fused kernel: torch backend only"
 )
 
-UPSTREAM = 2.5  # an upstream scalar cotangent != 1
-
-
-def _chunked():
-    from keras_cutbce.backends.torch import chunked
-
-    return chunked
-
-
-def _np(x):
-    return x.detach().float().double().numpy()
-
-
-def _tensors(rng, m, d, v, with_bias, dtype="float32", scale=0.5):
-    import torch
-
-    dtype = getattr(torch, dtype)
-    h = torch.tensor(rng.normal(size=(m, d)) * scale, dtype=dtype)
-    e = torch.tensor(rng.normal(size=(v, d)) * scale, dtype=dtype)
-    b = torch.tensor(rng.normal(size=(v,)), dtype=dtype) if with_bias else None
-    return h, e, b
-
-
-def _ids(kind, m, v, rng):
-    if kind == "single":
-        return rng.integers(0, v, size=(m, 1))
-    if kind == "empty":
-        return np.zeros((m, 0), dtype="int64")
-    ids = rng.integers(0, v, size=(m, 5))
-    if kind == "dups":
-        ids[:, 1] = ids[:, 0]  # duplicate in the same row
-        ids[0, :] = ids[0, 0]  # a row of one id repeated
-    ids[1, 2:] = [-1, v, v + 5]  # padding outside [0, V)
-    ids[2, :] = -1  # a row with no valid id
-    return ids
-
-
-def _row_weights(rng, m):
-    """Random weights with some zeros (masked rows), never all zero."""
-    import torch
-
-    w = rng.uniform(0.1, 2.0, size=m)
-    w[[0, m // 2]] = 0.0
-    return torch.tensor(w, dtype=torch.float32)
-
-
-def _value_and_grads(fn, tensors, requires=None):
-    """`fn(*tensors)` (a scalar) times UPSTREAM, backpropagated; grads for those requiring grad."""
-    requires = requires or [True] * len(tensors)
-    args = [
-        None if t is None else t.detach().clone().requires_grad_(r)
-        for t, r in zip(tensors, requires)
-    ]
-    value = fn(*args)
-    (UPSTREAM * value).backward()
-    return value.detach(), [None if a is None else a.grad for a in args]
-
 
 def _fused(ids, w, a=0.0, p=1.0, chunk=8):
-    return lambda h, e, b: _chunked().cut_bce_weighted_sum(
+    return lambda h, e, b: chunked().cut_bce_weighted_sum(
         h, e, ids, b, w, label_smoothing=a, pos_weight=p, chunk_size=chunk
     )
 
@@ -100,12 +52,12 @@ def test_matches_reference_keras_and_cut_bce(name, rng):
     from keras_cutbce.math import reference
 
     m, d, v, chunk, kind, with_bias, a, p = CASES[name]
-    h, e, b = _tensors(rng, m, d, v, with_bias)
-    ids = torch.tensor(_ids(kind, m, v, rng))
-    w = _row_weights(rng, m)
-    chunked = _chunked()
+    h, e, b = tensors(rng, m, d, v, with_bias)
+    ids = torch.tensor(ids_of_kind(kind, m, v, rng))
+    w = row_weights(rng, m)
+    kernels = chunked()
 
-    value, grads = _value_and_grads(_fused(ids, w, a, p, chunk), (h, e, b))
+    value, grads = scaled_value_and_grads(_fused(ids, w, a, p, chunk), (h, e, b))
     assert value.dtype == torch.float32 and value.shape == ()
     for got, x in zip(grads, (h, e, b)):
         assert (got is None) == (x is None)
@@ -114,20 +66,20 @@ def test_matches_reference_keras_and_cut_bce(name, rng):
     grads = [g for g in grads if g is not None]
 
     def check(want_value, want_grads):
-        np.testing.assert_allclose(_np(value), _np(want_value), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(as_numpy(value), as_numpy(want_value), rtol=1e-5, atol=1e-6)
         want_grads = [g for g in want_grads if g is not None]
         assert len(grads) == len(want_grads) == (3 if with_bias else 2)
         for got, want in zip(grads, want_grads):
-            np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(as_numpy(got), as_numpy(want), rtol=1e-5, atol=1e-6)
 
     # The dense reference, reduced with the row weights.
-    check(*_value_and_grads(
+    check(*scaled_value_and_grads(
         lambda h, e, b: (w * reference.cut_bce(h, e, ids, b, label_smoothing=a, pos_weight=p)).sum(),
         (h, e, b),
     ))
     # The per-row kernel with the row weights as cotangent.
-    check(*_value_and_grads(
-        lambda h, e, b: (w * chunked.cut_bce(
+    check(*scaled_value_and_grads(
+        lambda h, e, b: (w * kernels.cut_bce(
             h, e, ids, b, label_smoothing=a, pos_weight=p, chunk_size=chunk
         )).sum(),
         (h, e, b),
@@ -140,7 +92,7 @@ def test_matches_reference_keras_and_cut_bce(name, rng):
             per_row = keras.losses.binary_crossentropy(y, z, from_logits=True, label_smoothing=a)
             return (w * per_row).sum()
 
-        check(*_value_and_grads(keras_bce, (h, e, b)))
+        check(*scaled_value_and_grads(keras_bce, (h, e, b)))
     # Masked rows get no hidden gradient.
     assert (grads[0][w == 0] == 0).all()
 
@@ -148,16 +100,16 @@ def test_matches_reference_keras_and_cut_bce(name, rng):
 def test_upstream_cotangent_scales_the_gradients(rng):
     import torch
 
-    h, e, b = _tensors(rng, 7, 4, 26, True)
-    ids = torch.tensor(_ids("dups", 7, 26, rng))
-    w = _row_weights(rng, 7)
+    h, e, b = tensors(rng, 7, 4, 26, True)
+    ids = torch.tensor(ids_of_kind("dups", 7, 26, rng))
+    w = row_weights(rng, 7)
     fn = _fused(ids, w, 0.1, 2.0, 8)
     args = [x.clone().requires_grad_(True) for x in (h, e, b)]
     ones = torch.autograd.grad(fn(*args), args)
     for c in (-3.0, 0.0, 0.5):
         scaled = torch.autograd.grad(fn(*args), args, grad_outputs=torch.tensor(c))
         for got, want in zip(scaled, ones):
-            np.testing.assert_allclose(_np(got), c * _np(want), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(as_numpy(got), c * as_numpy(want), rtol=1e-6, atol=1e-7)
 
 
 def test_a_second_backward_through_the_same_graph_recomputes_the_gradients(rng):
@@ -168,29 +120,29 @@ def test_a_second_backward_through_the_same_graph_recomputes_the_gradients(rng):
     """
     import torch
 
-    h, e, b = _tensors(rng, 6, 4, 19, True)
-    ids = torch.tensor(_ids("dups", 6, 19, rng))
-    w = _row_weights(rng, 6)
+    h, e, b = tensors(rng, 6, 4, 19, True)
+    ids = torch.tensor(ids_of_kind("dups", 6, 19, rng))
+    w = row_weights(rng, 6)
     fn = _fused(ids, w, 0.0, 1.0, 8)
     args = [x.clone().requires_grad_(True) for x in (h, e, b)]
     want = torch.autograd.grad(fn(*args), args)
     value = fn(*args)
     got = torch.autograd.grad(value, args, grad_outputs=torch.tensor(2.0), retain_graph=True)
     for g, ref in zip(got, want):
-        np.testing.assert_allclose(_np(g), 2.0 * _np(ref), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(as_numpy(g), 2.0 * as_numpy(ref), rtol=1e-6, atol=1e-7)
     for c in (1.0, -0.5):
         again = torch.autograd.grad(value, args, grad_outputs=torch.tensor(c), retain_graph=True)
         for g, ref in zip(again, want):
-            np.testing.assert_allclose(_np(g), c * _np(ref), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(as_numpy(g), c * as_numpy(ref), rtol=1e-6, atol=1e-7)
 
 
 def test_all_rows_masked(rng):
     import torch
 
-    h, e, b = _tensors(rng, 5, 3, 17, True)
-    ids = torch.tensor(_ids("mixed", 5, 17, rng))
+    h, e, b = tensors(rng, 5, 3, 17, True)
+    ids = torch.tensor(ids_of_kind("mixed", 5, 17, rng))
     w = torch.zeros(5)
-    value, grads = _value_and_grads(_fused(ids, w), (h, e, b))
+    value, grads = scaled_value_and_grads(_fused(ids, w), (h, e, b))
     assert float(value) == 0.0
     assert all((g == 0).all() for g in grads)
 
@@ -201,27 +153,27 @@ def test_bfloat16_inputs(rng):
     from keras_cutbce.math import reference
 
     m, d, v = 16, 8, 70
-    h, e, b = _tensors(rng, m, d, v, True, dtype="bfloat16")
-    ids = torch.tensor(_ids("dups", m, v, rng))
-    w = _row_weights(rng, m)
-    value, grads = _value_and_grads(_fused(ids, w, 0.1, 1.0, 32), (h, e, b))
+    h, e, b = tensors(rng, m, d, v, True, dtype="bfloat16")
+    ids = torch.tensor(ids_of_kind("dups", m, v, rng))
+    w = row_weights(rng, m)
+    value, grads = scaled_value_and_grads(_fused(ids, w, 0.1, 1.0, 32), (h, e, b))
     # Reference on the same (bf16-rounded) values in float32.
-    want_value, want_grads = _value_and_grads(
+    want_value, want_grads = scaled_value_and_grads(
         lambda h, e, b: (w * reference.cut_bce(h, e, ids, b, label_smoothing=0.1)).sum(),
         (h.float(), e.float(), b.float()),
     )
     assert value.dtype == torch.float32
-    np.testing.assert_allclose(_np(value), _np(want_value), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(value), as_numpy(want_value), rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, want_grads):
         assert got.dtype == torch.bfloat16
-        scale = np.abs(_np(want)).max()
-        np.testing.assert_allclose(_np(got), _np(want), rtol=2e-2, atol=1e-2 * scale)
+        scale = np.abs(as_numpy(want)).max()
+        np.testing.assert_allclose(as_numpy(got), as_numpy(want), rtol=2e-2, atol=1e-2 * scale)
 
 
 def test_gradcheck_float64(rng):
     import torch
 
-    h, e, b = _tensors(rng, 5, 3, 11, True, dtype="float64")
+    h, e, b = tensors(rng, 5, 3, 11, True, dtype="float64")
     ids = torch.tensor([[0, 3, 3], [10, -1, 11], [2, 5, 7], [-2, -1, 4], [1, 1, 1]])
     w = torch.tensor([0.5, 0.0, 1.5, 2.0, 0.25], dtype=torch.float64)
     fn = _fused(ids, w, 0.15, 2.0, 4)
@@ -239,7 +191,7 @@ def test_extreme_logits_are_finite_and_exact():
     b = torch.tensor([0.0, 0.0, 100.0, 200.0, -50.0])
     ids = torch.tensor([[0, 1], [1, -1], [4, 2]])
     w = torch.tensor([0.7, -1.3, 2.0])
-    value, grads = _value_and_grads(_fused(ids, w, chunk=2), (h, e, b))
+    value, grads = scaled_value_and_grads(_fused(ids, w, chunk=2), (h, e, b))
     hn, en, bn = h.double().numpy(), e.double().numpy(), b.double().numpy()
     z = hn @ en.T + bn
     y = np.zeros_like(z)
@@ -252,9 +204,9 @@ def test_extreme_logits_are_finite_and_exact():
     dz = UPSTREAM * wn[:, None] * (1.0 / (1.0 + np.exp(-z)) - y) / z.shape[1]
     assert all(torch.isfinite(x).all() for x in [value] + grads)
     np.testing.assert_allclose(float(value), want, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(_np(grads[0]), dz @ en, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(_np(grads[1]), dz.T @ hn, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(_np(grads[2]), dz.sum(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(grads[0]), dz @ en, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(as_numpy(grads[1]), dz.T @ hn, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(as_numpy(grads[2]), dz.sum(0), rtol=1e-5, atol=1e-6)
 
 
 MATMULS = ("mm", "addmm", "addmm_", "mv", "addmv", "addmv_", "bmm", "dot", "addr", "addr_")
@@ -269,14 +221,14 @@ def _count(ops, names):
 def test_no_gradient_work_without_gradients(mode, rng):
     import torch
 
-    h, e, b = _tensors(rng, 6, 4, 30, True)
-    ids = torch.tensor(_ids("mixed", 6, 30, rng))
-    w = _row_weights(rng, 6)
+    h, e, b = tensors(rng, 6, 4, 30, True)
+    ids = torch.tensor(ids_of_kind("mixed", 6, 30, rng))
+    w = row_weights(rng, 6)
     if mode == "no_grad":
         args = [x.requires_grad_(True) for x in (h, e, b)]
     else:
         args = [h, e, b]
-    chunked = _chunked()
+    kernels = chunked()
 
     def ops_of(fn):
         recorder = TorchOpRecorder()
@@ -284,14 +236,14 @@ def test_no_gradient_work_without_gradients(mode, rng):
             out = fn()
         return out, recorder.ops
 
-    value, fused_ops = ops_of(lambda: chunked.cut_bce_weighted_sum(
+    value, fused_ops = ops_of(lambda: kernels.cut_bce_weighted_sum(
         *args[:2], ids, args[2], w, label_smoothing=0.1, pos_weight=2.0, chunk_size=8
     ))
-    loss, loss_ops = ops_of(lambda: chunked.cut_bce(
+    loss, loss_ops = ops_of(lambda: kernels.cut_bce(
         *args[:2], ids, args[2], label_smoothing=0.1, pos_weight=2.0, chunk_size=8
     ))
     assert value.grad_fn is None and not value.requires_grad
-    np.testing.assert_allclose(_np(value), _np((w * loss).sum()), rtol=1e-6)
+    np.testing.assert_allclose(as_numpy(value), as_numpy((w * loss).sum()), rtol=1e-6)
     assert "sigmoid" not in fused_ops and "sigmoid_" not in fused_ops
     assert "index_add" not in fused_ops and "index_add_" not in fused_ops
     # The same matmuls as the loss-only kernel (plus the final dot).
@@ -304,15 +256,15 @@ def test_one_pass_and_a_backward_without_tile_work(rng):
 
     m, d, v, chunk = 6, 4, 30, 8  # 4 tiles
     tiles = 4
-    h, e, b = _tensors(rng, m, d, v, True)
-    ids = torch.tensor(_ids("mixed", m, v, rng))
+    h, e, b = tensors(rng, m, d, v, True)
+    ids = torch.tensor(ids_of_kind("mixed", m, v, rng))
     w = torch.tensor(rng.uniform(0.5, 1.5, size=m), dtype=torch.float32)  # no zero rows
-    chunked = _chunked()
+    kernels = chunked()
     args = [x.detach().clone().requires_grad_(True) for x in (h, e, b)]
 
     forward = TorchOpRecorder()
     with forward:
-        value = chunked.cut_bce_weighted_sum(
+        value = kernels.cut_bce_weighted_sum(
             args[0], args[1], ids, args[2], w, label_smoothing=0.1, pos_weight=2.0,
             chunk_size=chunk,
         )
@@ -325,7 +277,7 @@ def test_one_pass_and_a_backward_without_tile_work(rng):
     per_row_args = [x.detach().clone().requires_grad_(True) for x in (h, e, b)]
     two_pass = TorchOpRecorder()
     with two_pass:
-        loss = chunked.cut_bce(
+        loss = kernels.cut_bce(
             per_row_args[0], per_row_args[1], ids, per_row_args[2], label_smoothing=0.1,
             pos_weight=2.0, chunk_size=chunk,
         )
@@ -341,7 +293,7 @@ def test_one_pass_and_a_backward_without_tile_work(rng):
     sigmoids = ("sigmoid", "sigmoid_")
     assert _count(forward.ops, sigmoids) == _count(two_pass.ops, sigmoids) == tiles + 1
     for got, want in zip(args, per_row_args):
-        np.testing.assert_allclose(_np(got.grad), _np(want.grad), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(as_numpy(got.grad), as_numpy(want.grad), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("requires", [(True, False, True), (False, True, False), (True, False, False)])
@@ -351,22 +303,22 @@ def test_only_needed_gradients_are_computed(requires, rng):
     from keras_cutbce.math import reference
 
     m, d, v, chunk = 6, 4, 30, 8
-    h, e, b = _tensors(rng, m, d, v, True)
-    ids = torch.tensor(_ids("dups", m, v, rng))
-    w = _row_weights(rng, m)
+    h, e, b = tensors(rng, m, d, v, True)
+    ids = torch.tensor(ids_of_kind("dups", m, v, rng))
+    w = row_weights(rng, m)
 
     recorder = TorchOpRecorder()
     with recorder:
-        _, grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b), requires)
-    _, all_grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
-    _, ref_grads = _value_and_grads(
+        _, grads = scaled_value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b), requires)
+    _, all_grads = scaled_value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
+    _, ref_grads = scaled_value_and_grads(
         lambda h, e, b: (w * reference.cut_bce(h, e, ids, b, label_smoothing=0.1, pos_weight=2.0)).sum(),
         (h, e, b),
     )
     for got, full, want, needed in zip(grads, all_grads, ref_grads, requires):
         if needed:
-            np.testing.assert_allclose(_np(got), _np(want), rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(_np(got), _np(full), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(as_numpy(got), as_numpy(want), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(as_numpy(got), as_numpy(full), rtol=1e-6, atol=1e-7)
         else:
             assert got is None
     if not requires[1] and not requires[2]:
@@ -377,12 +329,12 @@ def test_never_allocates_the_full_logits(rng):
     import torch
 
     m, d, v, chunk, length = 64, 8, 1000, 128, 4
-    h, e, b = _tensors(rng, m, d, v, True)
+    h, e, b = tensors(rng, m, d, v, True)
     ids = torch.tensor(rng.integers(-1, v, size=(m, length)))
-    w = _row_weights(rng, m)
+    w = row_weights(rng, m)
     recorder = TorchOpRecorder()
     with recorder:
-        _, grads = _value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
+        _, grads = scaled_value_and_grads(_fused(ids, w, 0.1, 2.0, chunk), (h, e, b))
     assert all(g is not None for g in grads)
     assert recorder.largest < m * v
     # The tile's logits buffer has one spare element (where the other tiles'
@@ -403,7 +355,7 @@ def test_public_op_rejects_bad_chunk_size_and_kernel_asserts(chunk_size):
             torch.ones(2), chunk_size=chunk_size, implementation="chunked",
         )
     with pytest.raises(AssertionError):
-        _chunked().cut_bce_weighted_sum(
+        chunked().cut_bce_weighted_sum(
             torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, 1, dtype=torch.int64),
             None, torch.ones(2), label_smoothing=0.0, pos_weight=1.0, chunk_size=chunk_size,
         )
@@ -414,12 +366,12 @@ def test_cuda_matches_cpu(rng):
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    h, e, b = _tensors(rng, 33, 16, 500, True)
-    ids = torch.tensor(_ids("dups", 33, 500, rng))
-    w = _row_weights(rng, 33)
+    h, e, b = tensors(rng, 33, 16, 500, True)
+    ids = torch.tensor(ids_of_kind("dups", 33, 500, rng))
+    w = row_weights(rng, 33)
 
     def run(device):
-        return _value_and_grads(
+        return scaled_value_and_grads(
             _fused(ids.to(device), w.to(device), 0.1, 2.0, 128),
             (h.to(device), e.to(device), b.to(device)),
         )
@@ -427,6 +379,6 @@ def test_cuda_matches_cpu(rng):
     cpu_value, cpu_grads = run("cpu")
     gpu_value, gpu_grads = run("cuda")
     assert gpu_value.device.type == "cuda"
-    np.testing.assert_allclose(_np(gpu_value.cpu()), _np(cpu_value), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(as_numpy(gpu_value.cpu()), as_numpy(cpu_value), rtol=1e-5, atol=1e-6)
     for got, want in zip(gpu_grads, cpu_grads):
-        np.testing.assert_allclose(_np(got.cpu()), _np(want), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(as_numpy(got.cpu()), as_numpy(want), rtol=1e-4, atol=1e-6)
