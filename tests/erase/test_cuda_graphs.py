@@ -702,10 +702,12 @@ def test_gradient_sync_builds_no_tensor_from_host_data_per_block(tmp_path):
         dist.destroy_process_group()
 
 
-class _FakeModel:
+class _FakeModel(keras.layers.Layer):
+    """Holds the blocks as its only layers (what `GradientSync` reads of a model)."""
+
     def __init__(self, blocks):
+        super().__init__()
         self.blocks = blocks
-        self.trainable_weights = [w for b in blocks for w in b.trainable_weights]
 
     def detach_blocks(self):
         return self.blocks
