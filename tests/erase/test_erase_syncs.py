@@ -26,6 +26,12 @@ TOWERS, BATCH, STEPS = 3, 16, 4
 MODES = ("standard", "blocking", "threaded")
 
 
+def _host_reads():
+    from keras_erase.torch.cuda_graphs.op_recording import HOST_READ_FUNCTIONS
+
+    return HOST_READ_FUNCTIONS
+
+
 def _keras_model():
     import keras
 
@@ -128,6 +134,7 @@ def test_the_sync_recorder_sees_host_copies_reads_and_syncs():
 
 def test_erase_adds_no_sync_to_keras_train_step(monkeypatch):
     """Per step: no kind of sync more than Keras's step, in every schedule, fit and train_on_batch."""
+    HOST_READ_FUNCTIONS = _host_reads()
     counting = _Counting(monkeypatch)
     keras_fit, keras_batch = _count_per_step("keras", counting)
     assert keras_fit["lift_fresh"] >= 1  # Keras's own step: the loss tracker's batch size
@@ -136,8 +143,11 @@ def test_erase_adds_no_sync_to_keras_train_step(monkeypatch):
         print(f"{mode}: fit step {sum(fit.values())} (Keras {sum(keras_fit.values())}), "
               f"train_on_batch {sum(batch.values())} (Keras {sum(keras_batch.values())})")
         assert not fit - keras_fit, (mode, fit, keras_fit)
-        # train_on_batch reads every log on the host: one more per block loss
-        assert batch - keras_batch == collections.Counter({"Tensor.__array__": TOWERS}), (
+        # train_on_batch reads every log on the host: one more read per block loss (on CPU
+        # np.asarray; on CUDA also the .cpu() copy before it)
+        excess = batch - keras_batch
+        assert set(excess) <= HOST_READ_FUNCTIONS and "Tensor.__array__" in excess, (
             mode, batch, keras_batch)
+        assert all(count == TOWERS for count in excess.values()), (mode, excess)
         if mode == "threaded":
             assert counting.worker_ops > 0  # the worker's backward ops were watched
