@@ -20,6 +20,10 @@ time per step (`host_ms_p50`) when `train_on_batch` returned. Every cell runs
 `--repeats` times (default 3), the modes alternating within a (model, batch); the
 table gives the medians over the repeats and their spread ((max - min) / median).
 
+Exactness (first, after the trace): every early mode's weights after a few SGD steps
+(graph modes: warm-up, capture and replays) from the same weights and batch, against
+the standard step's, with TF32 off; above `EXACTNESS_TOLERANCE` is an error.
+
 `--budget SECONDS`: the run never starts a cell that would end past the budget
 (its expected time: the same cell's last repeat, else the longest cell of its
 model and batch so far); the trace and its timeline come first, and the markdown
@@ -503,6 +507,50 @@ def main(argv=None):
     return rows
 
 
+EXACTNESS_TOLERANCE = 1e-4  # max |weight - standard step's| / (1 + |weight|), float32, TF32 off
+
+
+def exactness_check(args, cuda):
+    """Every early mode's weights after a few SGD steps vs the standard step's, on the first model.
+
+    The same initial weights and batch (the benchmark's first batch size) for every mode; enough
+    steps for the graph modes to warm up, capture and replay. TF32 is off meanwhile (cuBLAS and
+    cuDNN), so that a difference is ERASE's, not TF32's rounding. Returns one row per mode.
+    """
+    import torch
+
+    from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
+    from keras_erase.torch.cuda_graphs.runner import untimed_steps
+
+    model_name, batch = args.models[0], args.batches[0]
+    steps = untimed_steps(DEFAULT_WARMUP) + 2
+    modes = ["standard"] + [m for m in args.modes if parse_mode(m)[0] not in
+                            ("undetached", "standard", "auto")]
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        finals = {}
+        for mode in modes:
+            model = make_model(model_name, mode, args)
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="binary_crossentropy")
+            x, y = make_batch(model_name, batch, args)
+            for _ in range(steps):
+                model.train_on_batch(x, y)
+            finals[mode] = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+    reference = finals.pop("standard")
+    rows = []
+    for mode, weights in finals.items():
+        worst = max(float(np.max(np.abs(w - r) / (1.0 + np.abs(r)))) for w, r in
+                    zip(weights, reference))
+        rows.append({"model": model_name, "batch": batch, "mode": mode, "steps": steps,
+                     "max_rel_diff_vs_standard": worst, "exact": worst <= EXACTNESS_TOLERANCE})
+        print(f"exactness {model_name} batch={batch} {mode:<16} {steps} steps: "
+              f"max relative difference {worst:.2e}", flush=True)
+    return rows
+
+
 class Budget:
     """Wall-clock budget of a run: whether a cell expected to take `seconds` still fits."""
 
@@ -590,15 +638,23 @@ def run_all(args, cuda):
     budget = Budget(args.budget)
     sync = torch.cuda.synchronize if cuda else None
     trace_path, png_path, overlap, trace_error = run_trace(args, cuda)
-    rows, skipped, errors = [], [], []
+    rows, skipped, errors, exact = [], [], [], []
     try:
-        rows, skipped, errors = run_cells(args, sync, budget)
+        try:
+            exact = exactness_check(args, cuda)
+        except Exception as error:  # noqa: BLE001 - reported; the cells still run
+            errors.append(f"exactness check: {type(error).__name__}: {error}")
+        errors.extend(f"{r['model']} batch={r['batch']} {r['mode']}: weights differ from the "
+                      f"standard step's by {r['max_rel_diff_vs_standard']:.2e} (relative) after "
+                      f"{r['steps']} steps" for r in exact if not r["exact"])
+        rows, skipped, cell_errors = run_cells(args, sync, budget)
+        errors.extend(cell_errors)
     finally:
         summary = summarize(rows)
         if trace_error:
             errors.insert(0, f"trace: {trace_error}")
         write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_path, overlap,
-                     budget.elapsed())
+                     budget.elapsed(), exact)
     if errors:
         print("ERRORS:", *errors, sep="\n  ", flush=True)
     if cuda and args.strict and not overlap:  # the GPU must show the overlap, from the kernels
@@ -612,7 +668,7 @@ def run_all(args, cuda):
 
 
 def write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_path, overlap,
-                 seconds):
+                 seconds, exact=()):
     import torch
 
     model_name, batch = args.models[0], args.batches[0]
@@ -664,6 +720,14 @@ def write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_pat
             "",
             stopped,
             "",
+            "Exactness (TF32 off): every early mode's weights after a few SGD steps from the same "
+            "weights and batch, against the standard step's; max |w - w_standard| / (1 + "
+            f"|w_standard|), tolerance {EXACTNESS_TOLERANCE:g}.",
+            "",
+            markdown_table(list(exact), ["model", "batch", "mode", "steps",
+                                         "max_rel_diff_vs_standard", "exact"])
+            if exact else "(not run)",
+            "",
             "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
             "",
             markdown_table(summary, columns) if summary else "(no cell ran)",
@@ -679,6 +743,7 @@ def write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_pat
     print(report)
     write_text(args.out + ".md", report)
     write_json(args.out + ".json", {"machine": info, "rows": summary, "repeats": rows,
+                                    "exactness": list(exact),
                                     "skipped": skipped, "errors": errors, "trace": trace_path,
                                     "trace_overlaps": overlap})
     print(f"wrote {args.out}.md, .json, {trace_path}, {png_path}")

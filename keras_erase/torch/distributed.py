@@ -378,4 +378,6 @@ class GradientSync:
         """Drops the step's pending reductions without waiting (the step failed)."""
         self._pending = []
         self._late = []
+        if self._watches:  # the checking step failed: the next step checks again
+            self._owner_key = None
         self._unwatch()
