@@ -85,7 +85,10 @@ GPU_MODES = (
     "streams", "streams+graphs", "auto", "auto+graphs",
 )
 CPU_MODES = ("undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs")
-GPU_BATCHES = (2048, 8192)
+# 2048: host-bound on an H200 (about 1-5 ms of GPU work per CTR step against tens of ms of host
+# time); 65536: enough GPU work per step to saturate it. `host_share` (host time / step time)
+# says which one a cell was: near 1 host-bound, well below 1 the device was the bottleneck.
+GPU_BATCHES = (2048, 65536)
 MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
 
 
@@ -580,6 +583,7 @@ def summarize(rows):
             row[key] = float(np.median(values))
             if key in ("p50", "p90"):
                 row[key + "_spread"] = (max(values) - min(values)) / row[key] if row[key] else 0.0
+        row["host_share"] = row["host_ms_p50"] / row["step_ms_p50"] if row["step_ms_p50"] else 0.0
         summary.append(row)
     for row in summary:
         standard = [r for r in summary if r["mode"] == "standard" and r["model"] == row["model"]
@@ -685,7 +689,7 @@ def write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_pat
         wall_s=round(seconds, 1),
     )
     columns = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread",
-               "p90_vs_standard", "step_ms_p50", "step_ms_p90", "host_ms_p50", "repeats",
+               "p90_vs_standard", "step_ms_p50", "step_ms_p90", "host_ms_p50", "host_share", "repeats",
                "upstream_backwards_per_step", "graphs_captured", "graph_replays", "auto_choice",
                "auto_timed_measuring_steps"]
     auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
@@ -710,7 +714,8 @@ def write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_pat
             f"Each cell: a fresh model, {args.warmup} untimed steps, {args.steps} timed steps; "
             f"{args.repeats} repeats, the modes alternating; p50/p90: the median over the "
             "repeats, *_spread: (max - min) / median. host_ms_p50: the host's time per step "
-            "(until `train_on_batch` returned, before the device finished). "
+            "(until `train_on_batch` returned, before the device finished); host_share = "
+            "host_ms_p50 / step_ms_p50 (near 1: host-bound; well below 1: the GPU is saturated). "
             "graphs_captured / graph_replays: block graphs captured and forward replays in the "
             "timed cell (a graph mode with 0 did not use graphs). upstream_backwards_per_step "
             "(ctr): backwards of the shared embedding table per step (the gradient hand-off "

@@ -74,8 +74,10 @@ LOGGER = logging.getLogger("keras_erase")
 
 
 def _as_tensor(value):
-    """Returns a numpy array as a backend tensor (one host copy), anything else as it is."""
-    return keras.ops.convert_to_tensor(value) if isinstance(value, np.ndarray) else value
+    """Returns a numeric numpy array as a backend tensor (one host copy), anything else as it is."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return keras.ops.convert_to_tensor(value)
+    return value
 
 
 def _is_torch():
