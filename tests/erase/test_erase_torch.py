@@ -79,6 +79,16 @@ def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guar
             np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-6, err_msg=key)
 
 
+def test_auto_candidates_on_cuda_meet_what_the_gpu_check_expects(monkeypatch):
+    """The CUDA branch of the candidate expectations below, proven on CPU (patched device)."""
+    from keras_erase.torch import train_step
+
+    monkeypatch.setattr(train_step, "cuda_available", lambda: True)
+    candidates, references = train_step.auto_candidates(2)
+    assert candidates[0][0] == "standard" and len(candidates) >= 2
+    assert all(reference in candidates for reference in references.values())
+
+
 def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     import torch
 
