@@ -5,8 +5,8 @@ if a Keras release breaks one, only this module changes.
 """
 
 __all__ = [
-    "Functional", "call_has_training_arg", "compute_loss", "in_symbolic_scope", "keras_mask",
-    "loss_tracker", "own_added_losses", "sublayers",
+    "Functional", "call_has_training_arg", "compute_loss", "direct_sublayers", "in_symbolic_scope",
+    "keras_mask", "loss_tracker", "own_added_losses", "sublayers",
 ]
 
 # `EraseModel(inputs, outputs)` must be a Functional model (Keras's graph of
@@ -29,6 +29,17 @@ def sublayers(layer, include_self=False):
     are only reachable this way.
     """
     return layer._flatten_layers(include_self=include_self, recursive=True)
+
+
+def direct_sublayers(layer):
+    """Returns the layers `layer` holds directly (not theirs), deduplicated, in tracking order.
+
+    `Layer._flatten_layers(recursive=False)`: a layer called both inside a
+    `DetachBlock` and on the model's main path is a direct sublayer of the
+    model as well as of the block; the recursive walk lists it once, so only
+    this one tells the two uses apart.
+    """
+    return layer._flatten_layers(include_self=False, recursive=False)
 
 
 def own_added_losses(layer):

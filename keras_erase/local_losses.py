@@ -1,4 +1,9 @@
-"""Local losses of `DetachBlock`s in the model's loss: values, logs (one `Mean` per block)."""
+"""Local losses of `DetachBlock`s in the model's loss: values, logs (one `Mean` per block).
+
+The logs never make a tensor from host data: on CUDA a Python number turned
+into a tensor is a pageable host-to-device copy, which synchronises the host
+with the device, once per block and step (`LocalLossMean`, `batch_weight`).
+"""
 
 import keras
 from keras import ops
@@ -7,7 +12,47 @@ from keras import tree
 from keras_erase import _keras_private
 from keras_erase.targets import select_target
 
-__all__ = ["LocalLossTrackers", "LocalLossValue", "add_local_losses", "losses_outside_blocks"]
+__all__ = [
+    "LocalLossMean", "LocalLossTrackers", "LocalLossValue", "add_local_losses", "batch_weight",
+    "losses_outside_blocks",
+]
+
+
+def batch_weight(value, batch):
+    """Returns `batch` as a `Mean` weight for the scalar `value`, made on `value`'s device.
+
+    A static batch size (a Python int) becomes `ones_like(value) * batch`: a
+    fill and a multiply by a scalar argument, where `Mean.update_state(value,
+    sample_weight=batch)` would copy the int from the host. A symbolic size (a
+    tensor) is cast.
+
+    Example:
+
+    >>> float(batch_weight(keras.ops.convert_to_tensor(0.5), 32))
+    32.0
+    """
+    if isinstance(batch, int) and not isinstance(batch, bool):
+        return ops.ones_like(value) * batch
+    return ops.cast(batch, value.dtype)
+
+
+class LocalLossMean(keras.metrics.Mean):
+    """A block's logged local loss: a `keras.metrics.Mean` reset without tensors from host data.
+
+    `Mean.reset_state` assigns the Python `0` to its variables (two host
+    copies on CUDA at every `reset_metrics`, e.g. each `train_on_batch`); this
+    one assigns zeros made on the device.
+
+    Example:
+
+    >>> mean = LocalLossMean(name="tower_loss")
+    >>> mean.update_state(2.0, sample_weight=3.0); mean.reset_state(); float(mean.result())
+    0.0
+    """
+
+    def reset_state(self):
+        for variable in self.variables:
+            variable.assign(ops.zeros(variable.shape, variable.dtype))
 
 
 class LocalLossValue:
@@ -27,7 +72,7 @@ class LocalLossTrackers:
         """Creates the missing trackers; returns every tracker."""
         for block in blocks:
             if block.has_local_loss and block.name not in self.by_name:
-                self.by_name[block.name] = keras.metrics.Mean(name=f"{block.name}_loss")
+                self.by_name[block.name] = LocalLossMean(name=f"{block.name}_loss")
         return list(self.by_name.values())
 
     def names(self):
@@ -69,7 +114,7 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
             logged = ops.cast(ops.stop_gradient(logged), "float32")
             step_log = logged if step_log is None else step_log + logged
             total = ops.add(total, ops.cast(value, total.dtype))
-        tracker.update_state(step_log, sample_weight=batch)
+        tracker.update_state(step_log, sample_weight=batch_weight(step_log, batch))
     return total
 
 

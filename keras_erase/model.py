@@ -52,6 +52,8 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
+from keras import tree
 
 from keras_erase import _keras_private
 from keras_erase.config import AUTO_STEPS
@@ -69,6 +71,13 @@ from keras_erase.targets import check_targets
 __all__ = ["EraseModel", "FunctionalEraseModel"]
 
 LOGGER = logging.getLogger("keras_erase")
+
+
+def _as_tensor(value):
+    """Returns a numeric numpy array as a backend tensor (one host copy), anything else as it is."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return keras.ops.convert_to_tensor(value)
+    return value
 
 
 def _is_torch():
@@ -274,6 +283,8 @@ class EraseModel(keras.Model):
         training: bool = True,
     ) -> Any:
         """Computes the main (compiled) loss plus every block's pending local loss; logs each."""
+        # numpy targets (train_on_batch) become tensors once, not once per loss
+        y, sample_weight = tree.map_structure(_as_tensor, (y, sample_weight))
         total = super().compute_loss(x, y, y_pred, sample_weight, training=training)
         return add_local_losses(
             total,

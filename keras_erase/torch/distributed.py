@@ -23,12 +23,21 @@ in sync with a `GradientSync`:
    optimizer then applies the rank-averaged gradients, identically everywhere.
 
 Why this is correct with several backward calls per step: a block's input and
-output are detached, so its weights receive gradient only from its own local
-loss, through its own `torch.autograd.backward` call (as long as the block's
-layers are not also called outside it). When that call returns (and the block
-is not called again in the step, which is checked), the
-block's `.grad` are final for the step and can be reduced at once, whatever
-the other backward calls do later. The remainder's gradients come from the
+output are detached, so a weight that only the block uses receives gradient
+only from the block's local loss, through its own `torch.autograd.backward`
+call. When that call returns (and the block is not called again in the step,
+which is checked), the block's `.grad` are final for the step and can be
+reduced at once, whatever the other backward calls do later. A block therefore
+owns only the weights that no other block and no layer outside every block
+uses (`block_owned_weights`: a layer called inside a block and on the main
+path, e.g. a shared embedding, is a direct sublayer of the model as well as
+of the block); every other weight's gradient also gets the main loss's part
+(or another block's) and is reduced with the remainder, after the final
+backward. The first step checks the rule: a block-owned weight whose gradient
+grows after its block's reduction was launched (a layer reached outside the
+block in a way the layer walk cannot see, e.g. a subclassed model calling
+`block.layer` directly) stops training with an error naming the weight, before
+the optimizer applies anything. The remainder's gradients come from the
 final backward (the main loss and, with `detach_input=False`, the input
 gradients the blocks handed over: `keras_erase.torch.handoff`); they are reduced
 only after it ended. DDP is not used: its reducer hooks fire on every backward and
@@ -74,7 +83,10 @@ model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientSync", "active", "mean_over_ranks"]
+from keras_erase import _keras_private
+from keras_erase.detach_block import DetachBlock
+
+__all__ = ["GradientSync", "active", "block_owned_weights", "mean_over_ranks"]
 
 
 def active(group=None):
@@ -94,6 +106,63 @@ def mean_over_ranks(values, group=None):
         tensor = tensor.cuda()
     dist.all_reduce(tensor, group=group)
     return (tensor / dist.get_world_size(group)).tolist()
+
+
+def _weights_outside_blocks(model):
+    """Returns `{id: weight}` of the trainable weights a layer outside every `DetachBlock` creates.
+
+    Walks the layer tree from `model` through direct sublayers, not into
+    blocks; a layer met this way is used outside blocks (a layer called inside
+    a block and on the main path is met here too). Its own weights are its
+    `trainable_weights` minus its direct sublayers' ones.
+    """
+    outside, seen, stack = {}, set(), [model]
+    while stack:
+        layer = stack.pop()
+        children = _keras_private.direct_sublayers(layer)
+        held = {id(w) for child in children for w in child.trainable_weights}
+        for weight in layer.trainable_weights:
+            if id(weight) not in held:
+                outside[id(weight)] = weight
+        for child in children:
+            if not isinstance(child, DetachBlock) and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return outside
+
+
+def block_owned_weights(model, blocks):
+    """Maps `id(block)` to the trainable weights only that block's early backward reaches.
+
+    A weight is a block's when exactly one of `blocks` holds it and no layer
+    outside every block does (see the module docstring); the others are
+    reduced with the remainder.
+
+    Example:
+
+    >>> import keras
+    >>> from keras_erase import DetachBlock, EraseModel
+    >>> shared = keras.layers.Dense(2, name="shared")
+    >>> inputs = keras.Input((3,))
+    >>> inner = keras.layers.Dense(2, name="inner")
+    >>> tower = DetachBlock(keras.Sequential([shared, inner]), loss="mse")
+    >>> model = EraseModel(inputs, keras.layers.Add()([tower(inputs), shared(inputs)]),
+    ...                    dispatch="standard")
+    >>> [w is inner.kernel or w is inner.bias for w in block_owned_weights(model, [tower])[id(tower)]]
+    [True, True]
+    """
+    if not blocks:
+        return {}
+    outside = _weights_outside_blocks(model)
+    per_block = {id(b): list({id(w): w for w in b.trainable_weights}.values()) for b in blocks}
+    counts = {}
+    for weights in per_block.values():
+        for w in weights:
+            counts[id(w)] = counts.get(id(w), 0) + 1
+    return {
+        key: [w for w in weights if counts[id(w)] == 1 and id(w) not in outside]
+        for key, weights in per_block.items()
+    }
 
 
 def _flag_dtype(dtype):
@@ -137,8 +206,12 @@ class GradientSync:
         self.rank = dist.get_rank(group)
         self._pending = []
         self._owned = {}
+        self._owner_key = None
         self._weights = []
         self._done = set()
+        self._reduced = set()  # ids of the block-owned tensors whose reduction was launched
+        self._watches = []  # the checking step's gradient hooks
+        self._late = []  # (block name, weight) whose gradient grew after its reduction
         # Labels of the reductions launched in the current/last step, in issue order.
         self.launch_order = []
 
@@ -156,21 +229,21 @@ class GradientSync:
     # -- one step --------------------------------------------------------------------
 
     def start_step(self, model):
-        """Resets the step state and maps each block to the weights it alone owns."""
+        """Resets the step state and maps each block to the weights it alone owns.
+
+        The map is computed again when the model's weights or blocks change;
+        the step that computes it also checks it (`_watch_owned`).
+        """
         self._pending = []
         self._done = set()
         self.launch_order = []
         self._weights = list(model.trainable_weights)
-        counts = {}
         blocks = model.detach_blocks()
-        per_block = {id(b): list(b.trainable_weights) for b in blocks}
-        for weights in per_block.values():
-            for v in {id(w): w for w in weights}.values():
-                counts[id(v)] = counts.get(id(v), 0) + 1
-        # A weight shared by several blocks is final only after all of them: remainder.
-        self._owned = {
-            key: [v for v in weights if counts[id(v)] == 1] for key, weights in per_block.items()
-        }
+        key = (id(model), tuple(id(w) for w in self._weights), tuple(id(b) for b in blocks))
+        if key != self._owner_key:
+            self._owner_key = key
+            self._owned = block_owned_weights(model, blocks)
+            self._watch_owned(blocks)
 
     def block_done(self, block):
         """Launches the all-reduce of `block`'s gradients (its backward has just ended)."""
@@ -185,7 +258,43 @@ class GradientSync:
         weights = self._owned.get(key, [])
         for v in weights:
             self._done.add(id(v))
+        if self._watches:  # before the snapshot: a later accumulation is always seen
+            self._reduced.update(id(v.value) for v in weights)
         self._launch(block.name, weights)
+
+    def _watch_owned(self, blocks):
+        """Hooks every block-owned gradient for one step, to see one that grows after its reduction."""
+        self._unwatch()
+        for block in blocks:
+            for weight in self._owned.get(id(block), []):
+                param = weight.value
+                if not (isinstance(param, torch.Tensor) and param.requires_grad):
+                    continue
+
+                def watch(tensor, name=block.name, weight=weight):
+                    if id(tensor) in self._reduced:
+                        self._late.append((name, weight))
+
+                self._watches.append(param.register_post_accumulate_grad_hook(watch))
+
+    def _unwatch(self):
+        for handle in self._watches:
+            handle.remove()
+        self._watches, self._reduced = [], set()
+
+    def _check_owned(self):
+        late, self._late = self._late, []
+        self._unwatch()
+        if late:
+            self._owner_key = None
+            names = ", ".join(sorted({f"{w.path!r} (DetachBlock {b!r})" for b, w in late}))
+            raise RuntimeError(
+                "keras_erase: under torch.distributed, the gradient of "
+                f"{names} grew after its block's all-reduce was launched: the weight is also "
+                "used outside the block, in a way the layer walk does not see. Call the layer "
+                "only inside the block, hold it as a layer of the model too (then it is "
+                "reduced after the main backward), or use dispatch='standard'."
+            )
 
     def reduce_rest(self):
         """Launches the all-reduce of every trainable gradient not reduced yet this step."""
@@ -230,14 +339,21 @@ class GradientSync:
             self._pending.append(pending)
 
     def finish(self):
-        """Waits for every reduction, averages, and writes the gradients back."""
+        """Waits for every reduction, averages, and writes the gradients back.
+
+        On the step that checks block ownership, a late gradient raises here,
+        after every reduction was waited (the ranks stay matched) and before
+        any gradient is written back.
+        """
         pending, self._pending = self._pending, []
         cuda = torch.cuda.is_available()
         with torch.no_grad():
             for item in pending:
-                works = item.work if isinstance(item.work, tuple) else (item.work,)
-                for work in works:
+                for work in item.work if isinstance(item.work, tuple) else (item.work,):
                     work.wait()
+            if self._watches:
+                self._check_owned()
+            for item in pending:
                 flat, flags = item.flat
                 if cuda and flat.is_cuda:
                     flat.record_stream(torch.cuda.current_stream(flat.device))
@@ -261,3 +377,7 @@ class GradientSync:
     def abort(self):
         """Drops the step's pending reductions without waiting (the step failed)."""
         self._pending = []
+        self._late = []
+        if self._watches:  # the checking step failed: the next step checks again
+            self._owner_key = None
+        self._unwatch()

@@ -36,6 +36,7 @@ from keras_erase.auto import ScheduleSelector
 from keras_erase.auto import label
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
+from keras_erase.local_losses import batch_weight
 from keras_erase.targets import select_target
 from keras_erase.torch import distributed
 from keras_erase.torch.cuda_graphs.capture import require_capture
@@ -327,8 +328,9 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
             loss = _keras_private.compute_loss(model, x, y, y_pred, sample_weight, training=True)
         finally:
             runtime.blocks_own_losses = False
-        _keras_private.loss_tracker(model).update_state(
-            loss, sample_weight=next(i for i in tree.flatten(x) if i is not None).shape[0]
+        batch = next(i for i in tree.flatten(x) if i is not None).shape[0]
+        _keras_private.loss_tracker(model).update_state(  # as Keras, without a host copy
+            loss, sample_weight=batch_weight(loss, batch)
         )
         scaled = scale(loss)
         if dispatcher is None:

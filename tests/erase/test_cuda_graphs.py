@@ -107,9 +107,13 @@ def test_capture_safe_loss_keeps_keras_masking(rng):
 
 
 def _tensor(array):
-    import torch
+    """`array` as a tensor on Keras's device (where Keras builds the blocks: CUDA on a GPU)."""
+    return keras.ops.convert_to_tensor(np.asarray(array))
 
-    return torch.as_tensor(np.asarray(array))
+
+def keras_device():
+    """The device Keras puts new tensors and variables on (`cpu`, or `cuda:0` on a GPU)."""
+    return keras.ops.zeros(()).device
 
 
 def make_block(seed=1, detach_input=True, layer=None, name="block"):
@@ -153,7 +157,19 @@ def zero_(weights):
         v.value.grad = None
 
 
-class FakeStream:
+def _stream_base():
+    """On CUDA a fake stream is also a real (unused) stream: `record_stream` accepts it."""
+    if _cuda():
+        import torch
+
+        return torch.cuda.Stream
+    return object
+
+
+class FakeStream(_stream_base()):
+    def __new__(cls, log, name):
+        return super().__new__(cls)
+
     def __init__(self, log, name):
         self.log, self.name = log, name
 
@@ -175,12 +191,12 @@ class FakeEvent:
 class FakeStreams:
     """The stream API of `StreamDispatcher` on CPU: records every wait and event."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device=None):
         import contextlib
 
         import torch
 
-        self.device = torch.device(device)
+        self.device = torch.device(device or keras_device())
         self.log = []
         self.main = FakeStream(self.log, "main")
         self.current = self.main
@@ -434,7 +450,7 @@ def test_graph_capture_keeps_the_inputs_requires_grad():
 
 @torch_only
 def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
-    """CPU tensors are moved to the dispatcher's device; record_stream only on CUDA tensors."""
+    """Batches are moved to the dispatcher's device; record_stream only on CUDA tensors."""
     import torch
 
     from keras_erase.torch import tensors
@@ -453,7 +469,7 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     x, y, sw = batches(1)[0]
     outputs, loss = dispatcher.run_block(block, x, y, sw, lambda v: v)
     dispatcher.finish()
-    assert moved == [torch.device("cpu")]
+    assert moved == [torch.device(keras_device())]
     log = [entry for entry in dispatcher.api.log]
     s = dispatcher.streams[0].name
     assert log[0] == ("wait_stream", s, "main")  # the block stream waits for its inputs
@@ -465,7 +481,8 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     assert block.trainable_weights[0].value.grad is not None
     # to_device really moves (the meta device stands in for CUDA on a CPU machine).
     assert real_to_device({"y": y}, "meta")["y"].device.type == "meta"
-    streams.protect([x, y], object())  # CPU tensors: no record_stream (would raise here)
+    if not x.is_cuda:
+        streams.protect([x, y], object())  # CPU tensors: no record_stream (would raise here)
 
 
 # -- capture failures ---------------------------------------------------------------------
@@ -702,10 +719,12 @@ def test_gradient_sync_builds_no_tensor_from_host_data_per_block(tmp_path):
         dist.destroy_process_group()
 
 
-class _FakeModel:
+class _FakeModel(keras.layers.Layer):
+    """Holds the blocks as its only layers (what `GradientSync` reads of a model)."""
+
     def __init__(self, blocks):
+        super().__init__()
         self.blocks = blocks
-        self.trainable_weights = [w for b in blocks for w in b.trainable_weights]
 
     def detach_blocks(self):
         return self.blocks

@@ -196,3 +196,138 @@ def test_run_local_reports_a_failing_rank_with_its_traceback():
         run_local(operator.getitem, 2, threads_per_rank=1, timeout_s=120)
     with pytest.raises(ValueError, match="nproc"):
         run_local(operator.getitem, 0)
+
+
+# -- a layer used inside a block and on the main path ----------------------------------
+
+SHARED_MODES = ("blocking", "threaded")
+SHARED_STEPS, SHARED_BATCH = 2, 16
+
+
+def build_shared_layer_model(dispatch, seed=0):
+    """An EraseModel whose layer "shared" runs inside the block "tower" and on the main path.
+
+    Its kernel gets the block's local-loss gradient (early backward) and the
+    main loss's gradient (final backward): under torch.distributed it must be
+    reduced after both.
+    """
+    import keras
+
+    from keras_erase import DetachBlock
+    from keras_erase import EraseModel
+
+    keras.utils.set_random_seed(seed)
+    shared = keras.layers.Dense(6, activation="tanh", name="shared")
+    inputs = keras.Input((8,), name="features")
+    tower = DetachBlock(
+        keras.Sequential([shared, keras.layers.Dense(4, activation="relu")], name="mlp"),
+        head=keras.layers.Dense(1, name="head"),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        loss_weight=0.5,
+        name="tower",
+    )
+    hidden = keras.layers.Concatenate()([tower(inputs), shared(inputs)])
+    outputs = keras.layers.Dense(1, activation="sigmoid", name="ctr")(hidden)
+    return EraseModel(inputs, outputs, dispatch=dispatch, intra_op_threads=None)
+
+
+def _train_shared(dispatch, x, y, batch_size, initial=None, seed=0):
+    import keras
+
+    model = build_shared_layer_model(dispatch, seed=seed)
+    if initial is not None:
+        model.set_weights(initial)
+    model.compile(keras.optimizers.SGD(LR), keras.losses.BinaryCrossentropy())
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def _shared_kernel(model):
+    from tests.backend_utils import to_numpy
+
+    layer = next(l for l in model.layers if l.name == "shared")
+    return to_numpy(layer.kernel)
+
+
+def _shared_rank_main(rank, world, path):
+    from tests.backend_utils import to_numpy
+    from tests.erase.test_erase import ctr_data
+
+    x, y = ctr_data(SHARED_STEPS * SHARED_BATCH)
+    per = SHARED_BATCH // world
+    rows = np.concatenate([np.arange(s + rank * per, s + (rank + 1) * per)
+                           for s in range(0, len(x), SHARED_BATCH)])
+    saved = np.load(path)
+    initial = [saved[f"w{i}"] for i in range(len(saved.files))]
+    out = {}
+    for mode in SHARED_MODES:
+        model = _train_shared(mode, x[rows], y[rows], per,
+                              initial=initial if rank == 0 else None, seed=rank)
+        out[mode] = [to_numpy(w) for w in model.get_weights()]
+        out[mode + "_kernel"] = _shared_kernel(model)
+        out[mode + "_order"] = model._erase.grad_sync.launch_order
+    out["hidden_use"] = _hidden_use_error(x[rows], y[rows], per)
+    return out
+
+
+def _hidden_use_error(x, y, batch_size):
+    """A subclassed model calls `tower.layer` on its main path (the layer walk cannot see it)."""
+    import keras
+
+    from keras_erase import DetachBlock
+    from keras_erase import EraseModel
+
+    class HiddenUse(EraseModel):
+        def __init__(self):
+            super().__init__(dispatch="blocking", intra_op_threads=None)
+            self.tower = DetachBlock(keras.layers.Dense(4, name="inner"),
+                                     head=keras.layers.Dense(1), loss="mse", name="tower")
+            self.out = keras.layers.Dense(1, activation="sigmoid")
+
+        def call(self, inputs):
+            return self.out(self.tower(inputs) + self.tower.layer(inputs))
+
+    keras.utils.set_random_seed(0)  # the same weights on both ranks: the broadcast changes none
+    model = HiddenUse()
+    model.compile(keras.optimizers.SGD(LR), "binary_crossentropy")
+    model(x[:1])
+    before = [np.array(w) for w in model.get_weights()]
+    try:
+        model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    except RuntimeError as error:
+        unchanged = all((a == b).all() for a, b in zip(before, model.get_weights()))
+        return {"message": str(error), "unchanged": unchanged}
+    return {"message": None}
+
+
+def test_a_layer_used_in_a_block_and_on_the_main_path_is_exact_on_two_gloo_ranks(tmp_path):
+    """The shared kernel's gradient is the block's part plus the main loss's part on every rank."""
+    from tests.backend_utils import to_numpy
+    from tests.erase.test_erase import ctr_data
+
+    x, y = ctr_data(SHARED_STEPS * SHARED_BATCH)
+    initial = [to_numpy(w) for w in build_shared_layer_model("standard").get_weights()]
+    np.savez(tmp_path / "initial.npz", **{f"w{i}": w for i, w in enumerate(initial)})
+    reference = _train_shared("standard", x, y, SHARED_BATCH, initial=initial)
+    reference_weights = [to_numpy(w) for w in reference.get_weights()]
+    reference_kernel = _shared_kernel(reference)
+    assert np.abs(reference_kernel - _shared_kernel(build_shared_layer_model("standard"))).max() > 1e-3
+
+    from keras_erase.torch.launch import run_local
+
+    ranks = run_local(_shared_rank_main, 2, args=(str(tmp_path / "initial.npz"),),
+                      threads_per_rank=1, timeout_s=240)
+    for mode in SHARED_MODES:
+        off = float(np.abs(ranks[0][mode + "_kernel"] - reference_kernel).max())
+        print(f"{mode}: shared kernel max |2 ranks - standard step| = {off:.3g}")
+    for mode in SHARED_MODES:
+        for i, ref in enumerate(reference_weights):
+            np.testing.assert_array_equal(ranks[0][mode][i], ranks[1][mode][i], err_msg=mode)
+            np.testing.assert_allclose(ranks[0][mode][i], ref, rtol=1e-5, atol=2e-6,
+                                       err_msg=f"{mode} weight #{i}")
+        # The shared kernel is reduced with the rest, after the main backward.
+        assert ranks[0][mode + "_order"] == ["tower", "remainder"], mode
+    for rank in ranks:  # refused at the first step, naming the weight, before any update
+        hidden = rank["hidden_use"]
+        assert hidden["message"] is not None and "tower/inner/kernel'" in hidden["message"]
+        assert "DetachBlock 'tower'" in hidden["message"] and hidden["unchanged"]

@@ -85,6 +85,23 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
         assert os.path.getsize(out + suffix) > 0
     report = open(out + ".md").read()
     assert "fast end" in report and "ctr batch=8 auto: 2 of 2 timed steps" in report
+    assert all(r["repeats"] == 2 for r in rows) and "Every cell ran." in report
+
+
+@torch_only
+@pytest.mark.slow
+def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
+    from benchmarks import erase_gpu
+
+    out = str(tmp_path / "erase_gpu")
+    rows = erase_gpu.main(["--cpu-dry-run", "--strict", "--models", "mlp30", "--batches", "8",
+                           "--modes", "standard", "blocking", "--steps", "2", "--warmup", "1",
+                           "--budget", "0.001", "--out", out])
+    assert rows == []  # the trace used the budget up: no cell started
+    for suffix in (".md", ".json", "_trace.json", "_timeline.png"):
+        assert os.path.getsize(out + suffix) > 0
+    report = open(out + ".md").read()
+    assert "4 cells not run" in report and "(no cell ran)" in report
 
 
 @torch_only
@@ -110,6 +127,59 @@ def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window(
         selector.record(schedule, 0.1 if schedule[0] == "standard" else 0.2)
     assert erase_gpu.auto_window(selector, 1, 20) == (selector.steps, selector.steps - 1)
     assert erase_gpu.auto_window(selector, 10, 20) == (selector.steps, 0)
+
+
+def _synthetic_cuda_trace():
+    """A profiler trace of two blocks as CUDA shows it: block a's backward kernels come from
+    autograd's device thread (tid 99), not the annotating main thread (tid 1); the GPU lags."""
+    events, correlation = [], [0]
+
+    def scope(name, start, end, tid=1):
+        events.append({"ph": "X", "cat": "user_annotation", "name": name, "tid": tid,
+                       "ts": start, "dur": end - start})
+
+    def kernel(launch_ts, tid, stream, start, end):
+        correlation[0] += 1
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid,
+                       "ts": launch_ts, "dur": 1, "args": {"correlation": correlation[0]}})
+        events.append({"ph": "X", "cat": "kernel", "name": "gemm", "tid": stream, "ts": start,
+                       "dur": end - start, "args": {"correlation": correlation[0], "stream": stream}})
+
+    scope("a/forward", 0, 10)
+    kernel(2, 1, 7, 5, 12)
+    scope("a/backward", 10, 40)  # inline launch: the main thread waits in autograd.backward
+    kernel(11, 1, 7, 14, 15)  # the one kernel the GPU annotation would hold
+    for i in range(4):
+        kernel(12 + 6 * i, 99, 7, 16 + 12 * i, 27 + 12 * i)  # autograd's device thread
+    scope("b/forward", 40, 50)
+    kernel(41, 1, 8, 45, 55)  # on b's stream while a's backward still runs on the GPU
+    kernel(60, 1, 0, 90, 91)  # main-loss work outside every block: not a block's
+    # what the profiler's GPU annotation keeps of a's backward: its own thread's kernel
+    events.append({"ph": "X", "cat": "gpu_user_annotation", "name": "a/backward", "tid": 7,
+                   "ts": 14, "dur": 1})
+    return events
+
+
+@torch_only
+def test_overlap_is_found_from_kernels_whose_backward_launches_come_from_another_thread(tmp_path):
+    import json
+
+    from benchmarks import erase_gpu
+
+    events = _synthetic_cuda_trace()
+    ranges = erase_gpu.device_block_ranges(events)
+    assert ranges == [
+        ("stream 7", "a", "backward", 14.0, 49.0),  # 14 .. 63: every backward kernel
+        ("stream 7", "a", "forward", 5.0, 7.0),
+        ("stream 8", "b", "forward", 45.0, 10.0),
+    ]
+    assert erase_gpu.overlaps(ranges) == [("a", "b")]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert erase_gpu.overlaps(erase_gpu.block_ranges(str(path))) == [("a", "b")]
+    # the GPU user annotation alone holds one kernel: no overlap would ever be found
+    annotated = [("stream 7", "a", "backward", 14.0, 1.0), ("stream 8", "b", "forward", 45.0, 10.0)]
+    assert erase_gpu.overlaps(annotated) == []
 
 
 # -- EraseModel(cuda_graphs=True) in every mode, CPU stand-in capture ---------------------------

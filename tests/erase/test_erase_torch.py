@@ -79,6 +79,16 @@ def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guar
             np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-6, err_msg=key)
 
 
+def test_auto_candidates_on_cuda_meet_what_the_gpu_check_expects(monkeypatch):
+    """The CUDA branch of the candidate expectations below, proven on CPU (patched device)."""
+    from keras_erase.torch import train_step
+
+    monkeypatch.setattr(train_step, "cuda_available", lambda: True)
+    candidates, references = train_step.auto_candidates(2)
+    assert candidates[0][0] == "standard" and len(candidates) >= 2
+    assert all(reference in candidates for reference in references.values())
+
+
 def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     import torch
 
@@ -95,7 +105,9 @@ def test_auto_measures_candidates_then_keeps_the_fastest(caplog):
     # equal thread budgets: standard at the current count and at the threads each side
     # of threaded gets (no more than half the cores), which threaded must beat too
     half = min(threads, threads_for_worker())
-    if half < threads:
+    if torch.cuda.is_available():  # the device's candidates: the standard step first
+        assert candidates[0][0] == "standard" and len(candidates) >= 2
+    elif half < threads:
         assert candidates == [("standard", threads), ("standard", half), ("threaded", half)]
         assert selector.references == {("threaded", half): ("standard", half)}
     else:
@@ -212,13 +224,14 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
     import torch
 
     from keras_erase.auto import ScheduleSelector
+    from keras_erase.torch.threads import threads_for_worker
     from keras_erase.torch.train_step import auto_candidates
 
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
-    candidates, references = auto_candidates(torch.get_num_threads())
-    candidates = [candidates[0], candidates[-1]]
-    assert candidates[1][0] == "threaded"
+    threads = torch.get_num_threads()
+    # the standard step and a schedule with a worker, whatever auto tries on this device
+    candidates = [auto_candidates(threads)[0][0], ("threaded", min(threads, threads_for_worker()))]
     # margin 0.99: the standard step is kept unless threaded is 100x faster
     model._erase.selector = ScheduleSelector(candidates, timed_rounds=1, margin=0.99)
     x, y = ctr_data(16)
@@ -474,6 +487,7 @@ def test_auto_compares_equal_thread_budgets_and_says_what_it_compared(
     from keras_erase.torch import train_step
 
     monkeypatch.setattr(train_step, "threads_for_worker", lambda: 1)  # half of 2 cores
+    monkeypatch.setattr(train_step, "cuda_available", lambda: False)  # the CPU rule, anywhere
     model = build_ctr("auto", auto_steps=2)
     x, y = ctr_data(128)
     with caplog.at_level(logging.INFO, logger="keras_erase"):

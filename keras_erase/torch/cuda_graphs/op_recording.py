@@ -9,16 +9,34 @@ tensor the region writes in place, so `undo()` can restore it (a CUDA capture
 executes nothing). Used by `capture.RecordingCapture` (the CPU stand-in
 capture) and by the runner's checked warm-up step.
 
+Some host reads dispatch no aten op at all: on a CPU tensor `.cpu()`,
+`.numpy()`, `np.asarray(t)` (what `keras.ops.convert_to_numpy` does) and
+`.tolist()` just read memory, so a dispatch mode alone would let the stand-in
+"capture" a region that reads a value on the host and replay it as a stale
+constant, where a CUDA capture raises (the read is a device-to-host copy).
+`HostReads`, a `TorchFunctionMode` that `OpTape` enters with itself, sees
+those tensor methods (`HOST_READ_FUNCTIONS`): the stand-in treats Keras's
+device as the GPU and the CPU as the host.
+
+`SyncRecorder` counts, on the calling thread, the operations that imply a
+host-device synchronisation on CUDA (`SYNC_OPS`: host reads, tensors made from
+host data, data-dependent shapes) without refusing them: the tests count what
+a train step would sync on a GPU with it, on CPU.
+
 Example:
 
->>> forbidden_ops(["mm", "item", "lift_fresh"])
-['item', 'lift_fresh']
+>>> forbidden_ops(["mm", "item", "lift_fresh", "Tensor.numpy"])
+['Tensor.numpy', 'item', 'lift_fresh']
 """
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CAPTURE_FORBIDDEN_OPS", "CaptureRefused", "OpTape", "forbidden_ops"]
+__all__ = [
+    "CAPTURE_FORBIDDEN_OPS", "CaptureRefused", "HostReads", "OpTape", "SYNC_OPS", "SyncRecorder",
+    "describe_op", "forbidden_ops",
+]
 
 # aten ops a CUDA Graph capture refuses or silently freezes: tensors built from host
 # (Python/numpy) data, host <-> device synchronisations and data-dependent shapes.
@@ -41,7 +59,16 @@ HOST_SYNC_OPS = frozenset(
         "_assert_async",
     }
 )
-CAPTURE_FORBIDDEN_OPS = HOST_DATA_OPS | HOST_SYNC_OPS
+# Tensor methods that read a device tensor on the host and dispatch no aten op that
+# says so on CPU (`.item()`, `float(t)`, `bool(t)` dispatch `_local_scalar_dense`).
+# (`.to(device)` is not one: on the stand-in, Keras's device is the CPU.)
+HOST_READ_FUNCTIONS = frozenset({"Tensor.cpu", "Tensor.numpy", "Tensor.__array__", "Tensor.tolist"})
+CAPTURE_FORBIDDEN_OPS = HOST_DATA_OPS | HOST_SYNC_OPS | HOST_READ_FUNCTIONS
+# What implies a host-device synchronisation on CUDA: host reads, data-dependent
+# shapes, and tensors copied from host data (a pageable host-to-device copy
+# synchronises). `scalar_tensor` is not one: on CUDA it is a fill kernel (a
+# capture freezes its value, hence its place among the forbidden ops).
+SYNC_OPS = CAPTURE_FORBIDDEN_OPS - {"scalar_tensor"}
 
 
 class CaptureRefused(RuntimeError):
@@ -51,6 +78,64 @@ class CaptureRefused(RuntimeError):
 def forbidden_ops(op_names):
     """Returns the names among `op_names` (aten overload packets) that a capture refuses, sorted."""
     return sorted(set(op_names) & CAPTURE_FORBIDDEN_OPS)
+
+
+def describe_op(name):
+    """Names a recorded op for a message: `"aten.item"`, or a tensor method as is (`"Tensor.cpu"`)."""
+    return name if name.startswith("Tensor.") else f"aten.{name}"
+
+
+def _op_name(func, args, kwargs):
+    """The recorded name of an aten op: its overload packet, `_to_copy_from_host` for a host copy."""
+    name = func.overloadpacket.__name__
+    if name in ("_to_copy", "copy_"):
+        source = args[1] if name == "copy_" else args[0]
+        target = args[0].device if name == "copy_" else kwargs.get("device")
+        if target is not None and source.device != torch.device(target):
+            name = "_to_copy_from_host" if source.device.type == "cpu" else name
+    return name
+
+
+def _host_read(func, args, kwargs):
+    """Returns the `HOST_READ_FUNCTIONS` name of a torch function call, or `None`."""
+    name = getattr(func, "__name__", None)
+    if name in ("cpu", "numpy", "__array__", "tolist"):
+        return f"Tensor.{name}"
+    return None
+
+
+class HostReads(TorchFunctionMode):
+    """A TorchFunctionMode that records (or refuses) host reads no aten op shows on CPU.
+
+    Args:
+        refuse: raise `CaptureRefused` at the first one (`HOST_READ_FUNCTIONS`).
+
+    Example:
+
+    >>> import numpy as np
+    >>> reads = HostReads(refuse=False)
+    >>> with reads:
+    ...     _ = np.asarray(torch.ones(2))
+    >>> reads.names
+    ['Tensor.__array__']
+    """
+
+    def __init__(self, refuse=True):
+        super().__init__()
+        self.refuse = refuse
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _host_read(func, args, kwargs)
+        if name is not None:
+            self.names.append(name)
+            if self.refuse:
+                raise CaptureRefused(
+                    f"{name} inside a captured region (a host read of a device tensor); a CUDA "
+                    "Graph capture would fail here, and a replay would reuse a stale value."
+                )
+        return func(*args, **kwargs)
 
 
 class OpTape(TorchDispatchMode):
@@ -69,19 +154,29 @@ class OpTape(TorchDispatchMode):
         self.names = []
         self.created = set()
         self.saved = {}
+        self._host_reads = _TapeHostReads(self)
+
+    def __enter__(self):
+        self._host_reads.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._host_reads.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc_info):
+        try:
+            return super().__exit__(*exc_info)
+        finally:
+            self._host_reads.__exit__(*exc_info)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in ("_to_copy", "copy_"):
-            source = args[1] if name == "copy_" else args[0]
-            target = args[0].device if name == "copy_" else kwargs.get("device")
-            if target is not None and source.device != torch.device(target):
-                name = "_to_copy_from_host" if source.device.type == "cpu" else name
+        name = _op_name(func, args, kwargs)
         self.names.append(name)
         if self.refuse and name in CAPTURE_FORBIDDEN_OPS:
             raise CaptureRefused(
-                f"aten.{name} inside a captured region (tensor from host data or a host "
+                f"{describe_op(name)} inside a captured region (tensor from host data or a host "
                 "sync); a CUDA Graph capture would fail here."
             )
         if self.refuse:  # capture executes nothing: remember what this op overwrites
@@ -113,3 +208,65 @@ def _written_args(func, args, kwargs):
         if isinstance(value, torch.Tensor):
             written.append(value)
     return written
+
+
+class _TapeHostReads(HostReads):
+    """The `HostReads` of an `OpTape`: its names go into the tape's, in order."""
+
+    def __init__(self, tape):
+        super().__init__(refuse=tape.refuse)
+        self.names = tape.names
+
+
+class _SyncOps(TorchDispatchMode):
+    """Appends the name of every aten op of `SYNC_OPS` to `names`."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _op_name(func, args, kwargs)
+        self.ops += 1
+        if name in SYNC_OPS:
+            self.names.append(name)
+        return func(*args, **kwargs)
+
+
+class SyncRecorder:
+    """Counts, on the calling thread, the operations that would synchronise host and device on CUDA.
+
+    A context manager; `names` lists each one (`SYNC_OPS`: aten ops such as
+    `_local_scalar_dense` or `lift_fresh`, and the `HOST_READ_FUNCTIONS`), in
+    order, and `ops` counts every aten op seen. Nothing is refused. Modes are
+    per thread: enter one on every thread that runs the region (pass the same
+    `names` list to share the count).
+
+    Example:
+
+    >>> with SyncRecorder() as syncs:
+    ...     _ = torch.ones(2).sum().item() + torch.tensor(3.0)
+    >>> syncs.names
+    ['_local_scalar_dense', 'lift_fresh']
+    """
+
+    def __init__(self, names=None):
+        self.names = [] if names is None else names
+        self.ops = 0
+        self._modes = []
+
+    def __enter__(self):
+        reads = HostReads(refuse=False)
+        reads.names = self.names
+        self._modes = [reads, _SyncOps(self.names)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc_info)
+        self.ops += self._modes[1].ops
+        self._modes = []

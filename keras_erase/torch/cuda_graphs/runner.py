@@ -63,6 +63,7 @@ from keras import tree
 from keras_erase.torch.cuda_graphs.capture import default_capture
 from keras_erase.torch.cuda_graphs.op_recording import CaptureRefused
 from keras_erase.torch.cuda_graphs.op_recording import OpTape
+from keras_erase.torch.cuda_graphs.op_recording import describe_op
 from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
 from keras_erase.torch.tensors import is_tensor
 from keras_erase.torch.tensors import same_storage
@@ -299,9 +300,9 @@ class CudaGraphRunner:
         if found:
             self.failures += 1
             self.disable(
-                f"block {block.name!r} runs {', '.join('aten.' + n for n in found)} in its forward "
-                "or local loss (a tensor made from host data or a host sync), which a CUDA Graph "
-                "cannot capture"
+                f"block {block.name!r} runs {', '.join(describe_op(n) for n in found)} in its "
+                "forward or local loss (a tensor made from host data, a host read or a host sync), "
+                "which a CUDA Graph cannot capture"
             )
         return result
 
