@@ -49,4 +49,15 @@ if grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
   exit 1
 fi
 "$PYTHON" benchmarks/erase_gpu.py --strict --out "$RESULTS/erase_gpu" "$@"
+# --- CutBCE on CUDA: the fused Triton kernels (benchmarks/cutbce_triton.py; issue 24) ---
+# The parity tests run compiled on the GPU (no interpreter); then parity vs dense (TF32 off), dense /
+# chunked / triton alternating (median of 5, peak memory) and a tile sweep, within CUTBCE_GPU_BUDGET s.
+if "$PYTHON" -c "import triton" 2>/dev/null; then
+  "$PYTHON" -m pytest -q -rs tests/cutbce/test_triton_parity.py | tee "$RESULTS/gpu_check_cutbce_tests.txt"
+  "$PYTHON" benchmarks/cutbce_triton.py --gpu --budget "${CUTBCE_GPU_BUDGET:-150}" --out "$RESULTS" \
+    | tee "$RESULTS/cutbce_triton_gpu.md"
+else
+  echo "gpu_check: triton is not importable: the CutBCE Triton part is skipped" >&2
+fi
+# --- end of the CutBCE part ---
 echo "gpu_check: done; results in $RESULTS/erase_gpu.md, erase_gpu_trace.json, erase_gpu_timeline.png"

@@ -15,7 +15,7 @@ against `keras_cutbce.math.reference` and, at `pos_weight = 1`, against
 `keras.losses.binary_crossentropy` on the dense logits.
 
 Interpreter dtypes: float32, and bf16 inputs with the kernels' products on
-operands cast to fp32 (`DOT_IN_F32`), because bf16 `tl.dot` gives wrong
+operands cast to fp32 (`INTERPRET`), because bf16 `tl.dot` gives wrong
 results in the interpreter (triton#11584, unsupported upstream); the bf16
 hi/lo split of the gradient products is checked there on its fp32 result.
 """

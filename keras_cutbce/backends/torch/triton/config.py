@@ -14,11 +14,15 @@ The interpreter (CPU tensors) runs small tiles instead (`INTERPRET`), so
 odd test shapes cover several row blocks, vocabulary tiles and splits.
 """
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["KernelConfig", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose", "num_splits", "supports"]
+__all__ = [
+    "KernelConfig", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose", "num_splits", "overridden",
+    "supports",
+]
 
 
 class KernelConfig(NamedTuple):
@@ -55,6 +59,26 @@ _PROGRAMS_PER_SM = 2
 _INTERPRET_SMS = 2
 
 
+_OVERRIDE = []
+
+
+@contextlib.contextmanager
+def overridden(settings):
+    """Runs the kernels with `settings` (a `KernelConfig`) inside the block: the GPU check's sweep.
+
+    Example:
+
+    >>> with overridden(INTERPRET):
+    ...     choose(64, torch.float32, interpret=False) == INTERPRET
+    True
+    """
+    _OVERRIDE.append(KernelConfig(*settings))
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
 def block_dim(dim):
     """Returns `BLOCK_D`: the next power of two >= `dim`, at least 16 (`tl.dot`'s minimum).
 
@@ -88,6 +112,8 @@ def choose(dim, dtype, interpret):
     >>> choose(64, torch.bfloat16, interpret=False).rows_block
     (128, 128, 8, 3)
     """
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
     if interpret:
         return INTERPRET
     assert supports(dim), dim

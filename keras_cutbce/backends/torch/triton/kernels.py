@@ -20,25 +20,28 @@ The gradient products take the fp32 `sigmoid` tile: with fp32 inputs at
 and a low half of the input dtype (`SPLIT_DOT`), two tensor-core products
 (about 1e-5 relative error instead of the 3e-3 of one rounding). The
 interpreter (`TRITON_INTERPRET=1`, how the suite runs these on CPU) gets
-`DOT_IN_F32`: bf16 `tl.dot` is wrong there (triton#11584), so every product
+`INTERPRET`: bf16 `tl.dot` is wrong there (triton#11584), so every product
 runs on operands cast to fp32, which holds the same values (a product of two
-bf16 is exact in fp32).
+bf16 is exact in fp32), and `log1p` is computed without libdevice.
 """
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_IN_F32: tl.constexpr, PRECISION: tl.constexpr):
+def _dot(a, b, acc, INTERPRET: tl.constexpr, PRECISION: tl.constexpr):
     """Returns `acc + a @ b` with a float32 accumulator (operands of one dtype)."""
-    if DOT_IN_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+    if INTERPRET:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
-def _dot_f32_left(a, b, acc, SPLIT_DOT: tl.constexpr, DOT_IN_F32: tl.constexpr,
+def _dot_f32_left(a, b, acc, SPLIT_DOT: tl.constexpr, INTERPRET: tl.constexpr,
                   PRECISION: tl.constexpr):
     """Returns `acc + a @ b` for a float32 `a` and `b` in the input dtype.
 
@@ -48,9 +51,11 @@ def _dot_f32_left(a, b, acc, SPLIT_DOT: tl.constexpr, DOT_IN_F32: tl.constexpr,
     if SPLIT_DOT:
         hi = a.to(b.dtype, fp_downcast_rounding="rtne")
         lo = (a - hi.to(tl.float32)).to(b.dtype, fp_downcast_rounding="rtne")
-        acc = _dot(hi, b, acc, DOT_IN_F32, PRECISION)
-        return _dot(lo, b, acc, DOT_IN_F32, PRECISION)
-    return _dot(a, b, acc, DOT_IN_F32, PRECISION)
+        acc = _dot(hi, b, acc, INTERPRET, PRECISION)
+        acc = _dot(lo, b, acc, INTERPRET, PRECISION)
+    else:
+        acc = _dot(a, b, acc, INTERPRET, PRECISION)
+    return acc
 
 
 @triton.jit
@@ -62,38 +67,42 @@ def _load_rows(ptr, index, index_ok, dim, dims, dim_ok):
 
 @triton.jit
 def _masked_logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok, num_targets,
-                   HAS_BIAS: tl.constexpr, DOT_IN_F32: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Returns the fp32 logits `[BLOCK_M, BLOCK_N]`, `-inf` at the rows' positives and past `V`.
 
     `positives_ptr` is int32 `[M, num_targets]`: each row's distinct valid
     ids, `-1` elsewhere (no column matches it).
     """
-    z = _dot(h, tl.trans(table_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_IN_F32,
+    z = _dot(h, tl.trans(table_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET,
              PRECISION)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    skip = tl.broadcast_to((~col_ok)[None, :], (BLOCK_M, BLOCK_N))
+    z = tl.where(col_ok[None, :], z, float("-inf"))
     for target in range(num_targets):
         ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
-        skip = skip | (cols[None, :] == ids[:, None])
-    return tl.where(skip, float("-inf"), z)
+        z = tl.where(cols[None, :] == ids[:, None], float("-inf"), z)
+    return z
 
 
 @triton.jit
-def _softplus_sigmoid(z):
+def _softplus_sigmoid(z, INTERPRET: tl.constexpr):
     """Returns `(softplus(z), sigmoid(z))` from one `exp(-|z|)`; both exactly 0 at `-inf`.
 
-    `log1p(x) = log(1 + x) * x / ((1 + x) - 1)` (exact to a few ulp, and
-    `x` where `1 + x` rounds to 1), so a very negative logit's softplus is
-    not lost.
+    `softplus(z) = max(z, 0) + log1p(exp(-|z|))`, with CUDA's `log1p`
+    (libdevice), so a very negative logit's softplus keeps float32
+    precision. The interpreter has no libdevice: there `log1p(x) = log(u) +
+    (x - (u - 1)) / u` with `u = 1 + x` (exact to O(eps^2)).
     """
     e = tl.exp(-tl.abs(z))
     u = 1.0 + e
-    rounds_to_one = u == 1.0
-    log1p = tl.where(rounds_to_one, e, tl.log(u) * (e / tl.where(rounds_to_one, 1.0, u - 1.0)))
+    r = 1.0 / u
+    if INTERPRET:
+        log1p = tl.log(u) + (e - (u - 1.0)) * r
+    else:
+        log1p = libdevice.log1p(e)
     softplus = tl.maximum(z, 0.0) + log1p
-    sigmoid = tl.where(z >= 0, 1.0 / u, e / u)
+    sigmoid = tl.where(z >= 0, r, e * r)
     return softplus, sigmoid
 
 
@@ -101,7 +110,7 @@ def _softplus_sigmoid(z):
 def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_ptr, grad_h_parts_ptr,
                 num_rows, vocab_size, dim, num_targets, tiles_per_split,
                 HAS_BIAS: tl.constexpr, LOSS: tl.constexpr, GRAD_H: tl.constexpr,
-                SPLIT_DOT: tl.constexpr, DOT_IN_F32: tl.constexpr, PRECISION: tl.constexpr,
+                SPLIT_DOT: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per row block and vocabulary split: the partial `sum_v softplus(z)` and `sum_v sigmoid(z) E_v`.
 
@@ -123,12 +132,12 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_p
         col_ok = cols < vocab_size
         table_tile = _load_rows(table_ptr, cols, col_ok, dim, dims, dim_ok)
         z = _masked_logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok,
-                           num_targets, HAS_BIAS, DOT_IN_F32, PRECISION, BLOCK_M, BLOCK_N)
-        softplus, sigmoid = _softplus_sigmoid(z)
+                           num_targets, HAS_BIAS, INTERPRET, PRECISION, BLOCK_M, BLOCK_N)
+        softplus, sigmoid = _softplus_sigmoid(z, INTERPRET)
         if LOSS:
             softplus_sum += tl.sum(softplus, axis=1)
         if GRAD_H:
-            grad_h = _dot_f32_left(sigmoid, table_tile, grad_h, SPLIT_DOT, DOT_IN_F32, PRECISION)
+            grad_h = _dot_f32_left(sigmoid, table_tile, grad_h, SPLIT_DOT, INTERPRET, PRECISION)
     if LOSS:
         tl.store(softplus_parts_ptr + split * num_rows + rows, softplus_sum, mask=row_ok)
     if GRAD_H:
@@ -140,7 +149,7 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_p
 def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, row_scale_ptr, grad_table_ptr,
                    grad_bias_ptr, num_rows, vocab_size, dim, num_targets,
                    HAS_BIAS: tl.constexpr, GRAD_E: tl.constexpr, GRAD_B: tl.constexpr,
-                   SPLIT_DOT: tl.constexpr, DOT_IN_F32: tl.constexpr, PRECISION: tl.constexpr,
+                   SPLIT_DOT: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per vocabulary tile: `sum_m r_m sigmoid(z_m) h_m` and `sum_m r_m sigmoid(z_m)` over all rows.
 
@@ -159,11 +168,11 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, row_scale_ptr
         row_ok = rows < num_rows
         h = _load_rows(hidden_ptr, rows, row_ok, dim, dims, dim_ok)
         z = _masked_logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok,
-                           num_targets, HAS_BIAS, DOT_IN_F32, PRECISION, BLOCK_M, BLOCK_N)
-        _, sigmoid = _softplus_sigmoid(z)
+                           num_targets, HAS_BIAS, INTERPRET, PRECISION, BLOCK_M, BLOCK_N)
+        _, sigmoid = _softplus_sigmoid(z, INTERPRET)
         slope = sigmoid * tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         if GRAD_E:
-            grad_table = _dot_f32_left(tl.trans(slope), h, grad_table, SPLIT_DOT, DOT_IN_F32,
+            grad_table = _dot_f32_left(tl.trans(slope), h, grad_table, SPLIT_DOT, INTERPRET,
                                        PRECISION)
         if GRAD_B:
             grad_bias += tl.sum(slope, axis=0)

@@ -104,7 +104,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     targets = _target_ids(positives, num_rows, h.device)
     settings = config.choose(dim, operands, interpret)
     flags = dict(
-        SPLIT_DOT=operands != torch.float32, DOT_IN_F32=interpret, PRECISION=triton_precision(),
+        SPLIT_DOT=operands != torch.float32, INTERPRET=interpret, PRECISION=triton_precision(),
         BLOCK_D=config.block_dim(dim),
     )
     softplus_sum = grad_h = grad_e = grad_b = None

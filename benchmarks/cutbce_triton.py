@@ -1,0 +1,244 @@
+"""CutBCE on CUDA: the fused Triton kernels, compiled without a GPU, and measured on one.
+
+Deviceless (any host with Triton, `pip install ".[triton-compile]"`; no GPU,
+no CUDA driver):
+
+    python benchmarks/cutbce_triton.py --deviceless
+
+compiles both kernels (their heaviest variants) with the static table's
+configuration for sm_80 and sm_90 at D in {32, 64, 128, 256}, float32 and
+bfloat16, and prints registers, spill bytes, shared memory, the SASS
+instructions of the tile loop per logit (warp instructions of one iteration
+/ logits of the tile; the positives' inner loop counted once) and three
+lower bounds of one training step (loss + all gradients: both kernels) at
+the CutBCE paper's scale (16384 rows, V = 876000): instruction issue (4 warp
+instructions per clock per SM), tensor cores (dense peak at that precision)
+and HBM (each kernel re-reads the other operand once per block, an upper
+bound on traffic as L2 catches part of it). Writes
+`benchmarks/results/cutbce_triton_deviceless.json`.
+
+On a GPU (the one GPU check, `scripts/gpu_check.sh`):
+
+    python benchmarks/cutbce_triton.py --gpu --budget 240
+
+checks parity of triton and chunked against the dense formula (TF32 off),
+then times dense Keras BCE, chunked and triton, alternating in one process
+(median of >= 5 forward + backward steps, `torch.cuda.max_memory_allocated`
+per variant) at (4096, 64, 32768) and the paper's scale (dense only where
+its logits fit), then sweeps a few tile configurations at the paper's scale
+to retune `keras_cutbce/backends/torch/triton/config.py`, stopping when the
+budget (seconds) is spent. Writes `benchmarks/results/cutbce_triton_gpu.json`.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+from benchmarks.common import markdown_table  # noqa: E402
+
+PAPER = dict(rows=16384, dim=64, vocab=876_000)
+# (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
+GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
+        90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
+ARCHS = (80, 90)
+DIMS = (32, 64, 128, 256)
+DTYPES = ("float32", "bfloat16")
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use
+
+
+def _bounds(rows_report, columns_report, arch, dtype, rows, dim, vocab):
+    """Lower bounds (ms) of one training step (both kernels) at `rows x vocab`, per limiter."""
+    _, sms, ghz, bf16, tf32, _, hbm = GPUS[arch]
+    logits = rows * vocab
+    issue = sum(r["instructions_per_logit"] for r in (rows_report, columns_report))
+    issue_ms = 1e3 * logits * issue / (4 * sms * ghz * 1e9)
+    products = 2 * (1 + (2 if dtype != "float32" else 1))  # logits once + gradient products
+    flops = 2.0 * logits * dim * products
+    tensor_ms = 1e3 * flops / ((bf16 if dtype != "float32" else tf32) * 1e12)
+    size = 2 if dtype != "float32" else 4
+    traffic = (-(-rows // rows_report["block_m"]) * vocab * dim
+               + -(-vocab // columns_report["block_n"]) * rows * dim) * size
+    hbm_ms = 1e3 * traffic / (hbm * 1e12)
+    return dict(issue_ms=issue_ms, tensor_core_ms=tensor_ms, hbm_ms=hbm_ms,
+                bound=max(("issue", issue_ms), ("tensor cores", tensor_ms), ("HBM", hbm_ms),
+                          key=lambda kv: kv[1])[0])
+
+
+def deviceless():
+    """Compiles every (arch, D, dtype, kernel) of the static table; returns the table's rows."""
+    from keras_cutbce.backends.torch.triton.deviceless import compile_kernel
+
+    table = []
+    for arch in ARCHS:
+        for dim in DIMS:
+            for dtype in DTYPES:
+                pair = {}
+                for kernel in ("rows", "columns"):
+                    start = time.perf_counter()
+                    report = compile_kernel(kernel, arch, dim, dtype)
+                    report["compile_s"] = time.perf_counter() - start
+                    report["shared_limit"] = SHARED_LIMIT[arch]
+                    pair[kernel] = report
+                bounds = _bounds(pair["rows"], pair["columns"], arch, dtype, PAPER["rows"], dim,
+                                 PAPER["vocab"])
+                for report in pair.values():
+                    table.append({**report, **bounds})
+    return table
+
+
+def _print_deviceless(table):
+    columns = ["arch", "dim", "dtype", "kernel", "block_m", "block_n", "num_warps", "num_stages",
+               "registers", "spill_bytes", "shared_bytes", "instructions_per_logit",
+               "issue_ms", "tensor_core_ms", "hbm_ms", "bound"]
+    print(markdown_table(table, columns))
+    print("\nBounds: one training step (both kernels) at 16384 x 876000, on the GPU of the arch "
+          f"({', '.join(f'sm_{a}: {g[0]}' for a, g in GPUS.items())}); fp32 at TF32 peak.")
+
+
+def _step(implementation, h, e, b, ids):
+    import keras
+    import torch
+
+    from keras_cutbce import cut_binary_crossentropy
+    from keras_cutbce.math import reference
+
+    for x in (h, e, b):
+        x.grad = None
+    if implementation == "dense":
+        y = reference.multi_hot(ids, e.shape[0])
+        loss = keras.losses.binary_crossentropy(y, reference.logits(h, e, b), from_logits=True)
+    else:
+        loss = cut_binary_crossentropy(h, e, ids, b, implementation=implementation)
+    loss.mean().backward()
+    torch.cuda.synchronize()
+    return loss.detach()
+
+
+def _problem(rows, dim, vocab, dtype, seed=0):
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kw = dict(device="cuda", generator=gen)
+    h = (torch.randn(rows, dim, **kw) * 0.3).to(dtype).requires_grad_()
+    e = (torch.randn(vocab, dim, **kw) * 0.3).to(dtype).requires_grad_()
+    b = (torch.randn(vocab, **kw) * 0.1).to(dtype).requires_grad_()
+    ids = torch.randint(0, vocab, (rows, 8), device="cuda", generator=gen)
+    return h, e, b, ids
+
+
+def _parity():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    h, e, b, ids = _problem(1000, 64, 5003, torch.float32)
+    want = _step("dense", h, e, b, ids)
+    grads = [x.grad.clone() for x in (h, e, b)]
+    rows = []
+    for implementation in ("chunked", "triton"):
+        got = _step(implementation, h, e, b, ids)
+        errors = [float((got - want).abs().max() / want.abs().max())]
+        errors += [float((x.grad - g).abs().max() / g.abs().max()) for x, g in zip((h, e, b), grads)]
+        rows.append(dict(implementation=implementation, loss_rel=errors[0], grad_h_rel=errors[1],
+                         grad_table_rel=errors[2], grad_bias_rel=errors[3]))
+    return rows
+
+
+def _time(implementations, problem, repeats):
+    import torch
+
+    times = {name: [] for name in implementations}
+    peaks = {}
+    for name in implementations:  # warm-up (compiles) and peak memory
+        torch.cuda.reset_peak_memory_stats()
+        _step(name, *problem)
+        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+    for _ in range(repeats):
+        for name in implementations:  # alternating
+            start = time.perf_counter()
+            _step(name, *problem)
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return [dict(implementation=n, median_ms=statistics.median(t), min_ms=min(t),
+                 peak_mib=peaks[n], repeats=len(t)) for n, t in times.items()]
+
+
+def gpu(budget):
+    """The GPU check's CutBCE part; returns its report (stops the sweep when `budget` s is spent)."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import config
+
+    start = time.perf_counter()
+    report = dict(device=torch.cuda.get_device_name(), parity=_parity(), timings=[], sweep=[])
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        for rows, dim, vocab in ((4096, 64, 32768), tuple(PAPER.values())):
+            problem = _problem(rows, dim, vocab, torch.float32)
+            free = torch.cuda.mem_get_info()[0]
+            dense_fits = 3 * rows * vocab * 4 < 0.8 * free
+            names = (["dense"] if dense_fits else []) + ["chunked", "triton"]
+            for row in _time(names, problem, repeats=5):
+                report["timings"].append(dict(rows=rows, dim=dim, vocab=vocab, tf32=tf32, **row))
+            del problem
+            torch.cuda.empty_cache()
+    candidates = [((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
+                  ((128, 128, 8, 3), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2))]
+    for dtype in (torch.bfloat16, torch.float32):
+        problem = _problem(*PAPER.values(), dtype)
+        for rows_block, columns_block in candidates:
+            if time.perf_counter() - start > budget:
+                report["sweep_stopped"] = "budget spent"
+                return report
+            try:
+                with config.overridden((rows_block, columns_block)):
+                    row = _time(["triton"], problem, repeats=5)[0]
+            except Exception as error:  # a configuration that does not compile or fit
+                row = dict(error=repr(error)[:200])
+            report["sweep"].append(dict(dtype=str(dtype), rows_block=rows_block,
+                                        columns_block=columns_block, **row))
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--deviceless", action="store_true", help="compile for sm_80/sm_90, no GPU")
+    mode.add_argument("--gpu", action="store_true", help="parity, timings and sweep on a GPU")
+    parser.add_argument("--budget", type=float, default=240.0, help="seconds for --gpu")
+    parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.deviceless:
+        table = deviceless()
+        _print_deviceless(table)
+        path = os.path.join(args.out, "cutbce_triton_deviceless.json")
+        payload = table
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("No CUDA device: run with --deviceless, or on a GPU.")
+            return 2
+        payload = gpu(args.budget)
+        print(markdown_table(payload["parity"], list(payload["parity"][0])))
+        print(markdown_table(payload["timings"], list(payload["timings"][0])))
+        if payload["sweep"]:
+            print(markdown_table(payload["sweep"], sorted({k for r in payload["sweep"] for k in r})))
+        path = os.path.join(args.out, "cutbce_triton_gpu.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
