@@ -28,6 +28,8 @@ per variant) at (4096, 64, 32768) and the paper's scale (dense only where
 its logits fit), then sweeps a few tile configurations at the paper's scale
 to retune `keras_cutbce/backends/torch/triton/config.py`, stopping when the
 budget (seconds) is spent. Writes `benchmarks/results/cutbce_triton_gpu.json`.
+`--gpu --cpu-dry-run` runs the same steps on tiny CPU shapes, the kernels in
+the Triton interpreter (checks the script; the numbers mean nothing).
 """
 
 import argparse
@@ -41,10 +43,15 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 os.environ.setdefault("KERAS_BACKEND", "torch")
+if "--cpu-dry-run" in sys.argv:  # read when Triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from benchmarks.common import markdown_table  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
+GPU_SHAPES = ((4096, 64, 32768), tuple(PAPER.values()))
+DRY_RUN_SHAPES = ((64, 16, 300), (96, 16, 700))
+_DEVICE = {"name": "cuda"}
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
 GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
         90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
@@ -94,13 +101,21 @@ def deviceless():
     return table
 
 
-def _print_deviceless(table):
+def _deviceless_markdown(table):
     columns = ["arch", "dim", "dtype", "kernel", "block_m", "block_n", "num_warps", "num_stages",
                "registers", "spill_bytes", "shared_bytes", "instructions_per_logit",
                "issue_ms", "tensor_core_ms", "hbm_ms", "bound"]
-    print(markdown_table(table, columns))
-    print("\nBounds: one training step (both kernels) at 16384 x 876000, on the GPU of the arch "
-          f"({', '.join(f'sm_{a}: {g[0]}' for a, g in GPUS.items())}); fp32 at TF32 peak.")
+    return (markdown_table(table, columns)
+            + "\n\nBounds: one training step (both kernels) at 16384 x 876000, on the GPU of the arch "
+            + f"({', '.join(f'sm_{a}: {g[0]}' for a, g in GPUS.items())}); fp32 at TF32 peak.\n")
+
+
+def _gpu_markdown(report):
+    parts = [f"Device: {report['device']}"]
+    for key in ("parity", "timings", "sweep"):
+        if report[key]:
+            parts.append(markdown_table(report[key], sorted({k for r in report[key] for k in r})))
+    return "\n\n".join(parts) + "\n"
 
 
 def _step(implementation, h, e, b, ids):
@@ -118,28 +133,41 @@ def _step(implementation, h, e, b, ids):
     else:
         loss = cut_binary_crossentropy(h, e, ids, b, implementation=implementation)
     loss.mean().backward()
-    torch.cuda.synchronize()
+    _synchronize()
     return loss.detach()
+
+
+def _synchronize():
+    import torch
+
+    if _DEVICE["name"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_mib():
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20 if _DEVICE["name"] == "cuda" else 0.0
 
 
 def _problem(rows, dim, vocab, dtype, seed=0):
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kw = dict(device="cuda", generator=gen)
+    gen = torch.Generator(device=_DEVICE["name"]).manual_seed(seed)
+    kw = dict(device=_DEVICE["name"], generator=gen)
     h = (torch.randn(rows, dim, **kw) * 0.3).to(dtype).requires_grad_()
     e = (torch.randn(vocab, dim, **kw) * 0.3).to(dtype).requires_grad_()
     b = (torch.randn(vocab, **kw) * 0.1).to(dtype).requires_grad_()
-    ids = torch.randint(0, vocab, (rows, 8), device="cuda", generator=gen)
+    ids = torch.randint(0, vocab, (rows, 8), device=_DEVICE["name"], generator=gen)
     return h, e, b, ids
 
 
-def _parity():
+def _parity(shape):
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    h, e, b, ids = _problem(1000, 64, 5003, torch.float32)
+    h, e, b, ids = _problem(*shape, torch.float32)
     want = _step("dense", h, e, b, ids)
     grads = [x.grad.clone() for x in (h, e, b)]
     rows = []
@@ -158,9 +186,10 @@ def _time(implementations, problem, repeats):
     times = {name: [] for name in implementations}
     peaks = {}
     for name in implementations:  # warm-up (compiles) and peak memory
-        torch.cuda.reset_peak_memory_stats()
+        if _DEVICE["name"] == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         _step(name, *problem)
-        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+        peaks[name] = _peak_mib()
     for _ in range(repeats):
         for name in implementations:  # alternating
             start = time.perf_counter()
@@ -170,30 +199,35 @@ def _time(implementations, problem, repeats):
                  peak_mib=peaks[n], repeats=len(t)) for n, t in times.items()]
 
 
-def gpu(budget):
-    """The GPU check's CutBCE part; returns its report (stops the sweep when `budget` s is spent)."""
+def gpu(budget, shapes=GPU_SHAPES, parity_shape=(1000, 64, 5003)):
+    """The GPU check's CutBCE part; returns its report (stops the sweep when `budget` s is spent).
+
+    The last of `shapes` is the sweep's.
+    """
     import torch
 
     from keras_cutbce.backends.torch.triton import config
 
     start = time.perf_counter()
-    report = dict(device=torch.cuda.get_device_name(), parity=_parity(), timings=[], sweep=[])
+    device = torch.cuda.get_device_name() if _DEVICE["name"] == "cuda" else "cpu (dry run)"
+    report = dict(device=device, parity=_parity(parity_shape), timings=[], sweep=[])
     for tf32 in (False, True):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        for rows, dim, vocab in ((4096, 64, 32768), tuple(PAPER.values())):
+        for rows, dim, vocab in shapes:
             problem = _problem(rows, dim, vocab, torch.float32)
-            free = torch.cuda.mem_get_info()[0]
+            free = torch.cuda.mem_get_info()[0] if _DEVICE["name"] == "cuda" else 2**30
             dense_fits = 3 * rows * vocab * 4 < 0.8 * free
             names = (["dense"] if dense_fits else []) + ["chunked", "triton"]
             for row in _time(names, problem, repeats=5):
                 report["timings"].append(dict(rows=rows, dim=dim, vocab=vocab, tf32=tf32, **row))
             del problem
-            torch.cuda.empty_cache()
+            if _DEVICE["name"] == "cuda":
+                torch.cuda.empty_cache()
     candidates = [((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
                   ((128, 128, 8, 3), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2))]
     for dtype in (torch.bfloat16, torch.float32):
-        problem = _problem(*PAPER.values(), dtype)
+        problem = _problem(*shapes[-1], dtype)
         for rows_block, columns_block in candidates:
             if time.perf_counter() - start > budget:
                 report["sweep_stopped"] = "budget spent"
@@ -214,26 +248,32 @@ def main(argv=None):
     mode.add_argument("--deviceless", action="store_true", help="compile for sm_80/sm_90, no GPU")
     mode.add_argument("--gpu", action="store_true", help="parity, timings and sweep on a GPU")
     parser.add_argument("--budget", type=float, default=240.0, help="seconds for --gpu")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="with --gpu: tiny CPU shapes, the Triton interpreter")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.deviceless:
-        table = deviceless()
-        _print_deviceless(table)
-        path = os.path.join(args.out, "cutbce_triton_deviceless.json")
-        payload = table
+        payload = deviceless()
+        text = _deviceless_markdown(payload)
+        stem = "cutbce_triton_deviceless"
     else:
         import torch
 
-        if not torch.cuda.is_available():
+        if args.cpu_dry_run:
+            _DEVICE["name"] = "cpu"
+            payload = gpu(args.budget, DRY_RUN_SHAPES, parity_shape=(40, 16, 203))
+        elif not torch.cuda.is_available():
             print("No CUDA device: run with --deviceless, or on a GPU.")
             return 2
-        payload = gpu(args.budget)
-        print(markdown_table(payload["parity"], list(payload["parity"][0])))
-        print(markdown_table(payload["timings"], list(payload["timings"][0])))
-        if payload["sweep"]:
-            print(markdown_table(payload["sweep"], sorted({k for r in payload["sweep"] for k in r})))
-        path = os.path.join(args.out, "cutbce_triton_gpu.json")
+        else:
+            payload = gpu(args.budget)
+        text = _gpu_markdown(payload)
+        stem = "cutbce_triton_gpu"
+    print(text)
+    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+        f.write(text)
+    path = os.path.join(args.out, stem + ".json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"\nwrote {path}")

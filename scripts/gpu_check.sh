@@ -55,7 +55,7 @@ fi
 if "$PYTHON" -c "import triton" 2>/dev/null; then
   "$PYTHON" -m pytest -q -rs tests/cutbce/test_triton_parity.py | tee "$RESULTS/gpu_check_cutbce_tests.txt"
   "$PYTHON" benchmarks/cutbce_triton.py --gpu --budget "${CUTBCE_GPU_BUDGET:-150}" --out "$RESULTS" \
-    | tee "$RESULTS/cutbce_triton_gpu.md"
+    | tee "$RESULTS/cutbce_triton_gpu.log"
 else
   echo "gpu_check: triton is not importable: the CutBCE Triton part is skipped" >&2
 fi

@@ -1,8 +1,8 @@
 """The static tile table of the Triton kernels: one configuration per (arch, D, dtype).
 
 No autotuning: a configuration is chosen from this table by the padded
-feature width `BLOCK_D` (the next power of two >= D, at least 16) and the
-operand dtype, the same on every CUDA GPU of compute capability >= 8.0 (what
+feature width `BLOCK_D` (the next power of two >= D, at least 16), the
+operand dtype and the GPU generation (sm_90 and later, or before: what
 the kernels were compiled for without a GPU: `benchmarks/cutbce_triton.py
 --deviceless` prints registers, spills and shared memory of each entry for
 sm_80 and sm_90; the GPU check's sweep is what retunes it). The rule: keep a
@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "KernelConfig", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose", "num_splits", "overridden",
-    "supports",
+    "KernelConfig", "INTERPRET", "MAX_BLOCK_D", "SPILL_ALLOWANCE", "block_dim", "choose",
+    "device_arch", "num_splits", "overridden", "supports",
 ]
 
 
@@ -37,19 +37,33 @@ class KernelConfig(NamedTuple):
     columns_block: tuple
 
 
-# (BLOCK_D, half) -> KernelConfig; "half" is bf16/fp16 operands (fp32: False).
+# (BLOCK_D, half) -> KernelConfig; "half" is bf16/fp16 operands (fp32: False). Chosen on sm_90 as the
+# tiles with the fewest SASS instructions per logit that compile without a register spill (ptxas -v),
+# then on sm_80 (`_BEFORE_SM90`); tests/cutbce/test_triton_compile.py checks both. [128 x 128] tiles
+# spill at every D.
+_WIDE = KernelConfig((128, 64, 8, 2), (128, 64, 8, 2))
 _TABLE = {
-    (16, True): KernelConfig((128, 128, 8, 3), (128, 128, 8, 3)),
-    (32, True): KernelConfig((128, 128, 8, 3), (128, 128, 8, 3)),
-    (64, True): KernelConfig((128, 128, 8, 3), (128, 128, 8, 2)),
-    (128, True): KernelConfig((128, 64, 8, 2), (64, 128, 8, 2)),
-    (256, True): KernelConfig((64, 64, 8, 2), (64, 64, 8, 2)),
-    (16, False): KernelConfig((128, 128, 8, 3), (128, 128, 8, 3)),
-    (32, False): KernelConfig((128, 128, 8, 3), (128, 128, 8, 2)),
-    (64, False): KernelConfig((128, 64, 8, 2), (64, 128, 8, 2)),
-    (128, False): KernelConfig((64, 64, 8, 2), (64, 64, 8, 2)),
-    (256, False): KernelConfig((64, 32, 8, 2), (32, 64, 8, 2)),
+    (16, True): _WIDE,
+    (32, True): _WIDE,
+    (64, True): _WIDE,
+    (128, True): KernelConfig((128, 64, 8, 2), (64, 64, 4, 2)),
+    (256, True): KernelConfig((32, 32, 4, 2), (64, 32, 4, 2)),
+    (16, False): _WIDE,
+    (32, False): _WIDE,
+    (64, False): _WIDE,
+    (128, False): KernelConfig((128, 64, 8, 2), (64, 32, 4, 2)),
+    (256, False): KernelConfig((32, 32, 4, 2), (32, 32, 4, 2)),
 }
+# Before Hopper (mma.sync, no wgmma) some tiles need more registers: these replace the table's there.
+_BEFORE_SM90 = {
+    (64, True): KernelConfig((64, 32, 4, 2), (64, 64, 8, 2)),
+    (128, True): KernelConfig((64, 64, 8, 2), (64, 64, 4, 2)),
+    (128, False): KernelConfig((64, 64, 8, 2), (64, 32, 4, 2)),
+}
+# Spills the compile test accepts (bytes per thread): sm_80 fp32 D=64 `columns_kernel` spills 12 bytes
+# at every tile tried (128 x 64 is the least; 32 x 32 still spills 32 at 128 registers), stored
+# once per tile iteration against 32 logits per thread: a little L1 traffic, no local-memory bound.
+SPILL_ALLOWANCE = {(80, 64, "float32", "columns"): 12}
 
 INTERPRET = KernelConfig((16, 32, 1, 1), (16, 32, 1, 1))
 
@@ -104,20 +118,39 @@ def supports(dim):
     return block_dim(dim) <= MAX_BLOCK_D
 
 
-def choose(dim, dtype, interpret):
-    """Returns the `KernelConfig` for feature width `dim` and operand `dtype`.
+def choose(dim, dtype, interpret, arch=90):
+    """Returns the `KernelConfig` for feature width `dim`, operand `dtype` and compute capability `arch`.
 
     Example:
 
     >>> choose(64, torch.bfloat16, interpret=False).rows_block
-    (128, 128, 8, 3)
+    (128, 64, 8, 2)
+    >>> choose(64, torch.bfloat16, interpret=False, arch=80).rows_block
+    (64, 32, 4, 2)
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
     if interpret:
         return INTERPRET
     assert supports(dim), dim
-    return _TABLE[(block_dim(dim), dtype != torch.float32)]
+    key = (block_dim(dim), dtype != torch.float32)
+    if arch < 90 and key in _BEFORE_SM90:
+        return _BEFORE_SM90[key]
+    return _TABLE[key]
+
+
+def device_arch(device):
+    """Returns the compute capability of a CUDA `device` as an int (90 for 9.0); 90 elsewhere.
+
+    Example:
+
+    >>> device_arch(torch.device("cpu"))
+    90
+    """
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def num_splits(num_rows, num_tiles, block_rows, device):

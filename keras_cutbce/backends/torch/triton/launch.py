@@ -40,6 +40,7 @@ def kernels(device):
 
     Raises:
         ValueError: for tensors that are not on a CUDA device outside the interpreter.
+        ImportError: without Triton.
     """
     if device.type != "cuda" and not interpreting():
         raise ValueError(
@@ -47,7 +48,15 @@ def kernels(device):
             f"interpreter (TRITON_INTERPRET=1 set before Triton is imported). Received "
             f"tensors on {device}."
         )
-    from keras_cutbce.backends.torch.triton import kernels as module
+    try:
+        from keras_cutbce.backends.torch.triton import kernels as module
+    except ModuleNotFoundError as error:
+        if error.name != "triton":
+            raise
+        raise ImportError(
+            '`implementation="triton"` needs Triton: pip install "keras-cutbce-erase[triton-compile]" '
+            "(torch's CUDA wheels install it)."
+        ) from error
 
     return module
 
@@ -102,7 +111,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     table = table.to(operands).contiguous()
     bias = hidden if bias is None else bias.contiguous()
     targets = _target_ids(positives, num_rows, h.device)
-    settings = config.choose(dim, operands, interpret)
+    settings = config.choose(dim, operands, interpret, config.device_arch(h.device))
     flags = dict(
         SPLIT_DOT=operands != torch.float32, INTERPRET=interpret, PRECISION=triton_precision(),
         BLOCK_D=config.block_dim(dim),
