@@ -6,14 +6,14 @@ no CUDA driver):
     python benchmarks/cutbce_triton.py --deviceless
 
 compiles both kernels (their heaviest variants) with the static table's
-configuration for sm_80 and sm_90 at D in {32, 64, 128, 256}, float32 and
-bfloat16, and prints registers, spill bytes, shared memory, the SASS
+configuration for sm_80 and sm_90 at D in {32, 64, 128, 256}, float32 (at
+torch's default precision, full fp32, and at TF32) and bfloat16, and prints registers, spill bytes, shared memory, the SASS
 instructions of the tile loop per logit (warp instructions of one iteration
 / logits of the tile; the positives' inner loop counted once) and three
 lower bounds of one training step (loss + all gradients: both kernels) at
 the CutBCE paper's scale (16384 rows, V = 876000): instruction issue (4 warp
-instructions per clock per SM), tensor cores (dense peak at that precision)
-and HBM (each kernel re-reads the other operand once per block, an upper
+instructions per clock per SM), matmul (the tensor cores' dense peak, or the
+FMA units' for full fp32) and HBM (each kernel re-reads the other operand once per block, an upper
 bound on traffic as L2 catches part of it). Writes
 `benchmarks/results/cutbce_triton_deviceless.json`.
 
@@ -57,57 +57,73 @@ GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
         90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
 ARCHS = (80, 90)
 DIMS = (32, 64, 128, 256)
-DTYPES = ("float32", "bfloat16")
+# (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), and bf16.
+OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"))
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use
 
 
-def _bounds(rows_report, columns_report, arch, dtype, rows, dim, vocab):
-    """Lower bounds (ms) of one training step (both kernels) at `rows x vocab`, per limiter."""
-    _, sms, ghz, bf16, tf32, _, hbm = GPUS[arch]
+def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, vocab):
+    """Lower bounds (ms) of one training step (both kernels) at `rows x vocab`, per limiter.
+
+    The matmul bound is at the tensor cores' dense peak (bf16, TF32), or the FMA units' for fp32
+    at `"ieee"` precision (torch's default `"highest"`).
+    """
+    _, sms, ghz, bf16, tf32, fp32, hbm = GPUS[arch]
     logits = rows * vocab
     issue = sum(r["instructions_per_logit"] for r in (rows_report, columns_report))
     issue_ms = 1e3 * logits * issue / (4 * sms * ghz * 1e9)
     products = 2 * (1 + (2 if dtype != "float32" else 1))  # logits once + gradient products
     flops = 2.0 * logits * dim * products
-    tensor_ms = 1e3 * flops / ((bf16 if dtype != "float32" else tf32) * 1e12)
+    if dtype != "float32":
+        peak = bf16
+    else:
+        peak = tf32 if precision == "tf32" else fp32
+    matmul_ms = 1e3 * flops / (peak * 1e12)
     size = 2 if dtype != "float32" else 4
     traffic = (-(-rows // rows_report["block_m"]) * vocab * dim
                + -(-vocab // columns_report["block_n"]) * rows * dim) * size
     hbm_ms = 1e3 * traffic / (hbm * 1e12)
-    return dict(issue_ms=issue_ms, tensor_core_ms=tensor_ms, hbm_ms=hbm_ms,
-                bound=max(("issue", issue_ms), ("tensor cores", tensor_ms), ("HBM", hbm_ms),
+    return dict(issue_ms=issue_ms, matmul_ms=matmul_ms, hbm_ms=hbm_ms,
+                bound=max(("issue", issue_ms), ("matmul", matmul_ms), ("HBM", hbm_ms),
                           key=lambda kv: kv[1])[0])
 
 
 def deviceless():
-    """Compiles every (arch, D, dtype, kernel) of the static table; returns the table's rows."""
+    """Compiles every (arch, D, operands, kernel) of the static table; returns the table's rows."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import config
     from keras_cutbce.backends.torch.triton.deviceless import compile_kernel
 
     table = []
     for arch in ARCHS:
         for dim in DIMS:
-            for dtype in DTYPES:
+            for dtype, precision in OPERANDS:
+                if not config.supports(dim, getattr(torch, dtype), precision):
+                    continue  # the chunked loop runs these
                 pair = {}
                 for kernel in ("rows", "columns"):
                     start = time.perf_counter()
-                    report = compile_kernel(kernel, arch, dim, dtype)
+                    report = compile_kernel(kernel, arch, dim, dtype, precision=precision)
+                    report["precision"] = precision if dtype == "float32" else "-"
                     report["compile_s"] = time.perf_counter() - start
                     report["shared_limit"] = SHARED_LIMIT[arch]
                     pair[kernel] = report
-                bounds = _bounds(pair["rows"], pair["columns"], arch, dtype, PAPER["rows"], dim,
-                                 PAPER["vocab"])
+                bounds = _bounds(pair["rows"], pair["columns"], arch, dtype, precision,
+                                 PAPER["rows"], dim, PAPER["vocab"])
                 for report in pair.values():
                     table.append({**report, **bounds})
     return table
 
 
 def _deviceless_markdown(table):
-    columns = ["arch", "dim", "dtype", "kernel", "block_m", "block_n", "num_warps", "num_stages",
+    columns = ["arch", "dim", "dtype", "precision", "kernel", "block_m", "block_n", "num_warps", "num_stages",
                "registers", "spill_bytes", "shared_bytes", "instructions_per_logit",
-               "issue_ms", "tensor_core_ms", "hbm_ms", "bound"]
+               "issue_ms", "matmul_ms", "hbm_ms", "bound"]
     return (markdown_table(table, columns)
             + "\n\nBounds: one training step (both kernels) at 16384 x 876000, on the GPU of the arch "
-            + f"({', '.join(f'sm_{a}: {g[0]}' for a, g in GPUS.items())}); fp32 at TF32 peak.\n")
+            + f"({', '.join(f'sm_{a}: {g[0]}' for a, g in GPUS.items())}); matmul: tensor cores "
+            + "(bf16, TF32) or FMA units (fp32 at ieee, torch's default).\n")
 
 
 def _gpu_markdown(report):

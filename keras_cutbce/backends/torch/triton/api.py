@@ -4,9 +4,10 @@ The autograd Functions, the positives, the sparse part and every semantic
 (bias, label smoothing, `pos_weight`, padding and repeated ids, wide ids,
 zero-weight rows) are those of `keras_cutbce.backends.torch.chunked`; only
 the dense background runs in the fused kernels (`launch.dense_pass`), so the
-`[M, tile]` logits never reach device memory. Float64 inputs and `D > 256`
-run the chunked loop (the kernels are built for tensor-core dtypes and keep
-a whole `[rows, D]` block in registers).
+`[M, tile]` logits never reach device memory. Float64 inputs, `D > 256`, and
+fp32 products at full precision (torch's default) with `D > 128` run the
+chunked loop (the kernels keep a whole `[rows, D]` block in registers, and
+no tile fits there without spills).
 """
 
 import functools
@@ -33,14 +34,20 @@ def available():
 
 
 def _dense(hidden, table, bias):
-    """Returns the `dense` of the torch passes, or None: float64 or D > 256 run the chunked loop."""
+    """Returns the `dense` of the torch passes, or None: the inputs run the chunked loop.
+
+    That is float64, `D > 256`, and fp32 products at full precision with `D > 128` (`config.supports`).
+    """
     from keras_cutbce.backends.torch.triton import config
     from keras_cutbce.backends.torch.triton import launch
 
-    if compute_dtype(hidden, table, bias) == torch.float64 or not config.supports(hidden.shape[1]):
+    if compute_dtype(hidden, table, bias) == torch.float64:
+        return None
+    operands = launch.operand_dtype(hidden, table)
+    if not config.supports(hidden.shape[1], operands, launch.triton_precision()):
         return None
 
-    return functools.partial(launch.dense_pass, operands=launch.operand_dtype(hidden, table))
+    return functools.partial(launch.dense_pass, operands=operands)
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None):
@@ -57,7 +64,7 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     `chunk_size` is accepted and unused, except by float64 inputs (chunked).
 
     Args:
-        hidden: float `[M, D]` (`D > 256`: the chunked loop).
+        hidden: float `[M, D]` (`D > 256`, or `D > 128` for fp32 at full precision: the chunked loop).
         table: float `[V, D]`.
         ids: integer `[M, L]` target ids; outside `[0, V)` is padding.
         bias: optional float `[V]`.

@@ -60,10 +60,22 @@ _BEFORE_SM90 = {
     (128, True): KernelConfig((64, 64, 8, 2), (64, 64, 4, 2)),
     (128, False): KernelConfig((64, 64, 8, 2), (64, 32, 4, 2)),
 }
+# fp32 products at full precision (`"ieee"`, torch's default `"highest"`) run on the FMA units and hold
+# more registers: (generation, BLOCK_D) -> the tiles that replace the table's there.
+# At D > 128 no tile compiles without spills (32 x 32 spills 24 bytes at 23 warp instructions per logit):
+# those run the chunked loop (`supports`), whose cuBLAS products are the better FMA kernels there.
+_FULL_FP32 = {
+    (80, 32): KernelConfig((128, 32, 8, 2), (128, 64, 8, 2)),
+    (80, 64): KernelConfig((64, 64, 8, 2), (128, 64, 8, 2)),
+    (80, 128): KernelConfig((128, 32, 8, 2), (64, 32, 4, 2)),
+    (90, 128): KernelConfig((32, 32, 4, 2), (128, 32, 8, 2)),
+}
+_FULL_FP32_MAX_BLOCK_D = 128
+
 # Spills the compile test accepts (bytes per thread): sm_80 fp32 D=64 `columns_kernel` spills 12 bytes
 # at every tile tried (128 x 64 is the least; 32 x 32 still spills 32 at 128 registers), stored
 # once per tile iteration against 32 logits per thread: a little L1 traffic, no local-memory bound.
-SPILL_ALLOWANCE = {(80, 64, "float32", "columns"): 12}
+SPILL_ALLOWANCE = {(80, 64, "float32", "tf32", "columns"): 12}
 
 INTERPRET = KernelConfig((16, 32, 1, 1), (16, 32, 1, 1))
 
@@ -107,19 +119,24 @@ def block_dim(dim):
 MAX_BLOCK_D = 256
 
 
-def supports(dim):
-    """Returns True when the kernels take feature width `dim` (`block_dim(dim) <= 256`).
+def supports(dim, dtype=torch.bfloat16, precision="tf32"):
+    """Returns True when the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`.
 
     Example:
 
-    >>> supports(256), supports(257)
-    (True, False)
+    >>> supports(256), supports(257), supports(256, torch.float32, "ieee")
+    (True, False, False)
     """
-    return block_dim(dim) <= MAX_BLOCK_D
+    limit = MAX_BLOCK_D
+    if dtype == torch.float32 and precision == "ieee":
+        limit = _FULL_FP32_MAX_BLOCK_D
+    return block_dim(dim) <= limit
 
 
-def choose(dim, dtype, interpret, arch=90):
-    """Returns the `KernelConfig` for feature width `dim`, operand `dtype` and compute capability `arch`.
+def choose(dim, dtype, interpret, arch=90, precision="tf32"):
+    """Returns the `KernelConfig` for feature width `dim`, operand `dtype`, compute capability `arch`.
+
+    `precision` is the `tl.dot` precision of fp32 operands (`"ieee"` or `"tf32"`).
 
     Example:
 
@@ -132,8 +149,11 @@ def choose(dim, dtype, interpret, arch=90):
         return _OVERRIDE[-1]
     if interpret:
         return INTERPRET
-    assert supports(dim), dim
+    assert supports(dim, dtype, precision), (dim, dtype, precision)
     key = (block_dim(dim), dtype != torch.float32)
+    generation = 90 if arch >= 90 else 80
+    if dtype == torch.float32 and precision == "ieee" and (generation, key[0]) in _FULL_FP32:
+        return _FULL_FP32[(generation, key[0])]
     if arch < 90 and key in _BEFORE_SM90:
         return _BEFORE_SM90[key]
     return _TABLE[key]

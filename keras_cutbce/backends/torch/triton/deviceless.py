@@ -124,7 +124,8 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
     from keras_cutbce.backends.torch.triton import kernels
 
     if block is None:
-        settings = config.choose(dim, getattr(torch, dtype), interpret=False, arch=arch)
+        settings = config.choose(dim, getattr(torch, dtype), interpret=False, arch=arch,
+                                 precision=precision)
         block = settings.rows_block if kernel == "rows" else settings.columns_block
     block_m, block_n, warps, stages = block
     constants = dict(

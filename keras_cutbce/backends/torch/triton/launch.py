@@ -111,9 +111,10 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     table = table.to(operands).contiguous()
     bias = hidden if bias is None else bias.contiguous()
     targets = _target_ids(positives, num_rows, h.device)
-    settings = config.choose(dim, operands, interpret, config.device_arch(h.device))
+    precision = triton_precision()
+    settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision)
     flags = dict(
-        SPLIT_DOT=operands != torch.float32, INTERPRET=interpret, PRECISION=triton_precision(),
+        SPLIT_DOT=operands != torch.float32, INTERPRET=interpret, PRECISION=precision,
         BLOCK_D=config.block_dim(dim),
     )
     softplus_sum = grad_h = grad_e = grad_b = None
