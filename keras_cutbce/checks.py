@@ -147,7 +147,7 @@ _BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch", "tensorflow": "TensorFlow"}
 
 
 def check_implementation(implementation):
-    """Returns `implementation`, one of `registry.NAMES` (`"pallas"` on JAX only)."""
+    """Returns `implementation`, one of `registry.NAMES` (`"pallas"` on JAX, `"triton"` on torch only)."""
     if not isinstance(implementation, str) or implementation not in registry.NAMES:
         raise ValueError(
             f"`implementation` must be one of {registry.NAMES}. "

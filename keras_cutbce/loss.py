@@ -63,8 +63,8 @@ class CutBCELoss(keras.losses.Loss):
         pos_weight: positive float weighting the positive terms.
         chunk_size: vocabulary tile width, `None` for the default rule
             (`keras_cutbce.math.tiling`).
-        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX) or
-            `"reference"` (dense).
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX),
+            `"triton"` (torch) or `"reference"` (dense).
         reduction: any Keras reduction (`"sum_over_batch_size"`, `"sum"`,
             `"mean"`, `"mean_with_sample_weight"`, `"none"`/`None`).
         name: loss name.
@@ -141,7 +141,7 @@ class CutBCELoss(keras.losses.Loss):
 
     @property
     def implementation(self):
-        """The implementation: `"auto"`, `"chunked"`, `"pallas"` or `"reference"`."""
+        """The implementation: `"auto"`, `"chunked"`, `"pallas"`, `"triton"` or `"reference"`."""
         return self._options.implementation
 
     @implementation.setter

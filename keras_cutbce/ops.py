@@ -138,7 +138,9 @@ def cut_binary_crossentropy(
         pos_weight: finite float > 0 weighting the positive terms.
         chunk_size: vocabulary tile width (an int, NumPy ints accepted);
             `None` uses `keras_cutbce.math.tiling.default_chunk_size`.
-        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX only) or
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX only),
+            `"triton"` (torch only: the fused Triton kernels, which `"auto"`
+            runs for CUDA tensors when Triton is installed) or
             `"reference"` (dense, for tests and debugging). With `"auto"` or
             `"chunked"` on JAX, a table split along V over a mesh runs the
             vocab-sharded kernel (`keras_cutbce.backends.jax.sharded`).

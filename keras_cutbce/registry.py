@@ -24,10 +24,13 @@ split along V over a JAX mesh to it under `"auto"` and `"chunked"`.
 
 `AUTO_ORDER[platform]` lists what `implementation="auto"` tries on a device,
 first to last: the first implementation that has the op on the active
-backend runs.
+backend, and whose library (`REQUIRES`) is installed, runs. On torch the
+platform is the tensors' device (`"gpu"` for CUDA): CUDA tensors run
+`"triton"` (the fused Triton kernels) when Triton is installed.
 """
 
 import importlib
+import importlib.util
 
 __all__ = [
     "ANY_BACKEND",
@@ -35,6 +38,7 @@ __all__ = [
     "BACKENDS",
     "IMPLEMENTATIONS",
     "NAMES",
+    "REQUIRES",
     "auto",
     "backends_of",
     "get",
@@ -47,7 +51,7 @@ ANY_BACKEND = "*"
 BACKENDS = ("jax", "torch", "tensorflow")
 
 # The values of `implementation=` a user may pass.
-NAMES = ("auto", "chunked", "pallas", "reference")
+NAMES = ("auto", "chunked", "pallas", "reference", "triton")
 
 _JAX = "keras_cutbce.backends.jax"
 _TORCH = "keras_cutbce.backends.torch"
@@ -62,6 +66,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.chunked:cut_bce",
         },
         "pallas": {"jax": f"{_JAX}.pallas:cut_bce"},
+        "triton": {"torch": f"{_TORCH}.triton:cut_bce"},
         "sharded": {"jax": f"{_JAX}.sharded:cut_bce"},
     },
     "cut_bce_weighted_sum": {
@@ -71,6 +76,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.chunked:cut_bce_weighted_sum",
         },
         "pallas": {"jax": f"{_JAX}.pallas:cut_bce_weighted_sum"},
+        "triton": {"torch": f"{_TORCH}.triton:cut_bce_weighted_sum"},
     },
     "top_k": {
         "chunked": {
@@ -92,10 +98,13 @@ IMPLEMENTATIONS = {
 
 AUTO_ORDER = {
     "tpu": ("pallas", "chunked"),
-    "gpu": ("chunked",),
+    "gpu": ("triton", "chunked"),
     "cpu": ("chunked",),
 }
 _DEFAULT_ORDER = ("chunked",)
+
+# The library an implementation needs; `auto` passes over it when it is missing.
+REQUIRES = {"triton": "triton"}
 
 
 def _path(op, implementation, backend):
@@ -147,6 +156,11 @@ def get(op, implementation, backend):
     return getattr(importlib.import_module(module), name)
 
 
+def _installed(implementation):
+    library = REQUIRES.get(implementation)
+    return library is None or importlib.util.find_spec(library) is not None
+
+
 def auto(op, backend, platform):
     """Returns the implementation `"auto"` runs for `op` on `backend` and device `platform`.
 
@@ -156,6 +170,6 @@ def auto(op, backend, platform):
     ('pallas', 'chunked', 'chunked')
     """
     for implementation in AUTO_ORDER.get(platform, _DEFAULT_ORDER):
-        if has(op, implementation, backend):
+        if has(op, implementation, backend) and _installed(implementation):
             return implementation
     raise NotImplementedError(f"CutBCE has no implementation of {op!r} on {backend!r}.")

@@ -5,9 +5,11 @@ A table split along V over a JAX mesh runs `"sharded"` under `"auto"` and
 compiled step is routed too); `"auto"` otherwise runs the first
 implementation of `registry.AUTO_ORDER` for the platform the program is
 compiled for (on JAX with the TPU compiler and no known platform, both are
-traced and the lowering keeps the platform's: `backends.jax.tpu_target`).
-`chunk_size=None` resolves with `math.tiling.default_chunk_size` for the
-chunked kernels (Pallas and the sharded path choose their own tiles). The
+traced and the lowering keeps the platform's: `backends.jax.tpu_target`);
+on torch, for the device of the hidden states (CUDA tensors: `"triton"`
+when Triton is installed, else `"chunked"`). `chunk_size=None` resolves
+with `math.tiling.default_chunk_size` for the chunked kernels (Pallas,
+Triton and the sharded path choose their own tiles). The
 inputs are checked by the public ops before they get here.
 """
 
@@ -95,7 +97,8 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
     if implementation in ("auto", "chunked") and table.sharding is not None:
         route = "sharded"
     elif implementation == "auto":
-        platform = _target_platform(backend)
+        # On torch the tensors' device decides (CUDA: the Triton kernels).
+        platform = _platform(hidden) if backend == "torch" else _target_platform(backend)
         tpu, other = registry.auto(op, backend, "tpu"), registry.auto(op, backend, platform)
         if platform is None and tpu != other:
             from keras_cutbce.backends.jax import tpu_target

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the virtualenv .venv in the repository and installs the
-# project with every backend and the TPU compiler (libtpu, for the compile
-# tests), pinned by constraints.txt. Idempotent.
+# project with every backend, the TPU compiler (libtpu) and Triton (for the
+# compile tests), pinned by constraints.txt. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -16,6 +16,9 @@ if [ ! -f "$stamp" ]; then
   # The TPU compiler (libtpu) for tests/cutbce/test_tpu_compile.py: compiles for
   # deviceless TPUs; the ordinary JAX tests pin the CPU (tests/conftest.py).
   .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[tpu-compile]"
+  # Triton (the CUDA wheels' pin) for the fused CUDA kernels' interpreter and
+  # compile tests; --no-deps: it must not replace the CPU torch.
+  .venv/bin/python -m pip install --quiet --no-deps -c constraints.txt "triton==3.7.1"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi

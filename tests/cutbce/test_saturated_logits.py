@@ -83,12 +83,23 @@ def _kernels():
     if BACKEND == "torch":
         from keras_cutbce.backends.torch import chunked
 
-        return {
+        kernels = {
             "torch_chunked": (True, lambda h, t, i, b, g, a, p: chunked.cut_bce(
                 h, t, i, b, label_smoothing=a, pos_weight=p, chunk_size=CHUNK)),
             "torch_fused": (False, lambda h, t, i, b, g, a, p: chunked.cut_bce_weighted_sum(
                 h, t, i, b, g, label_smoothing=a, pos_weight=p, chunk_size=CHUNK)),
         }
+        from tests.cutbce.test_triton_parity import triton_runs_here
+
+        if triton_runs_here():  # in the Triton interpreter's child process (or on a GPU)
+            from keras_cutbce.backends.torch import triton
+
+            kernels["torch_triton"] = (True, lambda h, t, i, b, g, a, p: triton.cut_bce(
+                h, t, i, b, label_smoothing=a, pos_weight=p))
+            kernels["torch_triton_fused"] = (False, lambda h, t, i, b, g, a, p:
+                                             triton.cut_bce_weighted_sum(
+                                                 h, t, i, b, g, label_smoothing=a, pos_weight=p))
+        return kernels
     from keras_cutbce.backends.tensorflow import chunked
 
     kernels = {

@@ -51,12 +51,13 @@ class _CutBCEFunction(torch.autograd.Function):
     """Per-row CutBCE loss with exact, tile-by-tile gradients for any cotangent."""
 
     @staticmethod
-    def forward(ctx, hidden, table, bias, ids, coef, tile):
+    def forward(ctx, hidden, table, bias, ids, coef, tile, dense):
         dtype = compute_dtype(hidden, table, bias)
-        loss, _, _, _ = kernel.row_losses(hidden.to(dtype), table, bias, ids, coef, tile)
+        loss, _, _, _ = kernel.row_losses(hidden.to(dtype), table, bias, ids, coef, tile, dense=dense)
         ctx.save_for_backward(hidden, table, bias, ids)
         ctx.coef = coef
         ctx.tile = tile
+        ctx.dense = dense
         return loss
 
     @staticmethod
@@ -64,15 +65,16 @@ class _CutBCEFunction(torch.autograd.Function):
         hidden, table, bias, ids = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
         if not any(need):
-            return None, None, None, None, None, None
+            return (None,) * 7
         dtype = compute_dtype(hidden, table, bias)
         # Rows with a zero cotangent (masked or padded positions) add nothing.
         row_scale = row_scale.to(dtype)
         h = mask_zero_rows(row_scale, hidden.to(dtype))
         grad_h, grad_e, grad_b = kernel.row_gradients(
-            h, table, bias, ids, ctx.coef, ctx.tile, row_scale, need
+            h, table, bias, ids, ctx.coef, ctx.tile, row_scale, need, dense=ctx.dense
         )
-        return _cast(grad_h, hidden), _cast(grad_e, table), _cast(grad_b, bias), None, None, None
+        grads = _cast(grad_h, hidden), _cast(grad_e, table), _cast(grad_b, bias)
+        return grads + (None,) * 4
 
 
 class _CutBCEWeightedSumFunction(torch.autograd.Function):
@@ -87,12 +89,12 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, table, bias, ids, row_weights, coef, tile, need):
-        loss, *grads = _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need)
+    def forward(ctx, hidden, table, bias, ids, row_weights, coef, tile, need, dense):
+        loss, *grads = _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need, dense)
         # Held on `ctx`, not saved: the first backward pass consumes them.
         ctx.fused_grads = grads
         ctx.save_for_backward(hidden, table, bias, ids, row_weights)
-        ctx.coef, ctx.tile, ctx.need = coef, tile, need
+        ctx.coef, ctx.tile, ctx.need, ctx.dense = coef, tile, need, dense
         ctx.dtypes = (hidden.dtype, table.dtype, None if bias is None else bias.dtype)
         return loss
 
@@ -101,7 +103,7 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     def backward(ctx, cotangent):
         grads, ctx.fused_grads = ctx.fused_grads, None
         if grads is None:  # a second backward: the first one consumed them
-            _, *grads = _fused_pass(*ctx.saved_tensors, ctx.coef, ctx.tile, ctx.need)
+            _, *grads = _fused_pass(*ctx.saved_tensors, ctx.coef, ctx.tile, ctx.need, ctx.dense)
         # Always scaled (a cotangent of 1 scales exactly): comparing it with
         # 1 first would read it on the host.
         scaled = []
@@ -109,15 +111,17 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
             if grad is not None:
                 grad = grad.mul_(cotangent.to(grad.dtype)).to(dtype)
             scaled.append(grad)
-        return tuple(scaled) + (None,) * 5
+        return tuple(scaled) + (None,) * 6
 
 
-def _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need):
+def _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need, dense):
     """Returns the weighted loss sum and the needed gradients at cotangent 1."""
     dtype = compute_dtype(hidden, table, bias)
     w = row_weights.to(dtype)
     h = mask_zero_rows(w, hidden.to(dtype))
-    loss, grad_h, grad_e, grad_b = kernel.row_losses(h, table, bias, ids, coef, tile, w, need)
+    loss, grad_h, grad_e, grad_b = kernel.row_losses(
+        h, table, bias, ids, coef, tile, w, need, dense=dense
+    )
     return torch.dot(w, loss), grad_h, grad_e, grad_b
 
 
@@ -165,9 +169,15 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     >>> loss.sum().backward(); table.grad.shape
     torch.Size([100, 8])
     """
+    return run_cut_bce(kernel.dense_pass, hidden, table, ids, bias, label_smoothing=label_smoothing,
+                       pos_weight=pos_weight, tile=_tile(chunk_size))
+
+
+def run_cut_bce(dense, hidden, table, ids, bias, *, label_smoothing, pos_weight, tile):
+    """`cut_bce` with `dense` computing the background (`kernel.dense_pass`'s signature)."""
     coef = bce_coefficients(label_smoothing, pos_weight)
     ids = _as_ids(ids, hidden.device)
-    return _CutBCEFunction.apply(hidden, table, bias, ids, coef, _tile(chunk_size))
+    return _CutBCEFunction.apply(hidden, table, bias, ids, coef, tile, dense)
 
 
 def cut_bce_weighted_sum(
@@ -216,7 +226,14 @@ def cut_bce_weighted_sum(
     >>> total.backward(); h.grad[2].abs().max().item()
     0.0
     """
-    tile = _tile(chunk_size)
+    return run_weighted_sum(kernel.dense_pass, hidden, table, ids, bias, row_weights,
+                            label_smoothing=label_smoothing, pos_weight=pos_weight,
+                            tile=_tile(chunk_size))
+
+
+def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
+                     tile):
+    """`cut_bce_weighted_sum` with `dense` computing the background (as `run_cut_bce`)."""
     coef = bce_coefficients(label_smoothing, pos_weight)
     ids = _as_ids(ids, hidden.device)
     row_weights = torch.as_tensor(row_weights, device=hidden.device).detach().reshape(-1)
@@ -227,11 +244,11 @@ def cut_bce_weighted_sum(
     )
     if torch.is_grad_enabled() and any(need):
         return _CutBCEWeightedSumFunction.apply(
-            hidden, table, bias, ids, row_weights, coef, tile, need
+            hidden, table, bias, ids, row_weights, coef, tile, need, dense
         )
     with torch.no_grad():
         dtype = compute_dtype(hidden, table, bias)
         w = row_weights.to(dtype)
         h = mask_zero_rows(w, hidden.to(dtype))
-        loss, _, _, _ = kernel.row_losses(h, table, bias, ids, coef, tile)
+        loss, _, _, _ = kernel.row_losses(h, table, bias, ids, coef, tile, dense=dense)
         return torch.dot(w, loss)

@@ -222,16 +222,20 @@ def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads
     return terms
 
 
-def row_losses(h, table, bias, ids, coef, tile, row_scale=None, need=(False,) * 3):
+def row_losses(h, table, bias, ids, coef, tile, row_scale=None, need=(False,) * 3, *,
+               dense=dense_pass):
     """Returns the per-row losses `[M]` and, with a cotangent `row_scale` `[M]`, their gradients.
 
     Everything in one pass over the vocabulary: the gradients (in the
     compute dtype, or None) are those of `sum_m row_scale_m * loss_m`.
+    `dense` computes the background over the negatives (`dense_pass`'s
+    signature): the tile loop here, the fused Triton kernels on CUDA
+    (`keras_cutbce.backends.torch.triton`).
     """
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
     inv_v = 1.0 / tiles.vocab_size
-    softplus_sum, grad_h, grad_e, grad_b = dense_pass(
+    softplus_sum, grad_h, grad_e, grad_b = dense(
         h, table, bias, tiles, positives, loss=True,
         row_scale=None if row_scale is None else row_scale * (coef.neg_scale * inv_v), need=need,
     )
@@ -244,12 +248,12 @@ def row_losses(h, table, bias, ids, coef, tile, row_scale=None, need=(False,) * 
     return loss, grad_h, grad_e, grad_b
 
 
-def row_gradients(h, table, bias, ids, coef, tile, row_scale, need):
+def row_gradients(h, table, bias, ids, coef, tile, row_scale, need, *, dense=dense_pass):
     """Returns the gradients of `sum_m row_scale_m * loss_m` (no loss), the table's contiguous."""
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
     inv_v = 1.0 / tiles.vocab_size
-    _, grad_h, grad_e, grad_b = dense_pass(
+    _, grad_h, grad_e, grad_b = dense(
         h, table, bias, tiles, positives, loss=False,
         row_scale=row_scale * (coef.neg_scale * inv_v), need=need,
     )

@@ -1,0 +1,150 @@
+"""Compile the fused kernels for a GPU that is not there, and read what the CUDA compiler says.
+
+`compile_kernel(kernel, arch, dim, dtype, ...)` runs Triton's compiler
+(`triton.compile` of an `ASTSource`, target `GPUTarget("cuda", arch, 32)`)
+to PTX and a cubin, then the `ptxas` that Triton ships (under
+`triton/backends/nvidia/bin`) with `-v` for registers and spills (the
+compiled kernel's metadata leaves them empty until it is loaded on a GPU),
+and `cuobjdump -sass` for the instruction count of the tile loop (the
+longest backward branch). `metadata.shared` is the shared memory the
+launch asks for. Nothing needs a GPU or a CUDA driver.
+
+Example (a few seconds; needs Triton):
+
+```python
+report = compile_kernel("rows", arch=90, dim=64, dtype="bfloat16")
+print(report["registers"], report["spill_bytes"], report["shared_bytes"])
+```
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+
+from keras_cutbce.backends.torch.triton import config
+
+__all__ = ["KERNEL_VARIANTS", "compile_kernel", "tool"]
+
+# The heaviest variant of each kernel (the others compute a subset of it).
+KERNEL_VARIANTS = {
+    "rows": dict(LOSS=True, GRAD_H=True),
+    "columns": dict(GRAD_E=True, GRAD_B=True),
+}
+_POINTERS = {
+    "rows": ("hidden_ptr", "table_ptr", "bias_ptr", "positives_ptr", "softplus_parts_ptr",
+             "grad_h_parts_ptr"),
+    "columns": ("hidden_ptr", "table_ptr", "bias_ptr", "positives_ptr", "row_scale_ptr",
+                "grad_table_ptr", "grad_bias_ptr"),
+}
+_SCALARS = {
+    "rows": ("num_rows", "vocab_size", "dim", "num_targets", "tiles_per_split"),
+    "columns": ("num_rows", "vocab_size", "dim", "num_targets"),
+}
+_TRITON_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def tool(name):
+    """Returns the path of a CUDA tool Triton ships (`ptxas`, `cuobjdump`).
+
+    Example:
+
+    >>> tool("ptxas").endswith("ptxas")
+    True
+    """
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _signature(kernel, dtype):
+    operand = _TRITON_TYPES[dtype]
+    types = {"hidden_ptr": f"*{operand}", "table_ptr": f"*{operand}", "positives_ptr": "*i32"}
+    signature = {name: types.get(name, "*fp32") for name in _POINTERS[kernel]}
+    signature.update({name: "i32" for name in _SCALARS[kernel]})
+    return signature
+
+
+def _ptxas_resources(ptx, arch):
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        proc = subprocess.run(
+            [tool("ptxas"), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(folder, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )
+    text = proc.stdout + proc.stderr
+    registers = int(re.search(r"Used (\d+) registers", text).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return registers, int(spills.group(1)) if spills else 0
+
+
+def _loop_instructions(cubin):
+    """Returns the SASS instructions of the longest loop (a backward branch) and of the kernel."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    longest = 0
+    for address, text in lines:
+        branch = re.search(r"\bBRA\b.*0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < int(address, 16):
+            longest = max(longest, (int(address, 16) - int(branch.group(1), 16)) // 16 + 1)
+    return longest, len(lines)
+
+
+def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True):
+    """Compiles one kernel for `sm_<arch>` and returns what the compiler reports.
+
+    Args:
+        kernel: `"rows"` or `"columns"` (its heaviest variant, `KERNEL_VARIANTS`).
+        arch: compute capability as an int (80, 90).
+        dim: the feature width D.
+        dtype: operand dtype name (`"float32"`, `"bfloat16"`, `"float16"`).
+        block: `(BLOCK_M, BLOCK_N, num_warps, num_stages)`; None: the static table's.
+        precision: `tl.dot` input precision of fp32 operands.
+        has_bias: compile the bias variant.
+
+    Returns:
+        A dict: the settings, `registers`, `spill_bytes`, `shared_bytes`,
+        `loop_instructions` (SASS of the tile loop, per thread), `instructions`
+        (the whole kernel) and `instructions_per_logit` (warp instructions of
+        one tile loop iteration per logit of the tile).
+    """
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from keras_cutbce.backends.torch.triton import kernels
+
+    if block is None:
+        settings = config.choose(dim, getattr(torch, dtype), interpret=False, arch=arch,
+                                 precision=precision)
+        block = settings.rows_block if kernel == "rows" else settings.columns_block
+    block_m, block_n, warps, stages = block
+    constants = dict(
+        HAS_BIAS=has_bias, SPLIT_DOT=dtype != "float32", INTERPRET=False, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=config.block_dim(dim), **KERNEL_VARIANTS[kernel],
+    )
+    signature = _signature(kernel, dtype)
+    signature.update({name: "constexpr" for name in constants})
+    fn = kernels.rows_kernel if kernel == "rows" else kernels.columns_kernel
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": warps, "num_stages": stages},
+    )
+    registers, spills = _ptxas_resources(compiled.asm["ptx"], arch)
+    loop, total = _loop_instructions(compiled.asm["cubin"])
+    return dict(
+        kernel=kernel, arch=arch, dim=dim, dtype=dtype, block_m=block_m, block_n=block_n,
+        num_warps=warps, num_stages=stages, registers=registers, spill_bytes=spills,
+        shared_bytes=int(compiled.metadata.shared), loop_instructions=loop, instructions=total,
+        instructions_per_logit=loop * warps / (block_m * block_n),
+    )

@@ -1,0 +1,167 @@
+"""Launch the fused kernels: the Triton `dense_pass` of the torch CutBCE passes.
+
+`dense_pass` has the signature of `keras_cutbce.backends.torch.kernel.
+dense_pass` (the background `sum_v softplus(z_v)` over each row's negatives
+and its gradients), so the torch passes (`kernel.row_losses`, the sparse
+part, the autograd Functions) run unchanged around it. Per call:
+
+- the loss and the hidden gradient: `rows_kernel` over row blocks x
+  vocabulary splits, its partial sums added here in split order;
+- the table and bias gradients: `columns_kernel` over vocabulary tiles.
+
+CUDA tensors run the compiled kernels; CPU tensors run them in the Triton
+interpreter, which needs `TRITON_INTERPRET=1` in the environment before
+Triton is first imported (Triton reads it when its own `@triton.jit`
+helpers are created, at import): the suite runs these in a child process.
+"""
+
+import os
+
+import torch
+
+from keras_cutbce.backends.torch.triton import config
+
+__all__ = ["dense_pass", "interpreting", "kernels", "operand_dtype", "triton_precision"]
+
+
+def interpreting():
+    """Returns True when Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`).
+
+    Example:
+
+    >>> isinstance(interpreting(), bool)
+    True
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def kernels(device):
+    """Returns the `kernels` module (imports Triton) for tensors on `device`.
+
+    Raises:
+        ValueError: for tensors that are not on a CUDA device outside the interpreter.
+        ImportError: without Triton.
+    """
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f'`implementation="triton"` runs CUDA tensors, or CPU tensors in the Triton '
+            f"interpreter (TRITON_INTERPRET=1 set before Triton is imported). Received "
+            f"tensors on {device}."
+        )
+    try:
+        from keras_cutbce.backends.torch.triton import kernels as module
+    except ModuleNotFoundError as error:
+        if error.name != "triton":
+            raise
+        raise ImportError(
+            '`implementation="triton"` needs Triton: pip install "keras-cutbce-erase[triton-compile]" '
+            "(torch's CUDA wheels install it)."
+        ) from error
+
+    return module
+
+
+def triton_precision():
+    """Returns the `tl.dot` input precision of fp32 operands: torch's fp32 matmul precision.
+
+    `"ieee"` under `torch.get_float32_matmul_precision() == "highest"`
+    (torch's default: full fp32, what a dense `h @ E.T` computes), `"tf32"`
+    under `"high"` or `"medium"` (or `torch.backends.cuda.matmul.allow_tf32`).
+
+    Example:
+
+    >>> triton_precision()
+    'ieee'
+    """
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def operand_dtype(hidden, table):
+    """Returns the dtype the kernels' products take: the inputs' bf16/fp16 when both share it, else fp32.
+
+    Example:
+
+    >>> operand_dtype(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16))
+    torch.bfloat16
+    """
+    if hidden.dtype == table.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
+        return hidden.dtype
+    return torch.float32
+
+
+def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
+               operands=torch.float32):
+    """Returns the background `sum_v softplus(z_v)` over each row's negatives, and its gradients.
+
+    As `keras_cutbce.backends.torch.kernel.dense_pass` (same arguments and
+    results, float32), computed by the fused kernels: the logits never
+    leave the GPU's registers. `operands` is the dtype of the products'
+    inputs (`operand_dtype` of the caller's inputs: `h` arrives in float32,
+    an exact copy when the input was bf16/fp16); `tiles` is used for `V` only.
+
+    The parity tests (`tests/cutbce/test_triton_interpreter.py`) compare it,
+    through the public op, with the dense reference and Keras's BCE.
+    """
+    module = kernels(h.device)
+    interpret = interpreting()
+    num_rows, dim = h.shape
+    vocab_size = tiles.vocab_size
+    need_h, need_e, need_b = need if row_scale is not None else (False, False, False)
+    hidden = h.to(operands).contiguous()
+    table = table.to(operands).contiguous()
+    bias = hidden if bias is None else bias.contiguous()
+    targets = _target_ids(positives, num_rows, h.device)
+    precision = triton_precision()
+    settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision)
+    flags = dict(
+        SPLIT_DOT=operands != torch.float32, INTERPRET=interpret, PRECISION=precision,
+        BLOCK_D=config.block_dim(dim),
+    )
+    softplus_sum = grad_h = grad_e = grad_b = None
+    f32 = dict(dtype=torch.float32, device=h.device)
+
+    if loss or need_h:
+        block_m, block_n, warps, stages = settings.rows_block
+        num_tiles = -(-vocab_size // block_n)
+        splits = config.num_splits(num_rows, num_tiles, block_m, h.device)
+        tiles_per_split = -(-num_tiles // splits)
+        splits = -(-num_tiles // tiles_per_split)
+        softplus_parts = torch.empty(splits, num_rows, **f32) if loss else hidden
+        grad_h_parts = torch.empty(splits, num_rows, dim, **f32) if need_h else hidden
+        grid = (-(-num_rows // block_m), splits)
+        module.rows_kernel[grid](
+            hidden, table, bias, targets, softplus_parts, grad_h_parts,
+            num_rows, vocab_size, dim, targets.shape[1], tiles_per_split,
+            HAS_BIAS=bias is not hidden, LOSS=loss, GRAD_H=need_h, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+        )
+        if loss:
+            softplus_sum = softplus_parts.sum(0)
+        if need_h:
+            grad_h = grad_h_parts.sum(0).mul_(row_scale[:, None])
+
+    if need_e or need_b:
+        block_m, block_n, warps, stages = settings.columns_block
+        grad_e = torch.empty(vocab_size, dim, **f32) if need_e else hidden
+        grad_b = torch.empty(vocab_size, **f32) if need_b else hidden
+        module.columns_kernel[(-(-vocab_size // block_n),)](
+            hidden, table, bias, targets, row_scale.float().contiguous(), grad_e, grad_b,
+            num_rows, vocab_size, dim, targets.shape[1],
+            HAS_BIAS=bias is not hidden, GRAD_E=need_e, GRAD_B=need_b, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags,
+        )
+        grad_e = grad_e if need_e else None
+        grad_b = grad_b if need_b else None
+    return softplus_sum, grad_h, grad_e, grad_b
+
+
+def _target_ids(positives, num_rows, device):
+    """Returns int32 `[M, L]`: each row's valid distinct ids, `-1` at padding and repeats.
+
+    A kept id is in `[0, V)`, so below 2^31 (a table of 2^31 rows is not a
+    GPU's); every id that was `>= 2^31` was padding and is `-1` here.
+    """
+    if positives.empty:
+        return torch.full((num_rows, 1), -1, dtype=torch.int32, device=device)
+    minus_one = torch.full((), -1, dtype=positives.safe.dtype, device=device)
+    return torch.where(positives.keep, positives.safe, minus_one).to(torch.int32).contiguous()

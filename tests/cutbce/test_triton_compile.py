@@ -1,0 +1,58 @@
+"""The fused Triton kernels compiled by the real CUDA compiler for GPUs that are not there.
+
+Needs Triton (`pip install ".[triton-compile]"`, installed by
+`scripts/setup_env.sh`; it ships `ptxas` and `cuobjdump`); skips without it,
+and on backends other than torch. One child process runs
+`benchmarks/cutbce_triton.py --deviceless`: both kernels (their heaviest
+variants: loss and hidden gradient; table and bias gradients, with a bias)
+with the static table's configuration (`keras_cutbce/backends/torch/triton/
+config.py`), for sm_80 and sm_90, at D in {32, 64, 128, 256}, float32 (full
+fp32, torch's default, and TF32) and bfloat16. Each must compile with no register spill (ptxas -v; one justified
+exception, `config.SPILL_ALLOWANCE`: 12 bytes on sm_80) and ask for
+no more shared memory than one block may have on that SM (163 KiB on sm_80,
+227 KiB on sm_90). About 2 minutes on 2 cores.
+"""
+
+import importlib.util
+import json
+import os
+
+import keras
+import pytest
+
+from tests.backend_utils import ROOT
+
+SPILL_ALLOWANCE = {}
+if importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None:
+    from keras_cutbce.backends.torch.triton.config import SPILL_ALLOWANCE  # noqa: F811
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(keras.backend.backend() != "torch", reason="Triton kernels: torch only"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="triton is not installed (pip install '.[triton-compile]'): "
+                              "no CUDA compiler"),
+]
+
+
+def test_every_configuration_compiles_without_spills_within_shared_memory(tmp_path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "cutbce_triton.py"), "--deviceless",
+         "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    table = json.loads((tmp_path / "cutbce_triton_deviceless.json").read_text())
+    configurations = {(r["arch"], r["dim"], r["dtype"], r["precision"], r["kernel"]) for r in table}
+    # fp32 at full precision with D = 256 runs the chunked loop: not compiled.
+    assert len(configurations) == len(table) == 2 * (4 * 3 - 1) * 2
+    for report in table:
+        key = (report["arch"], report["dim"], report["dtype"], report["precision"], report["kernel"])
+        where = "{4} sm_{0} D={1} {2} {3}".format(*key)
+        assert report["spill_bytes"] <= SPILL_ALLOWANCE.get(key, 0), (where, report)
+        assert 0 < report["shared_bytes"] <= report["shared_limit"], (where, report)
+        assert report["registers"] <= 255 and report["loop_instructions"] > 0, (where, report)
