@@ -31,7 +31,7 @@
 # steps, on a 16-core host; the CUDA-only ones add seconds), then the benchmark until the 8 minutes
 # are used (trace, exactness and the CTR cells come first; the MLP cells last, cut by the budget if
 # need be); the machine's start-up (minutes) is extra.
-# Environment: PYTHON (default: the project's .venv Python, else python), GPU_CHECK_SECONDS,
+# Environment: PYTHON (default: the project's .venv Python, else python), GPU_CHECK_SECONDS, CUTBCE_GPU_SECONDS,
 # GPU_CHECK_OUT (the dry run's folder); extra arguments go to erase_gpu.py (e.g. --budget 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
