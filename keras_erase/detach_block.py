@@ -41,6 +41,7 @@ from keras_erase.capture_safe import weight_penalty
 from keras_erase.loss_arguments import checked_loss_weight
 from keras_erase.loss_arguments import to_loss_object
 from keras_erase.step_protocol import PendingPrediction
+from keras_erase.step_protocol import claim_weight_penalties
 from keras_erase.step_protocol import collector_evaluating
 from keras_erase.step_protocol import collector_training
 from keras_erase.step_protocol import current_collector
@@ -146,6 +147,9 @@ class DetachBlock(keras.layers.Layer):
         # Pending head predictions of training calls, consumed by
         # EraseModel.compute_loss. Stored outside Keras's attribute tracking.
         self.__dict__["_pending_predictions"] = []
+        # Whether this call's own losses include the weight penalties
+        # (`claim_weight_penalties`: once per model call).
+        self.__dict__["_counts_weight_penalties"] = True
 
     @property
     def has_local_loss(self) -> bool:
@@ -219,17 +223,20 @@ class DetachBlock(keras.layers.Layer):
     def own_losses(self) -> Any:
         """Sums the block's own `losses` into a float32 scalar (`None` when it has none).
 
-        These are the weight regularizers of its layer and head and the
-        `add_loss` values (e.g. `activity_regularizer`) of its current call.
-        They belong to the block's local objective: on torch they are
-        back-propagated by the block's early backward, never by the main one.
+        These are the weight regularizers of its layer and head (once per
+        model call, as Keras counts them, however often the block is called:
+        `claim_weight_penalties`) and the `add_loss` values (e.g.
+        `activity_regularizer`) of its current call. They belong to the
+        block's local objective: on torch they are back-propagated by the
+        block's early backward, never by the main one.
         """
         losses = []
         for layer in _keras_private.sublayers(self, include_self=True):
             losses.extend(_keras_private.own_added_losses(layer))
-        for weight in self.trainable_weights:
-            if weight.regularizer is not None:
-                losses.append(weight_penalty(weight.regularizer, weight))
+        if self._counts_weight_penalties:
+            for weight in self.trainable_weights:
+                if weight.regularizer is not None:
+                    losses.append(weight_penalty(weight.regularizer, weight))
         total = None
         for loss in losses:
             loss = ops.cast(loss, "float32")
@@ -244,6 +251,8 @@ class DetachBlock(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         record_inputs(self, inputs)
+        # Decided once per call: a warm-up or capture inside it reads the same.
+        self.__dict__["_counts_weight_penalties"] = claim_weight_penalties(self)
         if training is None:
             training = collector_training()
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)

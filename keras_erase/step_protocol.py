@@ -26,9 +26,9 @@ import contextlib
 import threading
 
 __all__ = [
-    "PendingPrediction", "collecting", "collector_evaluating", "collector_training",
-    "current_collector", "current_step_handler", "record_inputs", "recording_inputs",
-    "step_handler",
+    "PendingPrediction", "claim_weight_penalties", "collecting", "collector_evaluating",
+    "collector_training", "current_collector", "current_step_handler", "record_inputs",
+    "recording_inputs", "step_handler",
 ]
 
 _STATE = threading.local()
@@ -81,11 +81,36 @@ def collecting(model, training=None, evaluating=False):
     stack = getattr(_STATE, "collectors", None)
     if stack is None:
         stack = _STATE.collectors = []
-    stack.append((model, training, evaluating))
+    stack.append((model, training, evaluating, set()))
     try:
         yield model
     finally:
         stack.pop()
+
+
+def claim_weight_penalties(block):
+    """Returns whether `block`'s weight penalties count in this call: once per model call.
+
+    Keras counts a layer's weight regularizers once per step however often
+    the layer is called, and a block's add_loss values once per call. The
+    first call of `block` under the running collector claims its weight
+    penalties; later calls in the same model call get `False`. Without a
+    collector (a block called on its own) every call counts them.
+
+    Example:
+
+    >>> with collecting("model", training=True):
+    ...     claim_weight_penalties("tower"), claim_weight_penalties("tower")
+    (True, False)
+    """
+    stack = getattr(_STATE, "collectors", None)
+    if not stack:
+        return True
+    claimed = stack[-1][3]
+    if id(block) in claimed:
+        return False
+    claimed.add(id(block))
+    return True
 
 
 @contextlib.contextmanager

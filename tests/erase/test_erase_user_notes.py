@@ -88,3 +88,34 @@ def test_early_backward_schedules_off_torch_say_the_standard_step_runs(dispatch)
         assert len(messages) == 1
         assert f"dispatch={dispatch!r}" in messages[0]
         assert f"on backend {BACKEND!r} the standard Keras train step runs instead" in messages[0]
+
+
+def _twice_used_regularized_tower(dispatch):
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((6,), name="a"), keras.Input((6,), name="b")
+    tower = DetachBlock(
+        keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.5), name="tower_dense"),
+        head=keras.layers.Dense(1), loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        loss_weight=1.0, name="shared",
+    )
+    hidden = keras.layers.Concatenate()([tower(a), tower(b)])
+    outputs = keras.layers.Dense(1, "sigmoid", kernel_regularizer=keras.regularizers.L1(0.1))(hidden)
+    return EraseModel([a, b], outputs, dispatch=dispatch)
+
+
+def test_a_tower_called_twice_pays_its_weight_penalty_once_per_step():
+    """As Keras counts a layer's weight regularizers once per step, however often it is
+    called: the ERASE step's loss, logs and weights equal the standard step's."""
+    xa, y = _data()
+    xb = -xa[::-1].copy()
+    results = {}
+    for dispatch in ("standard", DISPATCH):
+        model = _twice_used_regularized_tower(dispatch)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy")
+        history = model.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        results[dispatch] = history, [to_numpy(w) for w in model.trainable_weights]
+    (want_history, want_weights), (got_history, got_weights) = results.values()
+    for key in ("loss", "shared_loss"):
+        np.testing.assert_allclose(got_history[key], want_history[key], rtol=1e-5)
+    for got, want in zip(got_weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
