@@ -226,3 +226,44 @@ def test_main_backward_to_handoff_is_exact_or_declines():
     w, v, u = setup()
     u2 = u * 2.0
     assert main_backward_to_handoff((u2 * v).sum() + u.sum(), [u, u2]) is None
+
+
+def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kept(
+    stand_ins, monkeypatch
+):
+    """`dispatch="auto"` on CUDA (faked here): every launcher x placement, eager and graphed."""
+    import torch
+
+    from keras_erase.auto import ScheduleSelector
+    from keras_erase.torch import train_step
+    from keras_erase.torch.schedules import placements
+    from tests.erase import test_cuda_graphs_lifecycle as lifecycle
+    from tests.erase.fake_streams import CheckedStreams
+
+    monkeypatch.setattr(train_step, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    previous = placements.set_default_streams(CheckedStreams)
+    fake_seconds = {"streams+graphs": 0.5}
+    real_record = ScheduleSelector.record
+    monkeypatch.setattr(
+        ScheduleSelector, "record",
+        lambda self, schedule, seconds: real_record(self, schedule, fake_seconds.get(schedule[0], 1.0)),
+    )
+    try:
+        x, y = lifecycle.data()
+        model = reconfigure(lifecycle.shared_tower_model("standard", False, False),
+                            dispatch="auto", cuda_graphs=True, auto_steps=1)
+        model.compile(keras.optimizers.SGD(0.2), "binary_crossentropy")
+        model.fit(x, y, batch_size=lifecycle.BATCH, epochs=4, shuffle=False, verbose=0)
+    finally:
+        placements.set_default_streams(previous)
+    selector = model._erase.selector
+    labels = [c[0] for c in selector.candidates]
+    eager = ["blocking", "threaded", "streams", "inline+block_streams"]
+    assert labels == ["standard"] + eager + [f"{label}+graphs" for label in eager]
+    assert all(selector.seen[c] > 0 for c in selector.candidates)
+    assert selector.done and model.dispatch_choice == "streams+graphs"
+    assert "kept streams+graphs@None = streams+graphs (launcher 'worker', placement " \
+           "'block_streams', CUDA Graphs per block" in model.dispatch_explanation
+    kept = model._erase.dispatchers["streams+graphs"]
+    assert kept.name == "worker+block_streams" and kept.graphs.captures == 2  # two occurrences
