@@ -223,6 +223,11 @@ class EraseModel(keras.Model):
     def dispatch_choice(self) -> str | None:
         """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures.
 
+        The preset's name (`"threaded"`), or the label of the schedule
+        `"auto"` kept or `"early"` resolved: `"<launcher>+<placement>"` where
+        no preset matches, with `"+graphs"` when graphed (e.g.
+        `"streams+graphs"`, `"inline+block_streams"`).
+
         `dispatch_explanation` says what `"auto"` compared and why it kept this
         schedule (or, while it measures, which schedules ran so far).
         """

@@ -13,9 +13,13 @@ One step (`train_step`):
    Otherwise `erase_step`: zero the gradients, forward with each
    `DetachBlock` handed to the dispatcher (its forward, local loss and
    backward, which ends at the block's input), the main loss, then the
-   dispatcher's `final_backward`: wait for the blocks and run one backward of
-   the main loss and of the shared upstream with the input gradients the
-   `detach_input=False` blocks handed over (`keras_erase.torch.handoff`), update.
+   dispatcher's `final_backward`: the main loss's backward down to the block
+   outputs first, then wait for the blocks and run one backward of the
+   shared upstream with the input gradients the `detach_input=False` blocks
+   handed over (`keras_erase.torch.handoff`), update. The dispatcher is the
+   schedule's: a launcher x a placement, graphed or not
+   (`keras_erase.torch.schedules`), keyed by its label
+   (`keras_erase.config.Schedule`).
    It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
    `compute_loss`, loss tracker, backward, `optimizer.apply`,
    `compute_metrics`); it has to own the step because the block backwards
