@@ -28,7 +28,6 @@ Usage:
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -110,17 +109,12 @@ def run_cell(label, args):
 
 
 def run_in_process(repo, label, args):
-    command = [sys.executable, os.path.abspath(__file__), "--cell", label,
-               "--threads", str(args.threads), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--buckets", str(args.buckets)]
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.path.abspath(repo))
-    done = subprocess.run(command, env=env, cwd=os.path.abspath(repo), capture_output=True,
-                          text=True, check=False)
-    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"{repo} {label} failed:\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])
+    from benchmarks.common import run_checkout_cell
+
+    return run_checkout_cell(__file__, repo, [
+        label, "--threads", args.threads, "--batch", args.batch, "--steps", args.steps,
+        "--warmup", args.warmup, "--buckets", args.buckets,
+    ])
 
 
 def table(rows, names, labels):
