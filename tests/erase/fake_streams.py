@@ -19,7 +19,10 @@ ran on the calling thread's current stream:
 A fresh op output resets what is known about its memory (the CPU allocator
 reuses addresses; on CUDA the caching allocator keeps a stream's freed memory
 for that stream). `problems()` lists the races found; `ops_on` counts ops per
-stream (tests use it to check that work really ran on the block streams).
+stream and `entered` says which thread entered which stream (tests use them
+to check that work really ran on the block streams, launched from the
+worker). A thread's ops are watched on the thread that calls `watching()`
+and inside stream scopes on other threads.
 
 Example:
 
@@ -111,6 +114,7 @@ class CheckedStreams:
         self._protected = {}  # storage ptr -> set of stream names
         self.races = []
         self.ops_on = {}
+        self.entered = []  # (thread name, stream name) of every `use`
         self.watched = False
 
     # -- the stream API -----------------------------------------------------------------
@@ -135,6 +139,7 @@ class CheckedStreams:
         previous = self.current_stream()
         self._local.stream = stream
         self.log.append(("enter", stream.name))
+        self.entered.append((threading.current_thread().name, stream.name))
         watch = None
         if self.watched and not getattr(self._local, "watching", False):
             watch = _Watch(self)  # this thread's ops are watched too (modes are per thread)

@@ -92,10 +92,15 @@ def fit_watched(model, fit, checked):
     return weights, streams
 
 
-def _check_streams(streams, placement, blocks):
+def _check_streams(streams, combination, blocks):
+    from keras_erase.torch.schedules.worker import NAME
+
+    launcher, placement, _ = combination
     if placement == "default_stream":
         assert streams is None or streams.ops_on.keys() <= {"main"}
         return
+    launching = {thread for thread, _ in streams.entered if thread != "MainThread"}
+    assert launching == ({NAME} if launcher == "worker" else set()), launching
     assert streams.problems() == [], streams.problems()[:5]
     assert streams.unprotected == [], streams.unprotected[:5]
     busy = [name for name, count in streams.ops_on.items() if name != "main" and count > 0]
@@ -114,7 +119,7 @@ def test_shared_upstream_gets_the_standard_weights(combination, skip, stand_ins)
     weights, streams = fit_watched(model, handoff.fit, combination[1] == "block_streams")
     for a, b in zip(weights, reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    _check_streams(streams, combination[1], handoff.TOWERS)
+    _check_streams(streams, combination, handoff.TOWERS)
     dispatcher = next(iter(model._erase.dispatchers.values()))
     assert dispatcher.name == f"{combination[0]}+{combination[1]}"
     if combination[2]:
@@ -146,7 +151,7 @@ def test_a_reused_tower_gets_the_standard_weights(combination, detach_input, sta
     weights, streams = fit_watched(model, fit, combination[1] == "block_streams")
     for a, b in zip(weights, reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    _check_streams(streams, combination[1], 1)  # one block, met twice: one stream
+    _check_streams(streams, combination, 1)  # one block, met twice: one stream
     if combination[2]:
         runner = next(iter(model._erase.dispatchers.values())).graphs
         assert not runner.disabled and runner.captures == 2  # a graph pair per occurrence
