@@ -234,6 +234,9 @@ def test_main_backward_to_handoff_is_exact_or_declines():
     w, v, u = setup()
     assert main_backward_to_handoff((u * v).sum() + (w * 3.0).sum(), [u]) is None
     assert w.grad is None and v.grad is None
+    # w reached directly, but not through u: declined too (the upstream would run twice).
+    w, v, u = setup()
+    assert main_backward_to_handoff((w * v).sum(), [u]) is None and w.grad is None
     # one upstream tensor behind another: declined.
     w, v, u = setup()
     u2 = u * 2.0

@@ -13,14 +13,16 @@ and runs the upstream once with the sums.
 It reads the main loss's autograd graph (a walk of its nodes, stopping at the
 upstream tensors' edges and at leaves):
 
+- a leaf it reaches directly (not through an upstream tensor) is also behind
+  an upstream tensor, or an upstream tensor is behind another: it returns
+  `None` and the caller runs one backward of everything after the join (the
+  exact fallback: otherwise a gradient would count twice, or the upstream
+  would run twice);
 - the main loss reaches no upstream tensor (the CTR example: the top MLP reads
   only tower outputs): `loss.backward()`, nothing handed over;
 - it reaches some: `torch.autograd.backward(loss, inputs=...)` over the leaves
   it reaches directly and those upstream tensors (their gradient is captured,
-  the upstream does not run), unless a leaf it reaches directly is also behind
-  an upstream tensor, or an upstream tensor is behind another: then it returns
-  `None` and the caller runs one backward of everything after the join (the
-  exact fallback; otherwise a gradient would be counted twice).
+  the upstream does not run).
 
 Example:
 
@@ -72,12 +74,14 @@ def main_backward_to_handoff(loss, sources):
         return None
     stops = {(id(s.grad_fn), s.output_nr): s for s in sources}
     reached, leaves = _walk([loss.grad_fn], stops)
+    # The leaves behind the upstream tensors: the main loss must not reach them
+    # directly too (the upstream would run twice, or a gradient count twice).
+    behind_reached, behind = _walk([s.grad_fn for s in sources], stops)
+    if behind_reached or set(leaves) & set(behind):
+        return None
     if not reached:
         loss.backward()
         return []
-    behind_reached, behind = _walk([s.grad_fn for s in reached.values()], stops)
-    if behind_reached or set(leaves) & set(behind):
-        return None
     reached = list(reached.values())
     # retain_graph: a backward with `inputs` frees the saved tensors of the upstream
     # nodes it does not run, which the upstream's own backward still needs.
