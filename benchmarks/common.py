@@ -124,3 +124,21 @@ def write_text(path, text):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
+
+
+def run_checkout_cell(script, repo, cell_args):
+    """Runs `python script --cell ...` in a fresh process that imports the checkout at `repo`.
+
+    The cell prints its result as one `ROW <json>` line; returns it parsed.
+    Used by the before/after benchmarks (`erase_handoff.py`, `erase_host_time.py`).
+    """
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(script), "--cell", *map(str, cell_args)]
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.path.abspath(repo))
+    done = subprocess.run(command, env=env, cwd=os.path.abspath(repo), capture_output=True,
+                          text=True, check=False)
+    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"{repo} {cell_args[0]} failed:\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])

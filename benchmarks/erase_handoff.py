@@ -31,7 +31,6 @@ Usage:
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -99,19 +98,12 @@ def run_cell(mode, args):
 
 
 def run_in_process(repo, mode, args):
-    command = [
-        sys.executable, os.path.abspath(__file__), "--cell", mode,
-        "--threads", str(args.threads), "--batch", str(args.batch),
-        "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--count-steps", str(args.count_steps), "--buckets", str(args.buckets),
-    ]
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.path.abspath(repo))
-    done = subprocess.run(command, env=env, cwd=os.path.abspath(repo), capture_output=True,
-                          text=True, check=False)
-    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"{repo} {mode} failed:\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])
+    from benchmarks.common import run_checkout_cell
+
+    return run_checkout_cell(__file__, repo, [
+        mode, "--threads", args.threads, "--batch", args.batch, "--steps", args.steps,
+        "--warmup", args.warmup, "--count-steps", args.count_steps, "--buckets", args.buckets,
+    ])
 
 
 def summarize(rows, names, modes):

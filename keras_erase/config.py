@@ -1,4 +1,20 @@
-"""`EraseConfig`: the validated constructor arguments of `EraseModel`.
+"""`EraseConfig`: the validated constructor arguments of `EraseModel`, and `Schedule`.
+
+An ERASE schedule is three independent choices (the ERASE paper's Table 1 rows
+are combinations of them, see `docs/erase.md`):
+
+- `launcher`: who launches a block's backward: `"inline"` (the main thread,
+  right after the block's forward) or `"worker"` (a backward worker thread, so
+  the main thread goes on with the next forward at once);
+- `placement`: where a block's forward and backward run: `"default_stream"`
+  (the current stream) or `"block_streams"` (CUDA: a stream of its own per block);
+- `cuda_graphs`: off, or each block captured as CUDA Graphs (per block).
+
+`dispatch` names a preset of the first two (`"blocking"` = inline on the
+default stream, `"threaded"` = worker on the default stream, `"streams"` =
+worker onto one stream per block) or `"early"` (the early-backward step with
+the `launcher` and `placement` given; a worker and, on CUDA, one stream per
+block by default); `"standard"` is Keras's own step and `"auto"` measures.
 
 Example:
 
@@ -6,16 +22,94 @@ Example:
 >>> config = EraseConfig(dispatch="threaded", intra_op_threads=1)
 >>> config.to_dict()["dispatch"], config.needs_cuda
 ('threaded', False)
+>>> EraseConfig(dispatch="early", launcher="inline", placement="block_streams").schedule().label
+'inline+block_streams'
 """
 
 import dataclasses
 
-__all__ = ["AUTO_STEPS", "DISPATCH_MODES", "EraseConfig"]
+__all__ = [
+    "AUTO_STEPS", "DISPATCH_MODES", "LAUNCHERS", "PLACEMENTS", "PRESETS", "EraseConfig", "Schedule",
+]
 
-DISPATCH_MODES = ("auto", "standard", "blocking", "threaded", "streams")
+DISPATCH_MODES = ("auto", "standard", "early", "blocking", "threaded", "streams")
+LAUNCHERS = ("inline", "worker")
+PLACEMENTS = ("default_stream", "block_streams")
+# preset name -> (launcher, placement)
+PRESETS = {
+    "blocking": ("inline", "default_stream"),
+    "threaded": ("worker", "default_stream"),
+    "streams": ("worker", "block_streams"),
+}
+GRAPHS_SUFFIX = "+graphs"
 
 # Timed rounds per candidate for dispatch="auto" (see `keras_erase.auto`).
 AUTO_STEPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One concrete early-backward schedule: launcher, placement, graphs.
+
+    `label` names it: the preset's name where one matches (`"threaded"`),
+    else `"<launcher>+<placement>"`, with `"+graphs"` when graphed. It is the
+    `dispatch_choice` of `"auto"` and the key of the model's dispatchers.
+
+    Example:
+
+    >>> Schedule("worker", "block_streams", graphs=True).label
+    'streams+graphs'
+    >>> Schedule.from_label("inline+block_streams+graphs")
+    Schedule(launcher='inline', placement='block_streams', graphs=True)
+    """
+
+    launcher: str
+    placement: str
+    graphs: bool = False
+
+    def __post_init__(self):
+        if self.launcher not in LAUNCHERS or self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"Schedule: `launcher` must be one of {LAUNCHERS} and `placement` one of "
+                f"{PLACEMENTS}. Received: launcher={self.launcher!r}, placement={self.placement!r}"
+            )
+        object.__setattr__(self, "graphs", bool(self.graphs))
+
+    @property
+    def label(self):
+        pair = (self.launcher, self.placement)
+        name = next((n for n, p in PRESETS.items() if p == pair), f"{self.launcher}+{self.placement}")
+        return name + (GRAPHS_SUFFIX if self.graphs else "")
+
+    @property
+    def needs_cuda(self):
+        """Whether it needs CUDA streams (one per block) or CUDA Graphs."""
+        return self.placement == "block_streams" or self.graphs
+
+    @classmethod
+    def from_label(cls, label):
+        """Parses a `label` back (`"threaded+graphs"`, `"inline+block_streams"`, ...)."""
+        graphs = label.endswith(GRAPHS_SUFFIX)
+        name = label[: -len(GRAPHS_SUFFIX)] if graphs else label
+        if name in PRESETS:
+            return cls(*PRESETS[name], graphs=graphs)
+        launcher, _, placement = name.partition("+")
+        return cls(launcher, placement, graphs=graphs)
+
+    @classmethod
+    def every(cls, graphs=False):
+        """Every launcher x placement combination (graphed as `graphs` says), presets first."""
+        pairs = list(PRESETS.values()) + [
+            (l, p) for l in LAUNCHERS for p in PLACEMENTS if (l, p) not in PRESETS.values()
+        ]
+        return [cls(l, p, graphs) for l, p in pairs]
+
+
+def _check_choice(name, value, allowed):
+    if value is not None and value not in allowed:
+        raise ValueError(
+            f"EraseModel: `{name}` must be one of {allowed} or None. Received: {name}={value!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,20 +117,29 @@ class EraseConfig:
     """How an `EraseModel` trains on torch (JAX and TensorFlow use the standard step).
 
     Args:
-        dispatch: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or
-            `"streams"` (CUDA).
-        num_streams: number of CUDA streams for `"streams"` (round robin).
+        dispatch: `"auto"`, `"standard"`, `"early"` or a preset:
+            `"blocking"`, `"threaded"`, `"streams"` (CUDA).
+        num_streams: CUDA streams of the `"block_streams"` placement: `None`
+            (default) gives every block its own; an int caps them (blocks
+            then share streams round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"`.
+        launcher: `"inline"` or `"worker"` (who launches a block's backward);
+            `None`: the preset's, or `"worker"` for `"early"`.
+        placement: `"default_stream"` or `"block_streams"` (where a block
+            runs); `None`: the preset's, or for `"early"` one stream per
+            block on CUDA and the default stream elsewhere.
     """
 
     dispatch: str = "auto"
-    num_streams: int = 4
+    num_streams: object = None
     cuda_graphs: bool = False
     intra_op_threads: object = "auto"
     auto_steps: int = AUTO_STEPS
+    launcher: object = None
+    placement: object = None
 
     def __post_init__(self):
         if self.dispatch not in DISPATCH_MODES:
@@ -44,9 +147,10 @@ class EraseConfig:
                 f"EraseModel: `dispatch` must be one of {DISPATCH_MODES}. "
                 f"Received: dispatch={self.dispatch!r}"
             )
-        if int(self.num_streams) < 1:
+        if self.num_streams is not None and int(self.num_streams) < 1:
             raise ValueError(
-                f"EraseModel: `num_streams` must be >= 1. Received: num_streams={self.num_streams}"
+                "EraseModel: `num_streams` must be None (one stream per block) or >= 1. "
+                f"Received: num_streams={self.num_streams}"
             )
         threads = self.intra_op_threads
         if not (threads in (None, "auto") or (isinstance(threads, int) and threads >= 1)):
@@ -58,16 +162,50 @@ class EraseConfig:
             raise ValueError(
                 f"EraseModel: `auto_steps` must be >= 1. Received: auto_steps={self.auto_steps}"
             )
-        object.__setattr__(self, "num_streams", int(self.num_streams))
+        _check_choice("launcher", self.launcher, LAUNCHERS)
+        _check_choice("placement", self.placement, PLACEMENTS)
+        self._check_against_dispatch()
+        if self.num_streams is not None:
+            object.__setattr__(self, "num_streams", int(self.num_streams))
         object.__setattr__(self, "cuda_graphs", bool(self.cuda_graphs))
         object.__setattr__(self, "auto_steps", int(self.auto_steps))
+
+    def _check_against_dispatch(self):
+        given = {"launcher": self.launcher, "placement": self.placement}
+        if self.dispatch in PRESETS:
+            preset = dict(zip(("launcher", "placement"), PRESETS[self.dispatch]))
+            for name, value in given.items():
+                if value is not None and value != preset[name]:
+                    raise ValueError(
+                        f"EraseModel: dispatch={self.dispatch!r} is launcher="
+                        f"{preset['launcher']!r} with placement={preset['placement']!r}; use "
+                        f"dispatch='early' to choose them. Received: {name}={value!r}"
+                    )
+        elif self.dispatch != "early" and any(v is not None for v in given.values()):
+            raise ValueError(
+                "EraseModel: `launcher` and `placement` choose the early-backward schedule of "
+                f"dispatch='early' (or agree with a preset). Received: dispatch={self.dispatch!r}, "
+                f"launcher={self.launcher!r}, placement={self.placement!r}"
+            )
+
+    def schedule(self, cuda=False):
+        """Returns the `Schedule` of a fixed early-backward `dispatch` (`None` for "auto"/"standard").
+
+        `cuda`: whether the device is CUDA (the `"early"` default placement).
+        """
+        if self.dispatch in PRESETS:
+            return Schedule(*PRESETS[self.dispatch], graphs=self.cuda_graphs)
+        if self.dispatch != "early":
+            return None
+        placement = self.placement or ("block_streams" if cuda else "default_stream")
+        return Schedule(self.launcher or "worker", placement, graphs=self.cuda_graphs)
 
     def backend_note(self, backend):
         """Describes what runs instead of a torch-only setting on `backend` (`None`: no change).
 
-        The early-backward schedules (`"blocking"`, `"threaded"`, `"streams"`)
-        and `cuda_graphs=True` exist on torch only; on JAX and TensorFlow the
-        standard step trains the model (same gradients).
+        The early-backward schedules (`"early"`, `"blocking"`, `"threaded"`,
+        `"streams"`) and `cuda_graphs=True` exist on torch only; on JAX and
+        TensorFlow the standard step trains the model (same gradients).
 
         Example:
 
@@ -77,7 +215,7 @@ class EraseConfig:
         if backend == "torch":
             return None
         settings = []
-        if self.dispatch in ("blocking", "threaded", "streams"):
+        if self.dispatch not in ("auto", "standard"):
             settings.append(f"dispatch={self.dispatch!r}")
         if self.cuda_graphs:
             settings.append("cuda_graphs=True")
@@ -93,8 +231,11 @@ class EraseConfig:
 
     @property
     def needs_cuda(self):
-        """Whether training with this configuration needs CUDA (`"streams"` or CUDA Graphs)."""
-        return self.dispatch == "streams" or self.cuda_graphs
+        """Whether training with this configuration needs CUDA (streams per block or CUDA Graphs)."""
+        if self.cuda_graphs:
+            return True
+        schedule = self.schedule(cuda=False)  # "early" without a placement runs anywhere
+        return schedule is not None and schedule.needs_cuda
 
     def to_dict(self):
         """Returns the arguments as a dict (for `get_config`)."""

@@ -17,20 +17,29 @@ pass is launched right after its forward pass and local loss (see
 `keras_erase.torch.schedules`), overlapping the forward pass of later blocks; the
 gradients are those of the standard step.
 
-Dispatch modes (torch):
+Dispatch modes (torch). An early-backward schedule is three independent
+choices (`keras_erase.config`): `launcher` (`"inline"`: the main thread, or
+`"worker"`: a backward worker thread), `placement` (`"default_stream"` or
+`"block_streams"`: one CUDA stream per block) and `cuda_graphs` (off / each
+block captured):
 
 - `"standard"`: Keras's stock step (the reference schedule).
-- `"blocking"`: early backward inline on the main thread.
-- `"threaded"`: early backward on one FIFO worker thread.
-- `"streams"` (CUDA): each block on its own CUDA stream; `cuda_graphs=True`
-  also captures each block as CUDA Graphs.
+- `"early"`: the early-backward step with the `launcher` and `placement`
+  given (default: a worker, and on CUDA one stream per block).
+- `"blocking"`: preset, inline on the default stream.
+- `"threaded"`: preset, a worker thread on the default stream.
+- `"streams"` (CUDA): preset, a worker launching each block's backward onto
+  the block's own stream.
 - `"auto"` (default): measures its first training steps and keeps the fastest
   schedule (`keras_erase.auto`). Candidates on CPU, at equal thread budgets:
   `"standard"` at the current torch thread count `T`, `"standard"` at
   `h = min(T, threads_for_worker())` threads and `"threaded"` with `h`
   threads on each side (main thread and worker); `"threaded"` must beat both
   standard steps (a gain from fewer threads per OpenMP team alone keeps the
-  standard step at `h` threads). On CUDA: `"standard"` and `"streams"`. The
+  standard step at `h` threads). On CUDA: `"standard"` and every launcher x
+  placement combination, graphed when `cuda_graphs=True` (then both with and
+  without graphs); `dispatch_choice` names the one kept (e.g.
+  `"streams+graphs"`). The
   choice and what was compared are logged on the `"keras_erase"` logger and
   kept in `model.dispatch_choice` and `model.dispatch_explanation`, the
   timings (median and p90 seconds per candidate) in `model.auto_timings`. A
@@ -100,11 +109,14 @@ class EraseModel(keras.Model):
     compiled loss plus every `DetachBlock`'s local loss on every backend.
 
     Args:
-        dispatch: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or
-            `"streams"` (CUDA). Only used on torch; JAX and TensorFlow use the
-            standard step (`"blocking"`, `"threaded"` and `"streams"` there
-            warn at construction and run the standard step).
-        num_streams: number of CUDA streams for `"streams"` (round robin).
+        dispatch: `"auto"`, `"standard"`, `"early"` (with `launcher` and
+            `placement`) or a preset: `"blocking"`, `"threaded"`, `"streams"`
+            (CUDA). Only used on torch; JAX and TensorFlow use the standard
+            step (the early-backward ones there warn at construction and run
+            the standard step).
+        num_streams: CUDA streams of the `"block_streams"` placement: `None`
+            (default) gives every block its own; an int caps the pool (blocks
+            then share streams round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
             `"streams"` and `cuda_graphs=True` need CUDA to train on torch (the
             first train step raises otherwise); building, loading, `predict`
@@ -114,6 +126,11 @@ class EraseModel(keras.Model):
             (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate for `dispatch="auto"` (more
             rounds make the choice steadier).
+        launcher: `"inline"` or `"worker"`: who launches each block's
+            backward (`None`: the preset's; `"worker"` for `"early"`).
+        placement: `"default_stream"` or `"block_streams"` (CUDA): where each
+            block's forward and backward run (`None`: the preset's; for
+            `"early"`, one stream per block on CUDA).
         *args, **kwargs: as for `keras.Model`.
 
     Example:
@@ -142,10 +159,12 @@ class EraseModel(keras.Model):
         self,
         *args: Any,
         dispatch: str = "auto",
-        num_streams: int = 4,
+        num_streams: int | None = None,
         cuda_graphs: bool = False,
         intra_op_threads: str | int | None = "auto",
         auto_steps: int = AUTO_STEPS,
+        launcher: str | None = None,
+        placement: str | None = None,
         **kwargs: Any,
     ) -> None:
         if _functional_arguments(args, kwargs) and not isinstance(
@@ -157,7 +176,11 @@ class EraseModel(keras.Model):
                 f"Received: a {type(self).__name__} (bases: "
                 f"{', '.join(b.__name__ for b in type(self).__bases__)})"
             )
-        config = EraseConfig(dispatch, num_streams, cuda_graphs, intra_op_threads, auto_steps)
+        config = EraseConfig(
+            dispatch=dispatch, num_streams=num_streams, cuda_graphs=cuda_graphs,
+            intra_op_threads=intra_op_threads, auto_steps=auto_steps, launcher=launcher,
+            placement=placement,
+        )
         note = config.backend_note(keras.backend.backend())
         if note is not None:
             warnings.warn(note, stacklevel=2)
@@ -172,12 +195,22 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch(self) -> str:
-        """The schedule asked for: `"auto"`, `"standard"`, `"blocking"`, `"threaded"` or `"streams"`."""
+        """The schedule asked for: `"auto"`, `"standard"`, `"early"`, `"blocking"`, `"threaded"` or `"streams"`."""
         return self._erase.config.dispatch
 
     @property
-    def num_streams(self) -> int:
-        """CUDA streams used by `dispatch="streams"`."""
+    def launcher(self) -> str | None:
+        """Who launches a block's backward as asked: `"inline"`, `"worker"` or `None` (the preset's)."""
+        return self._erase.config.launcher
+
+    @property
+    def placement(self) -> str | None:
+        """Where blocks run as asked: `"default_stream"`, `"block_streams"` or `None` (the preset's)."""
+        return self._erase.config.placement
+
+    @property
+    def num_streams(self) -> int | None:
+        """CUDA streams of the `"block_streams"` placement (`None`: one per block)."""
         return self._erase.config.num_streams
 
     @property
@@ -198,6 +231,11 @@ class EraseModel(keras.Model):
     @property
     def dispatch_choice(self) -> str | None:
         """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures.
+
+        The preset's name (`"threaded"`), or the label of the schedule
+        `"auto"` kept or `"early"` resolved: `"<launcher>+<placement>"` where
+        no preset matches, with `"+graphs"` when graphed (e.g.
+        `"streams+graphs"`, `"inline+block_streams"`).
 
         `dispatch_explanation` says what `"auto"` compared and why it kept this
         schedule (or, while it measures, which schedules ran so far).
@@ -228,7 +266,7 @@ class EraseModel(keras.Model):
             return (f"dispatch={erase.config.dispatch!r} on backend {keras.backend.backend()!r}: "
                     "the standard Keras train step trains the model")
         if erase.config.dispatch != "auto":
-            return f"dispatch={erase.config.dispatch!r}: that schedule runs every step"
+            return torch_runtime().train_step.explain_fixed(erase)
         if erase.selector is None:
             return "dispatch='auto' has not measured yet: it measures at the first training steps"
         return torch_runtime().train_step.explain(erase)

@@ -39,7 +39,9 @@ class EraseRuntime:
 
     Attributes:
         config: the model's `EraseConfig`.
-        dispatch_choice: the schedule in use (`None` while `"auto"` measures).
+        dispatch_choice: the schedule in use (`None` while `"auto"` measures):
+            the preset's name, or a `keras_erase.config.Schedule` label (e.g.
+            `"streams+graphs"`, `"inline+block_streams"`).
         selector: the `ScheduleSelector` of `"auto"` (created at the first step).
         trackers: the local-loss `LocalLossTrackers`.
         dispatchers: `{mode: Dispatcher}` built so far (torch).

@@ -6,10 +6,12 @@ on JAX and TensorFlow. Layout:
 
 - `train_step`: the ERASE train step of `EraseModel` on torch (schedule
   choice, early block backwards, distributed sync, the optimizer update).
-- `schedules/`: who launches a block's backward and where it runs:
-  `blocking` (main thread), `threaded` (one FIFO worker thread), `streams`
-  (one CUDA stream per block); `base` is what they share and
-  `make_dispatcher` builds one.
+- `schedules/`: who launches a block's backward (`launchers`: the main
+  thread or one FIFO worker thread, `worker`) and where it runs
+  (`placements`: the default stream or one CUDA stream per block), composed
+  by `base.Dispatcher`; `main_backward` runs the main loss's backward before
+  the blocks are joined; `blocking`, `threaded` and `streams` are the
+  presets and `make_dispatcher` builds any combination.
 - `cuda_graphs/`: `runner` (capture once, replay every step), `capture` (CUDA
   and CPU stand-in captures) and `op_recording` (what a capture refuses).
 - `handoff`: a `detach_input=False` block's input gradient, handed over to

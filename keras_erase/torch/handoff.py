@@ -100,15 +100,25 @@ class GradientHandOff:
             leaf.grad = None
             if grad is None:  # the local loss does not depend on this input
                 continue
-            key = id(source)
-            with self._lock:
-                total = self._grads.get(key)
-                if not self.accumulate:
-                    self._grads.setdefault(key, []).append(grad)
-                elif total is None:
-                    self._grads[key] = grad
-                else:
-                    self._grads[key] = total + grad
+            self.add(source, grad)
+
+    def sources(self):
+        """Returns the upstream tensors cut this step (in order of first cut)."""
+        with self._lock:
+            return list(self._sources.values())
+
+    def add(self, source, grad):
+        """Adds `grad` (e.g. the main loss's, `schedules.main_backward`) to `source`'s hand-off."""
+        key = id(source)
+        with self._lock:
+            self._sources.setdefault(key, source)
+            total = self._grads.get(key)
+            if not self.accumulate:
+                self._grads.setdefault(key, []).append(grad)
+            elif total is None:
+                self._grads[key] = grad
+            else:
+                self._grads[key] = total + grad
 
     def gradients(self):
         """Returns `(upstream tensors, summed gradients)` of this step; clears the hand-off."""

@@ -2,11 +2,11 @@
 
 `EraseModel(intra_op_threads=...)`:
 
-- `"auto"` (default): the `"threaded"` schedule on CPU runs the main thread
-  (forward passes, main backward) and the backward worker thread at
-  `threads_for_worker()` threads each (half the cores), so the two split the
-  machine instead of oversubscribing it; other schedules keep the current
-  count.
+- `"auto"` (default): a schedule with the `"worker"` launcher on CPU
+  (`"threaded"`) runs the main thread (forward passes, main backward) and the
+  backward worker thread at `threads_for_worker()` threads each (half the
+  cores), so the two split the machine instead of oversubscribing it; other
+  schedules keep the current count.
 - an int: that count for the main thread in every torch schedule, and for the
   worker thread.
 - `None`: never touches thread counts.
@@ -20,6 +20,8 @@ import contextlib
 import os
 
 import torch
+
+from keras_erase.config import Schedule
 
 __all__ = [
     "main_thread_count", "restored_intra_op_threads", "set_intra_op_threads", "threads_for_worker",
@@ -39,11 +41,15 @@ def set_intra_op_threads(n):
 
 
 def main_thread_count(mode, policy, cuda):
-    """Returns the main thread's intra-op count for `mode` under `policy` (`None`: leave it)."""
+    """Returns the main thread's intra-op count for schedule `mode` under `policy` (`None`: leave it).
+
+    `mode`: `"standard"` or a `keras_erase.config.Schedule` label.
+    """
     if policy is None:
         return None
     if policy == "auto":
-        return threads_for_worker() if mode == "threaded" and not cuda else None
+        worker = mode != "standard" and Schedule.from_label(mode).launcher == "worker"
+        return threads_for_worker() if worker and not cuda else None
     return int(policy)
 
 

@@ -13,9 +13,13 @@ One step (`train_step`):
    Otherwise `erase_step`: zero the gradients, forward with each
    `DetachBlock` handed to the dispatcher (its forward, local loss and
    backward, which ends at the block's input), the main loss, then the
-   dispatcher's `final_backward`: wait for the blocks and run one backward of
-   the main loss and of the shared upstream with the input gradients the
-   `detach_input=False` blocks handed over (`keras_erase.torch.handoff`), update.
+   dispatcher's `final_backward`: the main loss's backward down to the block
+   outputs first, then wait for the blocks and run one backward of the
+   shared upstream with the input gradients the `detach_input=False` blocks
+   handed over (`keras_erase.torch.handoff`), update. The dispatcher is the
+   schedule's: a launcher x a placement, graphed or not
+   (`keras_erase.torch.schedules`), keyed by its label
+   (`keras_erase.config.Schedule`).
    It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
    `compute_loss`, loss tracker, backward, `optimizer.apply`,
    `compute_metrics`); it has to own the step because the block backwards
@@ -23,6 +27,7 @@ One step (`train_step`):
 """
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -34,6 +39,8 @@ from keras import tree
 from keras_erase import _keras_private
 from keras_erase.auto import ScheduleSelector
 from keras_erase.auto import label
+from keras_erase.config import PRESETS
+from keras_erase.config import Schedule
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.local_losses import batch_weight
@@ -43,7 +50,7 @@ from keras_erase.torch.cuda_graphs.capture import require_capture
 from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
 from keras_erase.torch.cuda_graphs.runner import untimed_steps
 from keras_erase.torch.schedules import make_dispatcher
-from keras_erase.torch.tensors import require_cuda
+from keras_erase.torch.schedules.placements import require_streams
 from keras_erase.torch.tensors import to_device
 from keras_erase.torch.threads import main_thread_count
 from keras_erase.torch.threads import restored_intra_op_threads
@@ -52,7 +59,8 @@ from keras_erase.torch.threads import threads_for_worker
 from keras_erase.torch.threads import worker_thread_count
 
 __all__ = [
-    "auto_candidates", "close_dispatchers", "erase_step", "explain", "train_step", "training_scope",
+    "auto_candidates", "close_dispatchers", "erase_step", "explain", "explain_fixed", "train_step",
+    "training_scope",
 ]
 
 LOGGER = logging.getLogger("keras_erase")
@@ -84,38 +92,78 @@ class BlockRunner:
         return outputs
 
 
-def auto_candidates(threads):
-    """Lists the `"auto"` candidates and their references: `([(mode, threads)], {c: ref})`.
+def auto_candidates(threads, graphs=False):
+    """Lists the `"auto"` candidates and their references: `([(label, threads)], {c: ref})`.
 
-    The first candidate is the baseline. On CPU `"threaded"` at `h` threads
-    runs the main thread and the backward worker at `h` intra-op threads each:
-    it is compared with the standard step at `T` threads (the same budget,
-    `2h <= T`) and, as its reference, with the standard step at `h` threads
-    (the threads each side gets), so that a gain which only comes from fewer
-    OpenMP threads per thread (an oversubscribed machine) keeps the standard
-    step at `h` threads, not the threaded schedule.
+    The first candidate is the baseline (the standard step).
+
+    On CUDA: every launcher x placement combination (`Schedule.every`), eager,
+    and with `graphs` (`cuda_graphs=True`) graphed too: each can win
+    somewhere (the worker and a stream per block overlap the device, graphs
+    shorten the host path, the inline launch saves the thread hand-off when the
+    GPU is saturated). Threads are left alone (`None`).
+
+    On CPU `"threaded"` at `h` threads runs the main thread and the backward
+    worker at `h` intra-op threads each: it is compared with the standard
+    step at `T` threads (the same budget, `2h <= T`) and, as its reference,
+    with the standard step at `h` threads (the threads each side gets), so
+    that a gain which only comes from fewer OpenMP threads per thread (an
+    oversubscribed machine) keeps the standard step at `h` threads, not the
+    threaded schedule. Streams need CUDA; with `graphs` (the CPU stand-in
+    capture) the threaded candidate is graphed.
     """
     if cuda_available():
-        return [("standard", None), ("streams", None)], {}
+        schedules = Schedule.every(graphs=False) + (Schedule.every(graphs=True) if graphs else [])
+        return [("standard", None)] + [(s.label, None) for s in schedules], {}
     # "threaded" only at most half the cores: a worker thread whose OpenMP team is
     # as wide as the machine slows every later step of the process that runs on fewer
     # threads, so even trying it would cost the standard step.
     half = min(threads, threads_for_worker())
+    worker = Schedule("worker", "default_stream", graphs=graphs).label
     if half == threads:  # one thread: both sides already run on the baseline's budget
-        return [("standard", threads), ("threaded", half)], {}
-    threaded, narrow = ("threaded", half), ("standard", half)
+        return [("standard", threads), (worker, half)], {}
+    threaded, narrow = (worker, half), ("standard", half)
     return [("standard", threads), narrow, threaded], {threaded: narrow}
 
 
 def describe_schedule(schedule):
-    """Says what a candidate runs, e.g. `("standard", 2)` -> `"standard (2 intra-op threads)"`."""
+    """Says what a candidate runs, e.g. `("standard", 2)` -> `"standard (2 intra-op threads)"`.
+
+    A schedule that is not a plain preset also names its launcher, placement
+    and graphs, e.g. `"streams+graphs (launcher 'worker', placement
+    'block_streams', CUDA Graphs per block; torch's current intra-op threads)"`.
+    """
     mode, threads = schedule
     if threads is None:
-        return f"{mode} (torch's current intra-op threads)"
-    if mode == "threaded":
-        return (f"threaded (main thread {threads} + backward worker {threads} intra-op threads, "
-                f"{2 * threads} in all)")
-    return f"{mode} ({threads} intra-op thread{'s' if threads != 1 else ''})"
+        budget = "torch's current intra-op threads"
+    elif mode != "standard" and Schedule.from_label(mode).launcher == "worker":
+        budget = (f"main thread {threads} + backward worker {threads} intra-op threads, "
+                  f"{2 * threads} in all")
+    else:
+        budget = f"{threads} intra-op thread{'s' if threads != 1 else ''}"
+    if mode == "standard" or (mode in PRESETS and threads is not None):
+        return f"{mode} ({budget})"
+    s = Schedule.from_label(mode)
+    return (f"{mode} (launcher {s.launcher!r}, placement {s.placement!r}, CUDA Graphs "
+            f"{'per block' if s.graphs else 'off'}; {budget})")
+
+
+def fixed_label(config):
+    """The dispatcher key of a fixed `dispatch`: the preset's name, or the `"early"` schedule's label."""
+    if config.dispatch == "early":
+        return dataclasses.replace(config.schedule(cuda_available()), graphs=False).label
+    return config.dispatch
+
+
+def explain_fixed(runtime):
+    """Says what a fixed (not `"auto"`) `dispatch` runs every step."""
+    config = runtime.config
+    schedule = config.schedule(cuda_available())
+    if config.dispatch != "early":
+        return f"dispatch={config.dispatch!r}: that schedule runs every step"
+    return (f"dispatch={config.dispatch!r}: launcher {schedule.launcher!r}, placement "
+            f"{schedule.placement!r}, CUDA Graphs {'per block' if schedule.graphs else 'off'}, "
+            "every step")
 
 
 def explain(runtime, finished_fit=False):
@@ -166,20 +214,18 @@ def next_schedule(runtime):
     """Returns `(mode, threads)` for this step."""
     config = runtime.config
     if config.dispatch != "auto":
-        return config.dispatch, main_thread_count(
-            config.dispatch, config.intra_op_threads, cuda_available()
-        )
+        mode = fixed_label(config)
+        return mode, main_thread_count(mode, config.intra_op_threads, cuda_available())
     if runtime.selector is None:
         sync = gradient_sync(runtime)
         combine = None
         if sync is not None:  # every rank must choose the same schedule
             combine = distributed.mean_over_ranks
-        candidates, references = auto_candidates(torch.get_num_threads())
-        extra_warmup = None
-        if config.cuda_graphs:  # graph warm-up and capture steps are never timed
-            extra_warmup = {
-                c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if c[0] != "standard"
-            }
+        candidates, references = auto_candidates(torch.get_num_threads(), config.cuda_graphs)
+        # graph warm-up and capture steps are never timed
+        extra_warmup = {
+            c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if _graphed(c[0])
+        }
         runtime.selector = ScheduleSelector(
             candidates,
             timed_rounds=config.auto_steps,
@@ -191,15 +237,24 @@ def next_schedule(runtime):
     return runtime.selector.next_schedule()
 
 
+def _graphed(mode):
+    return mode != "standard" and Schedule.from_label(mode).graphs
+
+
 def dispatcher_for(runtime, mode):
-    """Returns the runtime's dispatcher for `mode` (built at its first use), tracing as it does."""
+    """Returns the runtime's dispatcher for `mode` (built at its first use), tracing as it does.
+
+    `mode` is a schedule label; a fixed `dispatch` graphs it as `cuda_graphs`
+    says, an `"auto"` candidate as its label says (`"+graphs"`).
+    """
     dispatcher = runtime.dispatchers.get(mode)
     if dispatcher is None:
         config = runtime.config
+        graphs = _graphed(mode) or (config.dispatch != "auto" and config.cuda_graphs)
         dispatcher = make_dispatcher(
             mode,
             num_streams=config.num_streams,
-            cuda_graphs=config.cuda_graphs,
+            cuda_graphs=graphs,
             worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
         )
         runtime.dispatchers[mode] = dispatcher
@@ -212,12 +267,15 @@ def train_step(model, runtime, data, standard_step):
 
     `standard_step(data)` is Keras's own torch `train_step`.
     """
-    if runtime.config.needs_cuda:  # checked here, not at construction: loading works anywhere
-        config = runtime.config
-        if config.dispatch == "streams":
-            require_cuda("dispatch='streams'")
+    config = runtime.config
+    if config.needs_cuda:  # checked here, not at construction: loading works anywhere
+        fixed = config.schedule(cuda_available())
+        if fixed is not None and fixed.placement == "block_streams":
+            require_streams(f"dispatch={config.dispatch!r} (a CUDA stream per block)")
         if config.cuda_graphs:  # CUDA, or the CPU stand-in capture (tests, dry runs)
             require_capture()
+    if config.dispatch == "early" and runtime.dispatch_choice == "early":
+        runtime.dispatch_choice = fixed_label(config)  # the resolved schedule
     schedule = next_schedule(runtime)
     mode, threads = schedule
     set_intra_op_threads(threads)
@@ -336,8 +394,10 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
         if dispatcher is None:
             if scaled.requires_grad:
                 scaled.backward()
-        else:  # waits the blocks; one backward of the main loss and the shared upstream
-            dispatcher.final_backward(scaled)
+        else:  # the main loss's part, then joins the blocks; one backward of the upstream
+            # (under a process group the blocks are joined first: their all-reduce
+            # must read only the block's part of a weight the main path uses too)
+            dispatcher.final_backward(scaled, early_main=sync is None)
         if sync is not None:  # after the worker drained: one thread issues at a time
             sync.reduce_rest()
             sync.finish()

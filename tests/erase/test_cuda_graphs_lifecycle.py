@@ -118,7 +118,7 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch
     # Two graphed candidates on CPU; the slower one is dropped with its graphs.
     monkeypatch.setattr(
         train_step, "auto_candidates",
-        lambda threads: ([("blocking", None), ("threaded", None)], {}),
+        lambda threads, graphs: ([("blocking+graphs", None), ("threaded+graphs", None)], {}),
     )
     x, y = data()
     model = shared_tower_model("auto", True)
@@ -130,7 +130,7 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch
     def check(*_, **__):
         choice = model.dispatch_choice
         if choice is not None and "dropped" not in seen:
-            dropped = "threaded" if choice == "blocking" else "blocking"
+            dropped = "threaded+graphs" if choice == "blocking+graphs" else "blocking+graphs"
             runner = runner_of(model, dropped)
             seen["dropped"] = (runner.captures, runner._graphs, runner._capture.live)
 

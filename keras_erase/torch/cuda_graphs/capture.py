@@ -1,14 +1,23 @@
 """Capture back-ends for CUDA Graphs: `CudaGraphCapture` (CUDA) and `RecordingCapture` (CPU).
 
-A capture is a callable `capture(fn, pool=None) -> Capture`: it runs `fn` once
-as a captured region and returns a `Capture` whose `replay()` reruns it on the
-same static tensors and whose `outputs` are the region's static outputs;
-`release()` frees it. `CudaGraphCapture` captures a `torch.cuda.CUDAGraph` on a
-side stream (`capture_error_mode="thread_local"`, one capture at a time in the
-process); `RecordingCapture` is the CPU stand-in the tests and the GPU
-benchmark's dry run use (it records the region's aten ops with
-`keras_erase.torch.cuda_graphs.op_recording.OpTape` and replays them). `set_default_capture` picks
-what a runner built without a capture uses.
+A capture is a callable `capture(fn, pool=None, stream=None) -> Capture`: it
+runs `fn` once as a captured region on `stream` and returns a `Capture` whose
+`replay()` reruns it on the same static tensors (on the replaying thread's
+current stream) and whose `outputs` are the region's static outputs;
+`release()` frees it. It also makes capture streams (`new_stream()`: the
+runner gives each block its own) and runs a block's last eager warm-up step on
+one (`warmup_scope(stream, tensors)`), so per-stream lazy state (the cuBLAS
+workspace of that stream) is allocated there before the capture, outside any
+graph's memory pool; each block's graphs then bake their own stream's
+workspace, and blocks replayed concurrently on different streams never share one.
+
+`CudaGraphCapture` captures a `torch.cuda.CUDAGraph`
+(`capture_error_mode="thread_local"`, one capture at a time in the process);
+`RecordingCapture` is the CPU stand-in the tests and the GPU benchmark's dry
+run use (it records the region's aten ops with
+`keras_erase.torch.cuda_graphs.op_recording.OpTape` and replays them, and
+records which stream each capture and warm-up used). `set_default_capture`
+picks what a runner built without a capture uses.
 
 Example:
 
@@ -19,6 +28,7 @@ Example:
 [6.0, 6.0]
 """
 
+import contextlib
 import threading
 import weakref
 
@@ -27,11 +37,13 @@ import torch
 from keras_erase.torch.cuda_graphs.op_recording import CaptureRefused
 from keras_erase.torch.cuda_graphs.op_recording import OpTape
 from keras_erase.torch.tensors import is_tensor
+from keras_erase.torch.tensors import map_tensors
 from keras_erase.torch.tensors import require_cuda
 from keras_erase.torch.tensors import same_storage
 
 __all__ = [
-    "Capture", "CudaGraphCapture", "RecordingCapture", "default_capture", "require_capture",
+    "Capture", "CaptureStream", "CudaGraphCapture", "RecordingCapture", "default_capture",
+    "require_capture",
     "set_default_capture",
 ]
 
@@ -71,25 +83,52 @@ class CudaGraphCapture:
 
     Captures are serialised by one lock per process (`_CAPTURE_LOCK`), shared
     by every `CudaGraphCapture` object: two threads never capture at once.
-    The capture runs on a dedicated side stream that first waits for the
-    current stream, with `capture_error_mode="thread_local"` (other threads may
-    keep launching work), and the caller's current stream is restored in a
-    `finally` whatever happens. `pool`: the memory pool to capture into (`None`: a
-    new private pool; the runner gives each block's forward/backward pair one).
+    The capture runs on a side stream (`stream`, the block's own capture
+    stream, or this object's default one) that first waits for the current
+    stream, with `capture_error_mode="thread_local"` (other threads may keep
+    launching work), and the caller's current stream is restored in a
+    `finally` whatever happens. Before `capture_begin` the stream's cuBLAS
+    handle and workspace are made (outside the graph's pool). `pool`: the
+    memory pool to capture into (`None`: a new private pool; the runner gives
+    each block's forward/backward pair one).
     """
 
     def __init__(self):
         self.stream = torch.cuda.Stream()
         self.lock = _CAPTURE_LOCK  # one capture at a time in the process, whatever the object
 
-    def __call__(self, fn, pool=None):
+    def new_stream(self):
+        """A new capture stream (the runner makes one per block)."""
+        return torch.cuda.Stream()
+
+    @contextlib.contextmanager
+    def warmup_scope(self, stream, tensors=()):
+        """Runs the body (a block's last eager warm-up step) on `stream`; yields `to_caller(tensors)`.
+
+        `stream` waits for the caller's stream first, `tensors` (the step's
+        inputs) get `record_stream(stream)`; `to_caller` protects what the
+        body made for the caller's stream, which waits for `stream` at exit.
+        """
+        caller = torch.cuda.current_stream()
+        stream.wait_stream(caller)
+        _record(tensors, stream)
+        try:
+            with torch.cuda.stream(stream):
+                _make_stream_state()
+                yield lambda made: _record(made, caller)
+        finally:
+            caller.wait_stream(stream)
+
+    def __call__(self, fn, pool=None, stream=None):
+        stream = self.stream if stream is None else stream
         graph = torch.cuda.CUDAGraph()
         previous = torch.cuda.current_stream()
         with self.lock:
-            self.stream.wait_stream(previous)
+            stream.wait_stream(previous)
             torch.cuda.synchronize()
             try:
-                torch.cuda.set_stream(self.stream)
+                torch.cuda.set_stream(stream)
+                _make_stream_state()  # lazy per-stream state before capture_begin
                 if pool is None:
                     graph.capture_begin(capture_error_mode="thread_local")
                 else:
@@ -106,8 +145,50 @@ class CudaGraphCapture:
                             raise
             finally:
                 torch.cuda.set_stream(previous)
-            previous.wait_stream(self.stream)
+            previous.wait_stream(stream)
         return Capture(graph.replay, outputs, pool=graph.pool(), release=graph.reset)
+
+
+def _make_stream_state():
+    """Makes the current stream's cuBLAS handle and workspace now (outside any graph's pool)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_blas_handle()
+
+
+def _record(tensors, stream):
+    for t in tensors:
+        if is_tensor(t) and t.is_cuda:
+            t.record_stream(stream)
+
+
+def _detached_records(records):
+    """The tape's records with every tensor detached (same memory, no autograd graph).
+
+    No recursive closure here: a closure that calls itself is a reference
+    cycle, which would keep the capture-time graph alive until the next
+    garbage collection (and the next replays would accumulate through its
+    AccumulateGrad nodes).
+    """
+    aliases = {}  # id -> (tensor, its one alias)
+
+    def alias(t):
+        if id(t) not in aliases:
+            aliases[id(t)] = (t, t.detach())
+        return aliases[id(t)][1]
+
+    detached = [tuple(map_tensors(alias, part) for part in record) for record in records]
+    aliases.clear()
+    return detached
+
+
+class CaptureStream:
+    """A capture stream of `RecordingCapture` (a name; CPU has no streams)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"CaptureStream({self.name})"
 
 
 class RecordingCapture:
@@ -120,6 +201,9 @@ class RecordingCapture:
     execute the region once while recording, but then restores every tensor
     that existed before and that the region wrote in place (batch-norm moving
     statistics, seed states), so like a CUDA capture it leaves no side effect.
+    Its records hold detached tensors: nothing of the capture-time autograd
+    graph (the AccumulateGrad nodes of the weights included) outlives the
+    capture through it.
 
     Args:
         fail_after: make the capture number `fail_after` (1-based) raise
@@ -128,6 +212,9 @@ class RecordingCapture:
     Attributes:
         captured: the recorded op names of every capture, in order.
         pools: the memory pool of every capture (a new one when none was given).
+        streams: the stream of every capture (`None` when none was given).
+        warmups: the stream of every `warmup_scope` (a block's last eager
+            warm-up step).
         replays: how many replays ran.
         released: how many captures were released (`Capture.release`).
         live: how many captures are neither released nor garbage-collected.
@@ -137,6 +224,9 @@ class RecordingCapture:
         self.fail_after = fail_after
         self.captured = []
         self.pools = []
+        self.streams = []
+        self.warmups = []
+        self._made_streams = 0
         self.replays = 0
         self.released = 0
         self._live = weakref.WeakSet()
@@ -148,7 +238,18 @@ class RecordingCapture:
     def _count_release(self):
         self.released += 1
 
-    def __call__(self, fn, pool=None):
+    def new_stream(self):
+        """A new capture stream (a named token)."""
+        self._made_streams += 1
+        return CaptureStream(f"capture-{self._made_streams}")
+
+    @contextlib.contextmanager
+    def warmup_scope(self, stream, tensors=()):
+        """Records that a warm-up step ran on `stream`; yields a no-op `to_caller`."""
+        self.warmups.append(stream)
+        yield lambda made: None
+
+    def __call__(self, fn, pool=None, stream=None):
         if self.fail_after is not None and len(self.captured) + 1 >= self.fail_after:
             self.captured.append(("<injected failure>",))
             raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
@@ -159,7 +260,9 @@ class RecordingCapture:
         self.captured.append(tuple(tape.names))
         pool = pool if pool is not None else object()  # like a new private memory pool
         self.pools.append(pool)
-        records = tape.records
+        self.streams.append(stream)
+        records = _detached_records(tape.records)
+        tape.records.clear()
 
         def replay():
             self.replays += 1

@@ -13,12 +13,21 @@ inputs, target and sample weight) and occurrence in the step (a block met
 twice per step, a shared tower, gets a graph pair per occurrence) it:
 
 1. runs `warmup` ordinary eager steps (real training steps, no extra passes);
-   the last one records its aten ops and refuses graphs (clearly, before any
-   capture is tried) if they include what a capture cannot hold;
-2. captures two graphs on static tensors: the forward (block, head, local
-   loss) and the backward of the local loss (the gradients of the block's
-   trainable weights and, for `detach_input=False` blocks, of its cut input
-   leaves, which are captured with the real inputs' `requires_grad`);
+   the last one runs on the block's own capture stream (so that stream's lazy
+   state, e.g. its cuBLAS workspace, exists before the capture, outside any
+   graph's memory pool), records its aten ops and refuses graphs (clearly,
+   before any capture is tried) if they include what a capture cannot hold;
+2. captures two graphs on static tensors, on the block's capture stream (one
+   per block: each block's graphs bake their own stream's workspace, so blocks
+   replayed concurrently on different streams never share one): the forward
+   (block, head, local loss) and the backward of the local loss (the
+   gradients of the block's trainable weights and, for `detach_input=False`
+   blocks, of its cut input leaves, which are captured with the real inputs'
+   `requires_grad`). Once the backward is captured nothing of the
+   capture-time autograd graph is kept but the detached static outputs: its
+   AccumulateGrad nodes (whose stream is fixed when they are made) die with
+   it, and every replay accumulates through nodes made at replay time, on the
+   stream the dispatcher replays on;
 3. from then on replays them through one autograd node: the forward copies the
    step's tensors into the static inputs (a CPU tensor is moved to the device
    here, outside the graph) and replays the forward graph; the node's backward
@@ -53,6 +62,7 @@ Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
 (0, False)
 """
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -210,6 +220,7 @@ class CudaGraphRunner:
         self._seen = {}
         self._graphs = {}
         self._occurrences = {}  # this step: how often each block and signature was met
+        self._streams = {}  # id(block) -> the block's capture stream
         self._lock = threading.Lock()
         self._function = _ReplayBlock
         _RUNNERS.add(self)
@@ -236,6 +247,20 @@ class CudaGraphRunner:
         graphs, self._graphs = list(self._graphs.values()), {}
         for graph in graphs:
             graph.release()
+
+    def capture_stream(self, block):
+        """The block's own capture stream (made at its first use; `None` if the capture makes none)."""
+        key = id(block)
+        if key not in self._streams:
+            new_stream = getattr(self._capture, "new_stream", None)
+            self._streams[key] = new_stream() if new_stream is not None else None
+        return self._streams[key]
+
+    def _captured(self, fn, pool, block):
+        stream = self.capture_stream(block)
+        if stream is None:
+            return self._capture(fn, pool)
+        return self._capture(fn, pool, stream=stream)
 
     def end_step(self):
         """Marks the end of a training step (the next one meets every block anew)."""
@@ -294,8 +319,18 @@ class CudaGraphRunner:
         makes a tensor from a Python float in every call).
         """
         tape = OpTape(refuse=False)
-        with tape:
-            result = eager_forward(block, inputs, y_true, sample_weight)
+        stream = self.capture_stream(block)
+        scope = getattr(self._capture, "warmup_scope", None)
+        with contextlib.ExitStack() as stack:
+            to_caller = None
+            if stream is not None and scope is not None:  # warm up on the capture stream
+                to_caller = stack.enter_context(
+                    scope(stream, _flat(inputs) + _flat(y_true) + _flat(sample_weight))
+                )
+            with tape:
+                result = eager_forward(block, inputs, y_true, sample_weight)
+            if to_caller is not None:
+                to_caller(_flat(result[0]) + [result[1]])
         found = forbidden_ops(tape.names)
         if found:
             self.failures += 1
@@ -338,7 +373,7 @@ class CudaGraphRunner:
         # pool may be shared only by graphs replayed in capture order and never
         # concurrently, and ERASE replays other blocks' graphs between a block's
         # forward and its backward (and concurrently, on the worker or other streams).
-        forward = self._capture(forward_region, None)
+        forward = self._captured(forward_region, None, block)
         loss = forward.outputs[-1]
         if not loss.requires_grad:
             raise CaptureRefused(f"the local loss of block {block.name!r} does not require grad")
@@ -349,7 +384,10 @@ class CudaGraphRunner:
             grads = torch.autograd.grad(loss, wrt, grad_outputs=grad_loss, allow_unused=True)
             return tuple(None if g is None else g for g in grads)
 
-        backward = self._capture(backward_region, forward.pool)
+        backward = self._captured(backward_region, forward.pool, block)
+        # Keep nothing of the capture-time autograd graph but the static outputs.
+        forward.outputs = tuple(o.detach() if is_tensor(o) else o for o in forward.outputs)
+        del loss, wrt
         slots = [None] * len(static_inputs)
         for position, index in enumerate(needs_grad):
             slots[index] = position
@@ -368,3 +406,4 @@ class CudaGraphRunner:
         self._release_graphs()
         self._seen.clear()
         self._occurrences.clear()
+        self._streams.clear()

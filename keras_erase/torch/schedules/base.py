@@ -1,26 +1,35 @@
-"""`Dispatcher`: the base of every ERASE schedule (forward, early backward, hand-off, trace).
+"""`Dispatcher`: one ERASE schedule, a launcher x a placement (forward, early backward, hand-off, trace).
 
 A dispatcher runs each `DetachBlock` met by the torch ERASE step (see
-`keras_erase.torch.schedules` for the schedules and their contract). The base
-class owns what every schedule shares:
+`keras_erase.torch.schedules` for the contract). It is composed of:
 
-- the block's forward pass and local objective, through the dispatcher's CUDA
-  Graph runner when it has one (`graphs`, see
-  `keras_erase.torch.cuda_graphs.runner`);
+- a launcher (`keras_erase.torch.schedules.launchers`): who launches the
+  block's backward, the main thread (`"inline"`) or a worker thread (`"worker"`);
+- a placement (`keras_erase.torch.schedules.placements`): where the block's
+  forward and backward run, the default stream or one CUDA stream per block;
+- optionally a CUDA Graph runner (`graphs`, see
+  `keras_erase.torch.cuda_graphs.runner`), through which the block's forward
+  pass and local objective go.
+
+Each choice is independent of the others. The base class owns what they share:
+
 - the early backward of the local objective, which ends at the block's input:
   for a `detach_input=False` block the inputs are cut (`keras_erase.torch.handoff`)
   before the forward and their gradients handed over after the backward, so
   the shared upstream runs one backward per step (`final_backward`);
+- `final_backward`: the main loss's backward down to the block outputs and the
+  hand-off first (`main_backward`), overlapping block backwards still running;
+  the blocks are joined only where the hand-off needs their input gradients;
 - the optional trace of forward/backward intervals and the `after_backward`
   hook (the torch.distributed all-reduce of the block's gradients);
-- `close()`: drops the block graphs (and their memory pools).
+- `close()`: ends the worker and drops the block graphs (and their memory pools).
 
 Example:
 
 ```python
-dispatcher = make_dispatcher("blocking")
+dispatcher = make_dispatcher("threaded")
 outputs, loss = dispatcher.run_block(block, inputs, y, None, lambda v: v)
-dispatcher.final_backward(main_loss)   # waits the blocks, one upstream backward
+dispatcher.final_backward(main_loss)   # main part, join, one upstream backward
 ```
 """
 
@@ -30,6 +39,11 @@ import time
 import torch
 
 from keras_erase.torch.handoff import GradientHandOff
+from keras_erase.torch.schedules.launchers import InlineLauncher
+from keras_erase.torch.schedules.main_backward import main_backward_to_handoff
+from keras_erase.torch.schedules.placements import DefaultStream
+from keras_erase.torch.tensors import detach_tensors
+from keras_erase.torch.tensors import flat_tensors
 
 __all__ = ["Dispatcher", "forward_block"]
 
@@ -42,29 +56,42 @@ def forward_block(block, inputs, y_true, sample_weight):
 
 
 class Dispatcher:
-    """Base class of the schedules (see the module docstring).
+    """One schedule: `launcher` x `placement` (see the module docstring).
+
+    Args:
+        launcher: an `InlineLauncher` (default) or a `WorkerLauncher`.
+        placement: a `DefaultStream` (default) or a `BlockStreams`.
 
     Set `trace` to a list to record events: dicts with `block`, `phase`
     (`"forward"`, `"submit"` or `"backward"`), `start`, `end`
     (`time.perf_counter()` seconds) and `thread` (thread id).
     """
 
-    name = "base"
-    # Whether one thread runs every block backward in order (the hand-off then sums
-    # each input gradient right there); False for one stream per block.
-    sums_on_block_thread = True
-
-    def __init__(self):
+    def __init__(self, launcher=None, placement=None):
+        self.launcher = launcher if launcher is not None else InlineLauncher()
+        self.placement = placement if placement is not None else DefaultStream()
         self.trace = None
         # Called as `after_backward(block)` right after each block's backward, on the
         # thread (and CUDA stream) that ran it, in block order (used for the
         # torch.distributed gradient all-reduce; see `keras_erase.torch.distributed`).
         self.after_backward = None
         # A `CudaGraphRunner` (`keras_erase.torch.cuda_graphs.runner`), set by
-        # `make_dispatcher` when `cuda_graphs=True`: every mode's block forward then
-        # goes through it.
+        # `make_dispatcher` when `cuda_graphs=True`: every block forward then goes
+        # through it.
         self.graphs = None
-        self.handoff = GradientHandOff(accumulate=self.sums_on_block_thread)
+        # One thread and one stream run every block backward in order: the hand-off
+        # sums each input gradient right there; otherwise on the main stream at the end.
+        self.handoff = GradientHandOff(accumulate=self.placement.one_stream)
+
+    @property
+    def name(self):
+        """`"<launcher>+<placement>"`, e.g. `"worker+block_streams"`."""
+        return f"{self.launcher.name}+{self.placement.name}"
+
+    @property
+    def _worker(self):
+        """The `BackwardWorker` of a `"worker"` launcher (`None` inline)."""
+        return self.launcher.worker
 
     def _record(self, block, phase, start, end=None):
         if self.trace is not None:
@@ -95,10 +122,12 @@ class Dispatcher:
         return outputs, loss, cuts
 
     def _timed_backward(self, block, loss, cuts=()):
+        """The block's backward (on the launcher's thread, in the placement's backward scope)."""
         start = time.perf_counter()
         # The block's graph ends at its (cut) inputs: nothing outside the block runs.
         with torch.profiler.record_function(f"{block.name}/backward"):
             torch.autograd.backward(loss)
+        self.placement.protect_gradients(block, cuts)
         self._hand_over(cuts)
         self._record(block, "backward", start, time.perf_counter())
         if self.after_backward is not None:
@@ -109,32 +138,62 @@ class Dispatcher:
         self.handoff.deliver(cuts)
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
-        raise NotImplementedError
+        """Forward + local loss on the block's stream, then launches its backward; returns both detached."""
+        placement = self.placement
+        inputs, y_true, sample_weight = placement.enter(block, (inputs, y_true, sample_weight))
+        with placement.forward_scope(block):
+            outputs, loss, cuts = self._timed_forward(block, inputs, y_true, sample_weight)
+            scaled = scale_loss(loss) if loss.requires_grad else None
+            ready = placement.forward_done(block)
+        outputs, detached = detach_tensors(outputs), loss.detach()
+        placement.to_main(flat_tensors(outputs) + [detached], ready)
+        if scaled is not None:
+            self._record(block, "submit", time.perf_counter())
+            self.launcher.launch(self._backward_job(block, scaled, cuts, ready))
+        return outputs, detached
+
+    def _backward_job(self, block, scaled, cuts, ready):
+        placement = self.placement
+
+        def job():
+            with placement.backward_scope(block, ready):
+                self._timed_backward(block, scaled, cuts)
+
+        return job
 
     def finish(self):
         """Waits for every block backward of the step (re-raising the first error); ends the step."""
         try:
-            self._wait()
+            self.launcher.wait()  # every backward launched before the streams are joined
+            self.placement.join()
         finally:
             if self.graphs is not None:
                 self.graphs.end_step()
 
-    def _wait(self):
-        """Waits for the step's block backwards (the schedule's own part of `finish`)."""
-
-    def final_backward(self, loss):
+    def final_backward(self, loss, early_main=True):
         """Ends the step's backward: runs the main `loss` (or `None`) and the handed-over gradients.
 
         Without a hand-off (every block detaches its input) the main backward
         runs first, overlapping the blocks still running, then `finish()`.
-        Otherwise `finish()` first, then one backward of the loss and the
-        upstream tensors with their summed input gradients.
+        Otherwise, with `early_main`, the main loss's backward down to the
+        block outputs and the upstream tensors runs first
+        (`main_backward.main_backward_to_handoff`), then `finish()` and one
+        backward of the upstream tensors with their summed gradients; without
+        it (or when the main loss's graph does not allow it), `finish()` first,
+        then one backward of the loss and the upstream tensors.
         """
+        runs = loss is not None and loss.requires_grad
         if not self.handoff.pending:
-            if loss is not None and loss.requires_grad:
+            if runs:
                 loss.backward()
             self.finish()
             return
+        if runs and early_main:
+            handed = main_backward_to_handoff(loss, self.handoff.sources())
+            if handed is not None:
+                for source, grad in handed:
+                    self.handoff.add(source, grad)
+                loss = None
         self.finish()
         self.handoff.backward(loss)
 
@@ -146,6 +205,8 @@ class Dispatcher:
         self.handoff.clear()
 
     def close(self):
-        """Releases the dispatcher's resources: its block graphs (a later step recaptures)."""
+        """Releases the dispatcher's resources: its worker thread and block graphs (a later step reopens)."""
+        self.launcher.close()
+        self.placement.close()
         if self.graphs is not None:
             self.graphs.close()

@@ -1,0 +1,262 @@
+"""Where a block's forward and backward run: `DefaultStream` or `BlockStreams` (one CUDA stream per block).
+
+A placement is asked, for each block of a step, in this order (main thread
+unless said):
+
+1. `enter(block, tensors)`: returns the block's inputs, target and sample
+   weight ready for the block's stream (moved to the device; the stream waits
+   for the main stream; `record_stream` for the block's stream).
+2. `forward_scope(block)`: the context the forward pass and local loss run in
+   (the block's stream); `forward_done(block)` then records the forward's
+   event on it.
+3. `to_main(tensors, ready)`: the main stream waits for that event (not the
+   backward) before later layers read the block's outputs and loss, which are
+   protected for the main stream.
+4. `backward_scope(block, ready)` (on the thread that launches the backward:
+   the main thread or the worker): the block's stream, waiting on the
+   forward's event, is that thread's current stream while
+   `torch.autograd.backward` runs (current streams are per thread).
+5. `protect_gradients(block, cuts)` (same thread, after the backward): every
+   tensor the main stream uses next, the block's parameter `.grad`s and the
+   handed-over input gradients, gets `record_stream(main)`, so the caching
+   allocator never reuses their memory while the main stream reads them
+   (rather than relying on every allocation happening after a `wait_stream`).
+6. `join()` (main thread, after the launcher drained): the main stream waits
+   for every block stream used in the step.
+
+`DefaultStream` runs everything on the stream current at the block's forward
+(on CUDA a worker thread enters that stream too, so it never launches onto
+another). The stream API is pluggable (`api=`): `CudaStreams` on CUDA; CPU
+tests pass a fake that records the waits, events and `record_stream` calls.
+
+Example (CUDA):
+
+```python
+placement = BlockStreams(CudaStreams(), num_streams=None)   # one stream per block
+```
+"""
+
+import contextlib
+
+import torch
+
+from keras_erase.torch.tensors import flat_tensors
+from keras_erase.torch.tensors import require_cuda
+from keras_erase.torch.tensors import to_device
+
+__all__ = [
+    "BlockStreams", "CudaStreams", "DefaultStream", "make_placement", "protect", "require_streams",
+    "set_default_streams",
+]
+
+_STREAMS_FACTORY = None
+
+
+def set_default_streams(factory):
+    """Sets the stream API `"block_streams"` uses when none is given (`None`: `CudaStreams`); returns the old one.
+
+    `set_default_streams(FakeStreams)` lets `EraseModel(dispatch="streams")`
+    run its stream logic on a CPU machine (the tests do this, with a stand-in
+    that checks the stream ordering); real runs never need it.
+    """
+    global _STREAMS_FACTORY
+    previous, _STREAMS_FACTORY = _STREAMS_FACTORY, factory
+    return previous
+
+
+def require_streams(what):
+    """Raises `require_cuda`'s clear error when `what` needs CUDA streams and none can be made here."""
+    if _STREAMS_FACTORY is None:
+        require_cuda(what)
+
+
+def _default_streams():
+    return _STREAMS_FACTORY() if _STREAMS_FACTORY is not None else CudaStreams()
+
+
+class CudaStreams:
+    """The `torch.cuda` stream calls a placement makes (replaced by a fake in CPU tests)."""
+
+    def __init__(self):
+        require_cuda("placement='block_streams'")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def record_stream(self, tensor, stream):
+        """`tensor.record_stream(stream)` for a CUDA tensor (a CPU tensor has no stream)."""
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
+def protect(tensors, stream, api=None):
+    """Calls `record_stream(stream)` on each CUDA tensor (CPU tensors have no stream; skipped)."""
+    record = getattr(api, "record_stream", None)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if record is not None:
+            record(t, stream)
+        elif t.is_cuda:
+            t.record_stream(stream)
+
+
+def _gradients(block, cuts):
+    grads = [leaf.grad for _, leaf in cuts]
+    grads += [v.value.grad for v in block.trainable_weights]
+    return [g for g in grads if g is not None]
+
+
+class DefaultStream:
+    """Every block on the stream current at its forward (the default placement).
+
+    Args:
+        api: the stream API (`CudaStreams()` when CUDA is available, else
+            `None`: no streams, every scope a no-op).
+    """
+
+    name = "default_stream"
+    one_stream = True  # every block backward runs in order on one stream
+
+    def __init__(self, api=None):
+        self.api = api
+        self._forward_stream = {}
+
+    def enter(self, block, tensors):
+        if self.api is not None:
+            self._forward_stream[id(block)] = self.api.current_stream()
+        return tensors
+
+    def forward_scope(self, block):
+        return contextlib.nullcontext()
+
+    def forward_done(self, block):
+        return None
+
+    def to_main(self, tensors, ready):
+        """Nothing crosses streams."""
+
+    @contextlib.contextmanager
+    def backward_scope(self, block, ready):
+        stream = self._forward_stream.get(id(block)) if self.api is not None else None
+        if stream is None:
+            yield
+            return
+        with self.api.use(stream):  # a worker thread launches onto the forward's stream
+            yield
+
+    def protect_gradients(self, block, cuts):
+        """Nothing crosses streams."""
+
+    def join(self):
+        """Nothing to join."""
+
+    def close(self):
+        self._forward_stream = {}
+
+
+class BlockStreams:
+    """Each block's forward and backward on its own CUDA stream (see the module docstring).
+
+    Args:
+        api: the stream API (`CudaStreams()` on CUDA; a fake in CPU tests).
+        num_streams: `None` (default): one stream per block; an int caps the
+            streams (blocks then share them round robin, in order of first use).
+        move: `move(structure, device)` moves the step's tensors to the device
+            (`keras_erase.torch.tensors.to_device`).
+    """
+
+    name = "block_streams"
+    one_stream = False  # one stream per block: the hand-off sums on the main stream
+
+    def __init__(self, api=None, num_streams=None, move=to_device):
+        if num_streams is not None and int(num_streams) < 1:
+            raise ValueError(
+                f"`num_streams` must be None or >= 1. Received: num_streams={num_streams}"
+            )
+        self.api = api if api is not None else _default_streams()
+        self.num_streams = None if num_streams is None else int(num_streams)
+        self.streams = []
+        self._block_stream = {}
+        self._used = []
+        self.main = None
+        self._move = move
+
+    def stream_for(self, block):
+        """The stream of `block` (a new one at its first use, until `num_streams` exist)."""
+        key = id(block)
+        stream = self._block_stream.get(key)
+        if stream is None:
+            if self.num_streams is None or len(self.streams) < self.num_streams:
+                self.streams.append(self.api.new_stream())
+                stream = self.streams[-1]
+            else:
+                stream = self.streams[len(self._block_stream) % self.num_streams]
+            self._block_stream[key] = stream
+        return stream
+
+    def enter(self, block, tensors):
+        api = self.api
+        tensors = self._move(tensors, api.device)
+        main = self.main = api.current_stream()
+        stream = self.stream_for(block)
+        stream.wait_stream(main)  # the block reads finished inputs
+        if all(stream is not s for s in self._used):
+            self._used.append(stream)
+        protect(flat_tensors(tensors), stream, api)
+        return tensors
+
+    def forward_scope(self, block):
+        return self.api.use(self.stream_for(block))
+
+    def forward_done(self, block):
+        ready = self.api.new_event()
+        ready.record(self.stream_for(block))
+        return ready
+
+    def to_main(self, tensors, ready):
+        self.main.wait_event(ready)  # the forward, not the backward
+        protect(tensors, self.main, self.api)
+
+    @contextlib.contextmanager
+    def backward_scope(self, block, ready):
+        stream = self.stream_for(block)
+        with self.api.use(stream):
+            stream.wait_event(ready)  # ordered after the forward whatever thread launches
+            yield
+
+    def protect_gradients(self, block, cuts):
+        protect(_gradients(block, cuts), self.main, self.api)
+
+    def join(self):
+        main = self.api.current_stream()
+        for stream in self._used:
+            main.wait_stream(stream)
+        self._used = []
+
+    def close(self):
+        self._used = []
+
+
+def make_placement(name, num_streams=None, api=None):
+    """Builds the placement `name` names (`"default_stream"` or `"block_streams"`)."""
+    if name == "default_stream":
+        if api is None and torch.cuda.is_available():
+            api = CudaStreams()
+        return DefaultStream(api)
+    if name == "block_streams":
+        return BlockStreams(api, num_streams=num_streams)
+    raise ValueError(
+        "`placement` must be 'default_stream' or 'block_streams'. "
+        f"Received: placement={name!r}"
+    )

@@ -1,0 +1,138 @@
+"""`BackwardWorker`: the FIFO worker thread that launches block backward passes.
+
+Used by the `"worker"` launcher (`keras_erase.torch.schedules.launchers`).
+Lifecycle:
+
+- One daemon thread (named `"keras_erase-backward"`) runs submitted closures in
+  submission order; an error is kept and re-raised by `wait()` in the caller's
+  thread, and the rest of that step's jobs are skipped.
+- The thread holds no reference to its `BackwardWorker` (nor to the last job it
+  ran): when the worker is garbage-collected (its model deleted), a
+  `weakref.finalize` hook tells the thread to exit. `stop()` ends it at once
+  (`EraseModel.fit` stops it when training ends); the next `submit` starts a
+  new one.
+- Intra-op threads: OpenMP teams are per thread. A thread's torch intra-op
+  count is its own (`torch.set_num_threads` sets the calling thread's OpenMP
+  team size); a new thread takes the last count any thread set when it first
+  runs a parallel op, and keeps it afterwards (with the main thread at 1
+  thread, a worker's first op, then the main thread at 2, the worker stays at
+  1). So the worker sets its own count, `threads`, itself, in its own thread,
+  before every job (a no-op when unchanged).
+"""
+
+import queue
+import threading
+import weakref
+
+import torch
+
+__all__ = ["NAME", "BackwardWorker"]
+
+NAME = "keras_erase-backward"
+
+
+def _serve(jobs, errors, settings):
+    """Runs the worker thread's loop (a function: the thread must not keep the worker alive)."""
+    while True:
+        job = jobs.get()
+        try:
+            if job is None:
+                return
+            threads = settings.get("threads")
+            if threads is not None and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)  # this thread's OpenMP team only
+            if not errors:  # after an error, the rest of the step is skipped
+                job()
+        except BaseException as error:  # noqa: BLE001 - re-raised by wait()
+            errors.append(error)
+        finally:
+            job = None  # drop the closure (it may reference the dispatcher)
+            jobs.task_done()
+
+
+def _stop_thread(jobs, thread, join):
+    if thread.is_alive():
+        jobs.put(None)
+        if join and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+
+class BackwardWorker:
+    """A FIFO worker thread for block backward passes (see the module docstring).
+
+    Args:
+        threads: torch intra-op threads the worker thread uses (set in that
+            thread); `None` leaves its count alone.
+        name: the thread's name.
+
+    Example:
+
+    ```python
+    worker = BackwardWorker(threads=1)
+    worker.submit(lambda: loss.backward())
+    worker.wait()   # re-raises an error of the job
+    worker.stop()
+    ```
+    """
+
+    def __init__(self, threads=None, name=NAME):
+        self.name = name
+        self._jobs = queue.Queue()
+        self._errors = []
+        self._settings = {"threads": None if threads is None else int(threads)}
+        self._thread = None
+        self._finalizer = None
+        self._lock = threading.Lock()
+
+    @property
+    def threads(self):
+        return self._settings["threads"]
+
+    @threads.setter
+    def threads(self, value):
+        self._settings["threads"] = None if value is None else int(value)
+
+    @property
+    def alive(self):
+        """Whether the worker thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _ensure_alive(self):
+        with self._lock:
+            if not self.alive:
+                thread = threading.Thread(
+                    target=_serve,
+                    args=(self._jobs, self._errors, self._settings),
+                    name=self.name,
+                    daemon=True,
+                )
+                thread.start()
+                self._thread = thread
+                self._finalizer = weakref.finalize(self, _stop_thread, self._jobs, thread, False)
+
+    def submit(self, job):
+        """Queues `job()` for the worker thread (started if needed)."""
+        self._ensure_alive()
+        self._jobs.put(job)
+
+    def wait(self):
+        """Blocks until every submitted job ran; re-raises the first error."""
+        if self._jobs.unfinished_tasks and not self.alive:
+            self._ensure_alive()  # never wait on a dead worker
+        self._jobs.join()
+        errors = list(self._errors)
+        self._errors.clear()
+        if errors:
+            raise errors[0]
+
+    def stop(self):
+        """Ends the worker thread (after the jobs already queued)."""
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
+            if self._thread is not None:
+                _stop_thread(self._jobs, self._thread, True)
+            self._thread = None
+
+
