@@ -188,8 +188,10 @@ def test_train_on_batch_restores_the_thread_count(dispatch, two_threads):
 
 
 def _live_workers():
+    """The backward workers alive once garbage is collected (earlier tests' models included)."""
     from keras_erase.torch.schedules.threaded import NAME
 
+    gc.collect()
     return [t for t in threading.enumerate() if t.name == NAME and t.is_alive()]
 
 
@@ -227,6 +229,7 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
     from keras_erase.torch.threads import threads_for_worker
     from keras_erase.torch.train_step import auto_candidates
 
+    assert _wait_for(lambda: not _live_workers())  # none left by earlier tests
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
     threads = torch.get_num_threads()
