@@ -49,9 +49,10 @@ order in which ERASE finishes blocks.
 Collective order: gloo and NCCL match collectives by issue order, so every
 rank must issue them in the same order. Block reductions are issued right
 after each block's backward by the dispatcher, in the order blocks run, which
-is the model's fixed forward order on every rank: `"blocking"` and
-`"streams"` issue them from the main thread, `"threaded"` from its single FIFO
-worker (which runs the blocks' backwards in submission order). The remainder
+is the model's fixed forward order on every rank: the inline launcher
+(`"blocking"`) issues them from the main thread, the worker launcher
+(`"threaded"`, `"streams"`) from its single FIFO worker (which runs the
+blocks' backwards in submission order). The remainder
 is issued from the main thread only after the worker queue drained, so two
 threads never issue collectives concurrently and the order never depends on
 thread timing. With `dispatch="auto"` the ranks average their step timings
