@@ -9,14 +9,15 @@ every kernel's final bundles (`--xla_jf_dump_llo_text`, pass
 cycle, so a kernel's bundle count on a path is a lower bound on its cycles
 there (stalls on DMA, MXU results and the like come on top).
 
-How a grid step is counted (`step_model`): the grid is the kernel's outer
-loop (bundles at loop depth 1); the positives ("hit-mask") loop of a tile is
-an inner loop (depth 2) that runs `t` times, `t` the prefetched in-tile
-count of the step, behind a guard that skips it (and its set-up, `guard`
-bundles) when `t = 0`. So a step costs `base + [t > 0] guard + t loop`,
-averaged over the steps with `t` from uniformly drawn ids (the kernels' own
-`in_tile_counts`). The one-off `pl.when` regions (first tile, first row
-tile, last row tile) are counted on every step: a slight over-count. The
+How a grid step is counted (`step_cost`): the grid is the kernel's outer loop
+(bundles at loop depth 1); inner loops (depth 2) run their exit test's
+constant trips (the piece loop) or `t` trips (the hit-mask loop of a
+crowded tile: `t` the prefetched in-tile count of the step); forward
+branches skip regions: the fast path's when `t > fast_picks`, the crowded
+path's otherwise, a loop's guard when it runs no trip. The one-off
+`pl.when` regions (first tile, first or last row tile) count on every step:
+a slight over-count. The step's bundles are averaged over the distribution
+of `t` of uniformly drawn ids (the kernels' own `in_tile_counts`). The
 steady step is the one of full vocabulary tiles: each case is compiled with
 `V` rounded up to whole tiles (the edge tile's masked copy of the body, run
 once a pass, is left out); the number of steps is the real `V`'s.
@@ -91,7 +92,7 @@ TRANSCENDENTAL = ("vpow2", "vlog2", "vrcp", "vexp", "vtanh", "vrsqrt", "vsqrt", 
 
 
 def op_class(op):
-    """The issue slot class of a bundle op: mxu, xlu, eup(_pop), load, store, valu or scalar."""
+    """The issue slot class of a bundle op: mxu, xlu, eup(_pop), mask, load, store, valu, scalar."""
     if op.startswith("vpop.eup"):
         return "eup_pop"  # a result popped from the transcendental unit (its own slot)
     if ".mxu" in op or op.startswith("vmat"):
@@ -100,6 +101,8 @@ def op_class(op):
         return "xlu"
     if op.split(".")[0] in TRANSCENDENTAL:
         return "eup"
+    if op.startswith("vmmov"):
+        return "mask"  # a mask-register move: not a vector ALU slot
     if op.startswith("vld"):
         return "load"
     if op.startswith("vst"):
@@ -397,7 +400,7 @@ def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
         step += share * cycles
         for cls, n in counts.items():
             ops[cls] += share * n
-    steps = fact["steps_per_core"] * fact["blocks"]
+    steps = fact["steps_per_core"]  # every row block's steps
     per_vreg = 1024 / logits_per_step
 
     def ms(cycles_per_step):
@@ -409,12 +412,13 @@ def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
                 / (chip.bf16_flops / chip.clock_hz))
     itemsize = 2 if case["dtype"] == "bfloat16" else 4
     table = case["vocab"] * d * itemsize
-    hbm = table + (0 if matmuls == 1 else table * (2 * fact["blocks"] - 1))
+    blocks = fact["blocks"]  # the table is read once a pass, its gradient written and carried
+    hbm = table * blocks + (0 if matmuls == 1 else table * (2 * blocks - 1))
     row = dict(
         kernel=name, steps_per_core=steps, row_tile=fact["row_tile"], tile=fact["tile"],
         blocks=fact["blocks"], trips=round(fact["trips"], 2),
         step_cycles=round(step), cycles_per_1024=round(step * per_vreg, 2), est_ms=ms(step),
-        mxu_ms=ms(mxu_step), hbm_ms=round(hbm / chip.hbm_bytes_s * 1e3 / chip.cores, 2),
+        mxu_ms=ms(mxu_step), hbm_ms=round(hbm / chip.hbm_bytes_s * 1e3, 2),  # the chip's HBM
         ops_per_1024={cls: round(ops[cls] * per_vreg, 2)
                       for cls in ("valu", "eup", "load", "store", "mxu", "xlu")},
     )
