@@ -127,7 +127,7 @@ def _cost(cfg, rows, dim, itemsize, ps):
     grad_bytes = (table * 4 * (2 if ps.carry else 1)) if ps.with_grads else 0
     return pl.CostEstimate(
         flops=int(2 * logits * dim * matmuls + 12 * logits),
-        transcendentals=int(3 * logits),  # exp, log2 and a reciprocal a logit
+        transcendentals=int(3 * logits),  # exp, log and a reciprocal a logit
         bytes_accessed=int(table * itemsize + grad_bytes
                            + rows * (dim * itemsize + 4 * cfg.num_ids + 8 + 4 * dim)),
     )

@@ -20,9 +20,16 @@ What is Pallas-specific lives here: the layouts (the table read as its
 `[V, D]`), the lane/sublane moves, the edge masks of the last, partial
 vocabulary tile, and finding a row's positives inside a tile from its
 sorted ids (`keras_cutbce.backends.jax.math.sorted_positives`) with a
-prefetched bound on how many fall there. The per-logit terms and slopes are
-`keras_cutbce.backends.jax.math`'s, the same functions the chunked kernel
-calls.
+prefetched bound on how many fall there.
+
+A step's `[row_tile, tile]` tile is far larger than the vector register
+file, so it runs in pieces (`tiling.PIECE_ROWS` x `tiling.PIECE_COLS`), a
+column of them at a time: logits (MXU), the loss term and slope
+(`logit_terms`: a positive's sign flipped by one xor) and, while the VPU
+works on one column, the MXU takes the previous column's gradient matmuls
+(two slope buffers). The first `cfg.fast_picks` ids of a row in the tile
+are compared inline with each logit; a step whose most crowded row has more
+builds a hit mask for the extra ones first.
 """
 
 import jax.numpy as jnp
