@@ -16,7 +16,9 @@ crowded tile: `t` the prefetched in-tile count of the step); forward
 branches skip regions: the fast path's when `t > fast_picks`, the crowded
 path's otherwise, a loop's guard when it runs no trip. The one-off
 `pl.when` regions (first tile, first or last row tile) count on every step:
-a slight over-count. The step's bundles are averaged over the distribution
+a slight over-count. The paths are told apart by their loops, so a tile
+must span at least 3 piece columns (the 4096-wide tiles of every case here
+do): with no piece loop, both paths would count. The step's bundles are averaged over the distribution
 of `t` of uniformly drawn ids (the kernels' own `in_tile_counts`). The
 steady step is the one of full vocabulary tiles: each case is compiled with
 `V` rounded up to whole tiles (the edge tile's masked copy of the body, run
