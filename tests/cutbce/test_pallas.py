@@ -555,3 +555,64 @@ def test_rows_with_many_ids_in_one_tile(rng, monkeypatch, per_row_tile):
     ids[5::9] = -1
     _check((h, t, b, ids, g), ls=0.1, pw=3.0, rtol=2e-5,
            pallas_kwargs=dict(chunk_size=256, block_rows=128), keras_too=False)
+
+
+@pytest.mark.slow
+def test_table_gradient_carried_in_place_across_row_blocks(rng, monkeypatch):
+    """The table and bias gradients of row block k + 1 accumulate in block k's buffers.
+
+    On a TPU the carried gradients are aliased to the pass's outputs (read at
+    a vocabulary tile's first row tile, written at its last); the interpreter
+    runs the aliased program here (`INTERPRET_ALIASES`) at shapes whose
+    blocks are all full (V = 1024 over 256-wide tiles, 3 blocks of 128 rows),
+    and the numbers are the reference's.
+    """
+    import jax
+
+    from keras_cutbce.backends.jax import pallas
+
+    monkeypatch.setattr(pallas.call, "INTERPRET_ALIASES", True)
+    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg: 1)
+    h, t, b, ids, g = _inputs(rng, 384, 1024, 8, 3, bias=True)
+    w = np.abs(g)
+    kwargs = dict(chunk_size=256, block_rows=128, label_smoothing=0.1, interpret=True)
+
+    def fused(h, t, b):
+        return pallas.cut_bce_weighted_sum(h, t, ids, b, w, **kwargs)
+
+    grad_fn = jax.value_and_grad(fused, argnums=(0, 1, 2))
+    calls = [eqn for eqn, _ in _walk(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr)
+             if eqn.primitive.name == "pallas_call"]
+    assert len(calls) == 3
+    assert [len(eqn.params["input_output_aliases"]) for eqn in calls] == [0, 2, 2]
+    value, grads = grad_fn(h, t, b)
+    want_value, want_grads = jax.value_and_grad(
+        lambda h, t, b: (w * _reference(ids, 0.1, 1.0)(h, t, b)).sum(), argnums=(0, 1, 2))(h, t, b)
+    _assert_close(value, want_value, 2e-5, "value")
+    for arg, got, want in zip("htb", grads, want_grads):
+        _assert_close(got, want, 2e-5, f"grad_{arg}")
+
+
+@pytest.mark.parametrize("label_smoothing,pos_weight", [(0.0, 1.0), (0.1, 1.0), (0.0, 3.0),
+                                                        (0.2, 2.5)])
+def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight):
+    """The kernel's few-op loss and slope (`logit_terms`) against the float64 spec table.
+
+    Within 8 float32 ulps (below the smallest normal number, its absolute
+    size) at every logit from -inf to +inf, negatives and positives.
+    """
+    from keras_cutbce.backends.jax.pallas import logit_terms
+    from keras_cutbce.math import spec
+    from keras_cutbce.math.coefficients import bce_coefficients
+
+    coef = bce_coefficients(label_smoothing, pos_weight)
+    for positive in (False, True):
+        rows = [r for r in spec.table() if (r.label_smoothing, r.pos_weight, r.positive)
+                == (label_smoothing, pos_weight, positive)]
+        z = np.array([r.logit for r in rows], np.float32)
+        loss, slope = logit_terms.term_and_slope(z, positive, coef)
+        for what, got, want in (("loss", loss, [r.loss for r in rows]),
+                                ("slope", slope, [r.slope for r in rows])):
+            np.testing.assert_allclose(np.asarray(got, np.float64), np.array(want),
+                                       rtol=8 * 2.0**-24, atol=2.0**-126,
+                                       err_msg=f"{what} positive={positive}")

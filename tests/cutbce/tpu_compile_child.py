@@ -5,6 +5,11 @@ Usage: `python tests/tpu_compile_child.py '<JSON list of cases>'`; prints one
 `{"op", "topology", "rows", "dim", "vocab", "dtype", "mesh"}`; `mesh`: the
 trace knows the TPU generation (`jax.set_mesh`), else it is decided at
 lowering. Every op runs through the public API with `implementation="auto"`.
+
+A case `{"op": "cycles", ...}` (the keys of `benchmarks/pallas_cycles.py`'s
+cases) reports the kernels' cycles read from their final bundles instead; the
+parent then starts this process with libtpu dumping into `CUTBCE_DUMP_DIR`
+(`pallas_cycles.DUMP_FLAGS`).
 """
 
 import json
@@ -88,7 +93,17 @@ def _train_program(case, device):
     return fn, args
 
 
+def _cycles(case):
+    from benchmarks import pallas_cycles
+
+    dump_dir = os.environ["CUTBCE_DUMP_DIR"]
+    case = {k: v for k, v in case.items() if k != "op"}
+    return pallas_cycles.case_row(case, pallas_cycles.compile_case(case, dump_dir))
+
+
 def run_case(case):
+    if case["op"] == "cycles":
+        return _cycles(case)
     device = tpu_aot.topology_devices(case["topology"])[0]
     program = _train_program if case["op"] == "train" else _op_program
     fn, args = program(case, device)

@@ -88,6 +88,7 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
         table_dtype=jnp.dtype(table.dtype).name,
         dv_view=dim % tiling.LANES != 0,
         cores=int(tiling.tensorcores()),
+        fast_picks=tiling.fast_picks(int(vocab_size), int(tile), int(rows_tile), int(ids.shape[1])),
     )
     return cfg, hidden, table, bias, ids
 

@@ -25,11 +25,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 from keras_cutbce.backends.jax import math, tpu_target
 from keras_cutbce.backends.jax.pallas.config import Pass
-from keras_cutbce.backends.jax.pallas.kernel import kernel
+from keras_cutbce.backends.jax.pallas.kernel import kernel, scratch_shapes
+from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.tiling import cores_used, num_tiles, row_blocks
 from keras_cutbce.common import EMPTY_ID
 
 MAX_PREFETCHED_COUNTS = 2**14  # in-tile id counts kept per row tile up to 64 KiB of SMEM
+# The TPU interpreter mishandles aliased outputs with a partial last block
+# (JAX 0.10.2), so interpreted passes copy the carried gradients instead;
+# a test turns aliasing on at shapes whose blocks are all full.
+INTERPRET_ALIASES = False
 _SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 
@@ -43,12 +48,23 @@ def interpret_arg(interpret):
     return params() if params is not None else True
 
 
-def _compiler_params(semantics, vmem_capacity):
+def _compiler_params(semantics, vmem_limit):
     cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
     kwargs = dict(dimension_semantics=semantics)
-    if vmem_capacity is not None:
-        kwargs["vmem_limit_bytes"] = int(vmem_capacity * 3 // 4)
+    if vmem_limit is not None:
+        kwargs["vmem_limit_bytes"] = int(vmem_limit)
     return cls(**kwargs)
+
+
+def _vmem_limit(cfg, block_rows, dim, hidden_itemsize, ps):
+    """Returns the VMEM the pass asks for (`tiling.vmem_request_bytes`), or None: the default."""
+    if cfg.vmem_capacity is None:
+        return None
+    mm_itemsize = jnp.dtype(cfg.mm_dtype).itemsize
+    footprint = tiling.footprint_bytes(cfg.row_tile, cfg.tile, dim, mm_itemsize)
+    resident = block_rows * tiling.resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize,
+                                                          ps.with_grads)
+    return tiling.vmem_request_bytes(cfg.vmem_capacity, footprint, resident)
 
 
 def _pad_rows(x, rows, value=0):
@@ -111,7 +127,7 @@ def _cost(cfg, rows, dim, itemsize, ps):
     grad_bytes = (table * 4 * (2 if ps.carry else 1)) if ps.with_grads else 0
     return pl.CostEstimate(
         flops=int(2 * logits * dim * matmuls + 12 * logits),
-        transcendentals=int(2 * logits),
+        transcendentals=int(3 * logits),  # exp, log and a reciprocal a logit
         bytes_accessed=int(table * itemsize + grad_bytes
                            + rows * (dim * itemsize + 4 * cfg.num_ids + 8 + 4 * dim)),
     )
@@ -173,10 +189,11 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
             out_specs.append(bias_spec)
             out_shapes.append(jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32))
             scratch.append(pltpu.VMEM((1, tile), jnp.float32))
-        if ps.carry:  # accumulate in place: the carried gradients' buffers are the outputs'
-            first_out = 1 if ps.with_loss else 0
-            carry_in = 1 + len(inputs) - len(carried)  # operand 0: the prefetched counts
-            aliases = {carry_in + k: first_out + 1 + k for k in range(len(carried))}
+    scratch += scratch_shapes(cfg, ps, dim, jnp.dtype(cfg.mm_dtype))
+    if ps.with_grads and ps.carry:  # accumulate in place: the carried buffers are the outputs
+        first_out = 1 if ps.with_loss else 0
+        carry_in = 1 + len(inputs) - len(carried)  # operand 0: the prefetched counts
+        aliases = {carry_in + k: first_out + 1 + k for k in range(len(carried))}
     name = "cutbce_fused" if ps.with_loss and ps.with_grads else (
         "cutbce_grads" if ps.with_grads else "cutbce_forward")
 
@@ -185,15 +202,16 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
             num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch)
         return pl.pallas_call(
-            functools.partial(kernel, cfg=cfg, ps=ps),
+            functools.partial(kernel, cfg=cfg, ps=ps, interpreted=bool(plain or interpret)),
             grid_spec=grid_spec,
             out_shape=out_shapes,
-            # Mosaic only: the TPU interpreter mishandles aliased outputs with
-            # a partial last block (JAX 0.10.2); without aliasing the numbers
-            # are the same, only the carried buffers are not reused.
-            input_output_aliases={} if interpret else aliases,
-            compiler_params=_compiler_params(("parallel", "arbitrary", "arbitrary"),
-                                             None if interpret else cfg.vmem_capacity),
+            # Without aliasing (interpreted) the numbers are the same, only
+            # the carried buffers are not reused (`INTERPRET_ALIASES`).
+            input_output_aliases=aliases if not interpret or INTERPRET_ALIASES else {},
+            compiler_params=_compiler_params(
+                ("parallel", "arbitrary", "arbitrary"),
+                None if interpret else _vmem_limit(cfg, block_rows, dim, hidden.dtype.itemsize,
+                                                   ps)),
             interpret=True if plain else interpret_arg(interpret),
             cost_estimate=_cost(cfg, block_rows, dim, table.dtype.itemsize, ps),
             name=name,
@@ -209,7 +227,10 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
     loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
     if not ps.with_grads:
         return loss, None, None, None
-    grad_hidden, grad_table = outs[0].sum(axis=0), outs[1]
+    # The kernel's hidden gradient is before the row scale (`kernel`).
+    scale = row_scale[:, block * block_rows:(block + 1) * block_rows]
+    grad_hidden = outs[0].sum(axis=0) * (scale if cfg.dv_view else scale.T)
+    grad_table = outs[1]
     return loss, grad_hidden, grad_table, (outs[2] if ps.has_bias else None)
 
 

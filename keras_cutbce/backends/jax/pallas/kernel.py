@@ -20,23 +20,32 @@ What is Pallas-specific lives here: the layouts (the table read as its
 `[V, D]`), the lane/sublane moves, the edge masks of the last, partial
 vocabulary tile, and finding a row's positives inside a tile from its
 sorted ids (`keras_cutbce.backends.jax.math.sorted_positives`) with a
-prefetched bound on how many fall there. The per-logit terms and slopes are
-`keras_cutbce.backends.jax.math`'s, the same functions the chunked kernel
-calls.
+prefetched bound on how many fall there.
+
+A step's `[row_tile, tile]` tile is far larger than the vector register
+file, so it runs in pieces (`tiling.PIECE_ROWS` x `tiling.PIECE_COLS`), a
+column of them at a time: logits (MXU), the loss term and slope
+(`logit_terms`: a positive's sign flipped by one xor) and, while the VPU
+works on one column, the MXU takes the previous column's gradient matmuls
+(two slope buffers). The first `cfg.fast_picks` ids of a row in the tile
+are compared inline with each logit; a step whose most crowded row has more
+builds a hit mask for the extra ones first.
 """
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from keras_cutbce.backends.jax import math
-from keras_cutbce.backends.jax.pallas.tiling import LANES, cores_used, num_tiles
+from keras_cutbce.backends.jax.pallas import logit_terms
+from keras_cutbce.backends.jax.pallas.tiling import (LANES, PIECE_COLS, PIECE_ROWS, cores_used,
+                                                     num_tiles)
 from keras_cutbce.common import EMPTY_ID, round_up
 
 # `x @ y.T` ("NT"), `x @ y` ("NN") and `x.T @ y` ("TN") without materialising a transpose.
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
+PIECE_UNROLL = 2  # pieces a loop iteration computes (even)
 
 
 def _matmul(x, y, dims, cfg):
@@ -49,22 +58,19 @@ def _matmul(x, y, dims, cfg):
     )
 
 
-def _table_tile(table_ref, tile_index, cfg, edge):
-    """Returns the table tile (`[D, tile]` or `[tile, D]`), items past V zeroed on the edge."""
-    table = table_ref[...]
+def _table_piece(table_ref, cols, cfg, edge, item):
+    """Returns the table's `cols` (`[D, n]` or `[n, D]`), items at or past V zeroed on the edge."""
+    table = table_ref[:, cols] if cfg.dv_view else table_ref[cols, :]
     if edge:
-        items = lax.broadcasted_iota(jnp.int32, table.shape, 1 if cfg.dv_view else 0)
-        inside = items + tile_index * cfg.tile < cfg.vocab_size
-        table = jnp.where(inside, table, jnp.zeros_like(table))
+        items = lax.broadcasted_iota(jnp.int32, table.shape, 1 if cfg.dv_view else 0) + item
+        table = jnp.where(items < cfg.vocab_size, table, jnp.zeros_like(table))
     return table
 
 
-def _logits(hidden, table, bias_ref, cfg):
-    """Returns the float32 logits `[row_tile, tile]`: `hidden.T @ table` or `hidden @ table.T`."""
-    z = _matmul(hidden, table, _TN if cfg.dv_view else _NT, cfg)
-    if bias_ref is not None:
-        z = z + bias_ref[...]
-    return z
+def _logits(hidden, table, bias, cfg):
+    """Returns the float32 logits `[rows, n]` of `[rows, D]` hidden states: `hidden @ table(.T)`."""
+    z = _matmul(hidden, table, _NN if cfg.dv_view else _NT, cfg)
+    return z if bias is None else z + bias
 
 
 def _grad_hidden_tile(dz, table, cfg):
@@ -91,36 +97,66 @@ def _as_row(column):
     return jnp.transpose(jnp.broadcast_to(column, (column.shape[0], LANES)))[0:1, :]
 
 
-def _masks(ids, in_tile, shape, tile_index, cfg, edge):
-    """Returns `(valid, positive)` bool `[row_tile, tile]` (valid is None when every column is).
+def _first_slots(ids, lo):
+    """Returns `[1, n]`: how many of each row's sorted ids lie below the tile's first item `lo`."""
+    return jnp.sum((ids < lo).astype(jnp.int32), axis=0, keepdims=True)
 
-    `valid`: columns below V, on the `edge` tile only (the last tile of an
-    unaligned V). `positive`: the column is one of the row's positives.
-    `ids` `[L, row_tile]` are each row's positives sorted ascending after
-    `EMPTY_ID` padding, so the positives inside this tile are consecutive:
-    row `m`'s start after its `first[m]` entries below the tile (counted in
-    O(L row_tile)), and no row has more than `in_tile` of them (a scalar from
-    the prefetched counts, usually 0 or 1). One compare per logit per such
-    id, not one per id of the row.
-    """
-    lo = tile_index * cfg.tile
-    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + lo
-    valid = cols < cfg.vocab_size if edge else None
-    first = jnp.sum((ids < lo).astype(jnp.int32), axis=0, keepdims=True)  # [1, row_tile]
+
+def _pick(ids, first, k):
+    """Returns `[1, n]`: each row's id at slot `first + k` (its k-th id from the tile on), or -1."""
     slot = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-
-    def add(k, hits):  # int32, not bool: Mosaic cannot carry a mask vector through a loop
-        pick = jnp.max(jnp.where(slot == first + k, ids, EMPTY_ID), axis=0, keepdims=True)
-        return jnp.where(cols == _as_columns(pick, EMPTY_ID), 1, hits)
-
-    return valid, lax.fori_loop(0, in_tile, add, jnp.zeros(shape, jnp.int32)) != 0
+    return jnp.max(jnp.where(slot == first + k, ids, EMPTY_ID), axis=0, keepdims=True)
 
 
-def _masked(x, valid):
-    return x if valid is None else jnp.where(valid, x, 0.0)
+def _fill_picks(picks_ref, ids, first, count):
+    """Writes `picks_ref[k]` `[rows, 128]`: each row's k-th id from the tile on, lane-broadcast."""
+    picks = jnp.concatenate([_pick(ids, first, k) for k in range(count)], axis=0)
+    columns = _as_columns(picks, EMPTY_ID)  # [rows, count]
+    for k in range(count):
+        picks_ref[k] = jnp.broadcast_to(columns[:, k:k + 1], picks_ref.shape[1:])
 
 
-def kernel(*refs, cfg, ps):
+def _fill_hits(hits_ref, ids, first, start, in_tile, lo):
+    """Writes `hits_ref` `[rows, tile]`: the sign bit at each row's ids `start` to `in_tile - 1`.
+
+    The ids past those compared inline (crowded tiles: `start < in_tile`);
+    one pass over the tile per id.
+    """
+    cols = lax.broadcasted_iota(jnp.int32, hits_ref.shape, 1) + lo
+
+    def hits(k, previous):
+        pick = _as_columns(_pick(ids, first, k), EMPTY_ID)
+        return jnp.where(cols == pick, logit_terms.SIGN_BIT, previous)
+
+    hits_ref[...] = hits(start, 0)
+
+    def add(k, carry):
+        hits_ref[...] = hits(k, hits_ref[...])
+        return carry
+
+    lax.fori_loop(start + 1, in_tile, add, 0)
+
+
+def _lanes(x, width):
+    """Returns `[n, 128]` repeated to `[n, width]` along the lanes (the same vregs)."""
+    return x if width == LANES else jnp.concatenate([x] * (width // LANES), axis=1)
+
+
+def _fold(x):
+    """Returns `[n, k 128]` summed to `[n, 128]` (lane blocks added: no cross-lane work)."""
+    out = x[:, :LANES]
+    for k in range(1, x.shape[1] // LANES):
+        out = out + x[:, k * LANES:(k + 1) * LANES]
+    return out
+
+
+def piece_shape(cfg):
+    """Returns `(rows, cols)` of one piece of a grid step's tile (a few vector registers each)."""
+    cols = next(c for c in (PIECE_COLS, 256, LANES) if cfg.tile % c == 0)
+    return min(PIECE_ROWS, cfg.row_tile), cols
+
+
+def kernel(*refs, cfg, ps, interpreted=False):
     """Writes the loss sums and/or gradients of one block of resident rows.
 
     Grid `(core, j, i)`: TensorCore `core` ("parallel"), its vocabulary tile
@@ -128,8 +164,17 @@ def kernel(*refs, cfg, ps):
     in-tile counts, hidden states (`[D, rows]` or `[rows, D]`), ids
     `[L, rows]`, `row_scale` `[1, rows]` (with gradients), the table tile,
     the bias tile (with a bias), the carried table and bias gradients (with
-    `ps.carry`); outputs: loss `[1, rows]`, hidden gradient, table and bias
-    gradients; scratch: the tile's float32 table and bias accumulators.
+    `ps.carry`); outputs: loss `[1, rows]`, the hidden gradient before its
+    row scale (`call` applies it), table and bias gradients; scratch: the
+    tile's float32 table and bias accumulators, the step's hidden states
+    times the row scale (matmul dtype), two slope buffers `[row_tile, piece
+    cols]` (matmul dtype), the loss terms `[row_tile, 128]`,
+    the picked ids
+    `[picks, row_tile, 128]`, the crowded tiles' hit mask, and the row
+    scale as a column `[row_tile, 128]` (with a bias or a `[rows, D]` layout),
+    and the step's hidden states as `[row_tile, D]` (`[D, V]` view).
+    `interpreted`: traced for the interpreter (XLA), not Mosaic
+    (`logit_terms.Exps`).
     """
     refs = list(refs)
     in_tile_ref, hidden_ref, ids_ref = refs.pop(0), refs.pop(0), refs.pop(0)
@@ -145,13 +190,111 @@ def kernel(*refs, cfg, ps):
         grad_bias_ref = refs.pop(0) if ps.has_bias else None
         acc_table = refs.pop(0)
         acc_bias = refs.pop(0) if ps.has_bias else None
+    scaled_ref = refs.pop(0) if ps.with_grads else None
+    slopes_refs = (refs.pop(0), refs.pop(0)) if ps.with_grads else None
+    terms_ref = refs.pop(0) if ps.with_loss else None
+    picks_ref = refs.pop(0)
+    hits_ref = refs.pop(0) if crowded_path(cfg) else None
+    scale_col_ref = refs.pop(0) if needs_scale_column(cfg, ps) else None
+    hidden_t_ref = refs.pop(0) if cfg.dv_view else None
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile_index = core * ps.tiles_per_core + j
     row_tile = cfg.row_tile
     rows = pl.ds(pl.multiple_of(i * row_tile, row_tile), row_tile)
+    piece_rows, piece_cols = piece_shape(cfg)
+    mask_weights = logit_terms.needs_mask(cfg.coef)
 
     def hidden_rows(ref):
         return ref.at[:, rows] if cfg.dv_view else ref.at[rows, :]
+
+    def columns(c):
+        return pl.ds(pl.multiple_of(c * piece_cols, piece_cols), piece_cols)
+
+    def elementwise(c, edge, crowded, lo):
+        """Returns piece column `c`'s slopes `[row_tile, cols]` (or 0); adds its loss terms."""
+        cols_ds = columns(c)
+        c0 = cols_ds.start
+        table = _table_piece(table_ref, cols_ds, cfg, edge, lo + c0)
+        bias = bias_ref[:, cols_ds] if ps.has_bias else None
+        cols = lax.broadcasted_iota(jnp.int32, (piece_rows, piece_cols), 1) + (lo + c0)
+        valid = cols < cfg.vocab_size if edge else None
+        slopes, bias_grad = [], None
+        for r0 in range(0, row_tile, piece_rows):
+            local = slice(r0, r0 + piece_rows)
+            if cfg.dv_view:
+                hidden = hidden_t_ref[local, :]
+            else:
+                hidden = hidden_ref[pl.ds(pl.multiple_of(rows.start + r0, 8), piece_rows), :]
+            z = _logits(hidden, table, bias, cfg)
+            hits = hits_ref[local, cols_ds] if crowded else jnp.zeros(z.shape, jnp.int32)
+            for k in range(cfg.fast_picks):
+                pick = _lanes(picks_ref[k, local, :], piece_cols)
+                hits = jnp.where(cols == pick, logit_terms.SIGN_BIT, hits)
+            f = logit_terms.flip(z, hits)
+            ex = logit_terms.Exps(f, barrier=interpreted)
+            positive = hits != 0 if mask_weights else None
+            if ps.with_loss:
+                term = logit_terms.term(f, ex, cfg.coef, positive)
+                if valid is not None:
+                    term = jnp.where(valid, term, 0.0)
+                terms_ref[local, :] += _fold(term)
+            if ps.with_grads:
+                dz = logit_terms.flip(logit_terms.slope(f, ex, cfg.coef, positive), hits)
+                if valid is not None:
+                    dz = jnp.where(valid, dz, 0.0)
+                slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
+                if ps.has_bias:
+                    weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
+                    part = jnp.sum(weighted, axis=0, keepdims=True)
+                    bias_grad = part if bias_grad is None else bias_grad + part
+        if bias_grad is not None:
+            acc_bias[:, cols_ds] += bias_grad
+        return jnp.concatenate(slopes, axis=0) if slopes else None
+
+    def gradients(c, slopes, edge, lo):
+        """Adds piece column `c`'s slopes (a scratch ref) to the hidden and table gradients."""
+        cols_ds = columns(c)
+        table = _table_piece(table_ref, cols_ds, cfg, edge, lo + cols_ds.start)
+        dz = slopes[...]
+        grad_hidden = hidden_rows(grad_hidden_ref)
+        grad_hidden[...] += _grad_hidden_tile(dz, table, cfg)
+        part = _grad_table_tile(scaled_ref[...], dz, cfg)
+        if cfg.dv_view:
+            acc_table[:, cols_ds] += part
+        else:
+            acc_table[cols_ds, :] += part
+
+    def pieces(edge, crowded, lo):
+        """The step's tile, piece column by piece column.
+
+        Software-pipelined over two slope buffers: while the VPU computes
+        piece `c`'s logits and slopes into one, the MXU takes piece
+        `c - 1`'s gradient matmuls from the other (the loop runs pairs of
+        pieces, so each buffer is a static ref).
+        """
+        count = cfg.tile // piece_cols
+
+        def piece(c, buffer):
+            slopes = elementwise(c, edge, crowded, lo)
+            if ps.with_grads:
+                if not isinstance(c, int) or c > 0:
+                    gradients(c - 1, slopes_refs[1 - buffer], edge, lo)
+                slopes_refs[buffer][...] = slopes
+
+        piece(0, 0)
+        groups = (count - 1) // PIECE_UNROLL
+
+        def group(k, carry):  # pieces 1 + U k + u: an even U keeps each buffer static
+            for u in range(PIECE_UNROLL):
+                piece(1 + PIECE_UNROLL * k + u, (1 + u) % 2)
+            return carry
+
+        if groups:
+            lax.fori_loop(0, groups, group, 0)
+        for c in range(1 + groups * PIECE_UNROLL, count):
+            piece(c, c % 2)
+        if ps.with_grads:
+            gradients(count - 1, slopes_refs[(count - 1) % 2], edge, lo)
 
     def body(edge):
         @pl.when(j == 0)
@@ -171,26 +314,39 @@ def kernel(*refs, cfg, ps):
                     start_bias = carried_bias[...] if ps.carry else 0.0
                     acc_bias[...] = jnp.zeros_like(acc_bias) + start_bias
 
-        hidden = hidden_rows(hidden_ref)[...]
-        table = _table_tile(table_ref, tile_index, cfg, edge)
-        z = _logits(hidden, table, bias_ref, cfg)
+        lo = tile_index * cfg.tile
+        ids = ids_ref[:, rows]
+        first = _first_slots(ids, lo)
         count_index = tile_index * pl.num_programs(2) + i if ps.counts_per_row_tile else tile_index
-        valid, positive = _masks(ids_ref[:, rows], in_tile_ref[count_index], z.shape, tile_index,
-                                 cfg, edge)
-        e = math.exp_neg_abs(z)  # one exp per logit for the loss and the gradient
+        in_tile = in_tile_ref[count_index]
         if ps.with_loss:
-            term = _masked(math.terms(z, e, cfg.coef, positive), valid)
-            loss_ref[:, rows] += _as_row(jnp.sum(term, axis=1, keepdims=True))
+            terms_ref[...] = jnp.zeros(terms_ref.shape, jnp.float32)
+        if scale_col_ref is not None:
+            scale_col_ref[...] = jnp.broadcast_to(
+                _as_columns(row_scale_ref[:, rows], 0.0), scale_col_ref.shape)
         if ps.with_grads:
-            # Padded rows have a zero row_scale, so they add nothing.
-            row_scale = _as_columns(row_scale_ref[:, rows], 0.0)
-            dz = _masked(row_scale * math.slopes(z, e, cfg.coef, positive), valid)
-            grad_hidden = hidden_rows(grad_hidden_ref)
-            grad_hidden[...] += _grad_hidden_tile(dz, table, cfg)
-            acc_table[...] += _grad_table_tile(hidden, dz, cfg)
-            if ps.has_bias:
-                acc_bias[...] += jnp.sum(dz, axis=0, keepdims=True)
+            # The slopes carry no row scale: it multiplies the hidden states
+            # here (table gradient) and the hidden gradient in `call`.
+            scale = row_scale_ref[:, rows] if cfg.dv_view else scale_col_ref[:, 0:1]
+            hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
+            scaled_ref[...] = (hidden * scale).astype(scaled_ref.dtype)
+        _fill_picks(picks_ref, ids, first, cfg.fast_picks)
+        if hidden_t_ref is not None:  # [D, rows] -> [rows, D]: row pieces on the sublanes
+            hidden_t_ref[...] = jnp.transpose(
+                hidden_rows(hidden_ref)[...].astype(jnp.float32)).astype(hidden_t_ref.dtype)
+        if hits_ref is None:
+            pieces(edge, False, lo)
+        else:
+            pl.when(in_tile <= cfg.fast_picks)(lambda: pieces(edge, False, lo))
 
+            @pl.when(in_tile > cfg.fast_picks)
+            def _crowded():
+                _fill_hits(hits_ref, ids, first, cfg.fast_picks, in_tile, lo)
+                pieces(edge, True, lo)
+
+        if ps.with_loss:
+            loss_ref[:, rows] += _as_row(jnp.sum(terms_ref[...], axis=1, keepdims=True))
+        if ps.with_grads:
             @pl.when(i == pl.num_programs(2) - 1)
             def _store():
                 grad_table_ref[...] = acc_table[...].astype(grad_table_ref.dtype)
@@ -207,3 +363,34 @@ def kernel(*refs, cfg, ps):
         body(False)
     else:
         pl.when(tile_index < tiles)(lambda: body(False))
+
+
+def crowded_path(cfg):
+    """Whether a row may have more ids in one tile than the picks compare inline."""
+    return cfg.num_ids > cfg.fast_picks
+
+
+def needs_scale_column(cfg, ps):
+    """Whether the kernel needs the row scale as a column (a bias gradient or `[rows, D]` rows)."""
+    return ps.with_grads and (ps.has_bias or not cfg.dv_view)
+
+
+def scratch_shapes(cfg, ps, dim, mm_dtype):
+    """Returns the kernel's scratch buffers after the table and bias accumulators (in order)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    shapes = []
+    if ps.with_grads:
+        shapes.append(pltpu.VMEM((dim, cfg.row_tile) if cfg.dv_view else (cfg.row_tile, dim),
+                                 mm_dtype))
+        shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), mm_dtype)] * 2
+    if ps.with_loss:
+        shapes.append(pltpu.VMEM((cfg.row_tile, LANES), jnp.float32))
+    shapes.append(pltpu.VMEM((max(cfg.fast_picks, 1), cfg.row_tile, LANES), jnp.int32))
+    if crowded_path(cfg):
+        shapes.append(pltpu.VMEM((cfg.row_tile, cfg.tile), jnp.int32))
+    if needs_scale_column(cfg, ps):
+        shapes.append(pltpu.VMEM((cfg.row_tile, LANES), jnp.float32))
+    if cfg.dv_view:
+        shapes.append(pltpu.VMEM((cfg.row_tile, dim), mm_dtype))
+    return shapes

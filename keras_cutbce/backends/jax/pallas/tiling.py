@@ -10,17 +10,19 @@ and Mosaic adds constraints XLA does not have:
 - the budget is half the target TPU's VMEM per TensorCore
   (`tpu_target.chip_info`), or 12 MiB (three quarters of the smallest
   default scoped VMEM, 16 MiB) for an unknown generation; the kernels then
-  ask Mosaic for `vmem_limit_bytes = 3/4` of the capacity;
+  ask Mosaic for their estimated footprint with headroom, at most 3/4 of
+  the capacity (`vmem_request_bytes`);
 - row tile: `min(512, M rounded up to 128)`; vocabulary tile: the widest
   multiple of 128, at most 4096 and at most `V` rounded up to 128, whose
   estimated footprint fits the budget (double-buffered input tiles in the
-  input dtype, float32 accumulators and output buffers, five float32
-  `[row_tile, tile]` intermediates); if none fits, the row tile halves
-  (down to 128);
+  input dtype, float32 accumulators and output buffers, the step's scratch:
+  `footprint_bytes`); if none fits, the row tile halves (down to 128);
 - the resident rows of one pass (hidden states, ids, weights, loss and
   hidden gradient, double-buffered) take at most a quarter of the budget;
   more rows run one pass per row block (`row_blocks`).
 """
+
+import math
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -32,6 +34,8 @@ LANES = 128
 MAX_ROW_TILE = 512
 MIN_ROW_TILE = 128
 MAX_TILE = 4096
+PIECE_ROWS = 64  # a piece of a step's tile: [64, 512] float32, 32 vector registers
+PIECE_COLS = 512
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20
 DEFAULT_VMEM_BUDGET_BYTES = DEFAULT_SCOPED_VMEM_BYTES * 3 // 4
 
@@ -54,11 +58,29 @@ def vmem_budget_bytes(capacity=None):
 
 
 def footprint_bytes(row_tile, tile, dim, itemsize):
-    """Returns the estimated VMEM bytes of one kernel step with these tiles."""
-    inputs = 2 * (row_tile + tile) * dim * itemsize + 2 * (row_tile * LANES + tile) * 4
-    accumulators = 3 * (row_tile + tile) * dim * 4 + 3 * row_tile * LANES * 4
-    intermediates = 5 * row_tile * tile * 4
-    return inputs + accumulators + intermediates
+    """Returns the estimated VMEM bytes of one kernel step with these tiles.
+
+    The table and bias tiles (double-buffered, input dtype), their float32
+    accumulators and gradient outputs, and the step's scratch: the crowded
+    tiles' int32 hit mask and the pass that builds it, two slope buffers of
+    one piece column, the `[row_tile, 128]` loss, pick and scale columns,
+    and the hidden states transposed and scaled.
+    """
+    tiles = 2 * tile * (dim * itemsize + 4)
+    grads = 3 * tile * (dim + 1) * 4
+    scratch = row_tile * (2 * PIECE_COLS * itemsize + 6 * LANES * 4
+                          + 2 * max(dim, LANES) * itemsize)
+    hit_mask = 2 * row_tile * tile * 4
+    return tiles + grads + scratch + hit_mask
+
+
+def vmem_request_bytes(capacity, footprint, resident):
+    """Returns the `vmem_limit_bytes` a kernel asks for: its estimate with headroom, capped.
+
+    1.5 x (`footprint` + `resident` rows) + 4 MiB for Mosaic's own scratch,
+    at most three quarters of `capacity` (the rest stays XLA's).
+    """
+    return int(min(capacity * 3 // 4, 3 * (footprint + resident) // 2 + 4 * 2**20))
 
 
 def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None):
@@ -83,6 +105,31 @@ def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None):
         row_tile = max(MIN_ROW_TILE, row_tile // 2)
 
 
+def fast_picks(vocab_size, tile, row_tile, num_ids, max_picks=4):
+    """Returns how many of a row's ids in a tile the kernel compares inline with each logit.
+
+    The smallest `k` (1 to `max_picks`, at most `num_ids`) for which, with
+    uniformly drawn ids, at least half of the grid steps have no row with
+    more than `k` ids in the step's tile (Binomial(`num_ids`, `tile / V`)
+    per row, `row_tile` rows); the other steps build a hit mask first. Each
+    inline id costs two vector ops a logit; a hit mask one pass over the
+    tile per id.
+
+    Example:
+
+    >>> fast_picks(876_000, 4096, 512, 8), fast_picks(100_000, 4096, 512, 8)
+    (1, 3)
+    """
+    p = min(1.0, tile / max(vocab_size, 1))
+    most = max(1, min(max_picks, num_ids))
+    for k in range(1, most):
+        at_most_k = sum(math.comb(num_ids, n) * p**n * (1 - p) ** (num_ids - n)
+                        for n in range(k + 1))
+        if at_most_k**row_tile >= 0.5:
+            return k
+    return most
+
+
 def num_tiles(cfg):
     """Returns the number of vocabulary tiles (the last one may be partial)."""
     return pl.cdiv(cfg.vocab_size, cfg.tile)
@@ -93,7 +140,7 @@ def cores_used(cfg):
     return max(1, min(cfg.cores, num_tiles(cfg)))
 
 
-def _resident_bytes_per_row(dim, num_ids, hidden_itemsize, with_grads):
+def resident_bytes_per_row(dim, num_ids, hidden_itemsize, with_grads):
     """Returns the VMEM bytes a resident row costs a pass (double-buffered, sublane-padded)."""
     per_row = round_up(dim, 16) * hidden_itemsize + round_up(num_ids, 8) * 4 + 8 * 4
     if with_grads:
@@ -114,7 +161,7 @@ def row_blocks(num_rows, dim, hidden_itemsize, cfg, with_grads=True):
     """
     row_tile = cfg.row_tile
     padded = round_up(max(num_rows, 1), row_tile)
-    per_row = _resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize, with_grads)
+    per_row = resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize, with_grads)
     cap = max(row_tile, resident_budget_bytes(cfg) // per_row // row_tile * row_tile)
     count = pl.cdiv(padded, cap)
     return count, round_up(pl.cdiv(padded, count), row_tile)
