@@ -303,7 +303,7 @@ def compile_case(case, dump_dir):
     sys.path.append(ROOT)
     from benchmarks import tpu_aot
     from keras_cutbce.backends.jax import pallas
-    from keras_cutbce.backends.jax import tpu_target
+    from keras_cutbce.backends.jax import compile_platform
     from keras_cutbce.backends.jax.pallas import call, tiling
 
     chip = CHIPS[case["chip"]]
@@ -311,7 +311,7 @@ def compile_case(case, dump_dir):
     m, d, v, num_ids = case["rows"], case["dim"], case["vocab"], case["ids"]
     dtype = case["dtype"]
     mesh = jax.sharding.Mesh([device], ("cutbce_target",))
-    info = tpu_target.chip_info(device.device_kind)
+    info = compile_platform.chip_info(device.device_kind)
     row_tile, tile = tiling.choose_tiles(m, v, d, dtype, tiling.vmem_budget_bytes(info.vmem_bytes))
     cfg = SimpleNamespace(vocab_size=v, tile=tile, row_tile=row_tile, num_ids=num_ids,
                           vmem_capacity=info.vmem_bytes, cores=info.cores, dv_view=d % 128 != 0)

@@ -154,7 +154,7 @@ def _compares_per_logit(case, device, ids):
     import jax.numpy as jnp
     import numpy as np
 
-    from keras_cutbce.backends.jax import tpu_target
+    from keras_cutbce.backends.jax import compile_platform
     from keras_cutbce.common import round_up
 
     pallas = _pallas()
@@ -169,7 +169,7 @@ def _compares_per_logit(case, device, ids):
     from types import SimpleNamespace
 
     m, d, v, dtype = case
-    capacity = tpu_target.chip_info(device.device_kind).vmem_bytes
+    capacity = compile_platform.chip_info(device.device_kind).vmem_bytes
     row_tile, tile = tiling.choose_tiles(m, v, d, dtype, tiling.vmem_budget_bytes(capacity))
     cfg = SimpleNamespace(vocab_size=v, tile=tile, vocab_tile=tile, row_tile=row_tile,
                           dv_view=d % 128 != 0)

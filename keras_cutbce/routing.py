@@ -5,7 +5,7 @@ A table split along V over a JAX mesh runs `"sharded"` under `"auto"` and
 compiled step is routed too); `"auto"` otherwise runs the first
 implementation of `registry.AUTO_ORDER` for the platform the program is
 compiled for (on JAX with the TPU compiler and no known platform, both are
-traced and the lowering keeps the platform's: `backends.jax.tpu_target`);
+traced and the lowering keeps the platform's: `backends.jax.compile_platform`);
 on torch, for the device of the hidden states (CUDA tensors: `"triton"`
 when Triton is installed, else `"chunked"`). `chunk_size=None` resolves
 with `math.tiling.default_chunk_size` for the chunked kernels (Pallas,
@@ -49,13 +49,13 @@ def _default_chunk_size(hidden, table):
     return default_chunk_size(rows or 4096, checks.static_dims(table)[0] or 2**20, budget)
 
 
-def _target_platform(backend):
+def _compiled_platform(backend):
     """Returns the platform the program is compiled for; None on JAX when decided at lowering."""
     if backend != "jax":
         return None
-    from keras_cutbce.backends.jax import tpu_target
+    from keras_cutbce.backends.jax import compile_platform
 
-    return tpu_target.target_platform()
+    return compile_platform.compiled_platform()
 
 
 def select_implementation(implementation="auto"):
@@ -65,7 +65,7 @@ def select_implementation(implementation="auto"):
     time: a TPU host, a TPU mesh or `jax.default_device`), else `"chunked"`.
     When the target is only known at lowering (a CPU host with the TPU
     compiler), the ops compile both and keep the target's
-    (`keras_cutbce.backends.jax.tpu_target`); this function then answers for
+    (`keras_cutbce.backends.jax.compile_platform`); this function then answers for
     the host.
 
     Args:
@@ -84,7 +84,7 @@ def select_implementation(implementation="auto"):
     if implementation != "auto":
         return implementation
     backend = keras.backend.backend()
-    return registry.auto("cut_bce", backend, _target_platform(backend))
+    return registry.auto("cut_bce", backend, _compiled_platform(backend))
 
 
 def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
@@ -98,16 +98,16 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         route = "sharded"
     elif implementation == "auto":
         # On torch the tensors' device decides (CUDA: the Triton kernels).
-        platform = _platform(hidden) if backend == "torch" else _target_platform(backend)
+        platform = _platform(hidden) if backend == "torch" else _compiled_platform(backend)
         tpu, other = registry.auto(op, backend, "tpu"), registry.auto(op, backend, platform)
         if platform is None and tpu != other:
-            from keras_cutbce.backends.jax import tpu_target
+            from keras_cutbce.backends.jax import compile_platform
 
             def run(route):
                 return lambda h, t, *a: dispatch(op, route, h, ItemTable(t, sharding=None),
                                                    *a, chunk_size=chunk_size, **kwargs)
 
-            return tpu_target.by_target((hidden, table.value) + args, run(tpu), run(other))
+            return compile_platform.by_platform((hidden, table.value) + args, run(tpu), run(other))
         route = other
     else:
         route = implementation

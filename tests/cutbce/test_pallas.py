@@ -492,13 +492,13 @@ def test_target_known_only_at_lowering(rng, monkeypatch):
     import jax
 
     from keras_cutbce import ops
-    from keras_cutbce.backends.jax import pallas, tpu_target
+    from keras_cutbce.backends.jax import pallas, compile_platform
 
     h, t, b, ids, g = _inputs(rng, 10, 300, 8, 2, bias=True)
     want = pallas.cut_bce(h, t, ids, b, chunk_size=128, interpret=True)
     want_auto = ops.cut_binary_crossentropy(h, t, ids, b, implementation="chunked")
-    monkeypatch.setattr(tpu_target, "tpu_compiler_available", lambda: True)
-    assert tpu_target.target_platform() is None
+    monkeypatch.setattr(compile_platform, "tpu_compiler_available", lambda: True)
+    assert compile_platform.compiled_platform() is None
     got = pallas.cut_bce(h, t, ids, b, chunk_size=128)
     _assert_close(got, want, 1e-6, "interpret=None")
     jaxpr = jax.make_jaxpr(lambda h: ops.cut_binary_crossentropy(h, t, ids, b))(h).jaxpr

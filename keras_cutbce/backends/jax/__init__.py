@@ -5,5 +5,5 @@
 - `sharded/`: the table split along V over a mesh, a kernel per shard;
 - `retrieval`: top-k and threshold counts tile by tile;
 - `math`, `vjp`: the per-logit terms and the `custom_vjp` the kernels share;
-- `tpu_target`: the platform and TPU generation a program is compiled for.
+- `compile_platform`: the platform and TPU generation a program is compiled for.
 """

@@ -1,6 +1,6 @@
 """The Pallas CutBCE functions: settings, the `custom_vjp` and the public entry points.
 
-Dispatch (`keras_cutbce.backends.jax.tpu_target`): the kernel compiles with
+Dispatch (`keras_cutbce.backends.jax.compile_platform`): the kernel compiles with
 Mosaic when the program is compiled for a TPU and runs in the Pallas
 interpreter otherwise (or whenever `interpret=True`); when the target is
 only known at lowering (a CPU host with libtpu, no mesh), both are traced
@@ -18,7 +18,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from keras_cutbce.backends.jax import tpu_target, vjp
+from keras_cutbce.backends.jax import compile_platform, vjp
 from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.call import passes
 from keras_cutbce.backends.jax.pallas.config import Config
@@ -39,7 +39,7 @@ def _resolve_interpret(interpret):
     """Returns True/False when asked or when the target is known at trace time, else None."""
     if interpret is not None:
         return bool(interpret)
-    platform = tpu_target.target_platform()
+    platform = compile_platform.compiled_platform()
     return None if platform is None else platform != "tpu"
 
 
@@ -142,7 +142,7 @@ def cut_bce(
         block_rows: rows of one kernel step (rounded up to 128); None:
             `tiling.choose_tiles`.
         interpret: run the kernel in the Pallas TPU interpreter; None: when
-            the program is not compiled for a TPU (`tpu_target`).
+            the program is not compiled for a TPU (`compile_platform`).
         precision: `"default"` (float32 matmuls at the TPU's default
             precision, as Keras's dense BCE computes them) or `"highest"`.
 

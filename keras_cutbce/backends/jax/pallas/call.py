@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from keras_cutbce.backends.jax import math, tpu_target
+from keras_cutbce.backends.jax import math, compile_platform
 from keras_cutbce.backends.jax.pallas.config import Pass
 from keras_cutbce.backends.jax.pallas.kernel import kernel, scratch_shapes
 from keras_cutbce.backends.jax.pallas import tiling
@@ -41,7 +41,7 @@ _SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 def interpret_arg(interpret):
     """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target)."""
     if interpret is None:
-        interpret = tpu_target.target_platform() != "tpu"
+        interpret = compile_platform.compiled_platform() != "tpu"
     if not interpret:
         return False
     params = getattr(pltpu, "InterpretParams", None)  # JAX >= 0.6; else the generic interpreter.
@@ -220,7 +220,7 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
     if cfg.interpret is None:  # target unknown at trace time: decided at lowering
         # The plain (effect-free) interpreter: `platform_dependent` cannot drop
         # the ordered effects of `pltpu.InterpretParams`'s callbacks.
-        outs = tpu_target.by_target((counts, *inputs), build(False), build(True, plain=True))
+        outs = compile_platform.by_platform((counts, *inputs), build(False), build(True, plain=True))
     else:
         outs = build(cfg.interpret)(counts, *inputs)
     outs = list(outs)

@@ -8,7 +8,7 @@ and Mosaic adds constraints XLA does not have:
 - both tiles are multiples of 128 (MXU- and lane-aligned, and a multiple of
   the 8/16 sublanes of float32/bfloat16);
 - the budget is half the target TPU's VMEM per TensorCore
-  (`tpu_target.chip_info`), or 12 MiB (three quarters of the smallest
+  (`compile_platform.chip_info`), or 12 MiB (three quarters of the smallest
   default scoped VMEM, 16 MiB) for an unknown generation; the kernels then
   ask Mosaic for their estimated footprint with headroom, at most 3/4 of
   the capacity (`vmem_request_bytes`);
@@ -27,7 +27,7 @@ import math
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from keras_cutbce.backends.jax import tpu_target
+from keras_cutbce.backends.jax import compile_platform
 from keras_cutbce.common import round_up
 
 LANES = 128
@@ -42,13 +42,13 @@ DEFAULT_VMEM_BUDGET_BYTES = DEFAULT_SCOPED_VMEM_BYTES * 3 // 4
 
 def vmem_capacity_bytes():
     """Returns the VMEM bytes of one TensorCore of the target TPU, or None when unknown."""
-    chip = tpu_target.target_chip()
+    chip = compile_platform.compiled_chip()
     return None if chip is None else chip.vmem_bytes
 
 
 def tensorcores():
     """Returns the TensorCores one device of the target TPU drives (2 on v4 and v5p), else 1."""
-    chip = tpu_target.target_chip()
+    chip = compile_platform.compiled_chip()
     return 1 if chip is None else chip.cores
 
 

@@ -1,20 +1,21 @@
 """The TPU a JAX program is compiled for: its platform, VMEM and cores.
 
-Dispatch follows the compilation target, not the host's default backend, so
-a program compiled for a TPU from a CPU host (ahead-of-time compilation,
-`jax.experimental.topologies`) is the one a TPU host would run:
+Dispatch follows the platform the program is compiled for, not the host's
+default backend, so a program compiled for a TPU from a CPU host
+(ahead-of-time compilation, `jax.experimental.topologies`) is the one a TPU
+host would run:
 
-- `target_platform()` is `"tpu"` or the host's platform when the target is
-  known at trace time, else `None` ("decide at lowering"). The target is
-  known from, in order: the abstract mesh of the current trace
+- `compiled_platform()` is `"tpu"` or the host's platform when the platform
+  is known at trace time, else `None` ("decide at lowering"). It is known
+  from, in order: the abstract mesh of the current trace
   (`jax.set_mesh`, `shard_map`: its `abstract_device`), the
   `jax.default_device` context, the host's default backend when it is a
   TPU, and the host itself when no TPU compiler is installed (no `libtpu`,
   or `JAX_PLATFORMS` leaves TPUs out). Otherwise (a CPU host with `libtpu`,
   no mesh) the caller lowers both variants under `jax.lax.platform_dependent`
   and the compiler keeps the one of the platform it compiles for.
-- `target_chip()` is the `ChipInfo` (VMEM bytes per TensorCore,
-  TensorCores per device) of the target's device kind, or `None` when the
+- `compiled_chip()` is the `ChipInfo` (VMEM bytes per TensorCore,
+  TensorCores per device) of the compiled-for device kind, or `None` when the
   generation is unknown; callers then use budgets that fit every generation
   (`SAFE_VMEM_BYTES`).
 
@@ -74,7 +75,7 @@ def _mesh_device():
 
 
 def _context_device():
-    """Returns `(platform, device_kind)` the trace targets when something says so, else None."""
+    """Returns `(platform, device_kind)` the trace is compiled for, when something says so."""
     device = _mesh_device()
     if device is not None:
         return device.platform, device.device_kind
@@ -95,7 +96,7 @@ def tpu_compiler_available():
     return importlib.util.find_spec("libtpu") is not None
 
 
-def target_platform():
+def compiled_platform():
     """Returns `"tpu"`, the host's platform, or None: decide at lowering (see the module)."""
     found = _context_device()
     if found is not None:
@@ -105,21 +106,21 @@ def target_platform():
     return jax.devices()[0].platform
 
 
-def target_chip():
-    """Returns the `ChipInfo` of the TPU the trace targets, or None (unknown or not a TPU)."""
+def compiled_chip():
+    """Returns the `ChipInfo` of the TPU the trace is compiled for (None: unknown, not a TPU)."""
     found = _context_device()
     if found is None or found[0] != "tpu":
         return None
     return chip_info(found[1])
 
 
-def by_target(operands, tpu, other):
+def by_platform(operands, tpu, other):
     """Runs `tpu(*operands)` when compiled for a TPU, else `other(*operands)`.
 
-    Known targets trace one branch; otherwise both are traced and
-    `jax.lax.platform_dependent` keeps the target's at lowering.
+    A known platform traces one branch; otherwise both are traced and
+    `jax.lax.platform_dependent` keeps the compiled-for platform's at lowering.
     """
-    platform = target_platform()
+    platform = compiled_platform()
     if platform == "tpu":
         return tpu(*operands)
     if platform is not None:
