@@ -38,14 +38,28 @@ INTERPRET_ALIASES = False
 _SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
 
 
+def _traced_over_several_devices():
+    """Whether the current trace's mesh (e.g. a `shard_map` body's) has more than one device."""
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    return bool(mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1)
+
+
 def interpret_arg(interpret):
-    """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target)."""
+    """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target).
+
+    The TPU interpreter (`pltpu.InterpretParams`, JAX >= 0.6), except over
+    several devices: it synchronises their programs at barriers run from
+    host callbacks, which deadlocks when the host has fewer threads free than
+    devices (4 simulated devices on 2 cores); the generic interpreter runs
+    each shard's kernel on its own.
+    """
     if interpret is None:
         interpret = compile_platform.compiled_platform() != "tpu"
     if not interpret:
         return False
-    params = getattr(pltpu, "InterpretParams", None)  # JAX >= 0.6; else the generic interpreter.
-    return params() if params is not None else True
+    params = getattr(pltpu, "InterpretParams", None)
+    return params() if params is not None and not _traced_over_several_devices() else True
 
 
 def _compiler_params(semantics, vmem_limit):
