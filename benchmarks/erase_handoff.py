@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path and "--cell" not in sys.argv:  # a cell imports its checkout (PYTHONPATH)
@@ -54,6 +53,7 @@ def run_cell(mode, args):
     import numpy as np
     import torch
 
+    from benchmarks.erase_cpu import StepTimer
     from examples.ctr.data import synthetic_ctr
     from examples.ctr.model import build_ctr_model
 
@@ -75,18 +75,10 @@ def run_cell(mode, args):
     model.fit({k: v[:n] for k, v in x.items()}, y[:n], batch_size=args.batch, epochs=1,
               shuffle=False, verbose=0)
     hook.remove()
-    seconds = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-
+    timer = StepTimer()
     model.fit({k: v[n:] for k, v in x.items()}, y[n:], batch_size=args.batch, epochs=1,
-              shuffle=False, verbose=0, callbacks=[Timer()])
-    rates = np.sort(args.batch / np.asarray(seconds[args.warmup:]))
+              shuffle=False, verbose=0, callbacks=[timer])
+    rates = np.sort(args.batch / np.asarray(timer.steps[args.warmup:]))
     return {
         "mode": mode,
         "backwards_per_step": len(accumulations) / args.count_steps,

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path and "--cell" not in sys.argv:  # a cell imports its checkout (PYTHONPATH)
@@ -79,6 +78,7 @@ def run_cell(label, args):
     import numpy as np
     import torch
 
+    from benchmarks.erase_cpu import StepTimer
     from examples.ctr.data import synthetic_ctr
 
     torch.set_num_threads(args.threads)
@@ -88,18 +88,10 @@ def run_cell(label, args):
         return None
     model.compile(keras.optimizers.Adam(1e-3), keras.losses.BinaryCrossentropy())
     data = synthetic_ctr(args.batch * (args.warmup + args.steps), buckets=args.buckets)
-    seconds = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            seconds.append(time.perf_counter() - self.start)
-
+    timer = StepTimer()
     model.fit({"dense": data["dense"], "sparse": data["sparse"]}, data["label"],
-              batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[Timer()])
-    timed = np.asarray(seconds[args.warmup:]) * 1e3
+              batch_size=args.batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    timed = np.asarray(timer.steps[args.warmup:]) * 1e3
     from keras_erase.torch.cuda_graphs.runner import live_runners
 
     return {"schedule": label, "median_ms": float(np.median(timed)),
