@@ -12,6 +12,18 @@ Rule:
 - The first `warmup_rounds` steps of each candidate, plus `extra_warmup[c]`
   more for candidate `c` (e.g. the CUDA Graph capture steps of a graphed
   schedule), are not timed.
+- First-step drop (single process only, with `first_step_drop`, for
+  candidates whose first step costs what their later ones do, e.g. on CPU):
+  the baseline runs its warm-up step and two timed steps before any
+  challenger (these are ordinary training steps: they cost nothing), and a
+  challenger whose first (untimed) step already takes more than
+  `first_step_drop` times the baseline's fastest timed step is dropped at once. A losing
+  schedule then costs one of its steps, not three: in a short `fit` on a
+  machine where the standard step is already the fastest, the measuring is
+  what `auto` costs. A reference dropped this way no longer binds its
+  challenger: it was clearly slower than the baseline, which runs on the
+  challenger's whole thread budget, so there is no gain from fewer threads
+  per side to guard against.
 - Early stop (single process only): once the baseline and a challenger both
   have `early_stop_rounds` timed steps, a challenger whose median is not
   already `margin` below the baseline's is dropped (it is not winning
@@ -48,12 +60,16 @@ Example:
 
 import numpy as np
 
-__all__ = ["AUTO_MARGIN", "EARLY_STOP_ROUNDS", "ScheduleSelector", "label"]
+__all__ = ["AUTO_MARGIN", "EARLY_STOP_ROUNDS", "FIRST_STEP_DROP", "ScheduleSelector", "label"]
 
 # A schedule replaces the baseline only when this much faster (median and p90).
 AUTO_MARGIN = 0.03
 # Timed steps after which a challenger not clearly faster than the baseline is dropped.
 EARLY_STOP_ROUNDS = 2
+# A challenger whose first step takes this many baseline steps is dropped at once.
+FIRST_STEP_DROP = 1.15
+# Timed baseline steps before the first challenger, with the first-step drop.
+FIRST_STEP_BASELINE = 2
 
 
 def label(schedule):
@@ -80,6 +96,10 @@ class ScheduleSelector:
             (same length) applied to the statistics before the final choice.
         references: optional `{challenger: candidate}`: the challenger must
             also be `margin` faster than that candidate to be kept.
+        first_step_drop: optional ratio: a challenger whose first step takes
+            more than this many times the baseline's fastest timed step is
+            dropped at once (`None`, the default, disables it; off with
+            `combine`).
     """
 
     def __init__(
@@ -92,6 +112,7 @@ class ScheduleSelector:
         early_stop_rounds=EARLY_STOP_ROUNDS,
         combine=None,
         references=None,
+        first_step_drop=None,
     ):
         if not candidates:
             raise ValueError(
@@ -103,10 +124,12 @@ class ScheduleSelector:
         self.warmup = {
             c: int(warmup_rounds) + int((extra_warmup or {}).get(c, 0)) for c in self.candidates
         }
+        self.warmup_rounds = int(warmup_rounds)
         self.margin = float(margin)
         self.early_stop_rounds = None if combine is not None else early_stop_rounds
         self.combine = combine
         self.references = dict(references or {})
+        self.first_step_drop = None if combine is not None else first_step_drop
         for challenger, reference in self.references.items():
             if challenger not in self.candidates or reference not in self.candidates:
                 raise ValueError(
@@ -116,7 +139,8 @@ class ScheduleSelector:
         self.times = {c: [] for c in self.candidates}
         self.seen = {c: 0 for c in self.candidates}
         self.active = list(self.candidates)
-        self.dropped = []
+        self.dropped = []  # by the early stop or the first-step drop
+        self.dropped_at_first_step = []
         self.choice = self.candidates[0] if len(self.candidates) == 1 else None
         self.combined = None  # the statistics the choice was made on
         self.steps = 0
@@ -134,22 +158,46 @@ class ScheduleSelector:
         """Returns the schedule for the next step: a trial, or the choice once made."""
         if self.done:
             return self.choice
+        base = self.candidates[0]
+        if self._in_preamble():
+            return base  # its warm-up and first timed steps come first
         waiting = [c for c in self.active if self._needs(c)]
-        schedule = waiting[self._turn % len(waiting)]
-        return schedule
+        return waiting[self._turn % len(waiting)]
 
     def record(self, schedule, seconds):
         """Counts a step of `schedule` that took `seconds`; may make the choice."""
         if self.done:
             return
         self.steps += 1
-        self._turn += 1
+        self._turn = 1 if self._in_preamble() else self._turn + 1  # then the first challenger
         self.seen[schedule] += 1
         if self.seen[schedule] > self.warmup[schedule]:
             self.times[schedule].append(float(seconds))
+        elif self.seen[schedule] == 1:
+            self._first_step_drop(schedule, float(seconds))
         self._early_stop()
         if not self.done and not any(self._needs(c) for c in self.active):
             self._decide()
+
+    def _in_preamble(self):
+        base = self.candidates[0]
+        return (self.first_step_drop is not None
+                and len(self.times[base]) < min(FIRST_STEP_BASELINE, self.timed_rounds))
+
+    def _first_step_drop(self, schedule, seconds):
+        base = self.candidates[0]
+        if (self.first_step_drop is None or schedule == base or not self.times[base]
+                or self.warmup[schedule] != self.warmup_rounds):  # e.g. graph capture first
+            return
+        if seconds > min(self.times[base]) * self.first_step_drop:
+            self._drop(schedule)
+            self.dropped_at_first_step.append(schedule)
+
+    def _drop(self, schedule):
+        self.active.remove(schedule)
+        self.dropped.append(schedule)
+        if len(self.active) == 1:
+            self.choice = self.candidates[0]
 
     def _early_stop(self):
         rounds = self.early_stop_rounds
@@ -167,10 +215,7 @@ class ScheduleSelector:
                 median > np.median(self.times[ref]) * keep
             )
             if median > limit or beaten:
-                self.active.remove(c)
-                self.dropped.append(c)
-        if len(self.active) == 1:
-            self.choice = base
+                self._drop(c)
 
     def statistics(self):
         """Returns `{candidate: (median_s, p90_s)}` over the timed steps (candidates with any)."""

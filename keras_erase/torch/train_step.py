@@ -37,6 +37,7 @@ import torch
 from keras import tree
 
 from keras_erase import _keras_private
+from keras_erase.auto import FIRST_STEP_DROP
 from keras_erase.auto import ScheduleSelector
 from keras_erase.auto import label
 from keras_erase.config import PRESETS
@@ -178,11 +179,16 @@ def explain(runtime, finished_fit=False):
         if c in stats:
             median, p90 = stats[c]
             timed = (f"median {median * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms over "
-                     f"{len(selector.times[c])} timed steps")
+                     f"{_steps(len(selector.times[c]), 'timed ')}")
         else:
             timed = "no timed step yet"
-        dropped = " (dropped early: not clearly faster)" if c in selector.dropped else ""
-        parts.append(f"{label(c)} = {describe_schedule(c)}: {seen} steps, {timed}{dropped}")
+        dropped = ""
+        if c in selector.dropped_at_first_step:
+            dropped = (f" (dropped after its first step: more than {selector.first_step_drop:g}x "
+                       "the baseline's fastest timed step)")
+        elif c in selector.dropped:
+            dropped = " (dropped early: not clearly faster)"
+        parts.append(f"{label(c)} = {describe_schedule(c)}: {_steps(seen)}, {timed}{dropped}")
     refs = "; ".join(
         f"{label(c)} must also beat {label(r)} (the same threads per side)"
         for c, r in selector.references.items()
@@ -199,6 +205,10 @@ def explain(runtime, finished_fit=False):
                 + f": no schedule is kept yet (dispatch_choice is None); the steps so far ran "
                 "the candidates in turn, and the next training step goes on measuring")
     return f"{head}. Compared: " + "; ".join(parts) + f". Rule: {rule}."
+
+
+def _steps(count, kind=""):
+    return f"{count} {kind}step{'' if count == 1 else 's'}"
 
 
 def gradient_sync(runtime):
@@ -233,6 +243,8 @@ def next_schedule(runtime):
             extra_warmup=extra_warmup,
             combine=combine,  # with combine (several ranks) early stop is off
             references=references,
+            # a CPU candidate's first step costs what its later ones do
+            first_step_drop=None if cuda_available() else FIRST_STEP_DROP,
         )
     return runtime.selector.next_schedule()
 

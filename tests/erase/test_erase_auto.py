@@ -123,3 +123,56 @@ def test_threaded_is_kept_when_it_beats_both_standard_steps():
 def test_references_must_be_candidates():
     with pytest.raises(ValueError, match=r"`references` .*Received: references="):
         ScheduleSelector(CANDIDATES, references={("threaded", 1): ("standard", 4)})
+
+
+def test_first_step_drop_costs_a_losing_schedule_one_step():
+    """On CPU a candidate's first step costs what its later ones do: one clearly slower
+    step drops it, after the baseline's warm-up and two timed steps."""
+    candidates = [("standard", 2), ("standard", 1), ("threaded", 1)]
+    selector = ScheduleSelector(candidates, timed_rounds=8, references=REFERENCES,
+                                first_step_drop=1.25)
+    order = []
+    times = {("standard", 2): 1.0, ("standard", 1): 1.6, ("threaded", 1): 1.3}
+    while not selector.done:
+        schedule = selector.next_schedule()
+        order.append(schedule)
+        selector.record(schedule, times[schedule])
+    assert order[:4] == [("standard", 2)] * 3 + [("standard", 1)]
+    assert selector.seen == {("standard", 2): 4, ("standard", 1): 1, ("threaded", 1): 1}
+    assert selector.choice == ("standard", 2)
+    assert selector.dropped_at_first_step == [("standard", 1), ("threaded", 1)]
+
+
+def test_first_step_drop_keeps_a_close_challenger_and_its_dropped_reference_stops_binding():
+    """A challenger within the ratio is measured as before; a reference dropped as clearly
+    slower than the baseline (which has the challenger's whole thread budget) no longer binds it."""
+    candidates = [("standard", 2), ("standard", 1), ("threaded", 1)]
+    selector = ScheduleSelector(candidates, timed_rounds=4, references=REFERENCES,
+                                first_step_drop=1.25)
+    times = {("standard", 2): 1.0, ("standard", 1): 1.6, ("threaded", 1): 0.8}
+    while not selector.done:
+        schedule = selector.next_schedule()
+        selector.record(schedule, times[schedule])
+    assert selector.choice == ("threaded", 1)
+    assert selector.dropped_at_first_step == [("standard", 1)]
+    assert len(selector.times[("threaded", 1)]) == 4
+
+
+@pytest.mark.parametrize("case", ["graph_warmup", "combined_ranks"])
+def test_first_step_drop_is_off_for_extra_warmups_and_combined_ranks(case):
+    kwargs = dict(extra_warmup={"graphs": 2}) if case == "graph_warmup" else dict(combine=list)
+    selector = ScheduleSelector(["standard", "graphs"], timed_rounds=2, first_step_drop=1.25,
+                                **kwargs)
+    run(selector, {"standard": [1.0] * 4, "graphs": [0.5] * 4}, warmup_seconds=50.0)
+    assert selector.dropped_at_first_step == [] and selector.choice == "graphs"
+
+
+def test_first_step_drop_compares_with_the_fastest_baseline_step():
+    """A slow outlier among the baseline's first timed steps does not shield a slow challenger."""
+    selector = ScheduleSelector(["standard", "threaded"], timed_rounds=8, first_step_drop=1.15)
+    for seconds in (9.0, 3.0, 1.0):  # warm-up, then an outlier and a normal timed step
+        assert selector.next_schedule() == "standard"
+        selector.record("standard", seconds)
+    assert selector.next_schedule() == "threaded"
+    selector.record("threaded", 1.3)
+    assert selector.dropped_at_first_step == ["threaded"] and selector.choice == "standard"
