@@ -1,62 +1,28 @@
 """`EraseModel`: a `keras.Model` whose loss includes every `DetachBlock`'s local loss.
 
 On every backend the total loss is the compiled (main) loss plus each block's
-`loss_weight * loss(y_true, head(output))` plus `model.losses` (regularizers,
-`add_loss`), and `fit` logs each block's local loss plus its own `losses` (the
-regularizers and `add_loss` values of its layer and head) as
-`"<block name>_loss"` (a `keras.metrics.Mean` over the steps, reset every
-epoch; a block called several times in a step logs the sum of its calls' local
-losses, the objective its gradient is of); `evaluate`
-and validation compute them too (`val_loss` includes them as `loss` does; each
-logged as `"val_<block name>_loss"`). A block's
-own losses belong to its local objective: on torch its early backward
-differentiates them, the main backward does not. On JAX and
-TensorFlow the standard train step trains the model. On torch, `train_step`
-runs the ERASE schedule (`keras_erase.torch.train_step`): each block's backward
-pass is launched right after its forward pass and local loss (see
-`keras_erase.torch.schedules`), overlapping the forward pass of later blocks; the
-gradients are those of the standard step.
+`loss_weight * loss(y_true, head(output))` plus `model.losses`; `fit`,
+`evaluate` and validation log each block's local loss plus its own `losses`
+as `"<block name>_loss"` (`"val_<block name>_loss"`; a block called several
+times in a step logs the sum of its calls' local losses, the objective its
+gradient is of). On JAX and TensorFlow the standard train step trains the
+model. On torch `train_step` runs the ERASE step (`keras_erase.torch.train_step`):
+each block's backward is launched right after its forward pass and local loss,
+overlapping later blocks' forward passes, with the standard step's gradients.
 
-Dispatch modes (torch). An early-backward schedule is three independent
-choices (`keras_erase.config`): `launcher` (`"inline"`: the main thread, or
-`"worker"`: a backward worker thread), `placement` (`"default_stream"` or
-`"block_streams"`: one CUDA stream per block) and `cuda_graphs` (off / each
-block captured):
-
-- `"standard"`: Keras's stock step (the reference schedule).
-- `"early"`: the early-backward step with the `launcher` and `placement`
-  given (default: a worker, and on CUDA one stream per block).
-- `"blocking"`: preset, inline on the default stream.
-- `"threaded"`: preset, a worker thread on the default stream.
-- `"streams"` (CUDA): preset, a worker launching each block's backward onto
-  the block's own stream.
-- `"auto"` (default): measures its first training steps and keeps the fastest
-  schedule (`keras_erase.auto`). Candidates on CPU, at equal thread budgets:
-  `"standard"` at the current torch thread count `T`, `"standard"` at
-  `h = min(T, threads_for_worker())` threads and `"threaded"` with `h`
-  threads on each side (main thread and worker); `"threaded"` must beat both
-  standard steps (a gain from fewer threads per OpenMP team alone keeps the
-  standard step at `h` threads). On CUDA: `"standard"` and every launcher x
-  placement combination, graphed when `cuda_graphs=True` (then both with and
-  without graphs); `dispatch_choice` names the one kept (e.g.
-  `"streams+graphs"`). The
-  choice and what was compared are logged on the `"keras_erase"` logger and
-  kept in `model.dispatch_choice` and `model.dispatch_explanation`, the
-  timings (median and p90 seconds per candidate) in `model.auto_timings`. A
-  `fit` that ends while `"auto"` still measures warns and says what ran. Every
-  candidate computes the same gradients, so the measuring steps are ordinary
-  training steps.
-
-Intra-op threads (torch CPU): see `keras_erase.torch.threads`.
-
-At the first train step on every backend, trainable variables that no loss
-reaches (e.g. an embedding read only by blocks with `detach_input=True`) are
-reported once with a `FrozenUpstreamWarning` (`keras_erase.frozen_upstream`).
+Schedules (torch): `dispatch` picks the standard step, an early-backward
+schedule (`launcher` x `placement` x `cuda_graphs`, `keras_erase.config`; the
+presets `"blocking"`, `"threaded"`, `"streams"`) or `"auto"`, which times the
+candidates at the first steps and keeps the fastest (`keras_erase.auto`,
+`keras_erase.torch.auto_schedule`; `dispatch_choice`, `dispatch_explanation`
+and `auto_timings` say what it compared and kept). Every schedule computes the
+standard step's gradients. Threads on torch CPU: `keras_erase.torch.threads`.
+Variables no loss reaches are reported once, at the first train step, with a
+`FrozenUpstreamWarning` (`keras_erase.frozen_upstream`). See `docs/erase.md`.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -78,9 +44,6 @@ from keras_erase.runtime import torch_runtime
 from keras_erase.targets import check_targets
 
 __all__ = ["EraseModel", "FunctionalEraseModel"]
-
-LOGGER = logging.getLogger("keras_erase")
-
 
 def _as_tensor(value):
     """Returns a numeric numpy array as a backend tensor (one host copy), anything else as it is."""
@@ -220,7 +183,7 @@ class EraseModel(keras.Model):
 
     @property
     def intra_op_threads(self) -> str | int | None:
-        """torch CPU thread policy: `"auto"`, an int or `None` (see the class docstring)."""
+        """torch CPU thread policy: `"auto"`, an int or `None` (`keras_erase.torch.threads`)."""
         return self._erase.config.intra_op_threads
 
     @property
@@ -246,13 +209,9 @@ class EraseModel(keras.Model):
     def dispatch_explanation(self) -> str:
         """Says which schedule trains and why: with `"auto"`, what it compared, kept or still measures.
 
-        With `"auto"` on torch CPU the candidates are compared at equal thread
-        budgets: the standard step at the current intra-op threads `T`, the
-        standard step at `h = T // 2` threads and `"threaded"` with `h`
-        threads on each side (main thread and backward worker); `"threaded"`
-        is kept only if it beats both standard steps. When a `fit` ends while
-        `"auto"` is still measuring, this says so and which schedules ran (a
-        warning says it too); `dispatch_choice` is then still `None`.
+        With `"auto"` it names every candidate (its threads per side on CPU),
+        its median and p90 step time, the rule, and while measuring which
+        schedules ran so far (then `dispatch_choice` is still `None`).
 
         Example:
 
@@ -265,11 +224,7 @@ class EraseModel(keras.Model):
         if not _is_torch():
             return (f"dispatch={erase.config.dispatch!r} on backend {keras.backend.backend()!r}: "
                     "the standard Keras train step trains the model")
-        if erase.config.dispatch != "auto":
-            return torch_runtime().train_step.explain_fixed(erase)
-        if erase.selector is None:
-            return "dispatch='auto' has not measured yet: it measures at the first training steps"
-        return torch_runtime().train_step.explain(erase)
+        return torch_runtime().train_step.explanation(erase)
 
     @property
     def auto_timings(self) -> dict[str, dict[str, float]]:

@@ -27,7 +27,6 @@ One step (`train_step`):
 """
 
 import contextlib
-import dataclasses
 import logging
 import time
 import warnings
@@ -37,32 +36,26 @@ import torch
 from keras import tree
 
 from keras_erase import _keras_private
-from keras_erase.auto import FIRST_STEP_DROP
-from keras_erase.auto import ScheduleSelector
-from keras_erase.auto import label
-from keras_erase.config import PRESETS
-from keras_erase.config import Schedule
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.local_losses import batch_weight
 from keras_erase.targets import select_target
+from keras_erase.torch.auto_schedule import explain
+from keras_erase.torch.auto_schedule import explain_fixed
+from keras_erase.torch.auto_schedule import fixed_label
+from keras_erase.torch.auto_schedule import graphed
+from keras_erase.torch.auto_schedule import new_selector
 from keras_erase.torch import distributed
 from keras_erase.torch.cuda_graphs.capture import require_capture
-from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
-from keras_erase.torch.cuda_graphs.runner import untimed_steps
 from keras_erase.torch.schedules import make_dispatcher
 from keras_erase.torch.schedules.placements import require_streams
 from keras_erase.torch.tensors import to_device
 from keras_erase.torch.threads import main_thread_count
 from keras_erase.torch.threads import restored_intra_op_threads
 from keras_erase.torch.threads import set_intra_op_threads
-from keras_erase.torch.threads import threads_for_worker
 from keras_erase.torch.threads import worker_thread_count
 
-__all__ = [
-    "auto_candidates", "close_dispatchers", "erase_step", "explain", "explain_fixed", "train_step",
-    "training_scope",
-]
+__all__ = ["close_dispatchers", "erase_step", "explanation", "train_step", "training_scope"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -93,122 +86,13 @@ class BlockRunner:
         return outputs
 
 
-def auto_candidates(threads, graphs=False):
-    """Lists the `"auto"` candidates and their references: `([(label, threads)], {c: ref})`.
-
-    The first candidate is the baseline (the standard step).
-
-    On CUDA: every launcher x placement combination (`Schedule.every`), eager,
-    and with `graphs` (`cuda_graphs=True`) graphed too: each can win
-    somewhere (the worker and a stream per block overlap the device, graphs
-    shorten the host path, the inline launch saves the thread hand-off when the
-    GPU is saturated). Threads are left alone (`None`).
-
-    On CPU `"threaded"` at `h` threads runs the main thread and the backward
-    worker at `h` intra-op threads each: it is compared with the standard
-    step at `T` threads (the same budget, `2h <= T`) and, as its reference,
-    with the standard step at `h` threads (the threads each side gets), so
-    that a gain which only comes from fewer OpenMP threads per thread (an
-    oversubscribed machine) keeps the standard step at `h` threads, not the
-    threaded schedule. Streams need CUDA; with `graphs` (the CPU stand-in
-    capture) the threaded candidate is graphed.
-    """
-    if cuda_available():
-        schedules = Schedule.every(graphs=False) + (Schedule.every(graphs=True) if graphs else [])
-        return [("standard", None)] + [(s.label, None) for s in schedules], {}
-    # "threaded" only at most half the cores: a worker thread whose OpenMP team is
-    # as wide as the machine slows every later step of the process that runs on fewer
-    # threads, so even trying it would cost the standard step.
-    half = min(threads, threads_for_worker())
-    worker = Schedule("worker", "default_stream", graphs=graphs).label
-    if half == threads:  # one thread: both sides already run on the baseline's budget
-        return [("standard", threads), (worker, half)], {}
-    threaded, narrow = (worker, half), ("standard", half)
-    return [("standard", threads), narrow, threaded], {threaded: narrow}
-
-
-def describe_schedule(schedule):
-    """Says what a candidate runs, e.g. `("standard", 2)` -> `"standard (2 intra-op threads)"`.
-
-    A schedule that is not a plain preset also names its launcher, placement
-    and graphs, e.g. `"streams+graphs (launcher 'worker', placement
-    'block_streams', CUDA Graphs per block; torch's current intra-op threads)"`.
-    """
-    mode, threads = schedule
-    if threads is None:
-        budget = "torch's current intra-op threads"
-    elif mode != "standard" and Schedule.from_label(mode).launcher == "worker":
-        budget = (f"main thread {threads} + backward worker {threads} intra-op threads, "
-                  f"{2 * threads} in all")
-    else:
-        budget = f"{threads} intra-op thread{'s' if threads != 1 else ''}"
-    if mode == "standard" or (mode in PRESETS and threads is not None):
-        return f"{mode} ({budget})"
-    s = Schedule.from_label(mode)
-    return (f"{mode} (launcher {s.launcher!r}, placement {s.placement!r}, CUDA Graphs "
-            f"{'per block' if s.graphs else 'off'}; {budget})")
-
-
-def fixed_label(config):
-    """The dispatcher key of a fixed `dispatch`: the preset's name, or the `"early"` schedule's label."""
-    if config.dispatch == "early":
-        return dataclasses.replace(config.schedule(cuda_available()), graphs=False).label
-    return config.dispatch
-
-
-def explain_fixed(runtime):
-    """Says what a fixed (not `"auto"`) `dispatch` runs every step."""
-    config = runtime.config
-    schedule = config.schedule(cuda_available())
-    if config.dispatch != "early":
-        return f"dispatch={config.dispatch!r}: that schedule runs every step"
-    return (f"dispatch={config.dispatch!r}: launcher {schedule.launcher!r}, placement "
-            f"{schedule.placement!r}, CUDA Graphs {'per block' if schedule.graphs else 'off'}, "
-            "every step")
-
-
-def explain(runtime, finished_fit=False):
-    """Writes what `"auto"` compared and kept (or, still measuring, what ran so far)."""
-    selector = runtime.selector
-    if selector is None:
-        return None
-    stats = selector.combined or selector.statistics()
-    parts = []
-    for c in selector.candidates:
-        seen = selector.seen[c]
-        if c in stats:
-            median, p90 = stats[c]
-            timed = (f"median {median * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms over "
-                     f"{_steps(len(selector.times[c]), 'timed ')}")
-        else:
-            timed = "no timed step yet"
-        dropped = ""
-        if c in selector.dropped_at_first_step:
-            dropped = (f" (dropped after its first step: more than {selector.first_step_drop:g}x "
-                       "the baseline's fastest timed step)")
-        elif c in selector.dropped:
-            dropped = " (dropped early: not clearly faster)"
-        parts.append(f"{label(c)} = {describe_schedule(c)}: {_steps(seen)}, {timed}{dropped}")
-    refs = "; ".join(
-        f"{label(c)} must also beat {label(r)} (the same threads per side)"
-        for c, r in selector.references.items()
-    )
-    rule = (f"a challenger is kept only if its median and p90 step time are both at least "
-            f"{selector.margin:.0%} below the baseline {label(selector.candidates[0])}'s"
-            + (f"; {refs}" if refs else ""))
-    if selector.done:
-        head = (f"dispatch='auto' kept {label(selector.choice)} = "
-                f"{describe_schedule(selector.choice)} after {selector.steps} measuring steps")
-    else:
-        head = (f"dispatch='auto' is still measuring after {selector.steps} steps"
-                + (" when fit ended" if finished_fit else "")
-                + f": no schedule is kept yet (dispatch_choice is None); the steps so far ran "
-                "the candidates in turn, and the next training step goes on measuring")
-    return f"{head}. Compared: " + "; ".join(parts) + f". Rule: {rule}."
-
-
-def _steps(count, kind=""):
-    return f"{count} {kind}step{'' if count == 1 else 's'}"
+def explanation(runtime):
+    """Says which schedule trains and why (`EraseModel.dispatch_explanation` on torch)."""
+    if runtime.config.dispatch != "auto":
+        return explain_fixed(runtime, cuda_available())
+    if runtime.selector is None:
+        return "dispatch='auto' has not measured yet: it measures at the first training steps"
+    return explain(runtime)
 
 
 def gradient_sync(runtime):
@@ -224,33 +108,17 @@ def next_schedule(runtime):
     """Returns `(mode, threads)` for this step."""
     config = runtime.config
     if config.dispatch != "auto":
-        mode = fixed_label(config)
+        mode = fixed_label(config, cuda_available())
         return mode, main_thread_count(mode, config.intra_op_threads, cuda_available())
     if runtime.selector is None:
         sync = gradient_sync(runtime)
         combine = None
         if sync is not None:  # every rank must choose the same schedule
             combine = distributed.mean_over_ranks
-        candidates, references = auto_candidates(torch.get_num_threads(), config.cuda_graphs)
-        # graph warm-up and capture steps are never timed
-        extra_warmup = {
-            c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if _graphed(c[0])
-        }
-        runtime.selector = ScheduleSelector(
-            candidates,
-            timed_rounds=config.auto_steps,
-            warmup_rounds=1,
-            extra_warmup=extra_warmup,
-            combine=combine,  # with combine (several ranks) early stop is off
-            references=references,
-            # a CPU candidate's first step costs what its later ones do
-            first_step_drop=None if cuda_available() else FIRST_STEP_DROP,
+        runtime.selector = new_selector(
+            config, torch.get_num_threads(), cuda_available(), combine=combine
         )
     return runtime.selector.next_schedule()
-
-
-def _graphed(mode):
-    return mode != "standard" and Schedule.from_label(mode).graphs
 
 
 def dispatcher_for(runtime, mode):
@@ -262,7 +130,7 @@ def dispatcher_for(runtime, mode):
     dispatcher = runtime.dispatchers.get(mode)
     if dispatcher is None:
         config = runtime.config
-        graphs = _graphed(mode) or (config.dispatch != "auto" and config.cuda_graphs)
+        graphs = graphed(mode) or (config.dispatch != "auto" and config.cuda_graphs)
         dispatcher = make_dispatcher(
             mode,
             num_streams=config.num_streams,
@@ -287,7 +155,7 @@ def train_step(model, runtime, data, standard_step):
         if config.cuda_graphs:  # CUDA, or the CPU stand-in capture (tests, dry runs)
             require_capture()
     if config.dispatch == "early" and runtime.dispatch_choice == "early":
-        runtime.dispatch_choice = fixed_label(config)  # the resolved schedule
+        runtime.dispatch_choice = fixed_label(config, cuda_available())  # the resolved one
     schedule = next_schedule(runtime)
     mode, threads = schedule
     set_intra_op_threads(threads)

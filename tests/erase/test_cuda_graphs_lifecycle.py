@@ -113,12 +113,12 @@ def test_fit_releases_the_graphs_when_training_ends(mode, stand_in):
 
 
 def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch):
-    from keras_erase.torch import train_step
+    from keras_erase.torch import auto_schedule
 
     # Two graphed candidates on CPU; the slower one is dropped with its graphs.
     monkeypatch.setattr(
-        train_step, "auto_candidates",
-        lambda threads, graphs: ([("blocking+graphs", None), ("threaded+graphs", None)], {}),
+        auto_schedule, "auto_candidates",
+        lambda threads, graphs, cuda: ([("blocking+graphs", None), ("threaded+graphs", None)], {}),
     )
     x, y = data()
     model = shared_tower_model("auto", True)

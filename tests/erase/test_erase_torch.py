@@ -81,10 +81,9 @@ def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guar
 
 def test_auto_candidates_on_cuda_meet_what_the_gpu_check_expects(monkeypatch):
     """The CUDA branch of the candidate expectations below, proven on CPU (patched device)."""
-    from keras_erase.torch import train_step
+    from keras_erase.torch.auto_schedule import auto_candidates
 
-    monkeypatch.setattr(train_step, "cuda_available", lambda: True)
-    candidates, references = train_step.auto_candidates(2)
+    candidates, references = auto_candidates(2, cuda=True)
     assert candidates[0][0] == "standard" and len(candidates) >= 2
     assert all(reference in candidates for reference in references.values())
 
@@ -231,14 +230,14 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
 
     from keras_erase.auto import ScheduleSelector
     from keras_erase.torch.threads import threads_for_worker
-    from keras_erase.torch.train_step import auto_candidates
+    from keras_erase.torch.auto_schedule import auto_candidates
 
     assert _wait_for(lambda: not _live_workers())  # none left by earlier tests
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
     threads = torch.get_num_threads()
     # the standard step and a schedule with a worker, whatever auto tries on this device
-    candidates = [auto_candidates(threads)[0][0], ("threaded", min(threads, threads_for_worker()))]
+    candidates = [auto_candidates(threads, cuda=torch.cuda.is_available())[0][0], ("threaded", min(threads, threads_for_worker()))]
     # margin 0.99: the standard step is kept unless threaded is 100x faster
     model._erase.selector = ScheduleSelector(candidates, timed_rounds=1, margin=0.99)
     x, y = ctr_data(16)
@@ -491,9 +490,10 @@ def test_block_weight_penalties_make_no_tensor_from_host_data():
 def test_auto_compares_equal_thread_budgets_and_says_what_it_compared(
     two_threads, monkeypatch, caplog
 ):
+    from keras_erase.torch import auto_schedule
     from keras_erase.torch import train_step
 
-    monkeypatch.setattr(train_step, "threads_for_worker", lambda: 1)  # half of 2 cores
+    monkeypatch.setattr(auto_schedule, "threads_for_worker", lambda: 1)  # half of 2 cores
     monkeypatch.setattr(train_step, "cuda_available", lambda: False)  # the CPU rule, anywhere
     model = build_ctr("auto", auto_steps=2)
     x, y = ctr_data(128)
@@ -514,9 +514,9 @@ def test_auto_compares_equal_thread_budgets_and_says_what_it_compared(
 
 
 def test_a_fit_that_ends_while_auto_measures_says_so_and_what_ran(two_threads, monkeypatch):
-    from keras_erase.torch import train_step
+    from keras_erase.torch import auto_schedule
 
-    monkeypatch.setattr(train_step, "threads_for_worker", lambda: 1)
+    monkeypatch.setattr(auto_schedule, "threads_for_worker", lambda: 1)
     model = build_ctr("auto", auto_steps=8)  # needs far more than the 4 steps of this fit
     x, y = ctr_data(64)
     with warnings.catch_warnings(record=True) as caught:

@@ -28,14 +28,9 @@ twice per step, a shared tower, gets a graph pair per occurrence) it:
    AccumulateGrad nodes (whose stream is fixed when they are made) die with
    it, and every replay accumulates through nodes made at replay time, on the
    stream the dispatcher replays on;
-3. from then on replays them through one autograd node: the forward copies the
-   step's tensors into the static inputs (a CPU tensor is moved to the device
-   here, outside the graph) and replays the forward graph; the node's backward
-   (run by `torch.autograd.backward` on whichever thread and stream the
-   dispatcher uses) copies the incoming loss gradient in, replays the backward
-   graph and returns copies of the gradients (never the static buffers, which
-   autograd would adopt as `.grad` and the next replay would overwrite), so
-   gradients accumulate into `.grad` as in eager mode.
+3. from then on replays them through one autograd node
+   (`keras_erase.torch.cuda_graphs.block_graph`), so gradients accumulate into
+   `.grad` as in eager mode.
 
 Lifetime: `close()` releases every graph and its memory pool (the dispatcher
 calls it when it closes: when `"auto"` drops a schedule and when `fit` ends);
@@ -70,15 +65,18 @@ import weakref
 import torch
 from keras import tree
 
+from keras_erase.torch.cuda_graphs.block_graph import BlockGraph
+from keras_erase.torch.cuda_graphs.block_graph import ReplayBlock
+from keras_erase.torch.cuda_graphs.block_graph import input_signature
+from keras_erase.torch.cuda_graphs.block_graph import trainable_params
 from keras_erase.torch.cuda_graphs.capture import default_capture
 from keras_erase.torch.cuda_graphs.op_recording import CaptureRefused
 from keras_erase.torch.cuda_graphs.op_recording import OpTape
 from keras_erase.torch.cuda_graphs.op_recording import describe_op
 from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
 from keras_erase.torch.tensors import is_tensor
-from keras_erase.torch.tensors import same_storage
 
-__all__ = ["DEFAULT_WARMUP", "BlockGraph", "CudaGraphRunner", "live_runners", "untimed_steps"]
+__all__ = ["DEFAULT_WARMUP", "CudaGraphRunner", "live_runners", "untimed_steps"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -99,98 +97,6 @@ def live_runners():
 def untimed_steps(warmup):
     """Counts the steps of one schedule that include graph warm-up or capture (never timed)."""
     return int(warmup) + 1
-
-
-def _signature(block, flat):
-    return (id(block),) + tuple(
-        (tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)) if is_tensor(t) else repr(t)
-        for t in flat
-    )
-
-
-def _params(block):
-    values = [v.value for v in block.trainable_weights]
-    unique = {id(p): p for p in values if is_tensor(p) and p.requires_grad}
-    return list(unique.values())
-
-
-class BlockGraph:
-    """The forward and backward graphs of one block for one input signature."""
-
-    def __init__(self, block, static_inputs, params, forward, backward, grad_loss, grad_slots,
-                 output_structure=None):
-        self.block = block
-        self.output_structure = output_structure
-        self.static_inputs = static_inputs
-        self.params = params
-        self.param_ptrs = [p.data_ptr() for p in params]
-        self.forward = forward  # Capture: outputs = (flat block outputs..., loss)
-        self.backward = backward  # Capture: outputs = gradients (None where unused)
-        self.grad_loss = grad_loss
-        self.grad_slots = grad_slots  # per static input: index into backward outputs or None
-
-    def stale(self):
-        """Returns whether the block's trainable weights were re-created or (un)frozen since capture."""
-        current = _params(self.block)
-        return [id(p) for p in current] != [id(p) for p in self.params] or any(
-            p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
-        )
-
-    def release(self):
-        """Frees both graphs (and their memory pool) and the static tensors."""
-        for capture in (self.forward, self.backward):
-            if capture is not None:
-                capture.release()
-        self.forward = self.backward = None
-        self.static_inputs = self.params = []
-        self.grad_loss = None
-
-    def load(self, flat_inputs):
-        with torch.no_grad():
-            for static, value in zip(self.static_inputs, flat_inputs):
-                if is_tensor(static) and not same_storage(static, value):
-                    static.copy_(value, non_blocking=True)
-
-
-class _ReplayBlock(torch.autograd.Function):
-    """Forward: replay the forward graph. Backward: replay the backward graph."""
-
-    @staticmethod
-    def forward(ctx, graph, runner, *tensors):
-        n = len(graph.static_inputs)
-        graph.load(tensors[:n])
-        graph.forward.replay()
-        runner._count("replays")
-        ctx.graph, ctx.runner = graph, runner
-        *outputs, loss = graph.forward.outputs
-        outputs = [o.clone() for o in outputs]
-        ctx.mark_non_differentiable(*outputs)
-        return (*outputs, loss.clone())
-
-    @staticmethod
-    def backward(ctx, *grads):
-        graph = ctx.graph
-        grad_loss = grads[-1]
-        with torch.no_grad():
-            if grad_loss is None:
-                graph.grad_loss.zero_()
-            else:
-                graph.grad_loss.copy_(grad_loss)
-        graph.backward.replay()
-        ctx.runner._count("backward_replays")
-        results = graph.backward.outputs
-        # Copies, never the static buffers: autograd's AccumulateGrad adopts a
-        # returned tensor as `param.grad`, and the next replay (the same block met
-        # again, or the next step) overwrites the static buffer in place.
-        input_grads = [
-            None if slot is None or results[slot] is None else results[slot].clone()
-            for slot in graph.grad_slots
-        ]
-        n_params = len(graph.params)
-        param_grads = [
-            None if g is None else g.clone() for g in results[len(results) - n_params :]
-        ]
-        return (None, None, *input_grads, *param_grads)
 
 
 class CudaGraphRunner:
@@ -222,7 +128,7 @@ class CudaGraphRunner:
         self._occurrences = {}  # this step: how often each block and signature was met
         self._streams = {}  # id(block) -> the block's capture stream
         self._lock = threading.Lock()
-        self._function = _ReplayBlock
+        self._function = ReplayBlock
         _RUNNERS.add(self)
 
     def _count(self, name):
@@ -275,7 +181,7 @@ class CudaGraphRunner:
         if self.disabled:
             return eager_forward(block, inputs, y_true, sample_weight)
         flat = _flat(inputs) + _flat(y_true) + _flat(sample_weight)
-        signature = _signature(block, flat)
+        signature = input_signature(block, flat)
         # A block met several times in a step (a shared tower) gets one graph pair per
         # occurrence: its own static inputs and saved activations, so a later
         # occurrence's forward replay never overwrites what an earlier one's backward
@@ -353,7 +259,7 @@ class CudaGraphRunner:
         s_y = None if y_true is None else tree.map_structure(static_copy, y_true)
         s_sw = None if sample_weight is None else tree.map_structure(static_copy, sample_weight)
         static_inputs = _flat(s_inputs) + _flat(s_y) + _flat(s_sw)
-        params = _params(block)
+        params = trainable_params(block)
         needs_grad = [i for i, t in enumerate(static_inputs) if is_tensor(t) and t.requires_grad]
 
         def run_forward():
