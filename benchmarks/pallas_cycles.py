@@ -11,16 +11,21 @@ there (stalls on DMA, MXU results and the like come on top).
 
 How a grid step is counted (`step_cost`): the grid is the kernel's outer loop
 (bundles at loop depth 1); inner loops (depth 2) run their exit test's
-constant trips (the piece loop) or `t` trips (the hit-mask loop of a
-crowded tile: `t` the prefetched in-tile count of the step); forward
-branches skip regions: the fast path's when `t > fast_picks`, the crowded
-path's otherwise, a loop's guard when it runs no trip. The one-off
-`pl.when` regions (first tile, first or last row tile) count on every step:
-a slight over-count. The paths are told apart by their loops, so a tile
-must span at least 3 piece columns (the 4096-wide tiles of every case here
-do): with no piece loop, both paths would count. The step's bundles are averaged over the distribution
-of `t` of uniformly drawn ids (the kernels' own `in_tile_counts`). The
-steady step is the one of full vocabulary tiles: each case is compiled with
+constant trips (a piece loop, in earlier versions: the piece columns are
+unrolled now) or, a loop whose trips are dynamic, `t` trips (`t` the
+prefetched in-tile count of the step: the kernel's pass per id slot
+building its hit bits). Kernels with inline picks (`tiling.fast_picks`,
+earlier versions) have a fast and a crowded path, told apart by their
+loops (a tile must span at least 3 piece columns): forward branches skip
+the fast path's region when `t > fast_picks`, the crowded path's
+otherwise, and the crowded hit-mask loop runs `t - fast_picks - 1` trips
+(the first id past the inline ones is marked before it). A loop's guard
+region is skipped when it runs no trip. The one-off `pl.when` regions
+(first tile, first or last row tile) count on every step: an over-count
+(they run once a row block or once a vocabulary tile). The step's bundles
+are averaged over the distribution of `t` of uniformly drawn ids (the
+kernels' own `in_tile_counts`). The steady step is the one of full
+vocabulary tiles: each case is compiled with
 `V` rounded up to whole tiles (the edge tile's masked copy of the body, run
 once a pass, is left out); the number of steps is the real `V`'s.
 
@@ -103,8 +108,8 @@ def op_class(op):
         return "xlu"
     if op.split(".")[0] in TRANSCENDENTAL:
         return "eup"
-    if op.startswith("vmmov"):
-        return "mask"  # a mask-register move: not a vector ALU slot
+    if op.startswith(("vmmov", "vmand", "vmor", "vmxor", "vmnot")):
+        return "mask"  # a mask-register move or logic op: not a vector ALU slot
     if op.startswith("vld"):
         return "load"
     if op.startswith("vst"):
@@ -164,8 +169,11 @@ class Loop(NamedTuple):
     path: str  # "both", "fast" (steps with few ids in the tile) or "crowded"
 
 
-def _loops(bundles, bounds):
+def _loops(bundles, bounds, split=True):
     """The inner loops, their trips and the path they belong to.
+
+    `split`: the kernel has a fast and a crowded path (inline picks); else
+    every loop belongs to both.
 
     A loop starts at a depth-2 "LB" bundle and holds the depth-2 bundles up
     to the next loop or to a run of 16 depth-1 bundles (the scheduler
@@ -193,7 +201,7 @@ def _loops(bundles, bounds):
     for first, last, size, trips in found:
         # The kernel traces the fast path first, then the crowded one (its hit
         # mask loop: the only loop whose trips are the in-tile count).
-        if not dynamic or not any(trips is not None for *_, trips in found):
+        if not split or not dynamic or not any(trips is not None for *_, trips in found):
             path = "both"
         elif trips is None or first > dynamic[0]:
             path = "crowded"
@@ -241,16 +249,20 @@ def step_cost(bundles, starts, bounds, in_tile, fast_picks):
     a region runs when it holds a loop that runs, or no loop (the one-off
     `pl.when` regions: a slight over-count), or encloses a smaller region
     with the same loops (it is not their guard). A loop runs its constant trips,
-    or `in_tile` trips (the hit-mask loop); the fast path's loops run when
-    `in_tile <= fast_picks`, the crowded path's otherwise.
+    or `in_tile` trips (the dynamic loop), `in_tile - fast_picks - 1` for
+    the crowded hit-mask loop of a kernel with inline picks, whose fast
+    path's loops run when `in_tile <= fast_picks`, the crowded path's
+    otherwise.
     """
-    loops = _loops(bundles, bounds)
+    loops = _loops(bundles, bounds, split=fast_picks is not None)
     crowded = any(x.path == "crowded" for x in loops) and in_tile > (fast_picks or 0)
 
     def trips(loop):
         if loop.path == ("fast" if crowded else "crowded"):
             return 0
-        return in_tile if loop.trips is None else loop.trips
+        if loop.trips is not None:
+            return loop.trips
+        return in_tile if fast_picks is None else max(0, in_tile - fast_picks - 1)
 
     spans = forward_regions(bundles, starts)
 

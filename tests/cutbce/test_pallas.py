@@ -376,6 +376,25 @@ def test_mixed_precision_does_not_promote_to_float32_highest(rng):
 
 
 @pytest.mark.slow
+def test_ids_at_every_bit_of_a_full_tile(rng):
+    """A 4096-item tile: each row's ids in it as 32 bits a lane, the sign bit included.
+
+    Ids at items `128 b + lane` for every bit `b` from 0 to 31, a few in the
+    partial second tile; a `chunk_size` above 4096 is capped at 4096.
+    """
+    from keras_cutbce.backends.jax import pallas
+
+    h, t, b, _, g = _inputs(rng, 40, 4500, 8, 4, bias=True)
+    bits = np.arange(40 * 4) % 32
+    ids = (128 * bits + rng.integers(0, 128, size=40 * 4)).reshape(40, 4)
+    ids[::5, 3] = 4096 + 7
+    cfg = pallas.api.prepare(h, t, ids, b, 0.0, 1.0, 10_000, None, None)[0]
+    assert cfg.tile == 4096
+    _check((h, t, b, ids, g), ls=0.1, pw=2.0, rtol=2e-5,
+           pallas_kwargs=dict(chunk_size=10_000), keras_too=False)
+
+
+@pytest.mark.slow
 def test_int64_ids_beyond_int32_stay_padding(rng):
     """An int64 id 2**32 + k reaches the Pallas kernel as padding, not as item k."""
     from keras_cutbce import ops

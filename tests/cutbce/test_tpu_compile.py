@@ -129,8 +129,8 @@ def test_compiles_for_tpu(reports, case):
 # The fused kernel's schedule: v6e, (4096, 64, 876000) float32, L = 8 ids a row.
 CYCLES_CASE = dict(op="cycles", chip="v6e", dtype="float32", ids=8, rows=4096, dim=64,
                    vocab=876_000, path="fused")
-MAX_CYCLES_PER_1024_LOGITS = 7.5  # 13.3 before the pieces (issue 23), 7.1 after
-MAX_TIMES_MXU_FLOOR = 2.5  # 4.4 before, 2.4 after
+MAX_CYCLES_PER_1024_LOGITS = 6.1
+MAX_TIMES_MXU_FLOOR = 2.05
 
 
 def test_fused_kernel_cycles_per_1024_logits(tmp_path):

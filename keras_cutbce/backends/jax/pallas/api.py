@@ -47,8 +47,9 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
             interpret, precision="default"):
     """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays.
 
-    `chunk_size` (the vocabulary tile) and `block_rows` (the row tile; None:
-    `tiling.choose_tiles`) are rounded up to 128. Ids of any integer width;
+    `chunk_size` (the vocabulary tile, at most `tiling.MAX_TILE`) and
+    `block_rows` (the row tile; None: `tiling.choose_tiles`) are rounded up
+    to 128. Ids of any integer width;
     the kernel reads each row's positives
     (`keras_cutbce.backends.jax.math.sorted_positives`).
     """
@@ -71,7 +72,8 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
                                 tiling.vmem_budget_bytes(capacity))
     rows_tile, tile = tiles
     if chunk_size is not None:
-        tile = min(round_up(chunk_size, tiling.LANES), round_up(vocab_size, tiling.LANES))
+        tile = min(round_up(chunk_size, tiling.LANES), round_up(vocab_size, tiling.LANES),
+                   tiling.MAX_TILE)
     if block_rows is not None:
         rows_tile = min(round_up(block_rows, tiling.LANES),
                         round_up(max(num_rows, 1), tiling.LANES))
@@ -88,7 +90,6 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
         table_dtype=jnp.dtype(table.dtype).name,
         dv_view=dim % tiling.LANES != 0,
         cores=int(tiling.tensorcores()),
-        fast_picks=tiling.fast_picks(int(vocab_size), int(tile), int(rows_tile), int(ids.shape[1])),
     )
     return cfg, hidden, table, bias, ids
 
@@ -137,7 +138,7 @@ def cut_bce(
         bias: optional float `[V]`.
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float.
-        chunk_size: vocabulary tile width (rounded up to 128); None:
+        chunk_size: vocabulary tile width (rounded up to 128, at most 4096); None:
             `tiling.choose_tiles`.
         block_rows: rows of one kernel step (rounded up to 128); None:
             `tiling.choose_tiles`.
@@ -196,7 +197,7 @@ def cut_bce_weighted_sum(
         row_weights: float `[M]` row weights (constants: their gradient is 0).
         label_smoothing: float in `[0, 1]`.
         pos_weight: positive float.
-        chunk_size: vocabulary tile width (rounded up to 128); None: the tile rule.
+        chunk_size: vocabulary tile width (rounded up to 128, at most 4096); None: the tile rule.
         block_rows: rows of one kernel step (rounded up to 128); None: the tile rule.
         interpret: run the kernel in the Pallas TPU interpreter; None: when
             the program is not compiled for a TPU.

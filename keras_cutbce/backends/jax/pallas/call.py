@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from keras_cutbce.backends.jax import math, compile_platform
 from keras_cutbce.backends.jax.pallas.config import Pass
-from keras_cutbce.backends.jax.pallas.kernel import kernel, scratch_shapes
+from keras_cutbce.backends.jax.pallas.kernel import accumulates_in_place, kernel, scratch_shapes
 from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.tiling import cores_used, num_tiles, row_blocks
 from keras_cutbce.common import EMPTY_ID
@@ -198,11 +198,11 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
                       table_spec()]
         out_shapes += [jax.ShapeDtypeStruct((cores,) + hidden_block, jnp.float32),
                        jax.ShapeDtypeStruct(view, cfg.table_dtype)]
-        scratch.append(pltpu.VMEM((dim, tile) if cfg.dv_view else (tile, dim), jnp.float32))
+        if not accumulates_in_place(cfg):
+            scratch.append(pltpu.VMEM((dim, tile) if cfg.dv_view else (tile, dim), jnp.float32))
         if ps.has_bias:
             out_specs.append(bias_spec)
             out_shapes.append(jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32))
-            scratch.append(pltpu.VMEM((1, tile), jnp.float32))
     scratch += scratch_shapes(cfg, ps, dim, jnp.dtype(cfg.mm_dtype))
     if ps.with_grads and ps.carry:  # accumulate in place: the carried buffers are the outputs
         first_out = 1 if ps.with_loss else 0

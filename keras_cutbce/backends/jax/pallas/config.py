@@ -21,9 +21,6 @@ class Config(NamedTuple):
         table_dtype: dtype name of the table gradient the kernels write.
         dv_view: the kernels read the table as its `[D, V]` view (D % 128 != 0).
         cores: TensorCores of the target chip (the vocabulary is split across them).
-        fast_picks: ids of a row compared inline with each logit; a step whose
-            most crowded row has more ids in the tile builds a hit mask first
-            (`tiling.fast_picks`).
     """
 
     vocab_size: int
@@ -38,7 +35,6 @@ class Config(NamedTuple):
     table_dtype: str
     dv_view: bool
     cores: int = 1
-    fast_picks: int = 1
 
 
 class Pass(NamedTuple):

@@ -20,16 +20,19 @@ What is Pallas-specific lives here: the layouts (the table read as its
 `[V, D]`), the lane/sublane moves, the edge masks of the last, partial
 vocabulary tile, and finding a row's positives inside a tile from its
 sorted ids (`keras_cutbce.backends.jax.math.sorted_positives`) with a
-prefetched bound on how many fall there.
+prefetched bound on how many fall there (the passes building the hit bits).
 
 A step's `[row_tile, tile]` tile is far larger than the vector register
 file, so it runs in pieces (`tiling.PIECE_ROWS` x `tiling.PIECE_COLS`), a
-column of them at a time: logits (MXU), the loss term and slope
-(`logit_terms`: a positive's sign flipped by one xor) and, while the VPU
-works on one column, the MXU takes the previous column's gradient matmuls
-(two slope buffers). The first `cfg.fast_picks` ids of a row in the tile
-are compared inline with each logit; a step whose most crowded row has more
-builds a hit mask for the extra ones first.
+column of them at a time, the columns unrolled (one straight-line step for
+the scheduler): the loss term and slope (`logit_terms`: a positive's sign
+flipped by one xor) of one column on the VPU while the MXU writes the next
+column's logits to one of two logits buffers and takes the previous
+column's gradient matmuls from one of two slope buffers. A row's ids in the
+tile are one int32 word per lane (bit `b`: item `128 b + lane`), built once
+a step from the sorted ids; a logit's positive flag is two vector ops on
+that word, however many ids a row has in the tile. A float32 table's
+gradient accumulates in its output block.
 """
 
 import jax.numpy as jnp
@@ -45,7 +48,6 @@ from keras_cutbce.common import EMPTY_ID, round_up
 _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
-PIECE_UNROLL = 2  # pieces a loop iteration computes (even)
 
 
 def _matmul(x, y, dims, cfg):
@@ -108,33 +110,32 @@ def _pick(ids, first, k):
     return jnp.max(jnp.where(slot == first + k, ids, EMPTY_ID), axis=0, keepdims=True)
 
 
-def _fill_picks(picks_ref, ids, first, count):
-    """Writes `picks_ref[k]` `[rows, 128]`: each row's k-th id from the tile on, lane-broadcast."""
-    picks = jnp.concatenate([_pick(ids, first, k) for k in range(count)], axis=0)
-    columns = _as_columns(picks, EMPTY_ID)  # [rows, count]
-    for k in range(count):
-        picks_ref[k] = jnp.broadcast_to(columns[:, k:k + 1], picks_ref.shape[1:])
+def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
+    """Writes `bits_ref` `[rows, 128]` int32: each row's ids in the tile as bits.
 
-
-def _fill_hits(hits_ref, ids, first, start, in_tile, lo):
-    """Writes `hits_ref` `[rows, tile]`: the sign bit at each row's ids `start` to `in_tile - 1`.
-
-    The ids past those compared inline (crowded tiles: `start < in_tile`);
-    one pass over the tile per id.
+    Bit `b` of lane `l` is set where item `lo + 128 b + l` is one of the
+    row's ids (`tile` at most `32 * 128` items). One pass per id slot of
+    the most crowded row (`count`), over `bits_t_ref` `[128, rows]` (the
+    rows on the lanes, where the sorted ids are), then one transpose.
     """
-    cols = lax.broadcasted_iota(jnp.int32, hits_ref.shape, 1) + lo
-
-    def hits(k, previous):
-        pick = _as_columns(_pick(ids, first, k), EMPTY_ID)
-        return jnp.where(cols == pick, logit_terms.SIGN_BIT, previous)
-
-    hits_ref[...] = hits(start, 0)
+    lane = lax.broadcasted_iota(jnp.int32, bits_t_ref.shape, 0)
+    bits_t_ref[...] = jnp.zeros(bits_t_ref.shape, jnp.int32)
 
     def add(k, carry):
-        hits_ref[...] = hits(k, hits_ref[...])
+        item = _pick(ids, first, k) - lo  # [1, rows]: past the tile, or -1 - lo
+        inside = (item >= 0) & (item < tile)
+        at = jnp.where(inside, item & (LANES - 1), -1)
+        bit = jnp.left_shift(jnp.ones_like(item), jnp.where(inside, item >> 7, 0))
+        bits_t_ref[...] = bits_t_ref[...] | jnp.where(lane == at, bit, 0)
         return carry
 
-    lax.fori_loop(start + 1, in_tile, add, 0)
+    lax.fori_loop(0, count, add, 0)
+    bits_ref[...] = jnp.transpose(bits_t_ref[...])
+
+
+def _hits(bits, block):
+    """Returns the sign bit where bit `block` of `bits` is set, else 0 (`logit_terms.flip`)."""
+    return jnp.left_shift(bits, 31 - block) & logit_terms.SIGN_BIT
 
 
 def _lanes(x, width):
@@ -166,13 +167,14 @@ def kernel(*refs, cfg, ps, interpreted=False):
     the bias tile (with a bias), the carried table and bias gradients (with
     `ps.carry`); outputs: loss `[1, rows]`, the hidden gradient before its
     row scale (`call` applies it), table and bias gradients; scratch: the
-    tile's float32 table and bias accumulators, the step's hidden states
+    float32 table-gradient accumulator (a 16-bit table), the step's hidden states
     times the row scale (matmul dtype), two slope buffers `[row_tile, piece
-    cols]` (matmul dtype), the loss terms `[row_tile, 128]`,
-    the picked ids
-    `[picks, row_tile, 128]`, the crowded tiles' hit mask, and the row
-    scale as a column `[row_tile, 128]` (with a bias or a `[rows, D]` layout),
-    and the step's hidden states as `[row_tile, D]` (`[D, V]` view).
+    cols]` (matmul dtype), the loss terms `[row_tile, 128]`, the rows' ids
+    in the tile as bits `[row_tile, 128]` and `[128, row_tile]`
+    (`_fill_hit_bits`), the row scale as a column `[row_tile, 128]` (with a
+    bias or a `[rows, D]` layout), the step's hidden states as `[row_tile,
+    D]` (`[D, V]` view), and two float32 logits buffers `[row_tile, piece
+    cols]`.
     `interpreted`: traced for the interpreter (XLA), not Mosaic
     (`logit_terms.Exps`).
     """
@@ -188,15 +190,17 @@ def kernel(*refs, cfg, ps, interpreted=False):
     if ps.with_grads:
         grad_hidden_ref, grad_table_ref = refs.pop(0), refs.pop(0)
         grad_bias_ref = refs.pop(0) if ps.has_bias else None
-        acc_table = refs.pop(0)
-        acc_bias = refs.pop(0) if ps.has_bias else None
+        # A float32 table gradient accumulates in its output block (resident
+        # across the row tiles), another dtype in a float32 scratch.
+        acc_table = grad_table_ref if accumulates_in_place(cfg) else refs.pop(0)
+        acc_bias = grad_bias_ref
     scaled_ref = refs.pop(0) if ps.with_grads else None
     slopes_refs = (refs.pop(0), refs.pop(0)) if ps.with_grads else None
     terms_ref = refs.pop(0) if ps.with_loss else None
-    picks_ref = refs.pop(0)
-    hits_ref = refs.pop(0) if crowded_path(cfg) else None
+    bits_ref, bits_t_ref = refs.pop(0), refs.pop(0)
     scale_col_ref = refs.pop(0) if needs_scale_column(cfg, ps) else None
     hidden_t_ref = refs.pop(0) if cfg.dv_view else None
+    logits_refs = (refs.pop(0), refs.pop(0))
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile_index = core * ps.tiles_per_core + j
     row_tile = cfg.row_tile
@@ -210,26 +214,32 @@ def kernel(*refs, cfg, ps, interpreted=False):
     def columns(c):
         return pl.ds(pl.multiple_of(c * piece_cols, piece_cols), piece_cols)
 
-    def elementwise(c, edge, crowded, lo):
-        """Returns piece column `c`'s slopes `[row_tile, cols]` (or 0); adds its loss terms."""
+    def logits_column(c, buffer, edge, lo):
+        """Writes piece column `c`'s logits `[row_tile, cols]` to `logits_refs[buffer]` (MXU)."""
+        cols_ds = columns(c)
+        table = _table_piece(table_ref, cols_ds, cfg, edge, lo + cols_ds.start)
+        bias = bias_ref[:, cols_ds] if ps.has_bias else None
+        hidden = hidden_t_ref[...] if cfg.dv_view else hidden_rows(hidden_ref)[...]
+        logits_refs[buffer][...] = _logits(hidden, table, bias, cfg)
+
+    def elementwise(c, buffer, edge, lo, part):
+        """Returns column `c`'s slopes of rows `part` (a slice), or None; adds their loss terms.
+
+        Their logits are read from `logits_refs[buffer]` (`logits_column`).
+        """
         cols_ds = columns(c)
         c0 = cols_ds.start
-        table = _table_piece(table_ref, cols_ds, cfg, edge, lo + c0)
-        bias = bias_ref[:, cols_ds] if ps.has_bias else None
-        cols = lax.broadcasted_iota(jnp.int32, (piece_rows, piece_cols), 1) + (lo + c0)
-        valid = cols < cfg.vocab_size if edge else None
+        valid = None
+        if edge:
+            cols = lax.broadcasted_iota(jnp.int32, (piece_rows, piece_cols), 1) + (lo + c0)
+            valid = cols < cfg.vocab_size
         slopes, bias_grad = [], None
-        for r0 in range(0, row_tile, piece_rows):
+        for r0 in range(part.start, part.stop, piece_rows):
             local = slice(r0, r0 + piece_rows)
-            if cfg.dv_view:
-                hidden = hidden_t_ref[local, :]
-            else:
-                hidden = hidden_ref[pl.ds(pl.multiple_of(rows.start + r0, 8), piece_rows), :]
-            z = _logits(hidden, table, bias, cfg)
-            hits = hits_ref[local, cols_ds] if crowded else jnp.zeros(z.shape, jnp.int32)
-            for k in range(cfg.fast_picks):
-                pick = _lanes(picks_ref[k, local, :], piece_cols)
-                hits = jnp.where(cols == pick, logit_terms.SIGN_BIT, hits)
+            z = logits_refs[buffer][local, :]
+            bits = bits_ref[local, :]
+            hits = jnp.concatenate([_hits(bits, c * piece_cols // LANES + k)
+                                    for k in range(piece_cols // LANES)], axis=1)
             f = logit_terms.flip(z, hits)
             ex = logit_terms.Exps(f, barrier=interpreted)
             positive = hits != 0 if mask_weights else None
@@ -245,56 +255,59 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
                 if ps.has_bias:
                     weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
-                    part = jnp.sum(weighted, axis=0, keepdims=True)
-                    bias_grad = part if bias_grad is None else bias_grad + part
+                    grad = jnp.sum(weighted, axis=0, keepdims=True)
+                    bias_grad = grad if bias_grad is None else bias_grad + grad
         if bias_grad is not None:
             acc_bias[:, cols_ds] += bias_grad
         return jnp.concatenate(slopes, axis=0) if slopes else None
 
-    def gradients(c, slopes, edge, lo):
-        """Adds piece column `c`'s slopes (a scratch ref) to the hidden and table gradients."""
+    def gradients(c, slopes_ref, edge, lo, part):
+        """Adds piece column `c`'s slopes of rows `part` to the hidden and table gradients."""
         cols_ds = columns(c)
         table = _table_piece(table_ref, cols_ds, cfg, edge, lo + cols_ds.start)
-        dz = slopes[...]
-        grad_hidden = hidden_rows(grad_hidden_ref)
-        grad_hidden[...] += _grad_hidden_tile(dz, table, cfg)
-        part = _grad_table_tile(scaled_ref[...], dz, cfg)
+        dz = slopes_ref[part, :]
+        first = pl.multiple_of(rows.start + part.start, LANES if cfg.dv_view else 8)
         if cfg.dv_view:
-            acc_table[:, cols_ds] += part
+            grad_hidden = grad_hidden_ref.at[:, pl.ds(first, dz.shape[0])]
+            scaled = scaled_ref[:, part]
         else:
-            acc_table[cols_ds, :] += part
+            grad_hidden = grad_hidden_ref.at[pl.ds(first, dz.shape[0]), :]
+            scaled = scaled_ref[part, :]
+        grad_hidden[...] += _grad_hidden_tile(dz, table, cfg)
+        grad = _grad_table_tile(scaled, dz, cfg)
+        if cfg.dv_view:
+            acc_table[:, cols_ds] += grad
+        else:
+            acc_table[cols_ds, :] += grad
 
-    def pieces(edge, crowded, lo):
-        """The step's tile, piece column by piece column.
+    def pieces(edge, lo):
+        """The step's tile, piece column by piece column (unrolled).
 
-        Software-pipelined over two slope buffers: while the VPU computes
-        piece `c`'s logits and slopes into one, the MXU takes piece
-        `c - 1`'s gradient matmuls from the other (the loop runs pairs of
-        pieces, so each buffer is a static ref).
+        Software-pipelined over two logits and two slope buffers: while the
+        VPU works on piece column `c` (its logits in one buffer), the MXU
+        writes column `c + 1`'s logits to the other and takes column
+        `c - 1`'s gradient matmuls from the other slope buffer. The last
+        column's gradients go in row halves, the first half's while the VPU
+        works on the second.
         """
         count = cfg.tile // piece_cols
-
-        def piece(c, buffer):
-            slopes = elementwise(c, edge, crowded, lo)
-            if ps.with_grads:
-                if not isinstance(c, int) or c > 0:
-                    gradients(c - 1, slopes_refs[1 - buffer], edge, lo)
-                slopes_refs[buffer][...] = slopes
-
-        piece(0, 0)
-        groups = (count - 1) // PIECE_UNROLL
-
-        def group(k, carry):  # pieces 1 + U k + u: an even U keeps each buffer static
-            for u in range(PIECE_UNROLL):
-                piece(1 + PIECE_UNROLL * k + u, (1 + u) % 2)
-            return carry
-
-        if groups:
-            lax.fori_loop(0, groups, group, 0)
-        for c in range(1 + groups * PIECE_UNROLL, count):
-            piece(c, c % 2)
-        if ps.with_grads:
-            gradients(count - 1, slopes_refs[(count - 1) % 2], edge, lo)
+        whole = slice(0, row_tile)
+        logits_column(0, 0, edge, lo)
+        for c in range(count):
+            buffer = c % 2
+            aligned = row_tile % (2 * (LANES if cfg.dv_view else piece_rows)) == 0
+            half = row_tile // 2 if c == count - 1 and aligned else row_tile
+            for start in range(0, row_tile, half):
+                part = slice(start, start + half)
+                slopes = elementwise(c, buffer, edge, lo, part)
+                if start == 0 and c + 1 < count:
+                    logits_column(c + 1, 1 - buffer, edge, lo)
+                if ps.with_grads:
+                    if start == 0 and c > 0:
+                        gradients(c - 1, slopes_refs[1 - buffer], edge, lo, whole)
+                    slopes_refs[buffer][part, :] = slopes
+                    if c == count - 1:
+                        gradients(c, slopes_refs[buffer], edge, lo, part)
 
     def body(edge):
         @pl.when(j == 0)
@@ -315,12 +328,12 @@ def kernel(*refs, cfg, ps, interpreted=False):
                     acc_bias[...] = jnp.zeros_like(acc_bias) + start_bias
 
         lo = tile_index * cfg.tile
+        if ps.with_loss:
+            terms_ref[...] = jnp.zeros(terms_ref.shape, jnp.float32)
         ids = ids_ref[:, rows]
         first = _first_slots(ids, lo)
         count_index = tile_index * pl.num_programs(2) + i if ps.counts_per_row_tile else tile_index
         in_tile = in_tile_ref[count_index]
-        if ps.with_loss:
-            terms_ref[...] = jnp.zeros(terms_ref.shape, jnp.float32)
         if scale_col_ref is not None:
             scale_col_ref[...] = jnp.broadcast_to(
                 _as_columns(row_scale_ref[:, rows], 0.0), scale_col_ref.shape)
@@ -330,28 +343,19 @@ def kernel(*refs, cfg, ps, interpreted=False):
             scale = row_scale_ref[:, rows] if cfg.dv_view else scale_col_ref[:, 0:1]
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
             scaled_ref[...] = (hidden * scale).astype(scaled_ref.dtype)
-        _fill_picks(picks_ref, ids, first, cfg.fast_picks)
+        _fill_hit_bits(bits_ref, bits_t_ref, ids, first, in_tile, lo, cfg.tile)
         if hidden_t_ref is not None:  # [D, rows] -> [rows, D]: row pieces on the sublanes
             hidden_t_ref[...] = jnp.transpose(
                 hidden_rows(hidden_ref)[...].astype(jnp.float32)).astype(hidden_t_ref.dtype)
-        if hits_ref is None:
-            pieces(edge, False, lo)
-        else:
-            pl.when(in_tile <= cfg.fast_picks)(lambda: pieces(edge, False, lo))
-
-            @pl.when(in_tile > cfg.fast_picks)
-            def _crowded():
-                _fill_hits(hits_ref, ids, first, cfg.fast_picks, in_tile, lo)
-                pieces(edge, True, lo)
+        pieces(edge, lo)
 
         if ps.with_loss:
             loss_ref[:, rows] += _as_row(jnp.sum(terms_ref[...], axis=1, keepdims=True))
         if ps.with_grads:
-            @pl.when(i == pl.num_programs(2) - 1)
-            def _store():
-                grad_table_ref[...] = acc_table[...].astype(grad_table_ref.dtype)
-                if ps.has_bias:
-                    grad_bias_ref[...] = acc_bias[...]
+            if not accumulates_in_place(cfg):
+                @pl.when(i == pl.num_programs(2) - 1)
+                def _store():
+                    grad_table_ref[...] = acc_table[...].astype(grad_table_ref.dtype)
 
     # The edge masks run on the last tile of an unaligned V only; the last
     # core's steps past the last tile (their blocks clamped) do nothing.
@@ -365,9 +369,9 @@ def kernel(*refs, cfg, ps, interpreted=False):
         pl.when(tile_index < tiles)(lambda: body(False))
 
 
-def crowded_path(cfg):
-    """Whether a row may have more ids in one tile than the picks compare inline."""
-    return cfg.num_ids > cfg.fast_picks
+def accumulates_in_place(cfg):
+    """Whether the table gradient accumulates in its output block (a float32 table)."""
+    return jnp.dtype(cfg.table_dtype) == jnp.float32
 
 
 def needs_scale_column(cfg, ps):
@@ -386,11 +390,11 @@ def scratch_shapes(cfg, ps, dim, mm_dtype):
         shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), mm_dtype)] * 2
     if ps.with_loss:
         shapes.append(pltpu.VMEM((cfg.row_tile, LANES), jnp.float32))
-    shapes.append(pltpu.VMEM((max(cfg.fast_picks, 1), cfg.row_tile, LANES), jnp.int32))
-    if crowded_path(cfg):
-        shapes.append(pltpu.VMEM((cfg.row_tile, cfg.tile), jnp.int32))
+    shapes += [pltpu.VMEM((cfg.row_tile, LANES), jnp.int32),
+               pltpu.VMEM((LANES, cfg.row_tile), jnp.int32)]
     if needs_scale_column(cfg, ps):
         shapes.append(pltpu.VMEM((cfg.row_tile, LANES), jnp.float32))
     if cfg.dv_view:
         shapes.append(pltpu.VMEM((cfg.row_tile, dim), mm_dtype))
+    shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), jnp.float32)] * 2
     return shapes

@@ -18,11 +18,9 @@ and Mosaic adds constraints XLA does not have:
   input dtype, float32 accumulators and output buffers, the step's scratch:
   `footprint_bytes`); if none fits, the row tile halves (down to 128);
 - the resident rows of one pass (hidden states, ids, weights, loss and
-  hidden gradient, double-buffered) take at most a quarter of the budget;
+  hidden gradient, double-buffered) take at most half of the budget;
   more rows run one pass per row block (`row_blocks`).
 """
-
-import math
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -33,7 +31,7 @@ from keras_cutbce.common import round_up
 LANES = 128
 MAX_ROW_TILE = 512
 MIN_ROW_TILE = 128
-MAX_TILE = 4096
+MAX_TILE = 4096  # 32 hit bits x 128 lanes (`kernel._fill_hit_bits`)
 PIECE_ROWS = 64  # a piece of a step's tile: [64, 512] float32, 32 vector registers
 PIECE_COLS = 512
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20
@@ -61,17 +59,17 @@ def footprint_bytes(row_tile, tile, dim, itemsize):
     """Returns the estimated VMEM bytes of one kernel step with these tiles.
 
     The table and bias tiles (double-buffered, input dtype), their float32
-    accumulators and gradient outputs, and the step's scratch: the crowded
-    tiles' int32 hit mask and the pass that builds it, two slope buffers of
-    one piece column, the `[row_tile, 128]` loss, pick and scale columns,
-    and the hidden states transposed and scaled.
+    accumulators and gradient outputs, and the step's scratch: two slope
+    buffers (input dtype) and two float32 logits buffers of one piece
+    column, the `[row_tile, 128]` loss, hit-bit and scale columns (and the
+    pass building the hit bits), and the hidden states transposed and
+    scaled.
     """
     tiles = 2 * tile * (dim * itemsize + 4)
     grads = 3 * tile * (dim + 1) * 4
-    scratch = row_tile * (2 * PIECE_COLS * itemsize + 6 * LANES * 4
+    scratch = row_tile * (2 * PIECE_COLS * (itemsize + 4) + 6 * LANES * 4
                           + 2 * max(dim, LANES) * itemsize)
-    hit_mask = 2 * row_tile * tile * 4
-    return tiles + grads + scratch + hit_mask
+    return tiles + grads + scratch
 
 
 def vmem_request_bytes(capacity, footprint, resident):
@@ -105,31 +103,6 @@ def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None):
         row_tile = max(MIN_ROW_TILE, row_tile // 2)
 
 
-def fast_picks(vocab_size, tile, row_tile, num_ids, max_picks=4):
-    """Returns how many of a row's ids in a tile the kernel compares inline with each logit.
-
-    The smallest `k` (1 to `max_picks`, at most `num_ids`) for which, with
-    uniformly drawn ids, at least half of the grid steps have no row with
-    more than `k` ids in the step's tile (Binomial(`num_ids`, `tile / V`)
-    per row, `row_tile` rows); the other steps build a hit mask first. Each
-    inline id costs two vector ops a logit; a hit mask one pass over the
-    tile per id.
-
-    Example:
-
-    >>> fast_picks(876_000, 4096, 512, 8), fast_picks(100_000, 4096, 512, 8)
-    (1, 3)
-    """
-    p = min(1.0, tile / max(vocab_size, 1))
-    most = max(1, min(max_picks, num_ids))
-    for k in range(1, most):
-        at_most_k = sum(math.comb(num_ids, n) * p**n * (1 - p) ** (num_ids - n)
-                        for n in range(k + 1))
-        if at_most_k**row_tile >= 0.5:
-            return k
-    return most
-
-
 def num_tiles(cfg):
     """Returns the number of vocabulary tiles (the last one may be partial)."""
     return pl.cdiv(cfg.vocab_size, cfg.tile)
@@ -149,8 +122,8 @@ def resident_bytes_per_row(dim, num_ids, hidden_itemsize, with_grads):
 
 
 def resident_budget_bytes(cfg):
-    """Returns the resident rows' VMEM share: a quarter of the tiles' budget."""
-    return vmem_budget_bytes(cfg.vmem_capacity) // 4
+    """Returns the resident rows' VMEM share: half of the tiles' budget."""
+    return vmem_budget_bytes(cfg.vmem_capacity) // 2
 
 
 def row_blocks(num_rows, dim, hidden_itemsize, cfg, with_grads=True):
