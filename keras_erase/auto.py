@@ -158,9 +158,8 @@ class ScheduleSelector:
         """Returns the schedule for the next step: a trial, or the choice once made."""
         if self.done:
             return self.choice
-        base = self.candidates[0]
         if self._in_preamble():
-            return base  # its warm-up and first timed steps come first
+            return self.candidates[0]  # the baseline's warm-up and first timed steps come first
         waiting = [c for c in self.active if self._needs(c)]
         return waiting[self._turn % len(waiting)]
 

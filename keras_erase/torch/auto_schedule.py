@@ -111,7 +111,7 @@ def describe_schedule(schedule):
         budget = (f"main thread {threads} + backward worker {threads} intra-op threads, "
                   f"{2 * threads} in all")
     else:
-        budget = f"{threads} intra-op thread{'s' if threads != 1 else ''}"
+        budget = _count(threads, "intra-op thread")
     if mode == "standard" or (mode in PRESETS and threads is not None):
         return f"{mode} ({budget})"
     s = Schedule.from_label(mode)
@@ -149,7 +149,7 @@ def explain(runtime, finished_fit=False):
         if c in stats:
             median, p90 = stats[c]
             timed = (f"median {median * 1e3:.1f} ms, p90 {p90 * 1e3:.1f} ms over "
-                     f"{_steps(len(selector.times[c]), 'timed ')}")
+                     f"{_count(len(selector.times[c]), 'timed step')}")
         else:
             timed = "no timed step yet"
         dropped = ""
@@ -158,7 +158,7 @@ def explain(runtime, finished_fit=False):
                        "the baseline's fastest timed step)")
         elif c in selector.dropped:
             dropped = " (dropped early: not clearly faster)"
-        parts.append(f"{label(c)} = {describe_schedule(c)}: {_steps(seen)}, {timed}{dropped}")
+        parts.append(f"{label(c)} = {describe_schedule(c)}: {_count(seen, 'step')}, {timed}{dropped}")
     refs = "; ".join(
         f"{label(c)} must also beat {label(r)} (the same threads per side)"
         for c, r in selector.references.items()
@@ -177,5 +177,6 @@ def explain(runtime, finished_fit=False):
     return f"{head}. Compared: " + "; ".join(parts) + f". Rule: {rule}."
 
 
-def _steps(count, kind=""):
-    return f"{count} {kind}step{'' if count == 1 else 's'}"
+def _count(count, noun):
+    """`_count(1, "step")` -> `"1 step"`, `_count(3, "step")` -> `"3 steps"`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
