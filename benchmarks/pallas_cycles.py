@@ -20,9 +20,15 @@ loops (a tile must span at least 3 piece columns): forward branches skip
 the fast path's region when `t > fast_picks`, the crowded path's
 otherwise, and the crowded hit-mask loop runs `t - fast_picks - 1` trips
 (the first id past the inline ones is marked before it). A loop's guard
-region is skipped when it runs no trip. The one-off `pl.when` regions
-(first tile, first or last row tile) count on every step: an over-count
-(they run once a row block or once a vocabulary tile). The step's bundles
+region is skipped when it runs no trip. A one-off `pl.when` region (first
+vocabulary tile, first or last row tile) is weighted by how often it runs
+over the grid (`grid_weights`): its branch compares a grid index with a
+constant, and the grid loop's counters give that index's extent, so a
+region run at one value of an axis of extent `n` weighs `1 / n` (`n - 1 /
+n` for all values but one); a region whose predicate is anything else
+(the pipeline's DMA and window-copy guards) counts on every step. Both
+counts are reported: `step_cycles` (weighted) and `step_cycles_every`
+(every region on every step, the count before). The step's bundles
 are averaged over the distribution of `t` of uniformly drawn ids (the
 kernels' own `in_tile_counts`). The steady step is the one of full
 vocabulary tiles: each case is compiled with
@@ -126,17 +132,18 @@ class Bundle(NamedTuple):
     ops: tuple
     branch_to: object  # region number of a relative branch, or None
     predicate: object  # the branch's predicate register, or None
+    negated: bool  # the branch is taken when its predicate is false
 
 
-_PREDICATE = re.compile(r"sbr\.rel \(!?%(p\w+)\)")
+_PREDICATE = re.compile(r"sbr\.rel \((!?)%(p\w+)\)")
 _LOOP_EXIT = re.compile(r"%(p\w+) = scmp\.\w+\.s32\.totalorder %s\w+, (\d+) /\* loop exit test")
 
 
 def read_bundles(path):
-    """The bundles of a `*-final_bundles.txt` dump, `{region: first address}` and the loop bounds.
+    """The bundles of a `*-final_bundles.txt` dump, `{region: first address}`, loop bounds, defs.
 
     Loop bounds: `{predicate: trips}` of the loops whose exit test compares
-    with a constant (`fori_loop` with static bounds).
+    with a constant (`fori_loop` with static bounds); defs: `_definitions`.
     """
     bundles, starts, bounds = [], {}, {}
     texts = []  # one bundle's text may span lines (comments with newlines)
@@ -157,8 +164,91 @@ def read_bundles(path):
         bundles.append(Bundle(addr, found.group(2), len(found.group(3)),
                               tuple(_OP.findall(found.group(4))),
                               int(target.group(1)) if target else None,
-                              predicate.group(1) if predicate else None))
-    return bundles, starts, bounds
+                              predicate.group(2) if predicate else None,
+                              bool(predicate and predicate.group(1))))
+    return bundles, starts, bounds, _definitions(texts)
+
+
+_DEF = re.compile(r"%([sp]\w+) = ([a-z][\w.]*) ([^;}]*)")
+_SPILL = re.compile(r"= sst \[smem:\[#(\w+)\]\] (?:\([^)]*\) )?%(s\w+)")
+
+
+def _definitions(texts):
+    """`{register: (op, operand text)}` of the dump's scalar and predicate definitions.
+
+    A scalar spilled to and reloaded from scalar memory reads, at its
+    reload (`sld`), as a `sphi` of the registers stored to that slot.
+    """
+    found, spills = {}, collections.defaultdict(list)
+    for text in texts:
+        for slot, reg in _SPILL.findall(text):
+            spills[slot].append("%" + reg)
+        for name, op, operands in _DEF.findall(text):
+            if op.startswith(("s", "p")):
+                found.setdefault(name, (op, operands.split("/*")[0].strip()))
+    for name, (op, operands) in found.items():
+        slot = re.fullmatch(r"\[smem:\[#(\w+)\]\]", operands)
+        if op == "sld" and slot and spills.get(slot.group(1)):
+            found[name] = ("sphi", ", ".join(spills[slot.group(1)]))
+    return found
+
+
+def grid_extents(defs):
+    """`{register: extent}` of the grid indices, from the grid loop's counters.
+
+    A counter steps as `next = sadd 1, index` and wraps where `next >= n`
+    (the compare may read `next` through a predicated `smov`); `sphi` and
+    `smov` copies of an index (the index of the step being executed, a
+    pipeline stage behind) share its extent.
+    """
+    steps = {dest: operands.split(", ")[1] for dest, (op, operands) in defs.items()
+             if op == "sadd.s32" and operands.startswith("1, %")}
+    extents = {}
+    for op, operands in defs.values():
+        found = re.fullmatch(r"%(s\w+), (\d+)", operands)
+        if not (op.startswith("scmp.ge.s32") and found):
+            continue
+        reg, n = found.group(1), int(found.group(2))
+        sources = [reg] + re.findall(r"%(s\w+)", defs.get(reg, ("", ""))[1])
+        for source in sources:
+            if source in steps:
+                extents[steps[source].lstrip("%")] = n
+    changed = True
+    while changed:  # copies of an index
+        changed = False
+        for dest, (op, operands) in defs.items():
+            if dest in extents or op not in ("smov", "sphi"):
+                continue
+            known = {extents[x] for x in re.findall(r"%(s\w+)", operands) if x in extents}
+            if len(known) == 1 and "(" not in operands:
+                extents[dest] = known.pop()
+                changed = True
+    return extents
+
+
+def grid_weights(bundles, defs):
+    """`{branch address: share of the grid steps that run its region}` (`pl.when` regions).
+
+    A branch on `index != c` (taken: the region is skipped) runs its region
+    at one value of an index of extent `n`: `1 / n` of the steps; `index ==
+    c` or a negated branch the other way round. Branches whose predicate is
+    not such a compare are left out (their regions count on every step).
+    """
+    extents, weights = grid_extents(defs), {}
+    for b in bundles:
+        if b.branch_to is None or b.predicate is None or b.depth != 1:
+            continue
+        op, operands = defs.get(b.predicate, ("", ""))
+        found = re.fullmatch(r"%(s\w+), (\d+)", operands)
+        kind = re.match(r"scmp\.(eq|ne)\.s32", op)
+        if not (found and kind) or found.group(1) not in extents:
+            continue
+        n, value = extents[found.group(1)], int(found.group(2))
+        if value >= n:
+            continue
+        skipped_when_equal = (kind.group(1) == "eq") != b.negated
+        weights[b.addr] = 1 - 1 / n if skipped_when_equal else 1 / n
+    return weights
 
 
 class Loop(NamedTuple):
@@ -242,12 +332,14 @@ def forward_regions(bundles, starts):
     return regions
 
 
-def step_cost(bundles, starts, bounds, in_tile, fast_picks):
+def step_cost(bundles, starts, bounds, defs, in_tile, fast_picks, weighted=True):
     """Returns `(bundles, ops by class)` of one grid step whose in-tile count is `in_tile`.
 
-    Depth-1 bundles count when every forward-branch region holding them runs:
-    a region runs when it holds a loop that runs, or no loop (the one-off
-    `pl.when` regions: a slight over-count), or encloses a smaller region
+    Depth-1 bundles count when every forward-branch region holding them runs,
+    times the share of the grid steps that run them (`grid_weights`; with
+    `weighted` False, every region on every step): a region runs when it
+    holds a loop that runs, or no loop (the one-off `pl.when` regions), or
+    encloses a smaller region
     with the same loops (it is not their guard). A loop runs its constant trips,
     or `in_tile` trips (the dynamic loop), `in_tile - fast_picks - 1` for
     the crowded hit-mask loop of a kernel with inline picks, whose fast
@@ -278,11 +370,19 @@ def step_cost(bundles, starts, bounds, in_tile, fast_picks):
                        and loops_in(a, b) == inside for a, b in spans)
         runs = not inside or encloses or any(trips(x) > 0 for x in inside)
         regions.append((start, end, runs))
-    total, ops = 0, collections.Counter()
+    weights = grid_weights(bundles, defs) if weighted else {}
+    total, ops = 0.0, collections.Counter()
     for b in bundles:
-        if b.depth == 1 and all(runs or not (lo < b.addr < hi) for lo, hi, runs in regions):
-            total += 1
-            ops.update(map(op_class, b.ops))
+        if b.depth != 1:
+            continue
+        share = 1.0
+        for lo, hi, runs in regions:
+            if lo < b.addr < hi:
+                share *= weights.get(lo, 1.0) if runs else 0.0
+        if share:
+            total += share
+            for cls in map(op_class, b.ops):
+                ops[cls] += share
     for x in loops:
         n = trips(x)
         total += n * x.size
@@ -408,10 +508,11 @@ def _run_child(case, cache, repo):
 def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
     """One kernel's figures: cycles per step and per 1024 logits, ms, and the bounds (ms)."""
     logits_per_step = fact["row_tile"] * fact["tile"]
-    step, ops = 0.0, collections.Counter()
+    step, every, ops = 0.0, 0.0, collections.Counter()
     for in_tile, share in fact["in_tile"].items():
         cycles, counts = step_cost(*schedule, int(in_tile), fast_picks)
         step += share * cycles
+        every += share * step_cost(*schedule, int(in_tile), fast_picks, weighted=False)[0]
         for cls, n in counts.items():
             ops[cls] += share * n
     steps = fact["steps_per_core"]  # every row block's steps
@@ -432,6 +533,8 @@ def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
         kernel=name, steps_per_core=steps, row_tile=fact["row_tile"], tile=fact["tile"],
         blocks=fact["blocks"], trips=round(fact["trips"], 2),
         step_cycles=round(step), cycles_per_1024=round(step * per_vreg, 2), est_ms=ms(step),
+        step_cycles_every=round(every), cycles_per_1024_every=round(every * per_vreg, 2),
+        est_ms_every=ms(every),
         mxu_ms=ms(mxu_step), hbm_ms=round(hbm / chip.hbm_bytes_s * 1e3, 2),  # the chip's HBM
         ops_per_1024={cls: round(ops[cls] * per_vreg, 2)
                       for cls in ("valu", "eup", "load", "store", "mxu", "xlu")},
@@ -453,8 +556,10 @@ def case_row(case, result):
         kernels.append(kernel_row(case, name, schedule, fact, result["facts"]["fast_picks"],
                                   chip, slot_widths(schedule[0])))
     total = {k: round(sum(x[k] for x in kernels), 2)
-             for k in ("est_ms", "mxu_ms", "vpu_ms", "eup_ms", "load_ms", "store_ms", "hbm_ms")}
-    return dict(case, kernels=kernels, **total, x_mxu=round(total["est_ms"] / total["mxu_ms"], 2))
+             for k in ("est_ms", "est_ms_every", "mxu_ms", "vpu_ms", "eup_ms", "load_ms",
+                       "store_ms", "hbm_ms")}
+    return dict(case, kernels=kernels, **total, x_mxu=round(total["est_ms"] / total["mxu_ms"], 2),
+                x_mxu_every=round(total["est_ms_every"] / total["mxu_ms"], 2))
 
 
 def measure(cases, cache, repo):
@@ -466,9 +571,10 @@ def measure(cases, cache, repo):
 
 
 HEADER = ("| chip | dtype | L | M | D | V | path | kernel | cycles / step | cycles / 1024 logits "
-          "| est. ms | MXU ms | VPU ms | EUP ms | ld / st ms | HBM ms | x MXU floor |\n"
+          "| (every step) | est. ms | MXU ms | VPU ms | EUP ms | ld / st ms | HBM ms "
+          "| x MXU floor | (every step) |\n"
           "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: | ---: |")
+          "| ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
 def _line(r):
@@ -477,9 +583,10 @@ def _line(r):
         out.append(
             f"| {r['chip']} | {r['dtype']} | {r['ids']} | {r['rows']} | {r['dim']} | "
             f"{r['vocab']:,} | {r['path']} | {k['kernel']} | {k['step_cycles']:,} "
-            f"| {k['cycles_per_1024']} | {k['est_ms']} | {k['mxu_ms']} | {k['vpu_ms']} "
-            f"| {k['eup_ms']} | {k['load_ms']} / {k['store_ms']} | {k['hbm_ms']} "
-            f"| {round(k['est_ms'] / k['mxu_ms'], 2)} |")
+            f"| {k['cycles_per_1024']} | {k.get('cycles_per_1024_every', '-')} | {k['est_ms']} "
+            f"| {k['mxu_ms']} | {k['vpu_ms']} | {k['eup_ms']} | {k['load_ms']} / {k['store_ms']} "
+            f"| {k['hbm_ms']} | {round(k['est_ms'] / k['mxu_ms'], 2)} "
+            f"| {round(k.get('est_ms_every', k['est_ms']) / k['mxu_ms'], 2)} |")
     return "\n".join(out)
 
 
@@ -489,7 +596,9 @@ def markdown(rows, commit):
         f"`{commit}`; libtpu deviceless compile, nothing ran: bundle counts are a lower bound on "
         "cycles). Value and gradients of the loss, ids drawn uniformly. est. ms: the call's "
         "steps x cycles a step at the chip's clock; the bounds are the cycles the step's MXU "
-        "FLOPs, VALU / EUP / load / store ops (per slot) and HBM bytes need. "
+        "FLOPs, VALU / EUP / load / store ops (per slot) and HBM bytes need. The one-off "
+        "`pl.when` regions are weighted by how often they run over the grid; \"every step\": "
+        "the count with every region on every step (the earlier count). "
         "See `benchmarks/pallas_cycles.py` for the method.")
     return "\n".join([intro, "", HEADER] + [_line(r) for r in rows]) + "\n"
 
