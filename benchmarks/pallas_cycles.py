@@ -332,12 +332,12 @@ def forward_regions(bundles, starts):
     return regions
 
 
-def step_cost(bundles, starts, bounds, defs, in_tile, fast_picks, weighted=True):
+def step_cost(bundles, starts, bounds, weights, in_tile, fast_picks):
     """Returns `(bundles, ops by class)` of one grid step whose in-tile count is `in_tile`.
 
     Depth-1 bundles count when every forward-branch region holding them runs,
-    times the share of the grid steps that run them (`grid_weights`; with
-    `weighted` False, every region on every step): a region runs when it
+    times the share of the grid steps that run them (`weights`: what
+    `grid_weights` returns; `{}`, every region on every step): a region runs when it
     holds a loop that runs, or no loop (the one-off `pl.when` regions), or
     encloses a smaller region
     with the same loops (it is not their guard). A loop runs its constant trips,
@@ -370,7 +370,6 @@ def step_cost(bundles, starts, bounds, defs, in_tile, fast_picks, weighted=True)
                        and loops_in(a, b) == inside for a, b in spans)
         runs = not inside or encloses or any(trips(x) > 0 for x in inside)
         regions.append((start, end, runs))
-    weights = grid_weights(bundles, defs) if weighted else {}
     total, ops = 0.0, collections.Counter()
     for b in bundles:
         if b.depth != 1:
@@ -508,11 +507,13 @@ def _run_child(case, cache, repo):
 def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
     """One kernel's figures: cycles per step and per 1024 logits, ms, and the bounds (ms)."""
     logits_per_step = fact["row_tile"] * fact["tile"]
+    bundles, starts, bounds, defs = schedule
+    weights = grid_weights(bundles, defs)  # the same for every in-tile count
     step, every, ops = 0.0, 0.0, collections.Counter()
     for in_tile, share in fact["in_tile"].items():
-        cycles, counts = step_cost(*schedule, int(in_tile), fast_picks)
+        cycles, counts = step_cost(bundles, starts, bounds, weights, int(in_tile), fast_picks)
         step += share * cycles
-        every += share * step_cost(*schedule, int(in_tile), fast_picks, weighted=False)[0]
+        every += share * step_cost(bundles, starts, bounds, {}, int(in_tile), fast_picks)[0]
         for cls, n in counts.items():
             ops[cls] += share * n
     steps = fact["steps_per_core"]  # every row block's steps

@@ -45,6 +45,7 @@ from keras_erase.targets import check_targets
 
 __all__ = ["EraseModel", "FunctionalEraseModel"]
 
+
 def _as_tensor(value):
     """Returns a numeric numpy array as a backend tensor (one host copy), anything else as it is."""
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":

@@ -80,7 +80,7 @@ def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guar
 
 
 def test_auto_candidates_on_cuda_meet_what_the_gpu_check_expects(monkeypatch):
-    """The CUDA branch of the candidate expectations below, proven on CPU (patched device)."""
+    """The CUDA branch of the candidate expectations below, proven on CPU (`cuda=True`)."""
     from keras_erase.torch.auto_schedule import auto_candidates
 
     candidates, references = auto_candidates(2, cuda=True)
@@ -231,13 +231,15 @@ def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard):
     from keras_erase.auto import ScheduleSelector
     from keras_erase.torch.threads import threads_for_worker
     from keras_erase.torch.auto_schedule import auto_candidates
+    from keras_erase.torch.train_step import cuda_available
 
     assert _wait_for(lambda: not _live_workers())  # none left by earlier tests
     model = build_ctr("auto", num_towers=2)
     model.compile(optimizer="sgd", loss="binary_crossentropy")
     threads = torch.get_num_threads()
     # the standard step and a schedule with a worker, whatever auto tries on this device
-    candidates = [auto_candidates(threads, cuda=torch.cuda.is_available())[0][0], ("threaded", min(threads, threads_for_worker()))]
+    baseline = auto_candidates(threads, cuda=cuda_available())[0][0]
+    candidates = [baseline, ("threaded", min(threads, threads_for_worker()))]
     # margin 0.99: the standard step is kept unless threaded is 100x faster
     model._erase.selector = ScheduleSelector(candidates, timed_rounds=1, margin=0.99)
     x, y = ctr_data(16)
