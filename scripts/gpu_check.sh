@@ -39,7 +39,8 @@
 # erase_gpu.md / .json, erase_gpu_trace*.json, erase_gpu_timeline.png, gpu_check_tests.txt,
 # cutbce_triton_gpu.md / .json / .log, gpu_check_cutbce_tests.txt, gpu_check_preflight.txt.
 # Environment: PYTHON, GPU_CHECK_SECONDS, CUTBCE_GPU_SECONDS, GPU_CHECK_OUT, GPU_CHECK_VENV,
-# GPU_CHECK_HOST_PYTHON, GPU_CHECK_PY_VERSION; arguments after the options go to erase_gpu.py.
+# GPU_CHECK_HOST_PYTHON, GPU_CHECK_PY_VERSION, GPU_CHECK_PHASES (default "tests erase cutbce": a subset
+# reruns only those); other arguments go to erase_gpu.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -135,6 +136,7 @@ echo "gpu_check: install and preflight took $((SECONDS - START)) s"
 [[ $INSTALL_ONLY -eq 1 ]] && exit 0
 export PYTHONPATH="$REPO${ORIGINAL_PYTHONPATH:+:$ORIGINAL_PYTHONPATH}"
 TOTAL=${GPU_CHECK_SECONDS:-480}
+PHASES=" ${GPU_CHECK_PHASES:-tests erase cutbce} "  # a subset reruns only those (e.g. one that failed)
 FAILED=()
 
 run_tests() {  # run_tests LOG pytest-arguments...: one pytest process, its output appended to LOG
@@ -153,17 +155,21 @@ TESTS=(tests/erase/test_cuda_graphs.py tests/erase/test_cuda_graphs_lifecycle.py
 # A failed capture can leave torch's caching allocator in capture mode (torch < 2.12 without
 # pytorch#180395): that test runs alone, and checks empty_cache() and a new capture after it.
 CAPTURE_FAILURE=tests/erase/test_cuda_graphs.py::test_cuda_capture_failure_restores_the_stream_on_gpu
-: >"$RESULTS/gpu_check_tests.txt"
-run_tests gpu_check_tests.txt "${TESTS[@]}" --deselect "$CAPTURE_FAILURE"
-run_tests gpu_check_tests.txt "$CAPTURE_FAILURE"
-if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
-  FAILED+=("CUDA tests skipped although CUDA is present")
+if [[ $PHASES == *" tests "* ]]; then
+  : >"$RESULTS/gpu_check_tests.txt"
+  run_tests gpu_check_tests.txt "${TESTS[@]}" --deselect "$CAPTURE_FAILURE"
+  run_tests gpu_check_tests.txt "$CAPTURE_FAILURE"
+  if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
+    FAILED+=("CUDA tests skipped although CUDA is present")
+  fi
 fi
 TESTS_S=$((SECONDS - START))
 
 # -- phase 3: ERASE on the GPU (benchmarks/erase_gpu.py) ------------------------------------------------
 CUTBCE_S=0
-if ! "$PYTHON" -c "import triton" 2>/dev/null; then
+if [[ $PHASES != *" cutbce "* ]]; then
+  :
+elif ! "$PYTHON" -c "import triton" 2>/dev/null; then
   echo "gpu_check: triton is not importable: the CutBCE Triton part is skipped" >&2
 elif [[ $DRY -eq 1 ]] && ! "$PYTHON" scripts/gpu_preflight.py --triton-interpreter; then
   echo "gpu_check: the dry run's CutBCE part (Triton's interpreter) is skipped; a GPU runs the compiled kernels" >&2
@@ -175,10 +181,12 @@ BUDGET=$((TOTAL - TESTS_S - CUTBCE_S - 15))
 BENCH_ARGS=(--strict --out "$RESULTS/erase_gpu")
 [[ $DRY -eq 1 ]] && BENCH_ARGS+=(--cpu-dry-run)
 case " ${BENCH_EXTRA[*]-} " in *" --budget "*) ;; *) BENCH_ARGS+=(--budget "$BUDGET") ;; esac
-echo "gpu_check: tests took ${TESTS_S} s; ERASE benchmark budget ${BUDGET} s"
-"$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" "${BENCH_EXTRA[@]}"
-BENCH_RC=$?
-[[ $BENCH_RC -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $BENCH_RC)")
+if [[ $PHASES == *" erase "* ]]; then
+  echo "gpu_check: tests took ${TESTS_S} s; ERASE benchmark budget ${BUDGET} s"
+  "$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" "${BENCH_EXTRA[@]}"
+  BENCH_RC=$?
+  [[ $BENCH_RC -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $BENCH_RC)")
+fi
 
 # -- phase 4: CutBCE on CUDA, the fused Triton kernels, in CUTBCE_S seconds -----------------------------
 # The parity tests compiled on the GPU (in the Triton interpreter on a dry run), then

@@ -72,9 +72,10 @@ def _stand_in(folder, leave_out=()):
     return machine
 
 
-def _check(machine, wheels, venv, *args):
+def _check(machine, wheels, venv, *args, **environment):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PATH=f"{machine / 'bin'}{os.pathsep}{env['PATH']}", GPU_CHECK_VENV=str(venv))
+    env.update(PATH=f"{machine / 'bin'}{os.pathsep}{env['PATH']}", GPU_CHECK_VENV=str(venv),
+               **environment)
     return subprocess.run(["bash", SCRIPT, "--wheels", str(wheels), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 
@@ -108,6 +109,14 @@ def test_the_offline_install_imports_the_wheel_over_the_machines_torch(wheels, t
     assert re.search(rf"keras-cutbce-erase \S+ from {re.escape(str(venv))}/{purelib}", out), out
     assert re.search(rf"torch \S+ from {re.escape(str(tmp_path / 'site'))}/torch", out), out
     assert "dry run: no CUDA check" in out
+    # and the check runs there: the ERASE benchmark's dry run, small (the tests run in the suite)
+    results = tmp_path / "results"
+    done = _check(machine, wheels, venv, "--dry-run", "--models", "ctr", "--batches", "8",
+                  "--modes", "standard", "threaded+graphs", "--steps", "2", "--warmup", "4",
+                  GPU_CHECK_PHASES="erase", GPU_CHECK_OUT=str(results))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "gpu_check: passed" in out, out[-3000:]
+    assert "Every planned cell ran" in (results / "erase_gpu.md").read_text()
 
 
 @once

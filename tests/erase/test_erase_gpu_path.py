@@ -76,7 +76,8 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     assert len(graphed) == 2
     for row in rows:  # one profiled step per cell: host time on the threads that ran it
         assert row["host_main_ms"] > 0 and row["gpu_busy_fraction"] is None  # no GPU here
-        assert (row["host_worker_ms"] > 0) == (row["mode"] != "standard")
+        if row["mode"] != "auto":  # (auto's profiled step may be one of its trials)
+            assert (row["host_worker_ms"] > 0) == (row["mode"] != "standard")
     for row in graphed:  # the CTR towers (detach_input=False) and the MLP chain both capture
         assert row["graphs_captured"] == 6, row  # six blocks in both models
         assert row["graph_replays"] > 0 and not row["graphs_disabled"]
