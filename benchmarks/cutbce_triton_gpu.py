@@ -377,7 +377,13 @@ def graph_breaks(run):
             return cut_binary_crossentropy(h, e, ids, b, implementation=implementation).sum()
 
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(loss)(h, e, b, ids)
+        try:
+            explained = torch._dynamo.explain(loss)(h, e, b, ids)
+        except Exception as error:  # noqa: BLE001 - dynamo failing on it is the finding
+            rows.append(dict(implementation=implementation, graphs=None, graph_breaks=None,
+                             reasons=f"explain raised {type(error).__name__}: "
+                                     + " ".join(str(error).split())[:300]))
+            continue
         reasons = [str(getattr(r, "reason", r)).splitlines()[0][:160]
                    for r in explained.break_reasons]
         if explained.graph_break_count and not reasons:  # the first break, from a full graph
