@@ -19,23 +19,21 @@ bound on traffic as L2 catches part of it). Writes
 
 On a GPU (the one GPU check, `scripts/gpu_check.sh`):
 
-    python benchmarks/cutbce_triton.py --gpu --budget 240
+    python benchmarks/cutbce_triton.py --gpu --budget 120
 
-checks parity of triton and chunked against the dense formula (TF32 off),
-then times dense Keras BCE, chunked and triton, alternating in one process
-(median of >= 5 forward + backward steps, `torch.cuda.max_memory_allocated`
-per variant) at (4096, 64, 32768) and the paper's scale (dense only where
-its logits fit), then sweeps a few tile configurations at the paper's scale
-to retune `keras_cutbce/backends/torch/triton/config.py`, stopping when the
-budget (seconds) is spent. Writes `benchmarks/results/cutbce_triton_gpu.json`.
-`--gpu --cpu-dry-run` runs the same steps on tiny CPU shapes, the kernels in
+runs the sections of `benchmarks/cutbce_triton_gpu.py` within the budget (seconds):
+first-call JIT latency, parity against float64 (bf16, TF32, IEEE fp32; |z| up to 80),
+step and per-kernel times at L in {1, 8, 40} against the chunked loop and dense at
+(4096, 64, 100000) and (16384, 64, 876000), the float16 table-gradient zero fraction,
+a `mixed_bfloat16` fit step, graph breaks under `torch.compile`, a tile sweep and, where
+it runs, Nsight Compute's counters. Writes `benchmarks/results/cutbce_triton_gpu.json`
+and `.md`. `--gpu --cpu-dry-run` runs the same steps on tiny CPU shapes, the kernels in
 the Triton interpreter (checks the script; the numbers mean nothing).
 """
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -45,13 +43,14 @@ if _REPO not in sys.path:
 os.environ.setdefault("KERAS_BACKEND", "torch")
 if "--cpu-dry-run" in sys.argv:  # read when Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
+elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency is measured
+    import tempfile
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
 from benchmarks.common import markdown_table  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
-GPU_SHAPES = ((4096, 64, 32768), tuple(PAPER.values()))
-DRY_RUN_SHAPES = ((64, 16, 300), (96, 16, 700))
-_DEVICE = {"name": "cuda"}
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
 GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
         90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
@@ -127,135 +126,16 @@ def _deviceless_markdown(table):
 
 
 def _gpu_markdown(report):
-    parts = [f"Device: {report['device']}"]
-    for key in ("parity", "timings", "sweep"):
+    parts = [f"Device: {report['device']}; budget {report['budget_s']:.0f} s, "
+             f"{report['wall_s']:.0f} s used. (Each section: `benchmarks/cutbce_triton_gpu.py`.)"]
+    for name, rows in report["sections"].items():
+        if rows:
+            parts.append(f"## {name}\n\n" + markdown_table(rows, list(dict.fromkeys(
+                k for r in rows for k in r))))
+    for key in ("skipped", "errors"):
         if report[key]:
-            parts.append(markdown_table(report[key], sorted({k for r in report[key] for k in r})))
+            parts.append(f"## {key}\n\n" + "\n".join(f"- {line}" for line in report[key]))
     return "\n\n".join(parts) + "\n"
-
-
-def _step(implementation, h, e, b, ids):
-    import keras
-    import torch
-
-    from keras_cutbce import cut_binary_crossentropy
-    from keras_cutbce.math import reference
-
-    for x in (h, e, b):
-        x.grad = None
-    if implementation == "dense":
-        y = reference.multi_hot(ids, e.shape[0])
-        loss = keras.losses.binary_crossentropy(y, reference.logits(h, e, b), from_logits=True)
-    else:
-        loss = cut_binary_crossentropy(h, e, ids, b, implementation=implementation)
-    loss.mean().backward()
-    _synchronize()
-    return loss.detach()
-
-
-def _synchronize():
-    import torch
-
-    if _DEVICE["name"] == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak_mib():
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**20 if _DEVICE["name"] == "cuda" else 0.0
-
-
-def _problem(rows, dim, vocab, dtype, seed=0):
-    import torch
-
-    gen = torch.Generator(device=_DEVICE["name"]).manual_seed(seed)
-    kw = dict(device=_DEVICE["name"], generator=gen)
-    h = (torch.randn(rows, dim, **kw) * 0.3).to(dtype).requires_grad_()
-    e = (torch.randn(vocab, dim, **kw) * 0.3).to(dtype).requires_grad_()
-    b = (torch.randn(vocab, **kw) * 0.1).to(dtype).requires_grad_()
-    ids = torch.randint(0, vocab, (rows, 8), device=_DEVICE["name"], generator=gen)
-    return h, e, b, ids
-
-
-def _parity(shape):
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    h, e, b, ids = _problem(*shape, torch.float32)
-    want = _step("dense", h, e, b, ids)
-    grads = [x.grad.clone() for x in (h, e, b)]
-    rows = []
-    for implementation in ("chunked", "triton"):
-        got = _step(implementation, h, e, b, ids)
-        errors = [float((got - want).abs().max() / want.abs().max())]
-        errors += [float((x.grad - g).abs().max() / g.abs().max()) for x, g in zip((h, e, b), grads)]
-        rows.append(dict(implementation=implementation, loss_rel=errors[0], grad_h_rel=errors[1],
-                         grad_table_rel=errors[2], grad_bias_rel=errors[3]))
-    return rows
-
-
-def _time(implementations, problem, repeats):
-    import torch
-
-    times = {name: [] for name in implementations}
-    peaks = {}
-    for name in implementations:  # warm-up (compiles) and peak memory
-        if _DEVICE["name"] == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        _step(name, *problem)
-        peaks[name] = _peak_mib()
-    for _ in range(repeats):
-        for name in implementations:  # alternating
-            start = time.perf_counter()
-            _step(name, *problem)
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return [dict(implementation=n, median_ms=statistics.median(t), min_ms=min(t),
-                 peak_mib=peaks[n], repeats=len(t)) for n, t in times.items()]
-
-
-def gpu(budget, shapes=GPU_SHAPES, parity_shape=(1000, 64, 5003)):
-    """The GPU check's CutBCE part; returns its report (stops the sweep when `budget` s is spent).
-
-    The last of `shapes` is the sweep's.
-    """
-    import torch
-
-    from keras_cutbce.backends.torch.triton import config
-
-    start = time.perf_counter()
-    device = torch.cuda.get_device_name() if _DEVICE["name"] == "cuda" else "cpu (dry run)"
-    report = dict(device=device, parity=_parity(parity_shape), timings=[], sweep=[])
-    for tf32 in (False, True):
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        for rows, dim, vocab in shapes:
-            problem = _problem(rows, dim, vocab, torch.float32)
-            free = torch.cuda.mem_get_info()[0] if _DEVICE["name"] == "cuda" else 2**30
-            dense_fits = 3 * rows * vocab * 4 < 0.8 * free
-            names = (["dense"] if dense_fits else []) + ["chunked", "triton"]
-            for row in _time(names, problem, repeats=5):
-                report["timings"].append(dict(rows=rows, dim=dim, vocab=vocab, tf32=tf32, **row))
-            del problem
-            if _DEVICE["name"] == "cuda":
-                torch.cuda.empty_cache()
-    candidates = [((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
-                  ((128, 128, 8, 3), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2))]
-    for dtype in (torch.bfloat16, torch.float32):
-        problem = _problem(*shapes[-1], dtype)
-        for rows_block, columns_block in candidates:
-            if time.perf_counter() - start > budget:
-                report["sweep_stopped"] = "budget spent"
-                return report
-            try:
-                with config.overridden((rows_block, columns_block)):
-                    row = _time(["triton"], problem, repeats=5)[0]
-            except Exception as error:  # a configuration that does not compile or fit
-                row = dict(error=repr(error)[:200])
-            report["sweep"].append(dict(dtype=str(dtype), rows_block=rows_block,
-                                        columns_block=columns_block, **row))
-    return report
 
 
 def main(argv=None):
@@ -263,7 +143,7 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--deviceless", action="store_true", help="compile for sm_80/sm_90, no GPU")
     mode.add_argument("--gpu", action="store_true", help="parity, timings and sweep on a GPU")
-    parser.add_argument("--budget", type=float, default=240.0, help="seconds for --gpu")
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds for --gpu")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="with --gpu: tiny CPU shapes, the Triton interpreter")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
@@ -276,14 +156,12 @@ def main(argv=None):
     else:
         import torch
 
-        if args.cpu_dry_run:
-            _DEVICE["name"] = "cpu"
-            payload = gpu(args.budget, DRY_RUN_SHAPES, parity_shape=(40, 16, 203))
-        elif not torch.cuda.is_available():
+        from benchmarks.cutbce_triton_gpu import measure
+
+        if not (args.cpu_dry_run or torch.cuda.is_available()):
             print("No CUDA device: run with --deviceless, or on a GPU.")
             return 2
-        else:
-            payload = gpu(args.budget)
+        payload = measure(args.budget, dry_run=args.cpu_dry_run)
         text = _gpu_markdown(payload)
         stem = "cutbce_triton_gpu"
     print(text)
@@ -293,7 +171,7 @@ def main(argv=None):
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"\nwrote {path}")
-    return 0
+    return 1 if args.gpu and payload["errors"] else 0
 
 
 if __name__ == "__main__":

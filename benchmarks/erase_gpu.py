@@ -1,5 +1,5 @@
-"""ERASE on a CUDA GPU (torch): every early-backward mode with and without CUDA Graphs, a
-profiler trace of one step and its overlap timeline.
+"""ERASE on a CUDA GPU (torch): the early-backward schedules with and without CUDA Graphs, where
+their overlap can exist, what it costs the host, and profiler traces of it.
 
 Models (`--models`):
 
@@ -11,55 +11,60 @@ Models (`--models`):
   blocks of 5 Dense layers (a chain, each block with a logistic head and BCE), so
   each block's backward can overlap the forward of the blocks after it.
 
-Modes (`--modes`): `undetached` (the same network without DetachBlocks, standard
-step), `standard`, `blocking`, `threaded`, `streams`, each of the last three also as
-`<mode>+graphs` (`cuda_graphs=True`), and `auto` (also `auto+graphs`). Every cell builds a fresh model,
-runs `--warmup` untimed steps (more than the graph warm-up and capture steps), then
-`--steps` timed steps; the clock is read after `torch.cuda.synchronize()`, the host
-time per step (`host_ms_p50`) when `train_on_batch` returned. Every cell runs
-`--repeats` times (default 3), the modes alternating within a (model, batch); the
-table gives the medians over the repeats and their spread ((max - min) / median).
+Modes (`--modes`): `standard`, `blocking`, `threaded`, `streams`, the last three also
+as `<mode>+graphs` (`cuda_graphs=True`); `undetached` (the same network without
+DetachBlocks, standard step), `auto` and `auto+graphs` run last, on the CTR model at
+the middle batch, when the budget leaves time. Every cell builds a fresh model, runs
+`--warmup` untimed steps (more than the graph warm-up and capture steps), then `--steps`
+timed steps (the clock read after `torch.cuda.synchronize()`; the host time per step
+until `train_on_batch` returned), `--repeats` times (default 3) with the modes of its
+group alternating; the table gives the medians over the repeats and their spread.
 
-Exactness (first, after the trace): every early mode's weights after a few SGD steps
+Batches (`--batches`, default 2048, middle, 65536): 2048 is host-bound on an H200 (a
+few ms of GPU work per CTR step against tens of ms of host time), 65536 is GPU-bound;
+`middle` is chosen from the traces of the two ends as the power of two where the GPU
+time per step (linear in the batch) meets the host time: where overlap matters most.
+
+Order (what the budget runs first): the traces (one `--trace-mode` step of the first
+model per batch, ends first: they give each batch's cost and the middle batch), the
+exactness check, then the cell groups by how much they tell: ctr at the middle batch,
+ctr at 65536, mlp30 at the middle, ctr at 2048, mlp30 at 65536 and 2048, the extra
+modes. A group starts only if all its cells, with their repeats, fit in what is left of
+`--budget` (estimated from the traces and the cells run so far); one that does not is
+listed as not run, and a smaller one may still run. Between cells: `gc.collect()` (a
+model's worker thread lives until the cyclic collector runs) and
+`torch.cuda.empty_cache()`.
+
+Measured per cell (`benchmarks.common.QPS_NOTE`): p50/p90 QPS and step times, host
+time per step, `max_memory_allocated` (MiB, reset per cell) and, for graph modes,
+captures, replays and the MiB the graphs' memory pools hold; from one profiled step
+after the timed steps of the first repeat (`benchmarks.gpu_trace.step_metrics`): the
+GPU-busy fraction, the overlapped kernel-time fraction (kernels of two or more streams
+at once, over the GPU-busy time) and the host time of the main thread, the backward
+worker and autograd's device thread.
+
+Exactness (after the traces): every early mode's weights after a few SGD steps
 (graph modes: warm-up, capture and replays) from the same weights and batch, against
 the standard step's, with TF32 off; above `EXACTNESS_TOLERANCE` is an error.
 
-`--budget SECONDS`: the run never starts a cell that would end past the budget
-(its expected time: the same cell's last repeat, else the longest cell of its
-model and batch so far); the trace and its timeline come first, and the markdown
-and JSON are always written (the cells not run and any cell's error listed),
-also when a cell fails.
-
-Reported per cell (`benchmarks.common.QPS_NOTE`): p50/p90 = percentiles of per-step
-examples/s (p90 = the fast end, as the paper's "+9.51% p90 QPS"), step-time p50/p90
-in ms, p90 over `standard`, and for graph modes the number of captured block graphs
-and replays (a graph mode that captured nothing is flagged: `--strict` makes it an
-error, as `scripts/gpu_check.sh` does).
-
-Trace: one training step of the first model (the CTR model by default) in
-`--trace-mode` (default `streams` on CUDA) under `torch.profiler` as a chrome trace
-(`<out>_trace.json`) and a PNG (`<out>_timeline.png`) of each block's forward and
-backward per stream (CUDA: the device time of their kernels, `device_block_ranges`;
-a backward's kernels are launched by autograd's device thread, so they are found
-through their launches, not through the GPU user annotations, which only hold the
-annotating thread's kernels) or per thread (CPU: the `"<block>/forward|backward"`
-ranges). The pairs (block backward, later block forward) that overlap on different
-streams are listed; with `--strict` on CUDA none is an error.
-
-The CTR rows also give `upstream_backwards_per_step` (the shared embedding table's
-backwards per step: 1 with the gradient hand-off) and `auto` rows how many of its
-measuring steps fell inside the timed window (`auto_timed_measuring_steps`).
+`--strict` (what `scripts/gpu_check.sh` runs) fails on what must hold on any GPU: a
+graph mode that did not capture and replay its blocks (or refused one), an exactness
+error, a cell or trace that raised, and, in a trace where the GPU was busy for at
+least `DEVICE_BOUND` of the step (so that both streams had work queued), no block
+backward overlapping a later block's forward. At a host-bound batch the overlap is
+reported, never asserted.
 
 Usage:
 
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py               # CUDA machine
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --quick       # short run
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --cpu-dry-run # no GPU: CPU modes,
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --budget 200   # CUDA machine
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --quick        # one batch, fewer steps
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --cpu-dry-run  # no GPU: CPU modes,
         graphs through the CPU stand-in capture, tiny sizes, results in /tmp
 """
 
 import argparse
-import json
+import gc
+import math
 import os
 import sys
 import time
@@ -72,6 +77,7 @@ if REPO not in sys.path:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import gpu_trace  # noqa: E402
 from benchmarks.common import QPS_NOTE  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
@@ -80,16 +86,16 @@ from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
 
 MODELS = ("ctr", "mlp30")
-GPU_MODES = (
-    "undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs",
-    "streams", "streams+graphs", "auto", "auto+graphs",
-)
-CPU_MODES = ("undetached", "standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs")
-# 2048: host-bound on an H200 (about 1-5 ms of GPU work per CTR step against tens of ms of host
-# time); 65536: enough GPU work per step to saturate it. `host_share` (host time / step time)
-# says which one a cell was: near 1 host-bound, well below 1 the device was the bottleneck.
-GPU_BATCHES = (2048, 65536)
+GPU_MODES = ("standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs", "streams",
+             "streams+graphs")
+CPU_MODES = ("standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs")
+EXTRA_MODES = ("undetached", "auto", "auto+graphs")
+MIDDLE = "middle"
+GPU_BATCHES = (2048, MIDDLE, 65536)
+CPU_BATCHES = (16, MIDDLE, 64)
 MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
+DEVICE_BOUND = 0.9  # GPU-busy fraction of a trace above which the overlap is asserted (--strict)
+EXACTNESS_TOLERANCE = 1e-4  # max |weight - standard step's| / (1 + |weight|), float32, TF32 off
 
 
 def parse_mode(mode):
@@ -97,7 +103,7 @@ def parse_mode(mode):
     base, _, suffix = mode.partition("+")
     bases = ("undetached", "standard", "blocking", "threaded", "streams", "auto")
     if base not in bases or suffix not in ("", "graphs"):
-        raise ValueError(f"unknown mode {mode!r}; expected one of {GPU_MODES}")
+        raise ValueError(f"unknown mode {mode!r}; expected one of {GPU_MODES + EXTRA_MODES}")
     if suffix and base in ("undetached", "standard"):
         raise ValueError(f"{mode!r}: graphs apply to blocking, threaded, streams and auto")
     return base, suffix == "graphs"
@@ -169,7 +175,20 @@ def graph_counters(runners):
         "graphs_captured": captures,
         "graph_replays": sum(r.replays for r in runners),
         "graphs_disabled": any(r.disabled for r in runners),
+        "graphs_refused": sorted(name for r in runners for name in r.refused),
     }
+
+
+def graph_pool_mib(runners):
+    """MiB the caching allocator holds in the runners' graph memory pools (CUDA), else `None`."""
+    import torch
+
+    pools = {tuple(pool) for r in runners for pool in r.pools() if isinstance(pool, tuple)}
+    if not pools or not torch.cuda.is_available():
+        return None
+    total = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                if tuple(segment.get("segment_pool_id", ())) in pools)
+    return total / 2**20
 
 
 def upstream_counter(model_name, model):
@@ -214,13 +233,58 @@ def timed_steps(step, warmup, steps, sync=None):
     return seconds, host
 
 
-def run_cell(model_name, mode, batch, args, sync):
+
+
+def _sync(cuda):
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _release_memory(cuda):
+    """Between models: the cyclic collector (worker threads, graphs) and the CUDA cache."""
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def profile_step(model, x, y, cuda, trace_path):
+    """Runs one training step under `torch.profiler` (annotated `gpu_trace.STEP`); writes the trace."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(cuda)
+    try:  # record the backward worker thread too (started before the profiler)
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        kwargs = {"experimental_config": config}
+    except (AttributeError, TypeError):
+        kwargs = {}
+    with torch.profiler.profile(activities=activities, **kwargs) as prof:
+        with torch.profiler.record_function(gpu_trace.STEP):
+            model.train_on_batch(x, y)
+            _sync(cuda)
+    prof.export_chrome_trace(trace_path)
+    return trace_path
+
+
+def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
+    """One cell: a fresh model, warm-up, timed steps; returns its row (and trace measures)."""
+    import torch
+
     from keras_erase.torch.cuda_graphs import runner as graph_runner
 
     before = set(map(id, graph_runner.live_runners()))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     model, x, y = prepared(model_name, mode, batch, args)
     counts, hook = upstream_counter(model_name, model)
-    seconds, host = timed_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps, sync)
+    seconds, host = timed_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps,
+                                torch.cuda.synchronize if cuda else None)
     row = {"model": model_name, "batch": batch, "mode": mode, **throughput_stats(seconds, batch),
            "host_ms_p50": 1e3 * float(np.median(host))}
     if hook is not None:  # the hand-off: one backward of the shared table per step
@@ -230,9 +294,25 @@ def run_cell(model_name, mode, batch, args, sync):
         row["auto_choice"] = model.dispatch_choice
         measuring, timed = auto_window(model._erase.selector, args.warmup, args.steps)
         row["auto_measuring_steps"], row["auto_timed_measuring_steps"] = measuring, timed
+    if cuda:
+        row["max_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
     if parse_mode(mode)[1]:
         runners = [r for r in graph_runner.live_runners() if id(r) not in before]
         row.update(graph_counters(runners))
+        row["graph_pool_mib"] = graph_pool_mib(runners)
+    if profile_path is not None:  # after the timed steps: the profiler never slows them
+        profile_step(model, x, y, cuda, profile_path)
+        row.update(flat_metrics(gpu_trace.step_metrics(gpu_trace.load_events(profile_path))))
+        os.remove(profile_path)
+    return row
+
+
+def flat_metrics(metrics):
+    """`gpu_trace.step_metrics` as flat row columns."""
+    row = {k: metrics[k] for k in ("gpu_busy_fraction", "overlapped_fraction")}
+    row["traced_step_ms"] = metrics["step_ms"]
+    for role, ms in metrics["host_ms"].items():
+        row[f"host_{role}_ms"] = ms
     return row
 
 
@@ -240,196 +320,391 @@ def graph_problems(rows):
     """Graph cells that did not really run on graphs (the GPU check must not pass silently)."""
     return [
         f"{r['model']} batch={r['batch']} {r['mode']}: captured={r.get('graphs_captured')} "
-        f"replays={r.get('graph_replays')} disabled={r.get('graphs_disabled')}"
+        f"replays={r.get('graph_replays')} disabled={r.get('graphs_disabled')} "
+        f"refused={r.get('graphs_refused')}"
         for r in rows
         if parse_mode(r["mode"])[1]
-        and (not r.get("graphs_captured") or not r.get("graph_replays") or r.get("graphs_disabled"))
+        and (not r.get("graphs_captured") or not r.get("graph_replays") or r.get("graphs_disabled")
+             or r.get("graphs_refused"))
     ]
 
 
-def profile_one_step(model_name, mode, batch, args, cuda, trace_path):
-    """Chrome trace of one training step (after warm-up) of `mode`."""
+def choose_middle(low, high):
+    """The power of two between two traced batches where GPU time per step comes closest to host time.
+
+    `low` and `high` are `(batch, host_ms, gpu_ms)`; both times are taken as linear
+    in the batch through the two points, and the candidates are the powers of two
+    from twice the low batch to half the high one. Without GPU work (a dry run):
+    their geometric middle.
+    """
+    (b0, h0, g0), (b1, h1, g1) = low, high
+
+    def at(b, v0, v1):
+        return v0 + (v1 - v0) * (b - b0) / (b1 - b0)
+
+    candidates = [2 ** k for k in range(int(math.log2(2 * b0)), int(math.log2(b1)) + 1)
+                  if 2 * b0 <= 2 ** k <= b1 // 2] or [int(round(math.sqrt(b0 * b1)))]
+    scored = [(abs(math.log(at(b, g0, g1) / at(b, h0, h1))), b) for b in candidates
+              if at(b, g0, g1) > 0 and at(b, h0, h1) > 0]
+    if scored:
+        return min(scored)[1]
+    middle = 2 ** round(math.log2(math.sqrt(b0 * b1)))
+    return min(max(middle, candidates[0]), candidates[-1])
+
+
+class Budget:
+    """Wall-clock budget of a run: whether work expected to take `seconds` still fits."""
+
+    def __init__(self, seconds):
+        self.start = time.monotonic()
+        self.seconds = seconds
+
+    def elapsed(self):
+        return time.monotonic() - self.start
+
+    def left(self):
+        return math.inf if self.seconds is None else self.seconds - self.elapsed()
+
+    def fits(self, seconds):
+        return seconds <= self.left()
+
+
+def run_trace(args, cuda, batch):
+    """The profiled `--trace-mode` step of the first model at `batch`: its file, PNG, measures, costs."""
+    model_name = args.models[0]
+    trace_path = f"{args.out}_trace_{batch}.json"
+    png_path = f"{args.out}_timeline_{batch}.png"
+    result = {"batch": batch, "mode": args.trace_mode, "trace": os.path.basename(trace_path),
+              "timeline": os.path.basename(png_path)}
+    start = time.monotonic()
+    try:
+        model, x, y = prepared(model_name, args.trace_mode, batch, args)
+        model.train_on_batch(x, y)
+        _sync(cuda)
+        result["build_s"] = time.monotonic() - start
+        steps = max(3, args.warmup // 3)
+        step_start = time.monotonic()
+        for _ in range(steps):
+            model.train_on_batch(x, y)
+        _sync(cuda)
+        result["step_s"] = (time.monotonic() - step_start) / steps
+        profile_start = time.monotonic()
+        profile_step(model, x, y, cuda, trace_path)
+        events = gpu_trace.load_events(trace_path)
+        result["metrics"] = gpu_trace.step_metrics(events)
+        result["overlaps"] = gpu_trace.overlaps(gpu_trace.block_ranges(events))
+        gpu_trace.plot_timeline(events, png_path, f"one ERASE step, {model_name}, "
+                                                  f"{args.trace_mode}, batch={batch}")
+        result["profile_s"] = time.monotonic() - profile_start
+        del model
+    except Exception as error:  # noqa: BLE001 - reported; the cells still run
+        result["error"] = f"trace at batch {batch}: {type(error).__name__}: {error}"
+        print("TRACE FAILED:", result["error"], flush=True)
+    _release_memory(cuda)
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+def run_traces(args, cuda):
+    """Traces the end batches, resolves `middle` from them, traces it; returns the traces."""
+    fixed = [b for b in args.batches if b != MIDDLE]
+    traces = {b: run_trace(args, cuda, b) for b in fixed}
+    if MIDDLE in args.batches:
+        ends = [traces[b] for b in (min(fixed), max(fixed)) if "metrics" in traces[b]]
+        if len(ends) == 2 and ends[0]["batch"] != ends[1]["batch"]:
+            points = [(t["batch"], t["metrics"]["host_ms"]["main"], t["metrics"]["gpu_busy_ms"])
+                      for t in ends]
+            middle = choose_middle(*points)
+        else:
+            middle = int(round(math.sqrt(min(fixed) * max(fixed))))
+        args.batches = sorted(set(fixed) | {middle})
+        args.middle = middle
+        traces[middle] = run_trace(args, cuda, middle)
+    return traces
+
+
+def priority_groups(args):
+    """`(model, batch, modes)` groups, most informative first (see the module docstring)."""
+    batches = sorted(args.batches)
+    low, high = batches[0], batches[-1]
+    middle = getattr(args, "middle", None) or batches[len(batches) // 2]
+    if args.modes_given or len(batches) != 3:
+        order = [(m, b) for m in args.models for b in ([middle] + [x for x in batches if x != middle])]
+    else:
+        order = [("ctr", middle), ("ctr", high), ("mlp30", middle), ("ctr", low),
+                 ("mlp30", high), ("mlp30", low)]
+    if args.cpu_dry_run:  # every kind of cell once, at one batch: the code path, not a measure
+        order = [(m, b) for m, b in order if b == middle]
+    groups = [(m, b, list(args.modes)) for m, b in order if m in args.models]
+    if not args.modes_given and args.extra_modes and args.models:
+        groups.append((args.models[0], middle, list(args.extra_modes)))
+    return groups
+
+
+def cell_estimate(model_name, batch, args, costs, traces):
+    """Expected seconds of one cell: the slowest cell of its group so far, else from the trace."""
+    if costs.get((model_name, batch)):
+        return max(costs[(model_name, batch)])
+    trace = traces.get(batch, {})
+    if "step_s" in trace:
+        return 1.25 * (trace["build_s"] + (args.warmup + args.steps) * trace["step_s"]
+                       + trace.get("profile_s", 0.0) / args.repeats)
+    return max((max(c) for c in costs.values() if c), default=0.0)
+
+
+def run_cells(args, cuda, budget, traces):
+    """Every group whose cells and repeats fit, in priority order; `(rows, skipped, errors)`."""
+    rows, skipped, errors, costs = [], [], [], {}
+    for model_name, batch, modes in priority_groups(args):
+        each = cell_estimate(model_name, batch, args, costs, traces)
+        needed = each * len(modes) * args.repeats
+        label = f"{model_name} batch={batch} ({', '.join(modes)})"
+        if not budget.fits(needed):
+            skipped.append(f"{label}: needs ~{needed:.0f} s, {max(budget.left(), 0):.0f} s left")
+            continue
+        for repeat in range(args.repeats):
+            for mode in modes:
+                cell = f"{model_name} batch={batch} {mode} repeat {repeat + 1}"
+                if not budget.fits(cell_estimate(model_name, batch, args, costs, traces)):
+                    skipped.append(f"{cell}: the budget ran out")
+                    continue
+                start = time.monotonic()
+                profile = f"{args.out}_cell.json" if repeat == 0 else None
+                try:
+                    row = run_cell(model_name, mode, batch, args, cuda, profile)
+                except Exception as error:  # noqa: BLE001 - reported, the run goes on
+                    errors.append(f"{cell}: {type(error).__name__}: {error}")
+                    print("CELL FAILED:", errors[-1], flush=True)
+                    _release_memory(cuda)
+                    continue
+                _release_memory(cuda)
+                seconds = time.monotonic() - start
+                costs.setdefault((model_name, batch), []).append(seconds)
+                row["repeat"] = repeat
+                rows.append(row)
+                print(f"{cell:<44} p50={row['p50']:,.0f}/s p90={row['p90']:,.0f}/s "
+                      f"host {row['host_ms_p50']:.2f} ms ({seconds:.1f} s)", flush=True)
+    return rows, skipped, errors
+
+
+def summarize(rows):
+    """One row per (model, batch, mode): medians of the repeats' p50/p90 and their spread."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["batch"], r["mode"]), []).append(r)
+    summary = []
+    for (model_name, batch, mode), repeats in groups.items():
+        row = dict(repeats[0])  # the first repeat holds the profiled step's measures
+        row.pop("repeat", None)
+        row["repeats"] = len(repeats)
+        for key in ("p50", "p90", "step_ms_p50", "step_ms_p90", "host_ms_p50", "max_memory_mib"):
+            values = [r[key] for r in repeats if r.get(key) is not None]
+            if not values:
+                continue
+            row[key] = float(np.median(values))
+            if key in ("p50", "p90"):
+                row[key + "_spread"] = (max(values) - min(values)) / row[key] if row[key] else 0.0
+        row["host_share"] = row["host_ms_p50"] / row["step_ms_p50"] if row["step_ms_p50"] else 0.0
+        summary.append(row)
+    for row in summary:
+        standard = [r for r in summary if r["mode"] == "standard" and r["model"] == row["model"]
+                    and r["batch"] == row["batch"]]
+        if standard:
+            row["p90_vs_standard"] = row["p90"] / standard[0]["p90"]
+    return summary
+
+
+def exactness_check(args, cuda):
+    """Every early mode's weights after a few SGD steps vs the standard step's, on the first model.
+
+    The same initial weights and batch (the smallest batch) for every mode; enough
+    steps for the graph modes to warm up, capture and replay. TF32 is off meanwhile
+    (cuBLAS and cuDNN), so that a difference is ERASE's, not TF32's rounding.
+    Returns one row per mode.
+    """
     import torch
 
-    model, x, y = prepared(model_name, mode, batch, args)
-    for _ in range(max(4, args.warmup // 3)):
-        model.train_on_batch(x, y)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    try:  # record the backward worker thread too (started before the profiler)
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-        kwargs = {"experimental_config": config}
-    except (AttributeError, TypeError):
-        kwargs = {}
-    with torch.profiler.profile(activities=activities, **kwargs) as prof:
-        model.train_on_batch(x, y)
-        if cuda:
-            torch.cuda.synchronize()
-    prof.export_chrome_trace(trace_path)
-    return trace_path
+    from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
+    from keras_erase.torch.cuda_graphs.runner import untimed_steps
+
+    model_name, batch = args.models[0], min(args.batches)
+    steps = untimed_steps(DEFAULT_WARMUP) + 2
+    modes = ["standard"] + [m for m in args.modes if parse_mode(m)[0] not in
+                            ("undetached", "standard", "auto")]
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        finals = {}
+        for mode in modes:
+            model = make_model(model_name, mode, args)
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="binary_crossentropy")
+            x, y = make_batch(model_name, batch, args)
+            for _ in range(steps):
+                model.train_on_batch(x, y)
+            finals[mode] = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
+            del model
+            _release_memory(cuda)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+    reference = finals.pop("standard")
+    rows = []
+    for mode, weights in finals.items():
+        worst = max(float(np.max(np.abs(w - r) / (1.0 + np.abs(r)))) for w, r in
+                    zip(weights, reference))
+        rows.append({"model": model_name, "batch": batch, "mode": mode, "steps": steps,
+                     "max_rel_diff_vs_standard": worst, "exact": worst <= EXACTNESS_TOLERANCE})
+        print(f"exactness {model_name} batch={batch} {mode:<16} {steps} steps: "
+              f"max relative difference {worst:.2e}", flush=True)
+    return rows
 
 
-def _trace_events(trace_path):
-    with open(trace_path) as f:
-        events = json.load(f)
-    return events.get("traceEvents", events) if isinstance(events, dict) else events
+def overlap_problems(traces, cuda):
+    """Device-bound `streams` traces without any block backward overlapping a later forward."""
+    return [
+        f"trace at batch {t['batch']}: the GPU was busy {t['metrics']['gpu_busy_fraction']:.0%} "
+        f"of the {t['mode']} step but no block backward overlaps a later block's forward"
+        for t in traces.values()
+        if cuda and "metrics" in t and parse_mode(t["mode"])[0] == "streams"
+        and (t["metrics"]["gpu_busy_fraction"] or 0.0) >= DEVICE_BOUND and not t["overlaps"]
+    ]
 
 
-def _block_phase(name):
-    block, _, phase = name.rpartition("/")
-    return (block, phase) if block and phase in ("forward", "backward") else None
+def run_all(args, cuda):
+    """Traces, exactness, then the cell groups within `--budget`; always writes the results."""
+    budget = Budget(args.budget)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    traces, rows, skipped, errors, exact = {}, [], [], [], []
+    try:
+        traces = run_traces(args, cuda)
+        errors.extend(t["error"] for t in traces.values() if "error" in t)
+        try:
+            exact = exactness_check(args, cuda)
+        except Exception as error:  # noqa: BLE001 - reported; the cells still run
+            errors.append(f"exactness check: {type(error).__name__}: {error}")
+        errors.extend(f"{r['model']} batch={r['batch']} {r['mode']}: weights differ from the "
+                      f"standard step's by {r['max_rel_diff_vs_standard']:.2e} (relative) after "
+                      f"{r['steps']} steps" for r in exact if not r["exact"])
+        rows, skipped, cell_errors = run_cells(args, cuda, budget, traces)
+        errors.extend(cell_errors)
+    finally:
+        summary = summarize(rows)
+        errors.extend(overlap_problems(traces, cuda))
+        write_report(args, cuda, summary, rows, skipped, errors, traces, budget.elapsed(), exact)
+    if errors:
+        print("ERRORS:", *errors, sep="\n  ", flush=True)
+    if args.strict and errors:
+        raise SystemExit(1)
+    return summary
 
 
-DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, exact=()):
+    import torch
 
-
-def block_ranges(trace_path):
-    """`(row label, block, phase, start_us, dur_us)` of each block's forward and backward.
-
-    On CUDA, device ranges, one row per stream, from the kernels themselves
-    (`device_block_ranges`); without kernels (CPU) the `user_annotation` ranges
-    of the `"<block>/forward|backward"` record_function scopes, one row per thread.
-    """
-    events = _trace_events(trace_path)
-    device = device_block_ranges(events)
-    if device:
-        return device
-    ranges = []
-    for e in events:
-        found = _block_phase(e.get("name", "")) if e.get("ph") == "X" else None
-        if found and e.get("cat") in ("user_annotation", "cpu_op", None):
-            ranges.append((f"thread {e.get('tid')}", *found, float(e["ts"]), float(e.get("dur", 0.0))))
-    return ranges
-
-
-def device_block_ranges(events):
-    """Each block phase's device range per stream, from the kernels and who launched them.
-
-    The profiler's GPU user annotations hold only the kernels launched by the
-    annotating thread (pytorch#144778), and a backward's kernels are launched by
-    autograd's device thread: a `"<block>/backward"` annotation holds one kernel
-    or none. So kernels are attributed through their launch (the
-    `cuda_runtime` event with the same correlation id): a kernel launched by the
-    thread of a block's CPU range, inside it, is that range's; a kernel launched
-    by another thread (autograd's) inside a block's backward range is that
-    backward's (when several backward ranges hold the launch, the one whose
-    block's forward ran on the kernel's stream, as autograd runs a backward op
-    on its forward op's stream; none if still ambiguous). A range's device
-    extent on a stream is its kernels' first start to last end.
-
-    Returns `(f"stream {id}", block, phase, start_us, dur_us)` tuples, sorted.
-    """
-    scopes, launches, kernels = [], {}, []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        cat, args = e.get("cat"), e.get("args") or {}
-        if cat == "user_annotation":
-            found = _block_phase(e.get("name", ""))
-            if found:
-                start = float(e["ts"])
-                scopes.append((e.get("tid"), *found, start, start + float(e.get("dur", 0.0))))
-        elif cat == "cuda_runtime" and "correlation" in args:
-            launches[args["correlation"]] = (e.get("tid"), float(e["ts"]))
-        elif cat in DEVICE_CATEGORIES and "correlation" in args:
-            stream = args.get("stream", e.get("tid"))
-            start = float(e["ts"])
-            kernels.append((args["correlation"], stream, start, start + float(e.get("dur", 0.0))))
-    annotating = {scope[0] for scope in scopes}
-    owned = {}  # (block, phase, stream) -> [start, end]
-
-    def add(key, start, end):
-        extent = owned.setdefault(key, [start, end])
-        extent[0], extent[1] = min(extent[0], start), max(extent[1], end)
-
-    def holding(thread, ts, phase=None):
-        return [sc for sc in scopes if sc[3] <= ts <= sc[4]
-                and (sc[0] == thread if phase is None else sc[2] == phase)]
-
-    pending = []
-    for correlation, stream, start, end in kernels:
-        launch = launches.get(correlation)
-        if launch is None:
-            continue
-        thread, ts = launch
-        own = holding(thread, ts)
-        if own:  # innermost scope of the launching thread
-            scope = max(own, key=lambda sc: sc[3])
-            add((scope[1], scope[2], stream), start, end)
-        elif thread not in annotating:  # autograd's device thread
-            pending.append((stream, start, end, holding(None, ts, "backward")))
-    forward_streams = {}
-    for block, phase, stream in owned:
-        if phase == "forward":
-            forward_streams.setdefault(block, set()).add(stream)
-    for stream, start, end, candidates in pending:
-        # a backward runs on its forward's stream (autograd's stream semantics)
-        candidates = [sc for sc in candidates if stream in forward_streams.get(sc[1], {stream})]
-        if len(candidates) == 1:
-            add((candidates[0][1], "backward", stream), start, end)
-    return sorted(
-        (f"stream {stream}", block, phase, start, end - start)
-        for (block, phase, stream), (start, end) in owned.items()
+    info = machine_info(
+        torch=torch.__version__,
+        keras=keras.__version__,
+        device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run: not a measurement)",
+        width=args.width,
+        num_streams=args.num_streams,
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        budget_s=args.budget,
+        wall_s=round(seconds, 1),
     )
+    trace_rows = []
+    for t in traces.values():
+        m = t.get("metrics", {})
+        trace_rows.append({
+            "batch": t["batch"], "mode": t["mode"], "trace": t["trace"],
+            "step_ms": m.get("step_ms"), "gpu_busy_fraction": m.get("gpu_busy_fraction"),
+            "overlapped_fraction": m.get("overlapped_fraction"), "kernels": m.get("kernels"),
+            "streams": m.get("streams"),
+            **{f"host_{k}_ms": v for k, v in m.get("host_ms", {}).items()},
+            "overlaps": ", ".join(f"{b}>{f}" for b, f in t.get("overlaps", [])) or "none",
+            "error": t.get("error", ""),
+        })
+    columns = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread",
+               "p90_vs_standard", "step_ms_p50", "step_ms_p90", "host_ms_p50", "host_share",
+               "gpu_busy_fraction", "overlapped_fraction", "host_main_ms", "host_worker_ms",
+               "host_autograd_ms", "max_memory_mib", "graph_pool_mib", "repeats",
+               "upstream_backwards_per_step", "graphs_captured", "graph_replays", "auto_choice",
+               "auto_timed_measuring_steps"]
+    auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
+    auto_note = (
+        "auto_timed_measuring_steps: how many of `auto`'s measuring steps (trial schedules, "
+        "graph warm-up and capture) fell inside the timed window: "
+        + ("none (every measuring step was in the untimed warm-up)." if not auto_rows else
+           "; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: "
+                     f"{r['auto_timed_measuring_steps']} of {args.steps} timed steps "
+                     f"(measuring steps: {r['auto_measuring_steps']}; use --warmup "
+                     f">= {r['auto_measuring_steps']} to leave them out)" for r in auto_rows))
+    )
+    stopped = (f"Budget: {args.budget:.0f} s; not run: " + "; ".join(skipped)) if skipped \
+        else "Every planned cell ran with its repeats."
+    middle = getattr(args, "middle", None)
+    report = "\n".join(
+        [
+            "# ERASE on GPU: the early-backward schedules, with and without CUDA Graphs (torch)",
+            "",
+            QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best "
+            "non-blocking row is +9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%).",
+            "",
+            "Traces: one profiled step per batch of the first model in the trace mode "
+            "(`benchmarks/gpu_trace.py`). step_ms: the step's wall time (host clock, until the "
+            "device finished); gpu_busy_fraction: the union of its kernels over it; "
+            "overlapped_fraction: time kernels of two or more streams ran at once over the "
+            "GPU-busy time; host_*_ms: each thread role's host work in the step (main thread, "
+            "backward worker, autograd's device thread; waits left out); overlaps: block "
+            "backward > later block forward on another stream (device times of their kernels)."
+            + (f" Middle batch {middle}: where the GPU time per step (linear in the batch "
+               "through the end traces) meets the main thread's host time." if middle else ""),
+            "",
+            markdown_table(trace_rows, ["batch", "mode", "trace", "step_ms", "gpu_busy_fraction",
+                                        "overlapped_fraction", "kernels", "streams",
+                                        "host_main_ms", "host_worker_ms", "host_autograd_ms",
+                                        "overlaps", "error"])
+            if trace_rows else "(no trace)",
+            "",
+            f"Each cell: a fresh model, {args.warmup} untimed steps, {args.steps} timed steps; "
+            f"{args.repeats} repeats, the modes of a group alternating; p50/p90: the median over "
+            "the repeats, *_spread: (max - min) / median. host_ms_p50: the host's time per step "
+            "(until `train_on_batch` returned); host_share = host_ms_p50 / step_ms_p50 (near 1: "
+            "host-bound). gpu_busy_fraction, overlapped_fraction, host_*_ms: one profiled step "
+            "after the first repeat's timed steps. max_memory_mib: torch.cuda."
+            "max_memory_allocated over the cell; graph_pool_mib: what the graphs' memory pools "
+            "hold. graphs_captured / graph_replays: block graphs captured and forward replays "
+            "(a graph mode with 0 did not use graphs). upstream_backwards_per_step (ctr): "
+            "backwards of the shared embedding table per step (1 with the hand-off).",
+            "",
+            auto_note,
+            "",
+            stopped,
+            "",
+            "Exactness (TF32 off): every early mode's weights after a few SGD steps from the same "
+            "weights and batch, against the standard step's; max |w - w_standard| / (1 + "
+            f"|w_standard|), tolerance {EXACTNESS_TOLERANCE:g}.",
+            "",
+            markdown_table(list(exact), ["model", "batch", "mode", "steps",
+                                         "max_rel_diff_vs_standard", "exact"])
+            if exact else "(not run)",
+            "",
+            "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
+            "",
+            markdown_table(summary, columns) if summary else "(no cell ran)",
+        ]
+        + (["", "Errors:", *[f"- {e}" for e in errors]] if errors else [])
+    )
+    print(report)
+    write_text(args.out + ".md", report)
+    write_json(args.out + ".json", {"machine": info, "rows": summary, "repeats": rows,
+                                    "traces": list(traces.values()), "exactness": list(exact),
+                                    "skipped": skipped, "errors": errors, "middle_batch": middle})
+    print(f"wrote {args.out}.md, .json and the traces")
 
 
-def overlaps(ranges):
-    """`(backward block, forward block)` pairs where a block's backward overlaps a later forward.
-
-    `ranges` as from `block_ranges`; the two ranges must be on different rows
-    (streams or threads) and of different blocks: the ERASE overlap.
-    """
-    forwards = [r for r in ranges if r[2] == "forward"]
-    found = []
-    for label, block, phase, start, dur in ranges:
-        if phase != "backward":
-            continue
-        for f_label, f_block, _, f_start, f_dur in forwards:
-            if (f_label != label and f_block != block and f_start >= start
-                    and f_start < start + dur and (block, f_block) not in found):
-                found.append((block, f_block))
-    return found
-
-
-def plot_timeline(trace_path, png_path, title):
-    """PNG timeline: one row per stream/thread, forward and backward ranges per block."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranges = block_ranges(trace_path)
-    if not ranges:
-        raise RuntimeError(f"no '<block>/forward|backward' ranges in {trace_path}")
-    t0 = min(r[3] for r in ranges)
-    rows = sorted({r[0] for r in ranges})
-    blocks = sorted({r[1] for r in ranges})
-    cmap = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(rows)))
-    for label, block, phase, start, dur in ranges:
-        ax.barh(
-            rows.index(label),
-            dur / 1e3,
-            left=(start - t0) / 1e3,
-            height=0.35 if phase == "forward" else 0.7,
-            color=cmap(blocks.index(block) % 10),
-            alpha=1.0 if phase == "forward" else 0.45,
-            edgecolor="black",
-            linewidth=0.3,
-        )
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(rows)
-    ax.set_xlabel("ms since the first block range")
-    ax.set_title(title + "  (thin solid: forward, thick light: backward; color: block)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(blocks))]
-    ax.legend(handles, blocks, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.3 / len(rows)),
-              fontsize=7, ncol=min(8, len(blocks)), frameon=False)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return png_path
+def _batch(text):
+    return MIDDLE if text == MIDDLE else int(text)
 
 
 def build_parser():
@@ -438,12 +713,13 @@ def build_parser():
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU: CPU modes, graphs via the CPU stand-in capture, /tmp output")
     parser.add_argument("--strict", action="store_true",
-                        help="exit 1 if a graph mode did not capture and replay graphs")
+                        help="exit 1 on what must hold on any GPU (see the module docstring)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--modes", nargs="+", default=None)
-    parser.add_argument("--batches", nargs="+", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batches", nargs="+", type=_batch, default=None,
+                        help=f"batch sizes, or {MIDDLE!r} (chosen from the end traces)")
+    parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--input-dim", type=int, default=512, help="mlp30 input width")
     parser.add_argument("--buckets", type=int, default=1000, help="ctr hashed ids per feature")
@@ -452,8 +728,8 @@ def build_parser():
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating repeats of every cell (median and spread reported)")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                        help="stop starting cells when the next one would end past SECONDS "
-                             "(the trace comes first; results are always written)")
+                        help="start no group of cells that would end past SECONDS "
+                             "(results are always written)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "erase_gpu"))
     return parser
 
@@ -462,19 +738,24 @@ def resolve(args, cuda):
     """Fills the defaults that depend on CUDA / the dry run; validates modes."""
     if not cuda and not args.cpu_dry_run:
         raise SystemExit("erase_gpu.py needs CUDA (use --cpu-dry-run to check it on CPU)")
+    args.modes_given = args.modes is not None
     args.modes = list(args.modes or (GPU_MODES if cuda else CPU_MODES))
+    args.extra_modes = [m for m in EXTRA_MODES if cuda or m != "auto+graphs"]
+    for mode in args.modes + args.extra_modes:
+        parse_mode(mode)
     for mode in args.modes:
-        base, _ = parse_mode(mode)
-        if base == "streams" and not cuda:
+        if parse_mode(mode)[0] == "streams" and not cuda:
             raise SystemExit(f"{mode!r} needs CUDA")
-    # On CUDA the trace is of the CTR model's "streams" step (a block's backward on its
-    # stream must overlap the next block's forward: asserted with --strict).
+    # The trace is of the first model's "streams" step on CUDA: a block's backward on its
+    # stream overlapping a later block's forward is what ERASE's overlap looks like.
     args.trace_mode = args.trace_mode or ("streams" if cuda else "threaded")
     parse_mode(args.trace_mode)
     if args.batches is None:
-        args.batches = [GPU_BATCHES[0]] if (args.quick or not cuda) else list(GPU_BATCHES)
-        if not cuda:
-            args.batches = [32]
+        args.batches = list(GPU_BATCHES if cuda else CPU_BATCHES)
+        if args.quick:
+            args.batches = [args.batches[0]]
+    if all(b == MIDDLE for b in args.batches):
+        raise SystemExit(f"--batches: {MIDDLE!r} needs two batch sizes around it")
     if args.cpu_dry_run:
         args.warmup, args.steps = min(args.warmup, 4), min(args.steps, 3)
         args.width, args.input_dim, args.buckets = min(args.width, 16), min(args.input_dim, 16), 20
@@ -482,7 +763,7 @@ def resolve(args, cuda):
         if args.out == build_parser().get_default("out"):
             args.out = "/tmp/erase_gpu_dry_run"
     elif args.quick:
-        args.warmup, args.steps = min(args.warmup, 10), min(args.steps, 20)
+        args.warmup, args.steps = min(args.warmup, 4), min(args.steps, 10)
     return args
 
 
@@ -508,250 +789,6 @@ def main(argv=None):
     if args.strict and problems:
         raise SystemExit(1)
     return rows
-
-
-EXACTNESS_TOLERANCE = 1e-4  # max |weight - standard step's| / (1 + |weight|), float32, TF32 off
-
-
-def exactness_check(args, cuda):
-    """Every early mode's weights after a few SGD steps vs the standard step's, on the first model.
-
-    The same initial weights and batch (the benchmark's first batch size) for every mode; enough
-    steps for the graph modes to warm up, capture and replay. TF32 is off meanwhile (cuBLAS and
-    cuDNN), so that a difference is ERASE's, not TF32's rounding. Returns one row per mode.
-    """
-    import torch
-
-    from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
-    from keras_erase.torch.cuda_graphs.runner import untimed_steps
-
-    model_name, batch = args.models[0], args.batches[0]
-    steps = untimed_steps(DEFAULT_WARMUP) + 2
-    modes = ["standard"] + [m for m in args.modes if parse_mode(m)[0] not in
-                            ("undetached", "standard", "auto")]
-    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        finals = {}
-        for mode in modes:
-            model = make_model(model_name, mode, args)
-            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="binary_crossentropy")
-            x, y = make_batch(model_name, batch, args)
-            for _ in range(steps):
-                model.train_on_batch(x, y)
-            finals[mode] = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
-    reference = finals.pop("standard")
-    rows = []
-    for mode, weights in finals.items():
-        worst = max(float(np.max(np.abs(w - r) / (1.0 + np.abs(r)))) for w, r in
-                    zip(weights, reference))
-        rows.append({"model": model_name, "batch": batch, "mode": mode, "steps": steps,
-                     "max_rel_diff_vs_standard": worst, "exact": worst <= EXACTNESS_TOLERANCE})
-        print(f"exactness {model_name} batch={batch} {mode:<16} {steps} steps: "
-              f"max relative difference {worst:.2e}", flush=True)
-    return rows
-
-
-class Budget:
-    """Wall-clock budget of a run: whether a cell expected to take `seconds` still fits."""
-
-    def __init__(self, seconds):
-        self.start = time.monotonic()
-        self.seconds = seconds
-
-    def elapsed(self):
-        return time.monotonic() - self.start
-
-    def fits(self, seconds):
-        return self.seconds is None or self.elapsed() + seconds <= self.seconds
-
-
-def summarize(rows):
-    """One row per (model, batch, mode): medians of the repeats' p50/p90 and their spread."""
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["model"], r["batch"], r["mode"]), []).append(r)
-    summary = []
-    for (model_name, batch, mode), repeats in groups.items():
-        row = dict(repeats[-1])
-        row.pop("repeat", None)
-        row["repeats"] = len(repeats)
-        for key in ("p50", "p90", "step_ms_p50", "step_ms_p90", "host_ms_p50"):
-            values = [r[key] for r in repeats]
-            row[key] = float(np.median(values))
-            if key in ("p50", "p90"):
-                row[key + "_spread"] = (max(values) - min(values)) / row[key] if row[key] else 0.0
-        row["host_share"] = row["host_ms_p50"] / row["step_ms_p50"] if row["step_ms_p50"] else 0.0
-        summary.append(row)
-    for row in summary:
-        standard = [r for r in summary if r["mode"] == "standard" and r["model"] == row["model"]
-                    and r["batch"] == row["batch"]]
-        if standard:
-            row["p90_vs_standard"] = row["p90"] / standard[0]["p90"]
-    return summary
-
-
-def run_trace(args, cuda):
-    """The profiled step, its timeline PNG and overlaps: `(trace, png, overlaps, error)`."""
-    model_name, batch = args.models[0], args.batches[0]
-    trace_path, png_path = args.out + "_trace.json", args.out + "_timeline.png"
-    try:
-        profile_one_step(model_name, args.trace_mode, batch, args, cuda, trace_path)
-        plot_timeline(trace_path, png_path,
-                      f"one ERASE step, {model_name}, {args.trace_mode}, batch={batch}")
-        return trace_path, png_path, overlaps(block_ranges(trace_path)), None
-    except Exception as error:  # noqa: BLE001 - reported; the cells still run
-        return trace_path, png_path, [], f"{type(error).__name__}: {error}"
-
-
-def run_cells(args, sync, budget):
-    """Every cell `args.repeats` times, modes alternating; returns `(rows, skipped, errors)`."""
-    rows, skipped, errors, cost = [], [], [], {}
-    for model_name in args.models:
-        for batch in args.batches:
-            for repeat in range(args.repeats):
-                for mode in args.modes:
-                    cell = (model_name, batch, mode)
-                    expected = cost.get(cell, max((c for k, c in cost.items()
-                                                   if k[:2] == cell[:2]), default=0.0))
-                    label = f"{model_name} batch={batch} {mode} repeat {repeat + 1}"
-                    if not budget.fits(expected):
-                        skipped.append(label)
-                        continue
-                    start = time.monotonic()
-                    try:
-                        row = run_cell(model_name, mode, batch, args, sync)
-                    except Exception as error:  # noqa: BLE001 - reported, the run goes on
-                        errors.append(f"{label}: {type(error).__name__}: {error}")
-                        print("CELL FAILED:", errors[-1], flush=True)
-                        continue
-                    cost[cell] = time.monotonic() - start
-                    row["repeat"] = repeat
-                    rows.append(row)
-                    print(f"{label:<40} p50={row['p50']:,.0f}/s p90={row['p90']:,.0f}/s "
-                          f"host {row['host_ms_p50']:.2f} ms ({cost[cell]:.1f} s)", flush=True)
-    return rows, skipped, errors
-
-
-def run_all(args, cuda):
-    """Trace first, then the cells within `--budget`; always writes the markdown and JSON."""
-    import torch
-
-    budget = Budget(args.budget)
-    sync = torch.cuda.synchronize if cuda else None
-    trace_path, png_path, overlap, trace_error = run_trace(args, cuda)
-    rows, skipped, errors, exact = [], [], [], []
-    try:
-        try:
-            exact = exactness_check(args, cuda)
-        except Exception as error:  # noqa: BLE001 - reported; the cells still run
-            errors.append(f"exactness check: {type(error).__name__}: {error}")
-        errors.extend(f"{r['model']} batch={r['batch']} {r['mode']}: weights differ from the "
-                      f"standard step's by {r['max_rel_diff_vs_standard']:.2e} (relative) after "
-                      f"{r['steps']} steps" for r in exact if not r["exact"])
-        rows, skipped, cell_errors = run_cells(args, sync, budget)
-        errors.extend(cell_errors)
-    finally:
-        summary = summarize(rows)
-        if trace_error:
-            errors.insert(0, f"trace: {trace_error}")
-        write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_path, overlap,
-                     budget.elapsed(), exact)
-    if errors:
-        print("ERRORS:", *errors, sep="\n  ", flush=True)
-    if cuda and args.strict and not overlap:  # the GPU must show the overlap, from the kernels
-        raise SystemExit(
-            f"no block backward overlaps a later block's forward in the {args.trace_mode} "
-            f"trace ({trace_path})"
-        )
-    if args.strict and errors:
-        raise SystemExit(1)
-    return summary
-
-
-def write_report(args, cuda, summary, rows, skipped, errors, trace_path, png_path, overlap,
-                 seconds, exact=()):
-    import torch
-
-    model_name, batch = args.models[0], args.batches[0]
-    info = machine_info(
-        torch=torch.__version__,
-        keras=keras.__version__,
-        device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run: not a measurement)",
-        width=args.width,
-        num_streams=args.num_streams,
-        warmup=args.warmup,
-        steps=args.steps,
-        repeats=args.repeats,
-        budget_s=args.budget,
-        wall_s=round(seconds, 1),
-    )
-    columns = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread",
-               "p90_vs_standard", "step_ms_p50", "step_ms_p90", "host_ms_p50", "host_share", "repeats",
-               "upstream_backwards_per_step", "graphs_captured", "graph_replays", "auto_choice",
-               "auto_timed_measuring_steps"]
-    auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
-    auto_note = (
-        "auto_timed_measuring_steps: how many of `auto`'s measuring steps (trial schedules, "
-        "graph warm-up and capture) fell inside the timed window: "
-        + ("none (every measuring step was in the untimed warm-up)." if not auto_rows else
-           "; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: "
-                     f"{r['auto_timed_measuring_steps']} of {args.steps} timed steps "
-                     f"(measuring steps: {r['auto_measuring_steps']}; use --warmup "
-                     f">= {r['auto_measuring_steps']} to leave them out)" for r in auto_rows))
-    )
-    stopped = (f"Budget: {args.budget:.0f} s; {len(skipped)} cells not run: "
-               + ", ".join(skipped)) if skipped else "Every cell ran."
-    report = "\n".join(
-        [
-            "# ERASE on GPU: every early-backward mode, with and without CUDA Graphs (torch)",
-            "",
-            QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best "
-            "non-blocking row is +9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%).",
-            "",
-            f"Each cell: a fresh model, {args.warmup} untimed steps, {args.steps} timed steps; "
-            f"{args.repeats} repeats, the modes alternating; p50/p90: the median over the "
-            "repeats, *_spread: (max - min) / median. host_ms_p50: the host's time per step "
-            "(until `train_on_batch` returned, before the device finished); host_share = "
-            "host_ms_p50 / step_ms_p50 (near 1: host-bound; well below 1: the GPU is saturated). "
-            "graphs_captured / graph_replays: block graphs captured and forward replays in the "
-            "timed cell (a graph mode with 0 did not use graphs). upstream_backwards_per_step "
-            "(ctr): backwards of the shared embedding table per step (the gradient hand-off "
-            "makes it 1 in every schedule).",
-            "",
-            auto_note,
-            "",
-            stopped,
-            "",
-            "Exactness (TF32 off): every early mode's weights after a few SGD steps from the same "
-            "weights and batch, against the standard step's; max |w - w_standard| / (1 + "
-            f"|w_standard|), tolerance {EXACTNESS_TOLERANCE:g}.",
-            "",
-            markdown_table(list(exact), ["model", "batch", "mode", "steps",
-                                         "max_rel_diff_vs_standard", "exact"])
-            if exact else "(not run)",
-            "",
-            "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
-            "",
-            markdown_table(summary, columns) if summary else "(no cell ran)",
-            "",
-            f"Trace of one `{args.trace_mode}` step ({model_name}, batch {batch}): "
-            f"`{os.path.basename(trace_path)}`, timeline `{os.path.basename(png_path)}`. "
-            "A block's backward overlapping a later block's forward on another "
-            f"{'stream (device time of their kernels)' if cuda else 'thread'}: "
-            + (", ".join(f"{b} backward / {f} forward" for b, f in overlap) or "none"),
-        ]
-        + (["", "Errors:", *[f"- {e}" for e in errors]] if errors else [])
-    )
-    print(report)
-    write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "rows": summary, "repeats": rows,
-                                    "exactness": list(exact),
-                                    "skipped": skipped, "errors": errors, "trace": trace_path,
-                                    "trace_overlaps": overlap})
-    print(f"wrote {args.out}.md, .json, {trace_path}, {png_path}")
 
 
 if __name__ == "__main__":

@@ -1,125 +1,215 @@
 #!/usr/bin/env bash
-# The GPU check (ERASE, then CutBCE's Triton kernels): one command for a person with a CUDA GPU
-# (torch backend).
+# The GPU check: the one command that turns a short window on a CUDA GPU into the project's first GPU
+# results (ERASE on torch, then CutBCE's Triton kernels). Built to pass on first contact within
+# GPU_CHECK_SECONDS (default 480: 8 minutes) on one H200, on a machine without network whose python3
+# already holds torch, Triton and JAX but not Keras (docs/gpu.md, "Offline install").
 #
-#   scripts/gpu_check.sh              # CUDA tests + erase_gpu.py + cutbce_triton.py, within 8 minutes
-#   scripts/gpu_check.sh --quick      # same, one batch size and fewer steps
-#   scripts/gpu_check.sh --dry-run    # no GPU: the same steps on CPU (nothing measured)
+#   scripts/gpu_check.sh --prepare DIR   # where the package index is reachable: the wheels into DIR
+#   scripts/gpu_check.sh --wheels DIR    # on the GPU machine, offline: install DIR, then the check
+#   scripts/gpu_check.sh                 # the check with $PYTHON (default: .venv's, else python3)
+#   scripts/gpu_check.sh --dry-run       # no GPU: the same steps on CPU (nothing is measured)
+#   scripts/gpu_check.sh --wheels DIR --install-only   # install and preflight, then stop
 #
-# 1. runs the GPU path's tests (TESTS below; every one is device-agnostic: inputs on Keras's device,
-#    expectations keyed on the device) and notes a failure, or a test skipped for lack of CUDA
-#    although CUDA is present, without stopping: the benchmark still runs and writes its results;
-# 2. runs benchmarks/erase_gpu.py --strict --budget <what is left of GPU_CHECK_SECONDS>: the trace of
-#    one CTR "streams" step first (its timeline PNG; the overlap of a block's backward with a later
-#    block's forward is read from the kernels' device times per stream), then standard / blocking /
-#    threaded / streams / auto, each with and without CUDA Graphs, on the CTR example and the 30-layer
-#    MLP, 3 alternating repeats per cell (median and spread of p50/p90 QPS, host time per step); it
-#    starts no cell that would end past the budget and always writes what it has; --strict fails if
-#    a graph mode did not capture and replay graphs, if no overlap is found, or if a cell failed;
-# 2b. when Triton is importable, keeps CUTBCE_GPU_SECONDS (default 180) of the total for CutBCE: the
-#    Triton parity tests compiled on the GPU, then benchmarks/cutbce_triton.py --gpu --budget <the rest>
-#    (parity vs dense with TF32 off, dense / chunked / triton alternating, a tile sweep);
-# 3. writes under benchmarks/results/: erase_gpu.md / .json, erase_gpu_trace.json (torch profiler,
-#    chrome://tracing), erase_gpu_timeline.png, gpu_check_tests.txt, cutbce_triton_gpu.json / .log,
-#    gpu_check_cutbce_tests.txt; exits 1 if any step failed.
+# --prepare DIR: keras and the two of its dependencies such a machine lacks (namex, optree), at
+#   constraints.txt's pins, for CPython GPU_CHECK_PY_VERSION (default 3.12) on x86-64 Linux, and the
+#   project as a wheel (about 3 MB in all).
+# --wheels DIR: a virtualenv (GPU_CHECK_VENV, default /tmp/gpu_check_venv) over GPU_CHECK_HOST_PYTHON
+#   (default python3) that sees its packages (--system-site-packages, and its own site folders when
+#   python3 is itself a virtualenv), then `pip install --no-index` of DIR's keras (its other
+#   dependencies must already be there: pip names any that is not) and of the project with
+#   --no-deps. If no virtualenv can be made, `pip install --target` into GPU_CHECK_VENV/site.
 #
-# Time. GPU_CHECK_SECONDS (default 480: 8 minutes) bounds the whole check; the benchmark gets what the
-# tests and the CutBCE part's reserve left, minus 20 s for writing the results (at least 60 s).
-# Measured: --dry-run on the project's 2-core CPU machine, shared with three other jobs (load average
-# 9): 230 s in all (tests 74 s: 104 passed, 9 CUDA-only skipped; benchmark 147 s: trace, exactness, 24
-# cells). Estimated on one H200: the tests 1-2 minutes (the same tests, most of them host-bound Keras
-# steps, on a 16-core host; the CUDA-only ones add seconds), then the benchmark until the 8 minutes
-# are used (trace, exactness and the CTR cells come first; the MLP cells last, cut by the budget if
-# need be); the machine's start-up (minutes) is extra.
-# Environment: PYTHON (default: the project's .venv Python, else python), GPU_CHECK_SECONDS, CUTBCE_GPU_SECONDS,
-# GPU_CHECK_OUT (the dry run's folder); extra arguments go to erase_gpu.py (e.g. --budget 300).
+# Phases, with the estimate on one H200 (its 16-core host runs the same host-bound Keras steps as the
+# dry run; the CUDA-only tests add seconds) and the dry run's wall time on the project's shared 2-core
+# CPU machine (load average 10-13; Python 3.12, torch 2.11, Triton 3.6 as on the H200):
+#   phase                                                         H200 estimate       dry run here
+#   0 install from DIR (--wheels) + preflight (versions, CUDA,      ~15 s               32 s
+#     a Triton kernel compiled and run)
+#   1 ERASE tests, one process (TESTS)                              ~60 s               139 s
+#   2 the failing-capture test, its own process                     ~10 s               22 s
+#   3 benchmarks/erase_gpu.py: traces at 3 batches, exactness,      the rest: ~200 s    227 s (budget 253)
+#     the cell groups by priority, each with its 3 repeats
+#   4 CutBCE: Triton parity tests compiled, then                    CUTBCE_GPU_SECONDS  skipped: Triton 3.6's
+#     benchmarks/cutbce_triton.py --gpu in what is left              (180 s)             interpreter, NumPy 2.5
+#   results, slack                                                  ~15 s
+#   total                                                           <= 480 s            479 s
+# (the machine's start-up is extra). Phases 3 and 4 stop starting work when their budget is spent.
+# A phase that fails is reported and the next one still runs; the exit status is 1 if any failed.
+# Results under benchmarks/results/ (the dry run: GPU_CHECK_OUT, default /tmp/gpu_check_dry_run):
+# erase_gpu.md / .json, erase_gpu_trace*.json, erase_gpu_timeline.png, gpu_check_tests.txt,
+# cutbce_triton_gpu.md / .json / .log, gpu_check_cutbce_tests.txt, gpu_check_preflight.txt.
+# Environment: PYTHON, GPU_CHECK_SECONDS, CUTBCE_GPU_SECONDS, GPU_CHECK_OUT, GPU_CHECK_VENV,
+# GPU_CHECK_HOST_PYTHON, GPU_CHECK_PY_VERSION, GPU_CHECK_PHASES (default "tests erase cutbce": a subset
+# reruns only those); other arguments go to erase_gpu.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 START=$SECONDS
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}  # the project venv when there is one
-export KERAS_BACKEND=torch
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DRY=0 PREPARE="" WHEELS="" INSTALL_ONLY=0 BENCH_EXTRA=()
+while (( $# )); do
+  case "$1" in
+    --prepare) PREPARE=${2:?--prepare needs a folder}; shift 2 ;;
+    --wheels) WHEELS=${2:?--wheels needs a folder}; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    --install-only) INSTALL_ONLY=1; shift ;;
+    *) BENCH_EXTRA+=("$1"); shift ;;
+  esac
+done
+HOST_PYTHON=${GPU_CHECK_HOST_PYTHON:-python3}
+
+pins() {  # constraints.txt's pins of the named distributions
+  local name
+  for name in "$@"; do grep -i -m1 "^$name==" constraints.txt || { echo "no pin for $name" >&2; return 1; }; done
+}
+
+if [[ -n $PREPARE ]]; then  # -- on a machine that reaches the package index ---------------------------
+  mkdir -p "$PREPARE"
+  PY_VERSION=${GPU_CHECK_PY_VERSION:-3.12}
+  platforms=()
+  for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+    platforms+=(--platform "$p")
+  done
+  set -e
+  "$HOST_PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --dest "$PREPARE" \
+    --python-version "$PY_VERSION" --implementation cp "${platforms[@]}" $(pins keras namex optree)
+  isolation=(--no-build-isolation)  # pyproject.toml needs setuptools >= 77: else pip fetches it
+  "$HOST_PYTHON" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
+    2>/dev/null || isolation=()
+  "$HOST_PYTHON" -m pip wheel --quiet --no-deps "${isolation[@]}" --wheel-dir "$PREPARE" "$REPO"
+  rm -rf "$REPO/build" "$REPO"/*.egg-info  # an in-tree build's leftovers
+  echo "gpu_check: wheels for CPython $PY_VERSION x86-64 in $PREPARE ($(du -sh "$PREPARE" | cut -f1)):"
+  ls -1 "$PREPARE"
+  exit 0
+fi
+
+RESULTS=benchmarks/results
+[[ $DRY -eq 1 ]] && RESULTS=${GPU_CHECK_OUT:-/tmp/gpu_check_dry_run}
+mkdir -p "$RESULTS"
+ORIGINAL_PYTHONPATH=${PYTHONPATH:-}
+INSTALLED=()
+if [[ -n $WHEELS ]]; then  # -- phase 0: the offline install -------------------------------------------
+  WHEELS=$(cd "$WHEELS" && pwd)
+  VENV=${GPU_CHECK_VENV:-/tmp/gpu_check_venv}
+  VERSION=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' keras_cutbce/version.py)
+  PROJECT_WHEEL=$(ls "$WHEELS"/keras_cutbce_erase-"$VERSION"-*.whl 2>/dev/null | head -1)
+  [[ -n $PROJECT_WHEEL ]] || { echo "gpu_check: no keras_cutbce_erase-$VERSION wheel in $WHEELS (run --prepare)" >&2; exit 1; }
+  # Only DIR: no index, no configured find-links or constraints of this machine.
+  pip_offline() { env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT \
+    PIP_CONFIG_FILE=/dev/null "$@" --quiet --no-index --find-links "$WHEELS" --no-cache-dir \
+    --disable-pip-version-check; }
+  rm -rf "$VENV"
+  if [[ ${GPU_CHECK_INSTALL:-venv} == venv ]] \
+     && "$HOST_PYTHON" -m venv --system-site-packages --without-pip "$VENV"; then
+    # A virtualenv over a virtualenv sees the base Python's packages, not python3's: add python3's own
+    # site folders (their .pth files included) after the new environment's.
+    "$HOST_PYTHON" - "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" <<'PY'
+import os, sys
+folders = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+with open(os.path.join(sys.argv[1], "gpu_check_host_site.pth"), "w") as f:
+    f.writelines(f"import site; site.addsitedir({p!r})\n" for p in folders)
+PY
+    PYTHON=$VENV/bin/python
+    pip_offline "$PYTHON" -m pip install $(pins keras namex optree) || exit 1
+    pip_offline "$PYTHON" -m pip install --no-deps "$PROJECT_WHEEL" || exit 1
+  else  # no virtualenv here: a folder on PYTHONPATH, every dependency already checked by the preflight
+    echo "gpu_check: no virtualenv (GPU_CHECK_INSTALL=${GPU_CHECK_INSTALL:-venv}): pip install --target $VENV/site"
+    PYTHON=$HOST_PYTHON
+    pip_offline "$PYTHON" -m pip install --no-deps --target "$VENV/site" \
+      "$WHEELS"/keras-*.whl "$WHEELS"/namex-*.whl "$WHEELS"/optree-*.whl "$PROJECT_WHEEL" || exit 1
+    ORIGINAL_PYTHONPATH=$VENV/site${ORIGINAL_PYTHONPATH:+:$ORIGINAL_PYTHONPATH}
+  fi
+  INSTALLED=(--installed "$VERSION")
+else
+  PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo "$HOST_PYTHON")}
+fi
+case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON") ;; esac
+
+export KERAS_BACKEND=torch PYTHONUNBUFFERED=1
+# JAX is on the machine but unused: never let it initialise CUDA or take the GPU's memory.
+export JAX_PLATFORMS=cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
+DRY_FLAG=(); [[ $DRY -eq 1 ]] && DRY_FLAG=(--dry-run)
+# The preflight sees only what is installed (not the checkout) and stops the check at once.
+(cd /tmp && PYTHONPATH=$ORIGINAL_PYTHONPATH "$PYTHON" "$REPO/scripts/gpu_preflight.py" "${DRY_FLAG[@]}" "${INSTALLED[@]}") 2>&1 \
+  | tee "$RESULTS/gpu_check_preflight.txt"
+[[ ${PIPESTATUS[0]} -eq 0 ]] || { echo "gpu_check: stopped by the preflight ($((SECONDS - START)) s)" >&2; exit 1; }
+echo "gpu_check: install and preflight took $((SECONDS - START)) s"
+[[ $INSTALL_ONLY -eq 1 ]] && exit 0
+export PYTHONPATH="$REPO${ORIGINAL_PYTHONPATH:+:$ORIGINAL_PYTHONPATH}"
 TOTAL=${GPU_CHECK_SECONDS:-480}
-TESTS=(tests/erase/test_cuda_graphs.py tests/erase/test_cuda_graphs_lifecycle.py
-       tests/erase/test_cuda_graphs_host_reads.py tests/erase/test_erase_handoff.py
-       tests/erase/test_erase_torch.py tests/erase/test_erase_syncs.py)
+PHASES=" ${GPU_CHECK_PHASES:-tests erase cutbce} "  # a subset reruns only those (e.g. one that failed)
 FAILED=()
 
-if [[ "${1:-}" == "--dry-run" ]]; then
-  shift
-  DRY=1
-  RESULTS=${GPU_CHECK_OUT:-/tmp/gpu_check_dry_run}
-  BENCH_ARGS=(--cpu-dry-run)
-  echo "gpu_check: dry run on CPU (CUDA tests skip, graphs use the CPU stand-in capture) -> $RESULTS"
-else
-  DRY=0
-  RESULTS=benchmarks/results
-  BENCH_ARGS=()
-  if ! "$PYTHON" - <<'PY'
-import sys, torch
-if not torch.cuda.is_available():
-    sys.exit("gpu_check: torch sees no CUDA device (run scripts/gpu_check.sh --dry-run on CPU)")
-print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)
-PY
-  then
-    exit 1
-  fi
-fi
-mkdir -p "$RESULTS"
+run_tests() {  # run_tests LOG pytest-arguments...: one pytest process, its output appended to LOG
+  local log=$1; shift
+  "$PYTHON" -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | tee -a "$RESULTS/$log"
+  local rc=${PIPESTATUS[0]}
+  [[ $rc -eq 0 ]] || FAILED+=("pytest $* (exit $rc)")
+}
 
-"$PYTHON" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" | tee "$RESULTS/gpu_check_tests.txt"
-TEST_RC=${PIPESTATUS[0]}
-[[ $TEST_RC -eq 0 ]] || FAILED+=("tests (pytest exit $TEST_RC)")
-if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
-  FAILED+=("CUDA tests skipped although CUDA is present")
+# -- phases 1-2: the ERASE tests ------------------------------------------------------------------------
+# Device-agnostic (inputs on Keras's device, expectations keyed on it); CUDA-only ones skip on a dry run.
+TESTS=(tests/erase/test_cuda_graphs.py tests/erase/test_cuda_graphs_lifecycle.py
+       tests/erase/test_cuda_graphs_host_reads.py tests/erase/test_cuda_graphs_sharing.py
+       tests/erase/test_erase_handoff.py tests/erase/test_erase_torch.py
+       tests/erase/test_erase_syncs.py)
+# A failed capture can leave torch's caching allocator in capture mode (torch < 2.12 without
+# pytorch#180395): that test runs alone, and checks empty_cache() and a new capture after it.
+CAPTURE_FAILURE=tests/erase/test_cuda_graphs.py::test_cuda_capture_failure_restores_the_stream_on_gpu
+if [[ $PHASES == *" tests "* ]]; then
+  : >"$RESULTS/gpu_check_tests.txt"
+  run_tests gpu_check_tests.txt "${TESTS[@]}" --deselect "$CAPTURE_FAILURE"
+  run_tests gpu_check_tests.txt "$CAPTURE_FAILURE"
+  if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
+    FAILED+=("CUDA tests skipped although CUDA is present")
+  fi
 fi
 TESTS_S=$((SECONDS - START))
 
-# The CutBCE part (below) keeps CUTBCE_GPU_SECONDS of the total when Triton is importable.
+# -- phase 3: ERASE on the GPU (benchmarks/erase_gpu.py) ------------------------------------------------
 CUTBCE_S=0
-if "$PYTHON" -c "import triton" 2>/dev/null; then CUTBCE_S=${CUTBCE_GPU_SECONDS:-180}; fi
-BUDGET=$((TOTAL - TESTS_S - CUTBCE_S - 20))
+if [[ $PHASES != *" cutbce "* ]]; then
+  :
+elif ! "$PYTHON" -c "import triton" 2>/dev/null; then
+  echo "gpu_check: triton is not importable: the CutBCE Triton part is skipped" >&2
+elif [[ $DRY -eq 1 ]] && ! "$PYTHON" scripts/gpu_preflight.py --triton-interpreter; then
+  echo "gpu_check: the dry run's CutBCE part (Triton's interpreter) is skipped; a GPU runs the compiled kernels" >&2
+else
+  CUTBCE_S=${CUTBCE_GPU_SECONDS:-180}
+fi
+BUDGET=$((TOTAL - TESTS_S - CUTBCE_S - 15))
 (( BUDGET >= 60 )) || BUDGET=60
-case " $* " in *" --budget "*) BUDGET_ARGS=() ;; *) BUDGET_ARGS=(--budget "$BUDGET") ;; esac
-echo "gpu_check: tests took ${TESTS_S} s; benchmark budget: ${BUDGET_ARGS[1]:-from the arguments} s"
-"$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" --strict "${BUDGET_ARGS[@]}" \
-  --out "$RESULTS/erase_gpu" "$@"
-BENCH_RC=$?
-[[ $BENCH_RC -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $BENCH_RC)")
+BENCH_ARGS=(--strict --out "$RESULTS/erase_gpu")
+[[ $DRY -eq 1 ]] && BENCH_ARGS+=(--cpu-dry-run)
+case " ${BENCH_EXTRA[*]-} " in *" --budget "*) ;; *) BENCH_ARGS+=(--budget "$BUDGET") ;; esac
+if [[ $PHASES == *" erase "* ]]; then
+  echo "gpu_check: tests took ${TESTS_S} s; ERASE benchmark budget ${BUDGET} s"
+  "$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" "${BENCH_EXTRA[@]}"
+  BENCH_RC=$?
+  [[ $BENCH_RC -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $BENCH_RC)")
+fi
 
-# -- ERASE part ends here. ---------------------------------------------------------------------------
-
-# -- CutBCE on CUDA: the fused Triton kernels (benchmarks/cutbce_triton.py), in CUTBCE_S seconds ------
-# Their parity tests (compiled on the GPU; in the Triton interpreter on a dry run), then parity of
-# triton and chunked vs dense (TF32 off), dense / chunked / triton alternating (median of 5, peak
-# memory) and a tile sweep, within what is left of CUTBCE_S.
+# -- phase 4: CutBCE on CUDA, the fused Triton kernels, in CUTBCE_S seconds -----------------------------
+# The parity tests compiled on the GPU (in the Triton interpreter on a dry run), then
+# benchmarks/cutbce_triton.py --gpu in what is left of CUTBCE_S.
 if (( CUTBCE_S > 0 )); then
   CUTBCE_START=$SECONDS
+  CUTBCE_ARGS=()
+  : >"$RESULTS/gpu_check_cutbce_tests.txt"
   if [[ $DRY -eq 1 ]]; then
-    CUTBCE_TESTS=(tests/cutbce/test_triton_interpreter.py tests/cutbce/test_triton_dispatch.py)
+    run_tests gpu_check_cutbce_tests.txt -m "" tests/cutbce/test_triton_interpreter.py tests/cutbce/test_triton_dispatch.py
     CUTBCE_ARGS=(--cpu-dry-run)
   else
-    CUTBCE_TESTS=(tests/cutbce/test_triton_parity.py tests/cutbce/test_triton_dispatch.py)
-    CUTBCE_ARGS=()
+    run_tests gpu_check_cutbce_tests.txt -m "" tests/cutbce/test_triton_parity.py tests/cutbce/test_triton_dispatch.py
   fi
-  "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "" "${CUTBCE_TESTS[@]}" \
-    | tee "$RESULTS/gpu_check_cutbce_tests.txt"
-  CUTBCE_RC=${PIPESTATUS[0]}
-  [[ $CUTBCE_RC -eq 0 ]] || FAILED+=("CutBCE Triton tests (pytest exit $CUTBCE_RC)")
-  CUTBCE_BUDGET=$((CUTBCE_S - (SECONDS - CUTBCE_START) - 10))
+  CUTBCE_BUDGET=$((CUTBCE_S - (SECONDS - CUTBCE_START) - 5))
   (( CUTBCE_BUDGET >= 30 )) || CUTBCE_BUDGET=30
   "$PYTHON" benchmarks/cutbce_triton.py --gpu "${CUTBCE_ARGS[@]}" --budget "$CUTBCE_BUDGET" \
-    --out "$RESULTS" | tee "$RESULTS/cutbce_triton_gpu.log"
+    --out "$RESULTS" 2>&1 | tee "$RESULTS/cutbce_triton_gpu.log"
   CUTBCE_RC=${PIPESTATUS[0]}
   [[ $CUTBCE_RC -eq 0 ]] || FAILED+=("benchmarks/cutbce_triton.py (exit $CUTBCE_RC)")
-else
-  echo "gpu_check: triton is not importable: the CutBCE Triton part is skipped" >&2
 fi
-# -- CutBCE part ends here. ----------------------------------------------------------------------------
 
-echo "gpu_check: $((SECONDS - START)) s in all (tests ${TESTS_S} s); results in $RESULTS/:" \
-     "erase_gpu.md, erase_gpu.json, erase_gpu_trace.json, erase_gpu_timeline.png, gpu_check_tests.txt," \
-     "cutbce_triton_gpu.json, cutbce_triton_gpu.log, gpu_check_cutbce_tests.txt"
+echo "gpu_check: $((SECONDS - START)) s in all (install and tests ${TESTS_S} s); results in $RESULTS/"
 if (( ${#FAILED[@]} )); then
   printf 'gpu_check: FAILED: %s\n' "${FAILED[@]}" >&2
   exit 1

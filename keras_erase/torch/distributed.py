@@ -84,10 +84,9 @@ model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
 import torch
 import torch.distributed as dist
 
-from keras_erase import _keras_private
-from keras_erase.detach_block import DetachBlock
+from keras_erase.block_weights import block_owned_weights
 
-__all__ = ["GradientSync", "active", "block_owned_weights", "mean_over_ranks"]
+__all__ = ["GradientSync", "active", "mean_over_ranks"]
 
 
 def active(group=None):
@@ -107,63 +106,6 @@ def mean_over_ranks(values, group=None):
         tensor = tensor.cuda()
     dist.all_reduce(tensor, group=group)
     return (tensor / dist.get_world_size(group)).tolist()
-
-
-def _weights_outside_blocks(model):
-    """Returns `{id: weight}` of the trainable weights a layer outside every `DetachBlock` creates.
-
-    Walks the layer tree from `model` through direct sublayers, not into
-    blocks; a layer met this way is used outside blocks (a layer called inside
-    a block and on the main path is met here too). Its own weights are its
-    `trainable_weights` minus its direct sublayers' ones.
-    """
-    outside, seen, stack = {}, set(), [model]
-    while stack:
-        layer = stack.pop()
-        children = _keras_private.direct_sublayers(layer)
-        held = {id(w) for child in children for w in child.trainable_weights}
-        for weight in layer.trainable_weights:
-            if id(weight) not in held:
-                outside[id(weight)] = weight
-        for child in children:
-            if not isinstance(child, DetachBlock) and id(child) not in seen:
-                seen.add(id(child))
-                stack.append(child)
-    return outside
-
-
-def block_owned_weights(model, blocks):
-    """Maps `id(block)` to the trainable weights only that block's early backward reaches.
-
-    A weight is a block's when exactly one of `blocks` holds it and no layer
-    outside every block does (see the module docstring); the others are
-    reduced with the remainder.
-
-    Example:
-
-    >>> import keras
-    >>> from keras_erase import DetachBlock, EraseModel
-    >>> shared = keras.layers.Dense(2, name="shared")
-    >>> inputs = keras.Input((3,))
-    >>> inner = keras.layers.Dense(2, name="inner")
-    >>> tower = DetachBlock(keras.Sequential([shared, inner]), loss="mse")
-    >>> model = EraseModel(inputs, keras.layers.Add()([tower(inputs), shared(inputs)]),
-    ...                    dispatch="standard")
-    >>> [w is inner.kernel or w is inner.bias for w in block_owned_weights(model, [tower])[id(tower)]]
-    [True, True]
-    """
-    if not blocks:
-        return {}
-    outside = _weights_outside_blocks(model)
-    per_block = {id(b): list({id(w): w for w in b.trainable_weights}.values()) for b in blocks}
-    counts = {}
-    for weights in per_block.values():
-        for w in weights:
-            counts[id(w)] = counts.get(id(w), 0) + 1
-    return {
-        key: [w for w in weights if counts[id(w)] == 1 and id(w) not in outside]
-        for key, weights in per_block.items()
-    }
 
 
 def _flag_dtype(dtype):

@@ -32,12 +32,12 @@ def reached(fn, values):
             found[index[id(output)]] = True
         grad_fn = getattr(output, "grad_fn", None)
         stack = [grad_fn] if grad_fn is not None else []
-        seen = set()
+        seen = {}  # the nodes themselves: on torch 2.11 a dead node's id is reused at once
         while stack:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
             if variable is not None and id(variable) in index:
                 found[index[id(variable)]] = True

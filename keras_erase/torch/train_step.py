@@ -36,6 +36,7 @@ import torch
 from keras import tree
 
 from keras_erase import _keras_private
+from keras_erase.block_weights import shared_weights
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.local_losses import batch_weight
@@ -121,11 +122,13 @@ def next_schedule(runtime):
     return runtime.selector.next_schedule()
 
 
-def dispatcher_for(runtime, mode):
+def dispatcher_for(runtime, mode, model):
     """Returns the runtime's dispatcher for `mode` (built at its first use), tracing as it does.
 
     `mode` is a schedule label; a fixed `dispatch` graphs it as `cuda_graphs`
-    says, an `"auto"` candidate as its label says (`"+graphs"`).
+    says, an `"auto"` candidate as its label says (`"+graphs"`). A block that
+    does not own all its weights (`keras_erase.block_weights`) is refused
+    graphs from the first step.
     """
     dispatcher = runtime.dispatchers.get(mode)
     if dispatcher is None:
@@ -137,6 +140,14 @@ def dispatcher_for(runtime, mode):
             cuda_graphs=graphs,
             worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
         )
+        if dispatcher.graphs is not None:
+            blocks = model.detach_blocks()
+            shared = shared_weights(model, blocks)
+            for block in blocks:
+                if id(block) in shared:
+                    dispatcher.graphs.refuse(block, f"its weights {shared[id(block)]} are also "
+                                                    "used outside it (another block or the main "
+                                                    "path), whose autograd graphs hold them")
         runtime.dispatchers[mode] = dispatcher
     dispatcher.trace = runtime.trace
     return dispatcher
@@ -172,7 +183,7 @@ def train_step(model, runtime, data, standard_step):
     if mode == "standard" and sync is None:
         logs = standard_step(data)
     else:  # the standard step under a process group: no dispatcher, one backward
-        dispatcher = None if mode == "standard" else dispatcher_for(runtime, mode)
+        dispatcher = None if mode == "standard" else dispatcher_for(runtime, mode, model)
         logs = erase_step(model, runtime, data, dispatcher, sync)
     if timing:
         if cuda:

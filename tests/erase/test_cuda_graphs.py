@@ -596,9 +596,17 @@ def test_a_block_with_weight_regularizers_is_graphed_like_eager(mode):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def train_block_with(layer, mode, graphs, steps=4):
+def train_block_with(layer, mode, graphs, steps=4, torch_seed=None):
+    """Trains `make_block(layer=layer)` by hand; returns its weights and the graph runner.
+
+    `torch_seed`: torch's generator seeded once the block is built (the same draws follow).
+    """
+    import torch
+
     block = make_block(layer=layer)
     dispatcher, _ = make_dispatcher(mode, graphs)
+    if torch_seed is not None:
+        torch.manual_seed(torch_seed)
     for x, y, sw in batches(steps):
         zero_(block.trainable_weights)
         dispatcher.run_block(block, x, y, sw, lambda v: v)
@@ -659,6 +667,8 @@ def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch
         return graph
 
     main = Stream("main")
+    routed = []
+    monkeypatch.setattr(graph_capture, "end_pool_routing", routed.append)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -680,6 +690,29 @@ def test_cuda_capture_uses_thread_local_mode_and_restores_the_stream(monkeypatch
             capture(region)
     assert state["current"] is main  # restored whatever happened
     assert graphs[0].calls[0] == ("begin", "thread_local")
+    # a capture that raised tells the allocator it is over (torch < 2.12 does not)
+    assert routed == ([] if fail_in is None else graphs)
+
+
+@torch_only
+def test_ending_pool_routing_names_the_graphs_pool_and_ignores_a_pool_already_ended(monkeypatch):
+    import torch
+
+    from keras_erase.torch.cuda_graphs.capture import end_pool_routing
+
+    calls = []
+
+    def end(device, pool):
+        calls.append((device, pool))
+        if len(calls) == 2:
+            raise RuntimeError("endAllocatePool: not found")  # torch had already ended it
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    graph = _FakeCudaGraph()
+    end_pool_routing(graph)
+    end_pool_routing(graph)
+    assert calls == [(0, "pool"), (0, "pool")]
 
 
 # -- the rest of the GPU plumbing ------------------------------------------------------------
@@ -823,6 +856,7 @@ def test_erase_model_fit_with_cuda_graphs_on_gpu(mode):
 
 @needs_cuda
 def test_cuda_capture_failure_restores_the_stream_on_gpu():
+    """Runs in its own process in the GPU check: a failed capture must not poison the others."""
     import torch
 
     from keras_erase.torch.cuda_graphs.capture import CudaGraphCapture
@@ -833,6 +867,10 @@ def test_cuda_capture_failure_restores_the_stream_on_gpu():
     with pytest.raises(Exception):
         capture(lambda: x.sum().item())
     assert torch.cuda.current_stream() == before
+    # The allocator is out of capture mode (torch < 2.12 leaves it in, pytorch#180395):
+    # freeing the cache synchronises, which asserts while a capture is believed underway.
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
     done = capture(lambda: x * 2)  # a later capture still works
     x.fill_(3.0)
     done.replay()

@@ -3,7 +3,9 @@
 - A block met twice in a step (a shared tower) trains like eager in blocking and
   threaded: a graph's static buffers are never handed out as gradients, and each
   occurrence has its own graphs (a later forward replay never overwrites what an
-  earlier backward replay reads).
+  earlier backward replay reads); with the worker launcher such a block is refused
+  graphs at the first step (a real capture would reach the weights' gradient
+  accumulators, alive on the main stream for the earlier call's queued backward).
 - Graphs are released when a dispatcher closes (every mode), when `fit` ends, when
   `"auto"` drops a schedule, and when the model is garbage-collected.
 - The capture lock is one per process.
@@ -25,22 +27,31 @@ pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="CUDA Graphs are torc
 N, BATCH = 64, 8  # 8 steps per epoch
 
 
-def shared_tower_model(mode, graphs, detach_input=True):
-    """One `DetachBlock` applied to two inputs in every step, then a top layer."""
+def shared_tower_model(mode, graphs, detach_input=True, twice=True):
+    """One `DetachBlock` applied to two inputs in every step (or, `twice=False`, two blocks).
+
+    With the worker launcher a block met twice is refused graphs: the lifecycle tests
+    of `"threaded"` use two blocks, which keep theirs.
+    """
     from keras_erase import DetachBlock, EraseModel
 
     keras.utils.set_random_seed(5)
     inputs = keras.Input((6,))
     left = keras.layers.Dense(6, name="left")(inputs)
     right = keras.layers.Dense(6, name="right")(inputs)
-    tower = DetachBlock(
-        keras.Sequential([keras.layers.Dense(8, "relu"), keras.layers.Dense(4)]),
-        head=keras.layers.Dense(1),
-        loss=keras.losses.BinaryCrossentropy(from_logits=True),
-        detach_input=detach_input,
-        name="shared_tower",
-    )
-    h = keras.layers.Concatenate()([tower(left), tower(right)])
+
+    def tower(name):
+        return DetachBlock(
+            keras.Sequential([keras.layers.Dense(8, "relu"), keras.layers.Dense(4)]),
+            head=keras.layers.Dense(1),
+            loss=keras.losses.BinaryCrossentropy(from_logits=True),
+            detach_input=detach_input,
+            name=name,
+        )
+
+    first = tower("shared_tower")
+    second = first if twice else tower("second_tower")
+    h = keras.layers.Concatenate()([first(left), second(right)])
     outputs = keras.layers.Dense(1, "sigmoid")(h)
     model = EraseModel(
         inputs, outputs, dispatch=mode, cuda_graphs=graphs, intra_op_threads=None
@@ -76,15 +87,20 @@ def test_a_block_met_twice_per_step_trains_like_eager(mode, detach_input, stand_
     eager = shared_tower_model(mode, False, detach_input)
     eager.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     graphed = shared_tower_model(mode, True, detach_input)
-    counts = []
-    record = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda *_, **__: counts.append(runner_of(graphed, mode).replays)
-    )
+    counts, refused = [], []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: (
+        counts.append(runner_of(graphed, mode).replays),
+        refused.append(dict(runner_of(graphed, mode).refused))))
     graphed.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[record])
     runner = runner_of(graphed, mode)
     assert not runner.disabled, runner.disabled_reason
-    assert runner.captures == 2  # one graph pair per occurrence
-    assert counts[-1] == 2 * (N // BATCH - 2)  # both occurrences replayed after warm-up
+    if mode == "blocking":
+        assert runner.captures == 2 and not runner.refused  # one graph pair per occurrence
+        assert counts[-1] == 2 * (N // BATCH - 2)  # both occurrences replayed after warm-up
+    else:  # the first call's backward, queued on the worker, would hold the weights at the capture
+        assert list(refused[0]) == ["shared_tower"]  # refused at the first step, named
+        assert "called 2 times in a step" in refused[0]["shared_tower"]
+        assert runner.captures == 0 and counts[-1] == 0
     for a, b, c in zip(graphed.get_weights(), eager.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(to_numpy(b), to_numpy(c), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(to_numpy(a), to_numpy(b), rtol=1e-5, atol=1e-6)
@@ -102,13 +118,13 @@ def test_closing_a_dispatcher_releases_its_graphs(mode):
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
 def test_fit_releases_the_graphs_when_training_ends(mode, stand_in):
     x, y = data()
-    model = shared_tower_model(mode, True)
+    model = shared_tower_model(mode, True, twice=mode == "blocking")
     live = []
     record = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda *_, **__: live.append(stand_in[0].live)
     )
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[record])
-    assert live[-1] == 4  # two occurrences x (forward, backward) while training
+    assert live[-1] == 4  # two blocks or occurrences x (forward, backward) while training
     assert stand_in[0].live == 0 and stand_in[0].released == 4
 
 
@@ -121,7 +137,7 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch
         lambda threads, graphs, cuda: ([("blocking+graphs", None), ("threaded+graphs", None)], {}),
     )
     x, y = data()
-    model = shared_tower_model("auto", True)
+    model = shared_tower_model("auto", True, twice=False)
     model._erase.config = type(model._erase.config)(
         dispatch="auto", cuda_graphs=True, intra_op_threads=None, auto_steps=1
     )
@@ -143,7 +159,7 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch
 
 def test_graphs_are_freed_with_their_model(stand_in):
     x, y = data()
-    model = shared_tower_model("threaded", True)
+    model = shared_tower_model("threaded", True, twice=False)
     for step in range(5):  # train_on_batch keeps the dispatchers (no end of training)
         model.train_on_batch(x[:BATCH], y[:BATCH])
     runner = weakref.ref(runner_of(model, "threaded"))
@@ -169,7 +185,7 @@ def test_the_capture_lock_is_one_per_process(monkeypatch):
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
 def test_gradients_are_never_a_graphs_static_buffer(mode, stand_in):
     x, y = data()
-    model = shared_tower_model(mode, True, detach_input=False)
+    model = shared_tower_model(mode, True, detach_input=False, twice=mode == "blocking")
     for _ in range(4):  # 2 eager warm-up steps, a capture step, a replay step
         model.train_on_batch(x[:BATCH], y[:BATCH])
     graphs = list(runner_of(model, mode)._graphs.values())

@@ -54,12 +54,12 @@ class SpyingCapture:
 
 
 def _accumulators(root):
-    seen, stack, found = set(), [root], []
+    seen, stack, found = {}, [root], []  # the nodes kept alive: their ids stay theirs
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ == "AccumulateGrad":
             found.append(node)
         stack.extend(n for n, _ in node.next_functions)

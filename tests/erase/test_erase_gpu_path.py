@@ -1,7 +1,8 @@
-"""The GPU check's CPU-checkable parts: `benchmarks/erase_gpu.py` (argument handling, a tiny
-CPU dry run through the graph code path), `scripts/gpu_check.sh`, `benchmarks/common.py`'s
-QPS convention, and `EraseModel(cuda_graphs=True)` in every mode with the CPU stand-in
-capture."""
+"""The GPU check's CPU-checkable parts: `benchmarks/erase_gpu.py` (argument handling, the middle
+batch, the budget's plan, a tiny CPU dry run through the graph code path),
+`benchmarks/gpu_trace.py` (block ranges, overlap and step measures on synthetic CUDA traces),
+`scripts/gpu_check.sh`, `benchmarks/common.py`'s QPS convention, and
+`EraseModel(cuda_graphs=True)` in every mode with the CPU stand-in capture."""
 
 import os
 import re
@@ -73,6 +74,10 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     ])
     graphed = [r for r in rows if r["mode"] == "threaded+graphs"]
     assert len(graphed) == 2
+    for row in rows:  # one profiled step per cell: host time on the threads that ran it
+        assert row["host_main_ms"] > 0 and row["gpu_busy_fraction"] is None  # no GPU here
+        if row["mode"] != "auto":  # (auto's profiled step may be one of its trials)
+            assert (row["host_worker_ms"] > 0) == (row["mode"] != "standard")
     for row in graphed:  # the CTR towers (detach_input=False) and the MLP chain both capture
         assert row["graphs_captured"] == 6, row  # six blocks in both models
         assert row["graph_replays"] > 0 and not row["graphs_disabled"]
@@ -81,11 +86,11 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
         assert row.get("upstream_backwards_per_step") == (1.0 if row["model"] == "ctr" else None)
     for row in (r for r in rows if r["mode"] == "auto"):  # still measuring: every timed step
         assert row["auto_timed_measuring_steps"] == 2, row
-    for suffix in (".md", ".json", "_trace.json", "_timeline.png"):
+    for suffix in (".md", ".json", "_trace_8.json", "_timeline_8.png"):
         assert os.path.getsize(out + suffix) > 0
     report = open(out + ".md").read()
     assert "fast end" in report and "ctr batch=8 auto: 2 of 2 timed steps" in report
-    assert all(r["repeats"] == 2 for r in rows) and "Every cell ran." in report
+    assert all(r["repeats"] == 2 for r in rows) and "Every planned cell ran" in report
 
 
 @torch_only
@@ -97,16 +102,18 @@ def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
     rows = erase_gpu.main(["--cpu-dry-run", "--strict", "--models", "mlp30", "--batches", "8",
                            "--modes", "standard", "blocking", "--steps", "2", "--warmup", "1",
                            "--budget", "0.001", "--out", out])
-    assert rows == []  # the trace used the budget up: no cell started
-    for suffix in (".md", ".json", "_trace.json", "_timeline.png"):
+    assert rows == []  # the trace used the budget up: no group started
+    for suffix in (".md", ".json", "_trace_8.json", "_timeline_8.png"):
         assert os.path.getsize(out + suffix) > 0
     report = open(out + ".md").read()
-    assert "4 cells not run" in report and "(no cell ran)" in report
+    assert "not run: mlp30 batch=8 (standard, blocking): needs ~" in report
+    assert "(no cell ran)" in report
 
 
 @torch_only
 def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window():
     from benchmarks import erase_gpu
+    from benchmarks import gpu_trace
     from keras_erase.auto import ScheduleSelector
 
     ranges = [  # (row, block, phase, start, duration)
@@ -116,8 +123,8 @@ def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window(
         ("stream 2", "b", "backward", 25.0, 30.0),
         ("stream 2", "c", "forward", 60.0, 5.0),  # after every backward ended
     ]
-    assert erase_gpu.overlaps(ranges) == [("a", "b")]
-    assert erase_gpu.overlaps([r for r in ranges if r[1] != "b"]) == []
+    assert gpu_trace.overlaps(ranges) == [("a", "b")]
+    assert gpu_trace.overlaps([r for r in ranges if r[1] != "b"]) == []
     selector = ScheduleSelector([("standard", 1), ("threaded", 1)], timed_rounds=1,
                                 warmup_rounds=1)
     assert erase_gpu.auto_window(None, 10, 20) == (0, 0)
@@ -138,9 +145,10 @@ def _synthetic_cuda_trace():
         events.append({"ph": "X", "cat": "user_annotation", "name": name, "tid": tid,
                        "ts": start, "dur": end - start})
 
-    def kernel(launch_ts, tid, stream, start, end):
+    def kernel(launch_ts, tid, stream, start, end, api="cuda_runtime"):
         correlation[0] += 1
-        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid,
+        name = "cudaLaunchKernel" if api == "cuda_runtime" else "cuLaunchKernel"
+        events.append({"ph": "X", "cat": api, "name": name, "tid": tid,
                        "ts": launch_ts, "dur": 1, "args": {"correlation": correlation[0]}})
         events.append({"ph": "X", "cat": "kernel", "name": "gemm", "tid": stream, "ts": start,
                        "dur": end - start, "args": {"correlation": correlation[0], "stream": stream}})
@@ -151,6 +159,7 @@ def _synthetic_cuda_trace():
     kernel(11, 1, 7, 14, 15)  # the one kernel the GPU annotation would hold
     for i in range(4):
         kernel(12 + 6 * i, 99, 7, 16 + 12 * i, 27 + 12 * i)  # autograd's device thread
+    kernel(37, 99, 7, 63, 70, api="cuda_driver")  # a Triton kernel: launched through the driver
     scope("b/forward", 40, 50)
     kernel(41, 1, 8, 45, 55)  # on b's stream while a's backward still runs on the GPU
     kernel(60, 1, 0, 90, 91)  # main-loss work outside every block: not a block's
@@ -164,22 +173,92 @@ def _synthetic_cuda_trace():
 def test_overlap_is_found_from_kernels_whose_backward_launches_come_from_another_thread(tmp_path):
     import json
 
-    from benchmarks import erase_gpu
+    from benchmarks import gpu_trace
 
     events = _synthetic_cuda_trace()
-    ranges = erase_gpu.device_block_ranges(events)
+    ranges = gpu_trace.device_block_ranges(events)
     assert ranges == [
-        ("stream 7", "a", "backward", 14.0, 49.0),  # 14 .. 63: every backward kernel
-        ("stream 7", "a", "forward", 5.0, 7.0),
+        ("stream 7", "a", "backward", 14.0, 56.0),  # 14 .. 70: every backward kernel, the
+        ("stream 7", "a", "forward", 5.0, 7.0),     # driver-launched one included
         ("stream 8", "b", "forward", 45.0, 10.0),
     ]
-    assert erase_gpu.overlaps(ranges) == [("a", "b")]
+    assert gpu_trace.overlaps(ranges) == [("a", "b")]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    assert erase_gpu.overlaps(erase_gpu.block_ranges(str(path))) == [("a", "b")]
+    assert gpu_trace.overlaps(gpu_trace.block_ranges(gpu_trace.load_events(str(path)))) == [("a", "b")]
     # the GPU user annotation alone holds one kernel: no overlap would ever be found
     annotated = [("stream 7", "a", "backward", 14.0, 1.0), ("stream 8", "b", "forward", 45.0, 10.0)]
-    assert erase_gpu.overlaps(annotated) == []
+    assert gpu_trace.overlaps(annotated) == []
+
+
+def test_step_measures_from_a_synthetic_cuda_trace():
+    from benchmarks import gpu_trace
+
+    events = _synthetic_cuda_trace()
+    events.append({"ph": "X", "cat": "user_annotation", "name": gpu_trace.STEP, "tid": 1,
+                   "ts": 0, "dur": 100})
+    for tid, start, end in ((1, 0, 9), (1, 40, 49), (3, 11, 30), (99, 12, 40)):  # host work
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": tid, "ts": start,
+                       "dur": end - start})
+    events.append({"ph": "X", "cat": "user_annotation", "name": "a/backward", "tid": 3, "ts": 11,
+                   "dur": 19})  # the worker's scope of a's backward
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "tid": 1,
+                   "ts": 60, "dur": 40})  # a wait, not host work
+    metrics = gpu_trace.step_metrics(events)
+    # kernels: stream 7 at 5-12, 14-15, 16-63 (four, 1 us gaps), 63-70; stream 8 at 45-55;
+    # stream 0 at 90-91
+    assert metrics["step_ms"] == pytest.approx(0.1)
+    busy = 7 + 1 + 4 * 11 + 1 + 7 + 1  # stream 8's 45-55 also covers stream 7's 51-52 gap
+    assert metrics["gpu_busy_ms"] == pytest.approx(busy / 1e3)
+    assert metrics["gpu_busy_fraction"] == pytest.approx(busy / 100)
+    assert metrics["overlapped_fraction"] == pytest.approx((55 - 45 - 1) / busy)  # 51-52 gap
+    assert metrics["streams"] == 3 and metrics["kernels"] == 9
+    host = metrics["host_ms"]  # the launches count as host work of their thread
+    assert host["main"] == pytest.approx(0.018 + 0.002)
+    assert host["worker"] == pytest.approx(0.019)
+    assert host["autograd"] == pytest.approx(0.028)
+
+
+def test_the_middle_batch_is_where_gpu_time_meets_host_time():
+    from benchmarks.erase_gpu import choose_middle
+
+    # host 30 ms at both ends; GPU 3 ms at 2048, 60 ms at 65536: equal near 33 000
+    assert choose_middle((2048, 30.0, 3.0), (65536, 30.0, 60.0)) == 32768
+    assert choose_middle((2048, 30.0, 1.0), (65536, 40.0, 20.0)) == 32768  # host-bound: closest
+    assert choose_middle((2048, 30.0, 0.0), (65536, 30.0, 0.0)) == 16384  # no GPU: the middle
+    assert choose_middle((16, 5.0, 0.0), (64, 9.0, 0.0)) == 32
+
+
+def test_the_budget_runs_whole_groups_most_informative_first(monkeypatch):
+    """Every cell of a group that starts gets its repeats; a group that does not fit is skipped."""
+    from benchmarks import erase_gpu
+
+    clock = [0.0]
+    monkeypatch.setattr(erase_gpu.time, "monotonic", lambda: clock[0])
+    cost = {2048: 2.0, 16384: 3.0, 65536: 5.0}
+
+    def fake_cell(model_name, mode, batch, args, cuda, profile_path=None):
+        clock[0] += cost[batch] * (0.5 if model_name == "mlp30" else 1.0)
+        return {"model": model_name, "batch": batch, "mode": mode, "profiled": bool(profile_path),
+                "p50": 1.0, "p90": 1.0, "host_ms_p50": 1.0}
+
+    monkeypatch.setattr(erase_gpu, "run_cell", fake_cell)
+    monkeypatch.setattr(erase_gpu, "_release_memory", lambda cuda: None)
+    args = erase_gpu.resolve(erase_gpu.build_parser().parse_args(["--repeats", "3"]), cuda=True)
+    args.batches, args.middle = [2048, 16384, 65536], 16384
+    traces = {b: {"build_s": 0.0, "step_s": cost[b] / (args.warmup + args.steps)} for b in cost}
+    budget = erase_gpu.Budget(230.0)
+    rows, skipped, errors = erase_gpu.run_cells(args, True, budget, traces)
+    done = {}
+    for r in rows:
+        done.setdefault((r["model"], r["batch"]), []).append(r["mode"])
+    # ctr at the middle batch (21 cells, 63 s) and at 65536 (105 s) leave 62 s: mlp30 at the
+    # middle (estimated from the ctr trace: 79 s) does not fit, ctr at 2048 (52 s est.) does
+    assert list(done) == [("ctr", 16384), ("ctr", 65536), ("ctr", 2048)]
+    assert all(len(modes) == 3 * len(args.modes) for modes in done.values())  # every repeat
+    assert sum(r["profiled"] for r in rows) == len(done) * len(args.modes)  # first repeat only
+    assert skipped[0].startswith("mlp30 batch=16384") and "needs ~79 s, 62 s left" in skipped[0]
+    assert len(skipped) == 4 and not errors  # mlp30 at 65536 and 2048, the extra modes
 
 
 # -- EraseModel(cuda_graphs=True) in every mode, CPU stand-in capture ---------------------------

@@ -43,8 +43,7 @@ from keras_erase.torch.tensors import same_storage
 
 __all__ = [
     "Capture", "CaptureStream", "CudaGraphCapture", "RecordingCapture", "default_capture",
-    "require_capture",
-    "set_default_capture",
+    "end_pool_routing", "require_capture", "set_default_capture",
 ]
 
 
@@ -129,10 +128,14 @@ class CudaGraphCapture:
             try:
                 torch.cuda.set_stream(stream)
                 _make_stream_state()  # lazy per-stream state before capture_begin
-                if pool is None:
-                    graph.capture_begin(capture_error_mode="thread_local")
-                else:
-                    graph.capture_begin(pool, capture_error_mode="thread_local")
+                try:
+                    if pool is None:
+                        graph.capture_begin(capture_error_mode="thread_local")
+                    else:
+                        graph.capture_begin(pool, capture_error_mode="thread_local")
+                except Exception:
+                    end_pool_routing(graph)
+                    raise
                 failed = True
                 try:
                     outputs = fn()
@@ -141,12 +144,29 @@ class CudaGraphCapture:
                     try:
                         graph.capture_end()
                     except Exception:
+                        end_pool_routing(graph)
                         if not failed:  # otherwise keep the region's own error
                             raise
             finally:
                 torch.cuda.set_stream(previous)
             previous.wait_stream(stream)
         return Capture(graph.replay, outputs, pool=graph.pool(), release=graph.reset)
+
+
+def end_pool_routing(graph):
+    """After a capture that raised: makes the caching allocator stop routing to `graph`'s pool.
+
+    torch before 2.12 (pytorch#180395) raises out of `capture_end` (and
+    `capture_begin`) before telling the allocator that the capture is over;
+    it then asserts in `empty_cache()` and at later synchronisations. Where
+    torch did end it, the allocator no longer knows the pool and the call is
+    a no-op. (The pool's memory itself stays reserved until the process ends
+    on torch without pytorch#190348.)
+    """
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
+    except Exception:  # noqa: BLE001 - nothing was left routed (or no CUDA): nothing to undo
+        pass
 
 
 def _make_stream_state():
@@ -200,7 +220,9 @@ class RecordingCapture:
     capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. It has to
     execute the region once while recording, but then restores every tensor
     that existed before and that the region wrote in place (batch-norm moving
-    statistics, seed states), so like a CUDA capture it leaves no side effect.
+    statistics, seed states) and torch's CPU random generator, so like a CUDA
+    capture it leaves no side effect; a replay draws random numbers where the
+    eager step would (unseeded `Dropout` replays as eager, as on CUDA).
     Its records hold detached tensors: nothing of the capture-time autograd
     graph (the AccumulateGrad nodes of the weights included) outlives the
     capture through it.
@@ -254,9 +276,13 @@ class RecordingCapture:
             self.captured.append(("<injected failure>",))
             raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
         tape = OpTape()
-        with tape:
-            outputs = fn()
-        tape.undo()  # a CUDA capture runs nothing: leave no side effect (e.g. batch-norm stats)
+        # A CUDA capture runs nothing: leave no side effect, neither on tensors (batch-norm
+        # statistics: `undo`) nor on the random generator, as torch's graph-safe CUDA generator
+        # (a replay draws where eager would have, so unseeded Dropout replays match eager).
+        with torch.random.fork_rng(devices=[]):
+            with tape:
+                outputs = fn()
+        tape.undo()
         self.captured.append(tuple(tape.names))
         pool = pool if pool is not None else object()  # like a new private memory pool
         self.pools.append(pool)

@@ -76,7 +76,7 @@ from keras_erase.torch.cuda_graphs.op_recording import describe_op
 from keras_erase.torch.cuda_graphs.op_recording import forbidden_ops
 from keras_erase.torch.tensors import is_tensor
 
-__all__ = ["DEFAULT_WARMUP", "CudaGraphRunner", "live_runners", "untimed_steps"]
+__all__ = ["DEFAULT_WARMUP", "CudaGraphRunner", "held_weights", "live_runners", "untimed_steps"]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -99,6 +99,32 @@ def untimed_steps(warmup):
     return int(warmup) + 1
 
 
+def held_weights(block):
+    """Paths of `block`'s trainable weights whose gradient accumulator another autograd graph holds.
+
+    A capture that reaches such a weight (its `AccumulateGrad` node alive,
+    made on another stream: the main path's, another block's, an earlier
+    call's still queued on the worker) makes that node's stream wait on an
+    event recorded inside the capture (torch 2.9+), which invalidates it.
+    Probed without side effects: a node made only for the probe dies with it.
+    """
+    from torch.autograd.graph import get_gradient_edge
+
+    held = []
+    for variable in block.trainable_weights:
+        param = variable.value
+        if not (is_tensor(param) and param.requires_grad and param.is_leaf):
+            continue
+        node = get_gradient_edge(param).node
+        node.metadata["keras_erase_probe"] = True
+        del node
+        node = get_gradient_edge(param).node  # the same node only if something else holds it
+        if node.metadata.pop("keras_erase_probe", False):
+            held.append(variable.path)
+        del node
+    return held
+
+
 class CudaGraphRunner:
     """Runs each block's forward + local loss through captured graphs (see the module docstring).
 
@@ -106,17 +132,24 @@ class CudaGraphRunner:
         capture: the capture function (`CudaGraphCapture()` by default, which
             needs CUDA; `RecordingCapture()` on CPU for tests).
         warmup: eager steps per block and signature before capturing.
+        backward_on_worker: the blocks' backwards run on a worker thread (a
+            block met twice in a step is then refused graphs).
 
     Attributes:
         captures: block graphs (forward + backward) captured.
         replays: forward replays; `backward_replays`: backward replays.
         failures: failed captures (after the first, graphs are off for the run).
         disabled: whether graphs are off for the rest of the run.
+        refused: `{block name: reason}` of the blocks that run eagerly while
+            the others keep their graphs (`refuse`).
     """
 
-    def __init__(self, capture=None, warmup=DEFAULT_WARMUP):
+    def __init__(self, capture=None, warmup=DEFAULT_WARMUP, backward_on_worker=False):
         self._capture = capture if capture is not None else default_capture()
         self.warmup = int(warmup)
+        self.backward_on_worker = bool(backward_on_worker)
+        self.refused = {}  # block name -> why it runs eagerly (the other blocks keep their graphs)
+        self._refused_ids = set()
         self.captures = 0
         self.replays = 0
         self.backward_replays = 0
@@ -149,6 +182,23 @@ class CudaGraphRunner:
         # (on the worker); each graph is freed with its last reference.
         self._graphs = {}
 
+    def refuse(self, block, reason):
+        """Runs `block` eagerly from now on (logged once), naming why; the other blocks keep their graphs."""
+        if id(block) in self._refused_ids:
+            return
+        self._refused_ids.add(id(block))
+        self.refused[block.name] = reason
+        LOGGER.warning(
+            "keras_erase: CUDA Graphs refused for block %r: %s. It trains eagerly; the other "
+            "blocks keep their graphs.", block.name, reason,
+        )
+        for key in [k for k in self._graphs if k[0] == id(block)]:
+            self._graphs.pop(key)  # dropped, not released: a queued backward may replay it
+
+    def pools(self):
+        """The memory pools of the live graphs (one per block and signature; the GPU benchmark sizes them)."""
+        return list({g.forward.pool for g in self._graphs.values() if g.forward is not None})
+
     def _release_graphs(self):
         graphs, self._graphs = list(self._graphs.values()), {}
         for graph in graphs:
@@ -178,7 +228,7 @@ class CudaGraphRunner:
         `eager_forward(block, inputs, y_true, sample_weight)` is the dispatcher's
         eager forward (block, head, local objective); it is what gets captured.
         """
-        if self.disabled:
+        if self.disabled or id(block) in self._refused_ids:
             return eager_forward(block, inputs, y_true, sample_weight)
         flat = _flat(inputs) + _flat(y_true) + _flat(sample_weight)
         signature = input_signature(block, flat)
@@ -188,6 +238,14 @@ class CudaGraphRunner:
         # replay (maybe still queued on the worker) reads.
         occurrence = self._occurrences.get(signature, 0)
         self._occurrences[signature] = occurrence + 1
+        if occurrence and self.backward_on_worker:
+            # The earlier call's backward, queued on the worker, holds the weights' gradient
+            # accumulators (made on the main stream); a capture of this call would make that
+            # stream wait on an event recorded inside the capture, which breaks it.
+            self.refuse(block, f"it is called {occurrence + 1} times in a step while its "
+                               "backwards run on a worker thread (the earlier call's backward "
+                               "may still hold its weights when the next call is captured)")
+            return eager_forward(block, inputs, y_true, sample_weight)
         key = signature + (occurrence,)
         graph = self._graphs.get(key)
         if graph is not None and graph.stale():  # weights re-created or (un)frozen: capture again
@@ -202,6 +260,12 @@ class CudaGraphRunner:
                 return eager_forward(block, inputs, y_true, sample_weight)
             if count == self.warmup:  # the last eager step also checks what capture would refuse
                 return self._checked_eager(block, inputs, y_true, sample_weight, eager_forward)
+            held = held_weights(block)
+            if held:
+                self.refuse(block, f"its weights {held} are held by another autograd graph when "
+                                   "it is captured (used outside the block or by another "
+                                   "block): a capture would wait on their streams")
+                return eager_forward(block, inputs, y_true, sample_weight)
             try:
                 graph = self._capture_block(block, inputs, y_true, sample_weight, eager_forward)
             except Exception as error:  # noqa: BLE001 - eager is always correct

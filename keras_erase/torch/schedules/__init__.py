@@ -97,5 +97,6 @@ def make_dispatcher(
         dispatcher = BlockingDispatcher()
     if cuda_graphs or schedule.graphs:
         warmup = DEFAULT_WARMUP if graph_warmup is None else graph_warmup
-        dispatcher.graphs = CudaGraphRunner(capture=graph_capture, warmup=warmup)
+        dispatcher.graphs = CudaGraphRunner(capture=graph_capture, warmup=warmup,
+                                            backward_on_worker=schedule.launcher == "worker")
     return dispatcher

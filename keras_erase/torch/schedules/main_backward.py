@@ -42,13 +42,18 @@ __all__ = ["main_backward_to_handoff"]
 
 
 def _walk(roots, stops):
-    """Walks the graph from `roots`; returns `(stops reached, leaves reached)` (dicts by id)."""
-    reached, leaves, seen, stack = {}, {}, set(), list(roots)
+    """Walks the graph from `roots`; returns `(stops reached, leaves reached)` (dicts by id).
+
+    `seen` holds the nodes, not only their ids: a node's Python object dies
+    with its last reference on torch 2.11 (2.13 keeps it), and a new one
+    could take its id.
+    """
+    reached, leaves, seen, stack = {}, {}, {}, list(roots)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         if variable is not None:  # AccumulateGrad: a leaf
             leaves[id(variable)] = variable
@@ -72,11 +77,12 @@ def main_backward_to_handoff(loss, sources):
     """
     if any(s.grad_fn is None for s in sources):
         return None
-    stops = {(id(s.grad_fn), s.output_nr): s for s in sources}
+    nodes = [s.grad_fn for s in sources]  # alive while their ids are keys
+    stops = {(id(node), s.output_nr): s for node, s in zip(nodes, sources)}
     reached, leaves = _walk([loss.grad_fn], stops)
     # The leaves behind the upstream tensors: the main loss must not reach them
     # directly too (the upstream would run twice, or a gradient count twice).
-    behind_reached, behind = _walk([s.grad_fn for s in sources], stops)
+    behind_reached, behind = _walk(nodes, stops)
     if behind_reached or set(leaves) & set(behind):
         return None
     if not reached:

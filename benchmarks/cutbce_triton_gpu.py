@@ -1,0 +1,526 @@
+"""CutBCE's fused Triton kernels on a CUDA GPU: the GPU check's measurements (`cutbce_triton.py --gpu`).
+
+Sections, in the order they run (each is skipped, and listed, when the budget left is below
+its estimate; one that raises is listed as an error and the next one runs):
+
+1. `jit`: first-call latency (Triton's compile, cold cache: a fresh `TRITON_CACHE_DIR`) of
+   one training step (forward + backward) per variant, against the second call;
+2. `parity`: loss and every gradient of the triton and chunked implementations against the
+   dense formula in float64, per variant (bf16 inputs; fp32 at TF32; fp32 at full IEEE
+   precision), the logits spread to |z| up to 80; `PARITY_LIMITS` is an error;
+3. `timings`: one training step at (4096, 64, 100000) and the paper's (16384, 64, 876000),
+   at L in {1, 8, 40} target ids, per variant: triton, the chunked loop and dense (where its
+   logits fit), alternating, median of `REPEATS`, peak memory, and the triton step's two
+   kernels' device times (one profiled step);
+4. `float16_zeros`: the share of the table gradient that is exactly zero with float16 inputs,
+   against float32 (the 1 / (rows V) scale underflows half precision);
+5. `mixed_bfloat16`: a Keras `fit` step with `CutBCELoss` under `mixed_bfloat16`, triton vs
+   chunked (median step time, the loss finite);
+6. `graph_breaks`: `torch._dynamo.explain` of the loss (triton and chunked): graphs and breaks;
+7. `sweep`: tile configurations at the paper's scale (64x64 with 4 warps, 128x128, ...; for full
+   fp32 the rows tile Triton 3.6 compiles without spills);
+8. `ncu`: Nsight Compute, where it runs, on both kernels (bf16, L = 8, the small shape):
+   warp instructions executed per logit, issue-slot activity, active warps per SM and the
+   top warp stall reasons (a child process: `python benchmarks/cutbce_triton_gpu.py --ncu-child`).
+
+`--cpu-dry-run` runs the same sections on tiny CPU shapes with the kernels in the Triton
+interpreter (fp32 at IEEE only: the interpreter's bf16 products are wrong, triton#11584;
+no TF32, no profiler kernels, no ncu): it checks the code, the numbers mean nothing.
+"""
+
+import contextlib
+import csv
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+
+# variant -> (operand dtype, torch's fp32 matmul precision)
+VARIANTS = {"bf16": ("bfloat16", "highest"), "tf32": ("float32", "high"),
+            "ieee": ("float32", "highest")}
+SMALL, PAPER = (4096, 64, 100_000), (16384, 64, 876_000)
+TARGETS = (1, 8, 40)
+REPEATS = 5
+# max |got - float64| / max |float64| per variant (loss and each gradient); above: an error.
+PARITY_LIMITS = {"ieee": 1e-5, "tf32": 2e-2, "bf16": 2e-2}
+# (rows block, columns block) tile candidates of the sweep: the static table's first.
+SWEEP = (((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
+         ((128, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2)))
+# full fp32: the table's tiles, and the rows tile Triton 3.6 compiles without spilling (docs/benchmarks.md)
+SWEEP_IEEE = (SWEEP[0], ((64, 64, 8, 2), (128, 64, 8, 2)))
+NCU_METRICS = ("smsp__inst_executed.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+               "sm__warps_active.avg.per_cycle_active",
+               "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio")
+DRY_RUN = dict(small=(64, 16, 300), paper=(96, 16, 700), parity=(40, 16, 203),
+               variants=("ieee",), targets=(1, 8), repeats=2)
+
+
+class Run:
+    """Where the sections run (`device`), their sizes, the budget and what they found."""
+
+    def __init__(self, budget, dry_run=False):
+        self.dry_run = dry_run
+        self.device = "cpu" if dry_run else "cuda"
+        self.start = time.perf_counter()
+        self.budget = budget
+        sizes = DRY_RUN if dry_run else dict(small=SMALL, paper=PAPER, parity=(1000, 64, 5003),
+                                             variants=tuple(VARIANTS), targets=TARGETS,
+                                             repeats=REPEATS)
+        self.__dict__.update(sizes)
+        self.report = {"sections": {}, "skipped": [], "errors": []}
+
+    def left(self):
+        return self.budget - (time.perf_counter() - self.start)
+
+    def section(self, name, estimate_s, fn):
+        """Runs `fn()` if `estimate_s` fits in the budget; its rows go to the report."""
+        if estimate_s > self.left():
+            self.report["skipped"].append(f"{name}: needs ~{estimate_s:.0f} s, "
+                                          f"{max(self.left(), 0):.0f} s left")
+            return
+        start = time.perf_counter()
+        try:
+            self.report["sections"][name] = fn()
+        except Exception as error:  # noqa: BLE001 - listed; the next section runs
+            self.report["errors"].append(f"{name}: {type(error).__name__}: {str(error)[:300]}")
+        print(f"cutbce_triton_gpu: {name} took {time.perf_counter() - start:.1f} s", flush=True)
+        self.release()
+
+    def sync(self):
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def release(self):
+        import gc
+
+        import torch
+
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def precision(variant):
+    """torch's fp32 matmul precision of `variant` (what the kernels' `tl.dot` follows)."""
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(VARIANTS[variant][1])
+    try:
+        yield getattr(torch, VARIANTS[variant][0])
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def problem(run, shape, dtype, targets=8, seed=0, logit_range=None):
+    """`(hidden, table, bias, ids)` on the run's device; `logit_range` spreads |z| up to it."""
+    import torch
+
+    rows, dim, vocab = shape
+    gen = torch.Generator(device=run.device).manual_seed(seed)
+    kw = dict(device=run.device, generator=gen)
+    h = torch.randn(rows, dim, **kw) * 0.3
+    e = torch.randn(vocab, dim, **kw) * 0.3
+    b = torch.randn(vocab, **kw) * 0.1
+    if logit_range is not None:  # row i's largest |z| about logit_range * (i + 1) / rows
+        reach = torch.linspace(1.0 / rows, 1.0, rows, device=run.device) * logit_range
+        h = h * (reach / (h @ e.T).abs().amax(dim=1))[:, None]
+    ids = torch.randint(0, vocab, (rows, targets), device=run.device, generator=gen)
+    return [x.to(dtype).requires_grad_() for x in (h, e, b)] + [ids]
+
+
+def step(implementation, h, e, b, ids):
+    """One training step: the mean loss and its gradients (into `.grad`)."""
+    from keras_cutbce import cut_binary_crossentropy
+    from keras_cutbce.math import reference
+
+    for x in (h, e, b):
+        x.grad = None
+    if implementation == "dense":
+        y = reference.multi_hot(ids, e.shape[0])
+        loss = keras.losses.binary_crossentropy(y, reference.logits(h, e, b), from_logits=True)
+    else:
+        loss = cut_binary_crossentropy(h, e, ids, b, implementation=implementation)
+    loss.mean().backward()
+    return loss.detach()
+
+
+def float64_reference(h, e, b, ids):
+    """The contract's per-row loss and its gradients for the mean, in float64 (dense)."""
+    import torch
+
+    h64, e64, b64 = (x.detach().double().requires_grad_() for x in (h, e, b))
+    z = h64 @ e64.T + b64
+    vocab = e.shape[0]
+    hot = torch.zeros_like(z).scatter_(1, ids.clamp(0, vocab - 1), 1.0)
+    loss = (torch.nn.functional.softplus(z) - hot * z).mean(dim=1)
+    loss.mean().backward()
+    return loss.detach(), [x.grad for x in (h64, e64, b64)]
+
+
+def jit_latency(run):
+    rows = []
+    for variant in run.variants:
+        with precision(variant) as dtype:
+            inputs = problem(run, run.small, dtype)
+            times = []
+            for _ in range(2):
+                run.sync()
+                start = time.perf_counter()
+                step("triton", *inputs)
+                run.sync()
+                times.append(1e3 * (time.perf_counter() - start))
+        rows.append(dict(variant=variant, first_call_ms=times[0], second_call_ms=times[1],
+                         jit_ms=times[0] - times[1]))
+    return rows
+
+
+def parity(run):
+    rows = []
+    for variant in run.variants:
+        with precision(variant) as dtype:
+            inputs = problem(run, run.parity, dtype, logit_range=80.0)
+            h, e, b, ids = inputs
+            z_max = float((h.float() @ e.float().T + b.float()).abs().max())
+            want, grads = float64_reference(*inputs)
+            for implementation in ("chunked", "triton"):
+                got = step(implementation, *inputs).double()
+                errors = [float((got - want).abs().max() / want.abs().max())]
+                errors += [float((x.grad.double() - g).abs().max() / g.abs().max())
+                           for x, g in zip((h, e, b), grads)]
+                rows.append(dict(variant=variant, implementation=implementation, z_max=z_max,
+                                 loss_rel=errors[0], grad_h_rel=errors[1],
+                                 grad_table_rel=errors[2], grad_bias_rel=errors[3],
+                                 within_limit=max(errors) <= PARITY_LIMITS[variant]))
+    bad = [r for r in rows if not r["within_limit"]]
+    if bad:
+        run.report["errors"].append(
+            "parity: " + "; ".join(f"{r['variant']} {r['implementation']}: "
+                                   f"{max(r[k] for k in r if k.endswith('_rel')):.2e} > "
+                                   f"{PARITY_LIMITS[r['variant']]:g}" for r in bad))
+    return rows
+
+
+def kernel_times_ms(run, inputs):
+    """Device time of each Triton kernel in one triton step (`None` without CUDA)."""
+    import torch
+
+    if run.device != "cuda":
+        return {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step("triton", *inputs)
+        run.sync()
+    times = {}
+    for event in prof.key_averages():
+        for kernel in ("rows_kernel", "columns_kernel"):
+            if kernel in event.key:
+                total = getattr(event, "device_time_total", None)
+                if total is None:
+                    total = event.cuda_time_total
+                times[f"{kernel}_ms"] = times.get(f"{kernel}_ms", 0.0) + total / 1e3
+    return times
+
+
+def timed(run, names, inputs, repeats):
+    """Median step ms and peak MiB of each implementation, alternating."""
+    import torch
+
+    times, peaks = {n: [] for n in names}, {}
+    for name in names:  # warm-up (compiles) and peak memory
+        if run.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        step(name, *inputs)
+        run.sync()
+        peaks[name] = torch.cuda.max_memory_allocated() / 2**20 if run.device == "cuda" else None
+    for _ in range(repeats):
+        for name in names:
+            run.sync()
+            start = time.perf_counter()
+            step(name, *inputs)
+            run.sync()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {n: dict(median_ms=statistics.median(t), min_ms=min(t), peak_mib=peaks[n])
+            for n, t in times.items()}
+
+
+def timings(run):
+    import torch
+
+    rows = []
+    # the small shape first (cheap), then the paper's at L = 8, then its other L
+    order = [(run.small, t) for t in run.targets] + [
+        (run.paper, t) for t in sorted(run.targets, key=lambda t: (t != 8, t))]
+    for shape, targets in order:
+        repeats = run.repeats if shape == run.small else max(2, run.repeats - 2)
+        if run.left() < 4:
+            run.report["skipped"].append(f"timings {shape} L={targets}: budget spent")
+            continue
+        for variant in run.variants:
+            with precision(variant) as dtype:
+                inputs = problem(run, shape, dtype, targets=targets)
+                free = torch.cuda.mem_get_info()[0] if run.device == "cuda" else 2**30
+                dense_fits = 4 * shape[0] * shape[2] * 4 < 0.8 * free
+                names = (["dense"] if dense_fits else []) + ["chunked", "triton"]
+                measured = timed(run, names, inputs, repeats)
+                kernels = kernel_times_ms(run, inputs)
+            for name, m in measured.items():
+                rows.append(dict(rows=shape[0], dim=shape[1], vocab=shape[2], targets=targets,
+                                 variant=variant, implementation=name, repeats=repeats, **m,
+                                 **(kernels if name == "triton" else {})))
+            del inputs
+            run.release()
+    return rows
+
+
+def float16_zeros(run):
+    import torch
+
+    shape = run.small
+    rows = []
+    for implementation in ("triton", "chunked"):
+        if run.dry_run and implementation == "triton":
+            continue  # the interpreter's half-precision products are not the GPU's
+        grads = {}
+        for dtype in (torch.float16, torch.float32):
+            with precision("ieee"):
+                h, e, b, ids = problem(run, shape, dtype)
+                step(implementation, h, e, b, ids)
+                grads[dtype] = e.grad.float()
+        half, full = grads[torch.float16], grads[torch.float32]
+        rows.append(dict(implementation=implementation, rows=shape[0], vocab=shape[2],
+                         zero_fraction_float16=float((half == 0).float().mean()),
+                         zero_fraction_float32=float((full == 0).float().mean()),
+                         underflow_fraction=float(((half == 0) & (full != 0)).float().mean()),
+                         max_abs_float32=float(full.abs().max())))
+    return rows
+
+
+class ItemModel(keras.Model):
+    """`hidden = Dense(features)`, with the item table `CutBCELoss` trains (`items`)."""
+
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.dense = keras.layers.Dense(dim)
+        self.items = keras.layers.Embedding(vocab, dim, name="items")
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.items.build((None,))
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def mixed_bfloat16_fit(run):
+    import numpy as np
+
+    from keras_cutbce import CutBCELoss
+
+    rows_, dim, vocab = run.small
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows_, dim)).astype("float32")
+    y = rng.integers(0, vocab, size=(rows_, 8)).astype("int32")
+    results = []
+    implementations = ("chunked",) if run.dry_run else ("triton", "chunked")
+    previous = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        for implementation in implementations:
+            keras.utils.set_random_seed(0)
+            model = ItemModel(vocab, dim)
+            model.build((None, dim))
+            model.compile(keras.optimizers.Adam(1e-3),
+                          CutBCELoss(model.items, implementation=implementation))
+            model.train_on_batch(x, y)  # compiles
+            times, losses = [], []
+            for _ in range(run.repeats):
+                run.sync()
+                start = time.perf_counter()
+                losses.append(float(model.train_on_batch(x, y)))
+                run.sync()
+                times.append(1e3 * (time.perf_counter() - start))
+            results.append(dict(implementation=implementation, rows=rows_, vocab=vocab,
+                                step_ms=statistics.median(times), last_loss=losses[-1],
+                                finite=bool(np.isfinite(losses).all())))
+            del model
+    finally:
+        keras.config.set_dtype_policy(previous)
+    if not all(r["finite"] for r in results):
+        run.report["errors"].append(f"mixed_bfloat16: a loss was not finite: {results}")
+    return results
+
+
+def graph_breaks(run):
+    import torch
+
+    from keras_cutbce import cut_binary_crossentropy
+
+    rows = []
+    implementations = ("chunked",) if run.dry_run else ("triton", "chunked")
+    for implementation in implementations:
+        h, e, b, ids = problem(run, run.parity, torch.float32)
+
+        def loss(h, e, b, ids):
+            return cut_binary_crossentropy(h, e, ids, b, implementation=implementation).sum()
+
+        torch._dynamo.reset()
+        try:
+            explained = torch._dynamo.explain(loss)(h, e, b, ids)
+        except Exception as error:  # noqa: BLE001 - dynamo failing on it is the finding
+            rows.append(dict(implementation=implementation, graphs=None, graph_breaks=None,
+                             reasons=f"explain raised {type(error).__name__}: "
+                                     + " ".join(str(error).split())[:300]))
+            continue
+        reasons = [str(getattr(r, "reason", r)).splitlines()[0][:160]
+                   for r in explained.break_reasons]
+        if explained.graph_break_count and not reasons:  # the first break, from a full graph
+            torch._dynamo.reset()
+            try:
+                torch.compile(loss, fullgraph=True, backend="eager")(h, e, b, ids)
+            except Exception as error:  # noqa: BLE001 - the break is the answer
+                reasons = [" ".join(str(error).split())[:300]]
+        rows.append(dict(implementation=implementation, graphs=explained.graph_count,
+                         graph_breaks=explained.graph_break_count,
+                         reasons=" | ".join(dict.fromkeys(reasons)) or "-"))
+    torch._dynamo.reset()
+    return rows
+
+
+def sweep(run):
+    from keras_cutbce.backends.torch.triton import config
+
+    rows = []
+    for variant in ("bf16", "tf32", "ieee") if not run.dry_run else ("ieee",):
+        with precision(variant) as dtype:
+            inputs = problem(run, run.paper, dtype)
+            for rows_block, columns_block in SWEEP_IEEE if variant == "ieee" else SWEEP:
+                if run.left() < 5:
+                    run.report["skipped"].append(f"sweep {variant} {rows_block}: budget spent")
+                    continue
+                try:
+                    with config.overridden((rows_block, columns_block)):
+                        m = timed(run, ["triton"], inputs, 2)["triton"]
+                except Exception as error:  # a configuration that does not compile or fit
+                    m = dict(error=repr(error)[:200])
+                rows.append(dict(variant=variant, rows_block=rows_block,
+                                 columns_block=columns_block, **m))
+        del inputs
+        run.release()
+    return rows
+
+
+def ncu_tool():
+    """The Nsight Compute command line, if installed."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    import glob
+
+    candidates = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")
+                        + glob.glob("/usr/local/cuda*/bin/ncu"))
+    return candidates[-1] if candidates else None
+
+
+def parse_ncu_csv(text, logits):
+    """Per kernel: warp instructions per logit, issue activity, warps per SM, top 3 stalls."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    table = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(table) < 2:
+        raise ValueError(f"no ncu metrics in its output: {text[-500:]}")
+    header, rows = table[0], table[1:]
+    name_col = header.index("Kernel Name")
+
+    def number(value):
+        try:
+            return float(value.replace(",", ""))
+        except ValueError:
+            return None
+
+    found = []
+    for row in rows:
+        values = dict(zip(header, row))
+        if not values.get("Kernel Name") or number(values.get("smsp__inst_executed.sum", "")) is None:
+            continue  # the units row
+        stalls = {k.split("issue_stalled_")[1].split("_per_issue")[0]: number(v)
+                  for k, v in values.items() if "issue_stalled_" in k and number(v) is not None}
+        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
+        found.append(dict(
+            kernel=row[name_col].split("(")[0],
+            instructions_per_logit=number(values["smsp__inst_executed.sum"]) / logits,
+            issue_active_pct=number(values["smsp__issue_active.avg.pct_of_peak_sustained_active"]),
+            warps_per_sm=number(values["sm__warps_active.avg.per_cycle_active"]),
+            top_stalls=", ".join(f"{k} {v:.2f}" for k, v in top),
+        ))
+    return found
+
+
+def nsight(run):
+    tool = ncu_tool()
+    if run.dry_run or tool is None:
+        return [dict(ran=False, why="dry run" if run.dry_run else "ncu is not installed")]
+    command = [tool, "--clock-control", "none", "--target-processes", "all", "--csv",
+               "--page", "raw", "--print-units", "base", "-k", "regex:rows_kernel|columns_kernel",
+               "--launch-skip", "3", "--launch-count", "3",
+               "--metrics", ",".join(NCU_METRICS),
+               sys.executable, os.path.abspath(__file__), "--ncu-child"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=max(30, run.left()),
+                          check=False)
+    if done.returncode != 0:
+        return [dict(ran=False, why=f"ncu exit {done.returncode}: "
+                                    f"{(done.stderr or done.stdout)[-400:]}")]
+    rows, _, vocab = run.small
+    return parse_ncu_csv(done.stdout, rows * vocab)
+
+
+def ncu_child():
+    """Two bf16 training steps at the small shape, L = 8 (ncu profiles the second's kernels)."""
+    run = Run(budget=60.0)
+    with precision("bf16") as dtype:
+        inputs = problem(run, run.small, dtype)
+        for _ in range(2):
+            step("triton", *inputs)
+            run.sync()
+
+
+def measure(budget, dry_run=False):
+    """Every section within `budget` seconds; returns the report."""
+    import torch
+
+    run = Run(budget, dry_run)
+    run.report["device"] = torch.cuda.get_device_name() if not dry_run else "cpu (dry run)"
+    run.report["budget_s"] = budget
+    small = 10 + 6 * len(run.variants)
+    run.section("jit", small, lambda: jit_latency(run))
+    run.section("parity", 10, lambda: parity(run))
+    run.section("timings", 30, lambda: timings(run))
+    run.section("float16_zeros", 8, lambda: float16_zeros(run))
+    run.section("mixed_bfloat16", 12, lambda: mixed_bfloat16_fit(run))
+    run.section("graph_breaks", 15, lambda: graph_breaks(run))
+    run.section("sweep", 20, lambda: sweep(run))
+    run.section("ncu", 30, lambda: nsight(run))
+    run.report["wall_s"] = time.perf_counter() - run.start
+    return run.report
+
+
+def main():
+    if "--ncu-child" in sys.argv:
+        ncu_child()
+        return 0
+    raise SystemExit("run benchmarks/cutbce_triton.py --gpu (this module is its GPU part)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
