@@ -634,7 +634,8 @@ def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, ex
     auto_note = (
         "auto_timed_measuring_steps: how many of `auto`'s measuring steps (trial schedules, "
         "graph warm-up and capture) fell inside the timed window: "
-        + ("none (every measuring step was in the untimed warm-up)." if not auto_rows else
+        + ("none (on a CPU `auto` is the standard step and measures nothing; on CUDA every "
+           "measuring step was in the untimed warm-up)." if not auto_rows else
            "; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: "
                      f"{r['auto_timed_measuring_steps']} of {args.steps} timed steps "
                      f"(measuring steps: {r['auto_measuring_steps']}; use --warmup "

@@ -14,7 +14,8 @@ are combinations of them, see `docs/erase.md`):
 default stream, `"threaded"` = worker on the default stream, `"streams"` =
 worker onto one stream per block) or `"early"` (the early-backward step with
 the `launcher` and `placement` given; a worker and, on CUDA, one stream per
-block by default); `"standard"` is Keras's own step and `"auto"` measures.
+block by default); `"standard"` is Keras's own step and `"auto"` measures the
+schedules on CUDA (on a CPU it is the standard step).
 
 Example:
 

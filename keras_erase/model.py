@@ -12,8 +12,8 @@ overlapping later blocks' forward passes, with the standard step's gradients.
 
 Schedules (torch): `dispatch` picks the standard step, an early-backward
 schedule (`launcher` x `placement` x `cuda_graphs`, `keras_erase.config`; the
-presets `"blocking"`, `"threaded"`, `"streams"`) or `"auto"`, which times the
-candidates at the first steps and keeps the fastest (`keras_erase.auto`,
+presets `"blocking"`, `"threaded"`, `"streams"`) or `"auto"` (a CPU: the
+standard step; CUDA: times the candidates, keeps the fastest; `keras_erase.auto`,
 `keras_erase.torch.auto_schedule`; `dispatch_choice`, `dispatch_explanation`
 and `auto_timings` say what it compared and kept). Every schedule computes the
 standard step's gradients. Threads on torch CPU: `keras_erase.torch.threads`.
@@ -77,7 +77,8 @@ class EraseModel(keras.Model):
             `placement`) or a preset: `"blocking"`, `"threaded"`, `"streams"`
             (CUDA). Only used on torch; JAX and TensorFlow use the standard
             step (the early-backward ones there warn at construction and run
-            the standard step).
+            the standard step). `"auto"`: the standard step on a CPU, without
+            measuring; on CUDA the fastest schedule of its first steps.
         num_streams: CUDA streams of the `"block_streams"` placement: `None`
             (default) gives every block its own; an int caps the pool (blocks
             then share streams round robin).
@@ -88,8 +89,7 @@ class EraseModel(keras.Model):
             construction and the standard step runs.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see `keras_erase.torch.threads`).
-        auto_steps: timed rounds per candidate for `dispatch="auto"` (more
-            rounds make the choice steadier).
+        auto_steps: timed rounds per candidate of `dispatch="auto"` on CUDA.
         launcher: `"inline"` or `"worker"`: who launches each block's
             backward (`None`: the preset's; `"worker"` for `"early"`).
         placement: `"default_stream"` or `"block_streams"` (CUDA): where each
@@ -189,30 +189,32 @@ class EraseModel(keras.Model):
 
     @property
     def auto_steps(self) -> int:
-        """Timed rounds per candidate schedule for `dispatch="auto"`."""
+        """Timed rounds per candidate schedule for `dispatch="auto"` on CUDA."""
         return self._erase.config.auto_steps
 
     @property
     def dispatch_choice(self) -> str | None:
-        """The schedule in use: always `"standard"` on JAX and TensorFlow; `None` while `"auto"` measures.
+        """The schedule in use: `"standard"` on JAX, TensorFlow and a CPU; `None` while `"auto"` measures.
 
         The preset's name (`"threaded"`), or the label of the schedule
-        `"auto"` kept or `"early"` resolved: `"<launcher>+<placement>"` where
-        no preset matches, with `"+graphs"` when graphed (e.g.
+        `"auto"` kept on CUDA or `"early"` resolved: `"<launcher>+<placement>"`
+        where no preset matches, with `"+graphs"` when graphed (e.g.
         `"streams+graphs"`, `"inline+block_streams"`).
 
         `dispatch_explanation` says what `"auto"` compared and why it kept this
         schedule (or, while it measures, which schedules ran so far).
         """
-        return self._erase.dispatch_choice
+        erase = self._erase
+        return torch_runtime().train_step.dispatch_choice(erase) if _is_torch() else erase.dispatch_choice
 
     @property
     def dispatch_explanation(self) -> str:
         """Says which schedule trains and why: with `"auto"`, what it compared, kept or still measures.
 
-        With `"auto"` it names every candidate (its threads per side on CPU),
-        its median and p90 step time, the rule, and while measuring which
-        schedules ran so far (then `dispatch_choice` is still `None`).
+        With `"auto"` on CUDA it names every candidate, its median and p90
+        step time (for one dropped early, the medians it was dropped on), the
+        rule, and while measuring which schedules ran so far (then
+        `dispatch_choice` is still `None`); on a CPU, that it is the standard step.
 
         Example:
 
@@ -229,7 +231,7 @@ class EraseModel(keras.Model):
 
     @property
     def auto_timings(self) -> dict[str, dict[str, float]]:
-        """`{"mode@threads": {"median_s", "p90_s", "steps"}}` measured by `"auto"` (empty until it measures)."""
+        """`{schedule: {"median_s", "p90_s", "steps"}}` measured by `"auto"` on CUDA (else empty)."""
         selector = self._erase.selector
         return {} if selector is None else selector.timings()
 

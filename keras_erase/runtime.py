@@ -39,10 +39,12 @@ class EraseRuntime:
 
     Attributes:
         config: the model's `EraseConfig`.
-        dispatch_choice: the schedule in use (`None` while `"auto"` measures):
-            the preset's name, or a `keras_erase.config.Schedule` label (e.g.
+        dispatch_choice: the schedule in use (`None` while `"auto"` measures;
+            on torch read through `keras_erase.torch.train_step.dispatch_choice`,
+            which answers `"standard"` for `"auto"` on a CPU): the preset's
+            name, or a `keras_erase.config.Schedule` label (e.g.
             `"streams+graphs"`, `"inline+block_streams"`).
-        selector: the `ScheduleSelector` of `"auto"` (created at the first step).
+        selector: the `ScheduleSelector` of `"auto"` on CUDA (created at the first step).
         trackers: the local-loss `LocalLossTrackers`.
         dispatchers: `{mode: Dispatcher}` built so far (torch).
         trace: the event list while tracing, else `None`.

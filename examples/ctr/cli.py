@@ -25,9 +25,9 @@ def build_parser():
     parser = example_parser("python -m examples.ctr", DESCRIPTION)
     parser.add_argument("--mode", choices=MODES, default="erase-auto",
                         help="model and schedule: baseline (no detachment), detached (standard "
-                             "step), erase-auto (times the schedules, keeps the fastest; every "
-                             "backend), erase-blocking and erase-threaded (torch), erase-streams "
-                             "and erase-graphs (torch + CUDA)")
+                             "step), erase-auto (every backend: on CUDA times the schedules and "
+                             "keeps the fastest, elsewhere the standard step), erase-blocking and "
+                             "erase-threaded (torch), erase-streams and erase-graphs (torch + CUDA)")
     parser.add_argument("--compare", action="store_true",
                         help="run every available mode and print the comparison table")
     parser.add_argument("--plot", type=output_path, default="ctr_ne.png",

@@ -6,7 +6,7 @@ Modes (the same network and initial weights in every mode):
 |---|---|
 | `baseline` | no detachment, Keras's standard step (the quality baseline) |
 | `detached` | `EraseModel(dispatch="standard")`: detached towers, standard step |
-| `erase-auto` | `EraseModel(dispatch="auto")`: times its first steps and keeps the fastest schedule (every backend; the default) |
+| `erase-auto` | `EraseModel(dispatch="auto")` (every backend; the default): on CUDA it times its first steps and keeps the fastest schedule; on a CPU, JAX and TensorFlow it is the standard step |
 | `erase-blocking` | early backward of each tower, inline (torch) |
 | `erase-threaded` | early backward on a worker thread (torch) |
 | `erase-streams` | early backward on CUDA streams (torch + CUDA) |
@@ -230,8 +230,9 @@ TABLE_NOTE = (
     "p50 = median step, p90 = 90th percentile of per-step examples/s (the fast end, as the "
     "ERASE paper reports it); gains and NE gap are relative to the first mode (baseline). "
     "NE and AUC: held-out split, lower NE is better; with several seeds mean ± sample sd over "
-    "the seeds, and the NE gap is that of the means. erase-auto (its choice in brackets) tries each "
-    "candidate schedule during its first steps; those past the warm-up count in its QPS."
+    "the seeds, and the NE gap is that of the means. erase-auto (its choice in brackets): on CUDA "
+    "it tries each candidate schedule during its first steps, and those past the warm-up count in "
+    "its QPS; on a CPU it is the standard step from the first step, without measuring."
 )
 
 COMPARE_NOTE = (

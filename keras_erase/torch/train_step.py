@@ -2,8 +2,9 @@
 
 One step (`train_step`):
 
-1. The schedule: the configured `dispatch`, or with `"auto"` the trial
-   schedule handed out by the model's `ScheduleSelector` (then its choice).
+1. The schedule: the configured `dispatch`; with `"auto"` on a CPU the
+   standard step (nothing is measured), on CUDA the trial schedule handed out
+   by the model's `ScheduleSelector` (then its choice).
 2. The main thread's intra-op thread count for that schedule
    (`keras_erase.torch.threads`).
 3. Under a multi-rank torch.distributed group: rank 0's weights are broadcast
@@ -41,6 +42,7 @@ from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.local_losses import batch_weight
 from keras_erase.targets import select_target
+from keras_erase.torch.auto_schedule import CPU_EXPLANATION
 from keras_erase.torch.auto_schedule import explain
 from keras_erase.torch.auto_schedule import explain_fixed
 from keras_erase.torch.auto_schedule import fixed_label
@@ -56,7 +58,10 @@ from keras_erase.torch.threads import restored_intra_op_threads
 from keras_erase.torch.threads import set_intra_op_threads
 from keras_erase.torch.threads import worker_thread_count
 
-__all__ = ["close_dispatchers", "erase_step", "explanation", "train_step", "training_scope"]
+__all__ = [
+    "close_dispatchers", "dispatch_choice", "erase_step", "explanation", "train_step",
+    "training_scope",
+]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -87,12 +92,24 @@ class BlockRunner:
         return outputs
 
 
+def auto_on_cpu(config):
+    """Returns whether `"auto"` runs the standard step without measuring (torch sees no CUDA)."""
+    return config.dispatch == "auto" and not cuda_available()
+
+
+def dispatch_choice(runtime):
+    """The schedule in use (`EraseModel.dispatch_choice` on torch); `None` while `"auto"` measures."""
+    return "standard" if auto_on_cpu(runtime.config) else runtime.dispatch_choice
+
+
 def explanation(runtime):
     """Says which schedule trains and why (`EraseModel.dispatch_explanation` on torch)."""
     if runtime.config.dispatch != "auto":
         return explain_fixed(runtime, cuda_available())
+    if auto_on_cpu(runtime.config):
+        return CPU_EXPLANATION
     if runtime.selector is None:
-        return "dispatch='auto' has not measured yet: it measures at the first training steps"
+        return "dispatch='auto' on CUDA has not measured yet: it measures at the first training steps"
     return explain(runtime)
 
 
@@ -106,19 +123,18 @@ def gradient_sync(runtime):
 
 
 def next_schedule(runtime):
-    """Returns `(mode, threads)` for this step."""
+    """Returns this step's schedule: `"standard"` or a `keras_erase.config.Schedule` label."""
     config = runtime.config
     if config.dispatch != "auto":
-        mode = fixed_label(config, cuda_available())
-        return mode, main_thread_count(mode, config.intra_op_threads, cuda_available())
+        return fixed_label(config, cuda_available())
+    if auto_on_cpu(config):
+        return "standard"
     if runtime.selector is None:
         sync = gradient_sync(runtime)
         combine = None
         if sync is not None:  # every rank must choose the same schedule
             combine = distributed.mean_over_ranks
-        runtime.selector = new_selector(
-            config, torch.get_num_threads(), cuda_available(), combine=combine
-        )
+        runtime.selector = new_selector(config, combine=combine)
     return runtime.selector.next_schedule()
 
 
@@ -167,12 +183,11 @@ def train_step(model, runtime, data, standard_step):
             require_capture()
     if config.dispatch == "early" and runtime.dispatch_choice == "early":
         runtime.dispatch_choice = fixed_label(config, cuda_available())  # the resolved one
-    schedule = next_schedule(runtime)
-    mode, threads = schedule
-    set_intra_op_threads(threads)
+    mode = next_schedule(runtime)
+    cuda = cuda_available()
+    set_intra_op_threads(main_thread_count(mode, config.intra_op_threads, cuda))
     selector = runtime.selector
     timing = selector is not None and not selector.done
-    cuda = cuda_available()
     if timing and cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -188,9 +203,9 @@ def train_step(model, runtime, data, standard_step):
     if timing:
         if cuda:
             torch.cuda.synchronize()
-        selector.record(schedule, time.perf_counter() - start)
+        selector.record(mode, time.perf_counter() - start)
         if selector.done:
-            runtime.dispatch_choice = selector.choice[0]
+            runtime.dispatch_choice = selector.choice
             close_dispatchers(runtime, keep=runtime.dispatch_choice)  # the trials' workers
             _log_choice(runtime)
     return logs

@@ -128,14 +128,12 @@ def test_fit_releases_the_graphs_when_training_ends(mode, stand_in):
     assert stand_in[0].live == 0 and stand_in[0].released == 4
 
 
-def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, monkeypatch):
+def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, auto_measures, monkeypatch):
     from keras_erase.torch import auto_schedule
 
-    # Two graphed candidates on CPU; the slower one is dropped with its graphs.
-    monkeypatch.setattr(
-        auto_schedule, "auto_candidates",
-        lambda threads, graphs, cuda: ([("blocking+graphs", None), ("threaded+graphs", None)], {}),
-    )
+    # Two graphed candidates; the slower one is dropped with its graphs.
+    monkeypatch.setattr(auto_schedule, "auto_candidates",
+                        lambda graphs=False: ["blocking+graphs", "threaded+graphs"])
     x, y = data()
     model = shared_tower_model("auto", True, twice=False)
     model._erase.config = type(model._erase.config)(

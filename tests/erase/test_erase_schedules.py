@@ -244,41 +244,39 @@ def test_main_backward_to_handoff_is_exact_or_declines():
 
 
 def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kept(
-    stand_ins, monkeypatch
+    stand_ins, auto_measures, monkeypatch
 ):
     """`dispatch="auto"` on CUDA (faked here): every launcher x placement, eager and graphed."""
-    import torch
-
     from keras_erase.auto import ScheduleSelector
-    from keras_erase.torch import train_step
-    from keras_erase.torch.schedules import placements
+    from keras_erase.torch.auto_schedule import describe_schedule
     from tests.erase import test_cuda_graphs_lifecycle as lifecycle
-    from tests.erase.fake_streams import CheckedStreams
 
-    monkeypatch.setattr(train_step, "cuda_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    previous = placements.set_default_streams(CheckedStreams)
     fake_seconds = {"streams+graphs": 0.5}
     real_record = ScheduleSelector.record
     monkeypatch.setattr(
         ScheduleSelector, "record",
-        lambda self, schedule, seconds: real_record(self, schedule, fake_seconds.get(schedule[0], 1.0)),
+        lambda self, schedule, seconds: real_record(self, schedule, fake_seconds.get(schedule, 1.0)),
     )
-    try:
-        x, y = lifecycle.data()
-        model = reconfigure(lifecycle.shared_tower_model("standard", False, False),
-                            dispatch="auto", cuda_graphs=True, auto_steps=1)
-        model.compile(keras.optimizers.SGD(0.2), "binary_crossentropy")
-        model.fit(x, y, batch_size=lifecycle.BATCH, epochs=4, shuffle=False, verbose=0)
-    finally:
-        placements.set_default_streams(previous)
+    x, y = lifecycle.data()
+    model = reconfigure(lifecycle.shared_tower_model("standard", False, False),
+                        dispatch="auto", cuda_graphs=True, auto_steps=1)
+    model.compile(keras.optimizers.SGD(0.2), "binary_crossentropy")
+    model.fit(x, y, batch_size=lifecycle.BATCH, epochs=4, shuffle=False, verbose=0)
     selector = model._erase.selector
-    labels = [c[0] for c in selector.candidates]
     eager = ["blocking", "threaded", "streams", "inline+block_streams"]
-    assert labels == ["standard"] + eager + [f"{label}+graphs" for label in eager]
+    assert selector.candidates == ["standard"] + eager + [f"{label}+graphs" for label in eager]
     assert all(selector.seen[c] > 0 for c in selector.candidates)
     assert selector.done and model.dispatch_choice == "streams+graphs"
-    assert "kept streams+graphs@None = streams+graphs (launcher 'worker', placement " \
-           "'block_streams', CUDA Graphs per block" in model.dispatch_explanation
+    text = model.dispatch_explanation
+    assert text.startswith("dispatch='auto' on CUDA kept streams+graphs (launcher 'worker', "
+                           "placement 'block_streams', CUDA Graphs per block) after ")
+    timings = model.auto_timings  # the numbers it was kept on, as the explanation prints them
+    assert set(timings) == set(selector.candidates)
+    for mode, timing in timings.items():
+        seconds = fake_seconds.get(mode, 1.0)
+        assert timing == {"median_s": seconds, "p90_s": seconds, "steps": 1}
+        assert (f"{describe_schedule(mode)}: {selector.seen[mode]} step"
+                f"{'' if selector.seen[mode] == 1 else 's'}, median {seconds * 1e3:.1f} ms, "
+                f"p90 {seconds * 1e3:.1f} ms over 1 timed step") in text
     kept = model._erase.dispatchers["streams+graphs"]
     assert kept.name == "worker+block_streams" and kept.graphs.captures == 2  # two occurrences

@@ -537,7 +537,7 @@ def test_compare_marks_a_gain_inside_the_spread_as_no_gain_and_notes_cpu_rows():
 @pytest.mark.slow
 def test_compare_trains_every_mode_in_one_process_alternating(monkeypatch, tmp_path):
     from examples.ctr import compare
-    from examples.ctr.train import available_modes, main
+    from examples.ctr.train import _cuda_available, available_modes, main
 
     order = []
     build = compare.build_mode_model
@@ -569,6 +569,8 @@ def test_compare_trains_every_mode_in_one_process_alternating(monkeypatch, tmp_p
     by_mode = {r["mode"]: r for r in results}
     assert by_mode["baseline"]["seeds"] == [0, 1] and by_mode["detached"]["seeds"] == [0, 1]
     assert by_mode["erase-auto"]["seeds"] == [0]
+    if not _cuda_available():  # auto on a CPU (and JAX, TF): the standard step from step one
+        assert by_mode["erase-auto"]["dispatch_choices"] == ["standard"]
     for r in results:  # warm-up (1 step) left out of the first repeat
         assert [len(b) for b in r["repeats"]] == [1, 2, 2]
         assert len(r["gain_p50"]) == 4
@@ -842,6 +844,7 @@ def test_run_all_docstring_and_output_folder():
 def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
     """The main job end to end at tiny size (each example in this process)."""
     from examples import run_all
+    from examples.ctr.train import _cuda_available
     from examples.ctr.train import main as ctr_main
     from examples.sasrec.train import main as sasrec_main
 
@@ -858,7 +861,7 @@ def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert list(result["sasrec"]) == ["cutbce", "dense", "sampled (1 neg.)"]
     assert "| sampled (1 neg.) |" in printed and "| most popular |" in printed
-    assert "| erase-auto" in printed
+    assert "| erase-auto (standard) |" in printed or _cuda_available()
     assert f"results go to {out}" in printed
     for path in result["written"]:
         assert os.path.exists(path) and path in printed
