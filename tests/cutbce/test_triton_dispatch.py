@@ -60,7 +60,7 @@ def test_triton_on_cpu_outside_the_interpreter_says_how(monkeypatch):
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "autocast"])
-def test_the_kernels_multiply_in_the_compute_dtype(policy, monkeypatch):
+def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(policy, monkeypatch):
     """The products' operand dtype is the policy's compute dtype (the float32 table cast to
     it; float32 accumulation), and `torch.autocast`'s dtype under autocast."""
     import contextlib
