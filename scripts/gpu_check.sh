@@ -73,6 +73,8 @@ TEST_RC=${PIPESTATUS[0]}
 if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
   FAILED+=("CUDA tests skipped although CUDA is present")
 fi
+# Mixed precision matrix on CUDA, real bf16/fp16 kernels and CUDA Graphs (the Triton one: test_triton_parity.py below).
+"$PYTHON" -m pytest -q -rs -p no:cacheprovider -m "" -k policy tests/erase/test_erase_schedules.py tests/cutbce/test_cut_bce.py tests/cutbce/test_loss.py tests/cutbce/test_metrics.py tests/cutbce/test_retrieval.py | tee "$RESULTS/gpu_check_mixed_precision.txt"; [[ ${PIPESTATUS[0]} -eq 0 ]] || FAILED+=("mixed precision matrix")
 TESTS_S=$((SECONDS - START))
 
 # The CutBCE part (below) keeps CUTBCE_GPU_SECONDS of the total when Triton is importable.
