@@ -6,7 +6,7 @@ if a Keras release breaks one, only this module changes.
 
 __all__ = [
     "Functional", "call_has_training_arg", "compute_loss", "direct_sublayers", "in_symbolic_scope",
-    "keras_mask", "loss_tracker", "own_added_losses", "sublayers",
+    "keras_mask", "loss_tracker", "own_added_losses", "sublayers", "uncast_value",
 ]
 
 # `EraseModel(inputs, outputs)` must be a Functional model (Keras's graph of
@@ -80,3 +80,18 @@ def keras_mask(tensor):
     from keras.src.backend import get_keras_mask
 
     return get_keras_mask(tensor)
+
+
+def uncast_value(variable):
+    """Returns the variable's own value (on torch its `nn.Parameter`), never an autocast copy.
+
+    Inside a mixed-precision layer's call (Keras's `AutocastScope`, e.g. a
+    `DetachBlock` under `mixed_bfloat16`) `variable.value` is a new float16
+    or bfloat16 copy at every read: it has no `.grad`, and a gradient taken
+    with respect to it never reaches the variable. Keras has no public way to
+    read the variable itself there, so the scope is cleared for the read.
+    """
+    from keras.src.backend.common.variables import AutocastScope
+
+    with AutocastScope(None):
+        return variable.value

@@ -147,9 +147,9 @@ class DetachBlock(keras.layers.Layer):
         # Pending head predictions of training calls, consumed by
         # EraseModel.compute_loss. Stored outside Keras's attribute tracking.
         self.__dict__["_pending_predictions"] = []
-        # Whether this call's own losses include the weight penalties
-        # (`claim_weight_penalties`: once per model call).
-        self.__dict__["_counts_weight_penalties"] = True
+        # The regularized weights whose penalties this call's own losses include
+        # (`claim_weight_penalties`: each once per model call); `None`: all.
+        self.__dict__["_penalised_weights"] = None
 
     @property
     def has_local_loss(self) -> bool:
@@ -223,9 +223,10 @@ class DetachBlock(keras.layers.Layer):
     def own_losses(self) -> Any:
         """Sums the block's own `losses` into a float32 scalar (`None` when it has none).
 
-        These are the weight regularizers of its layer and head (once per
-        model call, as Keras counts them, however often the block is called:
-        `claim_weight_penalties`) and the `add_loss` values (e.g.
+        These are the weight regularizers of its layer and head (each once per
+        model call, as Keras counts them, however often the block is called
+        and however many blocks share the layer: `claim_weight_penalties`)
+        and the `add_loss` values (e.g.
         `activity_regularizer`) of its current call. They belong to the
         block's local objective: on torch they are back-propagated by the
         block's early backward, never by the main one.
@@ -233,15 +234,21 @@ class DetachBlock(keras.layers.Layer):
         losses = []
         for layer in _keras_private.sublayers(self, include_self=True):
             losses.extend(_keras_private.own_added_losses(layer))
-        if self._counts_weight_penalties:
-            for weight in self.trainable_weights:
-                if weight.regularizer is not None:
-                    losses.append(weight_penalty(weight.regularizer, weight))
+        weights = self._penalised_weights
+        if weights is None:
+            weights = self._regularized_weights()
+        for weight in weights:  # in the weight's dtype, as Keras's `Layer.losses` (not autocast)
+            losses.append(weight_penalty(weight.regularizer, _keras_private.uncast_value(weight)))
         total = None
         for loss in losses:
             loss = ops.cast(loss, "float32")
             total = loss if total is None else total + loss
         return total
+
+    def _regularized_weights(self):
+        """The block's distinct trainable weights that carry a regularizer."""
+        weights = {id(w): w for w in self.trainable_weights if w.regularizer is not None}
+        return list(weights.values())
 
     def local_objective(self, y_true: Any, outputs: Any, sample_weight: Any = None) -> Any:
         """Computes what the block's early backward differentiates: local loss plus own `losses`."""
@@ -252,7 +259,7 @@ class DetachBlock(keras.layers.Layer):
     def call(self, inputs, training=None):
         record_inputs(self, inputs)
         # Decided once per call: a warm-up or capture inside it reads the same.
-        self.__dict__["_counts_weight_penalties"] = claim_weight_penalties(self)
+        self.__dict__["_penalised_weights"] = claim_weight_penalties(self._regularized_weights())
         if training is None:
             training = collector_training()
         train_local = bool(training) and self.has_local_loss and not _has_symbolic(inputs)

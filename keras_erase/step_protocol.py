@@ -88,29 +88,30 @@ def collecting(model, training=None, evaluating=False):
         stack.pop()
 
 
-def claim_weight_penalties(block):
-    """Returns whether `block`'s weight penalties count in this call: once per model call.
+def claim_weight_penalties(weights):
+    """Returns those of `weights` whose penalties this call pays: each once per model call.
 
-    Keras counts a layer's weight regularizers once per step however often
-    the layer is called, and a block's add_loss values once per call. The
-    first call of `block` under the running collector claims its weight
-    penalties; later calls in the same model call get `False`. Without a
-    collector (a block called on its own) every call counts them.
+    Keras counts a weight's regularizer once per step, however often its
+    layer is called and however many blocks hold it (`model.losses` lists
+    each weight once), and a block's add_loss values once per call. The
+    first block call under the running collector that holds a weight claims
+    its penalty; later calls (the same block again, or another block sharing
+    the layer) do not get it. Without a collector (a block called on its
+    own) every call pays all of them.
 
     Example:
 
     >>> with collecting("model", training=True):
-    ...     claim_weight_penalties("tower"), claim_weight_penalties("tower")
-    (True, False)
+    ...     claim_weight_penalties(["a", "b"]), claim_weight_penalties(["b", "c"])
+    (['a', 'b'], ['c'])
     """
     stack = getattr(_STATE, "collectors", None)
     if not stack:
-        return True
+        return list(weights)
     claimed = stack[-1][3]
-    if id(block) in claimed:
-        return False
-    claimed.add(id(block))
-    return True
+    mine = [w for w in weights if id(w) not in claimed]
+    claimed.update(id(w) for w in mine)
+    return mine
 
 
 @contextlib.contextmanager

@@ -27,7 +27,9 @@
 #     a Triton kernel compiled and run)
 #   1 ERASE tests, one process (TESTS)                              ~60 s               139 s
 #   2 the failing-capture test, its own process                     ~10 s               22 s
-#   3 benchmarks/erase_gpu.py: traces at 3 batches, exactness,      the rest: ~200 s    227 s (budget 253)
+#   2b the mixed precision matrix (-k policy: ERASE schedules,       ~60 s               not timed yet
+#     two gloo ranks, the CutBCE op, loss, metrics, top-k)
+#   3 benchmarks/erase_gpu.py: traces at 3 batches, exactness,      the rest: ~140 s    227 s (budget 253)
 #     the cell groups by priority, each with its 3 repeats
 #   4 CutBCE: Triton parity tests compiled, then                    CUTBCE_GPU_SECONDS  skipped: Triton 3.6's
 #     benchmarks/cutbce_triton.py --gpu in what is left              (180 s)             interpreter, NumPy 2.5
@@ -159,6 +161,10 @@ if [[ $PHASES == *" tests "* ]]; then
   : >"$RESULTS/gpu_check_tests.txt"
   run_tests gpu_check_tests.txt "${TESTS[@]}" --deselect "$CAPTURE_FAILURE"
   run_tests gpu_check_tests.txt "$CAPTURE_FAILURE"
+  # The mixed precision matrix with real bf16/fp16 kernels, autocast and CUDA Graphs (Triton's:
+  # test_triton_parity.py in the CutBCE phase).
+  run_tests gpu_check_tests.txt -m "" -k policy tests/erase/test_erase_schedules.py \
+    tests/cutbce/test_cut_bce.py tests/cutbce/test_loss.py tests/cutbce/test_metrics.py tests/cutbce/test_retrieval.py
   if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
     FAILED+=("CUDA tests skipped although CUDA is present")
   fi

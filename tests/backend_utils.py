@@ -1,5 +1,6 @@
 """Backend-neutral helpers for tests: gradients and conversions on the active Keras backend."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -70,6 +71,64 @@ def value_and_grads_tensors(fn, *args):
         grads = [tf.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
         return value, grads
     raise NotImplementedError(BACKEND)
+
+
+# The mixed precision matrix: the Keras dtype policies users train with. `compile` wraps
+# the optimizer of a `mixed_float16` model in a `LossScaleOptimizer`, whose gradients
+# carry its scale (2^15 at the start).
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+LOSS_SCALE = 2.0**15
+
+
+@contextlib.contextmanager
+def dtype_policy(name):
+    """Runs the body under Keras's global dtype policy `name`; the previous one is restored."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield keras.config.dtype_policy().compute_dtype
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def loss_scale(policy):
+    """The scale a policy's gradients carry: `LOSS_SCALE` under `mixed_float16`, else 1."""
+    return LOSS_SCALE if policy == "mixed_float16" else 1.0
+
+
+def worst_row_error(got, want):
+    """Returns `max_r |got_r - want_r| / |want_r|` over the rows (leading axis) of two arrays.
+
+    A 1-D array's rows are its elements. Every row counts alike, so a row of
+    small values (the table gradient of an item no row targets) is not
+    hidden behind large ones; a row whose `want` is below 2^-24 of the
+    largest row's norm is measured against that.
+
+    Example:
+
+    >>> float(worst_row_error(np.array([[1.0, 0.0], [0.0, 0.01]]), np.array([[1.0, 0.0], [0.0, 0.02]])))
+    0.5
+    """
+    got = np.asarray(got, np.float64).reshape(len(got), -1) if np.ndim(got) else np.reshape(got, (1, 1))
+    want = np.asarray(want, np.float64).reshape(got.shape)
+    norms = np.linalg.norm(want, axis=1)
+    floor = 2.0**-24 * norms.max() if norms.size else 0.0
+    return float(np.max(np.linalg.norm(got - want, axis=1) / np.maximum(norms, max(floor, 1e-300))))
+
+
+def assert_within_low_precision(got, low, want, what, floor=2e-5):
+    """Asserts `got` is as exact as the dense low-precision reference `low`, against float64 `want`.
+
+    The bound of the mixed precision matrix, calibrated as Apple's Cut
+    Cross-Entropy tests calibrate theirs: `got`'s worst row error
+    (`worst_row_error`) is at most twice `low`'s, or `floor` (float32
+    summation order). Returns both errors.
+    """
+    error, low_error = worst_row_error(got, want), worst_row_error(low, want)
+    assert error <= max(2.0 * low_error, floor), (
+        f"{what}: worst row error {error:.3g}, dense low precision {low_error:.3g}"
+    )
+    return error, low_error
 
 
 def dtype_name(x):

@@ -165,7 +165,7 @@ class GradientSync:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for variable in model.weights:
-                value = variable.value
+                value = _keras_private.uncast_value(variable)
                 if isinstance(value, torch.Tensor):
                     dist.broadcast(value.data, src=src, group=self.group)
 
@@ -202,7 +202,7 @@ class GradientSync:
         for v in weights:
             self._done.add(id(v))
         if self._watches:  # before the snapshot: a later accumulation is always seen
-            self._reduced.update(id(v.value) for v in weights)
+            self._reduced.update(id(_keras_private.uncast_value(v)) for v in weights)
         self._launch(block.name, weights)
 
     def _watch_owned(self, blocks):
@@ -210,7 +210,7 @@ class GradientSync:
         self._unwatch()
         for block in blocks:
             for weight in self._owned.get(id(block), []):
-                param = weight.value
+                param = _keras_private.uncast_value(weight)
                 if not (isinstance(param, torch.Tensor) and param.requires_grad):
                     continue
 
@@ -247,7 +247,9 @@ class GradientSync:
         self._launch("remainder", rest)
 
     def _launch(self, label, weights):
-        params = [v.value for v in weights]
+        # The parameters, never autocast copies: the inline launcher calls this
+        # inside the block's mixed-precision scope.
+        params = [_keras_private.uncast_value(v) for v in weights]
         params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
         if not params:
             return

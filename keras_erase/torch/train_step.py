@@ -269,7 +269,8 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
     if dispatcher is not None:  # targets on the weights' device once per step, not per block
         weights = model.trainable_weights
         if weights:
-            y, sample_weight = to_device((y, sample_weight), weights[0].value.device)
+            device = _keras_private.uncast_value(weights[0]).device
+            y, sample_weight = to_device((y, sample_weight), device)
     # Zero BEFORE the forward pass: blocks write their gradients during it.
     model.zero_grad(set_to_none=True)
     optimizer = model.optimizer
@@ -315,7 +316,7 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
         raise
     trainable_weights = model.trainable_weights[:]
     if trainable_weights:
-        gradients = [v.value.grad for v in trainable_weights]
+        gradients = [_keras_private.uncast_value(v).grad for v in trainable_weights]
         with torch.no_grad():
             optimizer.apply(gradients, trainable_weights)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -84,3 +84,38 @@ def scan_dot_counts(fn, *args):
         for eqn in jaxpr_equations(jaxpr)
         if eqn.primitive.name == "scan"
     ]
+
+
+def policy_inputs(rng, rows=15, dim=16, vocab=300, length=4):
+    """Float32 hidden states, table, bias, ids and row weights for the mixed precision matrix.
+
+    A trained model's logits: the bias around -8 (an item's negatives far
+    below 0, whose slopes are what a low precision loses first) and ids only
+    in the first third of the items (the rest are never a positive).
+    """
+    hidden = (2.0 * rng.normal(size=(rows, dim)) / np.sqrt(dim)).astype("float32")
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    bias = (rng.normal(size=(vocab,)) - 8.0).astype("float32")
+    ids = mixed_ids(rng, rows, vocab // 3, length)
+    weights = rng.uniform(0.5, 1.5, size=(rows,)).astype("float32")
+    return hidden, table, bias, ids, weights
+
+
+def dense_under_policy(compute_dtype):
+    """The per-row loss a dense Keras model under a policy computes: the dense low-precision reference.
+
+    The logits `h @ E.T + b` in the policy's compute dtype (what a Keras
+    `Dense` layer computes: its float32 weights cast to it), then Keras's
+    binary cross-entropy on them in float32 (a Keras loss's dtype).
+    """
+    import keras
+    from keras import ops
+
+    from keras_cutbce.math.reference import multi_hot
+
+    def loss(h, t, ids, b):
+        z = ops.matmul(ops.cast(h, compute_dtype), ops.transpose(ops.cast(t, compute_dtype)))
+        z = ops.cast(z + ops.cast(b, compute_dtype), "float32")
+        return keras.losses.binary_crossentropy(multi_hot(ids, t.shape[0]), z, from_logits=True)
+
+    return loss

@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 from keras import ops
 
+from keras_cutbce import CutBCELoss
 from keras_cutbce import cut_binary_crossentropy
 from keras_cutbce.math.reference import multi_hot
+from tests.backend_utils import POLICIES
 from tests.backend_utils import BACKEND, dtype_name, to_numpy, value_and_grads, value_and_grads_tensors
+from tests.backend_utils import assert_within_low_precision, dtype_policy, loss_scale
+from tests.cutbce.kernel_inputs import dense_under_policy, policy_inputs
 
 IMPLEMENTATIONS = ["reference", "chunked"]
 
@@ -192,6 +196,58 @@ def test_low_precision_inputs(impl, dtype):
     np.testing.assert_allclose(to_numpy(value), value32, rtol=1e-4)
     for g, g32 in zip(grads, grads32):
         np.testing.assert_allclose(to_numpy(g), g32, rtol=0.05, atol=0.02 * np.abs(g32).max())
+
+
+POLICY_CASES = [
+    pytest.param(policy, impl, id=f"{policy}-{impl}", marks=pytest.mark.slow if impl == "pallas" else ())
+    for policy in POLICIES for impl in IMPLEMENTATIONS + (["pallas"] if BACKEND == "jax" else [])
+]
+
+
+@pytest.mark.parametrize("policy,impl", POLICY_CASES)
+def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, impl):
+    """The mixed precision matrix of the op and the loss (each implementation on this backend).
+
+    Under each policy the loss gets what a Keras model hands it: hidden states in
+    the compute dtype, the float32 table and bias (variables); under
+    `mixed_float16` a loss-scaled cotangent (the per-row op) or upstream
+    gradient (`CutBCELoss`, the fused weighted sum, scaled after its pass).
+    Loss and gradients against float64 on the same values, each row (a table
+    gradient row: an item) no worse than twice the dense Keras model under the
+    policy (`dense_under_policy`): the tolerance is that model's own error.
+    """
+    from tests.cutbce.test_chunked import truth
+
+    hidden, table, bias, ids, weights = policy_inputs(np.random.default_rng(31))
+    scale = loss_scale(policy)
+    with dtype_policy(policy) as compute:
+        hidden = ops.cast(hidden, compute)
+        exact = to_numpy(hidden)  # the values the loss gets
+        dense = dense_under_policy(compute)
+
+        def per_row(h, t, b):
+            return cut_binary_crossentropy(h, t, ids, b, chunk_size=128, implementation=impl)
+
+        def fused(h, t, b):
+            return CutBCELoss(t, b, chunk_size=128, implementation=impl)(ids, h)
+
+        cases = (  # name, ours, the dense model's, row weights of the float64 truth
+            ("per-row", weighted_sum(per_row, weights * scale),
+             weighted_sum(lambda h, t, b: dense(h, t, ids, b), weights * scale), weights * scale),
+            ("fused", lambda h, t, b: fused(h, t, b) * scale,
+             lambda h, t, b: ops.mean(dense(h, t, ids, b)) * scale,
+             np.full(len(exact), scale / len(exact))),
+        )
+        losses = to_numpy(per_row(hidden, table, bias))
+        low_losses = to_numpy(dense(hidden, table, ids, bias))
+        for name, ours, theirs, rows in cases:
+            value, grads = value_and_grads(ours, hidden, table, bias)
+            low_value, low_grads = value_and_grads(theirs, hidden, table, bias)
+            true_losses, true_grads = truth(exact, table, ids, bias, rows)
+            assert_within_low_precision(value, low_value, np.sum(rows * true_losses), f"{name} value")
+            for what, got, low, want in zip(("hidden", "table", "bias"), grads, low_grads, true_grads):
+                assert_within_low_precision(got, low, want, f"{name} d {what}")
+    assert_within_low_precision(losses, low_losses, truth(exact, table, ids, bias, weights)[0], "loss")
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

@@ -255,7 +255,16 @@ def safe_divide(a, b):
 
 
 @pytest.mark.slow
-def test_metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_metrics_in_compile_fit_evaluate_save_load_under_every_policy(rng, tmp_path, policy):
+    """Under each policy: the model's hidden states in its compute dtype, its float32 table."""
+    from tests.backend_utils import dtype_policy
+
+    with dtype_policy(policy):
+        _metrics_in_compile_fit_evaluate_save_load(rng, tmp_path)
+
+
+def _metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
     keras.utils.set_random_seed(0)
     vocab_size, depth, steps, batch = 23, 4, 5, 6
     ids_in = keras.Input((steps,), dtype="int32")

@@ -212,13 +212,19 @@ def test_top_k_under_tf_function(rng):
     np.testing.assert_array_equal(scores.numpy(), want_scores)
 
 
-def test_top_k_bfloat16_hidden(rng):
-    """bf16 hidden states (exact for these values) give the float32 answer."""
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_top_k_under_every_policy(rng, policy):
+    """Hidden states in the policy's compute dtype (exact for these values) and the model's
+    float32 table give the float32 answer, ties included."""
+    from tests.backend_utils import dtype_policy
+
     hidden = quantized(rng, (5, 4))
     table = quantized(rng, (29, 4))
-    scores, ids = cut_top_k(
-        keras.ops.cast(hidden, "bfloat16"), table, 6, chunk_size=8
-    )
+    with dtype_policy(policy) as compute:
+        items = keras.layers.Embedding(29, 4)
+        items.build()
+        items.embeddings.assign(table)
+        scores, ids = cut_top_k(keras.ops.cast(hidden, compute), items, 6, chunk_size=8)
     assert keras.backend.standardize_dtype(scores.dtype) == "float32"
     want_scores, want_ids = dense_top_k(hidden, table, 6)
     np.testing.assert_array_equal(to_numpy(ids), want_ids)

@@ -56,3 +56,38 @@ def test_triton_on_cpu_outside_the_interpreter_says_how(monkeypatch):
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         cut_binary_crossentropy(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
                                 np.zeros((2, 1), "int32"), implementation="triton")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "autocast"])
+def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(policy, monkeypatch):
+    """The products' operand dtype is the policy's compute dtype (the float32 table cast to
+    it; float32 accumulation), and `torch.autocast`'s dtype under autocast."""
+    import contextlib
+
+    import torch
+
+    from keras_cutbce import CutBCELoss
+    from keras_cutbce.backends.torch import kernel
+    from keras_cutbce.backends.torch.triton import launch
+    from tests.backend_utils import dtype_policy
+
+    seen = []
+
+    def tile_loop(*args, operands, **kwargs):  # records what the kernels would take
+        seen.append(operands)
+        return kernel.dense_pass(*args, **kwargs)
+
+    monkeypatch.setattr(launch, "dense_pass", tile_loop)
+    autocast = policy == "autocast"
+    with dtype_policy("float32" if autocast else policy) as compute:
+        items = keras.layers.Embedding(40, 8)
+        items.build((None,))
+        hidden = keras.ops.cast(np.random.default_rng(0).normal(size=(6, 8)), compute)
+        ids = np.random.default_rng(1).integers(0, 40, size=(6, 2)).astype("int32")
+        scope = torch.autocast(hidden.device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
+        with scope:
+            cut_binary_crossentropy(hidden, items, ids, implementation="triton")
+            CutBCELoss(items, implementation="triton")(ids, hidden)
+    want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[compute]
+    assert seen == [torch.bfloat16 if autocast else want] * 2

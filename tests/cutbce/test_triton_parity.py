@@ -20,6 +20,7 @@ results in the interpreter (triton#11584, unsupported upstream); the bf16
 hi/lo split of the gradient products is checked there on its fp32 result.
 """
 
+import functools
 import importlib.util
 
 import keras
@@ -203,3 +204,80 @@ def test_bf16_split_products_keep_fp32_accuracy(rng):
     want = kernel.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need)
     for g, w in zip(got, want):
         np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=5e-5, atol=5e-5 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, rng):
+    """The mixed precision matrix of the kernels (as `tests/cutbce/test_cut_bce.py`'s).
+
+    Hidden states in the policy's compute dtype (the kernels' operand dtype),
+    the float32 table and bias; the per-row loss under a loss-scaled cotangent
+    and the fused weighted sum scaled after it; against float64, each row no
+    worse than twice the dense Keras model under the policy.
+    """
+    import torch
+
+    from keras_cutbce.backends.torch import triton as kernels
+    from tests.backend_utils import assert_within_low_precision, dtype_policy, loss_scale
+    from tests.cutbce.kernel_inputs import dense_under_policy, policy_inputs
+    from tests.cutbce.test_chunked import truth
+
+    h, e, b, ids, w = policy_inputs(rng, rows=37, dim=12, vocab=101)
+    w = w / len(w)  # a mean over the rows, as `CutBCELoss`'s
+    scale = loss_scale(policy)
+    with dtype_policy(policy) as compute:
+        hidden = torch.tensor(h, device=_device()).to(getattr(torch, compute))
+        table, bias = (torch.tensor(x, device=_device()) for x in (e, b))
+        ids_t, weights = torch.tensor(ids, device=_device()), torch.tensor(w, device=_device())
+        exact = as_numpy(hidden)
+        dense = dense_under_policy(compute)
+        cases = (
+            ("per-row", lambda h, e, b: (kernels.cut_bce(h, e, ids_t, b) * weights * scale).sum(),
+             lambda h, e, b: (dense(h, e, ids_t, b) * weights * scale).sum(), w * scale),
+            ("fused", lambda h, e, b: kernels.cut_bce_weighted_sum(
+                h, e, ids_t, b, weights, label_smoothing=0.0, pos_weight=1.0) * scale,
+             lambda h, e, b: (dense(h, e, ids_t, b) * weights).sum() * scale, w * scale),
+        )
+        for name, ours, theirs, rows in cases:
+            got = scaled_value_and_grads(ours, (hidden, table, bias))
+            low = scaled_value_and_grads(theirs, (hidden, table, bias))
+            want_losses, want_grads = truth(exact, e, ids, b, rows)
+            # `scaled_value_and_grads`: the value, and the gradients of UPSTREAM times it
+            want = [np.sum(rows * want_losses)] + [UPSTREAM * g for g in want_grads]
+            for what, g, lo, wa in zip(("value", "d hidden", "d table", "d bias"),
+                                       [got[0]] + got[1], [low[0]] + low[1], want):
+                assert_within_low_precision(as_numpy(g), as_numpy(lo), wa, f"{policy} {name} {what}")
+
+
+def test_float16_table_gradient_under_a_loss_scale(rng):
+    """fp16 inputs, the fused weighted sum (the loss scale multiplies after its pass), a
+    trained model's negatives (bias -12): the table gradient of the items no row targets is
+    as exact as the chunked loop's (both end in an fp16 gradient), never flushed to zero
+    (a slope `sigmoid(-12) / (M V)` is below fp16's smallest subnormal, 6e-8)."""
+    import torch
+
+    from keras_cutbce.backends.torch import chunked
+    from keras_cutbce.backends.torch import triton as kernels
+    from tests.backend_utils import LOSS_SCALE, worst_row_error
+    from tests.cutbce.test_chunked import truth
+
+    m, d, v = 64, 16, 512
+    h = (rng.normal(size=(m, d)) * 0.5).astype("float16")
+    e = (rng.normal(size=(v, d)) * 0.5).astype("float16")
+    b = np.full(v, -12.0, "float32")
+    ids = rng.integers(0, v // 4, size=(m, 4))
+    never = np.setdiff1d(np.arange(v), ids)
+    w = np.full(m, 1.0 / m, "float32")
+    want = truth(h, e, ids, b, w * LOSS_SCALE)[1][1][never]
+    got = {}
+    for name, fn in (("triton", kernels.cut_bce_weighted_sum),
+                     ("chunked", functools.partial(chunked.cut_bce_weighted_sum, chunk_size=128))):
+        args = [torch.tensor(x, device=_device()).requires_grad_(True) for x in (h, e, b)]
+        total = fn(args[0], args[1], torch.tensor(ids, device=_device()), args[2],
+                   torch.tensor(w, device=_device()), label_smoothing=0.0, pos_weight=1.0)
+        (total * LOSS_SCALE).backward()
+        got[name] = as_numpy(args[1].grad)[never]
+    zeros = {name: float(np.mean(g == 0.0)) for name, g in got.items()}
+    errors = {name: worst_row_error(g, want) for name, g in got.items()}
+    assert zeros["triton"] <= zeros["chunked"], zeros
+    assert errors["triton"] <= 2.0 * errors["chunked"], errors

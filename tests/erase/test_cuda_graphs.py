@@ -876,3 +876,40 @@ def test_cuda_capture_failure_restores_the_stream_on_gpu():
     done.replay()
     torch.cuda.synchronize()
     assert done.outputs.tolist() == [6.0, 6.0, 6.0]
+
+
+@torch_only
+@pytest.mark.parametrize("mode", ["blocking", pytest.param("threaded", marks=pytest.mark.slow)])
+def test_graphed_blocks_train_like_eager_under_mixed_bfloat16(mode):
+    """A block's graphs are captured once and replayed against its parameters, not the
+    bfloat16 copies its layers read inside their mixed-precision scope: every tower weight
+    changes at every step, and graphs give the eager weights."""
+    from keras_erase.config import EraseConfig
+    from keras_erase.runtime import EraseRuntime
+    from tests.backend_utils import dtype_policy
+    from tests.erase import test_erase_handoff as handoff
+
+    runs = {}
+    for graphs in (False, True):
+        with dtype_policy("mixed_bfloat16"), stand_in_captures():
+            model = handoff.build(mode)
+            model.__dict__["_erase"] = EraseRuntime(
+                EraseConfig(dispatch=mode, cuda_graphs=graphs, intra_op_threads=None), True)
+            kernels = [model.get_layer(f"tower_{i}").layer.layers[0].kernel for i in range(handoff.TOWERS)]
+            changes, last = [], [to_numpy(k) for k in kernels]
+
+            def record(batch, logs):
+                now = [to_numpy(k) for k in kernels]
+                changes.append(min(np.abs(a - b).max() for a, b in zip(now, last)))
+                last[:] = now
+
+            model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+            x, y = handoff.data()
+            model.fit(x, y, batch_size=handoff.BATCH, epochs=2, shuffle=False, verbose=0,
+                      callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=record)])
+        runs[graphs] = [to_numpy(w) for w in model.get_weights()], changes, model
+    runner = next(iter(runs[True][2]._erase.dispatchers.values())).graphs
+    assert not runner.disabled and runner.captures == handoff.TOWERS, runner.captures
+    assert min(runs[True][1]) > 0, runs[True][1]  # every tower trains at every step
+    for a, b in zip(runs[True][0], runs[False][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

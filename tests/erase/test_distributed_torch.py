@@ -249,16 +249,26 @@ def _shared_kernel(model):
     return to_numpy(layer.kernel)
 
 
+def _rank_rows(rank, world, n, batch):
+    """A rank's batch size and its rows of `n`: its share of every global batch of `batch` rows."""
+    per = batch // world
+    return per, np.concatenate([np.arange(s + rank * per, s + (rank + 1) * per)
+                                for s in range(0, n, batch)])
+
+
+def _saved(path):
+    """The weights saved with `np.savez(path, w0=..., w1=...)`, in order."""
+    saved = np.load(path)
+    return [saved[f"w{i}"] for i in range(len(saved.files))]
+
+
 def _shared_rank_main(rank, world, path):
     from tests.backend_utils import to_numpy
     from tests.erase.test_erase import ctr_data
 
     x, y = ctr_data(SHARED_STEPS * SHARED_BATCH)
-    per = SHARED_BATCH // world
-    rows = np.concatenate([np.arange(s + rank * per, s + (rank + 1) * per)
-                           for s in range(0, len(x), SHARED_BATCH)])
-    saved = np.load(path)
-    initial = [saved[f"w{i}"] for i in range(len(saved.files))]
+    per, rows = _rank_rows(rank, world, len(x), SHARED_BATCH)
+    initial = _saved(path)
     out = {}
     for mode in SHARED_MODES:
         model = _train_shared(mode, x[rows], y[rows], per,
@@ -331,3 +341,74 @@ def test_a_layer_used_in_a_block_and_on_the_main_path_is_exact_on_two_gloo_ranks
         hidden = rank["hidden_use"]
         assert hidden["message"] is not None and "tower/inner/kernel'" in hidden["message"]
         assert "DetachBlock 'tower'" in hidden["message"] and hidden["unchanged"]
+
+
+# -- the mixed precision matrix on two ranks ------------------------------------------
+
+# (dispatch, cuda_graphs): the standard step and every launcher, with and without graphs.
+POLICY_MODES = (("standard", False), ("blocking", False), ("threaded", False),
+                ("blocking", True), ("threaded", True))
+USERS_OPTIONS = dict(reused=False, batch_norm=False, dropout=False)  # per-rank batches and masks
+
+
+def _users_run(policy, mode, graphs, x, y, batch_size, initial=None, seed=0):
+    from tests.backend_utils import dtype_policy
+    from tests.erase.test_erase_schedules import fit_users, reconfigure, users_model
+
+    with dtype_policy(policy):
+        model = users_model(seed=seed, **USERS_OPTIONS)
+        if initial is not None:
+            model.set_weights(initial)
+        reconfigure(model, dispatch=mode, cuda_graphs=graphs)
+        return fit_users(model, x, y, batch_size=batch_size)
+
+
+def _policy_rank_main(rank, world, path):
+    """One rank: the users model under every policy and schedule, on its half of each batch."""
+    import contextlib
+
+    import torch
+
+    from tests.backend_utils import POLICIES
+    from tests.erase.test_cuda_graphs import stand_in_captures
+    from tests.erase.test_erase_schedules import USERS_BATCH, users_data
+
+    x, y = users_data()
+    per, rows = _rank_rows(rank, world, len(x), USERS_BATCH)
+    initial = _saved(path)
+    out = {}
+    captures = contextlib.nullcontext() if torch.cuda.is_available() else stand_in_captures()
+    with captures:
+        for policy in POLICIES:
+            for mode, graphs in POLICY_MODES:
+                run = _users_run(policy, mode, graphs, x[rows], y[rows], per,
+                                 initial=initial if rank == 0 else None, seed=rank)
+                out[f"{policy} {mode} graphs={graphs}"] = run
+    return out
+
+
+def test_the_models_users_have_on_two_gloo_ranks_under_every_policy(tmp_path):
+    """Every policy x schedule on two ranks: the ranks agree exactly, and each equals one
+    process's standard step on the full batches within the policy's own error."""
+    from tests.backend_utils import POLICIES
+    from tests.erase.test_erase_schedules import (
+        USERS_BATCH, assert_like_the_standard_step, fit_users, users_data, users_model,
+    )
+
+    from keras_erase.torch.launch import run_local
+
+    initial = users_model(**USERS_OPTIONS).get_weights()
+    np.savez(tmp_path / "initial.npz", **{f"w{i}": np.asarray(w) for i, w in enumerate(initial)})
+    x, y = users_data()
+    truth = _users_run("float64", "standard", False, x, y, USERS_BATCH)
+    ranks = run_local(_policy_rank_main, 2, args=(str(tmp_path / "initial.npz"),),
+                      threads_per_rank=1, timeout_s=600, backend="gloo")
+    for policy in POLICIES:
+        want = _users_run(policy, "standard", False, x, y, USERS_BATCH)
+        for mode, graphs in POLICY_MODES:
+            key = f"{policy} {mode} graphs={graphs}"
+            for a, b in zip(ranks[0][key]["weights"], ranks[1][key]["weights"]):
+                np.testing.assert_array_equal(a, b, err_msg=f"rank 1 != rank 0: {key}")
+            error, own = assert_like_the_standard_step(ranks[0][key], want, truth, key, logs=False)
+            print(f"{key}: worst weight off float64 by {error:.3g} of its move (one process's "
+                  f"standard step: {own:.3g})")

@@ -410,6 +410,27 @@ def test_block_config_round_trip_with_string_loss():
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_the_models_users_have_train_every_block_under_every_policy(policy):
+    """Every backend's step (torch: ERASE, "threaded") under each policy: every block weight
+    changes at every step, and every local loss is logged. (torch's schedules against its
+    standard step and float64: tests/erase/test_erase_schedules.py.)"""
+    from tests.backend_utils import dtype_policy
+    from tests.erase.test_erase_schedules import fit_users, reconfigure, users_model
+
+    with dtype_policy(policy):
+        model = users_model()
+        if BACKEND == "torch":
+            reconfigure(model, dispatch="threaded")
+        got = fit_users(model)
+    for path, steps in got["changes"].items():
+        frozen = [s for s, change in enumerate(steps) if change == 0]
+        assert not frozen, f"{path} did not change at steps {frozen}"
+    blocks = {"tower_a_loss", "tower_b_loss", "tower_c_loss", "reused_loss"}
+    assert blocks <= set(got["logs"]) and all(np.isfinite(v) for v in got["logs"].values())
+
+
 # -- cross-backend: standard step (JAX, TensorFlow) vs torch ERASE ----------------------
 
 CROSS_STEPS = 6

@@ -103,14 +103,34 @@ def _twice_used_regularized_tower(dispatch):
     return EraseModel([a, b], outputs, dispatch=dispatch)
 
 
-def test_a_tower_called_twice_pays_its_weight_penalty_once_per_step():
-    """As Keras counts a layer's weight regularizers once per step, however often it is
-    called: the ERASE step's loss, logs and weights equal the standard step's."""
+def _regularized_layer_in_two_blocks(dispatch):
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((6,), name="a"), keras.Input((6,), name="b")
+    shared = keras.layers.Dense(4, kernel_regularizer=keras.regularizers.L2(0.5), name="shared_dense")
+    towers = [
+        DetachBlock(
+            keras.Sequential([shared, keras.layers.Dense(3, name=f"own_{name}")]),
+            head=keras.layers.Dense(1), loss=keras.losses.BinaryCrossentropy(from_logits=True),
+            loss_weight=1.0, name=name,
+        )
+        for name in ("shared", "other")
+    ]
+    hidden = keras.layers.Concatenate()([towers[0](a), towers[1](b)])
+    outputs = keras.layers.Dense(1, "sigmoid", kernel_regularizer=keras.regularizers.L1(0.1))(hidden)
+    return EraseModel([a, b], outputs, dispatch=dispatch)
+
+
+@pytest.mark.parametrize("build", [_twice_used_regularized_tower, _regularized_layer_in_two_blocks],
+                         ids=["tower-called-twice", "layer-in-two-blocks"])
+def test_a_weight_penalty_is_paid_once_per_step(build):
+    """As Keras counts a weight's regularizer once per step, however often its layer is
+    called and however many blocks hold it: the ERASE step's loss, logs and weights equal
+    the standard step's."""
     xa, y = _data()
     xb = -xa[::-1].copy()
     results = {}
     for dispatch in ("standard", DISPATCH):
-        model = _twice_used_regularized_tower(dispatch)
+        model = build(dispatch)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy")
         history = model.fit([xa, xb], y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
         results[dispatch] = history, [to_numpy(w) for w in model.trainable_weights]

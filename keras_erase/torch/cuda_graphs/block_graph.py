@@ -14,6 +14,7 @@ as `.grad` and the next replay would overwrite), so gradients accumulate into
 
 import torch
 
+from keras_erase._keras_private import uncast_value
 from keras_erase.torch.tensors import is_tensor
 from keras_erase.torch.tensors import same_storage
 
@@ -29,8 +30,12 @@ def input_signature(block, flat):
 
 
 def trainable_params(block):
-    """The block's distinct trainable torch parameters that require a gradient, in weight order."""
-    values = [v.value for v in block.trainable_weights]
+    """The block's distinct trainable torch parameters that require a gradient, in weight order.
+
+    The parameters themselves, also inside the block's mixed-precision scope
+    (where `v.value` is a new autocast copy at every read).
+    """
+    values = [uncast_value(v) for v in block.trainable_weights]
     unique = {id(p): p for p in values if is_tensor(p) and p.requires_grad}
     return list(unique.values())
 

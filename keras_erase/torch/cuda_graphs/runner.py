@@ -276,8 +276,11 @@ class CudaGraphRunner:
                 return eager_forward(block, inputs, y_true, sample_weight)
             self._graphs[key] = graph
             self.captures += 1
-        params = graph.params
-        results = self._function.apply(graph, self, *flat, *params)
+        if block.detach_input:
+            # No input gradient, so no edge into the upstream graph either (as the eager
+            # block's stop-gradient): another block's backward may have freed it.
+            flat = [t.detach() if is_tensor(t) else t for t in flat]
+        results = self._function.apply(graph, self, *flat, *graph.params)
         *outputs, loss = results
         return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
 

@@ -40,6 +40,7 @@ import contextlib
 
 import torch
 
+from keras_erase._keras_private import uncast_value
 from keras_erase.torch.tensors import flat_tensors
 from keras_erase.torch.tensors import require_cuda
 from keras_erase.torch.tensors import to_device
@@ -113,7 +114,7 @@ def protect(tensors, stream, api=None):
 
 def _gradients(block, cuts):
     grads = [leaf.grad for _, leaf in cuts]
-    grads += [v.value.grad for v in block.trainable_weights]
+    grads += [uncast_value(v).grad for v in block.trainable_weights]
     return [g for g in grads if g is not None]
 
 

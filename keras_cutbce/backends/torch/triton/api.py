@@ -43,7 +43,7 @@ def _dense(hidden, table, bias):
 
     if compute_dtype(hidden, table, bias) == torch.float64:
         return None
-    operands = launch.operand_dtype(hidden, table)
+    operands = launch.operand_dtype(hidden)
     if not config.supports(hidden.shape[1], operands, launch.triton_precision()):
         return None
 
@@ -59,8 +59,9 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     kernels, CPU tensors the Triton interpreter. The fp32 products run at
     torch's fp32 matmul precision (`torch.get_float32_matmul_precision()`:
     `"highest"`, the default, is full fp32; `"high"` is TF32), as a dense
-    `h @ E.T` would; bf16/fp16 inputs multiply in their dtype with fp32
-    accumulation. The kernels choose their tiles (`config.choose`);
+    `h @ E.T` would; bf16/fp16 hidden states (a Keras mixed precision
+    policy's compute dtype) or `torch.autocast` multiply in that dtype, the
+    table cast to it, with fp32 accumulation (`launch.operand_dtype`). The kernels choose their tiles (`config.choose`);
     `chunk_size` is accepted and unused, except by float64 inputs (chunked).
 
     Args:

@@ -129,7 +129,8 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         block = settings.rows_block if kernel == "rows" else settings.columns_block
     block_m, block_n, warps, stages = block
     constants = dict(
-        HAS_BIAS=has_bias, SPLIT_DOT=dtype != "float32", INTERPRET=False, PRECISION=precision,
+        HAS_BIAS=has_bias, SPLIT_DOT=dtype != "float32", RESCALE=dtype == "float16",
+        INTERPRET=False, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=config.block_dim(dim), **KERNEL_VARIANTS[kernel],
     )
     signature = _signature(kernel, dtype)

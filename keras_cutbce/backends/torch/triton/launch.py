@@ -76,15 +76,27 @@ def triton_precision():
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def operand_dtype(hidden, table):
-    """Returns the dtype the kernels' products take: the inputs' bf16/fp16 when both share it, else fp32.
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def operand_dtype(hidden):
+    """Returns the dtype the kernels' products take (they accumulate in float32 whatever it is).
+
+    The compute dtype, as a matmul of these tensors would get it: under
+    `torch.autocast` on their device, the autocast dtype; otherwise the
+    hidden states' dtype when it is bf16/fp16 (a Keras mixed precision
+    model's output is in its policy's compute dtype, and a Keras layer casts
+    its float32 weights to it: so is the table here); otherwise float32.
 
     Example:
 
-    >>> operand_dtype(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16))
+    >>> operand_dtype(torch.zeros(1, dtype=torch.bfloat16))
     torch.bfloat16
     """
-    if hidden.dtype == table.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in _HALF:
+        return torch.get_autocast_dtype(device)
+    if hidden.dtype in _HALF:
         return hidden.dtype
     return torch.float32
 
@@ -96,8 +108,9 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     As `keras_cutbce.backends.torch.kernel.dense_pass` (same arguments and
     results, float32), computed by the fused kernels: the logits never
     leave the GPU's registers. `operands` is the dtype of the products'
-    inputs (`operand_dtype` of the caller's inputs: `h` arrives in float32,
-    an exact copy when the input was bf16/fp16); `tiles` is used for `V` only.
+    inputs (`operand_dtype` of the caller's hidden states: `h` arrives in
+    float32, an exact copy when the input was bf16/fp16); `tiles` is used for
+    `V` only.
 
     The parity tests (`tests/cutbce/test_triton_interpreter.py`) compare it,
     through the public op, with the dense reference and Keras's BCE.
@@ -114,7 +127,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     precision = triton_precision()
     settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision)
     flags = dict(
-        SPLIT_DOT=operands != torch.float32, INTERPRET=interpret, PRECISION=precision,
+        SPLIT_DOT=operands != torch.float32, RESCALE=operands == torch.float16,
+        INTERPRET=interpret, PRECISION=precision,
         BLOCK_D=config.block_dim(dim),
     )
     softplus_sum = grad_h = grad_e = grad_b = None
