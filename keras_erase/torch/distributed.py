@@ -84,6 +84,7 @@ model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
 import torch
 import torch.distributed as dist
 
+from keras_erase import _keras_private
 from keras_erase.block_weights import block_owned_weights
 
 __all__ = ["GradientSync", "active", "mean_over_ranks"]
