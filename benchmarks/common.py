@@ -30,12 +30,26 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-from keras_erase.throughput import throughput_percentiles  # noqa: E402
 
 QPS_NOTE = (
     "p50/p90 = 50th/90th percentile of per-step examples/s after warm-up (p90 is the fast "
     "end, as in the ERASE paper); step_ms_p50/p90 = step-time percentiles (p90 = slow end)."
 )
+
+
+def rss_bytes(key):
+    """The process's `VmRSS` / `VmHWM` (peak) ... from `/proc/self/status`, in bytes (0 if absent)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak_rss():
+    """Resets the process's peak RSS (`VmHWM`) to its current RSS (Linux `/proc/self/clear_refs`)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def percentile(samples, q):
@@ -49,6 +63,8 @@ def throughput_stats(step_seconds, batch_size):
     Returns a dict with `steps`, `p50`, `p90` (examples/s; p90 = the fast end) and
     `step_ms_p50`, `step_ms_p90` (milliseconds; p90 = the slow end).
     """
+    from keras_erase.throughput import throughput_percentiles  # (imports keras: only here)
+
     step_seconds = [float(s) for s in step_seconds]
     rates = throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90))
     return {

@@ -73,17 +73,10 @@ TOP_K = 10
 TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}
 
 
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+if ROOT not in sys.path:  # after PACKAGE_ROOT: the timed checkout's package comes first
+    sys.path.append(ROOT)
+from benchmarks.common import reset_peak_rss as _reset_peak  # noqa: E402
+from benchmarks.common import rss_bytes as _status  # noqa: E402
 
 
 def _inputs(shape, seed=0):
@@ -398,14 +391,15 @@ def _side_by_side_fns(backend, shape, old_root):
 
     from keras_cutbce import cut_binary_crossentropy
     from keras_cutbce.ops import weighted_loss_sum
-    from keras_cutbce.math.tiling import default_chunk_size, tile_budget_bytes
+    from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes
 
     fns = {"dense": _variant_fn(backend, "dense", shape)}
     hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
     rows, _, vocab = shape
     weights = ops.ones((rows,), "float32")
     # The tile the public API picks for these shapes (`chunk_size=None`).
-    tile = default_chunk_size(rows, vocab, tile_budget_bytes(backend, "cpu"))
+    budget = tile_budget_bytes(backend, "cpu", table_bytes=4 * vocab * shape[1])
+    tile = default_chunk_size(rows, vocab, budget, max_tile(backend, "cpu"))
 
     def new_loss(h, t, b):
         return weighted_loss_sum(h, t, ids, weights, b, implementation="chunked")

@@ -1,9 +1,10 @@
 """Exact binary cross-entropy over huge item vocabularies, without logits."""
 
+from keras_cutbce.ids import count_out_of_range_ids, multi_hot_to_ids, seen_items
 from keras_cutbce.item_embedding import ItemEmbedding
 from keras_cutbce.loss import CutBCELoss
-from keras_cutbce.metrics import OutOfRangeTargets, ThresholdConfusion, TopKRetrieval
-from keras_cutbce.ops import count_out_of_range_ids
+from keras_cutbce.metrics import MeanReciprocalRank, OutOfRangeTargets, ThresholdConfusion
+from keras_cutbce.metrics import TopKRetrieval
 from keras_cutbce.ops import cut_binary_crossentropy
 from keras_cutbce.ops import cut_top_k
 from keras_cutbce.version import __version__
@@ -11,10 +12,13 @@ from keras_cutbce.version import __version__
 __all__ = [
     "CutBCELoss",
     "ItemEmbedding",
+    "MeanReciprocalRank",
     "OutOfRangeTargets",
     "ThresholdConfusion",
     "TopKRetrieval",
     "count_out_of_range_ids",
     "cut_binary_crossentropy",
     "cut_top_k",
+    "multi_hot_to_ids",
+    "seen_items",
 ]

@@ -17,7 +17,8 @@ Checked against Keras 3.15.1. Nothing else in `keras_cutbce` imports
    `keras.saving.load_model` the loss is rebuilt by `compile_from_config`
    before any public hook could hand it the model, so we find the model's
    method on the stack and bind the path to its variable (or to the layer
-   that owns it, so a LoRA table stays merged).
+   that owns it, so a LoRA table stays merged and a `ReversibleEmbedding`
+   scores with its own output projection).
 4. JAX trainer state (call-stack inspection): Keras's JAX `train_step` /
    `test_step` update metrics inside a `StatelessScope` that maps only the
    metric variables; the model's variables are the step's `state` argument.
@@ -72,16 +73,19 @@ def _models_on_stack():
 
 
 def _owning_layer(model, variable):
-    """The LoRA-enabled layer of `model` whose item table (`embeddings` weight) is `variable`.
+    """The layer of `model` to read for the item table `variable` (an `embeddings` weight).
 
-    Any other variable (a bias, a table without LoRA) is returned as it is.
+    A LoRA-enabled layer (whose table merges the LoRA factors) or a
+    `ReversibleEmbedding` (whose projection may be `reverse_embeddings`) is
+    read through the layer; any other variable is returned as it is.
     """
     if variable.name != "embeddings":
         return variable
     for layer in model._flatten_layers(include_self=False):
-        if getattr(layer, "lora_enabled", False) and any(
-            weight is variable for weight in layer.weights
-        ):
+        through_layer = getattr(layer, "lora_enabled", False) or isinstance(
+            layer, keras.layers.ReversibleEmbedding
+        )
+        if through_layer and any(weight is variable for weight in layer.weights):
             return layer
     return variable
 

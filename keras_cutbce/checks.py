@@ -19,6 +19,7 @@ from keras import ops
 from keras_cutbce import registry
 from keras_cutbce.common import ids_as_int32
 from keras_cutbce.common import is_host_array
+from keras_cutbce.ids import refuse_multi_hot
 
 __all__ = [
     "LossOptions",
@@ -295,28 +296,39 @@ def check_hidden_and_table(hidden, table, bias):
             raise TypeError(f"`bias` must be float. Received: bias.dtype={_dtype(bias)}")
 
 
-def _check_id_shape(i_dims, h_dims, argument):
-    """`i_dims` with the `L` axis: `[...]` (one id a position) gains a trailing 1."""
+def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
+    """`i_dims` with the last axis: `[...]` (one id a position, targets only) gains a trailing 1."""
     lead = h_dims[:-1]
-    if len(i_dims) == len(lead):  # one id per position
-        i_dims = i_dims + (1,)
-    if len(i_dims) != len(lead) + 1 or any(
-        a is not None and b is not None and a != b for a, b in zip(i_dims[:-1], lead)
+    axis = "L" if one_per_position else "X"
+    shape = i_dims + (1,) if one_per_position and len(i_dims) == len(lead) else i_dims
+    if len(shape) != len(lead) + 1 or any(
+        a is not None and b is not None and a != b for a, b in zip(shape[:-1], lead)
     ):
+        hint = ""
+        if not one_per_position and len(i_dims) == len(lead):
+            hint = (
+                " Give the ids of a position their own axis: `exclude_ids[..., None]` "
+                "excludes one id a position; to exclude each user's history, pass "
+                "`keras_cutbce.seen_items(sequences)` (position t excludes the items up to "
+                "t) or the history `[B, X]` broadcast to `[B, T, X]`."
+            )
         raise ValueError(
-            f"`{argument}` must have shape [..., L] with the leading dimensions of "
-            f"`hidden` {h_dims}, i.e. {lead + ('L',)}. Received: {argument}.shape={i_dims}"
+            f"`{argument}` must have shape [..., {axis}] with the leading dimensions of "
+            f"`hidden` {h_dims}, i.e. {lead + (axis,)}.{hint} "
+            f"Received: {argument}.shape={i_dims}"
         )
-    return i_dims
+    return shape
 
 
-def int32_ids(ids, hidden, vocab_size, argument):
+def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     """Returns integer ids checked for `hidden [..., D]`: int32 `[..., L]`, padding `EMPTY_ID`.
 
-    Ids of any integer dtype, `[..., L]` or `[...]` (one a position). Every id
-    outside `[0, vocab_size)` becomes `EMPTY_ID` in its own dtype before the
-    cast (`keras_cutbce.common.ids_as_int32`), so an int64 id >= 2**31 never
-    wraps to a valid id; host (NumPy) ids are clamped on the host.
+    Ids of any integer dtype, `[..., L]`, or `[...]` (one a position) when
+    `one_per_position` (target ids; `exclude_ids` name their own axis). Every
+    id outside `[0, vocab_size)` becomes `EMPTY_ID` in its own dtype before
+    the cast (`keras_cutbce.common.ids_as_int32`), so an int64 id >= 2**31
+    never wraps to a valid id; host (NumPy) ids are clamped on the host.
+    Multi-hot labels `[..., V]` are refused (`keras_cutbce.ids.refuse_multi_hot`).
 
     Example:
 
@@ -331,13 +343,20 @@ def int32_ids(ids, hidden, vocab_size, argument):
     else:
         ids = ops.convert_to_tensor(ids)
         if not is_int(ids):
+            hint = ""
+            if isinstance(vocab_size, int) and static_dims(ids)[-1:] == (vocab_size,):
+                hint = (
+                    " Multi-hot labels [..., V] (the dense binary cross-entropy form) "
+                    "convert with `keras_cutbce.multi_hot_to_ids(labels)`."
+                )
             raise TypeError(
                 f"`{argument}` must be an integer tensor of item ids (ids outside "
                 "[0, V) are padding); float ids are exact only below 2**24, so keep "
-                f"them integral. Received: {argument}.dtype={_dtype(ids)}"
+                f"them integral.{hint} Received: {argument}.dtype={_dtype(ids)}"
             )
     h_dims, i_dims = static_dims(hidden), static_dims(ids)
-    with_labels = _check_id_shape(i_dims, h_dims, argument)
+    refuse_multi_hot(ids, vocab_size, argument, lead_ndim=len(h_dims) - 1)
+    with_labels = _check_id_shape(i_dims, h_dims, argument, one_per_position)
     if len(with_labels) != len(i_dims):
         ids = np.expand_dims(ids, -1) if host else ops.expand_dims(ids, -1)
     return ids_as_int32(ids, vocab_size)

@@ -2,6 +2,8 @@
 
 - `EMPTY_ID`: the id of "no item" (padding targets, empty top-k slots).
 - `round_up`, `on_tpu`: tiling arithmetic and the device test.
+- `is_host_array`, `concrete_values`: data on the host, and the values of
+  data that can be read now (not traced).
 - `ids_as_int32`: the one rule for integer ids of any width. Ids outside
   `[0, V)` are padding by contract, so they become `EMPTY_ID` *in their own
   dtype*, before the cast to int32 the kernels use. A plain cast would wrap
@@ -12,7 +14,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["EMPTY_ID", "ids_as_int32", "is_host_array", "on_tpu", "round_up"]
+__all__ = ["EMPTY_ID", "concrete_values", "ids_as_int32", "is_host_array", "on_tpu", "round_up"]
 
 EMPTY_ID = -1
 
@@ -41,6 +43,43 @@ def on_tpu():
 def is_host_array(ids):
     """Returns True for NumPy arrays and scalars, Python ints, lists and tuples."""
     return isinstance(ids, (np.ndarray, np.generic, list, tuple, int))
+
+
+def concrete_values(x):
+    """Returns `x` as a NumPy array when its values can be read now, else None.
+
+    Host data and eager tensors can; tensors traced inside a compiled step
+    (a JAX tracer, a TensorFlow graph tensor, a `KerasTensor`, a torch
+    tensor on the "meta" device of Keras's symbolic build) cannot.
+
+    Example:
+
+    >>> concrete_values([[0, 1]]).tolist()
+    [[0, 1]]
+    """
+    if is_host_array(x):
+        return np.asarray(x)
+    import keras
+
+    if isinstance(x, keras.KerasTensor):
+        return None
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        if isinstance(x, jax.core.Tracer):
+            return None
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly() or tf.is_symbolic_tensor(x):
+            return None
+    elif getattr(getattr(x, "device", None), "type", None) == "meta":
+        return None
+    try:
+        return np.asarray(keras.ops.convert_to_numpy(x))
+    except Exception:  # any other traced tensor: its values are not known yet
+        return None
 
 
 def ids_as_int32(ids, vocab_size):

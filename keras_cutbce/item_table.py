@@ -7,8 +7,12 @@ it once per call into one object holding
 
 - `value`: the current value (a layer's `embeddings` property, so a LoRA
   layer gives its merged table; a variable's value, which inside a
-  `keras.StatelessScope`, as in Keras's JAX train step, is the traced one);
-- `variable`: the `keras.Variable` storing it, or None for a constant;
+  `keras.StatelessScope`, as in Keras's JAX train step, is the traced one).
+  A `ReversibleEmbedding` gives the table its `reverse=True` projection
+  scores against: `embeddings`, or with `tie_weights=False` its
+  `reverse_embeddings [D, V]` transposed (`layer_table`);
+- `variable`: the `keras.Variable` storing it (None for a constant, and for
+  a transposed `reverse_embeddings`);
 - `sharding`: its `VocabSharding` when split along V over a JAX mesh (read
   from the variable's layout, else from the value), or None.
 
@@ -31,6 +35,7 @@ __all__ = [
     "ItemTable",
     "bind",
     "layer_bias",
+    "layer_table",
     "resolve_bias",
     "static_vocab_size",
     "table_config",
@@ -69,6 +74,36 @@ def table_variable(source, argument="embeddings"):
         "`embeddings` variable (e.g. keras.layers.Embedding). "
         f"Received: {argument}={source.name!r} of type {type(source).__name__} without one"
     )
+
+
+def _untied_reversible(layer):
+    """True for a `ReversibleEmbedding` whose output projection is its own `reverse_embeddings`."""
+    return isinstance(layer, keras.layers.ReversibleEmbedding) and not layer.tie_weights
+
+
+def layer_table(layer, argument="embeddings"):
+    """Returns the `[V, D]` table a layer scores items with, as its own projection does.
+
+    A layer's `embeddings` (a LoRA layer's merged table), except for a
+    `ReversibleEmbedding` built with `tie_weights=False`, whose `reverse=True`
+    projection is `hidden @ reverse_embeddings`: its `reverse_embeddings`
+    `[D, V]`, transposed. A `ReversibleEmbedding` with `logit_soft_cap`
+    projects onto capped logits `cap * tanh(z / cap)`, which CutBCE cannot
+    score without the logits: refused with a `ValueError`.
+    """
+    cap = getattr(layer, "logit_soft_cap", None)
+    if isinstance(layer, keras.layers.ReversibleEmbedding) and cap is not None:
+        raise ValueError(
+            f"`{argument}` layer {layer.name!r} caps its logits (`logit_soft_cap={cap}`: "
+            "`reverse=True` gives `cap * tanh(z / cap)`). CutBCE scores the uncapped logits "
+            "`z = hidden @ table.T` tile by tile and cannot apply a cap without them: build "
+            "the layer with `logit_soft_cap=None` to train and evaluate it with CutBCE, or "
+            "compute the capped loss from the layer's dense logits. "
+            f"Received: {argument}.logit_soft_cap={cap!r}"
+        )
+    if _untied_reversible(layer):
+        return ops.transpose(layer.reverse_embeddings)
+    return layer.embeddings
 
 
 def layer_bias(source):
@@ -214,8 +249,11 @@ class ItemTable:
         source = bind(source, argument)
         variable = table_variable(source, argument)
         if value is None:
-            value = source.embeddings if isinstance(source, keras.layers.Layer) else source
+            layer = isinstance(source, keras.layers.Layer)
+            value = layer_table(source, argument) if layer else source
         stored = variable if isinstance(variable, keras.Variable) else None
+        if _untied_reversible(source):
+            stored = None  # the value is the transposed `reverse_embeddings`
         return cls(ops.convert_to_tensor(value), stored, source)
 
     @property

@@ -7,25 +7,23 @@ with one padding id (`EMPTY_ID`), flattens to 2-D and calls the function
 `keras_cutbce.routing` chooses. The kernels trust their inputs.
 """
 
-import numbers
 from typing import NamedTuple
 from typing import Optional
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_cutbce import checks
-from keras_cutbce.common import EMPTY_ID
-from keras_cutbce.common import is_host_array
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import resolve_bias
+from keras_cutbce.math.positives import first_item
+from keras_cutbce.math.positives import item_logits
 from keras_cutbce.routing import dispatch
 
 __all__ = [
-    "count_out_of_range_ids",
     "cut_binary_crossentropy",
     "cut_count_at_least",
+    "cut_rank",
     "cut_top_k",
     "weighted_loss_sum",
 ]
@@ -213,6 +211,14 @@ def _prepare_retrieval(hidden, embeddings, bias, chunk_size):
     return hidden, table, bias, chunk_size
 
 
+def _exclusions(exclude_ids, hidden, vocab_size):
+    """`exclude_ids [..., X]` checked and flattened to `[M, X]` (None stays None)."""
+    if exclude_ids is None:
+        return None
+    ids = checks.int32_ids(exclude_ids, hidden, vocab_size, "exclude_ids", one_per_position=False)
+    return _flatten(hidden, ids)[1]
+
+
 def cut_top_k(
     hidden,
     embeddings,
@@ -225,9 +231,9 @@ def cut_top_k(
 
     Keeps a running top-k merged tile by tile over the vocabulary, so memory
     is O(positions x (k + tile)). Exact against a dense `top_k` of
-    `hidden @ E.T + bias`, ties broken by the lower id. A position whose
-    hidden state holds a NaN gets NaN scores and ids `EMPTY_ID` (-1), on
-    every backend.
+    `hidden @ E.T + bias`, ties broken by the lower id. A position any of
+    whose V logits is NaN (a NaN hidden state, a NaN table row) has no
+    ranking: NaN scores and ids `EMPTY_ID` (-1), on every backend.
 
     Args:
         hidden: float tensor `[..., D]`, rank >= 2.
@@ -236,8 +242,10 @@ def cut_top_k(
         k: number of items to return, an int in `[1, V]` (NumPy ints too).
         bias: optional float `[V]`, for a table without its own bias.
         exclude_ids: optional integer ids `[..., X]` never returned for that
-            position (e.g. items already seen); ids outside `[0, V)` (int64
-            ids beyond the int32 range too) are ignored.
+            position: X ids a position, with the leading dimensions of
+            `hidden` (`keras_cutbce.seen_items(sequences)` gives each
+            position of a sequence the items seen up to it). Ids outside
+            `[0, V)` (int64 ids beyond the int32 range too) are ignored.
         chunk_size: vocabulary tile width; `None` uses the default rule.
 
     Returns:
@@ -255,19 +263,67 @@ def cut_top_k(
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
     k = checks.check_k(k, checks.static_dims(table.value)[0])
-    if exclude_ids is not None:
-        exclude_ids = checks.int32_ids(exclude_ids, hidden, table.vocab_size, "exclude_ids")
+    exclusions = _exclusions(exclude_ids, hidden, table.vocab_size)
     lead_shape = tuple(ops.shape(hidden)[:-1])
-    flat_hidden, flat_exclude = _flatten(hidden, exclude_ids)
+    flat_hidden, _ = _flatten(hidden)
     scores, ids = dispatch(
-        "top_k", "chunked", flat_hidden, table, k, bias, flat_exclude, chunk_size=chunk_size
+        "top_k", "chunked", flat_hidden, table, k, bias, exclusions, chunk_size=chunk_size
     )
     scores, ids = ops.cast(scores, "float32"), ops.cast(ids, "int32")
-    # One NaN rule on every backend: a NaN hidden state has no ranking.
-    nan_rows = ops.expand_dims(ops.any(ops.isnan(flat_hidden), axis=-1), -1)
-    scores = ops.where(nan_rows, ops.full_like(scores, float("nan")), scores)
-    ids = ops.where(nan_rows, ops.full_like(ids, EMPTY_ID), ids)
     return ops.reshape(scores, lead_shape + (k,)), ops.reshape(ids, lead_shape + (k,))
+
+
+def cut_rank(hidden, embeddings, item_ids, bias=None, exclude_ids=None, chunk_size=None):
+    """Returns the rank of each position's first item in its full ranking, without logits.
+
+    Of the position's items (`item_ids`, e.g. its targets) the first is the
+    one its ranking puts highest (the highest logit, then the lower id); its
+    rank is 1 + the number of items ranked above it: a higher logit, or an
+    equal logit and a lower id (the order of `cut_top_k`), counted tile by
+    tile over the vocabulary. Excluded items are out of the ranking, and
+    never the first item. The items' own logits are one gather of their
+    table rows (they agree with the tiles' products to float rounding).
+
+    Args:
+        hidden: float tensor `[..., D]`, rank >= 2.
+        embeddings: item table `[V, D]` (tensor, variable or layer).
+        item_ids: integer ids `[..., L]` (or `[...]`, one a position); ids
+            outside `[0, V)` are padding.
+        bias: optional float `[V]`, for a table without its own bias.
+        exclude_ids: optional integer ids `[..., X]` out of the position's
+            ranking (as in `cut_top_k`).
+        chunk_size: vocabulary tile width; `None` uses the default rule.
+
+    Returns:
+        Int32 ranks of shape `hidden.shape[:-1]`: in `[1, V]`; 0 for a
+        position without a valid item outside its exclusions; -1 for a
+        position any of whose logits is NaN (no ranking).
+
+    Example:
+
+    >>> import numpy as np
+    >>> h = np.ones((1, 2), "float32")
+    >>> table = np.array([[1, 0], [0, 3], [1, 1], [2, 0]], "float32")   # logits 1, 3, 2, 2
+    >>> np.asarray(cut_rank(h, table, [[3, 0]])).tolist()   # item 3 ties item 2, ranks third
+    [3]
+    """
+    hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
+    vocab_size = table.vocab_size
+    ids = checks.int32_ids(item_ids, hidden, vocab_size, "item_ids")
+    exclusions = _exclusions(exclude_ids, hidden, vocab_size)
+    flat_hidden, flat_ids = _flatten(hidden, ids)
+    keep = ops.logical_and(flat_ids >= 0, flat_ids < vocab_size)
+    if exclusions is not None:
+        excluded = ops.expand_dims(flat_ids, 2) == ops.expand_dims(exclusions, 1)  # [M, L, X]
+        keep = ops.logical_and(keep, ops.logical_not(ops.any(excluded, axis=2)))
+    logits = item_logits(flat_hidden, table.value, bias, flat_ids)
+    score, first = first_item(logits, flat_ids, keep)
+    above = dispatch("count_above", "chunked", flat_hidden, table, bias, score, first,
+                     exclusions, chunk_size=chunk_size)
+    above = ops.cast(above, "int32")
+    ranks = ops.where(first < 0, 0, above + 1)
+    ranks = ops.where(ops.logical_or(above < 0, ops.isnan(score)), -1, ranks)
+    return ops.reshape(ranks, ops.shape(hidden)[:-1])
 
 
 def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None):
@@ -282,7 +338,8 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
         chunk_size: vocabulary tile width; `None` uses the default rule.
 
     Returns:
-        int32 counts of shape `hidden.shape[:-1]`.
+        int32 counts of shape `hidden.shape[:-1]`; -1 for a position any of
+        whose logits is NaN.
 
     Example:
 
@@ -295,46 +352,10 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
     lead_shape = ops.shape(hidden)[:-1]
     flat_hidden, _ = _flatten(hidden)
+    rows = ops.ones_like(flat_hidden[:, 0], dtype="float32")
+    # At (threshold, V) every logit >= threshold ranks above: no item has id V.
     counts = dispatch(
-        "count_at_least", "chunked", flat_hidden, table, bias, float(threshold),
-        chunk_size=chunk_size,
+        "count_above", "chunked", flat_hidden, table, bias, rows * float(threshold),
+        ops.cast(rows, "int32") * table.vocab_size, None, chunk_size=chunk_size,
     )
     return ops.reshape(ops.cast(counts, "int32"), lead_shape)
-
-
-# -- ids --------------------------------------------------------------------------
-
-
-def count_out_of_range_ids(ids, embeddings) -> dict[int, int]:
-    """Counts the ids outside `[0, V)`, which the loss and metrics treat as padding.
-
-    A debug check for target ids before training: by design every id outside
-    `[0, V)` is padding (ignored), so an off-by-one (1-based ids `1..V` with a
-    table of V rows) loses item V silently. Your padding id (e.g. -1) is
-    listed too; any other entry is a real item the loss would ignore.
-
-    Args:
-        ids: integer ids of any shape (NumPy, a list, or a tensor of the
-            active backend).
-        embeddings: the item table (a layer, `keras.Variable`, array or
-            tensor `[V, D]`) or V itself, an int.
-
-    Returns:
-        A dict `{id: count}` of every distinct id outside `[0, V)`, sorted by
-        id (empty when all ids are items).
-
-    Example:
-
-    >>> count_out_of_range_ids([[1, 2, 3], [3, -1, 0]], 3)  # V = 3
-    {-1: 1, 3: 2}
-    """
-    if isinstance(embeddings, numbers.Integral) and not isinstance(embeddings, bool):
-        vocab_size = checks.check_int(embeddings, "embeddings", minimum=1)
-    else:
-        vocab_size = checks.static_dims(ItemTable.read(embeddings).value)[0]
-    values = np.asarray(ids if is_host_array(ids) else ops.convert_to_numpy(ids))
-    if values.dtype.kind not in "iu":
-        raise TypeError(f"`ids` must be integer item ids. Received: ids.dtype={values.dtype}")
-    outside = values[(values < 0) | (values >= vocab_size)]
-    found, counts = np.unique(outside, return_counts=True)
-    return {int(i): int(c) for i, c in zip(found, counts)}

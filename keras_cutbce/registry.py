@@ -15,9 +15,15 @@ The ops (on 2-D inputs, ids already int32 with padding `EMPTY_ID`):
   gradient in one pass over the vocabulary; an implementation without it
   reduces its `cut_bce`;
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
-  -> (scores [M, k] float32, ids [M, k] int32)`;
-- `count_at_least(hidden, table, bias, threshold, *, chunk_size) -> [M]
-  int32`, the number of logits `>= threshold` per row.
+  -> (scores [M, k] float32, ids [M, k] int32)`, ties to the lower id;
+- `count_above(hidden, table, bias, scores [M], ids [M], exclude_ids [M, X] |
+  None, *, chunk_size) -> [M] int32`, per row the items ranked above
+  `(score, id)` in `top_k`'s order (a higher logit, or an equal one and a
+  lower id), the item itself and the exclusions not counted (with `ids = V`:
+  the logits `>= score`).
+
+Retrieval has no ranking for a row any of whose V logits is NaN: `top_k`
+gives it NaN scores and ids `EMPTY_ID`, `count_above` -1.
 
 `"sharded"` (JAX) takes an extra `sharding=` keyword; the ops route a table
 split along V over a JAX mesh to it under `"auto"` and `"chunked"`.
@@ -86,13 +92,13 @@ IMPLEMENTATIONS = {
         },
         "sharded": {"jax": f"{_JAX}.sharded:top_k"},
     },
-    "count_at_least": {
+    "count_above": {
         "chunked": {
-            "jax": f"{_JAX}.retrieval:count_at_least",
-            "torch": f"{_TORCH}.retrieval:count_at_least",
-            "tensorflow": f"{_TF}.retrieval:count_at_least",
+            "jax": f"{_JAX}.retrieval:count_above",
+            "torch": f"{_TORCH}.retrieval:count_above",
+            "tensorflow": f"{_TF}.retrieval:count_above",
         },
-        "sharded": {"jax": f"{_JAX}.sharded:count_at_least"},
+        "sharded": {"jax": f"{_JAX}.sharded:count_above"},
     },
 }
 

@@ -21,6 +21,7 @@ from keras_cutbce import checks
 from keras_cutbce import registry
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.math.tiling import default_chunk_size
+from keras_cutbce.math.tiling import max_tile
 from keras_cutbce.math.tiling import tile_budget_bytes
 
 __all__ = ["dispatch", "select_implementation"]
@@ -45,8 +46,11 @@ def _platform(tensor):
 def _default_chunk_size(hidden, table):
     lead = checks.static_dims(hidden)[:-1]
     rows = None if None in lead else int(math.prod(lead))
-    budget = tile_budget_bytes(keras.backend.backend(), _platform(hidden))
-    return default_chunk_size(rows or 4096, checks.static_dims(table)[0] or 2**20, budget)
+    vocab, dim = checks.static_dims(table)
+    vocab = vocab or 2**20
+    backend, platform = keras.backend.backend(), _platform(hidden)
+    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0))
+    return default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
 
 
 def _compiled_platform(backend):

@@ -12,7 +12,7 @@ from keras_cutbce.item_table import tables_config
 from keras_cutbce.item_table import tables_from_config
 from keras_cutbce.math.positives import distinct_targets
 
-__all__ = ["ItemTableMetric", "key_prefix", "position_weights"]
+__all__ = ["ItemTableMetric", "accumulate", "key_prefix", "position_weights"]
 
 
 def position_weights(sample_weight, mask, ones, dtype):
@@ -33,6 +33,16 @@ def position_weights(sample_weight, mask, ones, dtype):
     if mask is not None:
         weights = weights * ops.cast(mask, dtype)
     return ops.reshape(weights, (-1,))
+
+
+def accumulate(variable, weights, values, nan_rows):
+    """Adds `sum(weights * values)` over positions to `variable`, NaN if a counted one has no ranking.
+
+    A position counts when its weight is not 0; `nan_rows [M]` marks the
+    positions with a NaN logit (a diverged model), which make the sum NaN.
+    """
+    values = ops.where(nan_rows, float("nan"), weights * ops.cast(values, variable.dtype))
+    variable.assign_add(ops.sum(ops.where(weights != 0, values, ops.zeros_like(values))))
 
 
 def key_prefix(metric, default_name):

@@ -10,6 +10,7 @@ from keras import ops
 from keras_cutbce import _keras_private
 from keras_cutbce import checks
 from keras_cutbce.common import is_host_array
+from keras_cutbce.ids import refuse_multi_hot
 from keras_cutbce.item_table import bind
 from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.item_table import table_config
@@ -20,6 +21,12 @@ from keras_cutbce.metrics.item_table_metric import position_weights
 __all__ = ["OutOfRangeTargets"]
 
 DEFAULT_NAME = "out_of_range_targets"
+
+
+def _refuse_multi_hot(ids, vocab_size, lead_ndim):
+    """Multi-hot labels `[..., V]` are refused, as by the loss (the last axis is L without y_pred)."""
+    lead_ndim = len(ids.shape) - 1 if lead_ndim is None else lead_ndim
+    refuse_multi_hot(ids, vocab_size, "y_true", lead_ndim)
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
@@ -121,6 +128,7 @@ class OutOfRangeTargets(keras.metrics.Metric):
                 raise TypeError(
                     f"`y_true` must be integer item ids. Received: y_true.dtype={ids.dtype}"
                 )
+            _refuse_multi_hot(ids, vocab_size, lead_ndim)
             if lead_ndim is not None and ids.ndim == lead_ndim:
                 ids = ids[..., None]
             ids = ids.reshape(-1, ids.shape[-1]) if ids.ndim > 1 else ids.reshape(-1, 1)
@@ -133,6 +141,7 @@ class OutOfRangeTargets(keras.metrics.Metric):
                 "`y_true` must be integer item ids. "
                 f"Received: y_true.dtype={keras.backend.standardize_dtype(ids.dtype)}"
             )
+        _refuse_multi_hot(ids, vocab_size, lead_ndim)
         if lead_ndim is not None and len(ids.shape) == lead_ndim:
             ids = ops.expand_dims(ids, -1)
         if len(ids.shape) < 2:

@@ -8,7 +8,9 @@ from keras import ops
 
 from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
+from keras_cutbce.math.positives import item_logits
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
+from keras_cutbce.metrics.item_table_metric import accumulate
 
 __all__ = ["ThresholdConfusion"]
 
@@ -31,7 +33,8 @@ class ThresholdConfusion(ItemTableMetric):
 
     weighted by `sample_weight` (per example, broadcast over positions, or
     per position) and the Keras mask of `y_pred`. Every position counts, also
-    those without targets (mask padded positions out). The counts are float
+    those without targets (mask padded positions out); a counted position
+    with a NaN logit (a diverged model) makes every count NaN. The counts are float
     accumulators, exposed as the variables `true_positives`,
     `false_positives`, `false_negatives` and `true_negatives` (TN reaches
     `positions x V`: float32 keeps it to ~1e-7 relative precision).
@@ -94,24 +97,24 @@ class ThresholdConfusion(ItemTableMetric):
             y_pred, table, self.logit_threshold, bias=bias, chunk_size=self.chunk_size
         )
 
-        hidden = ops.cast(ops.reshape(y_pred, (-1, y_pred.shape[-1])), "float32")
-        rows = ops.cast(ops.take(table.value, targets, axis=0), "float32")  # [M, L, D]
-        logits = ops.sum(ops.expand_dims(hidden, 1) * rows, axis=-1)
-        if bias is not None:
-            logits = logits + ops.cast(ops.take(bias.value, targets, axis=0), "float32")
+        hidden = ops.reshape(y_pred, (-1, ops.shape(y_pred)[-1]))
+        bias_value = None if bias is None else bias.value
+        logits = item_logits(hidden, table.value, bias_value, targets)
         hit = ops.logical_and(counted, logits >= self.logit_threshold)
 
         dtype = self.dtype
         positives = ops.sum(ops.cast(counted, dtype), axis=1)
         true_pos = ops.sum(ops.cast(hit, dtype), axis=1)
-        predicted = ops.cast(ops.reshape(predicted, (-1,)), dtype)
+        predicted = ops.reshape(predicted, (-1,))
+        nan_rows = predicted < 0  # a NaN logit: no prediction, the counts are NaN
+        predicted = ops.cast(predicted, dtype)
         false_pos = ops.maximum(predicted - true_pos, 0.0)
         weights = self.position_weights(sample_weight, mask, y_pred)
-        self.true_positives.assign_add(ops.sum(weights * true_pos))
-        self.false_positives.assign_add(ops.sum(weights * false_pos))
-        self.false_negatives.assign_add(ops.sum(weights * (positives - true_pos)))
-        self.true_negatives.assign_add(
-            ops.sum(weights * (float(vocab_size) - positives - false_pos))
+        accumulate(self.true_positives, weights, true_pos, nan_rows)
+        accumulate(self.false_positives, weights, false_pos, nan_rows)
+        accumulate(self.false_negatives, weights, positives - true_pos, nan_rows)
+        accumulate(
+            self.true_negatives, weights, float(vocab_size) - positives - false_pos, nan_rows
         )
 
     def result(self):

@@ -1,4 +1,4 @@
-"""`TopKRetrieval`: hit@k, recall@k and ndcg@k without logits."""
+"""`TopKRetrieval`: hit@k, recall@k, ndcg@k and precision@k without logits."""
 
 import math
 from typing import Optional
@@ -11,11 +11,13 @@ from keras import ops
 from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
 from keras_cutbce.item_table import static_vocab_size
-from keras_cutbce.metrics.item_table_metric import ItemTableMetric
+from keras_cutbce.metrics.item_table_metric import accumulate
+from keras_cutbce.metrics.ranking_metric import RankingMetric
 
 __all__ = ["TopKRetrieval"]
 
 DEFAULT_NAME = "top_k_retrieval"
+MEASURES = ("hit", "recall", "ndcg", "precision")
 
 
 def _check_depth(cutoffs, vocab_size):
@@ -28,28 +30,34 @@ def _check_depth(cutoffs, vocab_size):
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
-class TopKRetrieval(ItemTableMetric):
-    """Computes hit@k, recall@k and ndcg@k of full-vocabulary retrieval, without logits.
+class TopKRetrieval(RankingMetric):
+    """Computes hit@k, recall@k, ndcg@k and precision@k of full-vocabulary retrieval, without logits.
 
     For every position, the top `max(k)` items by logit `h . E_v + b_v` are
     retrieved with `cut_top_k` (exact, ties to the lower id; memory
-    O(positions x (k + tile))) and compared with the position's target ids:
+    O(positions x (k + tile))) and compared with the position's distinct
+    valid target ids:
 
     - `hit@k`: 1 if at least one target is in the top k;
-    - `recall@k`: distinct targets in the top k / distinct targets;
+    - `recall@k`: targets in the top k / targets;
     - `ndcg@k`: binary-relevance DCG of the top k, `sum 1 / log2(rank + 1)`,
-      over the ideal DCG of `min(#targets, k)` hits.
+      over the ideal DCG of `min(#targets, k)` hits;
+    - `precision@k`: targets in the top k / k.
 
     Each is averaged over positions weighted by `sample_weight` (one weight
     per example, broadcast over its positions, or one per position) and the
-    Keras mask of `y_pred`. Positions without a valid target (all padding)
-    weigh zero.
+    Keras mask of `y_pred`. A position without a valid target (all
+    padding) weighs zero (`empty_positions="skip"`), or counts as 0 at its
+    weight (`"zero"`, keras-rs's convention). A counted position with no
+    ranking (a NaN logit: a diverged model) makes every value NaN.
+    `docs/cutbce.md` sets these definitions beside Keras's and keras-rs's.
 
     Exclusions: `exclude_ids` given to the constructor are item ids never
     retrieved and never counted as targets (e.g. a padding item 0); the
     per-call `update_state(..., exclude_ids=[..., X])` removes items per
-    position (e.g. the user's history) from the retrieved list only: a target
-    that is excluded for its position stays a target (a miss).
+    position (e.g. the user's history, `keras_cutbce.seen_items`) from the
+    retrieved list only: a target that is excluded for its position stays a
+    target (a miss).
 
     Args:
         embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
@@ -61,6 +69,7 @@ class TopKRetrieval(ItemTableMetric):
         exclude_ids: optional list of int item ids excluded everywhere.
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
+        empty_positions: `"skip"` (default) or `"zero"`, see above.
         name: metric name.
         dtype: dtype of the accumulators (default float32).
 
@@ -74,11 +83,11 @@ class TopKRetrieval(ItemTableMetric):
         loss=CutBCELoss(items),
         metrics=[TopKRetrieval(items, k=(10, 50), exclude_ids=[0])],
     )
-    model.evaluate(sequences, next_items)  # logs hit@10, recall@10, ndcg@10, ...
+    model.evaluate(sequences, next_items)  # logs hit@10, recall@10, ndcg@10, precision@10, ...
 
-    # Own evaluation loop, excluding each user's history:
+    # Own evaluation loop, excluding what each position has seen:
     metric = TopKRetrieval(items, k=10)
-    metric.update_state(next_items, hidden, exclude_ids=history)
+    metric.update_state(next_items, hidden, exclude_ids=keras_cutbce.seen_items(sequences))
     metric.result()["ndcg@10"]
     ```
     """
@@ -94,20 +103,17 @@ class TopKRetrieval(ItemTableMetric):
         chunk_size: Optional[int] = None,
         name: str = DEFAULT_NAME,
         dtype: Optional[str] = None,
+        empty_positions: str = "skip",
     ):
-        super().__init__(embeddings, bias, chunk_size, name, dtype)
+        super().__init__(embeddings, exclude_ids, bias, chunk_size, empty_positions, name, dtype)
         self.k = checks.check_cutoffs(k)
         _check_depth(self.k, static_vocab_size(embeddings))
-        self.exclude_ids = checks.check_id_list(exclude_ids, "exclude_ids")
         self._sums = {}
         for cut in self.k:
-            for measure in ("hit", "recall", "ndcg"):
+            for measure in MEASURES:
                 self._sums[f"{measure}@{cut}"] = self.add_variable(
                     shape=(), initializer="zeros", dtype=self.dtype, name=f"{measure}_at_{cut}"
                 )
-        self.total_weight = self.add_variable(
-            shape=(), initializer="zeros", dtype=self.dtype, name="total_weight"
-        )
 
     def update_state(self, y_true, y_pred, sample_weight=None, exclude_ids=None):
         """Accumulates one batch.
@@ -120,28 +126,16 @@ class TopKRetrieval(ItemTableMetric):
             exclude_ids: optional integer ids `[..., X]` never retrieved for
                 that position (ids outside `[0, V)` ignored).
         """
-        table, bias = self.read_tables()
-        vocab_size = int(table.value.shape[0])
+        inputs = self.ranking_inputs(y_true, y_pred, sample_weight, exclude_ids)
         depth = max(self.k)
-        _check_depth(self.k, vocab_size)
-        never = tuple(i for i in self.exclude_ids if 0 <= i < vocab_size)
-        y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size, never)
-
-        exclusions = None
-        if exclude_ids is not None:
-            exclusions = checks.int32_ids(exclude_ids, y_pred, vocab_size, "exclude_ids")
-        if never:
-            constant = ops.zeros_like(y_pred[..., :1], dtype="int32") + ops.convert_to_tensor(
-                never, dtype="int32"
-            )
-            exclusions = (
-                constant if exclusions is None else ops.concatenate([exclusions, constant], -1)
-            )
-        _, top_ids = cut_ops.cut_top_k(
-            y_pred, table, depth, bias=bias, exclude_ids=exclusions, chunk_size=self.chunk_size
+        _check_depth(self.k, int(inputs.table.value.shape[0]))
+        top_scores, top_ids = cut_ops.cut_top_k(
+            inputs.y_pred, inputs.table, depth, bias=inputs.bias,
+            exclude_ids=inputs.exclusions, chunk_size=self.chunk_size,
         )
         top_ids = ops.reshape(top_ids, (-1, depth))
-        num_targets = ops.sum(ops.cast(counted, self.dtype), axis=1)  # [M]
+        nan_rows = ops.isnan(ops.reshape(top_scores, (-1, depth))[:, 0])
+        targets, counted = inputs.targets, inputs.counted
         match = ops.expand_dims(top_ids, 2) == ops.expand_dims(targets, 1)  # [M, depth, L]
         relevant = ops.cast(
             ops.any(ops.logical_and(match, ops.expand_dims(counted, 1)), axis=2), self.dtype
@@ -154,9 +148,7 @@ class TopKRetrieval(ItemTableMetric):
         dcg_cum = ops.cumsum(relevant * discounts, axis=1)
         ideal_cum = ops.cumsum(discounts)
 
-        weights = self.position_weights(sample_weight, mask, y_pred)
-        weights = weights * ops.cast(num_targets > 0, self.dtype)
-        safe_targets = ops.maximum(num_targets, 1.0)
+        safe_targets = ops.maximum(inputs.num_targets, 1.0)
         sums = iter(self._sums.values())
         for cut in self.k:
             last = cut - 1
@@ -166,13 +158,14 @@ class TopKRetrieval(ItemTableMetric):
                 "hit": ops.cast(hits > 0, self.dtype),
                 "recall": hits / safe_targets,
                 "ndcg": dcg_cum[:, last] / ops.take(ideal_cum, ideal_last),
+                "precision": hits / float(cut),
             }
-            for measure in ("hit", "recall", "ndcg"):
-                next(sums).assign_add(ops.sum(weights * values[measure]))
-        self.total_weight.assign_add(ops.sum(weights))
+            for measure in MEASURES:
+                accumulate(next(sums), inputs.weights, values[measure], nan_rows)
+        self.total_weight.assign_add(ops.sum(inputs.weights))
 
     def result(self):
-        """Returns the dict `{"hit@k", "recall@k", "ndcg@k"}` for every cut-off k.
+        """Returns the dict `{"hit@k", "recall@k", "ndcg@k", "precision@k"}` for every cut-off k.
 
         With a `name` other than the default the keys start with it
         (`"{name}_hit@k"`), so two metrics in one model log apart; a second
@@ -186,8 +179,4 @@ class TopKRetrieval(ItemTableMetric):
         }
 
     def get_config(self):
-        return {
-            **super().get_config(),
-            "k": list(self.k),
-            "exclude_ids": list(self.exclude_ids) or None,
-        }
+        return {**super().get_config(), "k": list(self.k)}

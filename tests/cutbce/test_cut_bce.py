@@ -335,6 +335,22 @@ def test_dispatch_table_runs_the_named_implementation(monkeypatch):
     np.testing.assert_allclose(to_numpy(got), to_numpy(ref), rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows, vocab, torch_tile, other_tile", [
+    (5120, 10**6, 3072, 128), (1280, 10**6, 12416, 768), (160, 10**6, 65536, 6528),
+    (160, 10**5, 52352, 6528), (160, 1000, 1024, 1024),
+])
+def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, other_tile):
+    """`chunk_size=None` on CPU: torch budgets the table gradient (V x D x 4 bytes, D = 64 here)."""
+    from keras_cutbce import routing
+
+    hidden = ops.zeros((rows, 64))
+    if routing._platform(hidden) != "cpu":
+        pytest.skip("the CPU rule")
+    table = np.broadcast_to(np.float32(0), (vocab, 64))  # no memory: only its shape is read
+    want = torch_tile if BACKEND == "torch" else other_tile
+    assert routing._default_chunk_size(hidden, table) == want
+
+
 def test_registry_entries_of_this_backend_resolve_to_functions():
     """Every path in the registry for the active backend names a function that exists."""
     from keras_cutbce import registry

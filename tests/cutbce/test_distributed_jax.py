@@ -262,7 +262,7 @@ def _check_top_k(spec, hidden, table, bias, rng):
 
 
 def _check_count_and_cache(mesh, rng):
-    """D1: sharded `count_at_least` (V = 37, uneven) matches one device, gathers no table;
+    """D1: sharded `count_above` (V = 37, uneven) matches one device, gathers no table;
     D2: eager calls reuse one cached, jitted program per configuration."""
     import math
     import re
@@ -277,12 +277,31 @@ def _check_count_and_cache(mesh, rng):
     hidden = rng.normal(size=(rows, dim)).astype(np.float32)
     table = rng.normal(size=(vocab, dim)).astype(np.float32)
     bias = rng.normal(size=(vocab,)).astype(np.float32)
+    at_vocab = np.full((rows,), vocab, np.int32)  # ids = V: the logits >= the score
     for b in (bias, None):
         for threshold in (0.0, 1.5, -math.inf, math.inf):
-            got = sharded.count_at_least(hidden, table, b, threshold, sharding=spec, chunk_size=4)
-            want = retrieval.count_at_least(hidden, table, b, threshold, chunk_size=4)
+            scores = np.full((rows,), threshold, np.float32)
+            got = sharded.count_above(hidden, table, b, scores, at_vocab, sharding=spec,
+                                      chunk_size=4)
+            want = retrieval.count_above(hidden, table, b, scores, at_vocab, chunk_size=4)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             assert got.dtype == np.int32
+        # Ranks: each row's own item's logit, ids across the shards, exclusions, ties.
+        tied = np.concatenate([table[:20], table[:17]])
+        ids = rng.integers(0, vocab, size=(rows,)).astype(np.int32)
+        scores = np.sum(hidden * tied[ids], axis=1) + (0 if b is None else b[ids])
+        exclude = _ids(rng, rows, 5, vocab)
+        got = sharded.count_above(hidden, tied, b, scores, ids, exclude, sharding=spec,
+                                  chunk_size=4)
+        want = retrieval.count_above(hidden, tied, b, scores, ids, exclude, chunk_size=4)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    broken = table.copy()
+    broken[30] = np.nan  # a NaN on one shard: no ranking for any row, as on one device
+    got = sharded.count_above(hidden, broken, None, np.zeros(rows, np.float32), at_vocab,
+                              sharding=spec, chunk_size=4)
+    np.testing.assert_array_equal(np.asarray(got), -1)
+    scores, top = sharded.top_k(hidden, broken, 3, sharding=spec, chunk_size=4)
+    assert np.isnan(np.asarray(scores)).all() and (np.asarray(top) == -1).all()
     # Compiled on a table placed P("model", None) (V = 40: JAX places only even
     # splits): no all-gather of the table.
     vocab = 40
@@ -291,7 +310,8 @@ def _check_count_and_cache(mesh, rng):
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model", None)),
     )
     for fn in (
-        lambda h, t: sharded.count_at_least(h, t, None, 0.0, sharding=spec, chunk_size=4),
+        lambda h, t: sharded.count_above(h, t, None, h[:, 0], h[:, 0].astype(np.int32),
+                                         sharding=spec, chunk_size=4),
         lambda h, t: sharded.top_k(h, t, 5, sharding=spec, chunk_size=4),
     ):
         hlo = jax.jit(fn).lower(hidden, placed).compile().as_text()
@@ -306,7 +326,8 @@ def _check_count_and_cache(mesh, rng):
     for build, call in (
         (sharded.loss._loss_program, lambda: sharded.cut_bce(hidden, table, ids, bias, sharding=spec, chunk_size=4)),
         (sharded.retrieval._retrieval_program, lambda: sharded.top_k(hidden, table, 3, bias, ids, sharding=spec, chunk_size=4)),
-        (sharded.retrieval._retrieval_program, lambda: sharded.count_at_least(hidden, table, bias, 0.5, sharding=spec)),
+        (sharded.retrieval._retrieval_program, lambda: sharded.count_above(
+            hidden, table, bias, hidden[:, 0], ids[:, 0], sharding=spec)),
     ):
         first = call()
         misses, hits = build.cache_info().misses, build.cache_info().hits

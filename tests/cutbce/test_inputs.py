@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_cutbce import CutBCELoss, TopKRetrieval, cut_binary_crossentropy, cut_top_k
-from keras_cutbce.ops import cut_count_at_least
+from keras_cutbce.ops import cut_count_at_least, cut_rank
 from tests.backend_utils import dtype_name, to_numpy
 
 
@@ -96,7 +96,7 @@ def test_float64_inputs_give_float32_everywhere():
     assert dtype_name(CutBCELoss(keras.Variable(t64))(ids, h64)) == keras.config.floatx()
 
 
-# -- NaN hidden states in cut_top_k ----------------------------------------------------
+# -- NaN logits: no ranking, the same on every backend ------------------------------
 
 
 def test_nan_hidden_row_has_nan_scores_and_empty_ids():
@@ -109,3 +109,18 @@ def test_nan_hidden_row_has_nan_scores_and_empty_ids():
     want_scores, want_ids = cut_top_k(hidden[clean], table, 3, chunk_size=4)
     np.testing.assert_array_equal(ids[clean], to_numpy(want_ids))
     np.testing.assert_allclose(scores[clean], to_numpy(want_scores), rtol=1e-6)
+
+
+@pytest.mark.parametrize("item", [0, 5, 10])  # first tile, middle, the narrower last tile
+def test_nan_table_row_leaves_no_ranking_on_every_backend(item):
+    """A NaN table row makes a NaN logit in every row: no ranking, never a first place or a skip."""
+    hidden, table, ids = case(rows=4)
+    table[item] = np.nan
+    scores, top = cut_top_k(hidden, table, 3, chunk_size=4)
+    assert np.isnan(to_numpy(scores)).all() and (to_numpy(top) == -1).all()
+    assert (to_numpy(cut_count_at_least(hidden, table, 0.0, chunk_size=4)) == -1).all()
+    assert (to_numpy(cut_rank(hidden, table, ids, chunk_size=4)) == -1).all()
+    # Excluding the item does not hide it: the model is broken either way.
+    excluded = np.full((4, 1), item)
+    _, top = cut_top_k(hidden, table, 3, exclude_ids=excluded, chunk_size=4)
+    assert (to_numpy(top) == -1).all()

@@ -1,4 +1,4 @@
-"""`TopKRetrieval` and `ThresholdConfusion` against dense numpy computations, on every backend.
+"""`TopKRetrieval`, `MeanReciprocalRank` and `ThresholdConfusion` against dense NumPy, on every backend.
 
 Inputs are small multiples of 1/4, so every logit is exact in float32 and the
 retrieved ids (ties included) must match a dense stable sort.
@@ -12,7 +12,7 @@ import pytest
 from keras import ops
 
 from keras_cutbce import cut_top_k
-from keras_cutbce.metrics import ThresholdConfusion, TopKRetrieval
+from keras_cutbce.metrics import MeanReciprocalRank, ThresholdConfusion, TopKRetrieval
 from tests.backend_utils import to_numpy
 
 
@@ -25,20 +25,26 @@ def dense_logits(hidden, table, bias=None):
     return z if bias is None else z + bias
 
 
-def numpy_retrieval(hidden, table, targets, ks, weights, bias=None, exclude=None, constant=()):
-    """Weighted means of hit@k, recall@k, ndcg@k, one position a row."""
+def numpy_ranking(z, row, vocab_size, exclude=None, constant=()):
+    """The dense ranking of row `row` of logits `z`: ids by logit descending, ties to the lower id."""
+    scores = z[row].copy()
+    dropped = list(constant) + ([] if exclude is None else list(exclude[row]))
+    scores[[i for i in dropped if 0 <= i < vocab_size]] = -np.inf
+    return [i for i in np.argsort(-scores, kind="stable") if scores[i] > -np.inf]
+
+
+def numpy_retrieval(hidden, table, targets, ks, weights, bias=None, exclude=None, constant=(),
+                    empty="skip"):
+    """Weighted means of hit@k, recall@k, ndcg@k, precision@k, one position a row."""
     vocab_size = table.shape[0]
     z = dense_logits(hidden, table, bias)
-    sums = {f"{m}@{k}": 0.0 for k in ks for m in ("hit", "recall", "ndcg")}
+    sums = {f"{m}@{k}": 0.0 for k in ks for m in ("hit", "recall", "ndcg", "precision")}
     total = 0.0
     for row in range(len(z)):
-        scores = z[row].copy()
-        dropped = list(constant) + ([] if exclude is None else list(exclude[row]))
-        dropped = [i for i in dropped if 0 <= i < vocab_size]
-        scores[dropped] = -np.inf
-        ranking = [i for i in np.argsort(-scores, kind="stable") if scores[i] > -np.inf]
+        ranking = numpy_ranking(z, row, vocab_size, exclude, constant)
         wanted = {int(t) for t in targets[row] if 0 <= t < vocab_size and t not in constant}
         if not wanted:
+            total += weights[row] if empty == "zero" else 0.0  # counted as 0, or skipped
             continue
         total += weights[row]
         for k in ks:
@@ -49,7 +55,24 @@ def numpy_retrieval(hidden, table, targets, ks, weights, bias=None, exclude=None
             sums[f"hit@{k}"] += weights[row] * (hits > 0)
             sums[f"recall@{k}"] += weights[row] * hits / len(wanted)
             sums[f"ndcg@{k}"] += weights[row] * dcg / ideal
+            sums[f"precision@{k}"] += weights[row] * hits / k
     return {key: value / total for key, value in sums.items()}
+
+
+def numpy_mrr(hidden, table, targets, weights, bias=None, exclude=None, constant=(), empty="skip"):
+    """Weighted mean of 1 / the rank of each row's first target in its dense ranking."""
+    vocab_size = table.shape[0]
+    z = dense_logits(hidden, table, bias)
+    total = value = 0.0
+    for row in range(len(z)):
+        wanted = {int(t) for t in targets[row] if 0 <= t < vocab_size and t not in constant}
+        if not wanted and empty == "skip":
+            continue
+        total += weights[row]
+        ranking = numpy_ranking(z, row, vocab_size, exclude, constant)
+        first = next((r for r, i in enumerate(ranking) if i in wanted), None)
+        value += 0.0 if first is None else weights[row] / (first + 1)
+    return {"mrr": value / total}
 
 
 def numpy_confusion(hidden, table, targets, threshold, weights, bias=None):
@@ -131,7 +154,7 @@ def test_top_k_retrieval_matches_numpy(rng):
     metric.reset_state()
     assert all(v == 0.0 for v in results(metric).values())
     # The table and bias are read, never owned: reset_state leaves them alone.
-    assert len(metric.variables) == 3 * len(ks) + 1
+    assert len(metric.variables) == 4 * len(ks) + 1
     np.testing.assert_array_equal(to_numpy(metric.embeddings), table)
     np.testing.assert_array_equal(to_numpy(metric.bias), bias)
 
@@ -155,6 +178,97 @@ def test_top_k_retrieval_ties_and_masks(rng):
         hidden.reshape(-1, depth), table, targets.reshape(-1, 2), (2, 4), mask.reshape(-1) * 1.0
     )
     assert_results(results(metric), want)
+
+
+@pytest.mark.parametrize("empty", ["skip", "zero"])
+def test_mean_reciprocal_rank_and_empty_positions_match_numpy(rng, empty):
+    """MRR is 1 / the exact rank of the first target (no cut-off); both empty-position conventions."""
+    batch, steps, depth, vocab_size = 3, 4, 4, 41
+    base = quantized(rng, (vocab_size // 2 + 1, depth))
+    table = np.concatenate([base, base])[:vocab_size]  # twins: ties everywhere
+    bias = quantized(rng, (vocab_size,), scale=8)
+    hidden = quantized(rng, (batch, steps, depth))
+    targets = rng.integers(-1, vocab_size, size=(batch, steps, 3)).astype("int32")
+    targets[0, 0] = [-1, -1, -1]  # empty: skipped, or 0 at its weight
+    targets[1, 2] = [0, 0, -1]  # only the constant exclusion: empty too
+    targets[2, 1] = [7, 7, 30]  # duplicates count once
+    exclude = rng.integers(-1, vocab_size, size=(batch, steps, 5)).astype("int32")
+    exclude[2, 3, :3] = targets[2, 3]  # every target excluded here: a miss (0)
+    sample_weight = np.array([1.0, 0.5, 2.0], "float32")
+    weights = np.repeat(sample_weight, steps)
+    flat = dict(hidden=hidden.reshape(-1, depth), table=table, targets=targets.reshape(-1, 3),
+                weights=weights, bias=bias, exclude=exclude.reshape(-1, 5), constant=(0,),
+                empty=empty)
+
+    mrr = MeanReciprocalRank(table_variable(table), exclude_ids=[0], bias=keras.Variable(bias),
+                             chunk_size=8, empty_positions=empty)
+    mrr.update_state(targets, hidden, sample_weight=sample_weight, exclude_ids=exclude)
+    want = numpy_mrr(**flat)
+    assert_results(results(mrr), want)
+    assert 0.0 < want["mrr"] < 1.0
+    retrieval = TopKRetrieval(table_variable(table), k=(1, 5), exclude_ids=[0],
+                              bias=keras.Variable(bias), chunk_size=8, empty_positions=empty)
+    retrieval.update_state(targets, hidden, sample_weight=sample_weight, exclude_ids=exclude)
+    assert_results(results(retrieval), numpy_retrieval(ks=(1, 5), **flat))
+    # Every rank: each position's MRR is at least 1 / V when it has a target.
+    mrr.reset_state()
+    mrr.update_state(targets[:, :, :1], hidden)
+    assert_results(results(mrr), numpy_mrr(
+        hidden.reshape(-1, depth), table, targets[:, :, :1].reshape(-1, 1), np.ones(12),
+        bias=bias, constant=(0,), empty=empty))
+    config = mrr.get_config()
+    assert config["empty_positions"] == empty and config["exclude_ids"] == [0]
+    assert MeanReciprocalRank.from_config({**config, "embeddings": table}).empty_positions == empty
+    with pytest.raises(ValueError, match="`empty_positions` must be one of"):
+        TopKRetrieval(table, k=2, empty_positions="keras_rs")
+
+
+def test_precision_at_k_is_keras_precision_top_k(rng):
+    """With `empty_positions="zero"`, precision@k is Keras's `Precision(top_k=k)` on dense logits."""
+    vocab_size, depth, rows = 60, 8, 24
+    table = rng.normal(size=(vocab_size, depth)).astype("float32")
+    ids = rng.integers(-1, vocab_size, size=(rows, 3)).astype("int32")
+    ids[:2] = -1  # positions without a target: Keras counts their top k as false positives
+    hidden = (table[np.maximum(ids[:, 0], 0)] + rng.normal(size=(rows, depth))).astype("float32")
+    labels = np.zeros((rows, vocab_size), "float32")
+    for row, items in enumerate(ids):
+        labels[row, items[items >= 0]] = 1.0
+    for k in (1, 5):
+        keras_precision = keras.metrics.Precision(top_k=k)
+        keras_precision.update_state(labels, hidden @ table.T)
+        ours = TopKRetrieval(table_variable(table), k=k, empty_positions="zero", chunk_size=16)
+        ours.update_state(ids, hidden)
+        got = results(ours)[f"precision@{k}"]
+        assert got == pytest.approx(float(to_numpy(keras_precision.result())), abs=1e-6)
+        assert got > 0.1
+
+
+@pytest.mark.parametrize("where", ["hidden", "table"])
+def test_a_diverged_model_gives_nan_metrics(rng, where):
+    """A NaN logit at a counted position makes every metric NaN; at weight 0 it is not counted."""
+    vocab_size, depth = 17, 3
+    table = quantized(rng, (vocab_size, depth))
+    hidden = quantized(rng, (2, 4, depth))
+    targets = rng.integers(0, vocab_size, size=(2, 4, 2)).astype("int32")
+    broken_hidden, broken_table = hidden.copy(), table.copy()
+    if where == "hidden":
+        broken_hidden[1] = np.nan  # example 1 diverged
+    else:
+        broken_table[5] = np.nan  # every position ranks item 5 nowhere
+    metrics = [TopKRetrieval(table_variable(broken_table), k=3, chunk_size=4),
+               MeanReciprocalRank(table_variable(broken_table), chunk_size=4),
+               ThresholdConfusion(table_variable(broken_table), chunk_size=4)]
+    for metric in metrics:
+        metric.update_state(targets, broken_hidden)
+        got = results(metric)
+        assert all(np.isnan(v) for v in got.values()), (type(metric).__name__, got)
+    if where == "hidden":  # the diverged example at weight 0: the other one's numbers
+        for metric in metrics:
+            metric.reset_state()
+            metric.update_state(targets, broken_hidden, sample_weight=np.array([1.0, 0.0]))
+            clean = type(metric).from_config({**metric.get_config(), "embeddings": table})
+            clean.update_state(targets[:1], hidden[:1])
+            assert_results(results(metric), results(clean))
 
 
 def test_threshold_confusion_matches_numpy(rng):
@@ -272,10 +386,11 @@ def _metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
     hidden_out = keras.layers.Dense(depth, name="proj")(items(ids_in))
     model = keras.Model(ids_in, hidden_out)
     retrieval = TopKRetrieval(items, k=(1, 4, 9), exclude_ids=[0], chunk_size=8)
+    mrr = MeanReciprocalRank(items, exclude_ids=[0], chunk_size=8)
     confusion = ThresholdConfusion(items, threshold=0.5, chunk_size=8)
     # Keras gives sample weights to `weighted_metrics` only.
     model.compile(
-        optimizer="sgd", loss=hidden_l2, metrics=[confusion], weighted_metrics=[retrieval]
+        optimizer="sgd", loss=hidden_l2, metrics=[confusion], weighted_metrics=[retrieval, mrr]
     )
     x = rng.integers(0, vocab_size, size=(batch, steps)).astype("int32")
     y = rng.integers(-1, vocab_size, size=(batch, steps, 3)).astype("int32")
@@ -286,6 +401,7 @@ def _metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
         table = to_numpy(items.embeddings)
         weights = np.repeat(sample_weight, steps)
         want = numpy_retrieval(hidden, table, y.reshape(-1, 3), (1, 4, 9), weights, constant=(0,))
+        want.update(numpy_mrr(hidden, table, y.reshape(-1, 3), weights, constant=(0,)))
         tp, fp, fn, _ = numpy_confusion(
             hidden, table, y.reshape(-1, 3), 0.5, np.ones_like(weights)
         )
@@ -307,7 +423,9 @@ def _metrics_in_compile_fit_evaluate_save_load(rng, tmp_path):
     logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
     check(logs, expected())
     history = model.fit(x, y, sample_weight=sample_weight, epochs=2, batch_size=batch, verbose=0)
-    assert {"hit@4", "ndcg@9", "recall@1", "precision", "f1"} <= set(history.history)
+    assert {"hit@4", "ndcg@9", "recall@1", "precision@4", "mrr", "precision", "f1"} <= set(
+        history.history
+    )
     logs = model.evaluate(x, y, sample_weight=sample_weight, return_dict=True, verbose=0)
     check(logs, expected())
     # Saved and loaded, the metrics re-bind to the loaded model's table.

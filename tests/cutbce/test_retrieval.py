@@ -1,4 +1,4 @@
-"""`cut_top_k` and `cut_count_at_least` against dense numpy computations, on every backend.
+"""`cut_top_k`, `cut_rank` and `cut_count_at_least` against dense numpy computations, on every backend.
 
 Inputs are small multiples of 1/4 (and bias of 1/8), so every logit is exact in
 float32 whatever the summation order: the ids must match a dense stable sort
@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_cutbce.ops import cut_count_at_least, cut_top_k
+from keras_cutbce.ops import cut_count_at_least, cut_rank, cut_top_k
 from tests.backend_utils import BACKEND, to_numpy
 
 
@@ -165,6 +165,44 @@ def test_count_at_least_matches_dense(rng, vocab_size, chunk_size):
             np.testing.assert_array_equal(to_numpy(counts), want)
 
 
+def dense_rank(hidden, table, ids, bias=None, exclude_ids=None):
+    """Numpy oracle: 1 + the position of the first of `ids` in the stable sort of -logits, 0 if none."""
+    vocab_size = table.shape[0]
+    _, order = dense_top_k(hidden, table, vocab_size, bias, exclude_ids)
+    ranks = []
+    for row, items in enumerate(ids):
+        wanted = {int(i) for i in np.atleast_1d(items) if 0 <= i < vocab_size}
+        found = [r for r, i in enumerate(order[row]) if i in wanted]
+        ranks.append(found[0] + 1 if found else 0)
+    return np.array(ranks)
+
+
+@pytest.mark.parametrize("vocab_size, chunk_size", [(41, 8), (41, 64), (40, 1)])
+def test_rank_matches_dense(rng, vocab_size, chunk_size):
+    """The rank of a position's first item, ties to the lower id, exclusions out of the ranking."""
+    base = quantized(rng, (vocab_size // 2 + 1, 4))
+    table = np.concatenate([base, base])[:vocab_size]  # twins: every logit tied
+    bias = quantized(rng, (vocab_size,), scale=8)
+    hidden = quantized(rng, (2, 5, 4))
+    ids = rng.integers(-1, vocab_size, size=(2, 5, 3))
+    ids[0, 0] = -1  # padding only: rank 0
+    ids[1, 1] = [vocab_size + 3, 2**20, -5]  # out of range: padding
+    exclude = rng.integers(-1, vocab_size, size=(2, 5, 6))
+    exclude[0, 1, :3] = ids[0, 1]  # every item excluded: rank 0
+    for b in (None, bias):
+        for x in (None, exclude):
+            ranks = cut_rank(hidden, table, ids, bias=b, exclude_ids=x, chunk_size=chunk_size)
+            assert keras.backend.standardize_dtype(ranks.dtype) == "int32"
+            assert tuple(ranks.shape) == (2, 5)
+            flat_x = None if x is None else x.reshape(10, -1)
+            want = dense_rank(hidden.reshape(10, 4), table, ids.reshape(10, 3), b, flat_x)
+            np.testing.assert_array_equal(to_numpy(ranks).reshape(-1), want)
+            assert want.max() > 5 and (want == 0).sum() >= 1
+    one = cut_rank(hidden, table, ids[..., 0], chunk_size=chunk_size)  # one id a position
+    want = dense_rank(hidden.reshape(10, 4), table, ids[..., :1].reshape(10, 1))
+    np.testing.assert_array_equal(to_numpy(one).reshape(-1), want)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="jax.jit only on the JAX backend")
 def test_top_k_under_jax_jit(rng):
     import jax
@@ -186,6 +224,14 @@ def test_top_k_under_jax_jit(rng):
     np.testing.assert_array_equal(
         np.asarray(counts), np.sum(dense_logits(hidden, table) >= 0.5, axis=1)
     )
+    ranks = jax.jit(lambda h, e, x: cut_rank(h, e, x[:, :2], exclude_ids=x, chunk_size=8))(
+        hidden, table, exclude
+    )  # every item excluded: rank 0
+    np.testing.assert_array_equal(np.asarray(ranks), np.zeros(6))
+    ranks = jax.jit(lambda h, e, i: cut_rank(h, e, i, bias=bias, chunk_size=8))(
+        hidden, table, exclude
+    )
+    np.testing.assert_array_equal(np.asarray(ranks), dense_rank(hidden, table, exclude, bias))
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function only on TensorFlow")
@@ -204,9 +250,10 @@ def test_top_k_under_tf_function(rng):
         ]
     )
     def run(h, e, x):
-        return cut_top_k(h, e, 12, exclude_ids=x, chunk_size=8)
+        return cut_top_k(h, e, 12, exclude_ids=x, chunk_size=8), cut_rank(h, e, x, chunk_size=8)
 
-    scores, ids = run(hidden, table, exclude)
+    (scores, ids), ranks = run(hidden, table, exclude)
+    np.testing.assert_array_equal(ranks.numpy(), dense_rank(hidden, table, exclude))
     want_scores, want_ids = dense_top_k(hidden, table, 12, None, exclude)
     np.testing.assert_array_equal(ids.numpy(), want_ids)
     np.testing.assert_array_equal(scores.numpy(), want_scores)

@@ -4,10 +4,10 @@ Runs this file as a script in a subprocess with 8 simulated CPU devices (as
 `tests/cutbce/test_distributed_jax.py` does). Under `keras.distribution.ModelParallel`
 with the item table laid out `("model", None)`, `model.evaluate` (a compiled
 step: the metrics see traced values) must route `TopKRetrieval` to
-`sharded.top_k` and `ThresholdConfusion` to `sharded.count_at_least` (the
-sharding is read from the table's variable, not from the traced value), and
-give the same numbers as on one device. `cut_count_at_least` on a placed
-array routes to the sharded kernel too.
+`sharded.top_k`, and `MeanReciprocalRank` and `ThresholdConfusion` to
+`sharded.count_above` (the sharding is read from the table's variable, not
+from the traced value), and give the same numbers as on one device.
+`cut_count_at_least` on a placed array routes to the sharded kernel too.
 """
 
 import json
@@ -30,7 +30,7 @@ def test_metrics_run_sharded_and_match_one_device():
     ))
     assert report["one_device_calls"] == {}
     assert report["sharded_calls"].get("top_k", 0) >= 1
-    assert report["sharded_calls"].get("count_at_least", 0) >= 1
+    assert report["sharded_calls"].get("count_above", 0) >= 2  # MRR and the confusion
     assert report["direct_count_calls"] >= 1
     for key, value in report["one_device_logs"].items():
         assert report["sharded_logs"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
@@ -40,13 +40,13 @@ def _child():
     import jax
     import numpy as np
 
-    from keras_cutbce import CutBCELoss, ThresholdConfusion, TopKRetrieval
+    from keras_cutbce import CutBCELoss, MeanReciprocalRank, ThresholdConfusion, TopKRetrieval
     from keras_cutbce.backends.jax import sharded
     from keras_cutbce.ops import cut_count_at_least
 
     assert jax.device_count() == 8, jax.devices()
     calls = {}
-    for name in ("top_k", "count_at_least"):
+    for name in ("top_k", "count_above"):
         original = getattr(sharded, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -70,6 +70,7 @@ def _child():
             loss=CutBCELoss(items, chunk_size=4),
             metrics=[
                 TopKRetrieval(items, k=(1, 5), chunk_size=4),
+                MeanReciprocalRank(items, chunk_size=4),
                 ThresholdConfusion(items, threshold=0.5, chunk_size=4),
             ],
         )
@@ -106,7 +107,7 @@ def _child():
         "one_device_calls": one_device_calls,
         "sharded_logs": sharded_logs,
         "sharded_calls": sharded_calls,
-        "direct_count_calls": calls.get("count_at_least", 0),
+        "direct_count_calls": calls.get("count_above", 0),
     }))
 
 

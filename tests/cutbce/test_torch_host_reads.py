@@ -102,7 +102,7 @@ def test_compiles_without_graph_break(name, rng):
 
 
 @pytest.mark.parametrize("k", [1, 5, 37])
-def test_top_k_and_threshold_counts_make_no_host_read(k, rng, monkeypatch):
+def test_top_k_and_rank_counts_make_no_host_read(k, rng, monkeypatch):
     """Retrieval with ties (integer logits) and exclusions reads nothing on the host
     off the CPU (on CPU, where a host read is free, ties are checked on the host)."""
     import torch
@@ -118,7 +118,12 @@ def test_top_k_and_threshold_counts_make_no_host_read(k, rng, monkeypatch):
 
     def retrieve():
         result["top"] = retrieval.top_k(h, e, k, None, exclude, chunk_size=16)
-        result["count"] = retrieval.count_at_least(h, e, None, 1.0, chunk_size=16)
+        result["count"] = retrieval.count_above(
+            h, e, None, torch.ones(6), torch.full((6,), 37), chunk_size=16
+        )
+        result["rank"] = retrieval.count_above(
+            h, e, None, torch.zeros(6), torch.arange(6), exclude, chunk_size=16
+        )
 
     ops = _recorded_ops(retrieve)
     assert "topk" in ops or "sort" in ops  # the recorder sees the kernel's ops
@@ -132,6 +137,13 @@ def test_top_k_and_threshold_counts_make_no_host_read(k, rng, monkeypatch):
     filled = np.isfinite(np.take_along_axis(z, want_ids, 1))
     np.testing.assert_array_equal(np.where(filled, got_ids.numpy(), -1), np.where(filled, want_ids, -1))
     np.testing.assert_array_equal(result["count"].numpy(), (h @ e.T >= 1.0).sum(1).numpy())
+    columns = np.arange(37)[None, :]
+    dense = (h @ e.T).numpy()
+    above = (dense > 0) | ((dense == 0) & (columns < np.arange(6)[:, None]))
+    above &= columns != np.arange(6)[:, None]
+    for row, excluded in enumerate(exclude.numpy()):
+        above[row, excluded[excluded >= 0]] = False
+    np.testing.assert_array_equal(result["rank"].numpy(), above.sum(1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])

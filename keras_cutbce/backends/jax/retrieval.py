@@ -1,4 +1,4 @@
-"""Top-k retrieval and threshold counts on JAX, tile by tile over the vocabulary.
+"""Top-k retrieval and rank counts on JAX, tile by tile over the vocabulary.
 
 Both functions loop over vocabulary tiles with `lax.fori_loop` and only ever
 hold one `[M, T]` tile of logits (from `chunked.tile_logits`, the one fused
@@ -9,6 +9,9 @@ reuse the compiled loop, and they nest in any outer `jit`.
 Tiles all have the same static width `T = min(chunk_size, V)`. The last tile
 starts at `V - T` instead of running past the table (no padded copy of the
 table); its columns that the previous tile already covered are masked out.
+
+A row any of whose V logits is NaN has no ranking: `top_k` gives it NaN
+scores and ids `EMPTY_ID`, `count_above` the count -1.
 """
 
 import functools
@@ -65,7 +68,8 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
         lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
         ids. Slots no item can fill (fewer than k items left after the
-        exclusions) have score `-inf` and id `EMPTY_ID` (-1).
+        exclusions) have score `-inf` and id `EMPTY_ID` (-1); a row with a
+        NaN logit has NaN scores and ids `EMPTY_ID`.
 
     Example:
 
@@ -88,9 +92,10 @@ def _top_k(hidden, table, k, bias, exclude_ids, *, chunk_size):
     width, num_tiles = _tiling(vocab_size, chunk_size)
 
     def body(index, carry):
-        best_scores, best_ids = carry
+        best_scores, best_ids, nan_rows = carry
         columns, table_tile, bias_tile, fresh = _tile(table, bias, index, width)
         z = tile_logits(hidden, table_tile, bias_tile)
+        nan_rows = nan_rows | jnp.any(jnp.isnan(z), axis=1)
         drop = ~fresh[None, :]
         if exclude_ids is not None:
             drop = drop | _excluded_mask(exclude_ids, columns[0], width)
@@ -103,37 +108,74 @@ def _top_k(hidden, table, k, bias, exclude_ids, *, chunk_size):
             [best_ids, jnp.broadcast_to(columns[None, :], (rows, width))], axis=1
         )
         best_scores, position = jax.lax.top_k(scores, k)
-        return best_scores, jnp.take_along_axis(ids, position, axis=1)
+        return best_scores, jnp.take_along_axis(ids, position, axis=1), nan_rows
 
     init = (
         jnp.full((rows, k), -jnp.inf, jnp.float32),
         jnp.full((rows, k), EMPTY_ID, jnp.int32),
+        jnp.zeros((rows,), bool),
     )
     with jax.named_scope("cut_top_k"):
-        scores, ids = jax.lax.fori_loop(0, num_tiles, body, init)
-    return scores, jnp.where(scores == -jnp.inf, EMPTY_ID, ids)
+        scores, ids, nan_rows = jax.lax.fori_loop(0, num_tiles, body, init)
+    ids = jnp.where((scores == -jnp.inf) | nan_rows[:, None], EMPTY_ID, ids)
+    return jnp.where(nan_rows[:, None], jnp.nan, scores), ids
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size",))
-def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Returns int32 `[M]`: how many of each row's V logits are `>= threshold`.
+def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_size):
+    """Counts, per row, the items ranked above `(scores, ids)`: int32 `[M]`, -1 for a NaN row.
+
+    An item ranks above when its logit is higher than the row's score, or
+    equal with a lower id (the order of `top_k`). The item `ids[m]` itself
+    and the row's `exclude_ids` never count. `scores` at a threshold with
+    `ids = V` count the logits `>= threshold`.
+
+    Args:
+        hidden: float `[M, D]`.
+        table: float `[V, D]`.
+        bias: optional float `[V]`.
+        scores: float32 `[M]`.
+        ids: int32 `[M]`.
+        exclude_ids: optional int `[M, X]` (ids outside `[0, V)` ignored).
+        chunk_size: vocabulary tile width.
 
     Example:
 
     >>> import numpy as np
     >>> h = np.ones((1, 2), "float32")
     >>> table = np.array([[1, 0], [0, 3], [1, 1]], "float32")
-    >>> count_at_least(h, table, None, 2.0, chunk_size=2).tolist()
+    >>> count_above(h, table, None, np.array([1.0], "float32"), np.array([2]), chunk_size=2).tolist()
     [2]
     """
+    if exclude_ids is not None:
+        exclude_ids = ids_as_int32(exclude_ids, table.shape[0])
+    counts, nan_rows = count_above_parts(
+        hidden, table, bias, scores, ids, exclude_ids, chunk_size=chunk_size
+    )
+    return jnp.where(nan_rows, -1, counts)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def count_above_parts(hidden, table, bias, scores, ids, exclude_ids, *, chunk_size):
+    """`count_above` as `(counts int32 [M], NaN rows bool [M])`, for the sharded kernel.
+
+    `exclude_ids` are int32 with padding `EMPTY_ID` (`ids_as_int32`).
+    """
     width, num_tiles = _tiling(table.shape[0], chunk_size)
+    scores = scores.astype(jnp.float32)[:, None]
+    ids = ids.astype(jnp.int32)[:, None]
 
-    def body(index, counts):
-        _, table_tile, bias_tile, fresh = _tile(table, bias, index, width)
+    def body(index, carry):
+        counts, nan_rows = carry
+        columns, table_tile, bias_tile, fresh = _tile(table, bias, index, width)
         z = tile_logits(hidden, table_tile, bias_tile)
-        hits = (z >= threshold) & fresh[None, :]
-        return counts + jnp.sum(hits, axis=1, dtype=jnp.int32)
+        nan_rows = nan_rows | jnp.any(jnp.isnan(z), axis=1)
+        columns = columns[None, :]
+        above = (z > scores) | ((z == scores) & (columns < ids))
+        above = above & fresh[None, :] & (columns != ids)
+        if exclude_ids is not None:
+            above = above & ~_excluded_mask(exclude_ids, columns[0, 0], width)
+        return counts + jnp.sum(above, axis=1, dtype=jnp.int32), nan_rows
 
-    init = jnp.zeros((hidden.shape[0],), jnp.int32)
-    with jax.named_scope("cut_count_at_least"):
+    init = (jnp.zeros((hidden.shape[0],), jnp.int32), jnp.zeros((hidden.shape[0],), bool))
+    with jax.named_scope("cut_count_above"):
         return jax.lax.fori_loop(0, num_tiles, body, init)

@@ -1,4 +1,4 @@
-"""Top-k retrieval and threshold counts on TensorFlow, tile by tile over the vocabulary.
+"""Top-k retrieval and rank counts on TensorFlow, tile by tile over the vocabulary.
 
 Both functions run a `tf.while_loop` over vocabulary tiles (graph-friendly,
 fine inside `tf.function`) holding one `[M, T]` tile of logits (from
@@ -7,7 +7,9 @@ memory O(M * (k + T)) whatever V is.
 
 The tiles are those of every chunked kernel (`keras_cutbce.math.tiling.
 vocab_tiles`): the full tiles in the loop, then the narrower remainder tile
-(the table is sliced, never padded).
+(the table is sliced, never padded). A row any of whose V logits is NaN has
+no ranking: `top_k` gives it NaN scores and ids `EMPTY_ID`, `count_above`
+the count -1.
 """
 
 import tensorflow as tf
@@ -84,7 +86,8 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
         lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
         ids. Slots no item can fill (fewer than k items left after the
-        exclusions) have score `-inf` and id `EMPTY_ID` (-1).
+        exclusions) have score `-inf` and id `EMPTY_ID` (-1); a row with a
+        NaN logit has NaN scores and ids `EMPTY_ID`.
 
     Example:
 
@@ -99,9 +102,10 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     rows = tf.shape(hidden)[0]
     neg_inf = tf.constant(-float("inf"), tf.float32)
 
-    def step(start, tile, best_scores, best_ids):
+    def step(start, tile, best_scores, best_ids, nan_rows):
         columns, table_tile, bias_tile = _tile_at(table, bias, start, tile)
         z = tile_logits(hidden, table_tile, bias_tile)
+        nan_rows = nan_rows | tf.reduce_any(tf.math.is_nan(z), axis=1, keepdims=True)
         if exclude_ids is not None:
             z = tf.where(_excluded_mask(exclude_ids, start, tile), neg_inf, z)
         # Running entries come first and have lower ids than the tile's, and
@@ -111,34 +115,47 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         columns = tf.broadcast_to(columns[None, :], tf.stack([rows, tile]))
         ids = tf.concat([best_ids, columns], axis=1)
         best_scores, position = tf.math.top_k(scores, k=k, sorted=True)
-        return best_scores, tf.gather(ids, position, batch_dims=1)
+        return best_scores, tf.gather(ids, position, batch_dims=1), nan_rows
 
     init = (
         tf.fill(tf.stack([rows, k]), neg_inf),
         tf.fill(tf.stack([rows, k]), tf.constant(EMPTY_ID, tf.int32)),
+        tf.zeros(tf.stack([rows, 1]), tf.bool),
     )
-    scores, ids = _over_tiles(table, chunk_size, step, init, "cut_top_k")
-    return scores, tf.where(scores == neg_inf, tf.constant(EMPTY_ID, tf.int32), ids)
+    scores, ids, nan_rows = _over_tiles(table, chunk_size, step, init, "cut_top_k")
+    empty = (scores == neg_inf) | nan_rows
+    ids = tf.where(empty, tf.constant(EMPTY_ID, tf.int32), ids)
+    return tf.where(nan_rows, tf.constant(float("nan"), tf.float32), scores), ids
 
 
-def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Counts, per row, the logits `>= threshold` among all V (int32 `[M]`).
+def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_size):
+    """Counts, per row, the items ranked above `(scores, ids)`: int32 `[M]`, -1 for a NaN row.
+
+    The registry's `count_above` (`keras_cutbce/registry.py` says what counts).
 
     Example:
 
     >>> h = tf.ones((1, 2))
     >>> table = tf.constant([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    >>> count_at_least(h, table, None, 2.0, chunk_size=2).numpy().tolist()
+    >>> count_above(h, table, None, tf.constant([1.0]), tf.constant([2]), chunk_size=2).numpy().tolist()
     [2]
     """
     hidden = tf.convert_to_tensor(hidden)
     table = tf.convert_to_tensor(table)
+    scores = tf.cast(scores, tf.float32)[:, None]
+    ids = tf.cast(ids, tf.int32)[:, None]
 
-    def step(start, tile, counts):
-        _, table_tile, bias_tile = _tile_at(table, bias, start, tile)
-        hits = tile_logits(hidden, table_tile, bias_tile) >= threshold
-        return (counts + tf.reduce_sum(tf.cast(hits, tf.int32), axis=1),)
+    def step(start, tile, counts, nan_rows):
+        columns, table_tile, bias_tile = _tile_at(table, bias, start, tile)
+        z = tile_logits(hidden, table_tile, bias_tile)
+        nan_rows = nan_rows | tf.reduce_any(tf.math.is_nan(z), axis=1)
+        columns = columns[None, :]
+        above = (z > scores) | ((z == scores) & (columns < ids))
+        above = above & (columns != ids)
+        if exclude_ids is not None:
+            above = above & ~_excluded_mask(exclude_ids, start, tile)
+        return counts + tf.reduce_sum(tf.cast(above, tf.int32), axis=1), nan_rows
 
-    init = (tf.zeros(tf.shape(hidden)[:1], tf.int32),)
-    (counts,) = _over_tiles(table, chunk_size, step, init, "cut_count_at_least")
-    return counts
+    init = (tf.zeros(tf.shape(hidden)[:1], tf.int32), tf.zeros(tf.shape(hidden)[:1], tf.bool))
+    counts, nan_rows = _over_tiles(table, chunk_size, step, init, "cut_count_above")
+    return tf.where(nan_rows, -1, counts)

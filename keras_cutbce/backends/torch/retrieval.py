@@ -1,8 +1,10 @@
-"""Top-k retrieval and threshold counts on torch, tile by tile over the vocabulary.
+"""Top-k retrieval and rank counts on torch, tile by tile over the vocabulary.
 
 A Python loop over vocabulary tiles under `torch.no_grad()`: one `[M, T]`
 tile of logits (from `kernel.tile_logits`, the one fused tile function) and
-the running result are alive at a time, so memory is O(M * (k + T)).
+the running result are alive at a time, so memory is O(M * (k + T)). A row
+any of whose V logits is NaN has no ranking: `top_k` gives it NaN scores and
+ids `EMPTY_ID`, `count_above` the count -1.
 """
 
 import torch
@@ -127,7 +129,8 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
         lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
         ids. Slots no item can fill (fewer than k items left after the
-        exclusions) have score `-inf` and id `EMPTY_ID` (-1).
+        exclusions) have score `-inf` and id `EMPTY_ID` (-1); a row with a
+        NaN logit has NaN scores and ids `EMPTY_ID`.
 
     Example:
 
@@ -140,8 +143,10 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
     rows, device = hidden.shape[0], hidden.device
     best_scores = torch.full((rows, k), -torch.inf, dtype=torch.float32, device=device)
     best_ids = torch.full((rows, k), EMPTY_ID, dtype=torch.int64, device=device)
+    nan_rows = torch.zeros((rows, 1), dtype=torch.bool, device=device)
     for start, stop in _tiles(table.shape[0], chunk_size):
         z = tile_logits(hidden, table[start:stop], _bias_tile(bias, start, stop))
+        nan_rows |= torch.isnan(z).any(dim=1, keepdim=True)
         if exclude_ids is not None:
             z = z.masked_fill(_excluded_mask(exclude_ids, start, stop), -torch.inf)
         # The tile's own top k (ties to the lower id), then a stable merge:
@@ -152,23 +157,35 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
         scores, order = torch.sort(scores, dim=1, descending=True, stable=True)
         best_scores = scores[:, :k].contiguous()
         best_ids = torch.gather(ids, 1, order[:, :k])
-    best_ids = torch.where(best_scores == -torch.inf, EMPTY_ID, best_ids)
-    return best_scores, best_ids.to(torch.int32)
+    best_ids = torch.where((best_scores == -torch.inf) | nan_rows, EMPTY_ID, best_ids)
+    return best_scores.masked_fill(nan_rows, torch.nan), best_ids.to(torch.int32)
 
 
 @torch.no_grad()
-def count_at_least(hidden, table, bias, threshold, *, chunk_size):
-    """Counts, per row, the logits `>= threshold` among all V (int32 `[M]`).
+def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_size):
+    """Counts, per row, the items ranked above `(scores, ids)`: int32 `[M]`, -1 for a NaN row.
+
+    The registry's `count_above` (`keras_cutbce/registry.py` says what counts).
 
     Example:
 
     >>> h = torch.ones((1, 2))
     >>> table = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    >>> count_at_least(h, table, None, 2.0, chunk_size=2).tolist()
+    >>> count_above(h, table, None, torch.tensor([1.0]), torch.tensor([2]), chunk_size=2).tolist()
     [2]
     """
-    counts = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+    rows, device = hidden.shape[0], hidden.device
+    scores = scores.float()[:, None]
+    ids = ids.long()[:, None]
+    counts = torch.zeros(rows, dtype=torch.int64, device=device)
+    nan_rows = torch.zeros(rows, dtype=torch.bool, device=device)
     for start, stop in _tiles(table.shape[0], chunk_size):
         z = tile_logits(hidden, table[start:stop], _bias_tile(bias, start, stop))
-        counts += (z >= threshold).sum(dim=1)
-    return counts.to(torch.int32)
+        nan_rows |= torch.isnan(z).any(dim=1)
+        columns = torch.arange(start, stop, device=device)[None, :]
+        above = (z > scores) | ((z == scores) & (columns < ids))
+        above &= columns != ids
+        if exclude_ids is not None:
+            above &= ~_excluded_mask(exclude_ids, start, stop)
+        counts += above.sum(dim=1)
+    return torch.where(nan_rows, -1, counts).to(torch.int32)

@@ -8,7 +8,7 @@ collective combines the results.
 
 - `discovery`: `VocabSharding` and `vocab_sharding_of` (where a table is split);
 - `loss`: `cut_bce` (one `psum` of the loss, table gradients stay sharded);
-- `retrieval`: `top_k` (one `all_gather` of candidates) and `count_at_least`;
+- `retrieval`: `top_k` (one `all_gather` of candidates) and `count_above` (one `psum`);
 - `mesh`: the `shard_map` plumbing they share.
 
 Every public name is exported here; import them from this package. Per-chip
@@ -27,6 +27,6 @@ scores, ids = top_k(hidden, table, 10, sharding=spec)       # [M, 10]
 
 from keras_cutbce.backends.jax.sharded.discovery import VocabSharding, vocab_sharding_of
 from keras_cutbce.backends.jax.sharded.loss import KERNELS, cut_bce
-from keras_cutbce.backends.jax.sharded.retrieval import count_at_least, top_k
+from keras_cutbce.backends.jax.sharded.retrieval import count_above, top_k
 
-__all__ = ["KERNELS", "VocabSharding", "count_at_least", "cut_bce", "top_k", "vocab_sharding_of"]
+__all__ = ["KERNELS", "VocabSharding", "count_above", "cut_bce", "top_k", "vocab_sharding_of"]

@@ -1,17 +1,17 @@
-"""Top-k and threshold counts with the item table split along V.
+"""Top-k and rank counts with the item table split along V.
 
 - top-k: each device takes its shard's top-k with global ids, one
   `all_gather` of the `[rows, k]` candidates over the vocabulary axes, and a
   merge (ties: the lower id, as on one device);
-- `count_at_least` (the metrics' false positives): each device counts its
-  shard, one `psum` of the `[rows]` counts.
+- `count_above` (the metrics' false positives and ranks): each device counts
+  its shard against global ids, one `psum` of the `[rows]` counts.
 
-Padded table rows (V not divisible by the shard count) get a bias of `-inf`:
-never a candidate, never counted (except at a `-inf` threshold, corrected).
+Padded table rows (V not divisible by the shard count) get a bias of `-inf`
+and ids `>= V`: never a candidate, never counted. A row with a NaN logit on
+any shard has no ranking, as on one device.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -67,41 +67,48 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size
     return program(hidden, table, bias, None if exclude_ids is None else jnp.asarray(exclude_ids))
 
 
-def count_at_least(hidden, table, bias, threshold, *, sharding, chunk_size=None):
-    """Returns int32 `[M]`: how many of each row's V logits are `>= threshold`, table split along V.
+def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, sharding,
+                chunk_size=None):
+    """Counts, per row, the items ranked above `(scores, ids)` with the table split along V.
 
-    Each device counts its own shard (`retrieval.count_at_least`) and one
-    `psum` over the vocabulary axes adds the counts: the table is never
-    gathered.
+    Each device counts its own shard (`retrieval.count_above_parts`, against
+    the global ids) and one `psum` over the vocabulary axes adds the counts:
+    the table is never gathered.
 
     Args:
         hidden: float `[M, D]`.
         table: float `[V, D]`.
         bias: optional float `[V]`.
-        threshold: a Python float.
+        scores: float32 `[M]`.
+        ids: int32 `[M]`.
+        exclude_ids: optional int32 `[M, X]` (ids outside `[0, V)` already
+            `EMPTY_ID`).
         sharding: a `VocabSharding`.
         chunk_size: vocabulary tile width per shard (`None`: default rule).
 
     Returns:
-        Int32 `[M]`, the same as `retrieval.count_at_least` on one device.
+        Int32 `[M]`, the same as `retrieval.count_above` on one device (-1
+        for a row with a NaN logit).
 
     Example:
 
     ```python
-    counts = count_at_least(hidden, table, None, 0.0, sharding=vocab_sharding_of(table))
+    counts = count_above(hidden, table, None, scores, ids, sharding=vocab_sharding_of(table))
     ```
     """
     program = _retrieval_program(
-        "count_at_least", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
-        int(table.shape[0]), int(hidden.shape[0]), bias is not None, False,
-        float(threshold), None if chunk_size is None else int(chunk_size),
+        "count_above", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
+        int(table.shape[0]), int(hidden.shape[0]), bias is not None,
+        exclude_ids is not None, None, None if chunk_size is None else int(chunk_size),
     )
-    return program(hidden, table, bias, None)
+    exclude_ids = None if exclude_ids is None else jnp.asarray(exclude_ids)
+    return program(hidden, table, bias, exclude_ids, jnp.asarray(scores, jnp.float32),
+                   jnp.asarray(ids, jnp.int32))
 
 
 @functools.lru_cache(maxsize=64)
 def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, arg, chunk_size):
-    """Returns the jitted sharded `top_k` (`arg` = k) or `count_at_least` (`arg` = threshold).
+    """Returns the jitted sharded `top_k` (`arg` = k) or `count_above`.
 
     Cached per configuration, like the loss program.
     """
@@ -118,11 +125,18 @@ def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, a
         ids = jnp.where(ids < 0, ids, ids + offset)
         scores = jax.lax.all_gather(scores, vocab_axes, axis=1, tiled=True)
         ids = jax.lax.all_gather(ids, vocab_axes, axis=1, tiled=True)
-        return _merge(scores, ids, arg)
+        nan_rows = jnp.any(jnp.isnan(scores), axis=1, keepdims=True)  # NaN on some shard
+        scores, ids = _merge(jnp.where(nan_rows, -jnp.inf, scores), ids, arg)
+        return jnp.where(nan_rows, jnp.nan, scores), jnp.where(nan_rows, EMPTY_ID, ids)
 
-    def shard_count(h, t, x=None, b=None):
-        counts = retrieval.count_at_least(h, t, b, arg, chunk_size=chunk_size)
-        return jax.lax.psum(counts, vocab_axes)
+    def shard_count(h, t, x=None, b=None, s=None, i=None):
+        offset = mesh_lib.shard_offset(vocab_axes, local)
+        x = None if x is None else mesh_lib.rebase(x, offset, local, vocab)
+        # Local columns against global ids: column c is item c + offset.
+        counts, nan_rows = retrieval.count_above_parts(h, t, b, s, i - offset, x,
+                                                       chunk_size=chunk_size)
+        nan_rows = jax.lax.psum(nan_rows.astype(jnp.int32), vocab_axes) > 0
+        return jnp.where(nan_rows, -1, jax.lax.psum(counts, vocab_axes))
 
     in_specs = [
         mesh_lib.spec(rows, None),
@@ -131,20 +145,20 @@ def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, a
         P(vocab_axes) if with_bias else None,
     ]
     out = mesh_lib.spec(rows, None)
-    fn, out_specs = ((shard_top_k, (out, out)) if kind == "top_k"
-                     else (shard_count, mesh_lib.spec(rows)))
+    if kind == "top_k":
+        fn, out_specs = shard_top_k, (out, out)
+    else:
+        fn, out_specs = shard_count, mesh_lib.spec(rows)
+        in_specs += [mesh_lib.spec(rows), mesh_lib.spec(rows)]
 
     @jax.jit
-    def program(hidden, table, bias, exclude_ids):
+    def program(hidden, table, bias, exclude_ids, *row_args):
         if with_bias:
-            # Padded rows get a -inf logit: never a candidate, never counted.
+            # Padded rows get a -inf logit and ids >= V: never a candidate, never counted.
             bias = jnp.zeros((vocab,), jnp.float32) if bias is None else bias
             bias = mesh_lib.pad_rows(bias, pad, -jnp.inf)
             table = mesh_lib.pad_rows(table, pad)
-        result = mesh_lib.shard_mapped(fn, mesh, in_specs, out_specs,
-                                       [hidden, table, exclude_ids, bias])
-        if kind == "count_at_least" and pad and arg == -math.inf:
-            result = result - pad  # -inf >= -inf: the padded rows were counted
-        return result
+        return mesh_lib.shard_mapped(fn, mesh, in_specs, out_specs,
+                                     [hidden, table, exclude_ids, bias, *row_args])
 
     return program
