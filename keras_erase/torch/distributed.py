@@ -116,8 +116,8 @@ def _flag_dtype(dtype):
 class _Pending:
     """One launched all-reduce: its flat buffer, handle and the weights it covers."""
 
-    def __init__(self, label, params, flat, work):
-        self.label = label
+    def __init__(self, name, params, flat, work):
+        self.name = name
         self.params = params
         self.flat = flat
         self.work = work
@@ -247,14 +247,14 @@ class GradientSync:
             self._done.add(id(v))
         self._launch("remainder", rest)
 
-    def _launch(self, label, weights):
+    def _launch(self, name, weights):
         # The parameters, never autocast copies: the inline launcher calls this
         # inside the block's mixed-precision scope.
         params = [_keras_private.uncast_value(v) for v in weights]
         params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
         if not params:
             return
-        self.launch_order.append(label)
+        self.launch_order.append(name)
         buckets = {}
         for p in params:
             buckets.setdefault((p.dtype, p.device), []).append(p)
@@ -275,12 +275,12 @@ class GradientSync:
             if flag_dtype == dtype:
                 flat = torch.cat(pieces + flags)
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
-                pending = _Pending(label, group, (flat, None), work)
+                pending = _Pending(name, group, (flat, None), work)
             else:  # integer gradients do not exist in practice; kept for completeness
                 flat, flags = torch.cat(pieces), torch.cat(flags)
                 w1 = dist.all_reduce(flat, group=self.group, async_op=True)
                 w2 = dist.all_reduce(flags, group=self.group, async_op=True)
-                pending = _Pending(label, group, (flat, flags), (w1, w2))
+                pending = _Pending(name, group, (flat, flags), (w1, w2))
             pending.all_present = all_present
             self._pending.append(pending)
 

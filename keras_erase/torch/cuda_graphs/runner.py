@@ -7,7 +7,7 @@ This module is the graph runner; the capture back-ends are in
 
 A `CudaGraphRunner` sits in front of a dispatcher's eager block forward (see
 `keras_erase.torch.schedules.base.Dispatcher.graphs`), so graphs work with every
-early-backward mode (`"blocking"`, `"threaded"`, `"streams"`). For each block,
+early-backward schedule (every launcher and placement). For each block,
 input signature (shapes, dtypes, devices and `requires_grad` of the block's
 inputs, target and sample weight) and occurrence in the step (a block met
 twice per step, a shared tower, gets a graph pair per occurrence) it:
