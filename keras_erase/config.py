@@ -30,10 +30,11 @@ Example:
 import dataclasses
 
 __all__ = [
-    "AUTO_STEPS", "DISPATCH_MODES", "LAUNCHERS", "PLACEMENTS", "PRESETS", "EraseConfig", "Schedule",
+    "AUTO_STEPS", "DISPATCH_VALUES", "LAUNCHERS", "PLACEMENTS", "PRESETS", "STANDARD", "EraseConfig",
+    "Schedule", "label_of", "schedule_of",
 ]
 
-DISPATCH_MODES = ("auto", "standard", "early", "blocking", "threaded", "streams")
+DISPATCH_VALUES = ("auto", "standard", "early", "blocking", "threaded", "streams")
 LAUNCHERS = ("inline", "worker")
 PLACEMENTS = ("default_stream", "block_streams")
 # preset name -> (launcher, placement)
@@ -43,6 +44,8 @@ PRESETS = {
     "streams": ("worker", "block_streams"),
 }
 GRAPHS_SUFFIX = "+graphs"
+# The label of Keras's own train step (no `Schedule`; "auto"'s baseline).
+STANDARD = "standard"
 
 # Timed rounds per candidate for dispatch="auto" (see `keras_erase.auto`).
 AUTO_STEPS = 8
@@ -53,8 +56,9 @@ class Schedule:
     """One concrete early-backward schedule: launcher, placement, graphs.
 
     `label` names it: the preset's name where one matches (`"threaded"`),
-    else `"<launcher>+<placement>"`, with `"+graphs"` when graphed. It is the
-    `dispatch_choice` of `"auto"` and the key of the model's dispatchers.
+    else `"<launcher>+<placement>"`, with `"+graphs"` when graphed; labels
+    are what users read (`dispatch_choice`, `auto_timings`, "auto"'s
+    candidates), `"standard"` (`STANDARD`) naming Keras's own step.
 
     Example:
 
@@ -106,6 +110,16 @@ class Schedule:
         return [cls(l, p, graphs) for l, p in pairs]
 
 
+def schedule_of(label):
+    """The `Schedule` a label names; `None` for `"standard"` (Keras's own step)."""
+    return None if label == STANDARD else Schedule.from_label(label)
+
+
+def label_of(schedule):
+    """The label of a step's `Schedule`; `"standard"` for `None` (Keras's own step)."""
+    return STANDARD if schedule is None else schedule.label
+
+
 def _check_choice(name, value, allowed):
     if value is not None and value not in allowed:
         raise ValueError(
@@ -143,9 +157,9 @@ class EraseConfig:
     placement: object = None
 
     def __post_init__(self):
-        if self.dispatch not in DISPATCH_MODES:
+        if self.dispatch not in DISPATCH_VALUES:
             raise ValueError(
-                f"EraseModel: `dispatch` must be one of {DISPATCH_MODES}. "
+                f"EraseModel: `dispatch` must be one of {DISPATCH_VALUES}. "
                 f"Received: dispatch={self.dispatch!r}"
             )
         if self.num_streams is not None and int(self.num_streams) < 1:

@@ -9,9 +9,12 @@ with the variables' paths, the blocks that read them and what to write.
 
 The check asks each backend's autodiff which trainable variables the step's
 total loss (main loss, every local loss, `model.losses`) can differentiate
-(`keras_erase.gradient_paths`), on the first batch, without changing any
-state: the forward runs in a `keras.StatelessScope` (torch: one extra forward,
-no backward; TensorFlow and JAX: traced only, never run).
+(`reached`), on the first batch, without changing any state: the forward
+runs in a `keras.StatelessScope`. Nothing runs beyond what each backend needs
+to see the graph: torch runs one forward and walks its autograd graph
+(`keras_erase.torch.tensors.reached`); TensorFlow traces a concrete function
+(`GradientTape.gradient` is `None` without a path); JAX traces `jax.grad` to a
+jaxpr, where a variable without a path gets a symbolic zero.
 
 Example:
 
@@ -33,10 +36,12 @@ import keras
 from keras import ops
 from keras import tree
 
+from keras_erase.runtime import torch_runtime
 from keras_erase.step_protocol import recording_inputs
-from keras_erase.gradient_paths import reached
 
-__all__ = ["FrozenUpstreamWarning", "frozen_message", "frozen_variables", "warn_if_frozen"]
+__all__ = [
+    "FrozenUpstreamWarning", "frozen_message", "frozen_variables", "reached", "warn_if_frozen",
+]
 
 LOGGER = logging.getLogger("keras_erase")
 
@@ -77,6 +82,84 @@ def _objectives_fn(model, data, state):
         return [ops.cast(loss, "float32")] + [_scalar(inputs) for _, inputs in detaching]
 
     return fn, blocks
+
+
+def reached(fn, values):
+    """Answers, for `outputs = fn(values)`, `[[has path from output i to value j for j] for i]`.
+
+    Args:
+        fn: `fn(values) -> list of float scalars`, written with Keras ops.
+        values: backend tensors (float) the scalars may depend on.
+
+    Returns:
+        One list of booleans per scalar, one boolean per value.
+
+    Example:
+
+    >>> values = [keras.ops.ones((2,)), keras.ops.ones((2,))]
+    >>> reached(lambda v: [ops.sum(v[0] * ops.stop_gradient(v[1]))], values)
+    [[True, False]]
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return torch_runtime().tensors.reached(fn, values)
+    if backend == "tensorflow":
+        return _tf_reached(fn, values)
+    if backend == "jax":
+        return _jax_reached(fn, values)
+    raise NotImplementedError(
+        "reached supports the jax, tensorflow and torch backends. "
+        f"Received: backend={backend!r}"
+    )
+
+
+def _tf_reached(fn, values):
+    import tensorflow as tf
+
+    answers = []
+
+    def probe(*tensors):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(list(tensors))
+            outputs = fn(list(tensors))
+        for output in outputs:
+            grads = tape.gradient(output, list(tensors))
+            answers.append([g is not None for g in grads])
+        return tf.constant(0.0)
+
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+    tf.function(probe).get_concrete_function(*specs)  # traced, never run
+    return answers
+
+
+def _jax_reached(fn, values):
+    import jax
+    from jax.extend import core as jax_core
+
+    def is_zero(literal):
+        return isinstance(literal, jax_core.Literal) and not getattr(literal.val, "shape", ()) and (
+            float(literal.val) == 0.0
+        )
+
+    count = len(jax.eval_shape(lambda v: fn(list(v)), list(values)))  # traced, never run
+    answers = []
+    for i in range(count):
+        closed = jax.make_jaxpr(jax.grad(lambda v, i=i: fn(list(v))[i]))(list(values))
+        producer = {id(out): eqn for eqn in closed.jaxpr.eqns for out in eqn.outvars}
+        found = []
+        for out in closed.jaxpr.outvars:
+            if is_zero(out):
+                found.append(False)
+                continue
+            eqn = producer.get(id(out))
+            symbolic_zero = (
+                eqn is not None
+                and eqn.primitive.name == "broadcast_in_dim"
+                and is_zero(eqn.invars[0])
+            )
+            found.append(not symbolic_zero)
+        answers.append(found)
+    return answers
 
 
 def frozen_variables(model, data, state=None):

@@ -17,7 +17,7 @@ def torch_runtime():
     """Imports and returns `keras_erase.torch` with its two entry modules loaded.
 
     The entry modules are `train_step` (the ERASE train step, used by
-    `EraseModel`) and `gradient_paths` (used by `keras_erase.gradient_paths`).
+    `EraseModel`) and `tensors` (its `reached`, used by `keras_erase.frozen_upstream`).
     This is the only import of `keras_erase.torch` outside that package; call
     it on the torch backend only.
 
@@ -28,7 +28,7 @@ def torch_runtime():
         logs = torch_runtime().train_step.train_step(model, model._erase, data, step)
     ```
     """
-    import keras_erase.torch.gradient_paths
+    import keras_erase.torch.tensors
     import keras_erase.torch.train_step
 
     return keras_erase.torch
@@ -46,7 +46,7 @@ class EraseRuntime:
             `"streams+graphs"`, `"inline+block_streams"`).
         selector: the `ScheduleSelector` of `"auto"` on CUDA (created at the first step).
         trackers: the local-loss `LocalLossTrackers`.
-        dispatchers: `{mode: Dispatcher}` built so far (torch).
+        dispatchers: `{Schedule: Dispatcher}` built so far (torch).
         trace: the event list while tracing, else `None`.
         grad_sync: the `GradientSync` under a torch.distributed group.
         needs_broadcast: broadcast rank 0's weights at the next step.

@@ -22,16 +22,16 @@ Example:
 "streams (launcher 'worker', placement 'block_streams', CUDA Graphs off)"
 """
 
-import dataclasses
-
 from keras_erase.auto import ScheduleSelector
+from keras_erase.config import STANDARD
 from keras_erase.config import Schedule
+from keras_erase.config import schedule_of
 from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
 from keras_erase.torch.cuda_graphs.runner import untimed_steps
 
 __all__ = [
     "CPU_EXPLANATION", "auto_candidates", "describe_schedule", "explain", "explain_fixed",
-    "fixed_label", "new_selector",
+    "new_selector",
 ]
 
 CPU_EXPLANATION = (
@@ -42,7 +42,7 @@ CPU_EXPLANATION = (
 
 
 def auto_candidates(graphs=False):
-    """Lists the schedules `"auto"` measures on CUDA: `["standard", <Schedule label>, ...]`.
+    """Lists the labels of the schedules `"auto"` measures on CUDA: `["standard", ...]`.
 
     The standard step first (the baseline), then every launcher x placement
     combination (`Schedule.every`), eager, and with `graphs`
@@ -51,7 +51,7 @@ def auto_candidates(graphs=False):
     inline launch saves the thread hand-off when the GPU is saturated).
     """
     schedules = Schedule.every(graphs=False) + (Schedule.every(graphs=True) if graphs else [])
-    return ["standard"] + [s.label for s in schedules]
+    return [STANDARD] + [s.label for s in schedules]
 
 
 def new_selector(config, combine=None):
@@ -64,7 +64,7 @@ def new_selector(config, combine=None):
     """
     candidates = auto_candidates(config.cuda_graphs)
     # graph warm-up and capture steps are never timed
-    extra_warmup = {c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if graphed(c)}
+    extra_warmup = {c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if _graphed(c)}
     return ScheduleSelector(
         candidates,
         timed_rounds=config.auto_steps,
@@ -74,30 +74,23 @@ def new_selector(config, combine=None):
     )
 
 
-def graphed(mode):
-    """Returns whether schedule label `mode` is captured as CUDA Graphs."""
-    return mode != "standard" and Schedule.from_label(mode).graphs
+def _graphed(label):
+    schedule = schedule_of(label)
+    return schedule is not None and schedule.graphs
 
 
-def describe_schedule(mode):
-    """Says what a schedule label runs, e.g. `"standard"` -> `"standard (Keras's train step)"`.
+def describe_schedule(label):
+    """Says what a schedule's label runs, e.g. `"standard"` -> `"standard (Keras's train step)"`.
 
     Any other label also names its launcher, placement and graphs, e.g.
     `"streams+graphs (launcher 'worker', placement 'block_streams', CUDA Graphs
     per block)"`.
     """
-    if mode == "standard":
+    s = schedule_of(label)
+    if s is None:
         return "standard (Keras's train step)"
-    s = Schedule.from_label(mode)
-    return (f"{mode} (launcher {s.launcher!r}, placement {s.placement!r}, CUDA Graphs "
+    return (f"{label} (launcher {s.launcher!r}, placement {s.placement!r}, CUDA Graphs "
             f"{'per block' if s.graphs else 'off'})")
-
-
-def fixed_label(config, cuda):
-    """The dispatcher key of a fixed `dispatch`: the preset's name, or the `"early"` schedule's label."""
-    if config.dispatch == "early":
-        return dataclasses.replace(config.schedule(cuda), graphs=False).label
-    return config.dispatch
 
 
 def explain_fixed(runtime, cuda):

@@ -1,82 +1,24 @@
 """Data-parallel ERASE on `torch.distributed`: per-block gradient all-reduce in a fixed order.
 
-When a `torch.distributed` process group is initialized (gloo on CPU, NCCL on
-CUDA) with more than one rank, `EraseModel`'s torch train step keeps the ranks
-in sync with a `GradientSync`:
+Under a process group of more than one rank, `EraseModel`'s torch step keeps
+the ranks in sync with a `GradientSync` (docs/erase.md, "torch.distributed"):
+rank 0's weights are broadcast at the start of training; as soon as a block's
+early backward ends, the gradients of the weights it owns
+(`keras_erase.block_weights`) are flattened into one buffer per (dtype,
+device) and all-reduced asynchronously; the remainder after the final
+backward; every handle is waited and averaged before the optimizer update.
 
-1. At the start of training (the first train step of every `fit`, and the
-   first train step ever) every model weight (`model.weights`: trainable and
-   non-trainable, e.g. batch-norm statistics; not the random seed states, so
-   dropout masks differ between ranks) is broadcast from rank 0, so all ranks
-   start from rank 0's weights. Optimizer state is not broadcast:
-   ranks start from the same optimizer state (fresh, or the same checkpoint)
-   and it then evolves identically because the averaged gradients are.
-2. During the step, as soon as a `DetachBlock`'s early backward ends, the
-   gradients of that block's weights are flattened into one buffer per
-   (dtype, device), and an asynchronous SUM all-reduce (`async_op=True`) is
-   launched on it, while the forward pass of later blocks goes on.
-3. After the final (main) backward, the gradients of every other trainable
-   weight (the "remainder": layers outside blocks, and weights shared by
-   several blocks) are all-reduced the same way.
-4. Before the optimizer update every handle is waited, each buffer is divided
-   by the world size and copied back into the `.grad` of its weights. The
-   optimizer then applies the rank-averaged gradients, identically everywhere.
-
-Why this is correct with several backward calls per step: a block's input and
-output are detached, so a weight that only the block uses receives gradient
-only from the block's local loss, through its own `torch.autograd.backward`
-call. When that call returns (and the block is not called again in the step,
-which is checked), the block's `.grad` are final for the step and can be
-reduced at once, whatever the other backward calls do later. A block therefore
-owns only the weights that no other block and no layer outside every block
-uses (`block_owned_weights`: a layer called inside a block and on the main
-path, e.g. a shared embedding, is a direct sublayer of the model as well as
-of the block); every other weight's gradient also gets the main loss's part
-(or another block's) and is reduced with the remainder, after the final
-backward. The first step checks the rule: a block-owned weight whose gradient
-grows after its block's reduction was launched (a layer reached outside the
-block in a way the layer walk cannot see, e.g. a subclassed model calling
-`block.layer` directly) stops training with an error naming the weight, before
-the optimizer applies anything. The remainder's gradients come from the
-final backward (the main loss and, with `detach_input=False`, the input
-gradients the blocks handed over: `keras_erase.torch.handoff`); they are reduced
-only after it ended. DDP is not used: its reducer hooks fire on every backward and
-assume one backward per step per iteration (`find_unused_parameters` and
-`no_sync` do not express "this parameter's gradient is final after *that*
-backward"), and its buckets follow parameter registration order, not the
-order in which ERASE finishes blocks.
-
-Collective order: gloo and NCCL match collectives by issue order, so every
-rank must issue them in the same order. Block reductions are issued right
-after each block's backward by the dispatcher, in the order blocks run, which
-is the model's fixed forward order on every rank: the inline launcher
-(`"blocking"`) issues them from the main thread, the worker launcher
-(`"threaded"`, `"streams"`) from its single FIFO worker (which runs the
-blocks' backwards in submission order). The remainder
-is issued from the main thread only after the worker queue drained, so two
-threads never issue collectives concurrently and the order never depends on
-thread timing. With `dispatch="auto"` the ranks average their step timings
-(one all-reduce) before choosing, so all ranks pick the same schedule.
-
-Each buffer carries one presence flag per weight (made on the device, no tensor
-from host data): a weight whose gradient is `None` on some rank counts as zero
-there, and stays `None` only if it is `None` on every rank (Keras optimizers
-skip `None` gradients). Only a rank that lacks some gradient reads the flags
-back (one host read in `finish`); launching a block's reduction never syncs.
-
-The `"standard"` dispatch under a process group runs one forward and one
-backward, then all-reduces every trainable gradient the same way.
-
-Logged losses and metrics are per rank (each rank's own shard); average them
-yourself (e.g. `torch.distributed.all_reduce`) if you need global values.
+Collectives are issued in the same order on every rank: block reductions in
+the model's block order, from the thread that runs the block backwards (the
+main thread inline, the single FIFO worker otherwise), the remainder from the
+main thread once the worker drained. Each buffer carries one presence flag
+per weight, so a gradient missing on some rank counts as zero there and stays
+`None` only where it is `None` on every rank.
 
 Example (one process per rank, e.g. under `torchrun`):
 
 ```python
-import torch.distributed as dist
 dist.init_process_group("gloo")  # "nccl" on CUDA
-model = build_model()            # an EraseModel with DetachBlocks
-model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
 model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
 ```
 """
@@ -116,8 +58,8 @@ def _flag_dtype(dtype):
 class _Pending:
     """One launched all-reduce: its flat buffer, handle and the weights it covers."""
 
-    def __init__(self, label, params, flat, work):
-        self.label = label
+    def __init__(self, name, params, flat, work):
+        self.name = name
         self.params = params
         self.flat = flat
         self.work = work
@@ -247,14 +189,14 @@ class GradientSync:
             self._done.add(id(v))
         self._launch("remainder", rest)
 
-    def _launch(self, label, weights):
+    def _launch(self, name, weights):
         # The parameters, never autocast copies: the inline launcher calls this
         # inside the block's mixed-precision scope.
         params = [_keras_private.uncast_value(v) for v in weights]
         params = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
         if not params:
             return
-        self.launch_order.append(label)
+        self.launch_order.append(name)
         buckets = {}
         for p in params:
             buckets.setdefault((p.dtype, p.device), []).append(p)
@@ -275,12 +217,12 @@ class GradientSync:
             if flag_dtype == dtype:
                 flat = torch.cat(pieces + flags)
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
-                pending = _Pending(label, group, (flat, None), work)
+                pending = _Pending(name, group, (flat, None), work)
             else:  # integer gradients do not exist in practice; kept for completeness
                 flat, flags = torch.cat(pieces), torch.cat(flags)
                 w1 = dist.all_reduce(flat, group=self.group, async_op=True)
                 w2 = dist.all_reduce(flags, group=self.group, async_op=True)
-                pending = _Pending(label, group, (flat, flags), (w1, w2))
+                pending = _Pending(name, group, (flat, flags), (w1, w2))
             pending.all_present = all_present
             self._pending.append(pending)
 

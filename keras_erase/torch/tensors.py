@@ -1,7 +1,8 @@
 """Torch tensor-structure helpers of the torch runtime (the bottom layer: imports no sibling).
 
-The schedules, the CUDA Graph runner and the gradient hand-off all use these;
-keeping them here keeps the import graph one-way.
+The schedules, the CUDA Graph runner and the gradient hand-off all use these,
+and the frozen-upstream check walks autograd graphs with `reached`; keeping
+them here keeps the import graph one-way.
 
 Example:
 
@@ -16,8 +17,8 @@ import torch
 from keras import tree
 
 __all__ = [
-    "detach_tensors", "flat_tensors", "is_tensor", "map_tensors", "require_cuda", "same_storage",
-    "to_device",
+    "detach_tensors", "flat_tensors", "is_tensor", "map_tensors", "reached", "require_cuda",
+    "same_storage", "to_device",
 ]
 
 
@@ -69,7 +70,7 @@ def to_device(structure, device):
     tensor from host data (which a CUDA Graph refuses) and a graph's input
     signature is the array's shape, not its values.
     Used once per step for the target and sample weight, and for block inputs
-    from a CPU `DataLoader` in `"streams"` mode.
+    from a CPU `DataLoader` under the `"block_streams"` placement.
 
     Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
     """
@@ -92,3 +93,43 @@ def require_cuda(what):
             f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False; "
             f"use dispatch='threaded', 'blocking', 'standard' or 'auto' on CPU. Received: {what}"
         )
+
+
+def reached(fn, values):
+    """Answers `[[has path from output i to value j for j] for i]` for `fn(values)` on torch.
+
+    The torch side of `keras_erase.frozen_upstream.reached` (no backward runs).
+
+    `fn` runs once (eagerly, with gradients enabled) on fresh leaves standing
+    for `values`; the autograd graph of each output is walked back to the
+    leaves, and nothing is differentiated.
+
+    Example:
+
+    >>> import torch
+    >>> reached(lambda v: [(v[0] * v[1].detach()).sum()], [torch.ones(2), torch.ones(2)])
+    [[True, False]]
+    """
+    leaves = [torch.as_tensor(v).detach().requires_grad_(True) for v in values]
+    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+    with torch.enable_grad():
+        outputs = fn(leaves)
+    answers = []
+    for output in outputs:
+        found = [False] * len(leaves)
+        if id(output) in index:
+            found[index[id(output)]] = True
+        grad_fn = getattr(output, "grad_fn", None)
+        stack = [grad_fn] if grad_fn is not None else []
+        seen = {}  # the nodes themselves: on torch 2.11 a dead node's id is reused at once
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = node
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+            if variable is not None and id(variable) in index:
+                found[index[id(variable)]] = True
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        answers.append(found)
+    return answers

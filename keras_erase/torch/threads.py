@@ -12,7 +12,7 @@
 - `None`: never touches thread counts.
 
 OpenMP teams are per thread: the worker thread sets its own count, in its own
-thread (`keras_erase.torch.schedules.threaded`). Whatever is changed on the
+thread (`keras_erase.torch.schedules.worker`). Whatever is changed on the
 main thread is restored when `fit` or `train_on_batch` returns.
 """
 
@@ -20,8 +20,6 @@ import contextlib
 import os
 
 import torch
-
-from keras_erase.config import Schedule
 
 __all__ = [
     "main_thread_count", "restored_intra_op_threads", "set_intra_op_threads", "threads_for_worker",
@@ -40,15 +38,15 @@ def set_intra_op_threads(n):
         torch.set_num_threads(int(n))
 
 
-def main_thread_count(mode, policy, cuda):
-    """Returns the main thread's intra-op count for schedule `mode` under `policy` (`None`: leave it).
+def main_thread_count(schedule, policy, cuda):
+    """Returns the main thread's intra-op count for `schedule` under `policy` (`None`: leave it).
 
-    `mode`: `"standard"` or a `keras_erase.config.Schedule` label.
+    `schedule`: the step's `keras_erase.config.Schedule` (`None`: the standard step).
     """
     if policy is None:
         return None
     if policy == "auto":
-        worker = mode != "standard" and Schedule.from_label(mode).launcher == "worker"
+        worker = schedule is not None and schedule.launcher == "worker"
         return threads_for_worker() if worker and not cuda else None
     return int(policy)
 

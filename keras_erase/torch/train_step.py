@@ -17,10 +17,9 @@ One step (`train_step`):
    dispatcher's `final_backward`: the main loss's backward down to the block
    outputs first, then wait for the blocks and run one backward of the
    shared upstream with the input gradients the `detach_input=False` blocks
-   handed over (`keras_erase.torch.handoff`), update. The dispatcher is the
-   schedule's: a launcher x a placement, graphed or not
-   (`keras_erase.torch.schedules`), keyed by its label
-   (`keras_erase.config.Schedule`).
+   handed over (`keras_erase.torch.handoff`), update. The dispatcher is
+   built from the step's `keras_erase.config.Schedule` at its first use
+   (`keras_erase.torch.schedules.make_dispatcher`).
    It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
    `compute_loss`, loss tracker, backward, `optimizer.apply`,
    `compute_metrics`); it has to own the step because the block backwards
@@ -28,6 +27,7 @@ One step (`train_step`):
 """
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -38,6 +38,8 @@ from keras import tree
 
 from keras_erase import _keras_private
 from keras_erase.block_weights import shared_weights
+from keras_erase.config import label_of
+from keras_erase.config import schedule_of
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.local_losses import batch_weight
@@ -45,8 +47,6 @@ from keras_erase.targets import select_target
 from keras_erase.torch.auto_schedule import CPU_EXPLANATION
 from keras_erase.torch.auto_schedule import explain
 from keras_erase.torch.auto_schedule import explain_fixed
-from keras_erase.torch.auto_schedule import fixed_label
-from keras_erase.torch.auto_schedule import graphed
 from keras_erase.torch.auto_schedule import new_selector
 from keras_erase.torch import distributed
 from keras_erase.torch.cuda_graphs.capture import require_capture
@@ -123,37 +123,33 @@ def gradient_sync(runtime):
 
 
 def next_schedule(runtime):
-    """Returns this step's schedule: `"standard"` or a `keras_erase.config.Schedule` label."""
+    """Returns this step's `keras_erase.config.Schedule` (`None`: the standard step)."""
     config = runtime.config
     if config.dispatch != "auto":
-        return fixed_label(config, cuda_available())
+        return config.schedule(cuda_available())
     if auto_on_cpu(config):
-        return "standard"
+        return None
     if runtime.selector is None:
         sync = gradient_sync(runtime)
         combine = None
         if sync is not None:  # every rank must choose the same schedule
             combine = distributed.mean_over_ranks
         runtime.selector = new_selector(config, combine=combine)
-    return runtime.selector.next_schedule()
+    return schedule_of(runtime.selector.next_schedule())
 
 
-def dispatcher_for(runtime, mode, model):
-    """Returns the runtime's dispatcher for `mode` (built at its first use), tracing as it does.
+def dispatcher_for(runtime, schedule, model):
+    """Returns the runtime's dispatcher for `schedule` (built at its first use), tracing as it does.
 
-    `mode` is a schedule label; a fixed `dispatch` graphs it as `cuda_graphs`
-    says, an `"auto"` candidate as its label says (`"+graphs"`). A block that
-    does not own all its weights (`keras_erase.block_weights`) is refused
-    graphs from the first step.
+    A block that does not own all its weights (`keras_erase.block_weights`) is
+    refused graphs from the first step.
     """
-    dispatcher = runtime.dispatchers.get(mode)
+    dispatcher = runtime.dispatchers.get(schedule)
     if dispatcher is None:
         config = runtime.config
-        graphs = graphed(mode) or (config.dispatch != "auto" and config.cuda_graphs)
         dispatcher = make_dispatcher(
-            mode,
+            schedule,
             num_streams=config.num_streams,
-            cuda_graphs=graphs,
             worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
         )
         if dispatcher.graphs is not None:
@@ -164,7 +160,7 @@ def dispatcher_for(runtime, mode, model):
                     dispatcher.graphs.refuse(block, f"its weights {shared[id(block)]} are also "
                                                     "used outside it (another block or the main "
                                                     "path), whose autograd graphs hold them")
-        runtime.dispatchers[mode] = dispatcher
+        runtime.dispatchers[schedule] = dispatcher
     dispatcher.trace = runtime.trace
     return dispatcher
 
@@ -181,11 +177,11 @@ def train_step(model, runtime, data, standard_step):
             require_streams(f"dispatch={config.dispatch!r} (a CUDA stream per block)")
         if config.cuda_graphs:  # CUDA, or the CPU stand-in capture (tests, dry runs)
             require_capture()
-    if config.dispatch == "early" and runtime.dispatch_choice == "early":
-        runtime.dispatch_choice = fixed_label(config, cuda_available())  # the resolved one
-    mode = next_schedule(runtime)
+    schedule = next_schedule(runtime)
+    if config.dispatch == "early" and runtime.dispatch_choice == "early":  # the resolved one
+        runtime.dispatch_choice = dataclasses.replace(schedule, graphs=False).label
     cuda = cuda_available()
-    set_intra_op_threads(main_thread_count(mode, config.intra_op_threads, cuda))
+    set_intra_op_threads(main_thread_count(schedule, config.intra_op_threads, cuda))
     selector = runtime.selector
     timing = selector is not None and not selector.done
     if timing and cuda:
@@ -195,18 +191,18 @@ def train_step(model, runtime, data, standard_step):
     if sync is not None and runtime.needs_broadcast:
         sync.broadcast_parameters(model)
         runtime.needs_broadcast = False
-    if mode == "standard" and sync is None:
+    if schedule is None and sync is None:
         logs = standard_step(data)
     else:  # the standard step under a process group: no dispatcher, one backward
-        dispatcher = None if mode == "standard" else dispatcher_for(runtime, mode, model)
+        dispatcher = None if schedule is None else dispatcher_for(runtime, schedule, model)
         logs = erase_step(model, runtime, data, dispatcher, sync)
     if timing:
         if cuda:
             torch.cuda.synchronize()
-        selector.record(mode, time.perf_counter() - start)
+        selector.record(label_of(schedule), time.perf_counter() - start)
         if selector.done:
             runtime.dispatch_choice = selector.choice
-            close_dispatchers(runtime, keep=runtime.dispatch_choice)  # the trials' workers
+            close_dispatchers(runtime, keep=schedule_of(selector.choice))  # the trials' workers
             _log_choice(runtime)
     return logs
 
@@ -249,8 +245,8 @@ def _warn_if_still_measuring(runtime):
 
 def close_dispatchers(runtime, keep=None):
     """Closes every dispatcher (its worker thread ends) except `keep`'s; a later step reopens."""
-    for mode, dispatcher in list(runtime.dispatchers.items()):
-        if mode != keep:
+    for schedule, dispatcher in list(runtime.dispatchers.items()):
+        if schedule != keep:
             dispatcher.close()
 
 

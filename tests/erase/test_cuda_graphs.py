@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from keras_erase import DetachBlock
+from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND, to_numpy
 
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
@@ -232,12 +233,12 @@ def make_dispatcher(mode, graphs):
     from keras_erase.torch import schedules
     from keras_erase.torch.cuda_graphs.capture import RecordingCapture
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
-    from keras_erase.torch.schedules.streams import StreamDispatcher
-
+    schedule = Schedule.from_label(mode)
     dispatcher = (
-        StreamDispatcher(num_streams=2, streams=FakeStreams())
+        schedules.make_dispatcher(Schedule("inline", "block_streams"), num_streams=2,
+                                  streams=FakeStreams())
         if mode == "streams"
-        else schedules.make_dispatcher(mode)
+        else schedules.make_dispatcher(schedule)
     )
     capture = None
     if graphs:
@@ -454,7 +455,7 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     import torch
 
     from keras_erase.torch import tensors
-    from keras_erase.torch.schedules import streams
+    from keras_erase.torch.schedules import placements
 
     moved = []
     real_to_device = tensors.to_device
@@ -463,15 +464,15 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
         moved.append(device)
         return real_to_device(structure, device)
 
-    monkeypatch.setattr(streams, "to_device", spy)
+    monkeypatch.setattr(placements, "to_device", spy)
     dispatcher, _ = make_dispatcher("streams", graphs=False)
     block = make_block()
     x, y, sw = batches(1)[0]
     outputs, loss = dispatcher.run_block(block, x, y, sw, lambda v: v)
     dispatcher.finish()
     assert moved == [torch.device(keras_device())]
-    log = [entry for entry in dispatcher.api.log]
-    s = dispatcher.streams[0].name
+    log = [entry for entry in dispatcher.placement.api.log]
+    s = dispatcher.placement.streams[0].name
     assert log[0] == ("wait_stream", s, "main")  # the block stream waits for its inputs
     record = next(i for i, e in enumerate(log) if e[0] == "record")
     wait = next(i for i, e in enumerate(log) if e[0] == "wait_event")
@@ -482,7 +483,7 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
     # to_device really moves (the meta device stands in for CUDA on a CPU machine).
     assert real_to_device({"y": y}, "meta")["y"].device.type == "meta"
     if not x.is_cuda:
-        streams.protect([x, y], object())  # CPU tensors: no record_stream (would raise here)
+        placements.protect([x, y], object())  # CPU tensors: no record_stream (would raise here)
 
 
 # -- capture failures ---------------------------------------------------------------------
@@ -793,7 +794,7 @@ def test_cuda_graphs_capture_and_replay_on_gpu(mode):
 
     def run(graphs):
         block = make_block()
-        d = schedules.make_dispatcher(mode, num_streams=2)
+        d = schedules.make_dispatcher(Schedule.from_label(mode), num_streams=2)
         if graphs:
             d.graphs = CudaGraphRunner(warmup=2)
         for x, y, sw in batches(6):

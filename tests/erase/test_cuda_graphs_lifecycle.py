@@ -74,8 +74,12 @@ def stand_in():
         yield captures
 
 
-def runner_of(model, mode):
-    return model._erase.dispatchers[mode].graphs
+def runner_of(model, label):
+    """The graph runner of the model's graphed dispatcher for `label` (`"threaded"`, ...)."""
+    from keras_erase.config import Schedule
+
+    schedule = Schedule.from_label(label.removesuffix("+graphs") + "+graphs")
+    return model._erase.dispatchers[schedule].graphs
 
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])

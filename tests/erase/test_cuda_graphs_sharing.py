@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from keras_erase import DetachBlock
+from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND, to_numpy
 from tests.erase.test_cuda_graphs import batches, make_block, make_dispatcher, needs_cuda, sgd_
 from tests.erase.test_cuda_graphs import stand_in_captures, train_block_with, zero_
@@ -64,7 +65,7 @@ def test_a_block_sharing_a_weight_is_refused_at_the_first_step(mode, share):
     with stand_in_captures():
         graphed = sharing_model(mode, True, share)
         graphed.train_on_batch(x[:BATCH], y[:BATCH])  # the first step
-        runner = graphed._erase.dispatchers[mode].graphs
+        runner = graphed._erase.dispatchers[Schedule.from_label(mode + "+graphs")].graphs
         refused = dict(runner.refused)
         graphed.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
     expected = ["tower"] if share == "main" else ["tower", "other"]

@@ -17,6 +17,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="CUDA Graphs are torch's")
@@ -73,7 +74,7 @@ def test_replays_never_accumulate_through_the_capture_time_graph(mode):
     from tests.erase.fake_streams import CheckedStreams
     from tests.erase.test_cuda_graphs import batches, make_block, sgd_, zero_
 
-    dispatcher = schedules.make_dispatcher(mode, streams=CheckedStreams())
+    dispatcher = schedules.make_dispatcher(Schedule.from_label(mode), streams=CheckedStreams())
     capture = SpyingCapture()
     dispatcher.graphs = CudaGraphRunner(capture=capture, warmup=1)
     blocks = [make_block(), make_block(seed=2, name="other")]
@@ -98,7 +99,7 @@ def test_each_block_has_its_own_capture_stream_and_warms_up_on_it():
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
     from tests.erase.test_cuda_graphs import batches, make_block
 
-    dispatcher = schedules.make_dispatcher("threaded")
+    dispatcher = schedules.make_dispatcher(Schedule.from_label("threaded"))
     capture = RecordingCapture()
     dispatcher.graphs = runner = CudaGraphRunner(capture=capture, warmup=2)
     blocks = [make_block(), make_block(seed=2, name="other")]

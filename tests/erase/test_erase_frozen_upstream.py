@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from keras_erase import DetachBlock, EraseModel
-from keras_erase.frozen_upstream import FrozenUpstreamWarning, frozen_variables
-from keras_erase.gradient_paths import reached
+from keras_erase.frozen_upstream import FrozenUpstreamWarning, frozen_variables, reached
 from tests.backend_utils import BACKEND, to_numpy
 
 DISPATCH = "threaded" if BACKEND == "torch" else "auto"  # torch: the ERASE step
@@ -102,7 +101,7 @@ def test_the_check_changes_no_state():
     assert logs_checked == logs_plain
 
 
-def test_gradient_paths_follow_stop_gradient():
+def test_reached_follows_stop_gradient():
     ops = keras.ops
     values = [ops.ones((3,)), ops.ones((2, 2)), ops.ones(())]
 

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND, to_numpy
 from tests.erase.test_cuda_graphs import stand_in_captures
 
@@ -317,7 +318,7 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
 def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
     """The torch step moves y/sample_weight once; every block gets that same tensor."""
     from keras_erase.torch import train_step
-    from keras_erase.torch.schedules.blocking import BlockingDispatcher
+    from keras_erase.torch.schedules.base import Dispatcher
 
     calls, seen = [], []
     real_to_device = train_step.to_device
@@ -327,14 +328,14 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
         calls.append(moved)
         return moved
 
-    real_run_block = BlockingDispatcher.run_block
+    real_run_block = Dispatcher.run_block
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         seen.append(y_true)
         return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
 
     monkeypatch.setattr(train_step, "to_device", spy)
-    monkeypatch.setattr(BlockingDispatcher, "run_block", run_block)
+    monkeypatch.setattr(Dispatcher, "run_block", run_block)
     model = _mlp_model("blocking", False)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype("float32")
@@ -371,5 +372,5 @@ def test_auto_with_graphs_never_times_warm_up_or_capture_steps(auto_measures, mo
         # one auto warm-up round + the graph warm-up steps + the capture step
         assert selector.warmup[candidate] == graph_runner.untimed_steps(graph_runner.DEFAULT_WARMUP)
         assert len(selector.times[candidate]) == selector.seen[candidate] - selector.warmup[candidate]
-    runner = model._erase.dispatchers[graphed[0]].graphs
+    runner = model._erase.dispatchers[Schedule.from_label(graphed[0])].graphs
     assert runner.captures == 3 and not runner.disabled

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND, to_numpy
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE schedules are torch's")
@@ -282,7 +283,7 @@ def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kep
         assert (f"{describe_schedule(mode)}: {selector.seen[mode]} step"
                 f"{'' if selector.seen[mode] == 1 else 's'}, median {seconds * 1e3:.1f} ms, "
                 f"p90 {seconds * 1e3:.1f} ms over 1 timed step") in text
-    kept = model._erase.dispatchers["streams+graphs"]
+    kept = model._erase.dispatchers[Schedule.from_label("streams+graphs")]
     assert kept.name == "worker+block_streams" and kept.graphs.captures == 2  # two blocks
 
 

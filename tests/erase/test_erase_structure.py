@@ -114,9 +114,9 @@ def test_the_layout_is_read_recursively():
     graph = import_graph()
     assert {
         "model", "detach_block", "runtime", "torch.train_step", "torch.schedules",
-        "torch.schedules.streams", "torch.cuda_graphs.runner", "torch.distributed",
+        "torch.schedules.placements", "torch.cuda_graphs.runner", "torch.distributed",
     } <= set(graph)
-    assert "torch.schedules.streams" in graph["torch.schedules"]
+    assert "torch.schedules.placements" in graph["torch.schedules"]
 
 
 def test_only_the_torch_package_imports_torch():
@@ -145,8 +145,8 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_the_torch_step_layers_point_down():
     graph = import_graph()
-    assert "torch.schedules.base" in graph["torch.schedules.streams"]
-    assert "torch.schedules" not in graph["torch.schedules.streams"]
+    assert "torch.schedules.base" in graph["torch.schedules"]
+    assert "torch.schedules" not in graph["torch.schedules.base"]
     assert graph["torch.tensors"] == set()
     assert "model" not in graph["torch.train_step"]
     assert not any(_in_torch_package(d) for d in graph["model"])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from keras_erase import DetachBlock, EraseModel
+from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND, to_numpy
 from tests.erase.test_erase import build_ctr, ctr_data, make_tower, train
 
@@ -175,7 +176,7 @@ def test_train_on_batch_restores_the_thread_count(dispatch, two_threads):
 
 def _live_workers():
     """The backward workers alive once garbage is collected (earlier tests' models included)."""
-    from keras_erase.torch.schedules.threaded import NAME
+    from keras_erase.torch.schedules.worker import NAME
 
     gc.collect()
     return [t for t in threading.enumerate() if t.name == NAME and t.is_alive()]
@@ -231,7 +232,9 @@ def test_worker_sets_its_own_intra_op_team_size(two_threads):
     parallel op, whatever the main thread sets later; so the worker sets its own."""
     import torch
 
-    from keras_erase.torch.schedules.threaded import ThreadedDispatcher
+    from keras_erase.torch.schedules import make_dispatcher
+
+    threaded = Schedule("worker", "default_stream")
 
     def count_in_worker(dispatcher):
         seen = []
@@ -242,7 +245,7 @@ def test_worker_sets_its_own_intra_op_team_size(two_threads):
     # What the policy is built on: a plain worker started while the main thread had 1
     # thread keeps 1 after the main thread goes back to 2.
     torch.set_num_threads(1)
-    plain = ThreadedDispatcher()
+    plain = make_dispatcher(threaded)
     assert count_in_worker(plain) == 1
     torch.set_num_threads(2)
     assert count_in_worker(plain) == 1
@@ -250,10 +253,10 @@ def test_worker_sets_its_own_intra_op_team_size(two_threads):
     # The worker with its own count: 2 although it started while the main thread had 1,
     # then 1 when asked, while the main thread stays at 2.
     torch.set_num_threads(1)
-    own = ThreadedDispatcher(worker_threads=2)
+    own = make_dispatcher(threaded, worker_threads=2)
     assert count_in_worker(own) == 2
     torch.set_num_threads(2)
-    own.worker_threads = 1
+    own.launcher.worker.threads = 1
     assert count_in_worker(own) == 1
     assert torch.get_num_threads() == 2
     own.close()
@@ -266,7 +269,7 @@ def test_threaded_model_worker_uses_the_policy_count(two_threads):
     model.compile(optimizer="sgd", loss="binary_crossentropy")
     x, y = ctr_data(16)
     model.train_on_batch(x, y)
-    dispatcher = model._erase.dispatchers["threaded"]
+    dispatcher = model._erase.dispatchers[Schedule.from_label("threaded")]
     seen = []
     dispatcher._worker.submit(lambda: seen.append(torch.get_num_threads()))
     dispatcher.finish()

@@ -1,53 +1,20 @@
 """CUDA Graphs for `DetachBlock`s: capture a block's forward + local loss and its backward once, replay them.
 
-This module is the graph runner; the capture back-ends are in
-`keras_erase.torch.cuda_graphs.capture` (`CudaGraphCapture`, the CPU stand-in
-`RecordingCapture`, `set_default_capture`) and the op recording in
-`keras_erase.torch.cuda_graphs.op_recording` (what a capture refuses).
+A `CudaGraphRunner` sits in front of a dispatcher's eager block forward
+(`keras_erase.torch.schedules.base.Dispatcher.graphs`), so graphs work with
+every launcher and placement. Per block, input signature and occurrence in
+the step it runs `warmup` eager training steps (the last on the block's own
+capture stream, its aten ops checked against what a capture refuses:
+`op_recording`), captures the forward and the local loss's backward on static
+tensors (`capture`), then replays them through one autograd node
+(`block_graph`), so gradients accumulate into `.grad` as in eager mode.
+docs/erase.md ("Schedules: launcher, placement, graphs") says why and what a block needs.
 
-A `CudaGraphRunner` sits in front of a dispatcher's eager block forward (see
-`keras_erase.torch.schedules.base.Dispatcher.graphs`), so graphs work with every
-early-backward mode (`"blocking"`, `"threaded"`, `"streams"`). For each block,
-input signature (shapes, dtypes, devices and `requires_grad` of the block's
-inputs, target and sample weight) and occurrence in the step (a block met
-twice per step, a shared tower, gets a graph pair per occurrence) it:
-
-1. runs `warmup` ordinary eager steps (real training steps, no extra passes);
-   the last one runs on the block's own capture stream (so that stream's lazy
-   state, e.g. its cuBLAS workspace, exists before the capture, outside any
-   graph's memory pool), records its aten ops and refuses graphs (clearly,
-   before any capture is tried) if they include what a capture cannot hold;
-2. captures two graphs on static tensors, on the block's capture stream (one
-   per block: each block's graphs bake their own stream's workspace, so blocks
-   replayed concurrently on different streams never share one): the forward
-   (block, head, local loss) and the backward of the local loss (the
-   gradients of the block's trainable weights and, for `detach_input=False`
-   blocks, of its cut input leaves, which are captured with the real inputs'
-   `requires_grad`). Once the backward is captured nothing of the
-   capture-time autograd graph is kept but the detached static outputs: its
-   AccumulateGrad nodes (whose stream is fixed when they are made) die with
-   it, and every replay accumulates through nodes made at replay time, on the
-   stream the dispatcher replays on;
-3. from then on replays them through one autograd node
-   (`keras_erase.torch.cuda_graphs.block_graph`), so gradients accumulate into
-   `.grad` as in eager mode.
-
-Lifetime: `close()` releases every graph and its memory pool (the dispatcher
-calls it when it closes: when `"auto"` drops a schedule and when `fit` ends);
-a runner that is garbage-collected with its model frees its graphs with it.
-After any capture failure the runner disables graphs for the rest of the run
-(logged once on the `"keras_erase"` logger) and every block runs eagerly; a
-failed capture never leaves a half-built graph in use.
-
-What a block needs to be capturable: fixed shapes per signature, no host data
-inside the block (build constants as tensors at build time), no host syncs
-(`.item()`, `float(tensor)`, data-dependent shapes), no Python randomness
-seeded per call (Keras's seeded `Dropout` does a host sync: such a block makes
-capture fail and the run falls back to eager). Keras's `activity_regularizer`
-makes a tensor from the batch size in every call (Keras 3.15), so a block using
-it is refused (before any capture, with the reason logged) and trains eagerly;
-weight regularizers (computed by `DetachBlock.own_losses` with Python-float
-factors), `Dropout` without a seed and batch normalization capture fine.
+`close()` releases every graph and its memory pool (when the dispatcher
+closes: `"auto"` dropping a schedule, the end of `fit`, garbage collection).
+After any capture failure the runner logs it once and runs every block
+eagerly for the rest of the run; a block whose weights another autograd graph
+holds is refused graphs (`refused`) and trains eagerly.
 
 Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
 

@@ -1,33 +1,27 @@
 """`Dispatcher`: one ERASE schedule, a launcher x a placement (forward, early backward, hand-off, trace).
 
-A dispatcher runs each `DetachBlock` met by the torch ERASE step (see
-`keras_erase.torch.schedules` for the contract). It is composed of:
+`EraseModel`'s torch train step hands each `DetachBlock` met in the forward
+pass to the step's dispatcher (built by `keras_erase.torch.schedules.make_dispatcher`
+from a `keras_erase.config.Schedule`):
 
-- a launcher (`keras_erase.torch.schedules.launchers`): who launches the
-  block's backward, the main thread (`"inline"`) or a worker thread (`"worker"`);
-- a placement (`keras_erase.torch.schedules.placements`): where the block's
-  forward and backward run, the default stream or one CUDA stream per block;
-- optionally a CUDA Graph runner (`graphs`, see
-  `keras_erase.torch.cuda_graphs.runner`), through which the block's forward
-  pass and local objective go.
-
-Each choice is independent of the others. The base class owns what they share:
-
-- the early backward of the local objective, which ends at the block's input:
-  for a `detach_input=False` block the inputs are cut (`keras_erase.torch.handoff`)
-  before the forward and their gradients handed over after the backward, so
-  the shared upstream runs one backward per step (`final_backward`);
-- `final_backward`: the main loss's backward down to the block outputs and the
-  hand-off first (`main_backward`), overlapping block backwards still running;
-  the blocks are joined only where the hand-off needs their input gradients;
-- the optional trace of forward/backward intervals and the `after_backward`
-  hook (the torch.distributed all-reduce of the block's gradients);
-- `close()`: ends the worker and drops the block graphs (and their memory pools).
+- `run_block(block, inputs, y_true, sample_weight, scale_loss)`: the block's
+  forward and local loss (through `graphs`, a CUDA Graph runner, when set)
+  on the placement's stream, then the backward of `scale_loss(local_loss)`
+  launched by the launcher; returns `(outputs, local_loss)` detached. That
+  backward ends at the block's input: a `detach_input=False` block's input
+  gradient is handed over (`keras_erase.torch.handoff`), so the shared
+  upstream runs one backward per step.
+- `final_backward(main_loss)`: the main loss's backward down to the block
+  outputs and the hand-off first (`main_backward`), overlapping block
+  backwards still running; then joins them and runs the upstream's backward.
+- `finish()` waits for the step's backwards and re-raises the first error;
+  `abort()` swallows it (the step already failed); `close()` ends the worker
+  and drops the block graphs (a later step reopens).
 
 Example:
 
 ```python
-dispatcher = make_dispatcher("threaded")
+dispatcher = make_dispatcher(Schedule("worker", "default_stream"))
 outputs, loss = dispatcher.run_block(block, inputs, y, None, lambda v: v)
 dispatcher.final_backward(main_loss)   # main part, join, one upstream backward
 ```
@@ -76,8 +70,7 @@ class Dispatcher:
         # torch.distributed gradient all-reduce; see `keras_erase.torch.distributed`).
         self.after_backward = None
         # A `CudaGraphRunner` (`keras_erase.torch.cuda_graphs.runner`), set by
-        # `make_dispatcher` when `cuda_graphs=True`: every block forward then goes
-        # through it.
+        # `make_dispatcher` for a graphed schedule: every block forward goes through it.
         self.graphs = None
         # One thread and one stream run every block backward in order: the hand-off
         # sums each input gradient right there; otherwise on the main stream at the end.

@@ -173,14 +173,12 @@ class BlockStreams:
         api: the stream API (`CudaStreams()` on CUDA; a fake in CPU tests).
         num_streams: `None` (default): one stream per block; an int caps the
             streams (blocks then share them round robin, in order of first use).
-        move: `move(structure, device)` moves the step's tensors to the device
-            (`keras_erase.torch.tensors.to_device`).
     """
 
     name = "block_streams"
     one_stream = False  # one stream per block: the hand-off sums on the main stream
 
-    def __init__(self, api=None, num_streams=None, move=to_device):
+    def __init__(self, api=None, num_streams=None):
         if num_streams is not None and int(num_streams) < 1:
             raise ValueError(
                 f"`num_streams` must be None or >= 1. Received: num_streams={num_streams}"
@@ -191,7 +189,6 @@ class BlockStreams:
         self._block_stream = {}
         self._used = []
         self.main = None
-        self._move = move
 
     def stream_for(self, block):
         """The stream of `block` (a new one at its first use, until `num_streams` exist)."""
@@ -208,7 +205,7 @@ class BlockStreams:
 
     def enter(self, block, tensors):
         api = self.api
-        tensors = self._move(tensors, api.device)
+        tensors = to_device(tensors, api.device)  # a CPU batch moves to the device
         main = self.main = api.current_stream()
         stream = self.stream_for(block)
         stream.wait_stream(main)  # the block reads finished inputs
