@@ -1,7 +1,7 @@
 """Constants and small helpers shared by the public API and every backend.
 
 - `EMPTY_ID`: the id of "no item" (padding targets, empty top-k slots).
-- `round_up`, `on_tpu`: tiling arithmetic and the device test.
+- `round_up`, `on_tpu`, `static_dims`: tiling arithmetic, the device test, static shapes.
 - `ids_as_int32`: the one rule for integer ids of any width. Ids outside
   `[0, V)` are padding by contract, so they become `EMPTY_ID` *in their own
   dtype*, before the cast to int32 the kernels use. A plain cast would wrap
@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["EMPTY_ID", "ids_as_int32", "is_host_array", "on_tpu", "round_up"]
+__all__ = ["EMPTY_ID", "ids_as_int32", "is_host_array", "on_tpu", "round_up", "static_dims"]
 
 EMPTY_ID = -1
 
@@ -88,3 +88,25 @@ def ids_as_int32(ids, vocab_size):
     elif int(vocab_size) <= int(np.iinfo(dtype).max):  # else no id of this dtype reaches V
         inside = ops.logical_and(inside, ids < int(vocab_size))
     return ops.cast(ops.where(inside, ids, ops.full_like(ids, EMPTY_ID)), "int32")
+
+
+def static_dims(x):
+    """Returns the static dimensions of `x` as a tuple of ints, None where unknown.
+
+    Example:
+
+    >>> import numpy as np
+    >>> static_dims(np.zeros((2, 3)))
+    (2, 3)
+    """
+    from keras import ops
+
+    shape = getattr(x, "shape", None)
+    shape = tuple(ops.shape(x)) if shape is None else tuple(shape)
+    out = []
+    for d in shape:
+        try:
+            out.append(None if d is None else int(d))
+        except TypeError:
+            out.append(None)
+    return tuple(out)
