@@ -186,9 +186,10 @@ def test_bf16_split_products_keep_fp32_accuracy(rng):
     """The gradient products of bf16 inputs: the hi/lo split gives ~1e-5, one rounding ~3e-3."""
     import torch
 
-    from keras_cutbce.backends.torch import kernel
+    from keras_cutbce.backends.torch import kernel, math
     from keras_cutbce.backends.torch.positives import Positives
     from keras_cutbce.backends.torch.triton import launch
+    from keras_cutbce.math.coefficients import bce_coefficients
     from keras_cutbce.math.tiling import vocab_tiles
 
     m, d, v = 33, 16, 90
@@ -199,9 +200,11 @@ def test_bf16_split_products_keep_fp32_accuracy(rng):
     positives = Positives(ids, tiles)
     scale = torch.rand(m, device=h.device) + 0.5
     need = (True, True, True)
+    family = math.BCE(bce_coefficients())
     got = launch.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
-                            operands=torch.bfloat16)
-    want = kernel.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need)
+                            family=family, operands=torch.bfloat16)
+    want = kernel.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
+                             family=family)
     for g, w in zip(got, want):
         np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=5e-5, atol=5e-5 * float(w.abs().max()))
 

@@ -23,6 +23,7 @@ import os
 import torch
 
 from keras_cutbce.backends.torch import chunked
+from keras_cutbce.backends.torch.math import BCE
 from keras_cutbce.backends.torch.math import compute_dtype
 from keras_cutbce.backends.torch.triton import config
 
@@ -152,7 +153,7 @@ def operand_dtype(hidden):
 
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
-               operands=torch.float32):
+               family, stats=None, operands=torch.float32):
     """Returns the background `sum_v softplus(z_v)` over each row's negatives, and its gradients.
 
     As `keras_cutbce.backends.torch.kernel.dense_pass` (same arguments and
@@ -163,8 +164,11 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     `V` only.
 
     The parity tests (`tests/cutbce/test_triton_interpreter.py`) compare it,
-    through the public op, with the dense reference and Keras's BCE.
+    through the public op, with the dense reference and Keras's BCE. The
+    loss family is compiled into the kernels: `family` must be `BCE`.
     """
+    if not isinstance(family, BCE):
+        raise NotImplementedError(f"The Triton kernels compute BCE only. Received: family={family!r}")
     module = kernels(h.device)
     interpret = interpreting()
     num_rows, dim = h.shape
