@@ -1,7 +1,8 @@
-"""The per-logit math of CutBCE on JAX, written once for the chunked and Pallas kernels.
+"""The per-logit math of CutBCE on JAX for the chunked loop, and its loss family `BCE`.
 
-Plain `jax.numpy` functions, so they run in an XLA loop (`chunked`) and
-inside a Pallas kernel alike (`pallas.kernel`). The weights come from
+Plain `jax.numpy` functions run in the XLA loop (`chunked`; the Pallas
+kernel has its own, `pallas.logit_terms`, and uses `sorted_positives`
+from here). The weights come from
 `keras_cutbce.math.coefficients.bce_coefficients`; every logit `z` gets one
 `exp` and one `log1p`, in float32: with `e = exp(-|z|)`,
 
@@ -18,8 +19,8 @@ inside a Pallas kernel alike (`pallas.kernel`). The weights come from
   `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
 
 `terms` and `slopes` take a `positive` flag (all negatives, all positives,
-or a per-logit mask: the chunked kernel sums the negatives densely and the
-positives apart, the Pallas kernel selects per logit). A weight that is
+or a per-logit mask; the chunked loop sums the negatives densely and the
+positives apart). A weight that is
 statically 0 (or a scale of 1) costs nothing: the coefficients are Python
 floats, so the branch is taken at trace time.
 """
