@@ -19,6 +19,7 @@ from keras import ops
 from keras_cutbce import registry
 from keras_cutbce.common import ids_as_int32
 from keras_cutbce.common import is_host_array
+from keras_cutbce.common import static_dims
 from keras_cutbce.ids import refuse_multi_hot
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "check_cutoffs",
     "check_hidden_and_table",
     "check_id_list",
-    "check_implementation",
     "check_int",
     "check_k",
     "check_label_smoothing",
@@ -43,26 +43,6 @@ __all__ = [
 
 
 # -- shapes and dtypes --------------------------------------------------------
-
-
-def static_dims(x):
-    """Returns the static dimensions of `x` as a tuple of ints, None where unknown.
-
-    Example:
-
-    >>> import numpy as np
-    >>> static_dims(np.zeros((2, 3)))
-    (2, 3)
-    """
-    shape = getattr(x, "shape", None)
-    shape = tuple(ops.shape(x)) if shape is None else tuple(shape)
-    out = []
-    for d in shape:
-        try:
-            out.append(None if d is None else int(d))
-        except TypeError:
-            out.append(None)
-    return tuple(out)
 
 
 def _dtype(x):
@@ -144,27 +124,6 @@ def check_pos_weight(pos_weight):
     return value
 
 
-_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch", "tensorflow": "TensorFlow"}
-
-
-def check_implementation(implementation):
-    """Returns `implementation`, one of `registry.NAMES` (`"pallas"` on JAX, `"triton"` on torch only)."""
-    if not isinstance(implementation, str) or implementation not in registry.NAMES:
-        raise ValueError(
-            f"`implementation` must be one of {registry.NAMES}. "
-            f"Received: implementation={implementation!r}"
-        )
-    backend = keras.backend.backend()
-    runs_on = registry.backends_of(implementation)
-    if backend in registry.BACKENDS and backend not in runs_on:
-        names = " or ".join(_BACKEND_NAMES.get(b, b) for b in runs_on)
-        raise ValueError(
-            f"`implementation={implementation!r}` needs the {names} backend. "
-            f"Received: the Keras backend {backend!r}"
-        )
-    return implementation
-
-
 class LossOptions(NamedTuple):
     """The checked scalar options of the loss ops."""
 
@@ -186,7 +145,7 @@ def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implement
         label_smoothing=check_label_smoothing(label_smoothing),
         pos_weight=check_pos_weight(pos_weight),
         chunk_size=check_chunk_size(chunk_size),
-        implementation=check_implementation(implementation),
+        implementation=registry.check_implementation(implementation),
     )
 
 

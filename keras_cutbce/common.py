@@ -1,7 +1,7 @@
 """Constants and small helpers shared by the public API and every backend.
 
 - `EMPTY_ID`: the id of "no item" (padding targets, empty top-k slots).
-- `round_up`, `on_tpu`: tiling arithmetic and the device test.
+- `round_up`, `on_tpu`, `static_dims`: tiling arithmetic, the device test, static shapes.
 - `is_host_array`, `concrete_values`: data on the host, and the values of
   data that can be read now (not traced).
 - `ids_as_int32`: the one rule for integer ids of any width. Ids outside
@@ -14,7 +14,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["EMPTY_ID", "concrete_values", "ids_as_int32", "is_host_array", "on_tpu", "round_up"]
+__all__ = ["EMPTY_ID", "concrete_values", "ids_as_int32", "is_host_array", "on_tpu", "round_up", "static_dims"]
 
 EMPTY_ID = -1
 
@@ -127,3 +127,25 @@ def ids_as_int32(ids, vocab_size):
     elif int(vocab_size) <= int(np.iinfo(dtype).max):  # else no id of this dtype reaches V
         inside = ops.logical_and(inside, ids < int(vocab_size))
     return ops.cast(ops.where(inside, ids, ops.full_like(ids, EMPTY_ID)), "int32")
+
+
+def static_dims(x):
+    """Returns the static dimensions of `x` as a tuple of ints, None where unknown.
+
+    Example:
+
+    >>> import numpy as np
+    >>> static_dims(np.zeros((2, 3)))
+    (2, 3)
+    """
+    from keras import ops
+
+    shape = getattr(x, "shape", None)
+    shape = tuple(ops.shape(x)) if shape is None else tuple(shape)
+    out = []
+    for d in shape:
+        try:
+            out.append(None if d is None else int(d))
+        except TypeError:
+            out.append(None)
+    return tuple(out)

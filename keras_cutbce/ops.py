@@ -3,8 +3,8 @@
 Each op checks its arguments (`keras_cutbce.checks`), reads the item table
 into one `ItemTable` (`keras_cutbce.item_table`), turns the ids into int32
 with one padding id (`EMPTY_ID`), flattens to 2-D and calls the function
-`keras_cutbce.registry` names for the op and the implementation that
-`keras_cutbce.routing` chooses. The kernels trust their inputs.
+`keras_cutbce.registry.dispatch` chooses for the op and the implementation
+(the kernel contract is written there). The kernels trust their inputs.
 """
 
 from typing import NamedTuple
@@ -18,7 +18,7 @@ from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import resolve_bias
 from keras_cutbce.math.positives import first_item
 from keras_cutbce.math.positives import item_logits
-from keras_cutbce.routing import dispatch
+from keras_cutbce.registry import dispatch
 
 __all__ = [
     "cut_binary_crossentropy",

@@ -1,4 +1,4 @@
-"""Which function runs each op for each implementation, and the order `auto` tries.
+"""Every dispatch decision: which function runs an op, for any backend, device, dtype and input.
 
 `IMPLEMENTATIONS[op][implementation][backend]` is the import path
 (`"module:function"`) of the function that runs `op`; `ANY_BACKEND` marks
@@ -6,7 +6,8 @@ one that runs on every backend. Modules are imported when an op first runs,
 and the function is looked up on every call (so a patched module attribute is
 what runs). Every backend module path is written here and nowhere else.
 
-The ops (on 2-D inputs, ids already int32 with padding `EMPTY_ID`):
+The kernel contract (every implementation, on 2-D inputs the public ops have
+checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
 
 - `cut_bce(hidden [M, D], table [V, D], ids [M, L], bias [V] | None, *,
   label_smoothing, pos_weight, chunk_size) -> loss [M] float32`;
@@ -25,30 +26,53 @@ The ops (on 2-D inputs, ids already int32 with padding `EMPTY_ID`):
 Retrieval has no ranking for a row any of whose V logits is NaN: `top_k`
 gives it NaN scores and ids `EMPTY_ID`, `count_above` -1.
 
-`"sharded"` (JAX) takes an extra `sharding=` keyword; the ops route a table
-split along V over a JAX mesh to it under `"auto"` and `"chunked"`.
+`"sharded"` (JAX) takes an extra `sharding=` keyword.
 
-`AUTO_ORDER[platform]` lists what `implementation="auto"` tries on a device,
-first to last: the first implementation that has the op on the active
-backend, and whose library (`REQUIRES`) is installed, runs. On torch the
-platform is the tensors' device (`"gpu"` for CUDA): CUDA tensors run
-`"triton"` (the fused Triton kernels) when Triton is installed.
+The routing (`dispatch`):
+
+- a table split along V over a JAX mesh runs `"sharded"` under `"auto"` and
+  `"chunked"` (read from the table's variable, so a traced value inside a
+  compiled step is routed too);
+- `"auto"` runs the first implementation of `AUTO_ORDER[platform]` that has
+  the op on the backend and whose library (`REQUIRES`) is installed. The
+  platform is the one the program is compiled for (on JAX with the TPU
+  compiler and no known platform, both are traced and the lowering keeps the
+  platform's: `backends.jax.compile_platform`), on torch the device of the
+  hidden states (`"gpu"` for CUDA);
+- an implementation with a `FITS` entry runs only the inputs that entry
+  accepts; the others run `"chunked"` (the Triton kernels: not float64, not
+  `D > 256`, not fp32 products at full precision with `D > 128`);
+- `chunk_size=None` resolves with `math.tiling.default_chunk_size` for the
+  chunked kernels (Pallas, Triton and the sharded path choose their own tiles).
 """
 
 import importlib
 import importlib.util
+import math
+
+import keras
+
+from keras_cutbce.common import static_dims
+from keras_cutbce.item_table import ItemTable
+from keras_cutbce.math.tiling import default_chunk_size
+from keras_cutbce.math.tiling import max_tile
+from keras_cutbce.math.tiling import tile_budget_bytes
 
 __all__ = [
     "ANY_BACKEND",
     "AUTO_ORDER",
     "BACKENDS",
+    "FITS",
     "IMPLEMENTATIONS",
     "NAMES",
     "REQUIRES",
     "auto",
     "backends_of",
+    "check_implementation",
+    "dispatch",
     "get",
     "has",
+    "select_implementation",
 ]
 
 ANY_BACKEND = "*"
@@ -72,7 +96,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.chunked:cut_bce",
         },
         "pallas": {"jax": f"{_JAX}.pallas:cut_bce"},
-        "triton": {"torch": f"{_TORCH}.triton:cut_bce"},
+        "triton": {"torch": f"{_TORCH}.triton.launch:cut_bce"},
         "sharded": {"jax": f"{_JAX}.sharded:cut_bce"},
     },
     "cut_bce_weighted_sum": {
@@ -82,7 +106,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.chunked:cut_bce_weighted_sum",
         },
         "pallas": {"jax": f"{_JAX}.pallas:cut_bce_weighted_sum"},
-        "triton": {"torch": f"{_TORCH}.triton:cut_bce_weighted_sum"},
+        "triton": {"torch": f"{_TORCH}.triton.launch:cut_bce_weighted_sum"},
     },
     "top_k": {
         "chunked": {
@@ -111,6 +135,9 @@ _DEFAULT_ORDER = ("chunked",)
 
 # The library an implementation needs; `auto` passes over it when it is missing.
 REQUIRES = {"triton": "triton"}
+
+# An implementation's check `fits(hidden, table, bias) -> bool`; inputs it refuses run "chunked".
+FITS = {"triton": f"{_TORCH}.triton.launch:fits"}
 
 
 def _path(op, implementation, backend):
@@ -158,6 +185,10 @@ def get(op, implementation, backend):
             f"CutBCE has no {implementation!r} implementation of {op!r} on the "
             f"{backend!r} backend."
         )
+    return _load(path)
+
+
+def _load(path):
     module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -179,3 +210,121 @@ def auto(op, backend, platform):
         if has(op, implementation, backend) and _installed(implementation):
             return implementation
     raise NotImplementedError(f"CutBCE has no implementation of {op!r} on {backend!r}.")
+
+
+_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch", "tensorflow": "TensorFlow"}
+
+
+def check_implementation(implementation):
+    """Returns `implementation`, one of `NAMES` (`"pallas"` on JAX, `"triton"` on torch only)."""
+    if not isinstance(implementation, str) or implementation not in NAMES:
+        raise ValueError(
+            f"`implementation` must be one of {NAMES}. "
+            f"Received: implementation={implementation!r}"
+        )
+    backend = keras.backend.backend()
+    runs_on = backends_of(implementation)
+    if backend in BACKENDS and backend not in runs_on:
+        names = " or ".join(_BACKEND_NAMES.get(b, b) for b in runs_on)
+        raise ValueError(
+            f"`implementation={implementation!r}` needs the {names} backend. "
+            f"Received: the Keras backend {backend!r}"
+        )
+    return implementation
+
+
+def _platform(tensor):
+    """Returns "cpu", "gpu", "tpu", ... where the active backend runs `tensor`."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.default_backend()
+    if backend == "torch":
+        return "gpu" if tensor.device.type == "cuda" else tensor.device.type
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    return "cpu"
+
+
+def _default_chunk_size(hidden, table):
+    lead = static_dims(hidden)[:-1]
+    rows = None if None in lead else int(math.prod(lead))
+    vocab, dim = static_dims(table)
+    vocab = vocab or 2**20
+    backend, platform = keras.backend.backend(), _platform(hidden)
+    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0))
+    return default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
+
+
+def _compiled_platform(backend):
+    """Returns the platform the program is compiled for; None on JAX when decided at lowering."""
+    if backend != "jax":
+        return None
+    from keras_cutbce.backends.jax import compile_platform
+
+    return compile_platform.compiled_platform()
+
+
+def select_implementation(implementation="auto"):
+    """Returns the implementation `"auto"` resolves to on this backend and target.
+
+    On JAX, `"pallas"` when the program is compiled for a TPU (known at trace
+    time: a TPU host, a TPU mesh or `jax.default_device`), else `"chunked"`.
+    When the target is only known at lowering (a CPU host with the TPU
+    compiler), `dispatch` compiles both and keeps the target's; this
+    function then answers for the host. Any value but `"auto"` is returned
+    as it is.
+
+    Example:
+
+    >>> select_implementation("reference")
+    'reference'
+    """
+    check_implementation(implementation)
+    if implementation != "auto":
+        return implementation
+    backend = keras.backend.backend()
+    return auto("cut_bce", backend, _compiled_platform(backend))
+
+
+def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
+    """Runs `op` on checked 2-D inputs; `table` is an `ItemTable`.
+
+    Returns None when the chosen implementation has no such op (only
+    `cut_bce_weighted_sum`, which the caller then reduces from `cut_bce`).
+    """
+    backend = keras.backend.backend()
+    if implementation in ("auto", "chunked") and table.sharding is not None:
+        route = "sharded"
+    elif implementation == "auto":
+        # On torch the tensors' device decides (CUDA: the Triton kernels).
+        platform = _platform(hidden) if backend == "torch" else _compiled_platform(backend)
+        tpu, other = auto(op, backend, "tpu"), auto(op, backend, platform)
+        if platform is None and tpu != other:
+            from keras_cutbce.backends.jax import compile_platform
+
+            def run(route):
+                return lambda h, t, *a: dispatch(op, route, h, ItemTable(t, sharding=None),
+                                                   *a, chunk_size=chunk_size, **kwargs)
+
+            return compile_platform.by_platform((hidden, table.value) + args, run(tpu), run(other))
+        route = other
+    else:
+        route = implementation
+    if route in FITS and not _load(FITS[route])(hidden, table.value, args[1]):  # args: ids, bias, ...
+        route = "chunked"
+    if not has(op, route, backend):
+        return None
+    kernel = get(op, route, backend)
+    if route == "reference":
+        return kernel(hidden, table.value, *args, **kwargs)
+    if route == "sharded":
+        kwargs["sharding"] = table.sharding
+        if op == "cut_bce" and implementation == "chunked":
+            kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
+    elif route == "chunked" and chunk_size is None:
+        chunk_size = _default_chunk_size(hidden, table.value)
+    return kernel(hidden, table.value, *args, chunk_size=chunk_size, **kwargs)

@@ -341,14 +341,14 @@ def test_dispatch_table_runs_the_named_implementation(monkeypatch):
 ])
 def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, other_tile):
     """`chunk_size=None` on CPU: torch budgets the table gradient (V x D x 4 bytes, D = 64 here)."""
-    from keras_cutbce import routing
+    from keras_cutbce import registry
 
     hidden = ops.zeros((rows, 64))
-    if routing._platform(hidden) != "cpu":
+    if registry._platform(hidden) != "cpu":
         pytest.skip("the CPU rule")
     table = np.broadcast_to(np.float32(0), (vocab, 64))  # no memory: only its shape is read
     want = torch_tile if BACKEND == "torch" else other_tile
-    assert routing._default_chunk_size(hidden, table) == want
+    assert registry._default_chunk_size(hidden, table) == want
 
 
 def test_registry_entries_of_this_backend_resolve_to_functions():

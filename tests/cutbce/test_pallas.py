@@ -210,13 +210,13 @@ def test_pallas_path_really_runs(rng):
 def test_auto_never_picks_interpreted_pallas_off_tpu():
     import jax
 
-    from keras_cutbce import routing
+    from keras_cutbce import registry
 
     if jax.devices()[0].platform == "tpu":
-        assert routing.select_implementation("auto") == "pallas"
+        assert registry.select_implementation("auto") == "pallas"
     else:
-        assert routing.select_implementation("auto") == "chunked"
-        assert routing.select_implementation("pallas") == "pallas"
+        assert registry.select_implementation("auto") == "chunked"
+        assert registry.select_implementation("pallas") == "pallas"
 
 
 def test_interpreter_is_the_default_off_tpu():

@@ -92,7 +92,7 @@ def _kernels():
         from tests.cutbce.test_triton_parity import triton_runs_here
 
         if triton_runs_here():  # in the Triton interpreter's child process (or on a GPU)
-            from keras_cutbce.backends.torch import triton
+            from keras_cutbce.backends.torch.triton import launch as triton
 
             kernels["torch_triton"] = (True, lambda h, t, i, b, g, a, p: triton.cut_bce(
                 h, t, i, b, label_smoothing=a, pos_weight=p))

@@ -38,13 +38,13 @@ def test_triton_is_torch_only():
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
 def test_cpu_tensors_run_the_chunked_loop_under_auto(monkeypatch):
-    from keras_cutbce.backends.torch import triton
+    from keras_cutbce.backends.torch.triton import launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("auto routed CPU tensors to the Triton kernels")
 
-    monkeypatch.setattr(triton, "cut_bce", refuse)
-    monkeypatch.setattr(triton, "cut_bce_weighted_sum", refuse)
+    monkeypatch.setattr(launch, "cut_bce", refuse)
+    monkeypatch.setattr(launch, "cut_bce_weighted_sum", refuse)
     loss = cut_binary_crossentropy(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
                                    np.zeros((2, 1), "int32"))
     assert tuple(loss.shape) == (2,)
@@ -91,3 +91,35 @@ def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(policy, monke
             CutBCELoss(items, implementation="triton")(ids, hidden)
     want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[compute]
     assert seen == [torch.bfloat16 if autocast else want] * 2
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
+@pytest.mark.parametrize("dtype, dim, fits", [
+    ("float32", 8, True), ("bfloat16", 200, True), ("float64", 8, False),
+    ("float32", 200, False), ("bfloat16", 300, False),
+])
+def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(dtype, dim, fits, monkeypatch):
+    """The registry's `FITS` entry: float64, `D > 256` and fp32 products at full precision
+    with `D > 128` run the chunked loop under `"triton"`; the others the kernels."""
+    import torch
+
+    from keras_cutbce.backends.torch import chunked
+    from keras_cutbce.backends.torch.triton import launch
+
+    ran = []
+    for name in ("cut_bce", "cut_bce_weighted_sum"):
+        zeros = torch.zeros(2) if name == "cut_bce" else torch.zeros(())
+        monkeypatch.setattr(launch, name, lambda *a, name=name, zeros=zeros, **k: (
+            ran.append(("triton", name)), zeros)[1])
+        real = getattr(chunked, name)
+        monkeypatch.setattr(chunked, name, lambda *a, real=real, name=name, **k: (
+            ran.append(("chunked", name)), real(*a, **k))[1])
+    hidden = torch.ones((2, dim), dtype=getattr(torch, dtype))
+    table = torch.ones((5, dim), dtype=getattr(torch, dtype))
+    ids = np.zeros((2, 1), "int32")
+    cut_binary_crossentropy(hidden, table, ids, implementation="triton")
+    from keras_cutbce.ops import weighted_loss_sum
+
+    weighted_loss_sum(hidden, table, ids, np.ones(2, "float32"), implementation="triton")
+    route = "triton" if fits else "chunked"
+    assert ran == [(route, "cut_bce"), (route, "cut_bce_weighted_sum")]

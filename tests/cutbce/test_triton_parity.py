@@ -126,7 +126,7 @@ def _keras_objective(ids, a, v, cotangent):
 def test_per_row_loss_and_gradients_under_any_cotangent(name, rng):
     import torch
 
-    from keras_cutbce.backends.torch import triton as kernels
+    from keras_cutbce.backends.torch.triton import launch as kernels
 
     h, e, b, ids, (a, p, dtype) = _problem(name, rng)
     cotangent = torch.tensor(rng.normal(size=h.shape[0]), dtype=torch.float32, device=h.device)
@@ -148,7 +148,7 @@ def test_per_row_loss_and_gradients_under_any_cotangent(name, rng):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_weighted_sum(name, rng):
-    from keras_cutbce.backends.torch import triton as kernels
+    from keras_cutbce.backends.torch.triton import launch as kernels
 
     h, e, b, ids, (a, p, dtype) = _problem(name, rng)
     w = row_weights(rng, h.shape[0]).to(h.device)
@@ -186,9 +186,10 @@ def test_bf16_split_products_keep_fp32_accuracy(rng):
     """The gradient products of bf16 inputs: the hi/lo split gives ~1e-5, one rounding ~3e-3."""
     import torch
 
-    from keras_cutbce.backends.torch import kernel
+    from keras_cutbce.backends.torch import kernel, math
     from keras_cutbce.backends.torch.positives import Positives
     from keras_cutbce.backends.torch.triton import launch
+    from keras_cutbce.math.coefficients import bce_coefficients
     from keras_cutbce.math.tiling import vocab_tiles
 
     m, d, v = 33, 16, 90
@@ -199,9 +200,11 @@ def test_bf16_split_products_keep_fp32_accuracy(rng):
     positives = Positives(ids, tiles)
     scale = torch.rand(m, device=h.device) + 0.5
     need = (True, True, True)
+    family = math.BCE(bce_coefficients())
     got = launch.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
-                            operands=torch.bfloat16)
-    want = kernel.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need)
+                            family=family, operands=torch.bfloat16)
+    want = kernel.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
+                             family=family)
     for g, w in zip(got, want):
         np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=5e-5, atol=5e-5 * float(w.abs().max()))
 
@@ -217,7 +220,7 @@ def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, rng):
     """
     import torch
 
-    from keras_cutbce.backends.torch import triton as kernels
+    from keras_cutbce.backends.torch.triton import launch as kernels
     from tests.backend_utils import assert_within_low_precision, dtype_policy, loss_scale
     from tests.cutbce.kernel_inputs import dense_under_policy, policy_inputs
     from tests.cutbce.test_chunked import truth
@@ -257,7 +260,7 @@ def test_float16_table_gradient_under_a_loss_scale(rng):
     import torch
 
     from keras_cutbce.backends.torch import chunked
-    from keras_cutbce.backends.torch import triton as kernels
+    from keras_cutbce.backends.torch.triton import launch as kernels
     from tests.backend_utils import LOSS_SCALE, worst_row_error
     from tests.cutbce.test_chunked import truth
 

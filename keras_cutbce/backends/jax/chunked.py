@@ -16,12 +16,14 @@ two parts, so the `[M, V]` logits never exist:
   and subtracted back, so a saturated positive keeps full float32
   precision whatever V.
 
-The per-logit terms and slopes are `keras_cutbce.backends.jax.math`'s (the
-functions the Pallas kernel calls); the `custom_vjp` is
-`keras_cutbce.backends.jax.vjp`'s. What is this kernel's own: the loop (a
-`lax.scan` with the per-row loss, the hidden gradient and the table and
-bias gradients in its carry, the table gradient written tile by tile in
-place into its `[V, D]` buffer) and the positives' gather and scatter-add.
+The loss is the one varying piece: the loop is given a loss family
+(`math.BCE` here; the seam: docs/development.md), which turns each tile's
+logits into its part of the rows' reduction and its slopes, and the
+positives' logits into their terms. What is the loop's own: a `lax.scan`
+with the rows' reduction, the hidden gradient and the table and bias
+gradients in its carry (the table gradient written tile by tile in place
+into its `[V, D]` buffer), the positives' gather and scatter-add, and the
+`custom_vjp` (`keras_cutbce.backends.jax.vjp`).
 
 `cut_bce` (per-row loss) keeps only the inputs as residuals; its backward
 pass recomputes the logits tile by tile. `cut_bce_weighted_sum` (a scalar,
@@ -86,13 +88,6 @@ def mask_positives(z, ids, start):
     return z.at[row, column].set(-jnp.inf, mode="drop")
 
 
-def _drop_masked(values, z, coef):
-    """Returns `values` with 0 where `mask_positives` put `-inf` (only label smoothing needs it)."""
-    if coef.neg_target == 0.0:
-        return values
-    return jnp.where(z == -jnp.inf, 0.0, values)
-
-
 # ----------------------------------------------------------------- tiling ---
 
 
@@ -103,49 +98,40 @@ def _tile_at(table, bias, start, size):
     return table_tile, bias_tile
 
 
-def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, coef, *, loss, row_scale):
-    """Computes one vocabulary tile's negatives: the per-tile math, written once.
+def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, family, stats, *, loss,
+               row_scale):
+    """Computes one vocabulary tile: the logits, then what the loss family makes of them.
 
-    Computes the tile's logits `z` (one matmul), sets the row's positives to
-    `-inf` (`mask_positives`, O(M L)), so their terms are exactly 0 here (the
-    positives' pass adds them exactly), and `e = exp(-|z|)` once, shared by
-    softplus and sigmoid. Then what is asked for:
-
-    - `loss=True`: the per-row sum of `neg_scale softplus(z) - neg_target z`
-      over the tile's negatives (`[M]` float32), else `None`;
-    - `row_scale` (`[M]` float32) given: with
-      `dZ = row_scale[:, None] * (neg_scale sigmoid(z) - neg_target)` (0 at
-      the positives), the tile's part of the hidden gradient `dZ @ E_tile`
-      (`[M, D]`) and `hidden_t @ dZ` (`[D (+1), tile]`: the table gradient,
-      transposed, and in its last row the bias gradient when `hidden_t`
-      carries a row of ones), else `None, None`.
-
-    Per logit: one exp, one log1p (loss), one reciprocal (gradient) and a
-    few selects; per tile, `dZ` is read by two matmuls only, both plain
-    (untransposed) for XLA's CPU backend.
+    Computes the tile's logits `z` (one matmul; a family that `masks_positives`
+    gets the row's positives at `-inf`, `mask_positives`, O(M L)), then
+    `family.tile`: the tile's part of the rows' reduction if `loss` (else
+    `None`), and, with `row_scale` (`[M]` float32), the slopes `S`, scaled
+    per row to `dZ`, for the tile's part of the hidden gradient `dZ @ E_tile`
+    (`[M, D]`) and `hidden_t @ dZ` (`[D (+1), tile]`: the table gradient,
+    transposed, and in its last row the bias gradient when `hidden_t`
+    carries a row of ones), else `None, None`. `dZ` is read by two plain
+    (untransposed) matmuls only, for XLA's CPU backend.
     """
-    z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
-    e = math.exp_neg_abs(z)
-    loss_rows = None
-    if loss:
-        terms = _drop_masked(math.terms(z, e, coef), z, coef)
-        loss_rows = jnp.sum(terms, axis=1)
+    z = tile_logits(hidden, table_tile, bias_tile)
+    if family.masks_positives:
+        z = mask_positives(z, ids, start)
+    part, slopes = family.tile(z, stats, loss=loss, grad=row_scale is not None)
     if row_scale is None:
-        return loss_rows, None, None
-    slopes = _drop_masked(math.slopes(z, e, coef), z, coef)
+        return part, None, None
     dz = row_scale[:, None] * slopes
-    return loss_rows, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
+    return part, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
 
-def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
-    """Sums the negatives of every tile in one `lax.scan` over tile indices.
+def _dense_pass(hidden, table, bias, ids, tile, family, stats=None, *, loss, row_scale=None):
+    """Runs every tile in one `lax.scan` over tile indices.
 
-    Returns `(loss_rows, grads)`: `loss_rows` is the per-row
-    `sum_v [neg_scale softplus(z_v) - neg_target z_v]` over the row's
-    negatives (`[M]` float32) when `loss`, else `None`; `grads` is `None`
-    without `row_scale`, else the float32 gradients
-    `(hidden, table, bias or None)` of `sum_m row_scale_m * loss_rows_m`.
-    The per-row loss sum, the hidden gradient and the table and bias
+    Returns `(acc, grads)`: `acc` is the family's reduction of the rows over
+    all tiles (`family.init`, `family.merge`; BCE: the per-row sum of the
+    negatives' terms) when `loss`, else `None`; `grads` is `None` without
+    `row_scale`, else the float32 gradients `(hidden, table, bias or None)`
+    of the dense terms weighted by `row_scale`. `stats`: the row statistics
+    of a first pass (a `two_pass` family), passed to every tile.
+    The rows' reduction, the hidden gradient and the table and bias
     gradients (updated in place, tile by tile) ride in the scan's carry. Tiles are
     sliced out of the table inside the loop (`dynamic_slice`), plus one
     narrower tile for the remainder when `tile` does not divide `V`: the
@@ -161,12 +147,15 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
     def tile_pass(start, size):
         table_tile, bias_tile = _tile_at(table, bias, start, size)
         return _tile_pass(
-            hidden, hidden_t, table_tile, bias_tile, ids, start, coef,
+            hidden, hidden_t, table_tile, bias_tile, ids, start, family, stats,
             loss=loss, row_scale=row_scale,
         )
 
     def add(a, b):
         return None if a is None else a + b
+
+    def merge(a, b):
+        return None if a is None else family.merge(a, b)
 
     dim = table.shape[1]
 
@@ -182,13 +171,13 @@ def _dense_pass(hidden, table, bias, ids, tile, coef, *, loss, row_scale=None):
                 grad_bias = jax.lax.dynamic_update_slice_in_dim(
                     grad_bias, tile_table_t[dim], start, axis=0
                 )
-        return add(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table, grad_bias
+        return merge(loss_rows, tile_loss), add(grad_hidden, tile_hidden), grad_table, grad_bias
 
     rows = hidden.shape[0]
     vocab = table.shape[0]
     num_tiles, rest = divmod(vocab, tile)
     carry = (
-        jnp.zeros((rows,), _F32) if loss else None,
+        family.init(rows) if loss else None,
         jnp.zeros(hidden.shape, _F32) if want_grads else None,
         # The table and bias gradients, written tile by tile in place: no
         # stacked tiles, no concatenation, no transposed copy.
@@ -220,26 +209,23 @@ def _positive_logits(hidden, table, bias, index):
     return z, rows
 
 
-def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=None):
-    """Adds the positives' exact terms to a dense pass over the negatives.
+def _add_positives(hidden, table, bias, index, keep, family, grads, *, loss, row_scale=None):
+    """Adds the positives' terms (`family.positives`) to a dense pass.
 
-    `loss_rows` (`[M]`, or `None`) gets each row's
-    `sum_p pos_minus softplus(-z_p) + pos_plus softplus(z_p)`; `grads`
-    (`(hidden, table, bias or None)` float32, or `None`) get the gradient of
-    `sum_m row_scale_m * positives_m`. Returns the updated `(loss_rows, grads)`.
+    Returns `(positive_rows, grads)`: each row's sum of its valid positives'
+    terms (`[M]`) when `loss`, else `None`; `grads` (`(hidden, table, bias or
+    None)` float32, or `None`) with the gradient of
+    `sum_m row_scale_m * positive_rows_m` added.
     """
-    if ids.shape[-1] == 0:
-        return loss_rows, grads
+    if index.shape[-1] == 0:
+        return None, grads
     vocab = table.shape[0]
-    index, keep = distinct_targets(ids, vocab)
     z, rows = _positive_logits(hidden, table, bias, index)
-    e = math.exp_neg_abs(z)
-    if loss_rows is not None:
-        terms = math.terms(z, e, coef, positive=True)
-        loss_rows = loss_rows + jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
+    terms, slopes = family.positives(z, keep, loss=loss, grad=grads is not None)
+    positive_rows = None if terms is None else jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
     if grads is not None:
         grad_hidden, grad_table, grad_bias = grads
-        dz = jnp.where(keep, row_scale[:, None] * math.slopes(z, e, coef, positive=True), 0.0)
+        dz = jnp.where(keep, row_scale[:, None] * slopes, 0.0)
         grad_hidden = grad_hidden + jnp.sum(dz[..., None] * rows.astype(_F32), axis=1)
         drop = jnp.where(keep, index, vocab)  # out of range: dropped by the scatter
         updates = dz[..., None] * hidden.astype(_F32)[:, None, :]
@@ -247,41 +233,51 @@ def _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale=N
         if bias is not None:
             grad_bias = grad_bias.at[drop].add(dz, mode="drop")
         grads = (grad_hidden, grad_table, grad_bias)
-    return loss_rows, grads
+    return positive_rows, grads
 
 
-def _loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None):
+def _loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_weights=None):
     """Returns the per-row loss `[M]` (or `None`) and the float32 gradients (or `None`).
 
-    The gradients are those of `sum_m row_scale_m * V * loss_m`, i.e. of
-    `sum_m row_scale_m * (dense + positives)_m`: `row_scale` already holds
-    the `1 / V`.
+    The gradients are those of `sum_m row_weights_m * loss_m`; the family
+    turns the weights into the rows' slope factors (`family.row_scale`). A
+    `two_pass` family's gradients run a first pass for the row statistics
+    (`family.statistics`), whose reduction also gives the loss.
     """
-    loss_rows, grads = _dense_pass(
-        hidden, table, bias, ids, tile, coef, loss=loss, row_scale=row_scale
+    vocab = table.shape[0]
+    index, keep = distinct_targets(ids, vocab)
+    row_scale = None if row_weights is None else family.row_scale(row_weights, keep, vocab)
+    acc = stats = None
+    if family.two_pass and row_scale is not None:
+        acc, _ = _dense_pass(hidden, table, bias, ids, tile, family, loss=True)
+        stats = family.statistics(acc)
+    dense, grads = _dense_pass(
+        hidden, table, bias, ids, tile, family, stats, loss=loss and acc is None,
+        row_scale=row_scale,
     )
-    loss_rows, grads = _add_positives(hidden, table, bias, ids, coef, loss_rows, grads, row_scale)
-    if loss_rows is not None:
-        loss_rows = loss_rows / table.shape[0]
-    return loss_rows, grads
+    acc = dense if acc is None else acc
+    positive_rows, grads = _add_positives(
+        hidden, table, bias, index, keep, family, grads, loss=loss, row_scale=row_scale
+    )
+    return (family.finish(acc, positive_rows, keep, vocab) if loss else None), grads
 
 
 @functools.lru_cache(maxsize=128)
-def _functions(coef, tile):
+def _functions(family, tile):
     """Returns the jitted `(per_row_loss, weighted_sum)` of one configuration (`vjp`'s builders)."""
 
     def loss_fn(hidden, table, ids, bias):
-        return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
+        return _loss_and_grads(hidden, table, ids, bias, family, tile, loss=True)[0]
 
-    def grads_fn(hidden, table, ids, bias, row_scale):
-        row_scale = row_scale / table.shape[0]
+    def grads_fn(hidden, table, ids, bias, row_weights):
         return _loss_and_grads(
-            hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale
+            hidden, table, ids, bias, family, tile, loss=False, row_weights=row_weights
         )[1]
 
     def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
-        row_scale = row_weights / table.shape[0]
-        return _loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True, row_scale=row_scale)
+        return _loss_and_grads(
+            hidden, table, ids, bias, family, tile, loss=True, row_weights=row_weights
+        )
 
     # Compiled as one XLA program even when called eagerly; a no-op inside `jit`.
     return (jax.jit(vjp.per_row_loss(loss_fn, grads_fn)),
@@ -297,8 +293,8 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], vocab, tile_budget())
     tile = max(1, min(int(chunk_size), vocab))
-    coef = bce_coefficients(label_smoothing, pos_weight)
-    return hidden, table, ids, bias, coef, tile
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    return hidden, table, ids, bias, family, tile
 
 
 def cut_bce(
@@ -330,10 +326,10 @@ def cut_bce(
     >>> cut_bce(h, table, np.array([[1, 2], [3, -1], [5, 5]]), chunk_size=32).shape
     (3,)
     """
-    hidden, table, ids, bias, coef, tile = _prepare(
+    hidden, table, ids, bias, family, tile = _prepare(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
     )
-    return _functions(coef, tile)[0](hidden, table, ids, bias)
+    return _functions(family, tile)[0](hidden, table, ids, bias)
 
 
 def cut_bce_weighted_sum(
@@ -385,8 +381,8 @@ def cut_bce_weighted_sum(
     >>> bool(np.isclose(total, np.sum(w * cut_bce(h, table, ids, chunk_size=32)), rtol=1e-5))
     True
     """
-    hidden, table, ids, bias, coef, tile = _prepare(
+    hidden, table, ids, bias, family, tile = _prepare(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
     )
     row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
-    return _functions(coef, tile)[1](hidden, table, ids, bias, row_weights)
+    return _functions(family, tile)[1](hidden, table, ids, bias, row_weights)

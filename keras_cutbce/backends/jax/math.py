@@ -1,7 +1,8 @@
-"""The per-logit math of CutBCE on JAX, written once for the chunked and Pallas kernels.
+"""The per-logit math of CutBCE on JAX for the chunked loop, and its loss family `BCE`.
 
-Plain `jax.numpy` functions, so they run in an XLA loop (`chunked`) and
-inside a Pallas kernel alike (`pallas.kernel`). The weights come from
+Plain `jax.numpy` functions run in the XLA loop (`chunked`; the Pallas
+kernel has its own, `pallas.logit_terms`, and uses `sorted_positives`
+from here). The weights come from
 `keras_cutbce.math.coefficients.bce_coefficients`; every logit `z` gets one
 `exp` and one `log1p`, in float32: with `e = exp(-|z|)`,
 
@@ -18,11 +19,13 @@ inside a Pallas kernel alike (`pallas.kernel`). The weights come from
   `pos_plus - (pos_plus + pos_minus) sigmoid(-z)`.
 
 `terms` and `slopes` take a `positive` flag (all negatives, all positives,
-or a per-logit mask: the chunked kernel sums the negatives densely and the
-positives apart, the Pallas kernel selects per logit). A weight that is
+or a per-logit mask; the chunked loop sums the negatives densely and the
+positives apart). A weight that is
 statically 0 (or a scale of 1) costs nothing: the coefficients are Python
 floats, so the branch is taken at trace time.
 """
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -124,3 +127,58 @@ def sorted_positives(ids, vocab_size):
     """
     safe, keep = distinct_targets(ids, vocab_size)
     return jnp.sort(jnp.where(keep, safe, EMPTY_ID), axis=1)
+
+
+
+class BCE(NamedTuple):
+    """Binary cross-entropy as the chunked loop's loss family (the seam: docs/development.md).
+
+    The loop (`chunked`) is given a family: what a tile's logits add to the
+    rows (`tile`, reduced over tiles by `merge` from `init`), each positive's
+    term and slope (`positives`, summed by the loop over the valid ids), the
+    rows' loss (`finish`) and the factor of each row's slopes (`row_scale`).
+    `masks_positives`: the loop sets each row's positives to `-inf` in its
+    tiles (their exact terms come from `positives`); `two_pass`: the slopes
+    need the row statistics of a first pass (`statistics`, e.g. a softmax's
+    log-sum-exp). Hashable: it keys the compiled functions.
+    """
+
+    coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
+
+    masks_positives = True
+    two_pass = False
+
+    def init(self, rows):
+        """The rows' reduction before the first tile: the loss sums, `[M]` zeros."""
+        return jnp.zeros((rows,), jnp.float32)
+
+    def merge(self, acc, part):
+        return acc + part
+
+    def tile(self, z, stats, *, loss, grad):
+        """Returns a tile's `(row part [M] or None, slopes [M, T] or None)`; `-inf` (a positive) adds 0."""
+        e = exp_neg_abs(z)
+        part = jnp.sum(_drop_masked(terms(z, e, self.coef), z, self.coef), axis=1) if loss else None
+        dz = _drop_masked(slopes(z, e, self.coef), z, self.coef) if grad else None
+        return part, dz
+
+    def positives(self, z, keep, *, loss, grad):
+        """Returns the positives' `(terms [M, L] or None, slopes [M, L] or None)`; `keep`: valid ids."""
+        e = exp_neg_abs(z)
+        return (terms(z, e, self.coef, True) if loss else None,
+                slopes(z, e, self.coef, True) if grad else None)
+
+    def finish(self, acc, positive_rows, keep, vocab):
+        """Returns the rows' loss `[M]`: the mean over the vocabulary."""
+        return (acc if positive_rows is None else acc + positive_rows) / vocab
+
+    def row_scale(self, row_weights, keep, vocab):
+        """Returns the factor of each row's slopes: the row's weight over `V`."""
+        return row_weights / vocab
+
+
+def _drop_masked(values, z, coef):
+    """Returns `values` with 0 where the loop put `-inf` (only label smoothing needs it)."""
+    if coef.neg_target == 0.0:
+        return values
+    return jnp.where(z == -jnp.inf, 0.0, values)

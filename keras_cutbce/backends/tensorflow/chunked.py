@@ -21,6 +21,7 @@ import functools
 
 import tensorflow as tf
 
+from keras_cutbce.backends.tensorflow import math
 from keras_cutbce.backends.tensorflow.kernel import loss_and_grads
 from keras_cutbce.math.coefficients import bce_coefficients
 
@@ -121,13 +122,13 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
     ...         chunk_size=128).shape
     TensorShape([4])
     """
-    coef = bce_coefficients(label_smoothing, pos_weight)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     tile = int(chunk_size)
     hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
 
     def per_row(hidden, table, ids, bias):
         loss_program, grad_program = _per_row_programs(
-            coef, tile, _specs(hidden, table, ids, bias), table.shape[0] is not None
+            family, tile, _specs(hidden, table, ids, bias), table.shape[0] is not None
         )
         loss = loss_program(hidden, table, ids, *_optional(bias))
 
@@ -176,23 +177,23 @@ def _program(body, specs, jit_compile):
     return tf.function(body, input_signature=specs, jit_compile=jit_compile, autograph=False)
 
 
-def _loss_body(coef, tile, hidden, table, ids, bias=None):
-    return loss_and_grads(hidden, table, ids, bias, coef, tile, loss=True)[0]
+def _loss_body(family, tile, hidden, table, ids, bias=None):
+    return loss_and_grads(hidden, table, ids, bias, family, tile, loss=True)[0]
 
 
-def _grad_body(coef, tile, hidden, table, ids, row_scale, bias=None):
-    return loss_and_grads(hidden, table, ids, bias, coef, tile, loss=False, row_scale=row_scale)[1]
+def _grad_body(family, tile, hidden, table, ids, row_scale, bias=None):
+    return loss_and_grads(hidden, table, ids, bias, family, tile, loss=False, row_scale=row_scale)[1]
 
 
-def _fused_body(coef, tile, hidden, table, ids, row_weights, bias=None):
+def _fused_body(family, tile, hidden, table, ids, row_weights, bias=None):
     loss, (dh, dtable, dbias) = loss_and_grads(
-        hidden, table, ids, bias, coef, tile, loss=True, row_scale=row_weights
+        hidden, table, ids, bias, family, tile, loss=True, row_scale=row_weights
     )
     return tf.reduce_sum(row_weights * loss), dh, dtable, dbias
 
 
 @functools.lru_cache(maxsize=64)
-def _per_row_programs(coef, tile, specs, static_vocab):
+def _per_row_programs(family, tile, specs, static_vocab):
     """Returns `cut_bce`'s two passes, compiled by XLA: `(loss_program, grad_program)`.
 
     `loss_program(hidden, table, ids[, bias]) -> loss [M]`;
@@ -207,9 +208,9 @@ def _per_row_programs(coef, tile, specs, static_vocab):
     it never runs but its slice does not fit.
     """
     hidden, table, ids, *bias = specs
-    loss_program = _program(functools.partial(_loss_body, coef, tile), specs, static_vocab)
+    loss_program = _program(functools.partial(_loss_body, family, tile), specs, static_vocab)
     grad_program = _program(
-        functools.partial(_grad_body, coef, tile),
+        functools.partial(_grad_body, family, tile),
         (hidden, table, ids, _ROW_WEIGHTS, *bias),
         static_vocab,
     )
@@ -217,7 +218,7 @@ def _per_row_programs(coef, tile, specs, static_vocab):
 
 
 @functools.lru_cache(maxsize=64)
-def _fused_program(coef, tile, specs):
+def _fused_program(family, tile, specs):
     """Returns the fused pass, `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`.
 
     `total = sum_m row_weights_m loss_m`, and its float32 gradients
@@ -229,7 +230,7 @@ def _fused_program(coef, tile, specs):
     """
     hidden, table, ids, *bias = specs
     return _program(
-        functools.partial(_fused_body, coef, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias), True
+        functools.partial(_fused_body, family, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias), True
     )
 
 
@@ -277,13 +278,13 @@ def cut_bce_weighted_sum(
     >>> bool(np.isclose(total, tf.reduce_sum(w * per_row), rtol=1e-5))
     True
     """
-    coef = bce_coefficients(label_smoothing, pos_weight)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     tile = int(chunk_size)
     hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
     weights = tf.stop_gradient(tf.reshape(tf.cast(row_weights, tf.float32), [-1]))
 
     def fused(hidden, table, ids, bias):
-        total, *grads = _fused_program(coef, tile, _specs(hidden, table, ids, bias))(
+        total, *grads = _fused_program(family, tile, _specs(hidden, table, ids, bias))(
             hidden, table, ids, weights, *_optional(bias)
         )
 

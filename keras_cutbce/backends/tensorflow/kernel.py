@@ -27,8 +27,6 @@ float32.
 
 import tensorflow as tf
 
-from keras_cutbce.backends.tensorflow import math
-from keras_cutbce.backends.tensorflow.positives import drop_masked
 from keras_cutbce.backends.tensorflow.positives import mask_positives
 from keras_cutbce.backends.tensorflow.positives import positive_logits
 from keras_cutbce.math.positives import distinct_targets
@@ -77,16 +75,16 @@ def _has_remainder(tiles):
     return not isinstance(tiles.remainder, int) or tiles.remainder > 0
 
 
-def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, scaled_t, inv_v):
+def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss, scaled_t, inv_v):
     """Returns one tile's negatives: `(loss_rows | None, tile_grads | None)`.
 
     `tile_grads = (hidden_part, table_part, bias_part)`.
 
-    The row's positives are set to `-inf` in the logits (`mask_positives`,
-    O(M L)), so their terms here are exactly 0; `e = exp(-|z|)` is computed
-    once for the term and the slope. With `scaled_t` given (`[row_scale h,
+    A family that `masks_positives` gets the row's positives at `-inf` in
+    the logits (`mask_positives`, O(M L)); `family.tile` gives the tile's
+    part of the rows' reduction and its slopes. With `scaled_t` given (`[row_scale h,
     row_scale].T`, `[D + 1, M]`), one plain matmul `scaled_t @ slopes(z)`
-    times `inv_v` (`1 / V`) gives the tile's table gradient, transposed,
+    times `inv_v` (`family.scale`, `1 / V`) gives the tile's table gradient, transposed,
     with the bias gradient in its last row. Only that small `[D + 1, T]`
     product is transposed, so the tiles stack into the `[V, D]` table
     gradient as they are. The `1 / V` is applied to the product rather than
@@ -96,29 +94,27 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, coef, *, loss, scaled_
     `row_scale / V` are applied to `hidden_part` by the caller (once, not
     per tile).
     """
-    z = mask_positives(tile_logits(hidden, table_tile, bias_tile), ids, start)
-    e = math.exp_neg_abs(z)
-    weights = coef.negative_weights
-    loss_rows = None
-    if loss:
-        loss_rows = tf.reduce_sum(drop_masked(math.terms(z, e, *weights), z, coef), axis=1)
+    z = tile_logits(hidden, table_tile, bias_tile)
+    if family.masks_positives:
+        z = mask_positives(z, ids, start)
+    loss_rows, slopes = family.tile(z, stats, loss=loss, grad=scaled_t is not None)
     if scaled_t is None:
         return loss_rows, None
-    slopes = drop_masked(math.slopes(z, e, *weights), z, coef)
     hidden_part = tf.matmul(slopes, tf.cast(table_tile, tf.float32))
     table_bias = tf.transpose(inv_v * tf.matmul(scaled_t, slopes))  # [T, D + 1]
     dim = tf.shape(table_tile)[1]
     return loss_rows, (hidden_part, table_bias[:, :dim], table_bias[:, dim])
 
 
-def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
-    """Returns the negatives over every tile: `(loss_rows | None, (dh, dtable, dbias) | None)`.
+def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, row_scale=None):
+    """Returns every tile's part: `(acc | None, (dh, dtable, dbias) | None)`.
 
-    Gradients (float32) are those of `sum_m row_scale_m loss_rows_m / V`
-    when `row_scale` is given.
+    `acc` is the family's reduction of the rows (BCE: the sums of the
+    negatives' terms); gradients (float32) are those of the dense terms
+    weighted by `row_scale` times `family.scale` when `row_scale` is given.
     """
     want_grads = row_scale is not None
-    inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
+    inv_v = family.scale(tiles.vocab_size)
     scaled_t = None
     if want_grads:
         scaled_t = tf.concat(
@@ -127,7 +123,7 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
 
     def tile_pass(start, table_tile, bias_tile):
         return _tile_pass(
-            hidden, table_tile, bias_tile, ids, start, coef,
+            hidden, table_tile, bias_tile, ids, start, family, stats,
             loss=loss, scaled_t=scaled_t, inv_v=inv_v,
         )
 
@@ -135,7 +131,7 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
     dim = tf.shape(table)[1]
     state = []
     if loss:
-        state.append(tf.zeros([rows], tf.float32))
+        state.append(family.init(rows))
     if want_grads:
         # Full tiles only (XLA needs one element shape); the remainder is
         # concatenated at the end. Under XLA the stacked tiles are one
@@ -152,7 +148,7 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
         state = list(state)
         k = 0
         if loss:
-            state[0] = state[0] + tile_loss
+            state[0] = family.merge(state[0], tile_loss)
             k = 1
         if want_grads:
             hidden_part, table_part, bias_part = tile_grads
@@ -191,7 +187,7 @@ def _dense_pass(hidden, table, bias, ids, coef, tiles, *, loss, row_scale=None):
     return loss_rows, ((row_scale * inv_v)[:, None] * dh, dtable, dbias)
 
 
-def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None):
+def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=None):
     """Returns the per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m`.
 
     Args:
@@ -199,7 +195,7 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None
         table: float `[V, D]`.
         ids: integer `[M, L]`.
         bias: float `[V]` or None.
-        coef: the `BCECoefficients`.
+        family: the loss family (`math.BCE`).
         tile: the tile width (a positive Python int).
         loss: whether to compute the loss.
         row_scale: optional cotangent `[M]`; gradients are computed when given.
@@ -208,29 +204,33 @@ def loss_and_grads(hidden, table, ids, bias, coef, tile, *, loss, row_scale=None
         `(loss_rows, grads)`, `grads = (dh, dtable, dbias)` or None.
     """
     tiles = _tiles_of(table, tile)
-    inv_v = 1.0 / tf.cast(tiles.vocab_size, tf.float32)
+    inv_v = family.scale(tiles.vocab_size)
     hidden = tf.cast(hidden, tf.float32)
-    row_scale = None if row_scale is None else tf.cast(row_scale, tf.float32)
-    loss_rows, grads = _dense_pass(
-        hidden, table, bias, ids, coef, tiles, loss=loss, row_scale=row_scale
-    )
-    if ids.shape[1] == 0:
-        return (None if loss_rows is None else loss_rows * inv_v), grads
     safe, keep = distinct_targets(ids, tiles.vocab_size)
     keep = tf.cast(keep, tf.float32)
+    row_scale = None if row_scale is None else family.row_scale(tf.cast(row_scale, tf.float32), keep)
+    acc = stats = None
+    if family.two_pass and row_scale is not None:  # the row statistics first
+        acc, _ = _dense_pass(hidden, table, bias, ids, family, tiles, loss=True)
+        stats = family.statistics(acc)
+    dense, grads = _dense_pass(
+        hidden, table, bias, ids, family, tiles, stats, loss=loss and acc is None,
+        row_scale=row_scale,
+    )
+    acc = dense if acc is None else acc
+    if ids.shape[1] == 0:
+        return (family.finish(acc, None, keep, inv_v) if loss else None), grads
     z_pos, rows_pos = positive_logits(hidden, table, bias, safe)
-    e_pos = math.exp_neg_abs(z_pos)
-    weights = coef.positive_weights
+    terms, slopes = family.positives(z_pos, keep, loss=loss, grad=grads is not None)
     if loss:
-        loss_rows = loss_rows + tf.reduce_sum(keep * math.terms(z_pos, e_pos, *weights), axis=1)
-        loss_rows = loss_rows * inv_v
+        loss_rows = family.finish(acc, tf.reduce_sum(keep * terms, axis=1), keep, inv_v)
     if grads is not None:
         dh, dtable, dbias = grads
-        dz = (row_scale * inv_v)[:, None] * keep * math.slopes(z_pos, e_pos, *weights)
+        dz = (row_scale * inv_v)[:, None] * keep * slopes
         dh = dh + tf.einsum("ml,mld->md", dz, rows_pos)
         index = tf.reshape(safe, [-1, 1])
         dtable_pos = tf.reshape(dz[:, :, None] * hidden[:, None, :], [-1, tf.shape(hidden)[1]])
         dtable = tf.tensor_scatter_nd_add(dtable, index, dtable_pos)
         dbias = tf.tensor_scatter_nd_add(dbias, index, tf.reshape(dz, [-1]))
         grads = (dh, dtable, dbias)
-    return loss_rows, grads
+    return (loss_rows if loss else None), grads

@@ -12,6 +12,8 @@ computed once per logit and shared, and are written as plain element-wise
 ops that XLA (`jit_compile=True`) fuses into one pass per tile.
 """
 
+from typing import NamedTuple
+
 import tensorflow as tf
 
 
@@ -93,3 +95,52 @@ def slopes(z, e, minus, plus):
     sigmoid_pos = tf.where(z >= 0, tf.ones_like(e), e) / (1.0 + e)
     out = sigmoid_pos if total == 1.0 else total * sigmoid_pos
     return out if minus == 0.0 else out - minus
+
+
+class BCE(NamedTuple):
+    """Binary cross-entropy as the TensorFlow loop's loss family (the seam: docs/development.md).
+
+    The members of JAX's `math.BCE` (`init`, `merge`, `tile`, `positives`,
+    `finish`, `row_scale`, `masks_positives`, `two_pass`), plus `scale`: the
+    constant factor of every slope (`1 / V`), which the loop applies after
+    its matmuls (see `kernel._tile_pass`).
+    """
+
+    coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
+
+    masks_positives = True
+    two_pass = False
+
+    def init(self, rows):
+        return tf.zeros([rows], tf.float32)
+
+    def merge(self, acc, part):
+        return acc + part
+
+    def tile(self, z, stats, *, loss, grad):
+        """Returns a tile's `(row part [M] or None, slopes [M, T] or None)`; `-inf` (a positive) adds 0."""
+        from keras_cutbce.backends.tensorflow.positives import drop_masked
+
+        e = exp_neg_abs(z)
+        weights = self.coef.negative_weights
+        part = dz = None
+        if loss:
+            part = tf.reduce_sum(drop_masked(terms(z, e, *weights), z, self.coef), axis=1)
+        if grad:
+            dz = drop_masked(slopes(z, e, *weights), z, self.coef)
+        return part, dz
+
+    def positives(self, z, keep, *, loss, grad):
+        """Returns the positives' `(terms [M, L] or None, slopes [M, L] or None)`."""
+        e = exp_neg_abs(z)
+        weights = self.coef.positive_weights
+        return (terms(z, e, *weights) if loss else None), (slopes(z, e, *weights) if grad else None)
+
+    def scale(self, vocab_size):
+        return 1.0 / tf.cast(vocab_size, tf.float32)
+
+    def finish(self, acc, positive_rows, keep, scale):
+        return (acc if positive_rows is None else acc + positive_rows) * scale
+
+    def row_scale(self, row_weights, keep):
+        return row_weights

@@ -23,6 +23,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from keras_cutbce.backends.torch import kernel
+from keras_cutbce.backends.torch import math
 from keras_cutbce.backends.torch.math import compute_dtype
 from keras_cutbce.math.coefficients import bce_coefficients
 
@@ -51,11 +52,11 @@ class _CutBCEFunction(torch.autograd.Function):
     """Per-row CutBCE loss with exact, tile-by-tile gradients for any cotangent."""
 
     @staticmethod
-    def forward(ctx, hidden, table, bias, ids, coef, tile, dense):
+    def forward(ctx, hidden, table, bias, ids, family, tile, dense):
         dtype = compute_dtype(hidden, table, bias)
-        loss, _, _, _ = kernel.row_losses(hidden.to(dtype), table, bias, ids, coef, tile, dense=dense)
+        loss, _, _, _ = kernel.row_losses(hidden.to(dtype), table, bias, ids, family, tile, dense=dense)
         ctx.save_for_backward(hidden, table, bias, ids)
-        ctx.coef = coef
+        ctx.family = family
         ctx.tile = tile
         ctx.dense = dense
         return loss
@@ -71,7 +72,7 @@ class _CutBCEFunction(torch.autograd.Function):
         row_scale = row_scale.to(dtype)
         h = mask_zero_rows(row_scale, hidden.to(dtype))
         grad_h, grad_e, grad_b = kernel.row_gradients(
-            h, table, bias, ids, ctx.coef, ctx.tile, row_scale, need, dense=ctx.dense
+            h, table, bias, ids, ctx.family, ctx.tile, row_scale, need, dense=ctx.dense
         )
         grads = _cast(grad_h, hidden), _cast(grad_e, table), _cast(grad_b, bias)
         return grads + (None,) * 4
@@ -89,12 +90,12 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, table, bias, ids, row_weights, coef, tile, need, dense):
-        loss, *grads = _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need, dense)
+    def forward(ctx, hidden, table, bias, ids, row_weights, family, tile, need, dense):
+        loss, *grads = _fused_pass(hidden, table, bias, ids, row_weights, family, tile, need, dense)
         # Held on `ctx`, not saved: the first backward pass consumes them.
         ctx.fused_grads = grads
         ctx.save_for_backward(hidden, table, bias, ids, row_weights)
-        ctx.coef, ctx.tile, ctx.need, ctx.dense = coef, tile, need, dense
+        ctx.family, ctx.tile, ctx.need, ctx.dense = family, tile, need, dense
         ctx.dtypes = (hidden.dtype, table.dtype, None if bias is None else bias.dtype)
         return loss
 
@@ -103,7 +104,7 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
     def backward(ctx, cotangent):
         grads, ctx.fused_grads = ctx.fused_grads, None
         if grads is None:  # a second backward: the first one consumed them
-            _, *grads = _fused_pass(*ctx.saved_tensors, ctx.coef, ctx.tile, ctx.need, ctx.dense)
+            _, *grads = _fused_pass(*ctx.saved_tensors, ctx.family, ctx.tile, ctx.need, ctx.dense)
         # Always scaled (a cotangent of 1 scales exactly): comparing it with
         # 1 first would read it on the host.
         scaled = []
@@ -114,13 +115,13 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
         return tuple(scaled) + (None,) * 6
 
 
-def _fused_pass(hidden, table, bias, ids, row_weights, coef, tile, need, dense):
+def _fused_pass(hidden, table, bias, ids, row_weights, family, tile, need, dense):
     """Returns the weighted loss sum and the needed gradients at cotangent 1."""
     dtype = compute_dtype(hidden, table, bias)
     w = row_weights.to(dtype)
     h = mask_zero_rows(w, hidden.to(dtype))
     loss, grad_h, grad_e, grad_b = kernel.row_losses(
-        h, table, bias, ids, coef, tile, w, need, dense=dense
+        h, table, bias, ids, family, tile, w, need, dense=dense
     )
     return torch.dot(w, loss), grad_h, grad_e, grad_b
 
@@ -175,9 +176,9 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
 
 def run_cut_bce(dense, hidden, table, ids, bias, *, label_smoothing, pos_weight, tile):
     """`cut_bce` with `dense` computing the background (`kernel.dense_pass`'s signature)."""
-    coef = bce_coefficients(label_smoothing, pos_weight)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     ids = _as_ids(ids, hidden.device)
-    return _CutBCEFunction.apply(hidden, table, bias, ids, coef, tile, dense)
+    return _CutBCEFunction.apply(hidden, table, bias, ids, family, tile, dense)
 
 
 def cut_bce_weighted_sum(
@@ -234,7 +235,7 @@ def cut_bce_weighted_sum(
 def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
                      tile):
     """`cut_bce_weighted_sum` with `dense` computing the background (as `run_cut_bce`)."""
-    coef = bce_coefficients(label_smoothing, pos_weight)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     ids = _as_ids(ids, hidden.device)
     row_weights = torch.as_tensor(row_weights, device=hidden.device).detach().reshape(-1)
     need = (
@@ -244,11 +245,11 @@ def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoo
     )
     if torch.is_grad_enabled() and any(need):
         return _CutBCEWeightedSumFunction.apply(
-            hidden, table, bias, ids, row_weights, coef, tile, need, dense
+            hidden, table, bias, ids, row_weights, family, tile, need, dense
         )
     with torch.no_grad():
         dtype = compute_dtype(hidden, table, bias)
         w = row_weights.to(dtype)
         h = mask_zero_rows(w, hidden.to(dtype))
-        loss, _, _, _ = kernel.row_losses(h, table, bias, ids, coef, tile, dense=dense)
+        loss, _, _, _ = kernel.row_losses(h, table, bias, ids, family, tile, dense=dense)
         return torch.dot(w, loss)

@@ -21,16 +21,17 @@ work splits in three:
 - the positives, a gather of the table rows at the valid, de-duplicated
   ids, with their exact terms (`sparse_terms`).
 
-The element-wise math is `keras_cutbce.backends.torch.math` (`terms`,
-`slopes`); the positives are found once per pass (`Positives`). What is
-torch's own: a Python loop over the tiles, and preallocated `out=` buffers:
-only `[M, T]` buffers exist per tile, and one of each is reused for every
-tile. Everything runs in the compute dtype (`math.compute_dtype`).
+The loss is the one varying piece: the loop is given a loss family
+(`math.BCE`; the seam: docs/development.md) for what a tile adds to the rows,
+its slopes, the linear background's weight and the positives' terms; the
+positives are found once per pass (`Positives`). What is torch's own: a
+Python loop over the tiles, and preallocated `out=` buffers: only `[M, T]`
+buffers exist per tile, and one of each is reused for every tile.
+Everything runs in the compute dtype (`math.compute_dtype`).
 """
 
 import torch
 
-from keras_cutbce.backends.torch import math
 from keras_cutbce.backends.torch.positives import Positives
 from keras_cutbce.math.tiling import vocab_tiles
 
@@ -62,7 +63,8 @@ def _tile_logits_into(out, hidden, table_tile, bias_tile):
     return torch.addmm(bias_tile.to(out.dtype), hidden, table_tile.T, out=out)
 
 
-def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3):
+def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
+               family, stats=None):
     """Returns the background `sum_v softplus(z_v)` over each row's negatives, and its gradients.
 
     Per tile, the logits `z` `[M, T]` are computed once (one matmul); the
@@ -85,6 +87,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         loss: whether to return the per-row sum.
         row_scale: optional `[M]` factors of the gradient's rows.
         need: which gradients to compute, for `(h, table, bias)`.
+        family: the loss family (`math.BCE`): what a tile adds to the rows
+            and its slopes; `stats`: a first pass's row statistics.
 
     Returns:
         `(softplus_sum, grad_h, grad_table, grad_bias)`, each None when
@@ -96,8 +100,11 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     >>> import torch.nn.functional as F
     >>> h, table, ids = torch.randn(3, 4), torch.randn(10, 4), torch.zeros(3, 0, dtype=torch.long)
     >>> tiles = vocab_tiles(10, 4)
+    >>> from keras_cutbce.backends.torch.math import BCE
+    >>> from keras_cutbce.math.coefficients import bce_coefficients
     >>> sp, gh, ge, gb = dense_pass(h, table, None, tiles, Positives(ids, tiles), loss=True,
-    ...                             row_scale=torch.ones(3), need=(True, True, False))
+    ...                             row_scale=torch.ones(3), need=(True, True, False),
+    ...                             family=BCE(bce_coefficients()))
     >>> torch.allclose(sp, F.softplus(h @ table.T).sum(1)), gb is None
     (True, True)
     """
@@ -112,7 +119,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     softplus_sum = None
     if loss:
         ones = torch.ones(tile, dtype=dtype, device=device)
-        softplus_sum = torch.zeros(num_rows, dtype=dtype, device=device)
+        softplus_sum = family.init(num_rows, dtype, device)
         # With gradients the logits are still needed after softplus.
         softplus_buffer = (
             torch.empty(num_rows * tile, dtype=dtype, device=device) if grads else logits_buffer
@@ -131,14 +138,14 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         table_tile = table[start:stop].to(dtype)
         z = logits_buffer[:size].view(num_rows, stop - start)
         _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
-        skip = positives.flat(index)
+        skip = positives.flat(index) if family.masks_positives else None
         if skip is not None:
             logits_buffer[: size + 1].index_fill_(0, skip, float("-inf"))
         if loss:
-            sp = math.terms(z, 0.0, 1.0, out=softplus_buffer[:size].view(num_rows, stop - start))
-            softplus_sum.addmv_(sp, ones[: stop - start])
+            family.tile(z, softplus_sum, stats, out=softplus_buffer[:size].view(num_rows, stop - start),
+                        ones=ones[: stop - start])
         if grads:
-            s = math.slopes(z, 0.0, 1.0, out=z)
+            s = family.slopes(z, stats)
             if need_h:
                 grad_h.addmm_(s, table_tile)
             if need_e:
@@ -154,7 +161,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     return softplus_sum, grad_h, grad_e, grad_b
 
 
-def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads=(None,) * 3):
+def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, grads=(None,) * 3):
     """Returns the linear background and the positives' terms; adds their gradients.
 
     The per-row loss is `(neg_scale * sum_v softplus(z_v) + terms) / V`;
@@ -167,10 +174,11 @@ def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads
     Example:
 
     >>> import torch.nn.functional as F
+    >>> from keras_cutbce.backends.torch.math import BCE
     >>> from keras_cutbce.math.coefficients import bce_coefficients
     >>> h, table, ids = torch.randn(2, 3), torch.randn(5, 3), torch.tensor([[1], [-1]])
     >>> positives = Positives(ids, vocab_tiles(5, 5))
-    >>> terms = sparse_terms(h, table, None, positives, bce_coefficients(), loss=True)
+    >>> terms = sparse_terms(h, table, None, positives, BCE(bce_coefficients()), loss=True)
     >>> torch.allclose(terms, torch.stack([F.softplus(-(h[0] @ table[1])), torch.tensor(0.0)]))
     True
     """
@@ -180,16 +188,17 @@ def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads
     any_grad = any(g is not None for g in (grad_h, grad_e, grad_b))
     terms = torch.zeros(num_rows, dtype=dtype, device=h.device) if loss else None
 
-    # Linear background: d/dz of -neg_target * z is the constant -neg_target.
-    if coef.neg_target != 0.0 and (loss or any_grad):
+    # Linear background: d/dz of -linear * z is the constant -linear.
+    linear = family.linear
+    if linear != 0.0 and (loss or any_grad):
         table_sum = table.sum(0, dtype=dtype)
         if loss:
             logit_sum = torch.mv(h, table_sum)
             if bias is not None:
                 logit_sum += bias.sum(dtype=dtype)
-            terms -= coef.neg_target * logit_sum
+            terms -= linear * logit_sum
         if row_scale is not None:
-            const = row_scale * coef.neg_target
+            const = row_scale * linear
             if grad_h is not None:
                 grad_h.addr_(const, table_sum, alpha=-1.0)
             if grad_e is not None:
@@ -202,15 +211,10 @@ def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads
     if not positives.empty:
         keep, safe = positives.keep, positives.safe
         rows, zp = positives.logits(h, table, bias, dtype)
+        pos_terms, dz = family.positives(zp, keep, loss=loss, grad=any_grad)
         if loss:
-            pos_terms = math.terms(zp, *coef.positive_weights)
-            if coef.neg_target != 0.0:
-                pos_terms = pos_terms + coef.neg_target * zp
             terms += (pos_terms * keep).sum(1)
         if any_grad:
-            dz = math.slopes(zp, *coef.positive_weights)
-            if coef.neg_target != 0.0:
-                dz = dz + coef.neg_target
             dz = dz * keep * row_scale[:, None]
             flat = safe.reshape(-1)
             if grad_h is not None:
@@ -222,43 +226,53 @@ def sparse_terms(h, table, bias, positives, coef, *, loss, row_scale=None, grads
     return terms
 
 
-def row_losses(h, table, bias, ids, coef, tile, row_scale=None, need=(False,) * 3, *,
+def row_losses(h, table, bias, ids, family, tile, row_scale=None, need=(False,) * 3, *,
                dense=dense_pass):
     """Returns the per-row losses `[M]` and, with a cotangent `row_scale` `[M]`, their gradients.
 
-    Everything in one pass over the vocabulary: the gradients (in the
-    compute dtype, or None) are those of `sum_m row_scale_m * loss_m`.
-    `dense` computes the background over the negatives (`dense_pass`'s
-    signature): the tile loop here, the fused Triton kernels on CUDA
-    (`keras_cutbce.backends.torch.triton`).
+    Everything in one pass over the vocabulary (two for a `two_pass`
+    family): the gradients (in the compute dtype, or None) are those of
+    `sum_m row_scale_m * loss_m`. `dense` computes the dense terms
+    (`dense_pass`'s signature): the tile loop here, the fused Triton kernels
+    on CUDA (`keras_cutbce.backends.torch.triton.launch`).
     """
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
-    inv_v = 1.0 / tiles.vocab_size
-    softplus_sum, grad_h, grad_e, grad_b = dense(
-        h, table, bias, tiles, positives, loss=True,
-        row_scale=None if row_scale is None else row_scale * (coef.neg_scale * inv_v), need=need,
+    dense_scale, sparse_scale = (None, None) if row_scale is None else family.row_scales(
+        row_scale, positives, tiles.vocab_size)
+    stats = _statistics(h, table, bias, tiles, positives, family, dense, row_scale)
+    dense_sum, grad_h, grad_e, grad_b = dense(
+        h, table, bias, tiles, positives, loss=True, row_scale=dense_scale, need=need,
+        family=family, stats=stats,
     )
     terms = sparse_terms(
-        h, table, bias, positives, coef, loss=True,
-        row_scale=None if row_scale is None else row_scale * inv_v,
+        h, table, bias, positives, family, loss=True, row_scale=sparse_scale,
         grads=(grad_h, grad_e, grad_b),
     )
-    loss = (coef.neg_scale * softplus_sum + terms) / tiles.vocab_size
+    loss = family.finish(dense_sum, terms, positives, tiles.vocab_size)
     return loss, grad_h, grad_e, grad_b
 
 
-def row_gradients(h, table, bias, ids, coef, tile, row_scale, need, *, dense=dense_pass):
+def row_gradients(h, table, bias, ids, family, tile, row_scale, need, *, dense=dense_pass):
     """Returns the gradients of `sum_m row_scale_m * loss_m` (no loss), the table's contiguous."""
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
-    inv_v = 1.0 / tiles.vocab_size
+    dense_scale, sparse_scale = family.row_scales(row_scale, positives, tiles.vocab_size)
+    stats = _statistics(h, table, bias, tiles, positives, family, dense, row_scale)
     _, grad_h, grad_e, grad_b = dense(
-        h, table, bias, tiles, positives, loss=False,
-        row_scale=row_scale * (coef.neg_scale * inv_v), need=need,
+        h, table, bias, tiles, positives, loss=False, row_scale=dense_scale, need=need,
+        family=family, stats=stats,
     )
     sparse_terms(
-        h, table, bias, positives, coef, loss=False, row_scale=row_scale * inv_v,
+        h, table, bias, positives, family, loss=False, row_scale=sparse_scale,
         grads=(grad_h, grad_e, grad_b),
     )
     return grad_h, None if grad_e is None else grad_e.contiguous(), grad_b
+
+
+def _statistics(h, table, bias, tiles, positives, family, dense, row_scale):
+    """A `two_pass` family's row statistics (a first pass over the tiles) when slopes are needed."""
+    if not family.two_pass or row_scale is None:
+        return None
+    acc, _, _, _ = dense(h, table, bias, tiles, positives, loss=True, family=family)
+    return family.statistics(acc)

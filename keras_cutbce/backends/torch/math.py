@@ -14,6 +14,8 @@ them would take more separate torch kernels, so more passes, than the
 second exponential costs.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -117,3 +119,61 @@ def slopes(z, minus, plus, *, out=None):
     if total != 1.0:
         result = result.mul_(total)
     return result if minus == 0.0 else result.sub_(minus)
+
+
+class BCE(NamedTuple):
+    """Binary cross-entropy as the torch loop's loss family (the seam: docs/development.md).
+
+    The loop (`kernel`) is given a family: the rows' reduction over the tiles
+    (`init`, then `tile` adds a tile's dense terms in place), the dense
+    slopes (`slopes`, in place), the weight of the closed-form linear
+    background `-sum_v z_v` (`linear`), each positive's term and slope
+    (`positives`), the rows' loss (`finish`) and the factors of each row's
+    dense and sparse slopes (`row_scales`). As in JAX's
+    `math.BCE`: `masks_positives` (the tiles skip the positives, added
+    exactly by `positives`) and `two_pass` (the slopes need a first pass's
+    row statistics).
+    """
+
+    coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
+
+    masks_positives = True
+    two_pass = False
+
+    @property
+    def linear(self):
+        return self.coef.neg_target
+
+    def init(self, rows, dtype, device):
+        """The rows' reduction before the first tile: `[M]` zeros (the sums of `softplus(z)`)."""
+        return torch.zeros(rows, dtype=dtype, device=device)
+
+    def tile(self, z, acc, stats, *, out, ones):
+        """Adds the tile's `softplus(z)` (0 at a positive's `-inf`) to the rows' sums `acc`."""
+        acc.addmv_(terms(z, 0.0, 1.0, out=out), ones)
+
+    def slopes(self, z, stats):
+        """Returns the tile's slopes `sigmoid(z)`, written over `z`."""
+        return slopes(z, 0.0, 1.0, out=z)
+
+    def positives(self, z, keep, *, loss, grad):
+        """Returns each positive's `(term, slope)` (or None), with `linear * z` taken back out."""
+        term = slope = None
+        if loss:
+            term = terms(z, *self.coef.positive_weights)
+            if self.linear != 0.0:
+                term = term + self.linear * z
+        if grad:
+            slope = slopes(z, *self.coef.positive_weights)
+            if self.linear != 0.0:
+                slope = slope + self.linear
+        return term, slope
+
+    def finish(self, acc, sparse, positives, vocab):
+        """Returns the rows' loss: the mean over the vocabulary."""
+        return (self.coef.neg_scale * acc + sparse) / vocab
+
+    def row_scales(self, row_weights, positives, vocab):
+        """Returns the factors of each row's dense and sparse slopes: its weight over `V`."""
+        inv_v = 1.0 / vocab
+        return row_weights * (self.coef.neg_scale * inv_v), row_weights * inv_v

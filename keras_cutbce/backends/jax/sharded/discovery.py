@@ -70,9 +70,10 @@ def _keras_layout(variable):
 def vocab_sharding_of(embeddings):
     """Returns the `VocabSharding` of an item table, or None when it is not split on V.
 
-    Looks, in order, at: a Keras variable's layout (from the current
-    `keras.distribution` or the one it was created under; a layer is read
-    through its `embeddings` variable), then a concrete jax array's
+    `embeddings` is a `keras.Variable` or an array (`ItemTable` has read a
+    layer's table variable). Looks, in order, at: a Keras variable's layout
+    (from the current `keras.distribution` or the one it was created under),
+    then a concrete jax array's
     `NamedSharding`, then a traced array's sharding type (JAX explicit
     sharding). Returns None unless dimension 0 is split over more than one
     device.
@@ -85,9 +86,6 @@ def vocab_sharding_of(embeddings):
     """
     import keras
 
-    from keras_cutbce.item_table import table_variable
-
-    embeddings = table_variable(embeddings)  # a layer's table variable (LoRA too)
     if isinstance(embeddings, keras.Variable):
         layout = _keras_layout(embeddings)
         if layout is None:

@@ -1,9 +1,11 @@
-"""Launch the fused kernels: the Triton `dense_pass` of the torch CutBCE passes.
+"""The registry's `"triton"` entries: the torch CutBCE passes with the fused kernels' `dense_pass`.
 
 `dense_pass` has the signature of `keras_cutbce.backends.torch.kernel.
 dense_pass` (the background `sum_v softplus(z_v)` over each row's negatives
 and its gradients), so the torch passes (`kernel.row_losses`, the sparse
-part, the autograd Functions) run unchanged around it. Per call:
+part, the autograd Functions of `keras_cutbce.backends.torch.chunked`, so
+every semantic) run unchanged around it, and the `[M, tile]` logits never
+reach device memory. Per call:
 
 - the loss and the hidden gradient: `rows_kernel` over row blocks x
   vocabulary splits, its partial sums added here in split order;
@@ -15,13 +17,62 @@ Triton is first imported (Triton reads it when its own `@triton.jit`
 helpers are created, at import): the suite runs these in a child process.
 """
 
+import functools
 import os
 
 import torch
 
+from keras_cutbce.backends.torch import chunked
+from keras_cutbce.backends.torch.math import BCE
+from keras_cutbce.backends.torch.math import compute_dtype
 from keras_cutbce.backends.torch.triton import config
 
-__all__ = ["dense_pass", "interpreting", "kernels", "operand_dtype", "triton_precision"]
+__all__ = [
+    "cut_bce", "cut_bce_weighted_sum", "dense_pass", "fits", "interpreting", "kernels",
+    "operand_dtype", "triton_precision",
+]
+
+
+def fits(hidden, table, bias):
+    """Returns True when the kernels take these inputs (the registry's `FITS` entry).
+
+    Not float64, and `config.supports` the feature width (the kernels keep a
+    whole `[rows, D]` block in registers: `D <= 256`, or `D <= 128` for fp32
+    products at full precision); other inputs run the chunked loop.
+
+    Example:
+
+    >>> fits(torch.zeros(2, 8), torch.zeros(5, 8), None), fits(torch.zeros(2, 300), torch.zeros(5, 300), None)
+    (True, False)
+    """
+    if compute_dtype(hidden, table, bias) == torch.float64:
+        return False
+    return config.supports(hidden.shape[1], operand_dtype(hidden), triton_precision())
+
+
+def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None):
+    """`chunked.cut_bce` with the fused kernels (the contract: `keras_cutbce.registry`).
+
+    CUDA tensors run the compiled kernels, CPU tensors the Triton interpreter;
+    the products take `operand_dtype(hidden)` at `triton_precision()` and the
+    kernels choose their tiles (`chunk_size` is unused). Inputs must `fits`.
+    """
+    return chunked.run_cut_bce(_dense(hidden), hidden, table, ids, bias,
+                               label_smoothing=label_smoothing, pos_weight=pos_weight,
+                               tile=max(1, table.shape[0]))
+
+
+def cut_bce_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
+                         chunk_size=None):
+    """`chunked.cut_bce_weighted_sum` with the fused kernels, as `cut_bce`."""
+    return chunked.run_weighted_sum(_dense(hidden), hidden, table, ids, bias, row_weights,
+                                    label_smoothing=label_smoothing, pos_weight=pos_weight,
+                                    tile=max(1, table.shape[0]))
+
+
+def _dense(hidden):
+    """The torch passes' `dense`: these kernels, over one tile of all of V (they tile it themselves)."""
+    return functools.partial(dense_pass, operands=operand_dtype(hidden))
 
 
 def interpreting():
@@ -102,7 +153,7 @@ def operand_dtype(hidden):
 
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
-               operands=torch.float32):
+               family, stats=None, operands=torch.float32):
     """Returns the background `sum_v softplus(z_v)` over each row's negatives, and its gradients.
 
     As `keras_cutbce.backends.torch.kernel.dense_pass` (same arguments and
@@ -113,8 +164,11 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     `V` only.
 
     The parity tests (`tests/cutbce/test_triton_interpreter.py`) compare it,
-    through the public op, with the dense reference and Keras's BCE.
+    through the public op, with the dense reference and Keras's BCE. The
+    loss family is compiled into the kernels: `family` must be `BCE`.
     """
+    if not isinstance(family, BCE):
+        raise NotImplementedError(f"The Triton kernels compute BCE only. Received: family={family!r}")
     module = kernels(h.device)
     interpret = interpreting()
     num_rows, dim = h.shape
