@@ -15,7 +15,7 @@ and Mosaic adds constraints XLA does not have:
   resident rows) totals at most 7/8 of that limit (`vmem_budget_bytes`), and
   it asks for its estimate with headroom (`vmem_request_bytes`);
 - the tiles take at most three quarters of the budget (`tile_budget_bytes`):
-  the largest step (`row_tile x tile`), ties to the taller row tile, with
+  the largest step (`row_tile x tile`), ties to the wider tile, with
   `row_tile` `M` rounded up to 128 (at most 512), 256 or 128, and `tile`
   a multiple of 256 (pieces at least 256 wide) up to 4096 and `V` rounded up
   to 128, or that width itself (`choose_tiles`); nothing fits: 128 x 128;
@@ -70,24 +70,23 @@ def tile_budget_bytes(capacity=None):
 def footprint_bytes(row_tile, tile, dim, itemsize, table_itemsize=None):
     """Returns the estimated VMEM bytes of one kernel step with these tiles.
 
-    The table and bias tiles (double-buffered, `table_itemsize`, default
-    `itemsize`), their float32 accumulators and gradient outputs, the
-    carried gradients of a pass after the first (double-buffered), the
-    step's scratch: two slope buffers (`itemsize`, the matmul dtype) and two
-    float32 logits buffers of one piece column, the `[row_tile, 128]` loss,
-    hit-bit and scale columns (and the pass building the hit bits), the
-    hidden states transposed and scaled; and what Mosaic spills of the
-    unrolled step, counted as one float32 `[row_tile, tile]` (measured: 0.1
-    to 1.06 of it, libtpu 0.0.42).
+    Double-buffered, in the table's dtype (`table_itemsize`, default
+    `itemsize`): the table and bias tiles, their gradients, and the carried
+    gradients of a pass after the first; a float32 accumulator of a 16-bit
+    table's gradient; the step's scratch: two slope buffers (`itemsize`, the
+    matmul dtype) and two float32 logits buffers of one piece column, the
+    `[row_tile, 128]` loss, hit-bit and scale columns (and the pass building
+    the hit bits), the hidden states transposed and scaled; and what Mosaic
+    spills of the unrolled step, counted as one float32 `[row_tile, tile]`
+    (libtpu 0.0.42's VMEM report: 0.1 to 1.06 of it).
     """
     table_itemsize = itemsize if table_itemsize is None else table_itemsize
-    tiles = 2 * tile * (dim * table_itemsize + 4)
-    grads = 3 * tile * (dim + 1) * 4
-    carried = 2 * tile * (dim * table_itemsize + 4)
+    windows = 3 * 2 * tile * (dim * table_itemsize + 4)  # tiles, gradients, carried
+    accumulator = 0 if table_itemsize == 4 else tile * dim * 4
     scratch = row_tile * (2 * PIECE_COLS * (itemsize + 4) + 6 * LANES * 4
                           + 2 * max(dim, LANES) * itemsize)
     spills = row_tile * tile * 4
-    return tiles + grads + carried + scratch + spills
+    return windows + accumulator + scratch + spills
 
 
 def vmem_request_bytes(capacity, footprint, resident):
@@ -118,13 +117,13 @@ def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None, table_dtyp
     tallest = min(MAX_ROW_TILE, round_up(max(num_rows, 1), LANES))
     widest = min(MAX_TILE, round_up(max(vocab_size, 1), LANES))
     widths = [widest] + list(range(widest // TILE_STEP * TILE_STEP, 0, -TILE_STEP))
-    fits = [(row_tile * tile, row_tile, tile)
+    fits = [(row_tile * tile, tile, row_tile)
             for row_tile in [tallest] + [r for r in (256, MIN_ROW_TILE) if r < tallest]
             for tile in widths
             if footprint_bytes(row_tile, tile, dim, itemsize, table_itemsize) <= budget_bytes]
     if not fits:
         return min(tallest, MIN_ROW_TILE), LANES
-    _, row_tile, tile = max(fits)
+    _, tile, row_tile = max(fits)
     return row_tile, tile
 
 
