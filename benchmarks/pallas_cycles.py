@@ -575,9 +575,15 @@ def case_row(case, result):
 
 
 def measure(cases, cache, repo):
+    """The rows of the cases that compile (a case that does not is reported and left out)."""
     rows = []
     for case in cases:
-        rows.append(case_row(case, _run_child(case, cache, repo)))
+        try:
+            result = _run_child(case, cache, repo)
+        except RuntimeError as error:
+            print(f"not compiled: {str(error)[:300]}", flush=True)
+            continue
+        rows.append(case_row(case, result))
         print(_line(rows[-1]), flush=True)
     return rows
 

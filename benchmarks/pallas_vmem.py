@@ -10,16 +10,18 @@ largest scoped VMEM of a pass against its limit (the one it asked for, else
 the 16 MiB default) and the HBM temporaries. "known": compiled under
 `jax.set_mesh` of the target device (what a TPU host gets); "unknown": the
 generation decided at lowering (a CPU host without a mesh: tiles for any
-generation). `--cycles JSON` puts the fused kernel's cycles per 1024 logits
-of a `benchmarks/pallas_cycles.py` run beside each case (`--before-cycles`:
-an earlier run's).
+generation). `--cycles JSON...` puts the fused kernel's cycles per 1024
+logits of `benchmarks/pallas_cycles.py` runs beside each case
+(`--before-cycles`: earlier runs'). `--cached-only` compiles nothing and
+reports the cases not in `--cache` as not run (a grid split over several
+runs).
 
 Usage (needs libtpu; a case is a 20 s to 10 min compile on one core, results
 are cached under `--cache`):
 
     python benchmarks/pallas_vmem.py                                   # the grid
     python benchmarks/pallas_vmem.py --repo ../before --json /tmp/pallas_vmem_before.json
-    python benchmarks/pallas_vmem.py --compare /tmp/pallas_vmem_before.json \\
+    python benchmarks/pallas_vmem.py --cached-only --compare /tmp/pallas_vmem_before.json \\
         --cycles benchmarks/results/pallas_cycles_vmem.json
 """
 
@@ -86,12 +88,14 @@ def compile_case(case):
                 limit_mib=max(k.vmem_limit_bytes or DEFAULT_SCOPED_VMEM for k in kernels) / MiB)
 
 
-def _run_child(case, cache, repo):
+def _run_child(case, cache, repo, cached_only=False):
     key = hashlib.sha1(json.dumps([case, source_digest(repo)], sort_keys=True).encode())
     path = os.path.join(cache, key.hexdigest()[:16] + ".json")
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
+    if cached_only:
+        return dict(compiles=None)
     env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=os.path.abspath(repo))
     env.pop("JAX_PLATFORMS", None)
@@ -110,12 +114,12 @@ def _key(r):
     return tuple(r[k] for k in ("chip", "target", "rows", "dim", "vocab", "dtype"))
 
 
-def _cycles(path):
-    """`{case key: cycles per 1024 logits}` of a `pallas_cycles` JSON (the fused path, L = 8)."""
-    if not path:
-        return {}
-    with open(path) as f:
-        rows = json.load(f)["rows"]
+def _cycles(paths):
+    """`{case key: cycles per 1024 logits}` of `pallas_cycles` JSONs (the fused path, L = 8)."""
+    rows = []
+    for path in paths or ():
+        with open(path) as f:
+            rows += json.load(f)["rows"]
     return {_key(dict(r, target=r.get("target", "known"))): r["kernels"][0]["cycles_per_1024"]
             for r in rows if r["path"] == "fused" and r["ids"] == NUM_IDS}
 
@@ -123,6 +127,8 @@ def _cycles(path):
 def _cell(r):
     if r is None:
         return "-", "-", "-", "-"
+    if r["compiles"] is None:
+        return "not run", "-", "-", "-"
     if not r["compiles"]:
         return "no", f"({r['tiles'][0]}, {r['tiles'][1]})", r["error"], "-"
     return ("yes", f"({r['tiles'][0]}, {r['tiles'][1]}) x {r['passes']}",
@@ -131,6 +137,16 @@ def _cell(r):
 
 def markdown(rows, before, cycles, before_cycles, label, before_label):
     old = {_key(r): r for r in before}
+    ran = [r for r in rows if r["compiles"] is not None]
+    header = ["chip", "M", "D", "V", "dtype", "compiles", "tiles x passes", "VMEM / limit",
+              "temporaries", "cycles / 1024"]
+    if before:
+        header += ["compiles before", "tiles x passes before", "VMEM / limit before",
+                   "temporaries before"]
+    if before_cycles:
+        header += ["cycles / 1024 before"]
+    right = {"M", "D", "V", "VMEM / limit", "temporaries", "cycles / 1024", "VMEM / limit before",
+             "temporaries before", "cycles / 1024 before"}
     lines = [
         f"Scoped VMEM of the CutBCE Pallas kernels (`{label}`"
         + (f", before: `{before_label}`" if before else "") + "), compiled deviceless by libtpu "
@@ -138,21 +154,22 @@ def markdown(rows, before, cycles, before_cycles, label, before_label):
         "(row tile, vocabulary tile) x passes (resident row blocks). VMEM: the largest scoped "
         "VMEM of a pass / its limit, MiB. Temporaries: HBM, MiB. Cycles: the fused kernel's "
         "cycles per 1024 logits from its final bundles (`benchmarks/pallas_cycles.py`, V "
-        "rounded up to whole tiles; a lower bound, not a timing). \"unknown\": compiled with the "
-        "generation unknown (tiles for any).", "",
-        "| chip | M | D | V | dtype | compiles | tiles x passes | VMEM / limit | temporaries "
-        "| cycles / 1024 |" + (" compiles before | tiles x passes before | VMEM / limit before "
-                               "| temporaries before | cycles / 1024 before |" if before else ""),
-        "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |"
-        + (" --- | --- | ---: | ---: | ---: |" if before else ""),
+        "rounded up to whole tiles; a lower bound, not a timing; \"-\": not measured). "
+        "\"unknown\": compiled with the generation unknown (tiles for any); \"not run\": not "
+        f"compiled in this run. {sum(bool(r['compiles']) for r in ran)} of {len(ran)} cases "
+        f"run compiled ({len(rows) - len(ran)} of {len(rows)} not run).", "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---:" if h in right else "---" for h in header) + " |",
     ]
     for r in rows:
         key = _key(r)
-        line = (f"| {chip_label(r)} | {r['rows']} | {r['dim']} | {r['vocab']:,} | {r['dtype']} | "
-                + " | ".join(_cell(r)) + f" | {cycles.get(key, '-')} |")
+        cells = [chip_label(r), str(r["rows"]), str(r["dim"]), f"{r['vocab']:,}", r["dtype"],
+                 *_cell(r), str(cycles.get(key, "-"))]
         if before:
-            line += " " + " | ".join(_cell(old.get(key))) + f" | {before_cycles.get(key, '-')} |"
-        lines.append(line)
+            cells += _cell(old.get(key))
+        if before_cycles:
+            cells.append(str(before_cycles.get(key, "-")))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -176,8 +193,10 @@ def main(argv=None):
     parser.add_argument("--json", default=os.path.join(RESULTS, "pallas_vmem.json"))
     parser.add_argument("--label", default=None, help="what the table names the code")
     parser.add_argument("--compare", default=None, metavar="BEFORE_JSON")
-    parser.add_argument("--cycles", default=None, metavar="PALLAS_CYCLES_JSON")
-    parser.add_argument("--before-cycles", default=None, metavar="PALLAS_CYCLES_JSON")
+    parser.add_argument("--cycles", nargs="*", metavar="PALLAS_CYCLES_JSON")
+    parser.add_argument("--before-cycles", nargs="*", metavar="PALLAS_CYCLES_JSON")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="compile nothing: cases not in --cache are reported as not run")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -190,7 +209,7 @@ def main(argv=None):
         return 2
     rows = []
     for case in cases_of(args):
-        rows.append(dict(case, **_run_child(case, args.cache, args.repo)))
+        rows.append(dict(case, **_run_child(case, args.cache, args.repo, args.cached_only)))
         print(json.dumps(rows[-1]), flush=True)
     label = args.label or commit_label(args.repo)
     with open(args.json, "w") as f:
