@@ -16,6 +16,10 @@ its `CompileReport` checked:
   16 MiB, the smallest default);
 - every kernel has a "parallel" grid axis, and on two-core chips (v4, v5p,
   generation known) its outputs are per-core partials (megacore);
+- `weighted_loss_sum`'s resident row blocks at their largest (D = 64,
+  float32, L = 8): two full blocks on v4, v5e, v5p and v6e, and the CutBCE
+  paper's (16384, 64, 876000) on v5e with the generation unknown, every
+  pass within its scoped VMEM limit;
 - retrieval (`cut_top_k`, `cut_count_at_least`: XLA loops, no Pallas kernel)
   compiles without host callbacks;
 - the fused kernel's schedule (`benchmarks/pallas_cycles.py`: the final
@@ -26,7 +30,8 @@ its `CompileReport` checked:
 The matrix spreads v4, v5e, v5p and v6e, D in {32, 64, 96, 128, 192, 256},
 float32 and bfloat16, aligned and unaligned V, and a known or unknown
 generation (`mesh`) over 12 programs rather than their full cross product,
-to fit CI's time (about 3 minutes on 2 cores).
+to fit CI's time (on 2 shared cores about 4.5 minutes with the cycles
+compiles, and 3.5 more for the five resident-row programs).
 """
 
 import importlib.util
