@@ -58,6 +58,10 @@ compile on one core, dumps are cached under `--cache`):
     python benchmarks/pallas_cycles.py                           # the full grid
     python benchmarks/pallas_cycles.py --chips v6e --dtypes float32 --ids 8
     python benchmarks/pallas_cycles.py --repo ../before --json results/pallas_cycles_before.json
+    python benchmarks/pallas_cycles.py --shapes "16384,64,876000" --target unknown
+
+`--target unknown` compiles without telling the trace the chip's generation
+(tiles for any generation, as from a CPU host without `jax.set_mesh`).
 """
 
 import argparse
@@ -421,11 +425,15 @@ def compile_case(case, dump_dir):
     device = tpu_aot.topology_devices(chip.topology)[0]
     m, d, v, num_ids = case["rows"], case["dim"], case["vocab"], case["ids"]
     dtype = case["dtype"]
-    mesh = jax.sharding.Mesh([device], ("cutbce_target",))
+    known = case.get("target", "known") == "known"
     info = compile_platform.chip_info(device.device_kind)
-    row_tile, tile = tiling.choose_tiles(m, v, d, dtype, tiling.vmem_budget_bytes(info.vmem_bytes))
+    capacity, cores = (info.vmem_bytes, info.cores) if known else (None, 1)
+    # The tiles' budget (`vmem_budget_bytes` in checkouts before `tile_budget_bytes`).
+    budget = getattr(tiling, "tile_budget_bytes", tiling.vmem_budget_bytes)(capacity)
+    row_tile, tile = tiling.choose_tiles(m, v, d, dtype, budget)
     cfg = SimpleNamespace(vocab_size=v, tile=tile, row_tile=row_tile, num_ids=num_ids,
-                          vmem_capacity=info.vmem_bytes, cores=info.cores, dv_view=d % 128 != 0)
+                          vmem_capacity=capacity, cores=cores, dv_view=d % 128 != 0,
+                          mm_dtype=dtype, table_dtype=dtype)
     aligned = -(-v // (tile * cfg.cores)) * tile * cfg.cores  # whole tiles: no edge copy
 
     def spec(shape, dt):
@@ -441,7 +449,10 @@ def compile_case(case, dump_dir):
         def fn(h, t, ids, w):
             return jax.value_and_grad(
                 lambda h, t: jnp.vdot(w, pallas.cut_bce(h, t, ids, None)), argnums=(0, 1))(h, t)
-    with jax.set_mesh(mesh):
+    if known:  # the trace knows the generation; else it is decided at lowering
+        with jax.set_mesh(jax.sharding.Mesh([device], ("cutbce_target",))):
+            jax.jit(fn).lower(*args).compile()
+    else:
         jax.jit(fn).lower(*args).compile()
     # The real V's grid and in-tile counts (the kernels' own rule), on the host.
     with jax.default_device(jax.devices("cpu")[0]):
@@ -468,7 +479,7 @@ def compile_case(case, dump_dir):
     return dict(facts=facts, aligned_vocab=aligned, dumps=kernel_dumps(dump_dir))
 
 
-def _source_digest(repo):
+def source_digest(repo):
     """A digest of the JAX backend's sources of `repo` (what the compiled kernels depend on)."""
     digest = hashlib.sha1()
     for path in sorted(glob.glob(os.path.join(repo, "keras_cutbce", "**", "*.py"), recursive=True)):
@@ -478,7 +489,7 @@ def _source_digest(repo):
 
 
 def _run_child(case, cache, repo):
-    key = hashlib.sha1(json.dumps([case, _source_digest(repo)], sort_keys=True).encode())
+    key = hashlib.sha1(json.dumps([case, source_digest(repo)], sort_keys=True).encode())
     key = key.hexdigest()[:16]
     dump_dir = os.path.join(cache, key)
     done = os.path.join(dump_dir, "facts.json")
@@ -564,9 +575,15 @@ def case_row(case, result):
 
 
 def measure(cases, cache, repo):
+    """The rows of the cases that compile (a case that does not is reported and left out)."""
     rows = []
     for case in cases:
-        rows.append(case_row(case, _run_child(case, cache, repo)))
+        try:
+            result = _run_child(case, cache, repo)
+        except RuntimeError as error:
+            print(f"not compiled: {str(error)[:300]}", flush=True)
+            continue
+        rows.append(case_row(case, result))
         print(_line(rows[-1]), flush=True)
     return rows
 
@@ -578,11 +595,16 @@ HEADER = ("| chip | dtype | L | M | D | V | path | kernel | cycles / step | cycl
           "| ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
+def chip_label(case):
+    """The chip, and "(unknown)" when compiled with its generation unknown."""
+    return case["chip"] + (" (unknown)" if case.get("target", "known") != "known" else "")
+
+
 def _line(r):
     out = []
     for k in r["kernels"]:
         out.append(
-            f"| {r['chip']} | {r['dtype']} | {r['ids']} | {r['rows']} | {r['dim']} | "
+            f"| {chip_label(r)} | {r['dtype']} | {r['ids']} | {r['rows']} | {r['dim']} | "
             f"{r['vocab']:,} | {r['path']} | {k['kernel']} | {k['step_cycles']:,} "
             f"| {k['cycles_per_1024']} | {k.get('cycles_per_1024_every', '-')} | {k['est_ms']} "
             f"| {k['mxu_ms']} | {k['vpu_ms']} | {k['eup_ms']} | {k['load_ms']} / {k['store_ms']} "
@@ -607,7 +629,8 @@ def markdown(rows, commit):
 def compare_markdown(before, after):
     """A before/after table of two runs' JSON (cases in both; the kernels of a path summed)."""
     def key(r):
-        return tuple(r[k] for k in ("chip", "dtype", "ids", "rows", "dim", "vocab", "path"))
+        return (chip_label(r),) + tuple(r[k] for k in ("dtype", "ids", "rows", "dim", "vocab",
+                                                       "path"))
 
     def per_1024(r):
         return round(sum(k["cycles_per_1024"] for k in r["kernels"]), 2)
@@ -628,13 +651,14 @@ def compare_markdown(before, after):
         bounds = {"MXU": r["mxu_ms"], "VPU": r["vpu_ms"], "EUP": r["eup_ms"],
                   "load": r["load_ms"], "store": r["store_ms"], "HBM": r["hbm_ms"]}
         lines.append(
-            f"| {r['chip']} | {r['dtype']} | {r['ids']} | ({r['rows']}, {r['dim']}, {r['vocab']:,}) "
-            f"| {r['path']} | {per_1024(b)} | {per_1024(r)} | {b['est_ms']} | {r['est_ms']} "
+            f"| {chip_label(r)} | {r['dtype']} | {r['ids']} "
+            f"| ({r['rows']}, {r['dim']}, {r['vocab']:,}) | {r['path']} | {per_1024(b)} "
+            f"| {per_1024(r)} | {b['est_ms']} | {r['est_ms']} "
             f"| {b['x_mxu']} | {r['x_mxu']} | {r['mxu_ms']} | {max(bounds, key=bounds.get)} |")
     return "\n".join(lines) + "\n"
 
 
-def _commit(repo):
+def commit_label(repo):
     def git(*cmd):
         return subprocess.run(["git", "-C", repo, *cmd], capture_output=True, text=True).stdout
     head = git("rev-parse", "--short", "HEAD").strip()
@@ -643,10 +667,17 @@ def _commit(repo):
                    if dirty else "")
 
 
+def parse_shapes(text):
+    """`"M,D,V;M,D,V"` -> `((M, D, V), ...)`."""
+    return tuple(tuple(int(x) for x in shape.split(",")) for shape in text.split(";") if shape)
+
+
 def cases_of(args):
-    cases = [dict(chip=chip, dtype=dtype, ids=ids, rows=m, dim=d, vocab=v, path=path)
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+    target = {} if args.target == "known" else {"target": args.target}
+    cases = [dict(chip=chip, dtype=dtype, ids=ids, rows=m, dim=d, vocab=v, path=path, **target)
              for chip in args.chips.split(",") for dtype in args.dtypes.split(",")
-             for ids in map(int, args.ids.split(",")) for (m, d, v) in SHAPES
+             for ids in map(int, args.ids.split(",")) for (m, d, v) in shapes
              for path in args.paths.split(",")
              if not args.vocab or v in map(int, args.vocab.split(","))]
     if args.trim:  # v6e: all but L = 1 per row; elsewhere float32, L = 8, the fused path
@@ -662,6 +693,9 @@ def main(argv=None):
     parser.add_argument("--ids", default="8,1")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--vocab", default="", help="only these V of SHAPES (comma-separated)")
+    parser.add_argument("--shapes", default="", help='"M,D,V;..." instead of SHAPES')
+    parser.add_argument("--target", default="known", choices=("known", "unknown"),
+                        help="the trace knows the chip's generation, or not (tiled for any)")
     parser.add_argument("--trim", action="store_true",
                         help="v6e: all but L = 1 per row; v5e / v5p: float32, L = 8, fused")
     parser.add_argument("--repo", default=ROOT, help="checkout whose keras_cutbce is measured")
@@ -682,7 +716,7 @@ def main(argv=None):
     if importlib.util.find_spec("libtpu") is None:
         print("libtpu is not installed (pip install '.[tpu-compile]'): no TPU compiler.")
         return 2
-    commit = args.label or _commit(args.repo)
+    commit = args.label or commit_label(args.repo)
     rows = measure(cases_of(args), args.cache, args.repo)
     with open(args.json, "w") as f:
         json.dump({"commit": commit, "rows": rows}, f, indent=1)

@@ -170,7 +170,8 @@ def _compares_per_logit(case, device, ids):
 
     m, d, v, dtype = case
     capacity = compile_platform.chip_info(device.device_kind).vmem_bytes
-    row_tile, tile = tiling.choose_tiles(m, v, d, dtype, tiling.vmem_budget_bytes(capacity))
+    budget = getattr(tiling, "tile_budget_bytes", tiling.vmem_budget_bytes)(capacity)
+    row_tile, tile = tiling.choose_tiles(m, v, d, dtype, budget)
     cfg = SimpleNamespace(vocab_size=v, tile=tile, vocab_tile=tile, row_tile=row_tile,
                           dv_view=d % 128 != 0)
     rows = round_up(m, row_tile)

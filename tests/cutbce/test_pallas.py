@@ -253,6 +253,42 @@ def test_tile_rule(rows, vocab, dim, budget, dtype):
         assert (tm, tv) == (128, 128)  # nothing fits: the smallest aligned tiles
 
 
+@pytest.mark.parametrize("mm_dtype, table_dtype", [("float32", "float32"),
+                                                   ("bfloat16", "bfloat16"),
+                                                   ("bfloat16", "float32")])
+@pytest.mark.parametrize("capacity_mib", [None, 16, 64, 128])  # unknown, v4, v5p, v5e / v6e
+def test_every_pass_fits_the_scoped_vmem_it_compiles_under(capacity_mib, mm_dtype, table_dtype):
+    """A pass's tiles, carried gradients, spills and resident rows fit 7/8 of its VMEM limit.
+
+    The limit: the one a pass asks for, at most 3/4 of the chip's VMEM, or,
+    with the generation unknown, the compiler's default 16 MiB. (The resident
+    rows once took half of a budget the tiles could fill, over the default
+    limit: 18 MiB estimated; the compiler's own check is
+    `tests/cutbce/test_tpu_compile.py`.)
+    """
+    from types import SimpleNamespace
+
+    from keras_cutbce.backends.jax.pallas import tiling
+
+    capacity = None if capacity_mib is None else capacity_mib * 2**20
+    limit = tiling.vmem_limit_bytes(capacity)
+    hidden_itemsize = 2 if mm_dtype == "bfloat16" else 4
+    for dim in (32, 64, 96, 128, 192, 256):
+        for rows, vocab in ((300, 1000), (4096, 100_000), (16384, 876_000), (32768, 2**21)):
+            row_tile, tile = tiling.choose_tiles(rows, vocab, dim, mm_dtype,
+                                                 tiling.tile_budget_bytes(capacity), table_dtype)
+            cfg = SimpleNamespace(row_tile=row_tile, tile=tile, num_ids=8, vmem_capacity=capacity,
+                                  mm_dtype=mm_dtype, table_dtype=table_dtype)
+            _, block_rows = tiling.row_blocks(rows, dim, hidden_itemsize, cfg)
+            footprint = tiling.config_footprint_bytes(cfg, dim)
+            resident = block_rows * tiling.resident_bytes_per_row(dim, 8, hidden_itemsize, True)
+            assert footprint + resident <= tiling.vmem_budget_bytes(capacity) < limit, (
+                dim, rows, row_tile, tile, block_rows)
+            if capacity is not None:
+                request = tiling.vmem_request_bytes(capacity, footprint, resident)
+                assert footprint + resident < request <= limit
+
+
 def _walk(jaxpr, inside_pallas=False):
     """Yields `(eqn, inside_pallas)` for every equation, sub-jaxprs included."""
     for eqn in jaxpr.eqns:
@@ -437,7 +473,7 @@ def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
     wants = [fn(h, t, b) for fn in programs]
     cfg = pallas.api.prepare(h, t, ids, b, 0.1, 1.0, 256, 128, None)[0]
     assert pallas.tiling.row_blocks(300, 8, h.dtype.itemsize, cfg) == (1, 384)
-    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg: 1)
+    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
     assert pallas.tiling.row_blocks(300, 8, h.dtype.itemsize, cfg) == (3, 128)
     for grad_fn, (want_value, want_grads) in zip(programs, wants):
         assert _count_pallas_calls(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr) in (3, 6)
@@ -591,7 +627,7 @@ def test_table_gradient_carried_in_place_across_row_blocks(rng, monkeypatch):
     from keras_cutbce.backends.jax import pallas
 
     monkeypatch.setattr(pallas.call, "INTERPRET_ALIASES", True)
-    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg: 1)
+    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
     h, t, b, ids, g = _inputs(rng, 384, 1024, 8, 3, bias=True)
     w = np.abs(g)
     kwargs = dict(chunk_size=256, block_rows=128, label_smoothing=0.1, interpret=True)

@@ -16,6 +16,10 @@ its `CompileReport` checked:
   16 MiB, the smallest default);
 - every kernel has a "parallel" grid axis, and on two-core chips (v4, v5p,
   generation known) its outputs are per-core partials (megacore);
+- `weighted_loss_sum`'s resident row blocks at their largest (D = 64,
+  float32, L = 8): two full blocks on v4, v5e, v5p and v6e, and the CutBCE
+  paper's (16384, 64, 876000) on v5e with the generation unknown, every
+  pass within its scoped VMEM limit;
 - retrieval (`cut_top_k`, `cut_count_at_least`: XLA loops, no Pallas kernel)
   compiles without host callbacks;
 - the fused kernel's schedule (`benchmarks/pallas_cycles.py`: the final
@@ -26,7 +30,8 @@ its `CompileReport` checked:
 The matrix spreads v4, v5e, v5p and v6e, D in {32, 64, 96, 128, 192, 256},
 float32 and bfloat16, aligned and unaligned V, and a known or unknown
 generation (`mesh`) over 12 programs rather than their full cross product,
-to fit CI's time (about 3 minutes on 2 cores).
+to fit CI's time (on 2 shared cores about 4.5 minutes with the cycles
+compiles, and 3.5 more for the five resident-row programs).
 """
 
 import importlib.util
@@ -78,14 +83,13 @@ def _case_id(case):
     return "{op}-{topology}-D{dim}-{dtype}-V{vocab}".format(**case) + f"-{target}"
 
 
-@pytest.fixture(scope="module")
-def reports():
-    """`{case id: result}` of every case, compiled in one child process."""
+def _compile_in_child(cases):
+    """`{case id: result}` of `cases`, compiled in one child process."""
     env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env.pop("JAX_PLATFORMS", None)  # the child must see the TPU compiler
     out = subprocess.run(
-        [sys.executable, CHILD, json.dumps(CASES)], capture_output=True, text=True,
+        [sys.executable, CHILD, json.dumps(cases)], capture_output=True, text=True,
         env=env, timeout=1500,
     )
     results = {}
@@ -95,6 +99,12 @@ def reports():
             results[_case_id(result["case"])] = result
     assert results, f"the child compiled nothing:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return results
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """`{case id: result}` of every case, compiled in one child process."""
+    return _compile_in_child(CASES)
 
 
 def _table_bytes(case):
@@ -124,6 +134,58 @@ def test_compiles_for_tpu(reports, case):
         for kernel in report["kernels"]:
             assert kernel["parallel_axis"], kernel
             assert kernel["output_shapes"][0].split("[")[1].startswith(f"{cores},"), kernel
+
+
+# Resident row blocks at their largest, `weighted_sum` (the fused kernel
+# alone), D = 64, float32, 8 ids a row: on every chip (generation known) the
+# rows of two full blocks, the most one pass holds (the second pass also
+# holds the carried table gradient); and the CutBCE paper's (16384, 64,
+# 876000) on v5e compiled with the generation unknown (the default 16 MiB
+# scoped VMEM), which ran out of scoped VMEM in the passes after the first.
+VMEM_TARGETS = ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2", "v5e:2x2-unknown"]
+_DEVICE_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
+
+
+def _vmem_case(target):
+    """The case of a `VMEM_TARGETS` entry and the kernel passes the tiling rule gives it."""
+    from types import SimpleNamespace
+
+    from keras_cutbce.backends.jax import compile_platform
+    from keras_cutbce.backends.jax.pallas import tiling
+
+    topology, _, unknown = target.partition("-")
+    info = None if unknown else compile_platform.chip_info(_DEVICE_KINDS[topology.split(":")[0]])
+    capacity = None if info is None else info.vmem_bytes
+    vocab = 876_000 if unknown else 2**20
+    row_tile, tile = tiling.choose_tiles(2**15, vocab, 64, "float32",
+                                         tiling.tile_budget_bytes(capacity))
+    cfg = SimpleNamespace(row_tile=row_tile, tile=tile, num_ids=8, vmem_capacity=capacity,
+                          mm_dtype="float32", table_dtype="float32")
+    rows = 16384 if unknown else 2 * tiling.rows_per_pass(cfg, 64, 4)
+    case = _case("weighted_sum", topology, 64, "float32", vocab, not unknown, rows=rows)
+    return dict(case, ids=8), tiling.row_blocks(rows, 64, 4, cfg)[0]
+
+
+@pytest.fixture(scope="module")
+def vmem_reports():
+    """`{target: (result, passes)}` of every `VMEM_TARGETS` entry, compiled in one child process."""
+    cases = {target: _vmem_case(target) for target in VMEM_TARGETS}
+    results = _compile_in_child([case for case, _ in cases.values()])
+    return {target: (results[_case_id(case)], passes) for target, (case, passes) in cases.items()}
+
+
+@pytest.mark.parametrize("target", VMEM_TARGETS)
+def test_resident_row_blocks_fit_scoped_vmem(vmem_reports, target):
+    result, passes = vmem_reports[target]
+    assert "error" not in result, result.get("error")
+    kernels = result["report"]["kernels"]
+    assert len(kernels) == passes and all("cutbce_fused" in k["name"] for k in kernels), kernels
+    if not target.endswith("unknown"):
+        assert passes == 2
+    for kernel in kernels:
+        limit = kernel["vmem_limit_bytes"] or DEFAULT_SCOPED_VMEM
+        assert 0 < kernel["scoped_vmem_bytes"] <= limit, kernel
+    assert result["report"]["temp_bytes"] <= 64 * MiB, result["report"]["temp_bytes"]
 
 
 # The fused kernel's schedule: v6e, (4096, 64, 876000), L = 8 ids a row, per table dtype.

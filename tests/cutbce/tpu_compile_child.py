@@ -2,9 +2,10 @@
 
 Usage: `python tests/tpu_compile_child.py '<JSON list of cases>'`; prints one
 `RESULT <json>` line per case (its `CompileReport`, or its error). Each case:
-`{"op", "topology", "rows", "dim", "vocab", "dtype", "mesh"}`; `mesh`: the
-trace knows the TPU generation (`jax.set_mesh`), else it is decided at
-lowering. Every op runs through the public API with `implementation="auto"`.
+`{"op", "topology", "rows", "dim", "vocab", "dtype", "mesh"}`, optionally
+`"ids"` (ids a row, default 4); `mesh`: the trace knows the TPU generation
+(`jax.set_mesh`), else it is decided at lowering. Every op runs through the
+public API with `implementation="auto"`.
 
 A case `{"op": "cycles", ...}` (the keys of `benchmarks/pallas_cycles.py`'s
 cases) reports the kernels' cycles read from their final bundles instead; the
@@ -40,7 +41,8 @@ def _spec(shape, dtype, device):
 def _op_program(case, device):
     m, d, v, dtype = case["rows"], case["dim"], case["vocab"], case["dtype"]
     h, t = _spec((m, d), dtype, device), _spec((v, d), dtype, device)
-    ids, w = _spec((m, NUM_IDS), jnp.int32, device), _spec((m,), jnp.float32, device)
+    ids = _spec((m, case.get("ids", NUM_IDS)), jnp.int32, device)
+    w = _spec((m,), jnp.float32, device)
     op = case["op"]
     if op == "loss":  # per-row loss, gradients under a cotangent
         def fn(h, t, ids, w):

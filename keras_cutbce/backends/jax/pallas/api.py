@@ -69,7 +69,7 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
     mm_dtype = _matmul_dtype(hidden, table)
     capacity = tiling.vmem_capacity_bytes()
     tiles = tiling.choose_tiles(num_rows, vocab_size, dim, mm_dtype,
-                                tiling.vmem_budget_bytes(capacity))
+                                tiling.tile_budget_bytes(capacity), table.dtype)
     rows_tile, tile = tiles
     if chunk_size is not None:
         tile = min(round_up(chunk_size, tiling.LANES), round_up(vocab_size, tiling.LANES),

@@ -74,11 +74,10 @@ def _vmem_limit(cfg, block_rows, dim, hidden_itemsize, ps):
     """Returns the VMEM the pass asks for (`tiling.vmem_request_bytes`), or None: the default."""
     if cfg.vmem_capacity is None:
         return None
-    mm_itemsize = jnp.dtype(cfg.mm_dtype).itemsize
-    footprint = tiling.footprint_bytes(cfg.row_tile, cfg.tile, dim, mm_itemsize)
     resident = block_rows * tiling.resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize,
                                                           ps.with_grads)
-    return tiling.vmem_request_bytes(cfg.vmem_capacity, footprint, resident)
+    return tiling.vmem_request_bytes(cfg.vmem_capacity, tiling.config_footprint_bytes(cfg, dim),
+                                     resident)
 
 
 def _pad_rows(x, rows, value=0):
