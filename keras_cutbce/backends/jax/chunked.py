@@ -285,6 +285,12 @@ def _functions(family, tile):
 
 
 def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
+    hidden, table, ids, bias, tile = _prepare_inputs(hidden, table, ids, bias, chunk_size)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    return hidden, table, ids, bias, family, tile
+
+
+def _prepare_inputs(hidden, table, ids, bias, chunk_size):
     hidden = jnp.asarray(hidden)
     table = jnp.asarray(table)
     ids = jnp.asarray(ids)
@@ -293,8 +299,7 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], vocab, tile_budget())
     tile = max(1, min(int(chunk_size), vocab))
-    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
-    return hidden, table, ids, bias, family, tile
+    return hidden, table, ids, bias, tile
 
 
 def cut_bce(
@@ -384,5 +389,40 @@ def cut_bce_weighted_sum(
     hidden, table, ids, bias, family, tile = _prepare(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
     )
+    row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
+    return _functions(family, tile)[1](hidden, table, ids, bias, row_weights)
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None):
+    """Computes the per-row softmax cross-entropy over the full vocabulary, tile by tile.
+
+    The loop of `cut_bce` with the `math.Softmax` family (two passes when a
+    gradient is asked: the rows' log-sum-exp, then the slopes). Arguments as
+    `cut_bce`'s, without `pos_weight`.
+
+    Returns:
+        Float32 `[M]`: `logsumexp(z) - sum_v y'_v z_v`, `y' = (1 - a) multi_hot / |P| + a / V`;
+        0 for a row without a valid id.
+
+    Example:
+
+    >>> import numpy as np
+    >>> z = np.log(np.array([[1.0, 2.0, 1.0]], "float32"))
+    >>> round(float(cut_softmax(z, np.eye(3, dtype="float32"), np.array([[1]]))[0]), 4)
+    0.6931
+    """
+    hidden, table, ids, bias, tile = _prepare_inputs(hidden, table, ids, bias, chunk_size)
+    family = math.Softmax(float(label_smoothing), table.shape[0])
+    return _functions(family, tile)[0](hidden, table, ids, bias)
+
+
+def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
+                             chunk_size=None):
+    """Computes `sum_m row_weights[m] * cut_softmax(...)[m]` and its gradients together.
+
+    As `cut_bce_weighted_sum`, with the `math.Softmax` family.
+    """
+    hidden, table, ids, bias, tile = _prepare_inputs(hidden, table, ids, bias, chunk_size)
+    family = math.Softmax(float(label_smoothing), table.shape[0])
     row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
     return _functions(family, tile)[1](hidden, table, ids, bias, row_weights)
