@@ -374,6 +374,7 @@ class CutBCELoss(CutLoss):
         self._set_option(pos_weight=value)
 
     def get_config(self):
+        """Returns the config (`CutLoss.get_config`) with `pos_weight`."""
         config = super().get_config()
         config["pos_weight"] = self.pos_weight
         return config
