@@ -206,3 +206,44 @@ def test_fit_trains_the_table_through_the_loss():
     history = model.fit(x, y, batch_size=4, epochs=1, verbose=0).history["loss"]
     np.testing.assert_allclose(history[0], want_loss, rtol=1e-5)
     np.testing.assert_allclose(to_numpy(items.embeddings), table - 0.5 * grad_table, atol=1e-6)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_bfloat16_inputs_are_as_exact_as_the_dense_bfloat16_loss(label_smoothing):
+    """bfloat16 hidden, table and bias (mixed_bfloat16's): float32 accumulation inside."""
+    from tests.backend_utils import assert_within_low_precision
+
+    ids = IDS["multi"]
+    hidden, table, bias = (ops.cast(x, "bfloat16") for x in _inputs(seed=5, scale=2.0))
+    weights = np.array([1.0, 0.5, 2.0, 0.25, 1.5], np.float32)
+    w = ops.convert_to_tensor(weights)
+
+    def cut(h, e, b):
+        return ops.sum(w * cut_categorical_crossentropy(h, e, ids, b, label_smoothing=label_smoothing,
+                                                        chunk_size=TILE))
+
+    def dense(h, e, b):  # Keras's loss on bfloat16 logits
+        return ops.sum(ops.cast(_keras_loss(h, e, b, ids, label_smoothing), "float32") * w)
+
+    value, grads = value_and_grads(cut, hidden, table, bias)
+    low_value, low_grads = value_and_grads(dense, hidden, table, bias)
+    loss64, grads64 = _float64(*(to_numpy(x) for x in (hidden, table, bias)), ids, label_smoothing,
+                               weights)
+    assert_within_low_precision(value, low_value, np.sum(weights * loss64), "loss")
+    for name, got, low, want in zip(("hidden", "table", "bias"), grads, low_grads, grads64):
+        assert_within_low_precision(got, low, want, f"d{name}")
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own cross_entropy")
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_matches_torch_cross_entropy_with_ignore_index(label_smoothing):
+    import torch
+    import torch.nn.functional as F
+
+    hidden, table, bias = (torch.tensor(x) for x in _inputs(seed=6, scale=3.0))
+    target = torch.tensor([3, -1, 36, 0, -1])
+    got = cut_categorical_crossentropy(hidden, table, target, bias, label_smoothing=label_smoothing,
+                                       chunk_size=TILE)
+    want = F.cross_entropy(hidden @ table.T + bias, target, ignore_index=-1, reduction="none",
+                           label_smoothing=label_smoothing)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
