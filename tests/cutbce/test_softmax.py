@@ -247,3 +247,24 @@ def test_matches_torch_cross_entropy_with_ignore_index(label_smoothing):
     want = F.cross_entropy(hidden @ table.T + bias, target, ignore_index=-1, reduction="none",
                            label_smoothing=label_smoothing)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_item_embedding_bias_trains_through_the_loss():
+    """An `ItemEmbedding(use_bias=True)`: the loss reads its bias, and `fit` moves it by Keras's gradient."""
+    rng = np.random.default_rng(7)
+    keras.utils.set_random_seed(7)
+    items = keras_cutbce.ItemEmbedding(V, D, use_bias=True, name="items")
+    inputs = keras.Input((2,), dtype="int32")
+    model = keras.Model(inputs, items(inputs))
+    x, y = rng.integers(0, V, size=(3, 2)), rng.integers(0, V, size=(3, 2))
+    table, bias = to_numpy(items.embeddings), to_numpy(items.bias)
+
+    def dense(e, b):
+        z = ops.matmul(ops.take(e, x, axis=0), ops.transpose(e)) + b
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, z)
+
+    _, (_, grad_bias) = value_and_grads(dense, np.float32(table), np.float32(bias))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=CutSoftmaxLoss(items))
+    model.fit(x, y, batch_size=3, epochs=1, verbose=0)
+    np.testing.assert_allclose(to_numpy(items.bias), bias - 0.5 * grad_bias, atol=1e-6)
+    assert np.abs(grad_bias).max() > 1e-3
