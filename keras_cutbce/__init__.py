@@ -1,4 +1,4 @@
-"""Exact binary cross-entropy over huge item vocabularies, without logits."""
+"""Exact binary and softmax cross-entropy over huge item vocabularies, without logits."""
 
 from keras_cutbce.ids import count_out_of_range_ids, multi_hot_to_ids, seen_items
 from keras_cutbce.item_embedding import ItemEmbedding
@@ -7,10 +7,12 @@ from keras_cutbce.metrics import MeanReciprocalRank, OutOfRangeTargets, Threshol
 from keras_cutbce.metrics import TopKRetrieval
 from keras_cutbce.ops import cut_binary_crossentropy
 from keras_cutbce.ops import cut_top_k
+from keras_cutbce.softmax import CutSoftmaxLoss, cut_categorical_crossentropy
 from keras_cutbce.version import __version__
 
 __all__ = [
     "CutBCELoss",
+    "CutSoftmaxLoss",
     "ItemEmbedding",
     "MeanReciprocalRank",
     "OutOfRangeTargets",
@@ -18,6 +20,7 @@ __all__ = [
     "TopKRetrieval",
     "count_out_of_range_ids",
     "cut_binary_crossentropy",
+    "cut_categorical_crossentropy",
     "cut_top_k",
     "multi_hot_to_ids",
     "seen_items",

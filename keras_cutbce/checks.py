@@ -131,21 +131,37 @@ class LossOptions(NamedTuple):
     pos_weight: float
     chunk_size: Optional[int]
     implementation: str
+    family: str = "bce"
 
 
-def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implementation="auto"):
+# The implementations of the softmax cross-entropy (`family="softmax"`).
+SOFTMAX_IMPLEMENTATIONS = ("auto", "chunked", "reference")
+
+
+def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implementation="auto",
+                 family="bce"):
     """Returns the loss ops' scalar options checked, as a `LossOptions`.
+
+    `family`: `"bce"` (binary cross-entropy) or `"softmax"` (softmax
+    cross-entropy, which has no Pallas or Triton kernel yet).
 
     Example:
 
     >>> loss_options(label_smoothing=0, chunk_size=64)
-    LossOptions(label_smoothing=0.0, pos_weight=1.0, chunk_size=64, implementation='auto')
+    LossOptions(label_smoothing=0.0, pos_weight=1.0, chunk_size=64, implementation='auto', family='bce')
     """
+    implementation = registry.check_implementation(implementation)
+    if family == "softmax" and implementation not in SOFTMAX_IMPLEMENTATIONS:
+        raise NotImplementedError(
+            f"The softmax cross-entropy has no {implementation!r} implementation yet: use one "
+            f"of {SOFTMAX_IMPLEMENTATIONS}. Received: implementation={implementation!r}"
+        )
     return LossOptions(
         label_smoothing=check_label_smoothing(label_smoothing),
         pos_weight=check_pos_weight(pos_weight),
         chunk_size=check_chunk_size(chunk_size),
-        implementation=registry.check_implementation(implementation),
+        implementation=implementation,
+        family=family,
     )
 
 

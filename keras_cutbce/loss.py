@@ -1,4 +1,4 @@
-"""`CutBCELoss`: the Keras loss around `cut_binary_crossentropy`."""
+"""`CutBCELoss`, the Keras loss around `cut_binary_crossentropy`, and what Keras losses of this package share (`CutLoss`)."""
 
 import weakref
 from typing import Optional
@@ -21,82 +21,16 @@ __all__ = ["CutBCELoss"]
 _TRAINED_BY = weakref.WeakKeyDictionary()
 
 
-@keras.saving.register_keras_serializable(package="keras_cutbce")
-class CutBCELoss(keras.losses.Loss):
-    """Computes the full-vocabulary binary cross-entropy of hidden states against item ids.
+class CutLoss(keras.losses.Loss):
+    """The Keras loss around a loss op of this package: what `CutBCELoss` and `CutSoftmaxLoss` share.
 
-    The model outputs hidden states `y_pred [..., D]`; the loss projects them
-    on the item table `E [V, D]` (plus an optional bias `[V]`) tile by tile
-    and compares the logits with the multi-hot of the integer target ids
-    `y_true [..., L]`, without materializing the `[positions, V]` logits. Its
-    value equals `keras.losses.BinaryCrossentropy(from_logits=True)` on the
-    dense logits (for `pos_weight=1`), and so do its gradients.
-
-    `y_true` stays integral (Keras's stock `Loss` would cast it to float,
-    which is exact only below 2**24). Ids outside `[0, V)` are padding, of
-    any integer width (an int64 `2**32 + 16` is padding, not item 16);
-    duplicates count once. Keras masks on `y_pred` and `sample_weight` give
-    Keras's numbers and shapes for every reduction (a trailing size-1 axis as
-    in Keras; a `[B]` weight over `[B, T]` losses is one weight per example,
-    Keras's `[B, 1]`); a weight that cannot broadcast raises a `ValueError`
-    naming both shapes.
-
-    The table is read when the loss is called, so inside a train step it is
-    the value being trained: tie it to the model's item embedding and the
-    table trains through the loss on every backend. In a JAX custom loop
-    (`model.stateless_call` under `jax.grad`), call the loss inside
-    `keras.StatelessScope(state_mapping=...)` with the values being
-    differentiated (or use `model.stateless_compute_loss`); without them the
-    loss raises instead of silently dropping the table's gradient.
-
-    Args:
-        embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
-            `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
-            `ReversibleEmbedding`, `keras_cutbce.ItemEmbedding`), or a
-            constant `[V, D]` array or tensor. An `ItemEmbedding` built with
-            `use_bias=True` gives its bias too: the trainable bias of a
-            model (it trains with the table).
-        bias: optional bias `[V]`, for a table without its own: a constant
-            array or tensor, or a `keras.Variable` of the model (a trainable
-            variable outside the model is refused by `fit`, as the table).
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float weighting the positive terms.
-        chunk_size: vocabulary tile width, `None` for the default rule
-            (`keras_cutbce.math.tiling`).
-        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX),
-            `"triton"` (torch) or `"reference"` (dense).
-        reduction: any Keras reduction (`"sum_over_batch_size"`, `"sum"`,
-            `"mean"`, `"mean_with_sample_weight"`, `"none"`/`None`).
-        name: loss name.
-        dtype: dtype of the reduced loss (default: Keras's float dtype).
-
-    Example:
-
-    ```python
-    items = keras.layers.Embedding(num_items, 64, name="items")
-    # or, with a trainable per-item bias the loss reads (and trains) too:
-    # items = keras_cutbce.ItemEmbedding(num_items, 64, use_bias=True, name="items")
-    ids = keras.Input((None,), dtype="int32")
-    hidden = keras.layers.Dense(64)(items(ids))
-    model = keras.Model(ids, hidden)
-    model.compile(optimizer="adam", loss=CutBCELoss(items))
-    model.fit(sequences, next_items)   # next_items: int [batch, seq, 8]
-    ```
+    The item table and bias read at each call, the Keras reductions, sample
+    weights and masks, integral ids, the checks that `fit` trains the table,
+    and the config (the table saved as variable paths). A subclass gives its
+    checked `checks.LossOptions` (whose `family` picks the op).
     """
 
-    def __init__(
-        self,
-        embeddings,
-        bias=None,
-        *,
-        label_smoothing: float = 0.0,
-        pos_weight: float = 1.0,
-        chunk_size: Optional[int] = None,
-        implementation: str = "auto",
-        reduction: Optional[str] = "sum_over_batch_size",
-        name: Optional[str] = "cut_binary_crossentropy",
-        dtype: Optional[str] = None,
-    ):
+    def __init__(self, embeddings, bias, options, *, reduction, name, dtype):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         if embeddings is None:
             raise ValueError(
@@ -104,9 +38,7 @@ class CutBCELoss(keras.losses.Loss):
             )
         self.embeddings = embeddings
         self.bias = bias
-        self._options = checks.loss_options(
-            label_smoothing, pos_weight, chunk_size, implementation
-        )
+        self._options = options
 
     def _set_option(self, **change):
         options = self._options._replace(**change)
@@ -120,15 +52,6 @@ class CutBCELoss(keras.losses.Loss):
     @label_smoothing.setter
     def label_smoothing(self, value):
         self._set_option(label_smoothing=value)
-
-    @property
-    def pos_weight(self):
-        """The weight of the positive terms, a finite float > 0."""
-        return self._options.pos_weight
-
-    @pos_weight.setter
-    def pos_weight(self, value):
-        self._set_option(pos_weight=value)
 
     @property
     def chunk_size(self):
@@ -313,23 +236,24 @@ class CutBCELoss(keras.losses.Loss):
             verified[key] = list(variables)
             return
         names = ", ".join(repr(v.path) for v in missing)
+        cls = type(self).__name__
         if role == "bias":
             raise ValueError(
-                f"CutBCELoss's bias is not among the trainable variables of the model "
+                f"{cls}'s bias is not among the trainable variables of the model "
                 f"being trained ({model.name!r}): {names} would never be updated by "
                 "`fit`. Let the model's item table layer own the bias: embed items with "
                 "`items = keras_cutbce.ItemEmbedding(num_items, dim, use_bias=True)` "
-                "and pass `CutBCELoss(items)` (no `bias=`): the loss and the metrics "
+                f"and pass `{cls}(items)` (no `bias=`): the loss and the metrics "
                 "read the table and its bias, and both train. To keep a bias fixed on "
                 "purpose, make it non-trainable (`keras.Variable(..., trainable=False)`) "
                 "or pass it as a tensor. Received: bias="
                 f"{getattr(missing[0], 'path', None)!r}"
             )
         raise ValueError(
-            f"CutBCELoss's item table is not among the trainable variables of the "
+            f"{cls}'s item table is not among the trainable variables of the "
             f"model being trained ({model.name!r}): {names} would never be updated "
             "by `fit`. Pass the model's own item table (the layer or variable the "
-            "model embeds items with, e.g. `CutBCELoss(model.get_layer('items'))`), "
+            f"model embeds items with, e.g. `{cls}(model.get_layer('items'))`), "
             "or build the model with that table as one of its layers. To keep a table "
             "fixed on purpose, make it non-trainable (`layer.trainable = False`, "
             "`keras.Variable(..., trainable=False)`) or pass it as a tensor."
@@ -351,7 +275,6 @@ class CutBCELoss(keras.losses.Loss):
         config.update(
             **tables_config(self.embeddings, self.bias),
             label_smoothing=self.label_smoothing,
-            pos_weight=self.pos_weight,
             chunk_size=self.chunk_size,
             implementation=self.implementation,
         )
@@ -360,3 +283,98 @@ class CutBCELoss(keras.losses.Loss):
     @classmethod
     def from_config(cls, config):
         return cls(**tables_from_config(config))
+
+
+@keras.saving.register_keras_serializable(package="keras_cutbce")
+class CutBCELoss(CutLoss):
+    """Computes the full-vocabulary binary cross-entropy of hidden states against item ids.
+
+    The model outputs hidden states `y_pred [..., D]`; the loss projects them
+    on the item table `E [V, D]` (plus an optional bias `[V]`) tile by tile
+    and compares the logits with the multi-hot of the integer target ids
+    `y_true [..., L]`, without materializing the `[positions, V]` logits. Its
+    value equals `keras.losses.BinaryCrossentropy(from_logits=True)` on the
+    dense logits (for `pos_weight=1`), and so do its gradients.
+
+    `y_true` stays integral (Keras's stock `Loss` would cast it to float,
+    which is exact only below 2**24). Ids outside `[0, V)` are padding, of
+    any integer width (an int64 `2**32 + 16` is padding, not item 16);
+    duplicates count once. Keras masks on `y_pred` and `sample_weight` give
+    Keras's numbers and shapes for every reduction (a trailing size-1 axis as
+    in Keras; a `[B]` weight over `[B, T]` losses is one weight per example,
+    Keras's `[B, 1]`); a weight that cannot broadcast raises a `ValueError`
+    naming both shapes.
+
+    The table is read when the loss is called, so inside a train step it is
+    the value being trained: tie it to the model's item embedding and the
+    table trains through the loss on every backend. In a JAX custom loop
+    (`model.stateless_call` under `jax.grad`), call the loss inside
+    `keras.StatelessScope(state_mapping=...)` with the values being
+    differentiated (or use `model.stateless_compute_loss`); without them the
+    loss raises instead of silently dropping the table's gradient.
+
+    Args:
+        embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
+            `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
+            `ReversibleEmbedding`, `keras_cutbce.ItemEmbedding`), or a
+            constant `[V, D]` array or tensor. An `ItemEmbedding` built with
+            `use_bias=True` gives its bias too: the trainable bias of a
+            model (it trains with the table).
+        bias: optional bias `[V]`, for a table without its own: a constant
+            array or tensor, or a `keras.Variable` of the model (a trainable
+            variable outside the model is refused by `fit`, as the table).
+        label_smoothing: float in `[0, 1]`.
+        pos_weight: positive float weighting the positive terms.
+        chunk_size: vocabulary tile width, `None` for the default rule
+            (`keras_cutbce.math.tiling`).
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX),
+            `"triton"` (torch) or `"reference"` (dense).
+        reduction: any Keras reduction (`"sum_over_batch_size"`, `"sum"`,
+            `"mean"`, `"mean_with_sample_weight"`, `"none"`/`None`).
+        name: loss name.
+        dtype: dtype of the reduced loss (default: Keras's float dtype).
+
+    Example:
+
+    ```python
+    items = keras.layers.Embedding(num_items, 64, name="items")
+    # or, with a trainable per-item bias the loss reads (and trains) too:
+    # items = keras_cutbce.ItemEmbedding(num_items, 64, use_bias=True, name="items")
+    ids = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.Dense(64)(items(ids))
+    model = keras.Model(ids, hidden)
+    model.compile(optimizer="adam", loss=CutBCELoss(items))
+    model.fit(sequences, next_items)   # next_items: int [batch, seq, 8]
+    ```
+    """
+
+    def __init__(
+        self,
+        embeddings,
+        bias=None,
+        *,
+        label_smoothing: float = 0.0,
+        pos_weight: float = 1.0,
+        chunk_size: Optional[int] = None,
+        implementation: str = "auto",
+        reduction: Optional[str] = "sum_over_batch_size",
+        name: Optional[str] = "cut_binary_crossentropy",
+        dtype: Optional[str] = None,
+    ):
+        options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
+        super().__init__(embeddings, bias, options, reduction=reduction, name=name, dtype=dtype)
+
+    @property
+    def pos_weight(self):
+        """The weight of the positive terms, a finite float > 0."""
+        return self._options.pos_weight
+
+    @pos_weight.setter
+    def pos_weight(self, value):
+        self._set_option(pos_weight=value)
+
+    def get_config(self):
+        """Returns the config (`CutLoss.get_config`) with `pos_weight`."""
+        config = super().get_config()
+        config["pos_weight"] = self.pos_weight
+        return config

@@ -72,13 +72,27 @@ def loss_inputs(hidden, embeddings, target_ids, bias=None):
     return LossInputs(flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1])
 
 
+# The per-row op of each loss family (its fused reduction: the name + "_weighted_sum").
+_LOSS_OPS = {"bce": "cut_bce", "softmax": "cut_softmax"}
+
+
+def _loss_kwargs(options):
+    kwargs = {"chunk_size": options.chunk_size, "label_smoothing": options.label_smoothing}
+    if options.family == "bce":
+        kwargs["pos_weight"] = options.pos_weight
+    return kwargs
+
+
 def per_position_loss(inputs, options):
     """Returns the flat float32 `[M]` loss of checked `LossInputs` and `LossOptions`."""
-    loss = dispatch(
-        "cut_bce", options.implementation, inputs.hidden, inputs.table, inputs.ids,
-        inputs.bias, chunk_size=options.chunk_size,
-        label_smoothing=options.label_smoothing, pos_weight=options.pos_weight,
-    )
+    op = _LOSS_OPS[options.family]
+    loss = dispatch(op, options.implementation, inputs.hidden, inputs.table, inputs.ids,
+                    inputs.bias, **_loss_kwargs(options))
+    if loss is None:
+        raise NotImplementedError(
+            f"{op!r} has no implementation for this table yet (a table split over a mesh "
+            f"runs the BCE loss only). Received: implementation={options.implementation!r}"
+        )
     return ops.cast(loss, "float32")
 
 
@@ -91,9 +105,8 @@ def loss_sum(inputs, options, row_weights):
         ops.stop_gradient(ops.cast(row_weights, "float32")), (ops.shape(inputs.hidden)[0],)
     )
     total = dispatch(
-        "cut_bce_weighted_sum", options.implementation, inputs.hidden, inputs.table,
-        inputs.ids, inputs.bias, weights, chunk_size=options.chunk_size,
-        label_smoothing=options.label_smoothing, pos_weight=options.pos_weight,
+        _LOSS_OPS[options.family] + "_weighted_sum", options.implementation, inputs.hidden,
+        inputs.table, inputs.ids, inputs.bias, weights, **_loss_kwargs(options),
     )
     if total is None:  # no fused kernel on this implementation
         return ops.sum(weights * per_position_loss(inputs, options))

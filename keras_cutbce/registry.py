@@ -15,6 +15,9 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   label_smoothing, pos_weight, chunk_size) -> scalar`: the loss and its
   gradient in one pass over the vocabulary; an implementation without it
   reduces its `cut_bce`;
+- `cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size)` and
+  `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy
+  (`chunked` and `reference` only, so far);
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
   -> (scores [M, k] float32, ids [M, k] int32)`, ties to the lower id;
 - `count_above(hidden, table, bias, scores [M], ids [M], exclude_ids [M, X] |
@@ -107,6 +110,21 @@ IMPLEMENTATIONS = {
         },
         "pallas": {"jax": f"{_JAX}.pallas:cut_bce_weighted_sum"},
         "triton": {"torch": f"{_TORCH}.triton.launch:cut_bce_weighted_sum"},
+    },
+    "cut_softmax": {
+        "reference": {ANY_BACKEND: "keras_cutbce.math.reference:cut_softmax"},
+        "chunked": {
+            "jax": f"{_JAX}.chunked:cut_softmax",
+            "torch": f"{_TORCH}.chunked:cut_softmax",
+            "tensorflow": f"{_TF}.chunked:cut_softmax",
+        },
+    },
+    "cut_softmax_weighted_sum": {
+        "chunked": {
+            "jax": f"{_JAX}.chunked:cut_softmax_weighted_sum",
+            "torch": f"{_TORCH}.chunked:cut_softmax_weighted_sum",
+            "tensorflow": f"{_TF}.chunked:cut_softmax_weighted_sum",
+        },
     },
     "top_k": {
         "chunked": {

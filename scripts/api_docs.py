@@ -60,19 +60,35 @@ def public_names():
 
 
 def _own_members(cls):
-    """`(new, overridden)`: public attributes `cls` adds, and those it overrides from a base."""
+    """`(new, overridden)`: public attributes `cls` adds, and those it overrides from a base.
+
+    Members of a base of the same package that its module does not export
+    (`loss.CutLoss` under `CutBCELoss`) count as the class's own.
+    """
+    package = cls.__module__.split(".")[0]
+    own = [cls] + [base for base in cls.__mro__[1:]
+                   if base.__module__.split(".")[0] == package and base.__name__ not in _public_in(base)]
+    members = {}
+    for klass in own:
+        for name, value in vars(klass).items():
+            members.setdefault(name, value)
     new, overridden = [], []
-    for name, value in vars(cls).items():
+    for name, value in members.items():
         if name.startswith("_"):
             continue
         if not isinstance(value, (property, staticmethod, classmethod)) and not callable(value):
             continue
-        bases = cls.__mro__[1:]
+        bases = [base for base in cls.__mro__[1:] if base not in own]
         if any(name in vars(base) for base in bases):
             overridden.append((name, value))
         else:
             new.append((name, value))
     return new, overridden
+
+
+def _public_in(cls):
+    """The names a class's module exports (`__all__`)."""
+    return getattr(importlib.import_module(cls.__module__), "__all__", ())
 
 
 def _doc(value):

@@ -64,3 +64,20 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     ) * y
     terms = weight_minus * ops.softplus(-z) + weight_plus * ops.softplus(z)
     return ops.mean(terms, axis=-1)
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0):
+    """Computes the dense per-row softmax cross-entropy `[rows]` of the `CutSoftmaxLoss` contract.
+
+    `logsumexp(z) - sum_v y'_v z_v` with `y' = (1 - a) multi_hot / |P| + a / V`
+    (`keras.losses.categorical_crossentropy(..., from_logits=True,
+    label_smoothing=a)`); 0 for a row without a valid id.
+    """
+    z = logits(hidden, table, bias)
+    y = multi_hot(ids, ops.shape(table)[0])
+    count = ops.sum(y, axis=-1)
+    y = y / ops.expand_dims(ops.maximum(count, 1.0), -1)
+    a = float(label_smoothing)
+    y = y * (1.0 - a) + a / ops.shape(table)[0]
+    loss = ops.logsumexp(z, axis=-1) - ops.sum(y * z, axis=-1)
+    return ops.where(count > 0, loss, 0.0)

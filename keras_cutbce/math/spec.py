@@ -162,3 +162,44 @@ def table():
                 for z, l, s in zip(LOGITS, loss, slope)
             ]
     return rows
+
+
+# -- softmax cross-entropy ------------------------------------------------------------
+
+SOFTMAX_ROWS = (
+    ((0.0, 1.0, 2.0, -1.0), (1,)),
+    ((80.0, -80.0, 0.0, 79.5), (1,)),
+    ((80.0, -80.0, 0.0, 79.5), (0, 3, 3)),
+    ((-100.0, -100.0, -100.0, -100.0), (2,)),
+    ((1e3, 0.0, -1e3, 2.0**-10), (2, 1)),
+    ((5.0, 4.0, 3.0, 2.0), ()),
+)
+"""Rows of float32-exact logits `[4]` and their target ids (a repeated id counts once)."""
+
+SOFTMAX_SMOOTHING = (0.0, 0.1, 0.2)
+"""The label smoothings of the softmax rows."""
+
+
+def softmax_row(z, targets, label_smoothing=0.0):
+    """Returns the exact float64 `(loss, slopes)` of one row of logits `z` `[V]`.
+
+    `loss = logsumexp(z) - sum_v y'_v z_v` with `y' = (1 - a) multi_hot / |P|
+    + a / V` for the distinct targets `P`, and `slopes = softmax(z) - y'`;
+    `(0, zeros)` for a row without a target.
+
+    Example:
+
+    >>> loss, slopes = softmax_row([0.0, np.log(2.0), 0.0], [1])
+    >>> round(float(loss), 6), [round(float(s), 3) for s in slopes]
+    (0.693147, [0.25, -0.5, 0.25])
+    """
+    z = np.asarray(z, np.float64)
+    targets = sorted(set(int(t) for t in targets))
+    if not targets:
+        return 0.0, np.zeros_like(z)
+    a = float(label_smoothing)
+    y = np.full_like(z, a / z.size)
+    y[targets] += (1.0 - a) / len(targets)
+    top = np.max(z)
+    lse = top + np.log(np.sum(np.exp(z - top)))
+    return float(lse - np.sum(y * z)), np.exp(z - lse) - y

@@ -17,7 +17,7 @@ two parts, so the `[M, V]` logits never exist:
   precision whatever V.
 
 The loss is the one varying piece: the loop is given a loss family
-(`math.BCE` here; the seam: docs/development.md), which turns each tile's
+(`math.BCE`, `math.Softmax`; the seam: docs/development.md), which turns each tile's
 logits into its part of the rows' reduction and its slopes, and the
 positives' logits into their terms. What is the loop's own: a `lax.scan`
 with the rows' reduction, the hidden gradient and the table and bias
@@ -29,9 +29,8 @@ into its `[V, D]` buffer), the positives' gather and scatter-add, and the
 pass recomputes the logits tile by tile. `cut_bce_weighted_sum` (a scalar,
 the training path of a reduced loss) computes the loss and the gradients at
 cotangent 1 in one scan, and its backward pass only scales them. Both run
-the same per-tile function (`_tile_pass`). Everything accumulates in
-float32; gradients come back in each input's dtype. `cut_bce` is
-batch-polymorphic, so `jax.vmap` works over it.
+the same per-tile function (`_tile_pass`), as do `cut_softmax` and its
+weighted sum. Float32 accumulation; `cut_bce` is batch-polymorphic (`vmap`).
 """
 
 import functools
@@ -284,7 +283,7 @@ def _functions(family, tile):
             jax.jit(vjp.weighted_sum(loss_fn, loss_and_grads_fn)))
 
 
-def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
+def _prepare(hidden, table, ids, bias, chunk_size):
     hidden = jnp.asarray(hidden)
     table = jnp.asarray(table)
     ids = jnp.asarray(ids)
@@ -293,8 +292,7 @@ def _prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size):
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], vocab, tile_budget())
     tile = max(1, min(int(chunk_size), vocab))
-    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
-    return hidden, table, ids, bias, family, tile
+    return hidden, table, ids, bias, tile
 
 
 def cut_bce(
@@ -326,9 +324,8 @@ def cut_bce(
     >>> cut_bce(h, table, np.array([[1, 2], [3, -1], [5, 5]]), chunk_size=32).shape
     (3,)
     """
-    hidden, table, ids, bias, family, tile = _prepare(
-        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
-    )
+    hidden, table, ids, bias, tile = _prepare(hidden, table, ids, bias, chunk_size)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     return _functions(family, tile)[0](hidden, table, ids, bias)
 
 
@@ -381,8 +378,23 @@ def cut_bce_weighted_sum(
     >>> bool(np.isclose(total, np.sum(w * cut_bce(h, table, ids, chunk_size=32)), rtol=1e-5))
     True
     """
-    hidden, table, ids, bias, family, tile = _prepare(
-        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size
-    )
+    hidden, table, ids, bias, tile = _prepare(hidden, table, ids, bias, chunk_size)
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
+    return _functions(family, tile)[1](hidden, table, ids, bias, row_weights)
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None):
+    """`cut_bce` for the softmax cross-entropy (`math.Softmax`; no `pos_weight`), float32 `[M]`."""
+    hidden, table, ids, bias, tile = _prepare(hidden, table, ids, bias, chunk_size)
+    family = math.Softmax(float(label_smoothing), table.shape[0])
+    return _functions(family, tile)[0](hidden, table, ids, bias)
+
+
+def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
+                             chunk_size=None):
+    """`cut_bce_weighted_sum` for the softmax cross-entropy (`math.Softmax`)."""
+    hidden, table, ids, bias, tile = _prepare(hidden, table, ids, bias, chunk_size)
+    family = math.Softmax(float(label_smoothing), table.shape[0])
     row_weights = jnp.asarray(row_weights, _F32).reshape(hidden.shape[:1])
     return _functions(family, tile)[1](hidden, table, ids, bias, row_weights)

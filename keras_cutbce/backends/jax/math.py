@@ -182,3 +182,78 @@ def _drop_masked(values, z, coef):
     if coef.neg_target == 0.0:
         return values
     return jnp.where(z == -jnp.inf, 0.0, values)
+
+
+class Softmax(NamedTuple):
+    """Softmax cross-entropy as the chunked loop's loss family (the seam: docs/development.md).
+
+    A row's loss is `logsumexp(z) - (a / V) sum_v z_v - (1 - a) / |P| sum_{p
+    in P} z_p` for its valid, distinct ids `P` and label smoothing `a`; 0
+    for a row without a valid id. The tiles reduce each row to `(running
+    max, sum exp(z - max), sum z)` (merged by rescaling, never an `exp` of
+    an unshifted logit); the slopes `exp(z - lse) - a / V` need the first
+    pass's `lse` (`two_pass`). The positives are not masked in the tiles:
+    their term is the linear `-(1 - a) / |P| z_p` alone. Hashable.
+    """
+
+    label_smoothing: float
+    vocab: int
+
+    masks_positives = False
+    two_pass = True
+
+    def init(self, rows):
+        """`(max, sum exp, sum z)` before the first tile: `(-inf, 0, 0)`, each `[M]`."""
+        zeros = jnp.zeros((rows,), jnp.float32)
+        return (jnp.full((rows,), -jnp.inf, jnp.float32), zeros, zeros)
+
+    def merge(self, acc, part):
+        """Merges two `(max, sum exp, sum z)` by rescaling the sums to the larger max."""
+        (m1, s1, t1), (m2, s2, t2) = acc, part
+        m = jnp.maximum(m1, m2)
+        return m, _rescaled(s1, m1, m) + _rescaled(s2, m2, m), t1 + t2
+
+    def tile(self, z, stats, *, loss, grad):
+        """Returns a tile's `((max, sum exp, sum z) or None, slopes [M, T] or None)`."""
+        part = dz = None
+        if loss:
+            m = jnp.max(z, axis=1)
+            total = jnp.sum(z, axis=1) if self.label_smoothing else jnp.zeros_like(m)
+            part = (m, jnp.sum(jnp.exp(z - m[:, None]), axis=1), total)
+        if grad:
+            dz = jnp.exp(z - stats[:, None])
+            if self.label_smoothing:
+                dz = dz - self.label_smoothing / self.vocab
+        return part, dz
+
+    def statistics(self, acc):
+        """The rows' log-sum-exp `[M]`."""
+        return acc[0] + jnp.log(acc[1])
+
+    def positives(self, z, keep, *, loss, grad):
+        """Returns the positives' `(terms, slopes)`: `-(1 - a) / |P| z_p` and its slope."""
+        weight = -(1.0 - self.label_smoothing) / _count(keep)
+        return (weight * z if loss else None), (jnp.broadcast_to(weight, z.shape) if grad else None)
+
+    def finish(self, acc, positive_rows, keep, vocab):
+        """Returns the rows' loss `[M]`, 0 for a row without a valid id."""
+        loss = self.statistics(acc)
+        if self.label_smoothing:
+            loss = loss - (self.label_smoothing / vocab) * acc[2]
+        if positive_rows is None:
+            return jnp.zeros_like(loss)
+        return jnp.where(jnp.any(keep, axis=1), loss + positive_rows, 0.0)
+
+    def row_scale(self, row_weights, keep, vocab):
+        """Returns the factor of each row's slopes: its weight, 0 without a valid id."""
+        return jnp.where(jnp.any(keep, axis=1), row_weights, 0.0)
+
+
+def _rescaled(total, m_old, m_new):
+    """`total * exp(m_old - m_new)`, 0 for an empty total (no `-inf - -inf`)."""
+    return jnp.where(m_old == -jnp.inf, 0.0, total * jnp.exp(m_old - m_new))
+
+
+def _count(keep):
+    """Each row's number of valid positives `[M, 1]`, at least 1."""
+    return jnp.maximum(jnp.sum(keep, axis=1, keepdims=True), 1).astype(jnp.float32)

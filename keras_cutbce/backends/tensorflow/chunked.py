@@ -123,6 +123,10 @@ def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size
     TensorShape([4])
     """
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    return _per_row(family, hidden, table, ids, bias, chunk_size)
+
+
+def _per_row(family, hidden, table, ids, bias, chunk_size):
     tile = int(chunk_size)
     hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
 
@@ -279,6 +283,10 @@ def cut_bce_weighted_sum(
     True
     """
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    return _weighted_sum(family, hidden, table, ids, bias, row_weights, chunk_size)
+
+
+def _weighted_sum(family, hidden, table, ids, bias, row_weights, chunk_size):
     tile = int(chunk_size)
     hidden, table, ids, bias = _as_tensors(hidden, table, ids, bias)
     weights = tf.stop_gradient(tf.reshape(tf.cast(row_weights, tf.float32), [-1]))
@@ -294,3 +302,36 @@ def cut_bce_weighted_sum(
         return total, grad
 
     return _with_gradient(fused, hidden, table, ids, bias)
+
+
+def _softmax(table, label_smoothing):
+    vocab = table.shape[0]
+    if vocab is None:
+        raise NotImplementedError("The softmax loss needs the vocabulary size known at trace time.")
+    return math.Softmax(float(label_smoothing), int(vocab))
+
+
+def cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size):
+    """Computes the per-row softmax cross-entropy `[M]` in float32, with exact gradients.
+
+    The loop of `cut_bce` with the `math.Softmax` family (two passes over
+    the tiles for the gradients: the rows' log-sum-exp, then the slopes).
+    Arguments as `cut_bce`'s, without `pos_weight`; V must be static.
+
+    Example:
+
+    >>> z = tf.math.log(tf.constant([[1.0, 2.0, 1.0]]))
+    >>> loss = cut_softmax(z, tf.eye(3), tf.constant([[1]]), None, label_smoothing=0.0,
+    ...                    chunk_size=2)
+    >>> round(float(loss[0]), 4)
+    0.6931
+    """
+    family = _softmax(tf.convert_to_tensor(table), label_smoothing)
+    return _per_row(family, hidden, table, ids, bias, chunk_size)
+
+
+def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
+                             chunk_size):
+    """Computes `sum_m row_weights[m] * cut_softmax(...)[m]`, as `cut_bce_weighted_sum`."""
+    family = _softmax(tf.convert_to_tensor(table), label_smoothing)
+    return _weighted_sum(family, hidden, table, ids, bias, row_weights, chunk_size)

@@ -144,3 +144,68 @@ class BCE(NamedTuple):
 
     def row_scale(self, row_weights, keep):
         return row_weights
+
+
+class Softmax(NamedTuple):
+    """Softmax cross-entropy as the TensorFlow loop's loss family (the seam: docs/development.md).
+
+    The math of JAX's `math.Softmax`: the rows' `(max, sum exp(z - max),
+    sum z)` merged by rescaling, slopes `exp(z - lse) - a / V` after a first
+    pass (`two_pass`), the positives' linear `-(1 - a) / |P| z_p`, no slope
+    factor (`scale` 1). `keep` is the float32 mask of the valid ids.
+    """
+
+    label_smoothing: float
+    vocab: int
+
+    masks_positives = False
+    two_pass = True
+
+    def init(self, rows):
+        zeros = tf.zeros([rows], tf.float32)
+        return (tf.fill([rows], float("-inf")), zeros, zeros)
+
+    def merge(self, acc, part):
+        (m1, s1, t1), (m2, s2, t2) = acc, part
+        m = tf.maximum(m1, m2)
+        return m, _rescaled(s1, m1, m) + _rescaled(s2, m2, m), t1 + t2
+
+    def tile(self, z, stats, *, loss, grad):
+        """Returns a tile's `((max, sum exp, sum z) or None, slopes [M, T] or None)`."""
+        part = dz = None
+        if loss:
+            m = tf.reduce_max(z, axis=1)
+            total = tf.reduce_sum(z, axis=1) if self.label_smoothing else tf.zeros_like(m)
+            part = (m, tf.reduce_sum(tf.exp(z - m[:, None]), axis=1), total)
+        if grad:
+            dz = tf.exp(z - stats[:, None])
+            if self.label_smoothing:
+                dz = dz - self.label_smoothing / self.vocab
+        return part, dz
+
+    def statistics(self, acc):
+        return acc[0] + tf.math.log(acc[1])
+
+    def positives(self, z, keep, *, loss, grad):
+        weight = -(1.0 - self.label_smoothing) / tf.maximum(
+            tf.reduce_sum(keep, axis=1, keepdims=True), 1.0)
+        return (weight * z if loss else None), (weight * tf.ones_like(z) if grad else None)
+
+    def scale(self, vocab_size):
+        return 1.0
+
+    def finish(self, acc, positive_rows, keep, scale):
+        loss = self.statistics(acc)
+        if self.label_smoothing:
+            loss = loss - (self.label_smoothing / self.vocab) * acc[2]
+        if positive_rows is None:
+            return tf.zeros_like(loss)
+        return tf.where(tf.reduce_sum(keep, axis=1) > 0, loss + positive_rows, 0.0)
+
+    def row_scale(self, row_weights, keep):
+        return tf.where(tf.reduce_sum(keep, axis=1) > 0, row_weights, 0.0)
+
+
+def _rescaled(total, m_old, m_new):
+    """`total * exp(m_old - m_new)`, 0 for an empty total (no `-inf - -inf`)."""
+    return tf.where(tf.equal(m_old, float("-inf")), tf.zeros_like(total), total * tf.exp(m_old - m_new))

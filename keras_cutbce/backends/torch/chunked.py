@@ -177,6 +177,10 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
 def run_cut_bce(dense, hidden, table, ids, bias, *, label_smoothing, pos_weight, tile):
     """`cut_bce` with `dense` computing the background (`kernel.dense_pass`'s signature)."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    return _per_row(dense, hidden, table, ids, bias, family, tile)
+
+
+def _per_row(dense, hidden, table, ids, bias, family, tile):
     ids = _as_ids(ids, hidden.device)
     return _CutBCEFunction.apply(hidden, table, bias, ids, family, tile, dense)
 
@@ -236,6 +240,10 @@ def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoo
                      tile):
     """`cut_bce_weighted_sum` with `dense` computing the background (as `run_cut_bce`)."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    return _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile)
+
+
+def _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile):
     ids = _as_ids(ids, hidden.device)
     row_weights = torch.as_tensor(row_weights, device=hidden.device).detach().reshape(-1)
     need = (
@@ -253,3 +261,35 @@ def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoo
         h = mask_zero_rows(w, hidden.to(dtype))
         loss, _, _, _ = kernel.row_losses(h, table, bias, ids, family, tile, dense=dense)
         return torch.dot(w, loss)
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size):
+    """Computes the per-row softmax cross-entropy over the full vocabulary, tile by tile.
+
+    The loop of `cut_bce` with the `math.Softmax` family (two passes over
+    the tiles when a gradient is needed: the rows' log-sum-exp, then the
+    slopes). Arguments as `cut_bce`'s, without `pos_weight`.
+
+    Returns:
+        Float32 loss `[M]` (float64 if an input is float64); 0 for a row
+        without a valid id.
+
+    Example:
+
+    >>> z = torch.tensor([[1.0, 2.0, 1.0]]).log()
+    >>> round(cut_softmax(z, torch.eye(3), torch.tensor([[1]]), chunk_size=2).item(), 4)
+    0.6931
+    """
+    family = math.Softmax(float(label_smoothing), table.shape[0])
+    return _per_row(kernel.dense_pass, hidden, table, ids, bias, family, _tile(chunk_size))
+
+
+def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
+                             chunk_size):
+    """Computes `sum_m row_weights[m] * cut_softmax(...)[m]`, its gradients computed with it.
+
+    As `cut_bce_weighted_sum`, with the `math.Softmax` family.
+    """
+    family = math.Softmax(float(label_smoothing), table.shape[0])
+    return _weighted_sum(kernel.dense_pass, hidden, table, ids, bias, row_weights, family,
+                         _tile(chunk_size))

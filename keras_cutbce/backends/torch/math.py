@@ -177,3 +177,67 @@ class BCE(NamedTuple):
         """Returns the factors of each row's dense and sparse slopes: its weight over `V`."""
         inv_v = 1.0 / vocab
         return row_weights * (self.coef.neg_scale * inv_v), row_weights * inv_v
+
+
+class Softmax(NamedTuple):
+    """Softmax cross-entropy as the torch loop's loss family (the seam: docs/development.md).
+
+    The math of JAX's `math.Softmax`. The rows' running value is a `[2, M]`
+    tensor `(max, sum exp(z - max))`, updated in place tile by tile; the
+    label smoothing's `-(a / V) sum_v z_v` is the loop's closed-form linear
+    background (`linear = a / V`), so the dense slopes are `exp(z - lse)`
+    alone, written over `z`.
+    """
+
+    label_smoothing: float
+    vocab: int
+
+    masks_positives = False
+    two_pass = True
+
+    @property
+    def linear(self):
+        return self.label_smoothing / self.vocab
+
+    def init(self, rows, dtype, device):
+        """`(max, sum exp)` before the first tile: `[2, M]`, `(-inf, 0)`."""
+        acc = torch.zeros(2, rows, dtype=dtype, device=device)
+        acc[0] = float("-inf")
+        return acc
+
+    def tile(self, z, acc, stats, *, out, ones):
+        """Merges the tile into the running `(max, sum exp)` `acc`, in place."""
+        top = torch.maximum(acc[0], z.amax(1))
+        # `exp(old max - new max)`; the first tile's `-inf - finite` gives 0.
+        acc[1].mul_(torch.exp(acc[0] - top).nan_to_num_(nan=0.0))
+        acc[1].addmv_(torch.exp(torch.sub(z, top[:, None], out=out), out=out), ones)
+        acc[0] = top
+
+    def statistics(self, acc):
+        """The rows' log-sum-exp `[M]`."""
+        return acc[0] + torch.log(acc[1])
+
+    def slopes(self, z, stats):
+        """Returns the tile's `softmax(z)`, written over `z`."""
+        return z.sub_(stats[:, None]).exp_()
+
+    def positives(self, z, keep, *, loss, grad):
+        """Returns the positives' `(terms, slopes)`: `-(1 - a) / |P| z_p` and its slope."""
+        weight = -(1.0 - self.label_smoothing) / keep.sum(1, keepdim=True).clamp_min(1).to(z.dtype)
+        return (weight * z if loss else None), (weight.expand_as(z) if grad else None)
+
+    def finish(self, acc, sparse, positives, vocab):
+        """Returns the rows' loss, 0 for a row without a valid id."""
+        return torch.where(_has_target(positives), self.statistics(acc) + sparse, 0.0)
+
+    def row_scales(self, row_weights, positives, vocab):
+        """Returns the factors of each row's dense and sparse slopes: its weight, 0 without a valid id."""
+        scale = torch.where(_has_target(positives), row_weights, 0.0)
+        return scale, scale
+
+
+def _has_target(positives):
+    """Whether each row has a valid id, `[M]` bool."""
+    if positives.empty:
+        return torch.zeros((), dtype=torch.bool)
+    return positives.keep.any(1)
