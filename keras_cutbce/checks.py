@@ -134,10 +134,6 @@ class LossOptions(NamedTuple):
     family: str = "bce"
 
 
-# The implementations of the softmax cross-entropy (`family="softmax"`).
-SOFTMAX_IMPLEMENTATIONS = ("auto", "chunked", "reference")
-
-
 def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implementation="auto",
                  family="bce"):
     """Returns the loss ops' scalar options checked, as a `LossOptions`.
@@ -151,10 +147,11 @@ def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implement
     LossOptions(label_smoothing=0.0, pos_weight=1.0, chunk_size=64, implementation='auto', family='bce')
     """
     implementation = registry.check_implementation(implementation)
-    if family == "softmax" and implementation not in SOFTMAX_IMPLEMENTATIONS:
+    softmax = ("auto", *registry.IMPLEMENTATIONS["cut_softmax"])
+    if family == "softmax" and implementation not in softmax:
         raise NotImplementedError(
             f"The softmax cross-entropy has no {implementation!r} implementation yet: use one "
-            f"of {SOFTMAX_IMPLEMENTATIONS}. Received: implementation={implementation!r}"
+            f"of {softmax}. Received: implementation={implementation!r}"
         )
     return LossOptions(
         label_smoothing=check_label_smoothing(label_smoothing),
