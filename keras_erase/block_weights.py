@@ -1,12 +1,8 @@
-"""Which `DetachBlock` owns which trainable weight: the rule data parallelism and CUDA Graphs share.
+"""Which `DetachBlock` owns which trainable weight: the rule the torch all-reduce and CUDA Graphs share.
 
-A block owns a weight when it is the only block that holds it and no layer
-outside every block uses it (a layer called inside a block and on the main
-path, e.g. a shared embedding, is a direct sublayer of the model as well as
-of the block). Only an owned weight gets its gradient from the block's own
-early backward alone: the torch all-reduce reduces it right after that
-backward (`keras_erase.torch.distributed`), and only a block that owns all
-its weights is captured as CUDA Graphs (`keras_erase.torch.cuda_graphs`).
+A block owns a weight when it is the only block holding it and no layer
+outside every block uses it; only then does the block's early backward alone
+give its gradient.
 """
 
 from keras_erase import _keras_private
@@ -16,13 +12,7 @@ __all__ = ["block_owned_weights", "shared_weights", "weights_outside_blocks"]
 
 
 def weights_outside_blocks(model):
-    """Returns `{id: weight}` of the trainable weights a layer outside every `DetachBlock` creates.
-
-    Walks the layer tree from `model` through direct sublayers, not into
-    blocks; a layer met this way is used outside blocks (a layer called inside
-    a block and on the main path is met here too). Its own weights are its
-    `trainable_weights` minus its direct sublayers' ones.
-    """
+    """`{id: weight}` of the trainable weights of layers met from `model` without entering a block."""
     outside, seen, stack = {}, set(), [model]
     while stack:
         layer = stack.pop()
@@ -39,11 +29,7 @@ def weights_outside_blocks(model):
 
 
 def block_owned_weights(model, blocks):
-    """Maps `id(block)` to the trainable weights only that block's early backward reaches.
-
-    A weight is a block's when exactly one of `blocks` holds it and no layer
-    outside every block does (see the module docstring); the others are
-    reduced with the remainder.
+    """Maps `id(block)` to the trainable weights that block owns.
 
     Example:
 
@@ -73,7 +59,7 @@ def block_owned_weights(model, blocks):
 
 
 def shared_weights(model, blocks):
-    """Maps `id(block)` to the paths of its trainable weights that it does not own (only if any).
+    """Maps `id(block)` to the paths of the weights it holds but does not own (blocks with any).
 
     Example:
 

@@ -22,10 +22,7 @@ def _output_index(output_names, name, block=None):
 
 
 def check_targets(blocks, output_names):
-    """Raises a `ValueError` naming `target=` and the outputs for a block whose target is not one.
-
-    Called when the model's outputs are known (a Functional `EraseModel` at
-    construction), so a bad `target=` fails before training.
+    """Raises a `ValueError` for a block whose `target=` is not one of `output_names` (before training).
 
     Example:
 
@@ -49,11 +46,7 @@ def check_targets(blocks, output_names):
 
 
 def select_target(block, y, sample_weight, output_names=()):
-    """`(y_true, sample_weight)` for `block` from the model's `y` and `sample_weight`.
-
-    `block.target` picks one target when the model has several: an output name
-    (dict targets or named outputs) or an index into `output_names` (Keras
-    sorts dict outputs by name); `None` takes the single target.
+    """`(y_true, sample_weight)` for `block` from the model's `y` and `sample_weight` (see `DetachBlock`'s `target`).
 
     Example:
 

@@ -1,19 +1,8 @@
-"""Who launches a block's backward: `InlineLauncher` (main thread) or `WorkerLauncher` (a worker).
+"""Who launches a block's backward job: `InlineLauncher` (at once, main thread) or `WorkerLauncher` (a FIFO worker thread).
 
-A launcher takes the block's backward as a job (a closure that enters the
-block's stream and runs `torch.autograd.backward`) right after the block's
-forward pass:
-
-- `InlineLauncher` (`launcher="inline"`): runs it at once on the main thread.
-  On CUDA, `torch.autograd.backward` returns only when autograd's device
-  thread has launched every backward kernel, so the next block's forward is
-  enqueued after this block's whole backward.
-- `WorkerLauncher` (`launcher="worker"`): submits it to one FIFO
-  `BackwardWorker` thread and returns; the main thread goes on with the next
-  forward pass while the worker launches the backward (in submission order).
-
-`wait()` blocks until every job of the step ran (re-raising the first error);
-`close()` ends the worker thread.
+Inline on CUDA, `torch.autograd.backward` returns once every backward kernel
+is launched, so the next block's forward is enqueued after it; with the
+worker the main thread goes on with the next forward at once.
 
 Example:
 
@@ -29,7 +18,6 @@ __all__ = ["InlineLauncher", "WorkerLauncher", "make_launcher"]
 
 
 class InlineLauncher:
-    """Runs each backward job at once, on the calling (main) thread."""
 
     name = "inline"
     worker = None
@@ -45,11 +33,7 @@ class InlineLauncher:
 
 
 class WorkerLauncher:
-    """Submits each backward job to one FIFO `BackwardWorker` thread.
-
-    Args:
-        threads: torch intra-op threads of the worker thread (`None`: left alone).
-    """
+    """Submits each backward job to one `BackwardWorker` (`threads`: its intra-op threads)."""
 
     name = "worker"
 
@@ -67,7 +51,6 @@ class WorkerLauncher:
 
 
 def make_launcher(name, threads=None):
-    """Builds the launcher `name` names (`"inline"` or `"worker"`)."""
     if name == "inline":
         return InlineLauncher()
     if name == "worker":
