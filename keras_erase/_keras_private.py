@@ -1,7 +1,4 @@
-"""Every private Keras use of `keras_erase`, in one place (checked against Keras 3.15.1).
-
-Each entry says why no public API does the job.
-"""
+"""Every private Keras use of `keras_erase`, each with why no public API does it (checked against Keras 3.15.1)."""
 
 __all__ = [
     "Functional", "call_has_training_arg", "compute_loss", "direct_sublayers", "in_symbolic_scope",

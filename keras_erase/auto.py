@@ -1,15 +1,4 @@
-"""`ScheduleSelector`: the measuring rule of `EraseModel(dispatch="auto")` on CUDA.
-
-Example:
-
->>> from keras_erase.auto import ScheduleSelector
->>> selector = ScheduleSelector(["standard", "streams"], timed_rounds=3)
->>> while not selector.done:
-...     schedule = selector.next_schedule()
-...     selector.record(schedule, 1.0 if schedule == "standard" else 0.5)
->>> selector.choice, selector.steps
-('streams', 8)
-"""
+"""`ScheduleSelector`: the measuring rule of `EraseModel(dispatch="auto")` on CUDA."""
 
 import numpy as np
 
@@ -22,26 +11,20 @@ EARLY_STOP_ROUNDS = 2
 
 
 class ScheduleSelector:
-    """Chooses one of several step schedules by timing them; knows nothing about models.
+    """Chooses one of several step schedules by timing them, round robin; the first is the baseline.
 
-    Steps go round robin over the candidates still measured; the first is the
-    baseline. After its warm-up steps each candidate is timed; a challenger
-    whose median after `early_stop_rounds` timed steps is not `margin` below
-    the baseline's is dropped (its medians kept in `drop_medians`). After
-    `timed_rounds` timed steps each, a challenger replaces the baseline only if
-    its median and p90 are both `margin` below the baseline's; the smallest p90
-    wins.
+    A challenger whose median after `early_stop_rounds` timed steps is not
+    `margin` below the baseline's is dropped (`drop_medians`). After
+    `timed_rounds` timed steps each, one replaces the baseline only if its
+    median and p90 are both `margin` below the baseline's; the smallest p90 wins.
 
     Args:
         candidates: hashable schedules; the first is the baseline.
-        timed_rounds: timed steps per candidate before the final choice.
-        warmup_rounds: untimed steps per candidate before its timed ones.
+        timed_rounds, warmup_rounds: timed and untimed steps per candidate.
         extra_warmup: optional `{candidate: n}` more untimed steps (CUDA Graph capture).
-        margin: relative gain on median and p90 needed to leave the baseline.
-        early_stop_rounds: see above; `None` disables early stop.
+        margin, early_stop_rounds: as above (`None`: no early stop).
         combine: optional `list of floats -> list of floats` applied to the
-            statistics before the choice (the mean over ranks, so every rank
-            keeps the same schedule); it turns early stop off.
+            statistics before the choice (the mean over ranks); no early stop then.
     """
 
     def __init__(
@@ -122,7 +105,6 @@ class ScheduleSelector:
             self.choice = base
 
     def statistics(self):
-        """`{candidate: (median_s, p90_s)}` over the timed steps."""
         return {
             c: (float(np.median(t)), float(np.percentile(t, 90)))
             for c, t in self.times.items()

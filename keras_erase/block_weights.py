@@ -29,21 +29,7 @@ def weights_outside_blocks(model):
 
 
 def block_owned_weights(model, blocks):
-    """Maps `id(block)` to the trainable weights that block owns.
-
-    Example:
-
-    >>> import keras
-    >>> from keras_erase import DetachBlock, EraseModel
-    >>> shared = keras.layers.Dense(2, name="shared")
-    >>> inputs = keras.Input((3,))
-    >>> inner = keras.layers.Dense(2, name="inner")
-    >>> tower = DetachBlock(keras.Sequential([shared, inner]), loss="mse")
-    >>> model = EraseModel(inputs, keras.layers.Add()([tower(inputs), shared(inputs)]),
-    ...                    dispatch="standard")
-    >>> [w is inner.kernel or w is inner.bias for w in block_owned_weights(model, [tower])[id(tower)]]
-    [True, True]
-    """
+    """Maps `id(block)` to the trainable weights that block owns."""
     if not blocks:
         return {}
     outside = weights_outside_blocks(model)
@@ -59,20 +45,7 @@ def block_owned_weights(model, blocks):
 
 
 def shared_weights(model, blocks):
-    """Maps `id(block)` to the paths of the weights it holds but does not own (blocks with any).
-
-    Example:
-
-    >>> import keras
-    >>> from keras_erase import DetachBlock, EraseModel
-    >>> inputs = keras.Input((3,))
-    >>> shared = keras.layers.Dense(2, name="shared")
-    >>> tower = DetachBlock(keras.Sequential([shared], name="inner"), loss="mse", name="tower")
-    >>> model = EraseModel(inputs, keras.layers.Add()([tower(inputs), shared(inputs)]),
-    ...                    dispatch="standard")
-    >>> shared_weights(model, [tower])[id(tower)]
-    ['tower/inner/shared/kernel', 'tower/inner/shared/bias']
-    """
+    """Maps `id(block)` to the paths of the weights it holds but does not own (blocks with any)."""
     owned = block_owned_weights(model, blocks)
     found = {}
     for block in blocks:

@@ -15,14 +15,7 @@ __all__ = ["capture_safe_loss", "is_capture_safe", "weight_penalty"]
 
 
 def weight_penalty(regularizer, weight):
-    """`regularizer(weight)`, with Python-float factors for Keras's L1, L2 and L1L2.
-
-    Example:
-
-    >>> w = keras.Variable([[1.0, -2.0]])
-    >>> float(weight_penalty(keras.regularizers.L1L2(l1=0.5, l2=0.25), w))
-    2.75
-    """
+    """`regularizer(weight)`, with Python-float factors for Keras's L1, L2 and L1L2."""
     kind = type(regularizer)
     if kind is keras.regularizers.L1:
         return regularizer.l1 * ops.sum(ops.absolute(weight))
@@ -62,15 +55,7 @@ def _match_rank(values, weight):
 
 
 def capture_safe_loss(loss_fn, y_true, y_pred, sample_weight=None):
-    """`loss_fn(y_true, y_pred, sample_weight)` as `Loss.__call__` computes it, dividing by Python constants.
-
-    Example:
-
-    >>> loss = keras.losses.MeanSquaredError()
-    >>> y_true, y_pred = np.array([[1.0], [0.0]]), np.array([[0.5], [0.5]])
-    >>> float(capture_safe_loss(loss, y_true, y_pred))
-    0.25
-    """
+    """`loss_fn(y_true, y_pred, sample_weight)` as `Loss.__call__` computes it, dividing by Python constants."""
     dtype = loss_fn.dtype
     y_pred = tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
     y_true = tree.map_structure(lambda t: ops.cast(t, dtype), y_true)

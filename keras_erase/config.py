@@ -1,14 +1,4 @@
-"""`EraseConfig` (the checked arguments of `EraseModel`) and `Schedule` (one early-backward schedule).
-
-Example:
-
->>> from keras_erase.config import EraseConfig
->>> config = EraseConfig(dispatch="threaded", intra_op_threads=1)
->>> config.to_dict()["dispatch"], config.needs_cuda
-('threaded', False)
->>> EraseConfig(dispatch="early", launcher="inline", placement="block_streams").schedule().label
-'inline+block_streams'
-"""
+"""`EraseConfig` (the checked arguments of `EraseModel`) and `Schedule` (one early-backward schedule)."""
 
 import dataclasses
 
@@ -38,17 +28,12 @@ AUTO_STEPS = 8
 class Schedule:
     """One early-backward schedule: launcher x placement x graphs.
 
-    - `launcher`: who launches a block's backward: `"inline"` (the main thread,
-      right after the block's forward) or `"worker"` (a backward worker thread,
-      so the main thread goes on with the next forward at once);
-    - `placement`: where a block's forward and backward run: `"default_stream"`
-      or `"block_streams"` (CUDA: a stream per block);
-    - `graphs`: each block captured as CUDA Graphs, or not.
-
-    `label` is the name users read (`dispatch_choice`, `auto_timings`): the
-    preset's name where one matches (`PRESETS`), else
-    `"<launcher>+<placement>"`, plus `"+graphs"` when graphed. Keras's own step
-    has no `Schedule`: `None`, labelled `"standard"` (`STANDARD`).
+    `launcher`: `"inline"` (the main thread, right after the block's forward) or
+    `"worker"` (a backward worker thread: the main thread goes on at once);
+    `placement`: `"default_stream"` or `"block_streams"` (CUDA: a stream per
+    block); `graphs`: each block captured as CUDA Graphs. `label` is the name
+    users read: a preset's (`PRESETS`) or `"<launcher>+<placement>"`, plus
+    `"+graphs"`; Keras's own step is `None`, labelled `"standard"`.
 
     Example:
 
@@ -99,12 +84,10 @@ class Schedule:
 
 
 def schedule_of(label):
-    """The `Schedule` a label names; `None` for `"standard"`."""
     return None if label == STANDARD else Schedule.from_label(label)
 
 
 def label_of(schedule):
-    """The label of a `Schedule`; `"standard"` for `None`."""
     return STANDARD if schedule is None else schedule.label
 
 
@@ -117,11 +100,7 @@ def _check_choice(name, value, allowed):
 
 @dataclasses.dataclass(frozen=True)
 class EraseConfig:
-    """The checked arguments of `EraseModel` that say how it trains on torch.
-
-    Args:
-        dispatch, num_streams, cuda_graphs, intra_op_threads, auto_steps,
-        launcher, placement: as `EraseModel`'s.
+    """The checked arguments of `EraseModel` (see it for each) that say how it trains on torch.
 
     Raises:
         ValueError: a value out of range, or `launcher`/`placement` that
@@ -193,13 +172,7 @@ class EraseConfig:
         return Schedule(self.launcher or "worker", placement, graphs=self.cuda_graphs)
 
     def backend_note(self, backend):
-        """The warning for torch-only settings on another `backend` (`None` when there is none).
-
-        Example:
-
-        >>> EraseConfig(dispatch="streams").backend_note("jax")[:40]
-        "EraseModel: dispatch='streams' is a torc"
-        """
+        """The warning for torch-only settings on another `backend` (`None` when there is none)."""
         if backend == "torch":
             return None
         settings = []

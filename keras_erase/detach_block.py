@@ -78,9 +78,9 @@ class DetachBlock(keras.layers.Layer):
         name: layer name; the local loss is logged as `"<name>_loss"`.
 
     Raises:
-        TypeError: `layer`, `head` or `target` of the wrong type, or a
-            `loss_weight` that is not a number.
-        ValueError: a `loss_weight` that is negative or not finite.
+        TypeError: `layer`, `head`, `loss` or `target` of the wrong type, or
+            a `loss_weight` that is not a number.
+        ValueError: an unknown `loss`, or a `loss_weight` < 0 or not finite.
 
     Example:
 
@@ -169,7 +169,7 @@ class DetachBlock(keras.layers.Layer):
         return self.layer(inputs, training=training)
 
     def predict_local(self, outputs: Any) -> Any:
-        """Returns the head's prediction for the local loss (the output itself without a head)."""
+        """The head's prediction (the output itself without a head)."""
         return outputs if self.head is None else self.head(outputs)
 
     def local_loss(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
@@ -259,7 +259,6 @@ class DetachBlock(keras.layers.Layer):
         return self.detach(outputs)
 
     def _pop_pending_predictions(self):
-        """Returns and clears the predictions kept by training calls."""
         pending = list(self._pending_predictions)
         self._pending_predictions.clear()
         return pending

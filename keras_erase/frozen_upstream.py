@@ -28,7 +28,6 @@ class FrozenUpstreamWarning(UserWarning):
 
 
 def _scalar(structure):
-    """Sums every float tensor of `structure` into a float32 scalar (0 for none)."""
     total = ops.zeros((), "float32")
     for tensor in tree.flatten(structure):
         if "float" in str(getattr(tensor, "dtype", "")):
@@ -62,10 +61,7 @@ def _objectives_fn(model, data, state):
 
 
 def reached(fn, values):
-    """For `outputs = fn(values)`: `[[output i has a gradient path to value j for j] for i]`.
-
-    torch walks the autograd graph of one forward; TensorFlow traces a concrete
-    function; JAX traces `jax.grad` to a jaxpr (no path: a symbolic zero).
+    """For `outputs = fn(values)`: `[[output i has a gradient path to value j for j] for i]`, without running a backward.
 
     Args:
         fn: `fn(values) -> list of float scalars`, written with Keras ops.

@@ -18,27 +18,14 @@ __all__ = [
 
 
 def batch_weight(value, batch):
-    """`batch` as a `Mean` weight for the scalar `value`, made on `value`'s device.
-
-    Example:
-
-    >>> float(batch_weight(keras.ops.convert_to_tensor(0.5), 32))
-    32.0
-    """
+    """`batch` as a `Mean` weight for the scalar `value`, made on `value`'s device."""
     if isinstance(batch, int) and not isinstance(batch, bool):
         return ops.ones_like(value) * batch
     return ops.cast(batch, value.dtype)
 
 
 class LocalLossMean(keras.metrics.Mean):
-    """A block's logged local loss: a `keras.metrics.Mean` whose reset assigns device zeros, not the Python `0`.
-
-    Example:
-
-    >>> mean = LocalLossMean(name="tower_loss")
-    >>> mean.update_state(2.0, sample_weight=3.0); mean.reset_state(); float(mean.result())
-    0.0
-    """
+    """A block's logged local loss: a `keras.metrics.Mean` whose reset assigns device zeros, not the Python `0`."""
 
     def reset_state(self):
         for variable in self.variables:
@@ -59,7 +46,6 @@ class LocalLossTrackers:
         self.by_name = {}
 
     def ensure(self, blocks):
-        """Creates the missing trackers; returns every tracker."""
         for block in blocks:
             if block.has_local_loss and block.name not in self.by_name:
                 self.by_name[block.name] = LocalLossMean(name=f"{block.name}_loss")

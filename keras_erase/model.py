@@ -81,6 +81,10 @@ class EraseModel(keras.Model):
             `"early"`, one stream per block on CUDA).
         *args, **kwargs: as for `keras.Model`.
 
+    Raises:
+        ValueError: an argument out of range, or `launcher`/`placement`
+            that disagree with `dispatch`.
+
     Example:
 
     ```python
@@ -187,15 +191,7 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch_explanation(self) -> str:
-        """Which schedule trains and why; with `"auto"` on CUDA, every candidate's timings and the rule.
-
-        Example:
-
-        ```python
-        model.fit(x, y)
-        print(model.dispatch_choice, model.dispatch_explanation)
-        ```
-        """
+        """Which schedule trains and why; with `"auto"` on CUDA, every candidate's timings and the rule."""
         erase = self._erase
         if not _is_torch():
             return (f"dispatch={erase.config.dispatch!r} on backend {keras.backend.backend()!r}: "
@@ -296,14 +292,6 @@ class EraseModel(keras.Model):
 
         Each event: `block`, `phase` (`"forward"`, `"submit"`, `"backward"`),
         `start`, `end` (`time.perf_counter()`) and `thread`.
-
-        Example:
-
-        ```python
-        events = model.start_trace()
-        model.fit(x, y, epochs=1)
-        model.stop_trace()
-        ```
         """
         self._erase.trace = []
         for dispatcher in self._erase.dispatchers.values():
@@ -311,7 +299,7 @@ class EraseModel(keras.Model):
         return self._erase.trace
 
     def stop_trace(self) -> list[dict[str, Any]] | None:
-        """Stops recording and returns the recorded events."""
+        """Stops recording; returns the events."""
         events, self._erase.trace = self._erase.trace, None
         for dispatcher in self._erase.dispatchers.values():
             dispatcher.trace = None

@@ -2,15 +2,6 @@
 
 In `mode="auto"` a callback knows the direction of `"loss"` and of compiled
 metrics only; the block losses are neither.
-
-Example:
-
->>> import keras
->>> stop = keras.callbacks.EarlyStopping(monitor="val_tower_0_loss")
->>> minimise_block_losses([stop], ["tower_0_loss"])
-[<...EarlyStopping object at ...>]
->>> stop.mode
-'min'
 """
 
 __all__ = ["minimise_block_losses"]

@@ -18,24 +18,11 @@ def torch_runtime():
 
 
 class EraseRuntime:
-    """Everything an `EraseModel` changes while it trains, in one plain object.
+    """Everything an `EraseModel` changes while it trains, stored once as `model._erase`, outside Keras's and torch's tracking.
 
-    Stored once as `model._erase`, outside Keras's and torch's attribute
-    tracking: none of it is saved or tracked.
-
-    Attributes:
-        config: the model's `EraseConfig`.
-        dispatch_choice: the label of the schedule in use (`None` while `"auto"`
-            measures).
-        selector: the `ScheduleSelector` of `"auto"` on CUDA.
-        trackers: the `LocalLossTrackers`.
-        dispatchers: `{Schedule: Dispatcher}` built so far (torch).
-        trace: the event list while tracing, else `None`.
-        grad_sync, needs_broadcast: the `GradientSync` under a process group,
-            and whether rank 0's weights go out at the next step.
-        in_test_step, in_train_step: set during `test_step` / `train_step`.
-        blocks_own_losses: while set (torch ERASE step), `model.losses` leaves
-            out the blocks' own losses.
+    `dispatch_choice` is the label of the schedule in use (`None` while `"auto"`
+    measures); `blocks_own_losses`, while set, leaves the blocks' own losses out
+    of `model.losses` (the torch ERASE step back-propagates them early).
     """
 
     def __init__(self, config, is_torch):

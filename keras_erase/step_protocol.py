@@ -1,24 +1,16 @@
 """The step protocol: how a `DetachBlock` call meets its model's step.
 
-A block knows neither its model nor the train step. The caller tells it
+A block knows neither its model nor the train step; the caller tells it
 through thread-local stacks, each set by a context manager:
 
-- `collecting(model, training, evaluating)`: an `EraseModel` call runs.
-  In a training or test call a block keeps its head's prediction and own
-  losses as a `PendingPrediction`, which `EraseModel.compute_loss` consumes
-  in the same step (`keras_erase.local_losses`);
+- `collecting(model, training, evaluating)`: an `EraseModel` call runs. In a
+  training or test call a block keeps its head's prediction and own losses
+  as a `PendingPrediction`, which `EraseModel.compute_loss` consumes in the
+  same step (`keras_erase.local_losses`);
 - `step_handler(handler)`: the torch ERASE step runs; a training block hands
   its whole computation to `handler.run_block(block, inputs) -> outputs`;
 - `recording_inputs()`: every block call records `(block, inputs)`
   (`keras_erase.frozen_upstream`).
-
-Example:
-
->>> with collecting("model", training=True):
-...     current_collector(), collector_training(), collector_evaluating()
-('model', True, False)
->>> current_collector() is None
-True
 """
 
 import contextlib
@@ -42,13 +34,11 @@ class PendingPrediction:
 
 
 def current_step_handler():
-    """The step handler installed on this thread, or `None`."""
     stack = getattr(_STATE, "stack", None)
     return stack[-1] if stack else None
 
 
 def current_collector():
-    """The `EraseModel` whose call runs on this thread, or `None`."""
     stack = getattr(_STATE, "collectors", None)
     return stack[-1][0] if stack else None
 
@@ -59,12 +49,10 @@ def _collector_setting(index, default=None):
 
 
 def collector_training():
-    """The running collector's `training` (`None` without one)."""
     return _collector_setting(1)
 
 
 def collector_evaluating():
-    """Whether the running collector is in a test step."""
     return _collector_setting(2, False)
 
 
@@ -87,16 +75,7 @@ def collecting(model, training=None, evaluating=False):
 
 
 def claim_weight_penalties(weights):
-    """Those of `weights` whose penalties this block call pays: each weight once per model call, as Keras counts them.
-
-    Without a collector every call pays all of them.
-
-    Example:
-
-    >>> with collecting("model", training=True):
-    ...     claim_weight_penalties(["a", "b"]), claim_weight_penalties(["b", "c"])
-    (['a', 'b'], ['c'])
-    """
+    """Those of `weights` whose penalties this block call pays: each once per model call, as Keras counts them (all without a collector)."""
     stack = getattr(_STATE, "collectors", None)
     if not stack:
         return list(weights)

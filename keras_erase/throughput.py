@@ -1,11 +1,4 @@
-"""Throughput as the ERASE paper reports it: percentiles of per-step examples/s.
-
-Example:
-
->>> stats = throughput_percentiles([0.010, 0.020, 0.040], batch_size=100)
->>> round(stats["p50"]), round(stats["p90"])
-(5000, 9000)
-"""
+"""Throughput as the ERASE paper reports it: percentiles of per-step examples/s."""
 
 import numpy as np
 

@@ -1,15 +1,4 @@
-"""What `dispatch="auto"` does on torch (its candidates and selector on CUDA), and how a schedule explains itself.
-
-On a CPU `"auto"` is the standard step and measures nothing (`CPU_EXPLANATION`).
-
-Example:
-
->>> from keras_erase.torch.auto_schedule import auto_candidates, describe_schedule
->>> auto_candidates()[:3]
-['standard', 'blocking', 'threaded']
->>> describe_schedule("streams")
-"streams (launcher 'worker', placement 'block_streams', CUDA Graphs off)"
-"""
+"""What `dispatch="auto"` does on torch (its candidates and selector on CUDA; on a CPU the standard step), and how a schedule explains itself."""
 
 from keras_erase.auto import ScheduleSelector
 from keras_erase.config import STANDARD

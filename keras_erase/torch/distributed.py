@@ -17,7 +17,6 @@ __all__ = ["GradientSync", "active", "mean_over_ranks"]
 
 
 def active(group=None):
-    """Whether a `torch.distributed` process group of more than one rank is initialized."""
     return (
         dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     )
@@ -48,17 +47,8 @@ class _Pending:
 
 
 class GradientSync:
-    """Averages `EraseModel`'s gradients over a process group (default: the world), block by block.
-
-    Example:
-
-    ```python
-    sync = GradientSync()
-    sync.start_step(model)
-    # ... forward; after block b's backward: sync.block_done(b) ...
-    sync.reduce_rest()   # after the final backward
-    sync.finish()        # waits, averages and writes the .grad back
-    ```
+    """Averages `EraseModel`'s gradients over a process group (default: the world): `start_step`,
+    `block_done(block)` after each block's backward, `reduce_rest()` after the final one, `finish()`.
     """
 
     def __init__(self, group=None):
@@ -154,7 +144,6 @@ class GradientSync:
             )
 
     def reduce_rest(self):
-        """Launches the all-reduce of every trainable gradient not reduced yet this step."""
         rest = [v for v in self._weights if id(v) not in self._done]
         for v in rest:
             self._done.add(id(v))
@@ -229,7 +218,6 @@ class GradientSync:
                     offset += size
 
     def abort(self):
-        """Drops the step's pending reductions without waiting (the step failed)."""
         self._pending = []
         self._late = []
         if self._watches:  # the checking step failed: the next step checks again

@@ -1,16 +1,9 @@
 """The gradient hand-off: a `detach_input=False` block's early backward stops at its input.
 
-So the shared upstream runs one backward per step, not one per block, and a
-block's backward never reaches main-stream autograd nodes (docs/erase.md,
-"Shared upstream layers train once per step"):
-
-1. `cut(inputs)`, before the block's forward: each input that requires a
-   gradient is replaced by a fresh leaf;
-2. `deliver(cuts)`, right after the block's backward: each leaf's gradient
-   is handed over, summed per upstream tensor (there with `accumulate`,
-   else on the main thread in `backward`);
-3. `backward(loss)`, after the blocks finished: one backward of the main
-   loss and every upstream tensor with its summed gradient.
+`cut` replaces the block's grad-requiring inputs by fresh leaves before its
+forward; `deliver` hands each leaf's gradient over after its backward,
+summed per upstream tensor; `backward` runs the main loss and the upstream
+once, with the sums (docs/erase.md, "Shared upstream layers train once").
 
 Example:
 
@@ -47,7 +40,6 @@ class GradientHandOff:
 
     @property
     def pending(self):
-        """Whether a block of this step was cut."""
         return self.cuts > 0
 
     def cut(self, inputs):
@@ -78,7 +70,6 @@ class GradientHandOff:
             self.add(source, grad)
 
     def sources(self):
-        """The upstream tensors cut this step, in order of first cut."""
         with self._lock:
             return list(self._sources.values())
 
@@ -112,7 +103,6 @@ class GradientHandOff:
         return tensors, totals
 
     def backward(self, loss):
-        """One backward of `loss` (or `None`) and the handed-over gradients."""
         tensors, grads = self.gradients()
         if loss is not None and loss.requires_grad:
             tensors, grads = [loss] + tensors, [None] + grads
@@ -120,5 +110,4 @@ class GradientHandOff:
             torch.autograd.backward(tensors, grad_tensors=grads)
 
     def clear(self):
-        """Drops the step's hand-off (the step failed)."""
         self.gradients()

@@ -61,9 +61,9 @@ def run_local(
 
     Each rank is a spawned process with `KERAS_BACKEND=torch` in a process group
     on the loopback address; under it `EraseModel` averages the gradients over
-    the ranks (`keras_erase.torch.distributed`), so `fn` only builds the model
-    and trains it on its shard. `fn` must be importable by the spawned processes
-    (not a lambda, not unguarded `__main__` code) and its result picklable.
+    the ranks, so `fn` only builds the model and trains it on its shard. `fn`
+    must be importable by the spawned processes (not a lambda, not unguarded
+    `__main__` code) and its result picklable.
 
     Args:
         fn: importable, picklable function of `(rank, world_size, *args, **kwargs)`.
@@ -87,15 +87,8 @@ def run_local(
     Example:
 
     ```python
-    from keras_erase.throughput import global_step_seconds, throughput_percentiles
-
-    def train(rank, world, x, y):  # in an importable module
-        model = build_model()
-        model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-        timer = StepTimes()  # a callback keeping each step's seconds in `times`
-        model.fit(x[rank::world], y[rank::world], batch_size=256, callbacks=[timer])
-        return timer.times
-
+    def train(rank, world, x, y):  # in an importable module; returns this rank's step times
+        ...
     per_rank = run_local(train, 2, args=(x, y))
     # A step ends with its slowest rank: never add per-rank percentiles.
     qps = throughput_percentiles(global_step_seconds(per_rank)[5:], batch_size=2 * 256)

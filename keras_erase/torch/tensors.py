@@ -1,11 +1,4 @@
-"""torch helpers of the torch runtime, its bottom layer (it imports no sibling); `reached` walks an autograd graph.
-
-Example:
-
->>> import torch
->>> flat_tensors({"a": torch.ones(1), "b": [torch.zeros(2), 3]})[1].shape
-torch.Size([2])
-"""
+"""torch helpers of the torch runtime, its bottom layer (it imports no sibling)."""
 
 import keras
 import numpy as np
@@ -38,7 +31,6 @@ def detach_tensors(structure):
 
 
 def flat_tensors(structure):
-    """Every torch tensor of `structure`, in order."""
     if isinstance(structure, torch.Tensor):
         return [structure]
     if isinstance(structure, (list, tuple)):
@@ -49,7 +41,6 @@ def flat_tensors(structure):
 
 
 def same_storage(a, b):
-    """Whether `a` and `b` start at the same memory."""
     return (
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and a.storage_offset() == b.storage_offset()
@@ -80,14 +71,7 @@ def require_cuda(what):
 
 
 def reached(fn, values):
-    """`keras_erase.frozen_upstream.reached` on torch: runs `fn` once on fresh leaves and walks each output's graph; nothing is differentiated.
-
-    Example:
-
-    >>> import torch
-    >>> reached(lambda v: [(v[0] * v[1].detach()).sum()], [torch.ones(2), torch.ones(2)])
-    [[True, False]]
-    """
+    """`keras_erase.frozen_upstream.reached` on torch: runs `fn` once on fresh leaves and walks each output's graph; nothing is differentiated."""
     leaves = [torch.as_tensor(v).detach().requires_grad_(True) for v in values]
     index = {id(leaf): i for i, leaf in enumerate(leaves)}
     with torch.enable_grad():

@@ -1,14 +1,9 @@
-"""torch CPU intra-op thread policy of the ERASE train step: `EraseModel(intra_op_threads=...)`.
+"""torch CPU intra-op threads of the ERASE step: `EraseModel(intra_op_threads=...)`.
 
-- `"auto"` (default): on CPU, a `"worker"` launcher's schedule runs the main
-  thread and the worker at half the cores each (`threads_for_worker`);
-  other schedules keep the current count;
-- an int: that count for the main thread in every torch schedule and for
-  the worker;
-- `None`: thread counts are never touched.
-
-The worker sets its own count in its own thread (OpenMP teams are per
-thread); the main thread's is restored when `fit` or `train_on_batch` returns.
+`"auto"`: on CPU a `"worker"` schedule runs the main and the worker thread
+at half the cores each, other schedules keep the count; an int: that count
+for both; `None`: never touched. The main thread's count is restored when
+`fit` or `train_on_batch` returns.
 """
 
 import contextlib
@@ -27,7 +22,6 @@ def threads_for_worker():
 
 
 def set_intra_op_threads(n):
-    """Sets the calling thread's intra-op count to `n` if it differs."""
     if n is not None and int(n) != torch.get_num_threads():
         torch.set_num_threads(int(n))
 

@@ -79,12 +79,10 @@ def auto_on_cpu(config):
 
 
 def dispatch_choice(runtime):
-    """`EraseModel.dispatch_choice` on torch."""
     return "standard" if auto_on_cpu(runtime.config) else runtime.dispatch_choice
 
 
 def explanation(runtime):
-    """`EraseModel.dispatch_explanation` on torch."""
     if runtime.config.dispatch != "auto":
         return explain_fixed(runtime, cuda_available())
     if auto_on_cpu(runtime.config):
@@ -95,7 +93,6 @@ def explanation(runtime):
 
 
 def gradient_sync(runtime):
-    """The `GradientSync` under a multi-rank process group, else `None`."""
     if not distributed.active():
         return None
     if runtime.grad_sync is None:
@@ -209,7 +206,6 @@ def _warn_if_still_measuring(runtime):
 
 
 def close_dispatchers(runtime, keep=None):
-    """Closes every dispatcher (its worker thread ends) except `keep`'s."""
     for schedule, dispatcher in list(runtime.dispatchers.items()):
         if schedule != keep:
             dispatcher.close()

@@ -46,7 +46,6 @@ class BlockGraph:
         )
 
     def release(self):
-        """Frees both graphs, their memory pool and the static tensors."""
         for capture in (self.forward, self.backward):
             if capture is not None:
                 capture.release()

@@ -1,10 +1,9 @@
 """CUDA Graph captures: `CudaGraphCapture` (CUDA) and `RecordingCapture` (its CPU stand-in).
 
-A capture is a callable `capture(fn, pool=None, stream=None) -> Capture`
-that runs `fn` once as a captured region on `stream`. It also makes capture
-streams (`new_stream()`) and runs a block's last eager warm-up step on one
-(`warmup_scope(stream, tensors)`), so that stream's lazy state (its cuBLAS
-workspace) exists before the capture, outside any graph's memory pool.
+A capture `capture(fn, pool=None, stream=None) -> Capture` runs `fn` once as
+a captured region. `new_stream()` and `warmup_scope(stream, tensors)` let a
+block's last warm-up step run on its capture stream, so that stream's cuBLAS
+workspace exists before the capture, outside any graph's pool.
 
 Example:
 
@@ -168,21 +167,12 @@ class CaptureStream:
 
 
 class RecordingCapture:
-    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them.
+    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them on the same tensors.
 
-    As a CUDA graph: the replay reruns the same ops on the same static tensors,
-    the ops a CUDA capture refuses raise `CaptureRefused`, and the capture leaves
-    no side effect (tensors written in place and the CPU generator are
-    restored). Its records hold detached tensors.
-
-    Args:
-        fail_after: make capture number `fail_after` (1-based) raise
-            `CaptureRefused`; `None` for never.
-
-    Attributes:
-        captured, pools, streams: each capture's op names, pool and stream.
-        warmups: the stream of every `warmup_scope`.
-        replays, released, live: replays run, captures released, captures alive.
+    As a CUDA capture it refuses what CUDA refuses (`CaptureRefused`) and leaves
+    no side effect. `fail_after`: capture number `fail_after` raises (tests).
+    `captured`, `pools`, `streams`, `warmups`, `replays`, `released`, `live`:
+    what it did.
     """
 
     def __init__(self, fail_after=None):
@@ -272,7 +262,6 @@ def require_capture():
 
 
 def default_capture():
-    """The capture of a runner built without one."""
     require_capture()
     if _CAPTURE_FACTORY is not None:
         return _CAPTURE_FACTORY()

@@ -4,11 +4,6 @@
 (tensors from host data, host syncs, data-dependent shapes); `HostReads`
 sees the host reads that dispatch no aten op on CPU (`.cpu()`, `.numpy()`,
 `np.asarray(t)`, `.tolist()`); `SyncRecorder` counts what would sync on CUDA.
-
-Example:
-
->>> forbidden_ops(["mm", "item", "lift_fresh", "Tensor.numpy"])
-['Tensor.numpy', 'item', 'lift_fresh']
 """
 
 import torch
@@ -58,7 +53,6 @@ class CaptureRefused(RuntimeError):
 
 
 def forbidden_ops(op_names):
-    """The names among `op_names` that a capture refuses, sorted."""
     return sorted(set(op_names) & CAPTURE_FORBIDDEN_OPS)
 
 
@@ -86,17 +80,7 @@ def _host_read(func, args, kwargs):
 
 
 class HostReads(TorchFunctionMode):
-    """Records (or, with `refuse`, refuses) the host reads of `HOST_READ_FUNCTIONS`.
-
-    Example:
-
-    >>> import numpy as np
-    >>> reads = HostReads(refuse=False)
-    >>> with reads:
-    ...     _ = np.asarray(torch.ones(2))
-    >>> reads.names
-    ['Tensor.__array__']
-    """
+    """Records (or, with `refuse`, refuses) the host reads of `HOST_READ_FUNCTIONS`."""
 
     def __init__(self, refuse=True):
         super().__init__()
@@ -117,11 +101,7 @@ class HostReads(TorchFunctionMode):
 
 
 class OpTape(TorchDispatchMode):
-    """Records `(op, args, kwargs, outputs)` of a region; with `refuse`, refuses `CAPTURE_FORBIDDEN_OPS`.
-
-    With `refuse` it also keeps the pre-existing tensors the region writes in
-    place, which `undo()` restores (a CUDA capture executes nothing).
-    """
+    """Records a region's ops; with `refuse`, refuses `CAPTURE_FORBIDDEN_OPS` and keeps what it overwrites for `undo()`."""
 
     def __init__(self, refuse=True):
         super().__init__()
@@ -187,7 +167,6 @@ def _written_args(func, args, kwargs):
 
 
 class _TapeHostReads(HostReads):
-    """The `HostReads` of an `OpTape`, writing into the tape's names."""
 
     def __init__(self, tape):
         super().__init__(refuse=tape.refuse)
@@ -211,19 +190,7 @@ class _SyncOps(TorchDispatchMode):
 
 
 class SyncRecorder:
-    """Counts, on the calling thread, what would synchronise host and device on CUDA (`SYNC_OPS`).
-
-    `names` lists each one in order, `ops` counts every aten op; nothing is
-    refused. Modes are per thread: enter one on every thread of the region
-    (sharing one `names` list).
-
-    Example:
-
-    >>> with SyncRecorder() as syncs:
-    ...     _ = torch.ones(2).sum().item() + torch.tensor(3.0)
-    >>> syncs.names
-    ['_local_scalar_dense', 'lift_fresh']
-    """
+    """Counts, on the calling thread, what would sync host and device on CUDA (`SYNC_OPS`) into `names`; enter one per thread, sharing `names`."""
 
     def __init__(self, names=None):
         self.names = [] if names is None else names

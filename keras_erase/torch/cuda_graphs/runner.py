@@ -1,15 +1,6 @@
 """`CudaGraphRunner`: captures each block's forward + local loss and its backward once, then replays them.
 
-It sits in front of a dispatcher's eager block forward
-(`Dispatcher.graphs`), so graphs work with every launcher and placement.
 What a block needs for graphs: docs/erase.md, "Schedules".
-
-Example (the CPU stand-in capture):
-
->>> from keras_erase.torch.cuda_graphs.capture import RecordingCapture
->>> runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
->>> runner.captures, runner.disabled
-(0, False)
 """
 
 import contextlib
@@ -78,23 +69,9 @@ def held_weights(block):
 
 
 class CudaGraphRunner:
-    """Per block, input signature and occurrence in the step: `warmup` eager steps
-    (the last on the block's capture stream, checked against what a capture
-    refuses), then one capture of its forward and backward, then replays through
-    one autograd node (`block_graph.ReplayBlock`). After a failed capture every
-    block runs eagerly for the rest of the run; a block that cannot be graphed
-    is `refused` and runs eagerly while the others keep their graphs.
-
-    Args:
-        capture: the capture (`default_capture()` when `None`).
-        warmup: eager steps per block and signature before capturing.
-        backward_on_worker: the blocks' backwards run on a worker thread (a
-            block met twice in a step is then refused graphs).
-
-    Attributes:
-        captures, replays, backward_replays, failures: counters.
-        disabled: whether graphs are off for the rest of the run.
-        refused: `{block name: reason}` of the blocks that run eagerly.
+    """Per block, input signature and occurrence in the step: `warmup` eager steps (the last checked against
+    what a capture refuses), one capture, then replays through `ReplayBlock`. A failed capture turns graphs
+    off for the run (`disabled`); a block that cannot be graphed is `refused` (`{block name: reason}`).
     """
 
     def __init__(self, capture=None, warmup=DEFAULT_WARMUP, backward_on_worker=False):
@@ -149,7 +126,6 @@ class CudaGraphRunner:
             self._graphs.pop(key)  # dropped, not released: a queued backward may replay it
 
     def pools(self):
-        """The memory pools of the live graphs."""
         return list({g.forward.pool for g in self._graphs.values() if g.forward is not None})
 
     def _release_graphs(self):
@@ -317,7 +293,6 @@ class CudaGraphRunner:
         )
 
     def close(self):
-        """Releases every graph and its memory pool (a later step warms up and captures again)."""
         self._release_graphs()
         self._seen.clear()
         self._occurrences.clear()

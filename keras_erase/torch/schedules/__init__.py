@@ -13,18 +13,10 @@ def make_dispatcher(
     schedule, num_streams=None, worker_threads=None, streams=None, graph_capture=None,
     graph_warmup=None,
 ):
-    """Builds the `Dispatcher` of `schedule`.
+    """Builds the `Dispatcher` of `schedule`; a graphed one gets a `CudaGraphRunner` as `graphs`.
 
-    `num_streams`: the block-stream cap (`None`: one per block);
-    `worker_threads`: the worker's intra-op threads; `streams`: the stream API
-    of `"block_streams"` (a fake in CPU tests). A graphed schedule gets a
-    `CudaGraphRunner(graph_capture, graph_warmup)` as `dispatcher.graphs`.
-
-    Example:
-
-    >>> from keras_erase.config import Schedule
-    >>> make_dispatcher(Schedule("worker", "default_stream")).name
-    'worker+default_stream'
+    `num_streams`: the block-stream cap; `worker_threads`: the worker's
+    intra-op threads; `streams`: the stream API of `"block_streams"`.
     """
     block_streams = schedule.placement == "block_streams"
     dispatcher = Dispatcher(

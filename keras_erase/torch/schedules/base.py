@@ -1,25 +1,12 @@
-"""`Dispatcher`: one `Schedule` at run time, a launcher x a placement (forward, early backward, hand-off, trace).
+"""`Dispatcher`: a `Schedule` at run time, a launcher x a placement.
 
-The step protocol of a dispatcher, for each step:
-
-- `run_block(block, inputs, y_true, sample_weight, scale_loss)`: the block's
-  forward and local objective (through `graphs` when set) in the placement's
-  scope, then the launcher launches the backward of `scale_loss(objective)`,
-  which ends at the block's input (a `detach_input=False` block hands its
-  input gradient over: `keras_erase.torch.handoff`); returns both detached.
-- `final_backward(main_loss)`: the main loss's backward, the join of the
-  blocks, then the shared upstream's one backward.
-- `finish()` waits for the step's backwards and re-raises the first error
-  (the worker keeps serving); `abort()` swallows it; `close()` ends the
-  worker and drops the graphs (a later step reopens).
-
-Example:
-
-```python
-dispatcher = make_dispatcher(Schedule("worker", "default_stream"))
-outputs, loss = dispatcher.run_block(block, inputs, y, None, lambda v: v)
-dispatcher.final_backward(main_loss)
-```
+Per step: `run_block(block, inputs, y_true, sample_weight, scale_loss)` runs
+the block's forward and local objective (through `graphs` when set) and has
+the launcher launch the backward of `scale_loss(objective)`, which ends at
+the block's input (`keras_erase.torch.handoff`); `final_backward(main_loss)`
+runs the main loss's backward, joins the blocks and runs the shared
+upstream once; `finish()` re-raises the first block error (the worker keeps
+serving); `abort()` swallows it; `close()` ends the worker and the graphs.
 """
 
 import threading
@@ -45,10 +32,7 @@ def forward_block(block, inputs, y_true, sample_weight):
 
 
 class Dispatcher:
-    """One schedule: `launcher` x `placement` (default: inline, default stream).
-
-    `trace`: a list to record events into (see `EraseModel.start_trace`).
-    """
+    """One schedule: `launcher` x `placement`; `trace`: a list to record events into (`EraseModel.start_trace`)."""
 
     def __init__(self, launcher=None, placement=None):
         self.launcher = launcher if launcher is not None else InlineLauncher()
@@ -148,12 +132,7 @@ class Dispatcher:
                 self.graphs.end_step()
 
     def final_backward(self, loss, early_main=True):
-        """Ends the step's backward: the main `loss` (or `None`), the join, then the handed-over gradients.
-
-        With a hand-off and `early_main`, the main loss's part runs before the join
-        (`main_backward_to_handoff`); otherwise, or when its graph does not allow
-        it, one backward of the loss and the upstream after the join.
-        """
+        """The main `loss` (or `None`), the join, then the handed-over gradients; with `early_main` the main loss's part runs before the join where its graph allows (`main_backward_to_handoff`)."""
         runs = loss is not None and loss.requires_grad
         if not self.handoff.pending:
             if runs:

@@ -1,16 +1,4 @@
-"""Who launches a block's backward job: `InlineLauncher` (at once, main thread) or `WorkerLauncher` (a FIFO worker thread).
-
-Inline on CUDA, `torch.autograd.backward` returns once every backward kernel
-is launched, so the next block's forward is enqueued after it; with the
-worker the main thread goes on with the next forward at once.
-
-Example:
-
->>> launcher = InlineLauncher()
->>> ran = []
->>> launcher.launch(lambda: ran.append(1)); launcher.wait(); ran
-[1]
-"""
+"""Who launches a block's backward job: `InlineLauncher` (at once, on the main thread) or `WorkerLauncher` (a FIFO worker thread, so the main thread goes on with the next forward)."""
 
 from keras_erase.torch.schedules.worker import BackwardWorker
 
@@ -26,10 +14,10 @@ class InlineLauncher:
         job()
 
     def wait(self):
-        """Nothing to wait for: every job already ran."""
+        pass
 
     def close(self):
-        """Nothing to release."""
+        pass
 
 
 class WorkerLauncher:

@@ -1,11 +1,8 @@
-"""The main loss's backward down to the hand-off, run before the blocks are joined.
+"""The main loss's backward down to the hand-off, run while block backwards may still run.
 
-Only the shared upstream needs the blocks' handed-over gradients; the main
-loss's own part (down to the block outputs and the upstream tensors) does
-not, so it runs while block backwards may still run. Where the main loss
-reaches a leaf both directly and behind an upstream tensor (or one upstream
-tensor behind another), it runs nothing and the caller runs one backward of
-everything after the join, so no gradient counts twice.
+Where the main loss reaches a leaf both directly and behind an upstream
+tensor (or an upstream tensor behind another), it runs nothing and the
+caller runs one backward after the join, so no gradient counts twice.
 
 Example:
 

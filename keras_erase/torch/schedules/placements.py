@@ -1,20 +1,12 @@
 """Where a block's forward and backward run: `DefaultStream` or `BlockStreams` (a CUDA stream per block).
 
-A placement is asked, per block and in this order:
-
-1. `enter(block, tensors)`: the inputs, target and sample weight ready for
-   the block's stream (which waits for the main stream);
-2. `forward_scope(block)`, then `forward_done(block)`: the forward's event;
-3. `to_main(tensors, ready)`: the main stream waits for the forward only;
-4. `backward_scope(block, ready)`, on the launching thread: the block's
-   stream is that thread's current stream during the backward;
-5. `protect_gradients(block, cuts)`: `record_stream(main)` on the `.grad`s
-   and handed-over gradients the main stream reads next;
-6. `join()`, after the launcher drained: the main stream waits for every
-   block stream of the step.
-
-The stream API is pluggable (`api=`): `CudaStreams` on CUDA, a fake that
-records the calls in CPU tests (`set_default_streams`).
+Per block, in order: `enter` (inputs ready for the block's stream, which
+waits for the main one), `forward_scope`, `forward_done` (the forward's
+event), `to_main` (the main stream waits for that event only),
+`backward_scope` (on the launching thread: the block's stream),
+`protect_gradients` (`record_stream(main)` on what the main stream reads
+next); `join()` after the launcher drained. The stream API is pluggable
+(`api=`; a fake in CPU tests, `set_default_streams`).
 """
 
 import contextlib
@@ -52,7 +44,6 @@ def _default_streams():
 
 
 class CudaStreams:
-    """The `torch.cuda` stream calls a placement makes."""
 
     def __init__(self):
         require_cuda("placement='block_streams'")
@@ -76,7 +67,6 @@ class CudaStreams:
 
 
 def protect(tensors, stream, api=None):
-    """`record_stream(stream)` on each CUDA tensor."""
     record = getattr(api, "record_stream", None)
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -115,7 +105,7 @@ class DefaultStream:
         return None
 
     def to_main(self, tensors, ready):
-        """Nothing crosses streams."""
+        pass
 
     @contextlib.contextmanager
     def backward_scope(self, block, ready):
@@ -127,10 +117,10 @@ class DefaultStream:
             yield
 
     def protect_gradients(self, block, cuts):
-        """Nothing crosses streams."""
+        pass
 
     def join(self):
-        """Nothing to join."""
+        pass
 
     def close(self):
         self._forward_stream = {}

@@ -1,9 +1,4 @@
-"""`BackwardWorker`: the FIFO worker thread that launches block backward passes.
-
-OpenMP teams are per thread: a new thread takes the last count any thread
-set and keeps it, so the worker sets its own count (`threads`), in its own
-thread, before every job.
-"""
+"""`BackwardWorker`: the FIFO worker thread that launches block backward passes."""
 
 import queue
 import threading
@@ -43,15 +38,11 @@ def _stop_thread(jobs, thread, join):
 
 
 class BackwardWorker:
-    """One daemon thread running submitted jobs in order.
+    """One daemon thread running submitted jobs in order; an error is re-raised by `wait()` and skips the rest of the step.
 
-    An error is re-raised by `wait()` and skips the rest of that step's jobs.
-    The thread exits when the worker is garbage-collected or `stop()`ped; the
-    next `submit` starts a new one.
-
-    Args:
-        threads: torch intra-op threads of the worker thread (`None`: left alone).
-        name: the thread's name.
+    The thread ends with `stop()` or when the worker is garbage-collected; the
+    next `submit` starts another. `threads`: its intra-op count, set in the
+    thread itself before every job (OpenMP teams are per thread).
     """
 
     def __init__(self, threads=None, name=NAME):
@@ -89,7 +80,6 @@ class BackwardWorker:
                 self._finalizer = weakref.finalize(self, _stop_thread, self._jobs, thread, False)
 
     def submit(self, job):
-        """Queues `job()`, starting the thread if needed."""
         self._ensure_alive()
         self._jobs.put(job)
 
@@ -104,7 +94,6 @@ class BackwardWorker:
             raise errors[0]
 
     def stop(self):
-        """Ends the thread after the jobs already queued."""
         with self._lock:
             if self._finalizer is not None:
                 self._finalizer.detach()
