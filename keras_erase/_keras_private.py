@@ -1,4 +1,4 @@
-"""Every private Keras use of `keras_erase`, each with why no public API does it (checked against Keras 3.15.1)."""
+"""Every private Keras use of `keras_erase`, each saying why (checked against Keras 3.15.1)."""
 
 __all__ = [
     "Functional", "call_has_training_arg", "compute_loss", "direct_sublayers", "in_symbolic_scope",
@@ -18,17 +18,17 @@ from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 
 def sublayers(layer, include_self=False):
-    """Every layer nested in `layer`, deduplicated (`_flatten_layers`: the public `layers` is for models and not recursive)."""
+    """Every layer nested in `layer`, deduplicated (the public `layers`: models only, not recursive)."""
     return layer._flatten_layers(include_self=include_self, recursive=True)
 
 
 def direct_sublayers(layer):
-    """The layers `layer` holds directly: the only way to tell a layer used inside a block and on the main path."""
+    """The layers `layer` holds directly: tells a layer used in a block and on the main path."""
     return layer._flatten_layers(include_self=False, recursive=False)
 
 
 def own_added_losses(layer):
-    """The `add_loss` values of `layer` itself (the public `losses` always adds the sublayers' and the regularizers')."""
+    """The `add_loss` values of `layer` itself (the public `losses` adds sublayers' and penalties)."""
     return layer._get_own_losses()
 
 
@@ -43,7 +43,7 @@ def loss_tracker(model):
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
-    """`model.compute_loss` with `training` only where the override accepts it, as Keras's torch `train_step` calls it."""
+    """`model.compute_loss`, with `training` only where the override takes it (as Keras calls it)."""
     return model._compute_loss(
         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
     )
@@ -57,7 +57,7 @@ def keras_mask(tensor):
 
 
 def uncast_value(variable):
-    """The variable's own value (on torch its `nn.Parameter`), not the autocast copy a mixed-precision call reads."""
+    """The variable's own value (torch: its `nn.Parameter`), not a mixed-precision call's autocast copy."""
     from keras.src.backend.common.variables import AutocastScope
 
     with AutocastScope(None):

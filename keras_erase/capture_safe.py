@@ -1,4 +1,4 @@
-"""Local losses and weight penalties from device ops and Python constants only, so a CUDA Graph can capture them.
+"""Local losses and weight penalties from device ops and Python constants: a CUDA Graph can capture them.
 
 Keras's `Loss.__call__` and regularizers make tensors from host data at every
 call. `DetachBlock` uses these on torch; JAX and TensorFlow keep Keras's calls.
@@ -33,7 +33,7 @@ def weight_penalty(regularizer, weight):
 
 
 def is_capture_safe(loss_fn, y_pred):
-    """Whether `capture_safe_loss` computes `loss_fn` (not when it overrides `__call__` or `y_pred` is masked)."""
+    """Whether `capture_safe_loss` computes `loss_fn` (not for a `__call__` override or a masked `y_pred`)."""
     overrides_call = type(loss_fn).__call__ is not keras.losses.Loss.__call__
     masked = any(_keras_private.keras_mask(t) is not None for t in tree.flatten(y_pred))
     return not overrides_call and not masked

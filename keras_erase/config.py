@@ -163,7 +163,7 @@ class EraseConfig:
             )
 
     def schedule(self, cuda=False):
-        """The `Schedule` of a fixed early-backward `dispatch` (`None` for `"auto"`, `"standard"`); `cuda` picks `"early"`'s placement."""
+        """The `Schedule` of a fixed early-backward `dispatch`, else `None`; `cuda`: `"early"`'s placement."""
         if self.dispatch in PRESETS:
             return Schedule(*PRESETS[self.dispatch], graphs=self.cuda_graphs)
         if self.dispatch != "early":

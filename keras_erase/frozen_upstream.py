@@ -36,7 +36,7 @@ def _scalar(structure):
 
 
 def _objectives_fn(model, data, state):
-    """`fn(trainable values) -> [total loss, one input scalar per detaching block]`, and the list of those blocks."""
+    """`fn(trainable values) -> [total loss, one input scalar per detaching block]`, and those blocks."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     blocks = []
 
@@ -61,14 +61,7 @@ def _objectives_fn(model, data, state):
 
 
 def reached(fn, values):
-    """For `outputs = fn(values)`: `[[output i has a gradient path to value j for j] for i]`, without running a backward.
-
-    Args:
-        fn: `fn(values) -> list of float scalars`, written with Keras ops.
-        values: backend tensors (float) the scalars may depend on.
-
-    Returns:
-        One list of booleans per scalar, one boolean per value.
+    """For `outputs = fn(values)` (Keras ops): `[[output i has a gradient path to value j for j] for i]`.
 
     Example:
 
@@ -139,14 +132,7 @@ def _jax_reached(fn, values):
 
 
 def frozen_variables(model, data, state=None):
-    """The trainable variables no loss reaches: `[(variable, [blocks whose input reads it])]`.
-
-    Args:
-        model: an `EraseModel`, built and compiled.
-        data: one training batch as `train_step` receives it.
-        state: on JAX, the trainer's `(trainable, non_trainable, optimizer,
-            metrics)` values; `None` elsewhere.
-    """
+    """The trainable variables no loss reaches: `[(variable, [blocks whose input reads it])]`; `state`: JAX's trainer state."""
     variables = model.trainable_variables
     if not variables:
         return []
@@ -163,7 +149,7 @@ def frozen_variables(model, data, state=None):
 
 
 def frozen_message(frozen, zero_weight_owners=None):
-    """The warning text for `frozen_variables`'s result; `zero_weight_owners`: `{id(variable): block name}` of `loss_weight=0` blocks."""
+    """The warning text; `zero_weight_owners`: `{id(variable): block name}` of `loss_weight=0` blocks."""
     zero_weight_owners = zero_weight_owners or {}
     lines = [
         f"EraseModel: {len(frozen)} trainable variable(s) get no gradient from any loss, so "
@@ -204,7 +190,7 @@ def frozen_message(frozen, zero_weight_owners=None):
 
 
 def warn_if_frozen(model, data, state=None):
-    """Warns (`FrozenUpstreamWarning`) about `frozen_variables`, returns them; a model it cannot trace is only logged at debug level."""
+    """Warns about `frozen_variables` and returns them; a model it cannot trace is only logged (debug)."""
     try:
         frozen = frozen_variables(model, data, state)
     except Exception as error:  # noqa: BLE001 - a diagnostic must never break training

@@ -25,7 +25,7 @@ def batch_weight(value, batch):
 
 
 class LocalLossMean(keras.metrics.Mean):
-    """A block's logged local loss: a `keras.metrics.Mean` whose reset assigns device zeros, not the Python `0`."""
+    """A block's logged local loss: a `keras.metrics.Mean` reset with device zeros, not the Python `0`."""
 
     def reset_state(self):
         for variable in self.variables:

@@ -8,7 +8,7 @@ __all__ = ["minimise_block_losses"]
 
 
 def minimise_block_losses(callbacks, loss_names):
-    """Sets `mode="min"` on the `"auto"` callbacks (a list, a `CallbackList` or `None`) that monitor a block loss of `loss_names`; returns them."""
+    """Sets `mode="min"` on the `"auto"` callbacks that monitor one of `loss_names`; returns them."""
     names = set(loss_names)
     names |= {f"val_{name}" for name in names}
     if callbacks is not None and not isinstance(callbacks, (list, tuple)):

@@ -1,4 +1,4 @@
-"""`EraseRuntime` (an `EraseModel`'s run-time state) and `torch_runtime()`, the one door into `keras_erase.torch`."""
+"""`EraseRuntime` (an `EraseModel`'s run-time state) and `torch_runtime()`, the door into torch/."""
 
 from keras_erase.local_losses import LocalLossTrackers
 
@@ -6,11 +6,7 @@ __all__ = ["EraseRuntime", "torch_runtime"]
 
 
 def torch_runtime():
-    """Imports `keras_erase.torch` with its entry modules `train_step` and `tensors`; torch backend only.
-
-    The only import of `keras_erase.torch` outside it, so `import keras_erase`
-    needs no torch elsewhere.
-    """
+    """Imports `keras_erase.torch` (entry modules `train_step`, `tensors`): its only import outside it."""
     import keras_erase.torch.tensors
     import keras_erase.torch.train_step
 
@@ -18,7 +14,7 @@ def torch_runtime():
 
 
 class EraseRuntime:
-    """Everything an `EraseModel` changes while it trains, stored once as `model._erase`, outside Keras's and torch's tracking.
+    """What an `EraseModel` changes while it trains: `model._erase`, outside Keras's and torch's tracking.
 
     `dispatch_choice` is the label of the schedule in use (`None` while `"auto"`
     measures); `blocks_own_losses`, while set, leaves the blocks' own losses out

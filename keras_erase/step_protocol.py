@@ -75,7 +75,7 @@ def collecting(model, training=None, evaluating=False):
 
 
 def claim_weight_penalties(weights):
-    """Those of `weights` whose penalties this block call pays: each once per model call, as Keras counts them (all without a collector)."""
+    """Those of `weights` whose penalties this call pays: each once per model call, as Keras counts them."""
     stack = getattr(_STATE, "collectors", None)
     if not stack:
         return list(weights)

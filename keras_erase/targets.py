@@ -37,7 +37,7 @@ def check_targets(blocks, output_names):
 
 
 def select_target(block, y, sample_weight, output_names=()):
-    """`(y_true, sample_weight)` for `block` from the model's `y` and `sample_weight` (see `DetachBlock`'s `target`)."""
+    """`(y_true, sample_weight)` for `block` from the model's (see `DetachBlock`'s `target`)."""
     target = block.target
     output_names = list(output_names or [])
     if y is None:

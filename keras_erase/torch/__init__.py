@@ -1,1 +1,1 @@
-"""The torch runtime of `keras_erase` (every module that imports torch), reached only through `keras_erase.runtime.torch_runtime()`."""
+"""Every module of `keras_erase` that imports torch, reached only through `runtime.torch_runtime()`."""

@@ -1,4 +1,4 @@
-"""What `dispatch="auto"` does on torch (its candidates and selector on CUDA; on a CPU the standard step), and how a schedule explains itself."""
+"""`dispatch="auto"` on torch (on CUDA its candidates and selector), and how a schedule explains itself."""
 
 from keras_erase.auto import ScheduleSelector
 from keras_erase.config import STANDARD
@@ -20,13 +20,13 @@ CPU_EXPLANATION = (
 
 
 def auto_candidates(graphs=False):
-    """The labels `"auto"` measures on CUDA: the standard step (the baseline), then every launcher x placement, also graphed with `graphs`."""
+    """The labels `"auto"` measures: the standard step, then every launcher x placement (+ graphed)."""
     schedules = Schedule.every(graphs=False) + (Schedule.every(graphs=True) if graphs else [])
     return [STANDARD] + [s.label for s in schedules]
 
 
 def new_selector(config, combine=None):
-    """The `ScheduleSelector` of an `"auto"` run on CUDA; `combine`: the statistics' mean over ranks, or `None`."""
+    """The `ScheduleSelector` of `"auto"` on CUDA; `combine`: the mean over ranks, or `None`."""
     candidates = auto_candidates(config.cuda_graphs)
     # graph warm-up and capture steps are never timed
     extra_warmup = {c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if _graphed(c)}

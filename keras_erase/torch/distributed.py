@@ -80,7 +80,7 @@ class GradientSync:
     # -- one step --------------------------------------------------------------------
 
     def start_step(self, model):
-        """Resets the step and maps each block to the weights it alone owns (again, and checked, when they change)."""
+        """Resets the step; maps each block to the weights it owns (again, and checked, when they change)."""
         self._pending = []
         self._done = set()
         self.launch_order = []
@@ -187,7 +187,7 @@ class GradientSync:
             self._pending.append(pending)
 
     def finish(self):
-        """Waits for every reduction, averages and writes the gradients back; a late gradient found by the checking step raises here, before any write."""
+        """Waits for every reduction, averages and writes the gradients back (a late gradient raises first)."""
         pending, self._pending = self._pending, []
         cuda = torch.cuda.is_available()
         with torch.no_grad():

@@ -29,7 +29,7 @@ __all__ = ["GradientHandOff"]
 
 
 class GradientHandOff:
-    """The input gradients of one step's `detach_input=False` blocks; `accumulate`: one thread delivers, in order."""
+    """One step's input gradients of `detach_input=False` blocks; `accumulate`: one thread delivers."""
 
     def __init__(self, accumulate=True):
         self.accumulate = bool(accumulate)
@@ -43,7 +43,7 @@ class GradientHandOff:
         return self.cuts > 0
 
     def cut(self, inputs):
-        """Replaces each grad-requiring tensor of `inputs` by a leaf; returns `(inputs, [(upstream tensor, leaf)])`."""
+        """Replaces each grad-requiring input by a leaf; returns `(inputs, [(upstream tensor, leaf)])`."""
         cuts = []
 
         def leaf(t):

@@ -48,7 +48,7 @@ def same_storage(a, b):
 
 
 def to_device(structure, device):
-    """Moves every tensor of `structure` to `device` (non-blocking from CPU), numpy arrays made tensors first, as Keras does."""
+    """Moves every tensor of `structure` to `device` (numpy arrays made tensors first, as Keras does)."""
     device = torch.device(device)
 
     def move(t):
@@ -71,7 +71,7 @@ def require_cuda(what):
 
 
 def reached(fn, values):
-    """`keras_erase.frozen_upstream.reached` on torch: runs `fn` once on fresh leaves and walks each output's graph; nothing is differentiated."""
+    """`frozen_upstream.reached` on torch: one run of `fn` on fresh leaves, then a walk of each graph."""
     leaves = [torch.as_tensor(v).detach().requires_grad_(True) for v in values]
     index = {id(leaf): i for i, leaf in enumerate(leaves)}
     with torch.enable_grad():

@@ -1,4 +1,4 @@
-"""The torch train step of `EraseModel`: the step's `Schedule`, early block backwards, distributed sync.
+"""The torch train step of `EraseModel`: its `Schedule`, early block backwards, distributed sync.
 
 `erase_step` follows Keras's torch `train_step` (zero the gradients, forward,
 `compute_loss`, loss tracker, backward, `optimizer.apply`, `compute_metrics`)
@@ -117,7 +117,7 @@ def next_schedule(runtime):
 
 
 def dispatcher_for(runtime, schedule, model):
-    """The runtime's dispatcher for `schedule`, built at first use (blocks that share weights are refused graphs)."""
+    """The runtime's dispatcher for `schedule`, built at first use (shared-weight blocks: no graphs)."""
     dispatcher = runtime.dispatchers.get(schedule)
     if dispatcher is None:
         config = runtime.config

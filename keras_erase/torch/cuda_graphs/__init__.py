@@ -1,1 +1,1 @@
-"""CUDA Graphs for `DetachBlock`s: `runner` (capture once, replay every step), `block_graph`, `capture`, `op_recording`."""
+"""CUDA Graphs for `DetachBlock`s: capture a block's step once, replay it every step (`runner`)."""

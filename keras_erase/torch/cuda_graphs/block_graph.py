@@ -18,14 +18,13 @@ def input_signature(block, flat):
 
 
 def trainable_params(block):
-    """The block's distinct trainable parameters that require a gradient (never autocast copies), in weight order."""
+    """The block's distinct trainable parameters that require a gradient (not autocast copies)."""
     values = [uncast_value(v) for v in block.trainable_weights]
     unique = {id(p): p for p in values if is_tensor(p) and p.requires_grad}
     return list(unique.values())
 
 
 class BlockGraph:
-
     def __init__(self, block, static_inputs, params, forward, backward, grad_loss, grad_slots,
                  output_structure=None):
         self.block = block
@@ -61,9 +60,12 @@ class BlockGraph:
 
 
 class ReplayBlock(torch.autograd.Function):
-    """One autograd node: forward copies the step's tensors into the static inputs and replays the forward graph;
-    backward copies the loss gradient in, replays the backward graph and returns copies of the gradients
-    (a static buffer returned would become `.grad`, overwritten by the next replay).
+    """One autograd node replaying a block's graphs.
+
+    Forward: copies the step's tensors into the static inputs, replays the
+    forward graph. Backward: copies the loss gradient in, replays the backward
+    graph and returns copies of the gradients (a static buffer returned would
+    become `.grad`, overwritten by the next replay).
     """
 
     @staticmethod

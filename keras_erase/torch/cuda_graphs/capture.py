@@ -76,7 +76,7 @@ class CudaGraphCapture:
 
     @contextlib.contextmanager
     def warmup_scope(self, stream, tensors=()):
-        """Runs the body on `stream` after the caller's stream; yields `to_caller(made)`, which protects outputs for the caller."""
+        """Runs the body on `stream` after the caller's; yields `to_caller(made)` to protect its outputs."""
         caller = torch.cuda.current_stream()
         stream.wait_stream(caller)
         _record(tensors, stream)
@@ -123,7 +123,7 @@ class CudaGraphCapture:
 
 
 def end_pool_routing(graph):
-    """After a failed capture: stops the allocator routing to `graph`'s pool (a no-op where torch did; docs/development.md, Workarounds)."""
+    """After a failed capture, stops the allocator routing to `graph`'s pool (docs/development.md)."""
     try:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
     except Exception:  # noqa: BLE001 - nothing was left routed (or no CUDA): nothing to undo
@@ -143,7 +143,7 @@ def _record(tensors, stream):
 
 
 def _detached_records(records):
-    """The tape's records with every tensor detached; no recursive closure, whose cycle would keep the capture's graph alive."""
+    """The tape's records, tensors detached (no recursive closure: its cycle would keep the graph)."""
     aliases = {}  # id -> (tensor, its one alias)
 
     def alias(t):
@@ -167,7 +167,7 @@ class CaptureStream:
 
 
 class RecordingCapture:
-    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them on the same tensors.
+    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops, replays them on the same tensors.
 
     As a CUDA capture it refuses what CUDA refuses (`CaptureRefused`) and leaves
     no side effect. `fail_after`: capture number `fail_after` raises (tests).

@@ -101,7 +101,7 @@ class HostReads(TorchFunctionMode):
 
 
 class OpTape(TorchDispatchMode):
-    """Records a region's ops; with `refuse`, refuses `CAPTURE_FORBIDDEN_OPS` and keeps what it overwrites for `undo()`."""
+    """Records a region's ops; `refuse`: refuses `CAPTURE_FORBIDDEN_OPS`, keeps overwrites for `undo()`."""
 
     def __init__(self, refuse=True):
         super().__init__()
@@ -167,14 +167,12 @@ def _written_args(func, args, kwargs):
 
 
 class _TapeHostReads(HostReads):
-
     def __init__(self, tape):
         super().__init__(refuse=tape.refuse)
         self.names = tape.names
 
 
 class _SyncOps(TorchDispatchMode):
-
     def __init__(self, names):
         super().__init__()
         self.names = names
@@ -190,7 +188,7 @@ class _SyncOps(TorchDispatchMode):
 
 
 class SyncRecorder:
-    """Counts, on the calling thread, what would sync host and device on CUDA (`SYNC_OPS`) into `names`; enter one per thread, sharing `names`."""
+    """Lists in `names` what would sync host and device on CUDA (`SYNC_OPS`); one per thread."""
 
     def __init__(self, names=None):
         self.names = [] if names is None else names

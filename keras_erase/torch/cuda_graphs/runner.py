@@ -69,9 +69,11 @@ def held_weights(block):
 
 
 class CudaGraphRunner:
-    """Per block, input signature and occurrence in the step: `warmup` eager steps (the last checked against
-    what a capture refuses), one capture, then replays through `ReplayBlock`. A failed capture turns graphs
-    off for the run (`disabled`); a block that cannot be graphed is `refused` (`{block name: reason}`).
+    """Per block, signature and occurrence in the step: `warmup` eager steps, one capture, then replays.
+
+    The last eager step is checked against what a capture refuses; replays go
+    through `ReplayBlock`. A failed capture turns graphs off for the run
+    (`disabled`); a block that cannot be graphed is `refused` (with the reason).
     """
 
     def __init__(self, capture=None, warmup=DEFAULT_WARMUP, backward_on_worker=False):
@@ -213,7 +215,7 @@ class CudaGraphRunner:
         return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
 
     def _checked_eager(self, block, inputs, y_true, sample_weight, eager_forward):
-        """An eager forward that records its aten ops and turns graphs off if a capture could not hold them."""
+        """An eager forward whose ops, if a capture could not hold them, turn graphs off."""
         tape = OpTape(refuse=False)
         stream = self.capture_stream(block)
         scope = getattr(self._capture, "warmup_scope", None)

@@ -1,4 +1,4 @@
-"""The ERASE dispatchers (torch): `make_dispatcher` builds the one a `keras_erase.config.Schedule` describes."""
+"""The ERASE dispatchers: `make_dispatcher` builds the one a `keras_erase.config.Schedule` describes."""
 
 from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
 from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner

@@ -32,7 +32,7 @@ def forward_block(block, inputs, y_true, sample_weight):
 
 
 class Dispatcher:
-    """One schedule: `launcher` x `placement`; `trace`: a list to record events into (`EraseModel.start_trace`)."""
+    """One schedule: `launcher` x `placement`; `trace`: a list for events (`EraseModel.start_trace`)."""
 
     def __init__(self, launcher=None, placement=None):
         self.launcher = launcher if launcher is not None else InlineLauncher()
@@ -132,7 +132,11 @@ class Dispatcher:
                 self.graphs.end_step()
 
     def final_backward(self, loss, early_main=True):
-        """The main `loss` (or `None`), the join, then the handed-over gradients; with `early_main` the main loss's part runs before the join where its graph allows (`main_backward_to_handoff`)."""
+        """The main `loss` (or `None`), the join, then the handed-over gradients.
+
+        With `early_main` the main loss's part runs before the join where its
+        graph allows (`main_backward_to_handoff`).
+        """
         runs = loss is not None and loss.requires_grad
         if not self.handoff.pending:
             if runs:

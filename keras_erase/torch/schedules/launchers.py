@@ -1,4 +1,7 @@
-"""Who launches a block's backward job: `InlineLauncher` (at once, on the main thread) or `WorkerLauncher` (a FIFO worker thread, so the main thread goes on with the next forward)."""
+"""Who launches a block's backward: `InlineLauncher` (the main thread) or `WorkerLauncher` (a worker).
+
+With the worker the main thread goes on with the next forward at once.
+"""
 
 from keras_erase.torch.schedules.worker import BackwardWorker
 
@@ -6,7 +9,6 @@ __all__ = ["InlineLauncher", "WorkerLauncher", "make_launcher"]
 
 
 class InlineLauncher:
-
     name = "inline"
     worker = None
 

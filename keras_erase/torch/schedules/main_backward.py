@@ -22,7 +22,7 @@ __all__ = ["main_backward_to_handoff"]
 
 
 def _walk(roots, stops):
-    """Walks the graph from `roots` to `stops` and leaves; `seen` keeps the nodes alive so their ids stay unique."""
+    """Walks the graph from `roots` to `stops` and leaves; `seen` keeps nodes alive so ids stay unique."""
     reached, leaves, seen, stack = {}, {}, {}, list(roots)
     while stack:
         node = stack.pop()
@@ -45,7 +45,7 @@ def _walk(roots, stops):
 
 
 def main_backward_to_handoff(loss, sources):
-    """Runs `loss`'s backward down to `sources`; returns `[(source, its gradient)]`, or `None` when it ran nothing."""
+    """Runs `loss`'s backward down to `sources`; `[(source, its gradient)]`, or `None`: it ran nothing."""
     if any(s.grad_fn is None for s in sources):
         return None
     nodes = [s.grad_fn for s in sources]  # alive while their ids are keys

@@ -1,12 +1,14 @@
 """Where a block's forward and backward run: `DefaultStream` or `BlockStreams` (a CUDA stream per block).
 
-Per block, in order: `enter` (inputs ready for the block's stream, which
-waits for the main one), `forward_scope`, `forward_done` (the forward's
-event), `to_main` (the main stream waits for that event only),
-`backward_scope` (on the launching thread: the block's stream),
-`protect_gradients` (`record_stream(main)` on what the main stream reads
-next); `join()` after the launcher drained. The stream API is pluggable
-(`api=`; a fake in CPU tests, `set_default_streams`).
+Per block, in order: `enter` (inputs on the device, the block's stream waits
+for the main one), `forward_scope`, `forward_done` (the forward's event),
+`to_main` (the main stream waits for the forward only), `backward_scope` (on
+the launching thread, whose current stream it sets: streams are per thread),
+`protect_gradients` (`record_stream(main)` on the `.grad`s and handed-over
+gradients, so the allocator never reuses them while the main stream reads);
+`join()` after the launcher drained. `DefaultStream` has a worker launch onto
+the forward's stream too. The stream API is pluggable (`api=`;
+`set_default_streams` for the CPU tests' fake).
 """
 
 import contextlib
@@ -27,7 +29,7 @@ _STREAMS_FACTORY = None
 
 
 def set_default_streams(factory):
-    """Sets the stream API `"block_streams"` uses when none is given (`None`: `CudaStreams`); returns the old one."""
+    """Sets the stream API of `"block_streams"` (`None`: `CudaStreams`); returns the old one."""
     global _STREAMS_FACTORY
     previous, _STREAMS_FACTORY = _STREAMS_FACTORY, factory
     return previous
@@ -44,7 +46,6 @@ def _default_streams():
 
 
 class CudaStreams:
-
     def __init__(self):
         require_cuda("placement='block_streams'")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -127,7 +128,7 @@ class DefaultStream:
 
 
 class BlockStreams:
-    """Each block on its own CUDA stream; `num_streams` caps them (shared round robin, in order of first use)."""
+    """Each block on its own CUDA stream; `num_streams` caps them (shared round robin)."""
 
     name = "block_streams"
     one_stream = False  # one stream per block: the hand-off sums on the main stream

@@ -38,7 +38,7 @@ def _stop_thread(jobs, thread, join):
 
 
 class BackwardWorker:
-    """One daemon thread running submitted jobs in order; an error is re-raised by `wait()` and skips the rest of the step.
+    """One daemon thread running jobs in order; `wait()` re-raises an error, which skips the step's rest.
 
     The thread ends with `stop()` or when the worker is garbage-collected; the
     next `submit` starts another. `threads`: its intra-op count, set in the
