@@ -84,6 +84,8 @@ class EraseModel(keras.Model):
     Raises:
         ValueError: an argument out of range, or `launcher`/`placement`
             that disagree with `dispatch`.
+        TypeError: a subclass called with `inputs` and `outputs` that does
+            not inherit from `FunctionalEraseModel`.
 
     Example:
 
