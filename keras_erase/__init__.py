@@ -1,8 +1,6 @@
 """ERASE: early backward of detached blocks for Keras 3.
 
-`DetachBlock` wraps a sub-architecture (detached input/output, local objective);
-`EraseModel` adds the local losses to the model's loss on every backend and, on
-torch, launches each block's backward pass as soon as its forward pass is done.
+`DetachBlock` wraps a sub-network with a local objective; `EraseModel` trains it (docs/erase.md).
 """
 
 from keras_erase.detach_block import DetachBlock

@@ -1,47 +1,4 @@
-"""`ScheduleSelector`: the measuring rule of `EraseModel(dispatch="auto")` on CUDA.
-
-The selector knows nothing about models: it hands out the schedule for the
-next training step, receives the step's duration, and after enough steps
-keeps one schedule for the rest of training. (On a CPU `"auto"` measures
-nothing: it runs the standard step, `keras_erase.torch.train_step`.)
-
-Rule:
-
-- Steps go round robin over the candidates still measured (a slow drift of the
-  machine's load hits every candidate alike). The first candidate is the
-  baseline (the standard step).
-- The first `warmup_rounds` steps of each candidate, plus `extra_warmup[c]`
-  more for candidate `c` (e.g. the CUDA Graph capture steps of a graphed
-  schedule), are not timed.
-- Early stop (single process only): once the baseline and a challenger both
-  have `early_stop_rounds` timed steps, a challenger whose median is not
-  already `margin` below the baseline's is dropped (it is not winning
-  clearly); when every challenger is dropped the baseline is kept at once.
-  The medians it was dropped on are kept (`drop_medians`), so an explanation
-  can print the comparison that dropped it. This bounds what measuring a
-  losing schedule costs: a challenger `s` times slower than the baseline runs
-  `warmup_rounds + early_stop_rounds` (1 + 2) steps, so an epoch loses
-  `3 * (s - 1)` baseline steps (1.5% of a 100-step epoch at `s = 1.5`). Only
-  a challenger clearly faster in its first timed steps is measured fully.
-- After `timed_rounds` timed steps of every remaining candidate: a challenger
-  replaces the baseline only if both its median and its 90th-percentile step
-  time are at least `margin` below the baseline's; among those the smallest
-  90th percentile wins.
-
-With `combine` (e.g. the mean over torch.distributed ranks) the statistics are
-combined before deciding, so every rank keeps the same schedule; early stop is
-then off (ranks must run the same schedule at every step).
-
-Example:
-
->>> from keras_erase.auto import ScheduleSelector
->>> selector = ScheduleSelector(["standard", "streams"], timed_rounds=3)
->>> while not selector.done:
-...     schedule = selector.next_schedule()
-...     selector.record(schedule, 1.0 if schedule == "standard" else 0.5)
->>> selector.choice, selector.steps
-('streams', 8)
-"""
+"""`ScheduleSelector`: the measuring rule of `EraseModel(dispatch="auto")` on CUDA."""
 
 import numpy as np
 
@@ -54,20 +11,20 @@ EARLY_STOP_ROUNDS = 2
 
 
 class ScheduleSelector:
-    """Chooses one of several training-step schedules by timing them (see the module docstring).
+    """Chooses one of several step schedules by timing them, round robin; the first is the baseline.
+
+    A challenger whose median after `early_stop_rounds` timed steps is not
+    `margin` below the baseline's is dropped (`drop_medians`). After
+    `timed_rounds` timed steps each, one replaces the baseline only if its
+    median and p90 are both `margin` below the baseline's; the smallest p90 wins.
 
     Args:
         candidates: hashable schedules; the first is the baseline.
-        timed_rounds: timed steps per candidate before the final choice.
-        warmup_rounds: untimed steps per candidate before its timed ones.
-        extra_warmup: optional `{candidate: n}`, `n` more untimed steps for
-            that candidate (e.g. CUDA Graph capture).
-        margin: relative gain on median and p90 needed to leave the baseline.
-        early_stop_rounds: timed steps after which a challenger whose median
-            is not `margin` below the baseline's is dropped; `None` disables
-            early stop.
-        combine: optional function from a list of floats to a list of floats
-            (same length) applied to the statistics before the final choice.
+        timed_rounds, warmup_rounds: timed and untimed steps per candidate.
+        extra_warmup: optional `{candidate: n}` more untimed steps (CUDA Graph capture).
+        margin, early_stop_rounds: as above (`None`: no early stop).
+        combine: optional `list of floats -> list of floats` applied to the
+            statistics before the choice (the mean over ranks); no early stop then.
     """
 
     def __init__(
@@ -105,14 +62,13 @@ class ScheduleSelector:
 
     @property
     def done(self):
-        """Whether the choice is made."""
         return self.choice is not None
 
     def _needs(self, candidate):
         return self.seen[candidate] < self.warmup[candidate] + self.timed_rounds
 
     def next_schedule(self):
-        """Returns the schedule for the next step: a trial, or the choice once made."""
+        """The schedule for the next step: a trial, or the choice once made."""
         if self.done:
             return self.choice
         waiting = [c for c in self.active if self._needs(c)]
@@ -149,7 +105,6 @@ class ScheduleSelector:
             self.choice = base
 
     def statistics(self):
-        """Returns `{candidate: (median_s, p90_s)}` over the timed steps (candidates with any)."""
         return {
             c: (float(np.median(t)), float(np.percentile(t, 90)))
             for c, t in self.times.items()
@@ -172,7 +127,7 @@ class ScheduleSelector:
         self.choice = min(faster, key=lambda c: stats[c][1]) if faster else self.candidates[0]
 
     def timings(self):
-        """Returns `{schedule: {"median_s", "p90_s", "steps"}}` for every timed candidate."""
+        """`{schedule: {"median_s", "p90_s", "steps"}}` for every timed candidate."""
         stats = self.combined or self.statistics()
         return {
             str(c): {"median_s": m, "p90_s": p, "steps": len(self.times[c])}

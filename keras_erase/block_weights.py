@@ -1,12 +1,8 @@
-"""Which `DetachBlock` owns which trainable weight: the rule data parallelism and CUDA Graphs share.
+"""Which `DetachBlock` owns which trainable weight: the rule the torch all-reduce and CUDA Graphs share.
 
-A block owns a weight when it is the only block that holds it and no layer
-outside every block uses it (a layer called inside a block and on the main
-path, e.g. a shared embedding, is a direct sublayer of the model as well as
-of the block). Only an owned weight gets its gradient from the block's own
-early backward alone: the torch all-reduce reduces it right after that
-backward (`keras_erase.torch.distributed`), and only a block that owns all
-its weights is captured as CUDA Graphs (`keras_erase.torch.cuda_graphs`).
+A block owns a weight when it is the only block holding it and no layer
+outside every block uses it; only then does the block's early backward alone
+give its gradient.
 """
 
 from keras_erase import _keras_private
@@ -16,13 +12,7 @@ __all__ = ["block_owned_weights", "shared_weights", "weights_outside_blocks"]
 
 
 def weights_outside_blocks(model):
-    """Returns `{id: weight}` of the trainable weights a layer outside every `DetachBlock` creates.
-
-    Walks the layer tree from `model` through direct sublayers, not into
-    blocks; a layer met this way is used outside blocks (a layer called inside
-    a block and on the main path is met here too). Its own weights are its
-    `trainable_weights` minus its direct sublayers' ones.
-    """
+    """`{id: weight}` of the trainable weights of layers met from `model` without entering a block."""
     outside, seen, stack = {}, set(), [model]
     while stack:
         layer = stack.pop()
@@ -39,25 +29,7 @@ def weights_outside_blocks(model):
 
 
 def block_owned_weights(model, blocks):
-    """Maps `id(block)` to the trainable weights only that block's early backward reaches.
-
-    A weight is a block's when exactly one of `blocks` holds it and no layer
-    outside every block does (see the module docstring); the others are
-    reduced with the remainder.
-
-    Example:
-
-    >>> import keras
-    >>> from keras_erase import DetachBlock, EraseModel
-    >>> shared = keras.layers.Dense(2, name="shared")
-    >>> inputs = keras.Input((3,))
-    >>> inner = keras.layers.Dense(2, name="inner")
-    >>> tower = DetachBlock(keras.Sequential([shared, inner]), loss="mse")
-    >>> model = EraseModel(inputs, keras.layers.Add()([tower(inputs), shared(inputs)]),
-    ...                    dispatch="standard")
-    >>> [w is inner.kernel or w is inner.bias for w in block_owned_weights(model, [tower])[id(tower)]]
-    [True, True]
-    """
+    """Maps `id(block)` to the trainable weights that block owns."""
     if not blocks:
         return {}
     outside = weights_outside_blocks(model)
@@ -73,20 +45,7 @@ def block_owned_weights(model, blocks):
 
 
 def shared_weights(model, blocks):
-    """Maps `id(block)` to the paths of its trainable weights that it does not own (only if any).
-
-    Example:
-
-    >>> import keras
-    >>> from keras_erase import DetachBlock, EraseModel
-    >>> inputs = keras.Input((3,))
-    >>> shared = keras.layers.Dense(2, name="shared")
-    >>> tower = DetachBlock(keras.Sequential([shared], name="inner"), loss="mse", name="tower")
-    >>> model = EraseModel(inputs, keras.layers.Add()([tower(inputs), shared(inputs)]),
-    ...                    dispatch="standard")
-    >>> shared_weights(model, [tower])[id(tower)]
-    ['tower/inner/shared/kernel', 'tower/inner/shared/bias']
-    """
+    """Maps `id(block)` to the paths of the weights it holds but does not own (blocks with any)."""
     owned = block_owned_weights(model, blocks)
     found = {}
     for block in blocks:

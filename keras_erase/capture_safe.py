@@ -1,11 +1,7 @@
-"""Local losses and weight penalties computed with device ops only (a CUDA Graph can capture them).
+"""Local losses and weight penalties from device ops and Python constants: a CUDA Graph can capture them.
 
-Keras's `Loss.__call__` divides by a tensor built from the batch shape and its
-regularizers cast their factors to tensors: tensors made from host data at
-every call, which a CUDA Graph capture cannot hold. The helpers here compute
-the same values with device ops and Python constants. `DetachBlock` uses them
-on torch (see `keras_erase.torch.cuda_graphs`); JAX and TensorFlow trace host
-constants into their graphs and keep Keras's own calls.
+Keras's `Loss.__call__` and regularizers make tensors from host data at every
+call. `DetachBlock` uses these on torch; JAX and TensorFlow keep Keras's calls.
 """
 
 import keras
@@ -19,18 +15,7 @@ __all__ = ["capture_safe_loss", "is_capture_safe", "weight_penalty"]
 
 
 def weight_penalty(regularizer, weight):
-    """Computes `regularizer(weight)`; Keras's L1, L2 and L1L2 with Python-float factors.
-
-    Same value as Keras's (which casts each factor to a tensor: a tensor made
-    from host data at every call, which a CUDA Graph cannot capture). Any other
-    regularizer is called as is.
-
-    Example:
-
-    >>> w = keras.Variable([[1.0, -2.0]])
-    >>> float(weight_penalty(keras.regularizers.L1L2(l1=0.5, l2=0.25), w))
-    2.75
-    """
+    """`regularizer(weight)`, with Python-float factors for Keras's L1, L2 and L1L2."""
     kind = type(regularizer)
     if kind is keras.regularizers.L1:
         return regularizer.l1 * ops.sum(ops.absolute(weight))
@@ -48,18 +33,13 @@ def weight_penalty(regularizer, weight):
 
 
 def is_capture_safe(loss_fn, y_pred):
-    """Returns whether `capture_safe_loss` computes `loss_fn` on `y_pred` (else `Loss.__call__`).
-
-    It does unless the loss overrides `__call__` or a prediction carries a
-    Keras mask (masked losses keep Keras's own path).
-    """
+    """Whether `capture_safe_loss` computes `loss_fn` (not for a `__call__` override or a masked `y_pred`)."""
     overrides_call = type(loss_fn).__call__ is not keras.losses.Loss.__call__
     masked = any(_keras_private.keras_mask(t) is not None for t in tree.flatten(y_pred))
     return not overrides_call and not masked
 
 
 def _match_rank(values, weight):
-    """Squeezes/expands a trailing 1 so `values` and `weight` have the same rank (as Keras)."""
     values_rank, weight_rank = len(values.shape), len(weight.shape)
     if values_rank == weight_rank + 1 and values.shape[-1] == 1:
         if weight_rank == 1:
@@ -75,20 +55,7 @@ def _match_rank(values, weight):
 
 
 def capture_safe_loss(loss_fn, y_true, y_pred, sample_weight=None):
-    """Computes `loss_fn(y_true, y_pred, sample_weight)` for an unmasked Keras loss, host-data free.
-
-    Computes the per-sample values with `loss_fn.call`, weights them and
-    applies `loss_fn.reduction` exactly as `Loss.__call__` does, but divides
-    by Python constants (the static element count) instead of a tensor built
-    from the shape, and never calls `divide_no_nan` with a Python scalar.
-
-    Example:
-
-    >>> loss = keras.losses.MeanSquaredError()
-    >>> y_true, y_pred = np.array([[1.0], [0.0]]), np.array([[0.5], [0.5]])
-    >>> float(capture_safe_loss(loss, y_true, y_pred))
-    0.25
-    """
+    """`loss_fn(y_true, y_pred, sample_weight)` as `Loss.__call__` computes it, dividing by Python constants."""
     dtype = loss_fn.dtype
     y_pred = tree.map_structure(lambda t: ops.cast(t, dtype), y_pred)
     y_true = tree.map_structure(lambda t: ops.cast(t, dtype), y_true)

@@ -1,31 +1,4 @@
-"""`EraseConfig`: the validated constructor arguments of `EraseModel`, and `Schedule`.
-
-An ERASE schedule is three independent choices (the ERASE paper's Table 1 rows
-are combinations of them, see `docs/erase.md`):
-
-- `launcher`: who launches a block's backward: `"inline"` (the main thread,
-  right after the block's forward) or `"worker"` (a backward worker thread, so
-  the main thread goes on with the next forward at once);
-- `placement`: where a block's forward and backward run: `"default_stream"`
-  (the current stream) or `"block_streams"` (CUDA: a stream of its own per block);
-- `cuda_graphs`: off, or each block captured as CUDA Graphs (per block).
-
-`dispatch` names a preset of the first two (`"blocking"` = inline on the
-default stream, `"threaded"` = worker on the default stream, `"streams"` =
-worker onto one stream per block) or `"early"` (the early-backward step with
-the `launcher` and `placement` given; a worker and, on CUDA, one stream per
-block by default); `"standard"` is Keras's own step and `"auto"` measures the
-schedules on CUDA (on a CPU it is the standard step).
-
-Example:
-
->>> from keras_erase.config import EraseConfig
->>> config = EraseConfig(dispatch="threaded", intra_op_threads=1)
->>> config.to_dict()["dispatch"], config.needs_cuda
-('threaded', False)
->>> EraseConfig(dispatch="early", launcher="inline", placement="block_streams").schedule().label
-'inline+block_streams'
-"""
+"""`EraseConfig` (the checked arguments of `EraseModel`) and `Schedule` (one early-backward schedule)."""
 
 import dataclasses
 
@@ -53,12 +26,14 @@ AUTO_STEPS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """One concrete early-backward schedule: launcher, placement, graphs.
+    """One early-backward schedule: launcher x placement x graphs.
 
-    `label` names it: the preset's name where one matches (`"threaded"`),
-    else `"<launcher>+<placement>"`, with `"+graphs"` when graphed; labels
-    are what users read (`dispatch_choice`, `auto_timings`, "auto"'s
-    candidates), `"standard"` (`STANDARD`) naming Keras's own step.
+    `launcher`: `"inline"` (the main thread, right after the block's forward) or
+    `"worker"` (a backward worker thread: the main thread goes on at once);
+    `placement`: `"default_stream"` or `"block_streams"` (CUDA: a stream per
+    block); `graphs`: each block captured as CUDA Graphs. `label` is the name
+    users read: a preset's (`PRESETS`) or `"<launcher>+<placement>"`, plus
+    `"+graphs"`; Keras's own step is `None`, labelled `"standard"`.
 
     Example:
 
@@ -88,12 +63,10 @@ class Schedule:
 
     @property
     def needs_cuda(self):
-        """Whether it needs CUDA streams (one per block) or CUDA Graphs."""
         return self.placement == "block_streams" or self.graphs
 
     @classmethod
     def from_label(cls, label):
-        """Parses a `label` back (`"threaded+graphs"`, `"inline+block_streams"`, ...)."""
         graphs = label.endswith(GRAPHS_SUFFIX)
         name = label[: -len(GRAPHS_SUFFIX)] if graphs else label
         if name in PRESETS:
@@ -103,7 +76,7 @@ class Schedule:
 
     @classmethod
     def every(cls, graphs=False):
-        """Every launcher x placement combination (graphed as `graphs` says), presets first."""
+        """Every launcher x placement (graphed as `graphs` says), presets first."""
         pairs = list(PRESETS.values()) + [
             (l, p) for l in LAUNCHERS for p in PLACEMENTS if (l, p) not in PRESETS.values()
         ]
@@ -111,12 +84,10 @@ class Schedule:
 
 
 def schedule_of(label):
-    """The `Schedule` a label names; `None` for `"standard"` (Keras's own step)."""
     return None if label == STANDARD else Schedule.from_label(label)
 
 
 def label_of(schedule):
-    """The label of a step's `Schedule`; `"standard"` for `None` (Keras's own step)."""
     return STANDARD if schedule is None else schedule.label
 
 
@@ -129,23 +100,11 @@ def _check_choice(name, value, allowed):
 
 @dataclasses.dataclass(frozen=True)
 class EraseConfig:
-    """How an `EraseModel` trains on torch (JAX and TensorFlow use the standard step).
+    """The checked arguments of `EraseModel` (see it for each) that say how it trains on torch.
 
-    Args:
-        dispatch: `"auto"`, `"standard"`, `"early"` or a preset:
-            `"blocking"`, `"threaded"`, `"streams"` (CUDA).
-        num_streams: CUDA streams of the `"block_streams"` placement: `None`
-            (default) gives every block its own; an int caps them (blocks
-            then share streams round robin).
-        cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
-        intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
-            (see `keras_erase.torch.threads`).
-        auto_steps: timed rounds per candidate for `dispatch="auto"`.
-        launcher: `"inline"` or `"worker"` (who launches a block's backward);
-            `None`: the preset's, or `"worker"` for `"early"`.
-        placement: `"default_stream"` or `"block_streams"` (where a block
-            runs); `None`: the preset's, or for `"early"` one stream per
-            block on CUDA and the default stream elsewhere.
+    Raises:
+        ValueError: a value out of range, or `launcher`/`placement` that
+            disagree with `dispatch`.
     """
 
     dispatch: str = "auto"
@@ -204,10 +163,7 @@ class EraseConfig:
             )
 
     def schedule(self, cuda=False):
-        """Returns the `Schedule` of a fixed early-backward `dispatch` (`None` for "auto"/"standard").
-
-        `cuda`: whether the device is CUDA (the `"early"` default placement).
-        """
+        """The `Schedule` of a fixed early-backward `dispatch`, else `None`; `cuda`: `"early"`'s placement."""
         if self.dispatch in PRESETS:
             return Schedule(*PRESETS[self.dispatch], graphs=self.cuda_graphs)
         if self.dispatch != "early":
@@ -216,17 +172,7 @@ class EraseConfig:
         return Schedule(self.launcher or "worker", placement, graphs=self.cuda_graphs)
 
     def backend_note(self, backend):
-        """Describes what runs instead of a torch-only setting on `backend` (`None`: no change).
-
-        The early-backward schedules (`"early"`, `"blocking"`, `"threaded"`,
-        `"streams"`) and `cuda_graphs=True` exist on torch only; on JAX and
-        TensorFlow the standard step trains the model (same gradients).
-
-        Example:
-
-        >>> EraseConfig(dispatch="streams").backend_note("jax")[:40]
-        "EraseModel: dispatch='streams' is a torc"
-        """
+        """The warning for torch-only settings on another `backend` (`None` when there is none)."""
         if backend == "torch":
             return None
         settings = []
@@ -246,12 +192,11 @@ class EraseConfig:
 
     @property
     def needs_cuda(self):
-        """Whether training with this configuration needs CUDA (streams per block or CUDA Graphs)."""
+        """Whether training with it needs CUDA (streams per block or CUDA Graphs)."""
         if self.cuda_graphs:
             return True
         schedule = self.schedule(cuda=False)  # "early" without a placement runs anywhere
         return schedule is not None and schedule.needs_cuda
 
     def to_dict(self):
-        """Returns the arguments as a dict (for `get_config`)."""
         return dataclasses.asdict(self)

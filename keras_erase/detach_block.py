@@ -1,27 +1,7 @@
 """`DetachBlock`: a sub-architecture with detached input/output and a local objective.
 
-A `DetachBlock` wraps a layer (or a whole nested model). In the forward pass it
-calls the layer on a stop-gradient copy of its input and returns a stop-gradient
-copy of the output, so no gradient crosses the block boundary. Instead the block
-owns a local objective, `loss_weight * loss(y_true, head(output))`, computed
-against the model's target. Its backward pass therefore depends on nothing
-downstream and can start as soon as the block's forward pass is done: this is
-what the ERASE train step of `keras_erase.EraseModel` exploits on torch.
-
-How the local loss reaches the model (all backends):
-
-- Standard step (JAX, TensorFlow, torch with `dispatch="standard"`): in a
-  training call the block keeps its head's prediction in a small pending list;
-  `EraseModel.compute_loss` (same trace, same step) consumes it, compares it
-  with the model's target and adds it to the main loss.
-- ERASE step (torch): the model installs a *step handler*
-  (`keras_erase.step_protocol.step_handler`) before calling itself; a block that finds one hands its whole computation to
-  it (`handler.run_block(block, inputs)`), which computes the local loss right
-  after the block's forward pass and launches that loss's backward pass.
-
-`predict` and inference calls never compute a local loss; a test step
-(`evaluate`, validation) computes and logs it (`val_<block name>_loss`), so
-`val_loss` is comparable with `loss`.
+How a block call meets its model's step (pending predictions, the torch step
+handler): `keras_erase.step_protocol`.
 """
 
 from __future__ import annotations
@@ -65,7 +45,7 @@ def _warn_outside_erase_model(block):
 
 
 def _has_symbolic(structure):
-    """Returns whether this is a shape-inference call (KerasTensors or Keras's symbolic scope)."""
+    """Whether this is a shape-inference call (KerasTensors or Keras's symbolic scope)."""
     if _keras_private.in_symbolic_scope():
         return True
     return any(keras.backend.is_keras_tensor(t) for t in tree.flatten(structure))
@@ -75,27 +55,32 @@ def _has_symbolic(structure):
 class DetachBlock(keras.layers.Layer):
     """A detached sub-architecture with its own local objective (ERASE).
 
+    The block calls its layer on a stop-gradient copy of its input and returns
+    a stop-gradient copy of the output; its local objective,
+    `loss_weight * loss(y_true, head(output))` plus its own `losses`, trains its
+    layers. Its backward thus depends on nothing downstream: the torch step of
+    `EraseModel` launches it right after the block's forward pass. `predict`
+    computes no local loss; `evaluate` logs it as `"val_<name>_loss"`.
+
     Args:
         layer: the wrapped `keras.layers.Layer` (a nested model works too).
-        head: optional layer applied to the block's output to produce the
-            local prediction (e.g. `keras.layers.Dense(1, "sigmoid")`). Without
-            a head the block's output itself is compared with the target.
+        head: optional layer producing the local prediction from the block's
+            output (without one the output itself is compared with the target).
         loss: local loss (string, function or `keras.losses.Loss`). Without a
             loss the block has no local objective (it only detaches).
-        loss_weight: multiplier of the local loss in the model's total loss: a
-            finite number >= 0 (`TypeError` / `ValueError` otherwise). With
-            `0` the local loss is still computed and logged, but gives no
-            gradient: like `loss=None`, the block's layer then trains only
-            through its own regularizers, and the first train step warns
-            (`FrozenUpstreamWarning`) about the variables no loss reaches.
+        loss_weight: multiplier of the local loss: a finite number >= 0. With
+            `0` the local loss is computed and logged but gives no gradient.
         detach_input: stop the gradient at the block's input (default). With
-            `False` the input is not detached, so upstream layers also receive
-            the local loss's gradient.
-        target: which of the model's targets the local loss uses when the model
-            has several: an output name (dict targets or named outputs) or an
-            index into `model.output_names` (Keras sorts dict outputs by
-            name). `None` uses the single target.
+            `False` the local loss also trains the layers upstream.
+        target: the model target the local loss uses when there are several:
+            an output name or an index into `model.output_names`. `None` uses
+            the single target.
         name: layer name; the local loss is logged as `"<name>_loss"`.
+
+    Raises:
+        TypeError: `layer`, `head`, `loss` or `target` of the wrong type, or
+            a `loss_weight` that is not a number.
+        ValueError: an unknown `loss`, or a `loss_weight` < 0 or not finite.
 
     Example:
 
@@ -184,19 +169,14 @@ class DetachBlock(keras.layers.Layer):
         return self.layer(inputs, training=training)
 
     def predict_local(self, outputs: Any) -> Any:
-        """Returns the head's prediction for the local loss (the output itself without a head)."""
+        """The head's prediction (the output itself without a head)."""
         return outputs if self.head is None else self.head(outputs)
 
     def local_loss(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
         """Computes `loss_weight * loss(y_true, y_pred, sample_weight)` as a float32 scalar.
 
-        The same value as Keras's `Loss.__call__`. On torch it is computed
-        without any tensor made from host data and without host syncs (so a
-        CUDA Graph can capture it, see `keras_erase.torch.cuda_graphs`): the loss's
-        per-sample values (`Loss.call`), weighted and reduced with device ops
-        and Python constants (`capture_safe_loss`). Masked predictions, losses
-        that override `__call__`, and JAX/TensorFlow (which trace host
-        constants into their graphs) use `Loss.__call__`.
+        The value of Keras's `Loss.__call__`; on torch computed without host data
+        where it can be (`keras_erase.capture_safe`), so a CUDA Graph can capture it.
 
         Example:
 
@@ -223,13 +203,8 @@ class DetachBlock(keras.layers.Layer):
     def own_losses(self) -> Any:
         """Sums the block's own `losses` into a float32 scalar (`None` when it has none).
 
-        These are the weight regularizers of its layer and head (each once per
-        model call, as Keras counts them, however often the block is called
-        and however many blocks share the layer: `claim_weight_penalties`)
-        and the `add_loss` values (e.g.
-        `activity_regularizer`) of its current call. They belong to the
-        block's local objective: on torch they are back-propagated by the
-        block's early backward, never by the main one.
+        Its layer's and head's weight regularizers (each once per model call,
+        `claim_weight_penalties`) and its current call's `add_loss` values.
         """
         losses = []
         for layer in _keras_private.sublayers(self, include_self=True):
@@ -246,7 +221,6 @@ class DetachBlock(keras.layers.Layer):
         return total
 
     def _regularized_weights(self):
-        """The block's distinct trainable weights that carry a regularizer."""
         weights = {id(w): w for w in self.trainable_weights if w.regularizer is not None}
         return list(weights.values())
 
@@ -285,7 +259,6 @@ class DetachBlock(keras.layers.Layer):
         return self.detach(outputs)
 
     def _pop_pending_predictions(self):
-        """Returns and clears the predictions kept by training calls."""
         pending = list(self._pending_predictions)
         self._pending_predictions.clear()
         return pending

@@ -1,32 +1,9 @@
-"""A trainable upstream that feeds only detached blocks is never silent.
+"""Which weights a loss reaches, on every backend, and the frozen-upstream warning.
 
-With `DetachBlock(detach_input=True)` (the default) no gradient crosses the
-block's input, so a trainable layer whose outputs reach the losses only
-through such blocks (e.g. `Embedding -> Concatenate -> DetachBlock x 3`) never
-trains: every loss gives it exactly zero. `EraseModel` checks this once, at
-its first train step on every backend, and warns (`FrozenUpstreamWarning`)
-with the variables' paths, the blocks that read them and what to write.
-
-The check asks each backend's autodiff which trainable variables the step's
-total loss (main loss, every local loss, `model.losses`) can differentiate
-(`reached`), on the first batch, without changing any state: the forward
-runs in a `keras.StatelessScope`. Nothing runs beyond what each backend needs
-to see the graph: torch runs one forward and walks its autograd graph
-(`keras_erase.torch.tensors.reached`); TensorFlow traces a concrete function
-(`GradientTape.gradient` is `None` without a path); JAX traces `jax.grad` to a
-jaxpr, where a variable without a path gets a symbolic zero.
-
-Example:
-
-```python
-inputs = keras.Input((4,), dtype="int32")
-features = keras.layers.Flatten()(keras.layers.Embedding(100, 8)(inputs))
-towers = [DetachBlock(keras.layers.Dense(8), head=keras.layers.Dense(1), loss="mse",
-                      name=f"tower_{i}")(features) for i in range(3)]
-model = EraseModel(inputs, keras.layers.Dense(1)(keras.layers.Concatenate()(towers)))
-model.compile("adam", "mse")
-model.fit(ids, y)  # FrozenUpstreamWarning: 'embedding/embeddings' ... detach_input=False
-```
+A trainable layer that feeds the losses only through blocks with
+`detach_input=True` never trains; `EraseModel` warns once, at its first train
+step (docs/erase.md, "A frozen upstream is never silent"). The check asks each
+backend's autodiff without running the step or changing any state.
 """
 
 import logging
@@ -51,7 +28,6 @@ class FrozenUpstreamWarning(UserWarning):
 
 
 def _scalar(structure):
-    """Sums every float tensor of `structure` into a float32 scalar (0 for none)."""
     total = ops.zeros((), "float32")
     for tensor in tree.flatten(structure):
         if "float" in str(getattr(tensor, "dtype", "")):
@@ -60,7 +36,7 @@ def _scalar(structure):
 
 
 def _objectives_fn(model, data, state):
-    """Builds `fn(trainable values) -> [total loss, one input scalar per detaching block]`."""
+    """`fn(trainable values) -> [total loss, one input scalar per detaching block]`, and those blocks."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     blocks = []
 
@@ -85,14 +61,7 @@ def _objectives_fn(model, data, state):
 
 
 def reached(fn, values):
-    """Answers, for `outputs = fn(values)`, `[[has path from output i to value j for j] for i]`.
-
-    Args:
-        fn: `fn(values) -> list of float scalars`, written with Keras ops.
-        values: backend tensors (float) the scalars may depend on.
-
-    Returns:
-        One list of booleans per scalar, one boolean per value.
+    """For `outputs = fn(values)` (Keras ops): `[[output i has a gradient path to value j for j] for i]`.
 
     Example:
 
@@ -163,21 +132,7 @@ def _jax_reached(fn, values):
 
 
 def frozen_variables(model, data, state=None):
-    """Finds the trainable variables no loss reaches: `[(variable, [blocks whose input reads it])]`.
-
-    Args:
-        model: an `EraseModel`, built and compiled.
-        data: one training batch as `train_step` receives it.
-        state: on JAX, the trainer's `(trainable, non_trainable, optimizer,
-            metrics)` values; `None` elsewhere.
-
-    Example:
-
-    ```python
-    for variable, readers in frozen_variables(model, (x, y)):
-        print(variable.path, [b.name for b in readers])
-    ```
-    """
+    """The trainable variables no loss reaches: `[(variable, [blocks whose input reads it])]`; `state`: JAX's trainer state."""
     variables = model.trainable_variables
     if not variables:
         return []
@@ -194,11 +149,7 @@ def frozen_variables(model, data, state=None):
 
 
 def frozen_message(frozen, zero_weight_owners=None):
-    """Writes the warning text for `frozen_variables`'s result.
-
-    `zero_weight_owners`: optional `{id(variable): block name}` for the
-    variables of `DetachBlock(loss_weight=0)` blocks.
-    """
+    """The warning text; `zero_weight_owners`: `{id(variable): block name}` of `loss_weight=0` blocks."""
     zero_weight_owners = zero_weight_owners or {}
     lines = [
         f"EraseModel: {len(frozen)} trainable variable(s) get no gradient from any loss, so "
@@ -239,11 +190,7 @@ def frozen_message(frozen, zero_weight_owners=None):
 
 
 def warn_if_frozen(model, data, state=None):
-    """Warns (`FrozenUpstreamWarning`) when `frozen_variables` finds any; returns them.
-
-    A model the check cannot trace is logged at debug level and left alone:
-    the check never stops training.
-    """
+    """Warns about `frozen_variables` and returns them; a model it cannot trace is only logged (debug)."""
     try:
         frozen = frozen_variables(model, data, state)
     except Exception as error:  # noqa: BLE001 - a diagnostic must never break training

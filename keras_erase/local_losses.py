@@ -1,8 +1,7 @@
-"""Local losses of `DetachBlock`s in the model's loss: values, logs (one `Mean` per block).
+"""Local losses of `DetachBlock`s in the model's loss and logs (one `Mean` per block), without host copies.
 
-The logs never make a tensor from host data: on CUDA a Python number turned
-into a tensor is a pageable host-to-device copy, which synchronises the host
-with the device, once per block and step (`LocalLossMean`, `batch_weight`).
+A Python number made into a tensor is a host-to-device copy that syncs on
+CUDA: the logs make none (docs/erase.md, "No host sync per step").
 """
 
 import keras
@@ -19,36 +18,14 @@ __all__ = [
 
 
 def batch_weight(value, batch):
-    """Returns `batch` as a `Mean` weight for the scalar `value`, made on `value`'s device.
-
-    A static batch size (a Python int) becomes `ones_like(value) * batch`: a
-    fill and a multiply by a scalar argument, where `Mean.update_state(value,
-    sample_weight=batch)` would copy the int from the host. A symbolic size (a
-    tensor) is cast.
-
-    Example:
-
-    >>> float(batch_weight(keras.ops.convert_to_tensor(0.5), 32))
-    32.0
-    """
+    """`batch` as a `Mean` weight for the scalar `value`, made on `value`'s device."""
     if isinstance(batch, int) and not isinstance(batch, bool):
         return ops.ones_like(value) * batch
     return ops.cast(batch, value.dtype)
 
 
 class LocalLossMean(keras.metrics.Mean):
-    """A block's logged local loss: a `keras.metrics.Mean` reset without tensors from host data.
-
-    `Mean.reset_state` assigns the Python `0` to its variables (two host
-    copies on CUDA at every `reset_metrics`, e.g. each `train_on_batch`); this
-    one assigns zeros made on the device.
-
-    Example:
-
-    >>> mean = LocalLossMean(name="tower_loss")
-    >>> mean.update_state(2.0, sample_weight=3.0); mean.reset_state(); float(mean.result())
-    0.0
-    """
+    """A block's logged local loss: a `keras.metrics.Mean` reset with device zeros, not the Python `0`."""
 
     def reset_state(self):
         for variable in self.variables:
@@ -56,20 +33,19 @@ class LocalLossMean(keras.metrics.Mean):
 
 
 class LocalLossValue:
-    """A block's local loss already computed (and back-propagated) by the torch ERASE step."""
+    """A block's local objective already computed and back-propagated by the torch ERASE step."""
 
     def __init__(self, value):
         self.value = value
 
 
 class LocalLossTrackers:
-    """One `keras.metrics.Mean` per block with a local loss, logged as `"<block name>_loss"`."""
+    """One `LocalLossMean` per block with a local loss, logged as `"<block name>_loss"`."""
 
     def __init__(self):
         self.by_name = {}
 
     def ensure(self, blocks):
-        """Creates the missing trackers; returns every tracker."""
         for block in blocks:
             if block.has_local_loss and block.name not in self.by_name:
                 self.by_name[block.name] = LocalLossMean(name=f"{block.name}_loss")
@@ -80,16 +56,11 @@ class LocalLossTrackers:
 
 
 def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
-    """Adds every block's pending local losses to `total`; logs each in its tracker.
+    """Adds every block's pending local losses to `total`; logs each block's.
 
-    A pending entry is either a `step_protocol.PendingPrediction` (standard step: the loss is
-    computed here, in the same trace as the main loss; the block's own `losses`
-    are already in the main loss through `model.losses`) or a `LocalLossValue`
-    (torch ERASE step: the block's whole objective, its own `losses` included,
-    already computed and back-propagated). Either way a block's log is its
-    local loss plus its own `losses`. A block called several times in a step
-    (a shared tower) adds one local loss per call to the total, so its log is
-    their sum, the objective its gradient is of (one log entry per step).
+    A `PendingPrediction` (standard step) is turned into its local loss here;
+    a `LocalLossValue` (torch ERASE step) is added as it is. A block's log is
+    its local loss plus its own `losses`, summed over its calls in the step.
     """
     batch = None
     for block in blocks:
@@ -119,13 +90,7 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
 
 
 def losses_outside_blocks(model, blocks):
-    """Returns `model.losses` without those of `blocks` (their early backward owns them).
-
-    The `add_loss` values of every layer not inside one of `blocks`, and the
-    regularizers of every trainable weight none of `blocks` owns: what the
-    main loss back-propagates when the blocks' objectives were back-propagated
-    early (torch ERASE step, outside any stateless scope).
-    """
+    """`model.losses` without those of `blocks`, whose early backward owns them (torch ERASE step)."""
     inside = {
         id(layer) for block in blocks for layer in _keras_private.sublayers(block, True)
     }

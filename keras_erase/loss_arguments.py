@@ -1,12 +1,4 @@
-"""`DetachBlock`'s `loss` and `loss_weight` arguments, checked and turned into what the block uses.
-
-Example:
-
->>> to_loss_object("mse").name
-'mean_squared_error'
->>> checked_loss_weight(0.5)
-0.5
-"""
+"""`DetachBlock`'s `loss` and `loss_weight` arguments, checked and turned into what the block uses."""
 
 import math
 import numbers

@@ -1,24 +1,7 @@
 """`EraseModel`: a `keras.Model` whose loss includes every `DetachBlock`'s local loss.
 
-On every backend the total loss is the compiled (main) loss plus each block's
-`loss_weight * loss(y_true, head(output))` plus `model.losses`; `fit`,
-`evaluate` and validation log each block's local loss plus its own `losses`
-as `"<block name>_loss"` (`"val_<block name>_loss"`; a block called several
-times in a step logs the sum of its calls' local losses, the objective its
-gradient is of). On JAX and TensorFlow the standard train step trains the
-model. On torch `train_step` runs the ERASE step (`keras_erase.torch.train_step`):
-each block's backward is launched right after its forward pass and local loss,
-overlapping later blocks' forward passes, with the standard step's gradients.
-
-Schedules (torch): `dispatch` picks the standard step, an early-backward
-schedule (`launcher` x `placement` x `cuda_graphs`, `keras_erase.config`; the
-presets `"blocking"`, `"threaded"`, `"streams"`) or `"auto"` (a CPU: the
-standard step; CUDA: times the candidates, keeps the fastest; `keras_erase.auto`,
-`keras_erase.torch.auto_schedule`; `dispatch_choice`, `dispatch_explanation`
-and `auto_timings` say what it compared and kept). Every schedule computes the
-standard step's gradients. Threads on torch CPU: `keras_erase.torch.threads`.
-Variables no loss reaches are reported once, at the first train step, with a
-`FrozenUpstreamWarning` (`keras_erase.frozen_upstream`). See `docs/erase.md`.
+On torch its train step is the ERASE step (`keras_erase.torch.train_step`);
+elsewhere Keras's standard step. Behaviour and schedules: docs/erase.md.
 """
 
 from __future__ import annotations
@@ -47,7 +30,7 @@ __all__ = ["EraseModel", "FunctionalEraseModel"]
 
 
 def _as_tensor(value):
-    """Returns a numeric numpy array as a backend tensor (one host copy), anything else as it is."""
+    """A numeric numpy array as a backend tensor (one host copy); anything else as it is."""
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
         return keras.ops.convert_to_tensor(value)
     return value
@@ -67,26 +50,27 @@ def _functional_arguments(args, kwargs):
 
 @keras.saving.register_keras_serializable(package="keras_erase")
 class EraseModel(keras.Model):
-    """A Keras model trained with the ERASE early-backward schedule on torch.
+    """A Keras model trained with ERASE's early backward on torch.
 
-    Functional (`EraseModel(inputs, outputs)`) or subclassed. Its loss is the
-    compiled loss plus every `DetachBlock`'s local loss on every backend.
+    Functional (`EraseModel(inputs, outputs)`) or subclassed. On every backend
+    its loss is the compiled loss plus every `DetachBlock`'s local loss, and
+    `fit`/`evaluate` log each block's as `"<block name>_loss"`
+    (`"val_<block name>_loss"`). On torch each block's backward is launched
+    right after its forward pass; every schedule gives the standard step's
+    gradients. JAX and TensorFlow run Keras's standard step.
 
     Args:
         dispatch: `"auto"`, `"standard"`, `"early"` (with `launcher` and
             `placement`) or a preset: `"blocking"`, `"threaded"`, `"streams"`
-            (CUDA). Only used on torch; JAX and TensorFlow use the standard
-            step (the early-backward ones there warn at construction and run
-            the standard step). `"auto"`: the standard step on a CPU, without
-            measuring; on CUDA the fastest schedule of its first steps.
+            (CUDA). Used on torch only; elsewhere the early-backward ones warn
+            at construction. `"auto"`: the standard step on a CPU; on CUDA the
+            fastest schedule of its first steps.
         num_streams: CUDA streams of the `"block_streams"` placement: `None`
-            (default) gives every block its own; an int caps the pool (blocks
-            then share streams round robin).
+            gives every block its own; an int caps the pool (shared round robin).
         cuda_graphs: capture each block as CUDA Graphs (CUDA, fixed shapes).
             `"streams"` and `cuda_graphs=True` need CUDA to train on torch (the
             first train step raises otherwise); building, loading, `predict`
-            and `evaluate` work anywhere. On JAX and TensorFlow they warn at
-            construction and the standard step runs.
+            and `evaluate` work anywhere.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate of `dispatch="auto"` on CUDA.
@@ -96,6 +80,12 @@ class EraseModel(keras.Model):
             block's forward and backward run (`None`: the preset's; for
             `"early"`, one stream per block on CUDA).
         *args, **kwargs: as for `keras.Model`.
+
+    Raises:
+        ValueError: an argument out of range, or `launcher`/`placement`
+            that disagree with `dispatch`.
+        TypeError: a subclass called with `inputs` and `outputs` that does
+            not inherit from `FunctionalEraseModel`.
 
     Example:
 
@@ -194,35 +184,16 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch_choice(self) -> str | None:
-        """The schedule in use: `"standard"` on JAX, TensorFlow and a CPU; `None` while `"auto"` measures.
+        """The schedule in use, by label (`"standard"`, `"threaded"`, `"streams+graphs"`, ...).
 
-        The preset's name (`"threaded"`), or the label of the schedule
-        `"auto"` kept on CUDA or `"early"` resolved: `"<launcher>+<placement>"`
-        where no preset matches, with `"+graphs"` when graphed (e.g.
-        `"streams+graphs"`, `"inline+block_streams"`).
-
-        `dispatch_explanation` says what `"auto"` compared and why it kept this
-        schedule (or, while it measures, which schedules ran so far).
+        `"standard"` on JAX, TensorFlow and a CPU; `None` while `"auto"` measures.
         """
         erase = self._erase
         return torch_runtime().train_step.dispatch_choice(erase) if _is_torch() else erase.dispatch_choice
 
     @property
     def dispatch_explanation(self) -> str:
-        """Says which schedule trains and why: with `"auto"`, what it compared, kept or still measures.
-
-        With `"auto"` on CUDA it names every candidate, its median and p90
-        step time (for one dropped early, the medians it was dropped on), the
-        rule, and while measuring which schedules ran so far (then
-        `dispatch_choice` is still `None`); on a CPU, that it is the standard step.
-
-        Example:
-
-        ```python
-        model.fit(x, y)
-        print(model.dispatch_choice, model.dispatch_explanation)
-        ```
-        """
+        """Which schedule trains and why; with `"auto"` on CUDA, every candidate's timings and the rule."""
         erase = self._erase
         if not _is_torch():
             return (f"dispatch={erase.config.dispatch!r} on backend {keras.backend.backend()!r}: "
@@ -319,20 +290,10 @@ class EraseModel(keras.Model):
     # -- tracing (torch) ------------------------------------------------------------
 
     def start_trace(self) -> list[dict[str, Any]]:
-        """Starts recording forward/backward intervals of the ERASE step; returns the event list.
+        """Starts recording the torch early-backward schedules' intervals; returns the event list.
 
-        Each event is a dict with `block`, `phase` (`"forward"`, `"submit"`,
-        `"backward"`), `start`, `end` (`time.perf_counter()`) and `thread`.
-        Events are recorded on torch, by the early-backward schedules.
-
-        Example:
-
-        ```python
-        events = model.start_trace()
-        model.fit(x, y, epochs=1)
-        model.stop_trace()
-        backwards = [e for e in events if e["phase"] == "backward"]
-        ```
+        Each event: `block`, `phase` (`"forward"`, `"submit"`, `"backward"`),
+        `start`, `end` (`time.perf_counter()`) and `thread`.
         """
         self._erase.trace = []
         for dispatcher in self._erase.dispatchers.values():
@@ -340,7 +301,7 @@ class EraseModel(keras.Model):
         return self._erase.trace
 
     def stop_trace(self) -> list[dict[str, Any]] | None:
-        """Stops recording and returns the recorded events."""
+        """Stops recording; returns the events."""
         events, self._erase.trace = self._erase.trace, None
         for dispatcher in self._erase.dispatchers.values():
             dispatcher.trace = None

@@ -1,25 +1,16 @@
-"""How a `DetachBlock` call meets its model's step: thread-local handler, collector, recorder.
+"""The step protocol: how a `DetachBlock` call meets its model's step.
 
-A `DetachBlock` does not know which model calls it nor which train step runs.
-The caller tells it through three thread-local stacks, each set by a context
-manager around the call:
+A block knows neither its model nor the train step; the caller tells it
+through thread-local stacks, each set by a context manager:
 
-- `collecting(model, training, evaluating)`: an `EraseModel` call is running
-  and consumes the blocks' local losses (`EraseModel.__call__`). `training`
-  is what a block called with `training=None` uses; `evaluating` marks a test
-  step, where blocks also keep their head's prediction.
-- `step_handler(handler)`: the torch ERASE step is running; a training block
-  hands its whole computation to `handler.run_block(block, inputs)`.
-- `recording_inputs()`: every block call records `(block, inputs)` (the
-  frozen-upstream check asks which variables each block's input reads).
-
-Example:
-
->>> with collecting("model", training=True):
-...     current_collector(), collector_training(), collector_evaluating()
-('model', True, False)
->>> current_collector() is None
-True
+- `collecting(model, training, evaluating)`: an `EraseModel` call runs. In a
+  training or test call a block keeps its head's prediction and own losses
+  as a `PendingPrediction`, which `EraseModel.compute_loss` consumes in the
+  same step (`keras_erase.local_losses`);
+- `step_handler(handler)`: the torch ERASE step runs; a training block hands
+  its whole computation to `handler.run_block(block, inputs) -> outputs`;
+- `recording_inputs()`: every block call records `(block, inputs)`
+  (`keras_erase.frozen_upstream`).
 """
 
 import contextlib
@@ -35,7 +26,7 @@ _STATE = threading.local()
 
 
 class PendingPrediction:
-    """A training call's head prediction and the block's own losses, kept for `compute_loss`."""
+    """A block call's head prediction and own losses, kept for `compute_loss`."""
 
     def __init__(self, prediction, own_losses=None):
         self.prediction = prediction
@@ -43,13 +34,11 @@ class PendingPrediction:
 
 
 def current_step_handler():
-    """Returns the ERASE step handler installed on this thread, or `None`."""
     stack = getattr(_STATE, "stack", None)
     return stack[-1] if stack else None
 
 
 def current_collector():
-    """Returns the `EraseModel` whose call runs on this thread (it consumes local losses) or `None`."""
     stack = getattr(_STATE, "collectors", None)
     return stack[-1][0] if stack else None
 
@@ -60,23 +49,20 @@ def _collector_setting(index, default=None):
 
 
 def collector_training():
-    """Returns the `training` value of the running collector (`None` without one)."""
     return _collector_setting(1)
 
 
 def collector_evaluating():
-    """Returns whether the running collector is in a test step (`False` without one)."""
     return _collector_setting(2, False)
 
 
 @contextlib.contextmanager
 def collecting(model, training=None, evaluating=False):
-    """Marks `model` (an `EraseModel`) as the consumer of its blocks' local losses during a call.
+    """Marks `model` as the consumer of its blocks' local losses during a call.
 
-    `training`: the value a block called with `training=None` uses (`True` in
-    a train step, so that a model whose `call` has no `training` argument still
-    trains its blocks). `evaluating`: a test step, where blocks also keep their
-    head's prediction (inference mode) so validation losses include them.
+    `training`: what a block called with `training=None` uses (`True` in a
+    train step, for a `call` without a `training` argument); `evaluating`: a
+    test step.
     """
     stack = getattr(_STATE, "collectors", None)
     if stack is None:
@@ -89,22 +75,7 @@ def collecting(model, training=None, evaluating=False):
 
 
 def claim_weight_penalties(weights):
-    """Returns those of `weights` whose penalties this call pays: each once per model call.
-
-    Keras counts a weight's regularizer once per step, however often its
-    layer is called and however many blocks hold it (`model.losses` lists
-    each weight once), and a block's add_loss values once per call. The
-    first block call under the running collector that holds a weight claims
-    its penalty; later calls (the same block again, or another block sharing
-    the layer) do not get it. Without a collector (a block called on its
-    own) every call pays all of them.
-
-    Example:
-
-    >>> with collecting("model", training=True):
-    ...     claim_weight_penalties(["a", "b"]), claim_weight_penalties(["b", "c"])
-    (['a', 'b'], ['c'])
-    """
+    """Those of `weights` whose penalties this call pays: each once per model call, as Keras counts them."""
     stack = getattr(_STATE, "collectors", None)
     if not stack:
         return list(weights)
@@ -116,11 +87,7 @@ def claim_weight_penalties(weights):
 
 @contextlib.contextmanager
 def recording_inputs():
-    """Records `(block, inputs)` for every `DetachBlock` call in this thread; yields the list.
-
-    Used by `keras_erase.frozen_upstream` to ask which variables each block's
-    input depends on.
-    """
+    """Records `(block, inputs)` for every block call in this thread; yields the list."""
     previous = getattr(_STATE, "inputs", None)
     _STATE.inputs = records = []
     try:
@@ -130,7 +97,6 @@ def recording_inputs():
 
 
 def record_inputs(block, inputs):
-    """Appends `(block, inputs)` to the records of `recording_inputs`, when one is open."""
     records = getattr(_STATE, "inputs", None)
     if records is not None:
         records.append((block, inputs))
@@ -138,11 +104,7 @@ def record_inputs(block, inputs):
 
 @contextlib.contextmanager
 def step_handler(handler):
-    """Installs `handler` for the training calls of `DetachBlock`s in this thread.
-
-    The handler must implement `run_block(block, inputs) -> outputs`. Used by
-    `EraseModel`'s torch train step; user code does not need it.
-    """
+    """Installs `handler` for the training calls of `DetachBlock`s in this thread."""
     stack = getattr(_STATE, "stack", None)
     if stack is None:
         stack = _STATE.stack = []

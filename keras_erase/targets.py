@@ -22,19 +22,7 @@ def _output_index(output_names, name, block=None):
 
 
 def check_targets(blocks, output_names):
-    """Raises a `ValueError` naming `target=` and the outputs for a block whose target is not one.
-
-    Called when the model's outputs are known (a Functional `EraseModel` at
-    construction), so a bad `target=` fails before training.
-
-    Example:
-
-    >>> from types import SimpleNamespace
-    >>> check_targets([SimpleNamespace(name="t", target="nope")], ["buy", "click"])
-    Traceback (most recent call last):
-    ...
-    ValueError: DetachBlock 't': `target` must name one of the model's outputs ['buy', 'click'] or be an index in [0, 2). Received: target='nope'
-    """
+    """Raises a `ValueError` for a block whose `target=` is not one of `output_names` (before training)."""
     output_names = list(output_names or [])
     if not output_names:
         return
@@ -49,19 +37,7 @@ def check_targets(blocks, output_names):
 
 
 def select_target(block, y, sample_weight, output_names=()):
-    """`(y_true, sample_weight)` for `block` from the model's `y` and `sample_weight`.
-
-    `block.target` picks one target when the model has several: an output name
-    (dict targets or named outputs) or an index into `output_names` (Keras
-    sorts dict outputs by name); `None` takes the single target.
-
-    Example:
-
-    >>> from types import SimpleNamespace
-    >>> block = SimpleNamespace(name="tower", target="buy")
-    >>> select_target(block, {"buy": 1, "click": 0}, None, ["buy", "click"])
-    (1, None)
-    """
+    """`(y_true, sample_weight)` for `block` from the model's (see `DetachBlock`'s `target`)."""
     target = block.target
     output_names = list(output_names or [])
     if y is None:

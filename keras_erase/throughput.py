@@ -1,16 +1,4 @@
-"""Throughput the way the ERASE paper reports it: percentiles of per-step examples/s.
-
-The paper's "p90 QPS" is the post-warm-up 90th percentile of per-step samples per
-second: the *fast* end (90% of steps are slower), unlike a p90 latency. Every
-benchmark, example and table in this project computes QPS here, so the definition
-is written once.
-
-Example:
-
->>> stats = throughput_percentiles([0.010, 0.020, 0.040], batch_size=100)
->>> round(stats["p50"]), round(stats["p90"])
-(5000, 9000)
-"""
+"""Throughput as the ERASE paper reports it: percentiles of per-step examples/s."""
 
 import numpy as np
 
@@ -18,15 +6,17 @@ __all__ = ["examples_per_second", "global_step_seconds", "throughput_percentiles
 
 
 def examples_per_second(step_seconds, batch_size):
-    """Computes per-step examples/s: `batch_size / t` for each step time `t` (seconds).
+    """Per-step examples/s: `batch_size / t` for each step time `t` (seconds).
 
     Args:
         step_seconds: sequence of positive step durations in seconds.
-        batch_size: examples processed per step (the global batch when the steps
-            are global steps; see `global_step_seconds`).
+        batch_size: examples per step (the global batch for global steps).
 
     Returns:
         A float64 numpy array, one entry per step.
+
+    Raises:
+        ValueError: no step time, or one that is not finite and > 0.
 
     Example:
 
@@ -47,7 +37,7 @@ def examples_per_second(step_seconds, batch_size):
 
 
 def throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90)):
-    """Computes percentiles of per-step examples/s (p90 = the fast end, as in the ERASE paper).
+    """Percentiles of per-step examples/s; p90 is the fast end (90% of steps are slower).
 
     Args:
         step_seconds: sequence of post-warm-up step durations in seconds.
@@ -56,6 +46,9 @@ def throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90)):
 
     Returns:
         A dict `{"p50": ..., "p90": ..., "steps": n}` (keys `f"p{q}"`), examples/s.
+
+    Raises:
+        ValueError: as `examples_per_second`.
 
     Example:
 
@@ -69,17 +62,19 @@ def throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90)):
 
 
 def global_step_seconds(per_rank_step_seconds):
-    """Computes the global step times of a data-parallel run: for each step, the slowest rank.
+    """The step times of a data-parallel run: for each step, its slowest rank's.
 
-    A synchronous step ends when its last rank ends, so the global examples/s of a
-    step is `world_size * batch / max_over_ranks(t)`. Percentiles of per-rank
-    throughput must never be summed into a global one (percentiles do not add).
+    A synchronous step ends with its last rank; percentiles of per-rank
+    throughput never add up to a global one.
 
     Args:
         per_rank_step_seconds: one sequence of step times per rank, same length.
 
     Returns:
         A float64 numpy array of per-step global step times.
+
+    Raises:
+        ValueError: not one equal-length sequence per rank.
 
     Example:
 

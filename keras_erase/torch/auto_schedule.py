@@ -1,26 +1,4 @@
-"""What `dispatch="auto"` does on torch, and how a schedule explains itself.
-
-On a CPU `"auto"` is the standard step from the first step and measures
-nothing (`CPU_EXPLANATION`): the early backward shares the cores with the
-forward pass, so no schedule has anything to overlap there, and what measuring
-would buy is its own losing steps. The CPU schedules run when named
-(`dispatch="blocking"`, `"threaded"`, `"early"`).
-
-On CUDA `auto_candidates` lists the candidates (every launcher x placement
-combination), `new_selector` builds the `keras_erase.auto.ScheduleSelector`
-that times them, and `explain` says what it compared. `explain_fixed` and
-`CPU_EXPLANATION` write `EraseModel.dispatch_explanation` for the rest.
-Nothing here runs a step: the train step (`keras_erase.torch.train_step`)
-asks for the schedule and reports each step's time.
-
-Example:
-
->>> from keras_erase.torch.auto_schedule import auto_candidates, describe_schedule
->>> auto_candidates()[:3]
-['standard', 'blocking', 'threaded']
->>> describe_schedule("streams")
-"streams (launcher 'worker', placement 'block_streams', CUDA Graphs off)"
-"""
+"""`dispatch="auto"` on torch (on CUDA its candidates and selector), and how a schedule explains itself."""
 
 from keras_erase.auto import ScheduleSelector
 from keras_erase.config import STANDARD
@@ -42,26 +20,13 @@ CPU_EXPLANATION = (
 
 
 def auto_candidates(graphs=False):
-    """Lists the labels of the schedules `"auto"` measures on CUDA: `["standard", ...]`.
-
-    The standard step first (the baseline), then every launcher x placement
-    combination (`Schedule.every`), eager, and with `graphs`
-    (`cuda_graphs=True`) graphed too: each can win somewhere (the worker and a
-    stream per block overlap the device, graphs shorten the host path, the
-    inline launch saves the thread hand-off when the GPU is saturated).
-    """
+    """The labels `"auto"` measures: the standard step, then every launcher x placement (+ graphed)."""
     schedules = Schedule.every(graphs=False) + (Schedule.every(graphs=True) if graphs else [])
     return [STANDARD] + [s.label for s in schedules]
 
 
 def new_selector(config, combine=None):
-    """Returns the `ScheduleSelector` of an `"auto"` run on CUDA (`config`: its `EraseConfig`).
-
-    Args:
-        config: the model's `keras_erase.config.EraseConfig`.
-        combine: statistics combiner over torch.distributed ranks (every rank
-            must choose the same schedule; it turns early stops off), or `None`.
-    """
+    """The `ScheduleSelector` of `"auto"` on CUDA; `combine`: the mean over ranks, or `None`."""
     candidates = auto_candidates(config.cuda_graphs)
     # graph warm-up and capture steps are never timed
     extra_warmup = {c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if _graphed(c)}
@@ -80,12 +45,7 @@ def _graphed(label):
 
 
 def describe_schedule(label):
-    """Says what a schedule's label runs, e.g. `"standard"` -> `"standard (Keras's train step)"`.
-
-    Any other label also names its launcher, placement and graphs, e.g.
-    `"streams+graphs (launcher 'worker', placement 'block_streams', CUDA Graphs
-    per block)"`.
-    """
+    """Says what a label runs: `"standard (Keras's train step)"`, or its launcher, placement and graphs."""
     s = schedule_of(label)
     if s is None:
         return "standard (Keras's train step)"
@@ -105,11 +65,7 @@ def explain_fixed(runtime, cuda):
 
 
 def explain(runtime, finished_fit=False):
-    """Writes what `"auto"` compared on CUDA and kept (or, still measuring, what ran so far).
-
-    Every figure it prints is one the rule used: the statistics of the final
-    choice, and for a schedule dropped early the two medians it was dropped on.
-    """
+    """What `"auto"` compared and kept (or, still measuring, what ran so far), with the figures the rule used."""
     selector = runtime.selector
     if selector is None:
         return None
@@ -144,5 +100,4 @@ def explain(runtime, finished_fit=False):
 
 
 def _count(count, noun):
-    """`_count(1, "step")` -> `"1 step"`, `_count(3, "step")` -> `"3 steps"`."""
     return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -1,26 +1,10 @@
 """Data-parallel ERASE on `torch.distributed`: per-block gradient all-reduce in a fixed order.
 
-Under a process group of more than one rank, `EraseModel`'s torch step keeps
-the ranks in sync with a `GradientSync` (docs/erase.md, "torch.distributed"):
-rank 0's weights are broadcast at the start of training; as soon as a block's
-early backward ends, the gradients of the weights it owns
-(`keras_erase.block_weights`) are flattened into one buffer per (dtype,
-device) and all-reduced asynchronously; the remainder after the final
-backward; every handle is waited and averaged before the optimizer update.
-
-Collectives are issued in the same order on every rank: block reductions in
-the model's block order, from the thread that runs the block backwards (the
-main thread inline, the single FIFO worker otherwise), the remainder from the
-main thread once the worker drained. Each buffer carries one presence flag
-per weight, so a gradient missing on some rank counts as zero there and stays
-`None` only where it is `None` on every rank.
-
-Example (one process per rank, e.g. under `torchrun`):
-
-```python
-dist.init_process_group("gloo")  # "nccl" on CUDA
-model.fit(x_shard, y_shard)      # this rank's shard; gradients are averaged
-```
+How and why (and why not DDP): docs/erase.md, "torch.distributed". Collectives
+are issued in the same order on every rank: block reductions in the model's
+block order from the one thread that runs the block backwards, the remainder
+from the main thread after it. One presence flag per weight in each buffer
+makes a gradient missing on some rank count as zero there.
 """
 
 import torch
@@ -33,17 +17,13 @@ __all__ = ["GradientSync", "active", "mean_over_ranks"]
 
 
 def active(group=None):
-    """Returns whether a `torch.distributed` process group of more than one rank is initialized."""
     return (
         dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     )
 
 
 def mean_over_ranks(values, group=None):
-    """Averages a list of floats over the ranks of `group` (one blocking all-reduce).
-
-    Example: `mean_over_ranks([0.12, 0.10])` on 2 ranks -> the per-entry averages.
-    """
+    """Averages a list of floats over the ranks of `group` (one blocking all-reduce)."""
     tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if dist.get_backend(group) == "nccl":
         tensor = tensor.cuda()
@@ -67,23 +47,8 @@ class _Pending:
 
 
 class GradientSync:
-    """Averages `EraseModel` gradients over a `torch.distributed` process group.
-
-    Used by `EraseModel`'s torch train step (see the module docstring); user
-    code only needs to initialize the process group.
-
-    Args:
-        group: the process group (default: the world group).
-
-    Example:
-
-    ```python
-    sync = GradientSync()
-    sync.start_step(model)
-    # ... forward; after block b's backward: sync.block_done(b) ...
-    sync.reduce_rest()   # after the final backward
-    sync.finish()        # waits, averages and writes the .grad back
-    ```
+    """Averages `EraseModel`'s gradients over a process group (default: the world): `start_step`,
+    `block_done(block)` after each block's backward, `reduce_rest()` after the final one, `finish()`.
     """
 
     def __init__(self, group=None):
@@ -115,11 +80,7 @@ class GradientSync:
     # -- one step --------------------------------------------------------------------
 
     def start_step(self, model):
-        """Resets the step state and maps each block to the weights it alone owns.
-
-        The map is computed again when the model's weights or blocks change;
-        the step that computes it also checks it (`_watch_owned`).
-        """
+        """Resets the step; maps each block to the weights it owns (again, and checked, when they change)."""
         self._pending = []
         self._done = set()
         self.launch_order = []
@@ -183,7 +144,6 @@ class GradientSync:
             )
 
     def reduce_rest(self):
-        """Launches the all-reduce of every trainable gradient not reduced yet this step."""
         rest = [v for v in self._weights if id(v) not in self._done]
         for v in rest:
             self._done.add(id(v))
@@ -227,12 +187,7 @@ class GradientSync:
             self._pending.append(pending)
 
     def finish(self):
-        """Waits for every reduction, averages, and writes the gradients back.
-
-        On the step that checks block ownership, a late gradient raises here,
-        after every reduction was waited (the ranks stay matched) and before
-        any gradient is written back.
-        """
+        """Waits for every reduction, averages and writes the gradients back (a late gradient raises first)."""
         pending, self._pending = self._pending, []
         cuda = torch.cuda.is_available()
         with torch.no_grad():
@@ -263,7 +218,6 @@ class GradientSync:
                     offset += size
 
     def abort(self):
-        """Drops the step's pending reductions without waiting (the step failed)."""
         self._pending = []
         self._late = []
         if self._watches:  # the checking step failed: the next step checks again

@@ -1,48 +1,4 @@
-"""Run a function on N local torch.distributed ranks (gloo, or NCCL with one GPU per rank).
-
-`run_local(fn, nproc)` spawns `nproc` processes, initializes a process group
-among them on the loopback address (a free port), calls
-`fn(rank, world_size, *args)` in each and returns the ranks' results in rank
-order. Each rank runs with `KERAS_BACKEND=torch` and `threads_per_rank` torch
-intra-op threads (default: the cores divided by `nproc`). Under the process
-group, `keras_erase.EraseModel` averages gradients over the ranks (see
-`keras_erase.torch.distributed`), so `fn` only has to build the model and train it on
-its shard of the data.
-
-Backend: with at least `nproc` CUDA devices, NCCL, rank `r` on `cuda:r`
-(`torch.cuda.set_device` before the group is made, so Keras and NCCL use that
-device); otherwise gloo on CPU. `backend=` forces one. The choice is logged
-on the `"keras_erase"` logger (`process_group_backend` is the rule).
-
-`fn` must be importable by the spawned processes (a module-level function of
-an importable module, not a lambda or a function of `__main__` run without the
-`if __name__ == "__main__":` guard) and its result picklable.
-
-Example:
-
-```python
-from keras_erase.torch.launch import run_local
-from keras_erase.throughput import global_step_seconds, throughput_percentiles
-
-class StepTimes(keras.callbacks.Callback):   # per-step seconds of this rank
-    def on_train_batch_begin(self, batch, logs=None):
-        self.start = time.perf_counter()
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self.start)
-
-def train(rank, world, x, y):           # in an importable module
-    model = build_model()
-    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
-    timer = StepTimes()
-    timer.times = []
-    model.fit(x[rank::world], y[rank::world], batch_size=256, callbacks=[timer])
-    return timer.times
-
-per_rank = run_local(train, 2, args=(x, y))
-# Global QPS: a step ends with its slowest rank; never add per-rank percentiles.
-qps = throughput_percentiles(global_step_seconds(per_rank)[5:], batch_size=2 * 256)
-```
-"""
+"""`run_local`: runs a function on N local torch.distributed ranks (gloo, or NCCL with a GPU per rank)."""
 
 import datetime
 import logging
@@ -63,17 +19,13 @@ _ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "KERAS
 
 
 def free_port():
-    """Returns a TCP port free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def process_group_backend(cuda_devices, nproc):
-    """Picks `("nccl", [device per rank])` with a CUDA device per rank, else `("gloo", None)`.
-
-    Example: `process_group_backend(cuda_devices=8, nproc=2)` -> `("nccl", [0, 1])`.
-    """
+    """`("nccl", [device per rank])` with a CUDA device per rank, else `("gloo", None)`."""
     if cuda_devices >= nproc >= 1:
         return "nccl", list(range(nproc))
     return "gloo", None
@@ -107,24 +59,40 @@ def run_local(
 ):
     """Runs `fn(rank, nproc, *args, **kwargs)` on `nproc` local ranks; returns the results.
 
+    Each rank is a spawned process with `KERAS_BACKEND=torch` in a process group
+    on the loopback address; under it `EraseModel` averages the gradients over
+    the ranks, so `fn` only builds the model and trains it on its shard. `fn`
+    must be importable by the spawned processes (not a lambda, not unguarded
+    `__main__` code) and its result picklable.
+
     Args:
         fn: importable, picklable function of `(rank, world_size, *args, **kwargs)`.
         nproc: number of ranks (processes), >= 1.
         args, kwargs: extra arguments (picklable), the same for every rank.
         threads_per_rank: torch intra-op threads per rank (default: cores // nproc, >= 1).
         timeout_s: the whole run's limit in seconds, also the process group's
-            collective timeout; on expiry every rank is killed and `TimeoutError` raised.
-        backend: `"gloo"`, `"nccl"` or `None` (NCCL with one CUDA device per
-            rank when there are enough, else gloo; see `process_group_backend`).
+            collective timeout; on expiry every rank is killed.
+        backend: `"gloo"`, `"nccl"` or `None`: NCCL with rank `r` on `cuda:r`
+            when there is a CUDA device per rank, else gloo (logged).
 
     Returns:
         The list of the ranks' return values, in rank order.
 
     Raises:
+        ValueError: `nproc` < 1, an unknown `backend`, or `"nccl"` without a
+            CUDA device per rank.
         RuntimeError: a rank raised (the message carries its traceback) or died.
         TimeoutError: the ranks did not finish within `timeout_s`.
 
-    Example: `run_local(train, 2, args=(x, y))` -> `[rank0_result, rank1_result]`.
+    Example:
+
+    ```python
+    def train(rank, world, x, y):  # in an importable module; returns this rank's step times
+        ...
+    per_rank = run_local(train, 2, args=(x, y))
+    # A step ends with its slowest rank: never add per-rank percentiles.
+    qps = throughput_percentiles(global_step_seconds(per_rank)[5:], batch_size=2 * 256)
+    ```
     """
     nproc = int(nproc)
     if nproc < 1:

@@ -1,15 +1,4 @@
-"""Torch tensor-structure helpers of the torch runtime (the bottom layer: imports no sibling).
-
-The schedules, the CUDA Graph runner and the gradient hand-off all use these,
-and the frozen-upstream check walks autograd graphs with `reached`; keeping
-them here keeps the import graph one-way.
-
-Example:
-
->>> import torch
->>> flat_tensors({"a": torch.ones(1), "b": [torch.zeros(2), 3]})[1].shape
-torch.Size([2])
-"""
+"""torch helpers of the torch runtime, its bottom layer (it imports no sibling)."""
 
 import keras
 import numpy as np
@@ -23,7 +12,6 @@ __all__ = [
 
 
 def is_tensor(value):
-    """Returns whether `value` is a torch tensor."""
     return isinstance(value, torch.Tensor)
 
 
@@ -39,12 +27,10 @@ def map_tensors(fn, structure):
 
 
 def detach_tensors(structure):
-    """Returns `structure` with every torch tensor detached."""
     return map_tensors(lambda t: t.detach(), structure)
 
 
 def flat_tensors(structure):
-    """Returns every torch tensor of `structure`, in order."""
     if isinstance(structure, torch.Tensor):
         return [structure]
     if isinstance(structure, (list, tuple)):
@@ -55,7 +41,6 @@ def flat_tensors(structure):
 
 
 def same_storage(a, b):
-    """Returns whether tensors `a` and `b` start at the same memory (one a view of the other)."""
     return (
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         and a.storage_offset() == b.storage_offset()
@@ -63,17 +48,7 @@ def same_storage(a, b):
 
 
 def to_device(structure, device):
-    """Moves every torch tensor of `structure` that is not on `device` there (non-blocking).
-
-    Numpy arrays (`train_on_batch` passes the target as given) become tensors
-    first, as Keras converts them: a block's local loss then never makes a
-    tensor from host data (which a CUDA Graph refuses) and a graph's input
-    signature is the array's shape, not its values.
-    Used once per step for the target and sample weight, and for block inputs
-    from a CPU `DataLoader` under the `"block_streams"` placement.
-
-    Example: `to_device({"y": y_cpu}, torch.device("cuda"))` -> `{"y": y on CUDA}`.
-    """
+    """Moves every tensor of `structure` to `device` (numpy arrays made tensors first, as Keras does)."""
     device = torch.device(device)
 
     def move(t):
@@ -87,7 +62,7 @@ def to_device(structure, device):
 
 
 def require_cuda(what):
-    """Raises a clear `ValueError` when `what` needs CUDA and torch has none."""
+    """Raises a `ValueError` naming `what` when torch has no CUDA."""
     if not torch.cuda.is_available():
         raise ValueError(
             f"keras_erase: {what} needs a CUDA device, but torch.cuda.is_available() is False; "
@@ -96,20 +71,7 @@ def require_cuda(what):
 
 
 def reached(fn, values):
-    """Answers `[[has path from output i to value j for j] for i]` for `fn(values)` on torch.
-
-    The torch side of `keras_erase.frozen_upstream.reached` (no backward runs).
-
-    `fn` runs once (eagerly, with gradients enabled) on fresh leaves standing
-    for `values`; the autograd graph of each output is walked back to the
-    leaves, and nothing is differentiated.
-
-    Example:
-
-    >>> import torch
-    >>> reached(lambda v: [(v[0] * v[1].detach()).sum()], [torch.ones(2), torch.ones(2)])
-    [[True, False]]
-    """
+    """`frozen_upstream.reached` on torch: one run of `fn` on fresh leaves, then a walk of each graph."""
     leaves = [torch.as_tensor(v).detach().requires_grad_(True) for v in values]
     index = {id(leaf): i for i, leaf in enumerate(leaves)}
     with torch.enable_grad():

@@ -1,19 +1,9 @@
-"""Torch CPU intra-op thread policy of the ERASE train step.
+"""torch CPU intra-op threads of the ERASE step: `EraseModel(intra_op_threads=...)`.
 
-`EraseModel(intra_op_threads=...)`:
-
-- `"auto"` (default): a schedule with the `"worker"` launcher on CPU
-  (`"threaded"`) runs the main thread (forward passes, main backward) and the
-  backward worker thread at `threads_for_worker()` threads each (half the
-  cores), so the two split the machine instead of oversubscribing it; other
-  schedules keep the current count.
-- an int: that count for the main thread in every torch schedule, and for the
-  worker thread.
-- `None`: never touches thread counts.
-
-OpenMP teams are per thread: the worker thread sets its own count, in its own
-thread (`keras_erase.torch.schedules.worker`). Whatever is changed on the
-main thread is restored when `fit` or `train_on_batch` returns.
+`"auto"`: on CPU a `"worker"` schedule runs the main and the worker thread
+at half the cores each, other schedules keep the count; an int: that count
+for both; `None`: never touched. The main thread's count is restored when
+`fit` or `train_on_batch` returns.
 """
 
 import contextlib
@@ -28,21 +18,16 @@ __all__ = [
 
 
 def threads_for_worker():
-    """Returns the intra-op threads of each thread of the threaded schedule: half the cores."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
 def set_intra_op_threads(n):
-    """Sets torch's intra-op thread count of the calling thread if `n` differs from it."""
     if n is not None and int(n) != torch.get_num_threads():
         torch.set_num_threads(int(n))
 
 
 def main_thread_count(schedule, policy, cuda):
-    """Returns the main thread's intra-op count for `schedule` under `policy` (`None`: leave it).
-
-    `schedule`: the step's `keras_erase.config.Schedule` (`None`: the standard step).
-    """
+    """The main thread's count for `schedule` (`None`: the standard step) under `policy`; `None`: leave it."""
     if policy is None:
         return None
     if policy == "auto":
@@ -52,7 +37,7 @@ def main_thread_count(schedule, policy, cuda):
 
 
 def worker_thread_count(policy, cuda):
-    """Returns the threaded worker's own intra-op count under `policy` (`None`: leave it)."""
+    """The worker's own count under `policy`; `None`: leave it."""
     if policy is None:
         return None
     if policy == "auto":
@@ -62,7 +47,6 @@ def worker_thread_count(policy, cuda):
 
 @contextlib.contextmanager
 def restored_intra_op_threads():
-    """Restores the calling thread's torch intra-op count on exit."""
     before = torch.get_num_threads()
     try:
         yield before

@@ -1,29 +1,11 @@
-"""The torch train step of `EraseModel`: schedule, early block backwards, distributed sync.
+"""The torch train step of `EraseModel`: its `Schedule`, early block backwards, distributed sync.
 
-One step (`train_step`):
-
-1. The schedule: the configured `dispatch`; with `"auto"` on a CPU the
-   standard step (nothing is measured), on CUDA the trial schedule handed out
-   by the model's `ScheduleSelector` (then its choice).
-2. The main thread's intra-op thread count for that schedule
-   (`keras_erase.torch.threads`).
-3. Under a multi-rank torch.distributed group: rank 0's weights are broadcast
-   at the start of training, and a `GradientSync` all-reduces each block's
-   gradients right after its backward and the rest after the main backward.
-4. `"standard"` without a process group: Keras's own torch `train_step`.
-   Otherwise `erase_step`: zero the gradients, forward with each
-   `DetachBlock` handed to the dispatcher (its forward, local loss and
-   backward, which ends at the block's input), the main loss, then the
-   dispatcher's `final_backward`: the main loss's backward down to the block
-   outputs first, then wait for the blocks and run one backward of the
-   shared upstream with the input gradients the `detach_input=False` blocks
-   handed over (`keras_erase.torch.handoff`), update. The dispatcher is
-   built from the step's `keras_erase.config.Schedule` at its first use
-   (`keras_erase.torch.schedules.make_dispatcher`).
-   It follows Keras 3.15.1's torch `train_step` (zero the gradients, forward,
-   `compute_loss`, loss tracker, backward, `optimizer.apply`,
-   `compute_metrics`); it has to own the step because the block backwards
-   start inside the forward pass and the main backward must wait for them.
+`erase_step` follows Keras's torch `train_step` (zero the gradients, forward,
+`compute_loss`, loss tracker, backward, `optimizer.apply`, `compute_metrics`)
+and owns it because the blocks' backwards start inside the forward: each
+block is handed to the dispatcher (`BlockRunner`), and the dispatcher's
+`final_backward` runs the main loss's backward, joins the blocks, then runs
+the shared upstream's one backward (`keras_erase.torch.handoff`).
 """
 
 import contextlib
@@ -67,12 +49,11 @@ LOGGER = logging.getLogger("keras_erase")
 
 
 def cuda_available():
-    """Returns whether torch sees a CUDA device."""
     return torch.cuda.is_available()
 
 
 class BlockRunner:
-    """The step handler installed for the `DetachBlock`s during one ERASE step."""
+    """The step handler (`keras_erase.step_protocol`) of one ERASE step: hands each block to the dispatcher."""
 
     def __init__(self, model, dispatcher, y, sample_weight, scale_loss):
         self.model = model
@@ -93,17 +74,15 @@ class BlockRunner:
 
 
 def auto_on_cpu(config):
-    """Returns whether `"auto"` runs the standard step without measuring (torch sees no CUDA)."""
+    """Whether `"auto"` is the standard step without measuring (torch sees no CUDA)."""
     return config.dispatch == "auto" and not cuda_available()
 
 
 def dispatch_choice(runtime):
-    """The schedule in use (`EraseModel.dispatch_choice` on torch); `None` while `"auto"` measures."""
     return "standard" if auto_on_cpu(runtime.config) else runtime.dispatch_choice
 
 
 def explanation(runtime):
-    """Says which schedule trains and why (`EraseModel.dispatch_explanation` on torch)."""
     if runtime.config.dispatch != "auto":
         return explain_fixed(runtime, cuda_available())
     if auto_on_cpu(runtime.config):
@@ -114,7 +93,6 @@ def explanation(runtime):
 
 
 def gradient_sync(runtime):
-    """Returns the `GradientSync` when a multi-rank torch.distributed group is initialized."""
     if not distributed.active():
         return None
     if runtime.grad_sync is None:
@@ -123,7 +101,7 @@ def gradient_sync(runtime):
 
 
 def next_schedule(runtime):
-    """Returns this step's `keras_erase.config.Schedule` (`None`: the standard step)."""
+    """This step's `Schedule` (`None`: the standard step); `"auto"` asks its selector."""
     config = runtime.config
     if config.dispatch != "auto":
         return config.schedule(cuda_available())
@@ -139,11 +117,7 @@ def next_schedule(runtime):
 
 
 def dispatcher_for(runtime, schedule, model):
-    """Returns the runtime's dispatcher for `schedule` (built at its first use), tracing as it does.
-
-    A block that does not own all its weights (`keras_erase.block_weights`) is
-    refused graphs from the first step.
-    """
+    """The runtime's dispatcher for `schedule`, built at first use (shared-weight blocks: no graphs)."""
     dispatcher = runtime.dispatchers.get(schedule)
     if dispatcher is None:
         config = runtime.config
@@ -166,10 +140,7 @@ def dispatcher_for(runtime, schedule, model):
 
 
 def train_step(model, runtime, data, standard_step):
-    """Runs one torch training step of `model` (see the module docstring).
-
-    `standard_step(data)` is Keras's own torch `train_step`.
-    """
+    """Runs one torch training step of `model`; `standard_step(data)` is Keras's own."""
     config = runtime.config
     if config.needs_cuda:  # checked here, not at construction: loading works anywhere
         fixed = config.schedule(cuda_available())
@@ -209,19 +180,10 @@ def train_step(model, runtime, data, standard_step):
 
 @contextlib.contextmanager
 def training_scope(runtime, whole_fit):
-    """Wraps one `fit` (`whole_fit=True`) or `train_on_batch` call of an `EraseModel` on torch.
+    """Wraps one `fit` (`whole_fit=True`) or `train_on_batch` call on torch.
 
-    The calling thread's intra-op thread count is restored on exit. For a whole
-    `fit`, rank 0's weights are broadcast at its first step (under a process
-    group) and every dispatcher is closed when it ends, so no worker thread
-    idles after training.
-
-    Example:
-
-    ```python
-    with training_scope(model._erase, whole_fit=True):
-        keras.Model.fit(model, x, y)
-    ```
+    Restores the thread count on exit; for a whole `fit`, broadcasts rank 0's
+    weights at its first step and closes every dispatcher at its end.
     """
     if whole_fit:
         runtime.needs_broadcast = True  # rank 0's weights at the start of training
@@ -244,7 +206,6 @@ def _warn_if_still_measuring(runtime):
 
 
 def close_dispatchers(runtime, keep=None):
-    """Closes every dispatcher (its worker thread ends) except `keep`'s; a later step reopens."""
     for schedule, dispatcher in list(runtime.dispatchers.items()):
         if schedule != keep:
             dispatcher.close()
@@ -255,12 +216,7 @@ def _log_choice(runtime):
 
 
 def erase_step(model, runtime, data, dispatcher, sync=None):
-    """Runs one ERASE step: zero grads, forward with early block backwards, main backward, update.
-
-    Without a dispatcher, the standard schedule (one backward). With a
-    `GradientSync`, each block's gradients are all-reduced right after its
-    backward, the rest after the final backward, all waited before the update.
-    """
+    """One ERASE step; without a dispatcher, one backward (the standard step under a process group)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if dispatcher is not None:  # targets on the weights' device once per step, not per block
         weights = model.trainable_weights

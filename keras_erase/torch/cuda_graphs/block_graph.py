@@ -1,16 +1,4 @@
-"""One block's captured graphs (`BlockGraph`) and the autograd node that replays them (`ReplayBlock`).
-
-`keras_erase.torch.cuda_graphs.runner` captures a block's forward + local loss
-and its backward once per input signature; from then on it replays them
-through `ReplayBlock`, one autograd node: the forward copies the step's
-tensors into the static inputs (a CPU tensor is moved to the device here,
-outside the graph) and replays the forward graph; the node's backward (run by
-`torch.autograd.backward` on whichever thread and stream the dispatcher uses)
-copies the incoming loss gradient in, replays the backward graph and returns
-copies of the gradients (never the static buffers, which autograd would adopt
-as `.grad` and the next replay would overwrite), so gradients accumulate into
-`.grad` as in eager mode.
-"""
+"""One block's captured graphs (`BlockGraph`) and the autograd node that replays them (`ReplayBlock`)."""
 
 import torch
 
@@ -22,7 +10,7 @@ __all__ = ["BlockGraph", "ReplayBlock", "input_signature", "trainable_params"]
 
 
 def input_signature(block, flat):
-    """The key of a block's graphs: the block and its flat inputs' shapes, dtypes, devices, grads."""
+    """The key of a block's graphs: the block and its flat inputs' shapes, dtypes, devices and grads."""
     return (id(block),) + tuple(
         (tuple(t.shape), t.dtype, t.device, bool(t.requires_grad)) if is_tensor(t) else repr(t)
         for t in flat
@@ -30,19 +18,13 @@ def input_signature(block, flat):
 
 
 def trainable_params(block):
-    """The block's distinct trainable torch parameters that require a gradient, in weight order.
-
-    The parameters themselves, also inside the block's mixed-precision scope
-    (where `v.value` is a new autocast copy at every read).
-    """
+    """The block's distinct trainable parameters that require a gradient (not autocast copies)."""
     values = [uncast_value(v) for v in block.trainable_weights]
     unique = {id(p): p for p in values if is_tensor(p) and p.requires_grad}
     return list(unique.values())
 
 
 class BlockGraph:
-    """The forward and backward graphs of one block for one input signature."""
-
     def __init__(self, block, static_inputs, params, forward, backward, grad_loss, grad_slots,
                  output_structure=None):
         self.block = block
@@ -56,14 +38,13 @@ class BlockGraph:
         self.grad_slots = grad_slots  # per static input: index into backward outputs or None
 
     def stale(self):
-        """Returns whether the block's trainable weights were re-created or (un)frozen since capture."""
+        """Whether the block's trainable weights were re-created or (un)frozen since capture."""
         current = trainable_params(self.block)
         return [id(p) for p in current] != [id(p) for p in self.params] or any(
             p.data_ptr() != ptr for p, ptr in zip(self.params, self.param_ptrs)
         )
 
     def release(self):
-        """Frees both graphs (and their memory pool) and the static tensors."""
         for capture in (self.forward, self.backward):
             if capture is not None:
                 capture.release()
@@ -79,7 +60,13 @@ class BlockGraph:
 
 
 class ReplayBlock(torch.autograd.Function):
-    """Forward: replay the forward graph. Backward: replay the backward graph."""
+    """One autograd node replaying a block's graphs.
+
+    Forward: copies the step's tensors into the static inputs, replays the
+    forward graph. Backward: copies the loss gradient in, replays the backward
+    graph and returns copies of the gradients (a static buffer returned would
+    become `.grad`, overwritten by the next replay).
+    """
 
     @staticmethod
     def forward(ctx, graph, runner, *tensors):

@@ -1,23 +1,9 @@
-"""Capture back-ends for CUDA Graphs: `CudaGraphCapture` (CUDA) and `RecordingCapture` (CPU).
+"""CUDA Graph captures: `CudaGraphCapture` (CUDA) and `RecordingCapture` (its CPU stand-in).
 
-A capture is a callable `capture(fn, pool=None, stream=None) -> Capture`: it
-runs `fn` once as a captured region on `stream` and returns a `Capture` whose
-`replay()` reruns it on the same static tensors (on the replaying thread's
-current stream) and whose `outputs` are the region's static outputs;
-`release()` frees it. It also makes capture streams (`new_stream()`: the
-runner gives each block its own) and runs a block's last eager warm-up step on
-one (`warmup_scope(stream, tensors)`), so per-stream lazy state (the cuBLAS
-workspace of that stream) is allocated there before the capture, outside any
-graph's memory pool; each block's graphs then bake their own stream's
-workspace, and blocks replayed concurrently on different streams never share one.
-
-`CudaGraphCapture` captures a `torch.cuda.CUDAGraph`
-(`capture_error_mode="thread_local"`, one capture at a time in the process);
-`RecordingCapture` is the CPU stand-in the tests and the GPU benchmark's dry
-run use (it records the region's aten ops with
-`keras_erase.torch.cuda_graphs.op_recording.OpTape` and replays them, and
-records which stream each capture and warm-up used). `set_default_capture`
-picks what a runner built without a capture uses.
+A capture `capture(fn, pool=None, stream=None) -> Capture` runs `fn` once as
+a captured region. `new_stream()` and `warmup_scope(stream, tensors)` let a
+block's last warm-up step run on its capture stream, so that stream's cuBLAS
+workspace exists before the capture, outside any graph's pool.
 
 Example:
 
@@ -48,11 +34,7 @@ __all__ = [
 
 
 class Capture:
-    """One captured region: `replay()` reruns it; `outputs` are its static output tensors.
-
-    `release()` frees it (a CUDA graph and its hold on the memory pool); the
-    capture is unusable afterwards.
-    """
+    """One captured region: `replay()` reruns it, `outputs` are its static outputs, `release()` frees it."""
 
     def __init__(self, replay, outputs, pool=None, ops=(), release=None):
         self.replay = replay
@@ -78,18 +60,11 @@ _CAPTURE_LOCK = threading.Lock()
 
 
 class CudaGraphCapture:
-    """Captures a region as a `torch.cuda.CUDAGraph` (the default capture on CUDA).
+    """Captures a region as a `torch.cuda.CUDAGraph` (the default on CUDA).
 
-    Captures are serialised by one lock per process (`_CAPTURE_LOCK`), shared
-    by every `CudaGraphCapture` object: two threads never capture at once.
-    The capture runs on a side stream (`stream`, the block's own capture
-    stream, or this object's default one) that first waits for the current
-    stream, with `capture_error_mode="thread_local"` (other threads may keep
-    launching work), and the caller's current stream is restored in a
-    `finally` whatever happens. Before `capture_begin` the stream's cuBLAS
-    handle and workspace are made (outside the graph's pool). `pool`: the
-    memory pool to capture into (`None`: a new private pool; the runner gives
-    each block's forward/backward pair one).
+    One capture at a time in the process (`_CAPTURE_LOCK`), on a side stream
+    that waits for the caller's, with `capture_error_mode="thread_local"`.
+    `pool`: the memory pool to capture into (`None`: a new private one).
     """
 
     def __init__(self):
@@ -97,17 +72,11 @@ class CudaGraphCapture:
         self.lock = _CAPTURE_LOCK  # one capture at a time in the process, whatever the object
 
     def new_stream(self):
-        """A new capture stream (the runner makes one per block)."""
         return torch.cuda.Stream()
 
     @contextlib.contextmanager
     def warmup_scope(self, stream, tensors=()):
-        """Runs the body (a block's last eager warm-up step) on `stream`; yields `to_caller(tensors)`.
-
-        `stream` waits for the caller's stream first, `tensors` (the step's
-        inputs) get `record_stream(stream)`; `to_caller` protects what the
-        body made for the caller's stream, which waits for `stream` at exit.
-        """
+        """Runs the body on `stream` after the caller's; yields `to_caller(made)` to protect its outputs."""
         caller = torch.cuda.current_stream()
         stream.wait_stream(caller)
         _record(tensors, stream)
@@ -154,15 +123,7 @@ class CudaGraphCapture:
 
 
 def end_pool_routing(graph):
-    """After a capture that raised: makes the caching allocator stop routing to `graph`'s pool.
-
-    torch before 2.12 (pytorch#180395) raises out of `capture_end` (and
-    `capture_begin`) before telling the allocator that the capture is over;
-    it then asserts in `empty_cache()` and at later synchronisations. Where
-    torch did end it, the allocator no longer knows the pool and the call is
-    a no-op. (The pool's memory itself stays reserved until the process ends
-    on torch without pytorch#190348.)
-    """
+    """After a failed capture, stops the allocator routing to `graph`'s pool (docs/development.md)."""
     try:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
     except Exception:  # noqa: BLE001 - nothing was left routed (or no CUDA): nothing to undo
@@ -170,7 +131,7 @@ def end_pool_routing(graph):
 
 
 def _make_stream_state():
-    """Makes the current stream's cuBLAS handle and workspace now (outside any graph's pool)."""
+    """Makes the current stream's cuBLAS handle and workspace now, outside any graph's pool."""
     if torch.cuda.is_available():
         torch.cuda.current_blas_handle()
 
@@ -182,13 +143,7 @@ def _record(tensors, stream):
 
 
 def _detached_records(records):
-    """The tape's records with every tensor detached (same memory, no autograd graph).
-
-    No recursive closure here: a closure that calls itself is a reference
-    cycle, which would keep the capture-time graph alive until the next
-    garbage collection (and the next replays would accumulate through its
-    AccumulateGrad nodes).
-    """
+    """The tape's records, tensors detached (no recursive closure: its cycle would keep the graph)."""
     aliases = {}  # id -> (tensor, its one alias)
 
     def alias(t):
@@ -202,7 +157,7 @@ def _detached_records(records):
 
 
 class CaptureStream:
-    """A capture stream of `RecordingCapture` (a name; CPU has no streams)."""
+    """A named stream token of `RecordingCapture` (CPU has no streams)."""
 
     def __init__(self, name):
         self.name = name
@@ -212,34 +167,12 @@ class CaptureStream:
 
 
 class RecordingCapture:
-    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops and replays them.
+    """CPU stand-in for `CudaGraphCapture`: records a region's aten ops, replays them on the same tensors.
 
-    Like a CUDA graph, the replay reruns the same ops on the same (static)
-    tensors: values read through Python at capture time stay frozen, new data
-    must be copied into the static inputs. The capture refuses the ops a CUDA
-    capture refuses (`CAPTURE_FORBIDDEN_OPS`) with `CaptureRefused`. It has to
-    execute the region once while recording, but then restores every tensor
-    that existed before and that the region wrote in place (batch-norm moving
-    statistics, seed states) and torch's CPU random generator, so like a CUDA
-    capture it leaves no side effect; a replay draws random numbers where the
-    eager step would (unseeded `Dropout` replays as eager, as on CUDA).
-    Its records hold detached tensors: nothing of the capture-time autograd
-    graph (the AccumulateGrad nodes of the weights included) outlives the
-    capture through it.
-
-    Args:
-        fail_after: make the capture number `fail_after` (1-based) raise
-            `CaptureRefused` (to test failure handling), `None` for never.
-
-    Attributes:
-        captured: the recorded op names of every capture, in order.
-        pools: the memory pool of every capture (a new one when none was given).
-        streams: the stream of every capture (`None` when none was given).
-        warmups: the stream of every `warmup_scope` (a block's last eager
-            warm-up step).
-        replays: how many replays ran.
-        released: how many captures were released (`Capture.release`).
-        live: how many captures are neither released nor garbage-collected.
+    As a CUDA capture it refuses what CUDA refuses (`CaptureRefused`) and leaves
+    no side effect. `fail_after`: capture number `fail_after` raises (tests).
+    `captured`, `pools`, `streams`, `warmups`, `replays`, `released`, `live`:
+    what it did.
     """
 
     def __init__(self, fail_after=None):
@@ -261,7 +194,6 @@ class RecordingCapture:
         self.released += 1
 
     def new_stream(self):
-        """A new capture stream (a named token)."""
         self._made_streams += 1
         return CaptureStream(f"capture-{self._made_streams}")
 
@@ -317,28 +249,19 @@ _CAPTURE_FACTORY = None
 
 
 def set_default_capture(factory):
-    """Sets what runners built without a capture use (`None`: `CudaGraphCapture`); returns the old one.
-
-    `set_default_capture(RecordingCapture)` lets `EraseModel(cuda_graphs=True)`
-    run its graph logic on a CPU machine (the tests and the GPU benchmark's
-    `--cpu-dry-run` do this); real runs never need it.
-    """
+    """Sets what runners built without a capture use (`None`: `CudaGraphCapture`); returns the old one."""
     global _CAPTURE_FACTORY
     previous, _CAPTURE_FACTORY = _CAPTURE_FACTORY, factory
     return previous
 
 
 def require_capture():
-    """Raises `require_cuda`'s clear error when graphs cannot be captured here.
-
-    Graphs need CUDA, unless a CPU stand-in was set with `set_default_capture`.
-    """
+    """Raises `require_cuda`'s error unless CUDA or a stand-in (`set_default_capture`) can capture."""
     if _CAPTURE_FACTORY is None:
         require_cuda("cuda_graphs=True")
 
 
 def default_capture():
-    """Returns the capture of a runner built without one: `CudaGraphCapture()` (needs CUDA)."""
     require_capture()
     if _CAPTURE_FACTORY is not None:
         return _CAPTURE_FACTORY()

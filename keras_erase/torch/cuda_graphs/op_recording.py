@@ -1,32 +1,9 @@
-"""Op recording for CUDA Graph capture: which aten ops a capture cannot hold, and a tape.
+"""What a CUDA Graph capture cannot hold, and the tapes that see it on CPU.
 
-`OpTape` is a `TorchDispatchMode` that records every aten op a region runs
-(`names`, and `(op, args, kwargs, outputs)` in `records`) and, with
-`refuse=True`, raises `CaptureRefused` at the first op a CUDA Graph capture
-refuses or silently freezes (`CAPTURE_FORBIDDEN_OPS`: tensors made from host
-data, host syncs, data-dependent shapes). It also remembers every pre-existing
-tensor the region writes in place, so `undo()` can restore it (a CUDA capture
-executes nothing). Used by `capture.RecordingCapture` (the CPU stand-in
-capture) and by the runner's checked warm-up step.
-
-Some host reads dispatch no aten op at all: on a CPU tensor `.cpu()`,
-`.numpy()`, `np.asarray(t)` (what `keras.ops.convert_to_numpy` does) and
-`.tolist()` just read memory, so a dispatch mode alone would let the stand-in
-"capture" a region that reads a value on the host and replay it as a stale
-constant, where a CUDA capture raises (the read is a device-to-host copy).
-`HostReads`, a `TorchFunctionMode` that `OpTape` enters with itself, sees
-those tensor methods (`HOST_READ_FUNCTIONS`): the stand-in treats Keras's
-device as the GPU and the CPU as the host.
-
-`SyncRecorder` counts, on the calling thread, the operations that imply a
-host-device synchronisation on CUDA (`SYNC_OPS`: host reads, tensors made from
-host data, data-dependent shapes) without refusing them: the tests count what
-a train step would sync on a GPU with it, on CPU.
-
-Example:
-
->>> forbidden_ops(["mm", "item", "lift_fresh", "Tensor.numpy"])
-['Tensor.numpy', 'item', 'lift_fresh']
+`OpTape` records a region's aten ops and refuses `CAPTURE_FORBIDDEN_OPS`
+(tensors from host data, host syncs, data-dependent shapes); `HostReads`
+sees the host reads that dispatch no aten op on CPU (`.cpu()`, `.numpy()`,
+`np.asarray(t)`, `.tolist()`); `SyncRecorder` counts what would sync on CUDA.
 """
 
 import torch
@@ -72,21 +49,20 @@ SYNC_OPS = CAPTURE_FORBIDDEN_OPS - {"scalar_tensor"}
 
 
 class CaptureRefused(RuntimeError):
-    """A region did something a CUDA Graph capture cannot hold (host data or a host sync)."""
+    """A region did something a CUDA Graph capture cannot hold."""
 
 
 def forbidden_ops(op_names):
-    """Returns the names among `op_names` (aten overload packets) that a capture refuses, sorted."""
     return sorted(set(op_names) & CAPTURE_FORBIDDEN_OPS)
 
 
 def describe_op(name):
-    """Names a recorded op for a message: `"aten.item"`, or a tensor method as is (`"Tensor.cpu"`)."""
+    """Names a recorded op for a message: `"aten.item"`, or a tensor method as is."""
     return name if name.startswith("Tensor.") else f"aten.{name}"
 
 
 def _op_name(func, args, kwargs):
-    """The recorded name of an aten op: its overload packet, `_to_copy_from_host` for a host copy."""
+    """An aten op's overload packet name; `_to_copy_from_host` for a host-to-device copy."""
     name = func.overloadpacket.__name__
     if name in ("_to_copy", "copy_"):
         source = args[1] if name == "copy_" else args[0]
@@ -97,7 +73,6 @@ def _op_name(func, args, kwargs):
 
 
 def _host_read(func, args, kwargs):
-    """Returns the `HOST_READ_FUNCTIONS` name of a torch function call, or `None`."""
     name = getattr(func, "__name__", None)
     if name in ("cpu", "numpy", "__array__", "tolist"):
         return f"Tensor.{name}"
@@ -105,20 +80,7 @@ def _host_read(func, args, kwargs):
 
 
 class HostReads(TorchFunctionMode):
-    """A TorchFunctionMode that records (or refuses) host reads no aten op shows on CPU.
-
-    Args:
-        refuse: raise `CaptureRefused` at the first one (`HOST_READ_FUNCTIONS`).
-
-    Example:
-
-    >>> import numpy as np
-    >>> reads = HostReads(refuse=False)
-    >>> with reads:
-    ...     _ = np.asarray(torch.ones(2))
-    >>> reads.names
-    ['Tensor.__array__']
-    """
+    """Records (or, with `refuse`, refuses) the host reads of `HOST_READ_FUNCTIONS`."""
 
     def __init__(self, refuse=True):
         super().__init__()
@@ -139,13 +101,7 @@ class HostReads(TorchFunctionMode):
 
 
 class OpTape(TorchDispatchMode):
-    """A TorchDispatchMode that records (op, args, kwargs, outputs) and refuses capture-breaking ops.
-
-    Args:
-        refuse: raise `CaptureRefused` at the first op of `CAPTURE_FORBIDDEN_OPS`
-            and remember the tensors the region overwrites (for `undo`);
-            `False` only records.
-    """
+    """Records a region's ops; `refuse`: refuses `CAPTURE_FORBIDDEN_OPS`, keeps overwrites for `undo()`."""
 
     def __init__(self, refuse=True):
         super().__init__()
@@ -198,7 +154,7 @@ class OpTape(TorchDispatchMode):
 
 
 def _written_args(func, args, kwargs):
-    """Returns the tensor arguments an aten op writes in place (its schema's mutable arguments)."""
+    """The tensor arguments an aten op writes in place (its schema's mutable arguments)."""
     written = []
     for index, argument in enumerate(func._schema.arguments):
         alias = argument.alias_info
@@ -211,16 +167,12 @@ def _written_args(func, args, kwargs):
 
 
 class _TapeHostReads(HostReads):
-    """The `HostReads` of an `OpTape`: its names go into the tape's, in order."""
-
     def __init__(self, tape):
         super().__init__(refuse=tape.refuse)
         self.names = tape.names
 
 
 class _SyncOps(TorchDispatchMode):
-    """Appends the name of every aten op of `SYNC_OPS` to `names`."""
-
     def __init__(self, names):
         super().__init__()
         self.names = names
@@ -236,21 +188,7 @@ class _SyncOps(TorchDispatchMode):
 
 
 class SyncRecorder:
-    """Counts, on the calling thread, the operations that would synchronise host and device on CUDA.
-
-    A context manager; `names` lists each one (`SYNC_OPS`: aten ops such as
-    `_local_scalar_dense` or `lift_fresh`, and the `HOST_READ_FUNCTIONS`), in
-    order, and `ops` counts every aten op seen. Nothing is refused. Modes are
-    per thread: enter one on every thread that runs the region (pass the same
-    `names` list to share the count).
-
-    Example:
-
-    >>> with SyncRecorder() as syncs:
-    ...     _ = torch.ones(2).sum().item() + torch.tensor(3.0)
-    >>> syncs.names
-    ['_local_scalar_dense', 'lift_fresh']
-    """
+    """Lists in `names` what would sync host and device on CUDA (`SYNC_OPS`); one per thread."""
 
     def __init__(self, names=None):
         self.names = [] if names is None else names

@@ -1,27 +1,6 @@
-"""CUDA Graphs for `DetachBlock`s: capture a block's forward + local loss and its backward once, replay them.
+"""`CudaGraphRunner`: captures each block's forward + local loss and its backward once, then replays them.
 
-A `CudaGraphRunner` sits in front of a dispatcher's eager block forward
-(`keras_erase.torch.schedules.base.Dispatcher.graphs`), so graphs work with
-every launcher and placement. Per block, input signature and occurrence in
-the step it runs `warmup` eager training steps (the last on the block's own
-capture stream, its aten ops checked against what a capture refuses:
-`op_recording`), captures the forward and the local loss's backward on static
-tensors (`capture`), then replays them through one autograd node
-(`block_graph`), so gradients accumulate into `.grad` as in eager mode.
-docs/erase.md ("Schedules: launcher, placement, graphs") says why and what a block needs.
-
-`close()` releases every graph and its memory pool (when the dispatcher
-closes: `"auto"` dropping a schedule, the end of `fit`, garbage collection).
-After any capture failure the runner logs it once and runs every block
-eagerly for the rest of the run; a block whose weights another autograd graph
-holds is refused graphs (`refused`) and trains eagerly.
-
-Example (CPU stand-in; on CUDA the default capture is `CudaGraphCapture`):
-
->>> from keras_erase.torch.cuda_graphs.capture import RecordingCapture
->>> runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
->>> runner.captures, runner.disabled
-(0, False)
+What a block needs for graphs: docs/erase.md, "Schedules".
 """
 
 import contextlib
@@ -57,23 +36,20 @@ def _flat(structure):
 
 
 def live_runners():
-    """Returns every `CudaGraphRunner` still alive (benchmarks read their counters)."""
+    """Every `CudaGraphRunner` still alive (benchmarks read their counters)."""
     return list(_RUNNERS)
 
 
 def untimed_steps(warmup):
-    """Counts the steps of one schedule that include graph warm-up or capture (never timed)."""
+    """The steps of one schedule that include graph warm-up or capture (never timed)."""
     return int(warmup) + 1
 
 
 def held_weights(block):
     """Paths of `block`'s trainable weights whose gradient accumulator another autograd graph holds.
 
-    A capture that reaches such a weight (its `AccumulateGrad` node alive,
-    made on another stream: the main path's, another block's, an earlier
-    call's still queued on the worker) makes that node's stream wait on an
-    event recorded inside the capture (torch 2.9+), which invalidates it.
-    Probed without side effects: a node made only for the probe dies with it.
+    A capture reaching one would wait on an event of another stream, which
+    invalidates it. Probed without side effects.
     """
     from torch.autograd.graph import get_gradient_edge
 
@@ -93,22 +69,11 @@ def held_weights(block):
 
 
 class CudaGraphRunner:
-    """Runs each block's forward + local loss through captured graphs (see the module docstring).
+    """Per block, signature and occurrence in the step: `warmup` eager steps, one capture, then replays.
 
-    Args:
-        capture: the capture function (`CudaGraphCapture()` by default, which
-            needs CUDA; `RecordingCapture()` on CPU for tests).
-        warmup: eager steps per block and signature before capturing.
-        backward_on_worker: the blocks' backwards run on a worker thread (a
-            block met twice in a step is then refused graphs).
-
-    Attributes:
-        captures: block graphs (forward + backward) captured.
-        replays: forward replays; `backward_replays`: backward replays.
-        failures: failed captures (after the first, graphs are off for the run).
-        disabled: whether graphs are off for the rest of the run.
-        refused: `{block name: reason}` of the blocks that run eagerly while
-            the others keep their graphs (`refuse`).
+    The last eager step is checked against what a capture refuses; replays go
+    through `ReplayBlock`. A failed capture turns graphs off for the run
+    (`disabled`); a block that cannot be graphed is `refused` (with the reason).
     """
 
     def __init__(self, capture=None, warmup=DEFAULT_WARMUP, backward_on_worker=False):
@@ -150,7 +115,7 @@ class CudaGraphRunner:
         self._graphs = {}
 
     def refuse(self, block, reason):
-        """Runs `block` eagerly from now on (logged once), naming why; the other blocks keep their graphs."""
+        """Runs `block` eagerly from now on (logged once with `reason`)."""
         if id(block) in self._refused_ids:
             return
         self._refused_ids.add(id(block))
@@ -163,7 +128,6 @@ class CudaGraphRunner:
             self._graphs.pop(key)  # dropped, not released: a queued backward may replay it
 
     def pools(self):
-        """The memory pools of the live graphs (one per block and signature; the GPU benchmark sizes them)."""
         return list({g.forward.pool for g in self._graphs.values() if g.forward is not None})
 
     def _release_graphs(self):
@@ -172,7 +136,7 @@ class CudaGraphRunner:
             graph.release()
 
     def capture_stream(self, block):
-        """The block's own capture stream (made at its first use; `None` if the capture makes none)."""
+        """The block's own capture stream, made at first use (`None` if the capture makes none)."""
         key = id(block)
         if key not in self._streams:
             new_stream = getattr(self._capture, "new_stream", None)
@@ -186,14 +150,13 @@ class CudaGraphRunner:
         return self._capture(fn, pool, stream=stream)
 
     def end_step(self):
-        """Marks the end of a training step (the next one meets every block anew)."""
         self._occurrences.clear()
 
     def forward(self, block, inputs, y_true, sample_weight, eager_forward):
-        """Runs `block`: returns `(outputs, local_loss)`, replayed from its graphs once captured.
+        """Runs `block` and returns `(outputs, local_loss)`, from its graphs once captured.
 
-        `eager_forward(block, inputs, y_true, sample_weight)` is the dispatcher's
-        eager forward (block, head, local objective); it is what gets captured.
+        `eager_forward(block, inputs, y_true, sample_weight)`: the dispatcher's
+        eager forward, which is what gets captured.
         """
         if self.disabled or id(block) in self._refused_ids:
             return eager_forward(block, inputs, y_true, sample_weight)
@@ -252,12 +215,7 @@ class CudaGraphRunner:
         return tree.pack_sequence_as(graph.output_structure, list(outputs)), loss
 
     def _checked_eager(self, block, inputs, y_true, sample_weight, eager_forward):
-        """Runs an eager forward that records its aten ops; refuses graphs a capture could not hold.
-
-        This turns a capture failure deep inside CUDA into a clear message before
-        any capture is attempted (e.g. a Keras regularizer or `activity_regularizer`
-        makes a tensor from a Python float in every call).
-        """
+        """An eager forward whose ops, if a capture could not hold them, turn graphs off."""
         tape = OpTape(refuse=False)
         stream = self.capture_stream(block)
         scope = getattr(self._capture, "warmup_scope", None)
@@ -337,12 +295,6 @@ class CudaGraphRunner:
         )
 
     def close(self):
-        """Releases every graph and its memory pool (a later step warms up and captures again).
-
-        Called when the dispatcher closes: a schedule `"auto"` dropped, the end of
-        `fit`. Graphs of a garbage-collected runner (its model deleted) are freed
-        with it.
-        """
         self._release_graphs()
         self._seen.clear()
         self._occurrences.clear()

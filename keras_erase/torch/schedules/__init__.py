@@ -1,21 +1,4 @@
-"""The ERASE dispatchers (torch): `make_dispatcher` builds the one a `Schedule` describes.
-
-A `keras_erase.config.Schedule` is three independent choices, and a
-`base.Dispatcher` is composed of the matching parts:
-
-- launcher (`launchers.py`): `"inline"` (the main thread, right after the
-  block's forward) or `"worker"` (one FIFO worker thread, `worker.py`);
-- placement (`placements.py`): `"default_stream"` or `"block_streams"` (CUDA:
-  the block's forward and backward on a stream of its own);
-- graphs: off, or each block captured and replayed
-  (`keras_erase.torch.cuda_graphs.runner.CudaGraphRunner` as `graphs`).
-
-`base.py` states what every dispatcher does for a step (`run_block`,
-`final_backward`, `finish`, `abort`, `close`). A worker error is re-raised by
-`finish()` on the main thread; the worker keeps serving, so the next step
-works and nothing hangs. Keras state (thread-local scopes) is never touched
-from the worker.
-"""
+"""The ERASE dispatchers: `make_dispatcher` builds the one a `keras_erase.config.Schedule` describes."""
 
 from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
 from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
@@ -30,21 +13,10 @@ def make_dispatcher(
     schedule, num_streams=None, worker_threads=None, streams=None, graph_capture=None,
     graph_warmup=None,
 ):
-    """Builds the dispatcher of `schedule` (a `keras_erase.config.Schedule`).
+    """Builds the `Dispatcher` of `schedule`; a graphed one gets a `CudaGraphRunner` as `graphs`.
 
-    `num_streams`: the block-stream cap (`None`: one per block).
-    `worker_threads`: intra-op threads of the worker thread. `streams`: the
-    stream API of the `"block_streams"` placement (`CudaStreams()` by default;
-    a fake in CPU tests). A graphed schedule's dispatcher gets a
-    `CudaGraphRunner` as `dispatcher.graphs`, capturing with `graph_capture`
-    (default: `keras_erase.torch.cuda_graphs.capture.default_capture()`) after
-    `graph_warmup` eager steps per block and input signature.
-
-    Example:
-
-    >>> from keras_erase.config import Schedule
-    >>> make_dispatcher(Schedule("worker", "default_stream")).name
-    'worker+default_stream'
+    `num_streams`: the block-stream cap; `worker_threads`: the worker's
+    intra-op threads; `streams`: the stream API of `"block_streams"`.
     """
     block_streams = schedule.placement == "block_streams"
     dispatcher = Dispatcher(

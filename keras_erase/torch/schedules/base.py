@@ -1,30 +1,12 @@
-"""`Dispatcher`: one ERASE schedule, a launcher x a placement (forward, early backward, hand-off, trace).
+"""`Dispatcher`: a `Schedule` at run time, a launcher x a placement.
 
-`EraseModel`'s torch train step hands each `DetachBlock` met in the forward
-pass to the step's dispatcher (built by `keras_erase.torch.schedules.make_dispatcher`
-from a `keras_erase.config.Schedule`):
-
-- `run_block(block, inputs, y_true, sample_weight, scale_loss)`: the block's
-  forward and local loss (through `graphs`, a CUDA Graph runner, when set)
-  on the placement's stream, then the backward of `scale_loss(local_loss)`
-  launched by the launcher; returns `(outputs, local_loss)` detached. That
-  backward ends at the block's input: a `detach_input=False` block's input
-  gradient is handed over (`keras_erase.torch.handoff`), so the shared
-  upstream runs one backward per step.
-- `final_backward(main_loss)`: the main loss's backward down to the block
-  outputs and the hand-off first (`main_backward`), overlapping block
-  backwards still running; then joins them and runs the upstream's backward.
-- `finish()` waits for the step's backwards and re-raises the first error;
-  `abort()` swallows it (the step already failed); `close()` ends the worker
-  and drops the block graphs (a later step reopens).
-
-Example:
-
-```python
-dispatcher = make_dispatcher(Schedule("worker", "default_stream"))
-outputs, loss = dispatcher.run_block(block, inputs, y, None, lambda v: v)
-dispatcher.final_backward(main_loss)   # main part, join, one upstream backward
-```
+Per step: `run_block(block, inputs, y_true, sample_weight, scale_loss)` runs
+the block's forward and local objective (through `graphs` when set) and has
+the launcher launch the backward of `scale_loss(objective)`, which ends at
+the block's input (`keras_erase.torch.handoff`); `final_backward(main_loss)`
+runs the main loss's backward, joins the blocks and runs the shared
+upstream once; `finish()` re-raises the first block error (the worker keeps
+serving); `abort()` swallows it; `close()` ends the worker and the graphs.
 """
 
 import threading
@@ -43,23 +25,14 @@ __all__ = ["Dispatcher", "forward_block"]
 
 
 def forward_block(block, inputs, y_true, sample_weight):
-    """Runs `block` eagerly; returns `(outputs, local objective)` (layer, head, local losses)."""
+    """Runs `block` eagerly; returns `(outputs, local objective)`."""
     outputs = block.forward_layer(inputs, training=True)
     loss = block.local_objective(y_true, outputs, sample_weight)
     return outputs, loss
 
 
 class Dispatcher:
-    """One schedule: `launcher` x `placement` (see the module docstring).
-
-    Args:
-        launcher: an `InlineLauncher` (default) or a `WorkerLauncher`.
-        placement: a `DefaultStream` (default) or a `BlockStreams`.
-
-    Set `trace` to a list to record events: dicts with `block`, `phase`
-    (`"forward"`, `"submit"` or `"backward"`), `start`, `end`
-    (`time.perf_counter()` seconds) and `thread` (thread id).
-    """
+    """One schedule: `launcher` x `placement`; `trace`: a list for events (`EraseModel.start_trace`)."""
 
     def __init__(self, launcher=None, placement=None):
         self.launcher = launcher if launcher is not None else InlineLauncher()
@@ -78,12 +51,10 @@ class Dispatcher:
 
     @property
     def name(self):
-        """`"<launcher>+<placement>"`, e.g. `"worker+block_streams"`."""
         return f"{self.launcher.name}+{self.placement.name}"
 
     @property
     def _worker(self):
-        """The `BackwardWorker` of a `"worker"` launcher (`None` inline)."""
         return self.launcher.worker
 
     def _record(self, block, phase, start, end=None):
@@ -99,7 +70,7 @@ class Dispatcher:
             )
 
     def _timed_forward(self, block, inputs, y_true, sample_weight):
-        """Runs the block's forward on its cut inputs (`handoff`); returns `(outputs, loss, cuts)`."""
+        """The block's forward on its cut inputs; returns `(outputs, loss, cuts)`."""
         start = time.perf_counter()
         cuts = []
         if not block.detach_input:
@@ -115,7 +86,7 @@ class Dispatcher:
         return outputs, loss, cuts
 
     def _timed_backward(self, block, loss, cuts=()):
-        """The block's backward (on the launcher's thread, in the placement's backward scope)."""
+        """The block's backward, on the launcher's thread in the placement's backward scope."""
         start = time.perf_counter()
         # The block's graph ends at its (cut) inputs: nothing outside the block runs.
         with torch.profiler.record_function(f"{block.name}/backward"):
@@ -127,11 +98,9 @@ class Dispatcher:
             self.after_backward(block)
 
     def _hand_over(self, cuts):
-        """Delivers the block's input gradients to the hand-off (after its backward)."""
         self.handoff.deliver(cuts)
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
-        """Forward + local loss on the block's stream, then launches its backward; returns both detached."""
         placement = self.placement
         inputs, y_true, sample_weight = placement.enter(block, (inputs, y_true, sample_weight))
         with placement.forward_scope(block):
@@ -155,7 +124,6 @@ class Dispatcher:
         return job
 
     def finish(self):
-        """Waits for every block backward of the step (re-raising the first error); ends the step."""
         try:
             self.launcher.wait()  # every backward launched before the streams are joined
             self.placement.join()
@@ -164,16 +132,10 @@ class Dispatcher:
                 self.graphs.end_step()
 
     def final_backward(self, loss, early_main=True):
-        """Ends the step's backward: runs the main `loss` (or `None`) and the handed-over gradients.
+        """The main `loss` (or `None`), the join, then the handed-over gradients.
 
-        Without a hand-off (every block detaches its input) the main backward
-        runs first, overlapping the blocks still running, then `finish()`.
-        Otherwise, with `early_main`, the main loss's backward down to the
-        block outputs and the upstream tensors runs first
-        (`main_backward.main_backward_to_handoff`), then `finish()` and one
-        backward of the upstream tensors with their summed gradients; without
-        it (or when the main loss's graph does not allow it), `finish()` first,
-        then one backward of the loss and the upstream tensors.
+        With `early_main` the main loss's part runs before the join where its
+        graph allows (`main_backward_to_handoff`).
         """
         runs = loss is not None and loss.requires_grad
         if not self.handoff.pending:
@@ -198,7 +160,6 @@ class Dispatcher:
         self.handoff.clear()
 
     def close(self):
-        """Releases the dispatcher's resources: its worker thread and block graphs (a later step reopens)."""
         self.launcher.close()
         self.placement.close()
         if self.graphs is not None:

@@ -1,26 +1,6 @@
-"""Who launches a block's backward: `InlineLauncher` (main thread) or `WorkerLauncher` (a worker).
+"""Who launches a block's backward: `InlineLauncher` (the main thread) or `WorkerLauncher` (a worker).
 
-A launcher takes the block's backward as a job (a closure that enters the
-block's stream and runs `torch.autograd.backward`) right after the block's
-forward pass:
-
-- `InlineLauncher` (`launcher="inline"`): runs it at once on the main thread.
-  On CUDA, `torch.autograd.backward` returns only when autograd's device
-  thread has launched every backward kernel, so the next block's forward is
-  enqueued after this block's whole backward.
-- `WorkerLauncher` (`launcher="worker"`): submits it to one FIFO
-  `BackwardWorker` thread and returns; the main thread goes on with the next
-  forward pass while the worker launches the backward (in submission order).
-
-`wait()` blocks until every job of the step ran (re-raising the first error);
-`close()` ends the worker thread.
-
-Example:
-
->>> launcher = InlineLauncher()
->>> ran = []
->>> launcher.launch(lambda: ran.append(1)); launcher.wait(); ran
-[1]
+With the worker the main thread goes on with the next forward at once.
 """
 
 from keras_erase.torch.schedules.worker import BackwardWorker
@@ -29,8 +9,6 @@ __all__ = ["InlineLauncher", "WorkerLauncher", "make_launcher"]
 
 
 class InlineLauncher:
-    """Runs each backward job at once, on the calling (main) thread."""
-
     name = "inline"
     worker = None
 
@@ -38,18 +16,14 @@ class InlineLauncher:
         job()
 
     def wait(self):
-        """Nothing to wait for: every job already ran."""
+        pass
 
     def close(self):
-        """Nothing to release."""
+        pass
 
 
 class WorkerLauncher:
-    """Submits each backward job to one FIFO `BackwardWorker` thread.
-
-    Args:
-        threads: torch intra-op threads of the worker thread (`None`: left alone).
-    """
+    """Submits each backward job to one `BackwardWorker` (`threads`: its intra-op threads)."""
 
     name = "worker"
 
@@ -67,7 +41,6 @@ class WorkerLauncher:
 
 
 def make_launcher(name, threads=None):
-    """Builds the launcher `name` names (`"inline"` or `"worker"`)."""
     if name == "inline":
         return InlineLauncher()
     if name == "worker":

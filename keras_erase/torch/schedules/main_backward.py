@@ -1,28 +1,8 @@
-"""The main loss's backward down to the hand-off, run before the blocks are joined.
+"""The main loss's backward down to the hand-off, run while block backwards may still run.
 
-With `detach_input=False` blocks, the step ends with one backward of the main
-loss and of the shared upstream with the blocks' handed-over input gradients
-(`keras_erase.torch.handoff`). Only the upstream part needs those gradients:
-the main loss's own part (the top layers, down to the detached block outputs
-and to the upstream tensors the blocks were cut from) does not. So
-`main_backward_to_handoff` runs that part first, while block backwards may
-still run on the worker or on their streams, and returns the main loss's
-gradient at each upstream tensor it reaches; the caller then joins the blocks
-and runs the upstream once with the sums.
-
-It reads the main loss's autograd graph (a walk of its nodes, stopping at the
-upstream tensors' edges and at leaves):
-
-- a leaf it reaches directly (not through an upstream tensor) is also behind
-  an upstream tensor, or an upstream tensor is behind another: it returns
-  `None` and the caller runs one backward of everything after the join (the
-  exact fallback: otherwise a gradient would count twice, or the upstream
-  would run twice);
-- the main loss reaches no upstream tensor (the CTR example: the top MLP reads
-  only tower outputs): `loss.backward()`, nothing handed over;
-- it reaches some: `torch.autograd.backward(loss, inputs=...)` over the leaves
-  it reaches directly and those upstream tensors (their gradient is captured,
-  the upstream does not run).
+Where the main loss reaches a leaf both directly and behind an upstream
+tensor (or an upstream tensor behind another), it runs nothing and the
+caller runs one backward after the join, so no gradient counts twice.
 
 Example:
 
@@ -42,12 +22,7 @@ __all__ = ["main_backward_to_handoff"]
 
 
 def _walk(roots, stops):
-    """Walks the graph from `roots`; returns `(stops reached, leaves reached)` (dicts by id).
-
-    `seen` holds the nodes, not only their ids: a node's Python object dies
-    with its last reference on torch 2.11 (2.13 keeps it), and a new one
-    could take its id.
-    """
+    """Walks the graph from `roots` to `stops` and leaves; `seen` keeps nodes alive so ids stay unique."""
     reached, leaves, seen, stack = {}, {}, {}, list(roots)
     while stack:
         node = stack.pop()
@@ -70,11 +45,7 @@ def _walk(roots, stops):
 
 
 def main_backward_to_handoff(loss, sources):
-    """Runs `loss`'s backward down to the upstream tensors `sources` (see the module docstring).
-
-    Returns `[(source, gradient of loss at it)]` for the sources it reaches,
-    or `None` when it ran nothing (the caller's one backward after the join).
-    """
+    """Runs `loss`'s backward down to `sources`; `[(source, its gradient)]`, or `None`: it ran nothing."""
     if any(s.grad_fn is None for s in sources):
         return None
     nodes = [s.grad_fn for s in sources]  # alive while their ids are keys

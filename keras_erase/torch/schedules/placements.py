@@ -1,39 +1,14 @@
-"""Where a block's forward and backward run: `DefaultStream` or `BlockStreams` (one CUDA stream per block).
+"""Where a block's forward and backward run: `DefaultStream` or `BlockStreams` (a CUDA stream per block).
 
-A placement is asked, for each block of a step, in this order (main thread
-unless said):
-
-1. `enter(block, tensors)`: returns the block's inputs, target and sample
-   weight ready for the block's stream (moved to the device; the stream waits
-   for the main stream; `record_stream` for the block's stream).
-2. `forward_scope(block)`: the context the forward pass and local loss run in
-   (the block's stream); `forward_done(block)` then records the forward's
-   event on it.
-3. `to_main(tensors, ready)`: the main stream waits for that event (not the
-   backward) before later layers read the block's outputs and loss, which are
-   protected for the main stream.
-4. `backward_scope(block, ready)` (on the thread that launches the backward:
-   the main thread or the worker): the block's stream, waiting on the
-   forward's event, is that thread's current stream while
-   `torch.autograd.backward` runs (current streams are per thread).
-5. `protect_gradients(block, cuts)` (same thread, after the backward): every
-   tensor the main stream uses next, the block's parameter `.grad`s and the
-   handed-over input gradients, gets `record_stream(main)`, so the caching
-   allocator never reuses their memory while the main stream reads them
-   (rather than relying on every allocation happening after a `wait_stream`).
-6. `join()` (main thread, after the launcher drained): the main stream waits
-   for every block stream used in the step.
-
-`DefaultStream` runs everything on the stream current at the block's forward
-(on CUDA a worker thread enters that stream too, so it never launches onto
-another). The stream API is pluggable (`api=`): `CudaStreams` on CUDA; CPU
-tests pass a fake that records the waits, events and `record_stream` calls.
-
-Example (CUDA):
-
-```python
-placement = BlockStreams(CudaStreams(), num_streams=None)   # one stream per block
-```
+Per block, in order: `enter` (inputs on the device, the block's stream waits
+for the main one), `forward_scope`, `forward_done` (the forward's event),
+`to_main` (the main stream waits for the forward only), `backward_scope` (on
+the launching thread, whose current stream it sets: streams are per thread),
+`protect_gradients` (`record_stream(main)` on the `.grad`s and handed-over
+gradients, so the allocator never reuses them while the main stream reads);
+`join()` after the launcher drained. `DefaultStream` has a worker launch onto
+the forward's stream too. The stream API is pluggable (`api=`;
+`set_default_streams` for the CPU tests' fake).
 """
 
 import contextlib
@@ -54,19 +29,14 @@ _STREAMS_FACTORY = None
 
 
 def set_default_streams(factory):
-    """Sets the stream API `"block_streams"` uses when none is given (`None`: `CudaStreams`); returns the old one.
-
-    `set_default_streams(FakeStreams)` lets `EraseModel(dispatch="streams")`
-    run its stream logic on a CPU machine (the tests do this, with a stand-in
-    that checks the stream ordering); real runs never need it.
-    """
+    """Sets the stream API of `"block_streams"` (`None`: `CudaStreams`); returns the old one."""
     global _STREAMS_FACTORY
     previous, _STREAMS_FACTORY = _STREAMS_FACTORY, factory
     return previous
 
 
 def require_streams(what):
-    """Raises `require_cuda`'s clear error when `what` needs CUDA streams and none can be made here."""
+    """Raises `require_cuda`'s error unless CUDA or a stand-in (`set_default_streams`) gives streams."""
     if _STREAMS_FACTORY is None:
         require_cuda(what)
 
@@ -76,8 +46,6 @@ def _default_streams():
 
 
 class CudaStreams:
-    """The `torch.cuda` stream calls a placement makes (replaced by a fake in CPU tests)."""
-
     def __init__(self):
         require_cuda("placement='block_streams'")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -95,13 +63,11 @@ class CudaStreams:
         return torch.cuda.Event()
 
     def record_stream(self, tensor, stream):
-        """`tensor.record_stream(stream)` for a CUDA tensor (a CPU tensor has no stream)."""
         if tensor.is_cuda:
             tensor.record_stream(stream)
 
 
 def protect(tensors, stream, api=None):
-    """Calls `record_stream(stream)` on each CUDA tensor (CPU tensors have no stream; skipped)."""
     record = getattr(api, "record_stream", None)
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -119,12 +85,7 @@ def _gradients(block, cuts):
 
 
 class DefaultStream:
-    """Every block on the stream current at its forward (the default placement).
-
-    Args:
-        api: the stream API (`CudaStreams()` when CUDA is available, else
-            `None`: no streams, every scope a no-op).
-    """
+    """Every block on the stream current at its forward; `api`: `None` makes every scope a no-op."""
 
     name = "default_stream"
     one_stream = True  # every block backward runs in order on one stream
@@ -145,7 +106,7 @@ class DefaultStream:
         return None
 
     def to_main(self, tensors, ready):
-        """Nothing crosses streams."""
+        pass
 
     @contextlib.contextmanager
     def backward_scope(self, block, ready):
@@ -157,23 +118,17 @@ class DefaultStream:
             yield
 
     def protect_gradients(self, block, cuts):
-        """Nothing crosses streams."""
+        pass
 
     def join(self):
-        """Nothing to join."""
+        pass
 
     def close(self):
         self._forward_stream = {}
 
 
 class BlockStreams:
-    """Each block's forward and backward on its own CUDA stream (see the module docstring).
-
-    Args:
-        api: the stream API (`CudaStreams()` on CUDA; a fake in CPU tests).
-        num_streams: `None` (default): one stream per block; an int caps the
-            streams (blocks then share them round robin, in order of first use).
-    """
+    """Each block on its own CUDA stream; `num_streams` caps them (shared round robin)."""
 
     name = "block_streams"
     one_stream = False  # one stream per block: the hand-off sums on the main stream
@@ -191,7 +146,6 @@ class BlockStreams:
         self.main = None
 
     def stream_for(self, block):
-        """The stream of `block` (a new one at its first use, until `num_streams` exist)."""
         key = id(block)
         stream = self._block_stream.get(key)
         if stream is None:
@@ -247,7 +201,6 @@ class BlockStreams:
 
 
 def make_placement(name, num_streams=None, api=None):
-    """Builds the placement `name` names (`"default_stream"` or `"block_streams"`)."""
     if name == "default_stream":
         if api is None and torch.cuda.is_available():
             api = CudaStreams()

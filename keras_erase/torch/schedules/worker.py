@@ -1,24 +1,4 @@
-"""`BackwardWorker`: the FIFO worker thread that launches block backward passes.
-
-Used by the `"worker"` launcher (`keras_erase.torch.schedules.launchers`).
-Lifecycle:
-
-- One daemon thread (named `"keras_erase-backward"`) runs submitted closures in
-  submission order; an error is kept and re-raised by `wait()` in the caller's
-  thread, and the rest of that step's jobs are skipped.
-- The thread holds no reference to its `BackwardWorker` (nor to the last job it
-  ran): when the worker is garbage-collected (its model deleted), a
-  `weakref.finalize` hook tells the thread to exit. `stop()` ends it at once
-  (`EraseModel.fit` stops it when training ends); the next `submit` starts a
-  new one.
-- Intra-op threads: OpenMP teams are per thread. A thread's torch intra-op
-  count is its own (`torch.set_num_threads` sets the calling thread's OpenMP
-  team size); a new thread takes the last count any thread set when it first
-  runs a parallel op, and keeps it afterwards (with the main thread at 1
-  thread, a worker's first op, then the main thread at 2, the worker stays at
-  1). So the worker sets its own count, `threads`, itself, in its own thread,
-  before every job (a no-op when unchanged).
-"""
+"""`BackwardWorker`: the FIFO worker thread that launches block backward passes."""
 
 import queue
 import threading
@@ -32,7 +12,7 @@ NAME = "keras_erase-backward"
 
 
 def _serve(jobs, errors, settings):
-    """Runs the worker thread's loop (a function: the thread must not keep the worker alive)."""
+    """The worker thread's loop (a function, so the thread never keeps its worker alive)."""
     while True:
         job = jobs.get()
         try:
@@ -58,21 +38,11 @@ def _stop_thread(jobs, thread, join):
 
 
 class BackwardWorker:
-    """A FIFO worker thread for block backward passes (see the module docstring).
+    """One daemon thread running jobs in order; `wait()` re-raises an error, which skips the step's rest.
 
-    Args:
-        threads: torch intra-op threads the worker thread uses (set in that
-            thread); `None` leaves its count alone.
-        name: the thread's name.
-
-    Example:
-
-    ```python
-    worker = BackwardWorker(threads=1)
-    worker.submit(lambda: loss.backward())
-    worker.wait()   # re-raises an error of the job
-    worker.stop()
-    ```
+    The thread ends with `stop()` or when the worker is garbage-collected; the
+    next `submit` starts another. `threads`: its intra-op count, set in the
+    thread itself before every job (OpenMP teams are per thread).
     """
 
     def __init__(self, threads=None, name=NAME):
@@ -94,7 +64,6 @@ class BackwardWorker:
 
     @property
     def alive(self):
-        """Whether the worker thread is running."""
         return self._thread is not None and self._thread.is_alive()
 
     def _ensure_alive(self):
@@ -111,7 +80,6 @@ class BackwardWorker:
                 self._finalizer = weakref.finalize(self, _stop_thread, self._jobs, thread, False)
 
     def submit(self, job):
-        """Queues `job()` for the worker thread (started if needed)."""
         self._ensure_alive()
         self._jobs.put(job)
 
@@ -126,7 +94,6 @@ class BackwardWorker:
             raise errors[0]
 
     def stop(self):
-        """Ends the worker thread (after the jobs already queued)."""
         with self._lock:
             if self._finalizer is not None:
                 self._finalizer.detach()
