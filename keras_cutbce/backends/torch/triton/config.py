@@ -1,17 +1,8 @@
-"""The static tile table of the Triton kernels: one configuration per (arch, D, dtype).
+"""The static tile table of the Triton kernels (no autotuning): one configuration per (arch, D, dtype).
 
-No autotuning: a configuration is chosen from this table by the padded
-feature width `BLOCK_D` (the next power of two >= D, at least 16), the
-operand dtype and the GPU generation (sm_90 and later, or before: what
-the kernels were compiled for without a GPU: `benchmarks/cutbce_triton.py
---deviceless` prints registers, spills and shared memory of each entry for
-sm_80 and sm_90; the GPU check's sweep is what retunes it). The rule: keep a
-`[BLOCK_M, BLOCK_N]` fp32 logits tile and the `[BLOCK, BLOCK_D]` fp32
-gradient accumulator in registers without spills, so the tiles shrink as
-`BLOCK_D` grows.
-
-The interpreter (CPU tensors) runs small tiles instead (`INTERPRET`), so
-odd test shapes cover several row blocks, vocabulary tiles and splits.
+The rule: the fp32 logits tile and gradient accumulator stay in registers
+without spills (`benchmarks/cutbce_triton.py --deviceless`); the
+interpreter runs small tiles (`INTERPRET`) so test shapes span several.
 """
 
 import contextlib
@@ -26,12 +17,7 @@ __all__ = [
 
 
 class KernelConfig(NamedTuple):
-    """The launch settings of the two kernels for one (D, dtype).
-
-    Attributes:
-        rows_block: `(BLOCK_M, BLOCK_N, num_warps, num_stages)` of `rows_kernel`.
-        columns_block: the same for `columns_kernel`.
-    """
+    """`(BLOCK_M, BLOCK_N, num_warps, num_stages)` of `rows_kernel` and of `columns_kernel`."""
 
     rows_block: tuple
     columns_block: tuple
@@ -90,14 +76,7 @@ _OVERRIDE = []
 
 @contextlib.contextmanager
 def overridden(settings):
-    """Runs the kernels with `settings` (a `KernelConfig`) inside the block: the GPU check's sweep.
-
-    Example:
-
-    >>> with overridden(INTERPRET):
-    ...     choose(64, torch.float32, interpret=False) == INTERPRET
-    True
-    """
+    """Runs the kernels with `settings` (a `KernelConfig`) inside the block: the GPU check's sweep."""
     _OVERRIDE.append(KernelConfig(*settings))
     try:
         yield
@@ -106,9 +85,7 @@ def overridden(settings):
 
 
 def block_dim(dim):
-    """Returns `BLOCK_D`: the next power of two >= `dim`, at least 16 (`tl.dot`'s minimum).
-
-    Example:
+    """`BLOCK_D`: the next power of two >= `dim`, at least 16 (`tl.dot`'s minimum).
 
     >>> block_dim(5), block_dim(64), block_dim(65)
     (16, 64, 128)
@@ -120,13 +97,7 @@ MAX_BLOCK_D = 256
 
 
 def supports(dim, dtype=torch.bfloat16, precision="tf32"):
-    """Returns True when the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`.
-
-    Example:
-
-    >>> supports(256), supports(257), supports(256, torch.float32, "ieee")
-    (True, False, False)
-    """
+    """Whether the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`."""
     limit = MAX_BLOCK_D
     if dtype == torch.float32 and precision == "ieee":
         limit = _FULL_FP32_MAX_BLOCK_D
@@ -134,14 +105,8 @@ def supports(dim, dtype=torch.bfloat16, precision="tf32"):
 
 
 def choose(dim, dtype, interpret, arch=90, precision="tf32"):
-    """Returns the `KernelConfig` for feature width `dim`, operand `dtype`, compute capability `arch`.
+    """The `KernelConfig` of width `dim`, operand `dtype`, compute capability `arch`, fp32 `precision`.
 
-    `precision` is the `tl.dot` precision of fp32 operands (`"ieee"` or `"tf32"`).
-
-    Example:
-
-    >>> choose(64, torch.bfloat16, interpret=False).rows_block
-    (128, 64, 8, 2)
     >>> choose(64, torch.bfloat16, interpret=False, arch=80).rows_block
     (64, 32, 4, 2)
     """
@@ -160,13 +125,7 @@ def choose(dim, dtype, interpret, arch=90, precision="tf32"):
 
 
 def device_arch(device):
-    """Returns the compute capability of a CUDA `device` as an int (90 for 9.0); 90 elsewhere.
-
-    Example:
-
-    >>> device_arch(torch.device("cpu"))
-    90
-    """
+    """The compute capability of a CUDA `device` as an int (90 for 9.0); 90 elsewhere."""
     if device.type != "cuda":
         return 90
     major, minor = torch.cuda.get_device_capability(device)
@@ -174,13 +133,7 @@ def device_arch(device):
 
 
 def num_splits(num_rows, num_tiles, block_rows, device):
-    """Returns how many vocabulary splits `rows_kernel` runs, so the grid fills the GPU.
-
-    Example:
-
-    >>> num_splits(37, 10, 16, torch.device("cpu"))
-    2
-    """
+    """How many vocabulary splits `rows_kernel` runs, so the grid fills the GPU (2 programs an SM)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:

@@ -1,11 +1,7 @@
 """The fused Triton kernels: the `[BLOCK_M, BLOCK_N]` logits `h . E_v + b_v` live only in registers.
 
-`FAMILY` is the loss family, compiled in: `"bce"` (each row's positives
-and the columns past `V` at `-inf`, then `softplus` and `sigmoid` from one
-`exp(-|z|)`) or `"softmax"` (no positives masked: a running `(max, sum
-exp(z - max))` per row, the slopes `exp(z - lse)`). The design and the
-precision rules (split products, fp16 rescaling, the interpreter's fp32
-products): docs/cutbce.md, "CutBCE on CUDA".
+`FAMILY` (compiled in): `"bce"` masks each row's positives to `-inf`; `"softmax"` keeps a running
+`(max, sum exp(z - max))` per row. Design and precision rules: docs/cutbce.md, "CutBCE on CUDA".
 """
 
 import triton
@@ -29,7 +25,7 @@ def _power_of_two(exponent_bits):
 
 @triton.jit
 def _rescaled(largest, acc, scale):
-    """`(acc, scale, factor)`: an fp16 accumulator's rows at the scale bringing the largest slope into [1, 2)."""
+    """`(acc, scale, factor)`: fp16 accumulator rows at the scale taking the largest slope into [1, 2)."""
     exponent = largest.to(tl.int32, bitcast=True) >> 23
     new = tl.minimum(scale, tl.minimum(tl.maximum(254 - exponent, 1), 253))
     acc = acc * (_power_of_two(new) * _power_of_two(254 - scale))[:, None]
@@ -82,7 +78,7 @@ def _logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok, 
 
 @triton.jit
 def _softplus_sigmoid(z, INTERPRET: tl.constexpr):
-    """`(softplus(z), sigmoid(z))` from one `exp(-|z|)`, both 0 at `-inf`; `log1p` without libdevice when interpreted."""
+    """`(softplus(z), sigmoid(z))` from one `exp(-|z|)`, both 0 at `-inf` (interpreted: no libdevice)."""
     e = tl.exp(-tl.abs(z))
     u = 1.0 + e
     r = 1.0 / u
@@ -102,12 +98,8 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_p
                 SPLIT_DOT: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, FAMILY: tl.constexpr = "bce"):
-    """Per row block x vocabulary split, the partial row sums and `grad_h` `[splits, M, D]`.
-
-    BCE: `sum_v softplus(z)` `[splits, M]` and `sum_v sigmoid(z) E_v`.
-    Softmax (`LOSS` always): `(max, sum exp(z - max))` `[2, splits, M]`
-    and `sum_v exp(z - max) E_v`, rescaled as the running max grows.
-    """
+    """Per row block x split: BCE's `sum_v softplus(z)` `[S, M]` and `sum_v sigmoid(z) E_v` `[S, M, D]`;
+    softmax's (`LOSS` always) `(sum exp(z - max), max)` `[2, S, M]` and `sum_v exp(z - max) E_v`."""
     block, split = tl.program_id(0), tl.program_id(1)
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows

@@ -1,12 +1,8 @@
-"""The registry's `"triton"` entries: the torch loss passes with the fused kernels' `dense_pass`.
+"""The registry's `"triton"` entries: the torch loss passes (`kernel`, `chunked`) with the kernels' `dense_pass`.
 
-`dense_pass` has the signature of `kernel.dense_pass`, so the torch passes
-(`kernel.row_losses`, the sparse part, the autograd Functions of `chunked`)
-run unchanged around it: the loss and the hidden gradient from
-`rows_kernel` (row blocks x vocabulary splits, the splits summed here in
-order: deterministic), the table and bias gradients from `columns_kernel`.
-CUDA tensors run compiled; CPU tensors in the Triton interpreter
-(`TRITON_INTERPRET=1` before Triton is imported).
+The rows kernel gives the loss and hidden gradient (its vocabulary splits
+summed here in order: deterministic), the columns kernel the table and
+bias gradients. CPU tensors run in the interpreter (`TRITON_INTERPRET=1`).
 """
 
 import functools
@@ -101,7 +97,7 @@ def kernels(device):
 
 
 def triton_precision():
-    """fp32 operands' `tl.dot` precision: `"ieee"` under torch's `"highest"` fp32 matmul precision, else `"tf32"`."""
+    """fp32 operands' `tl.dot` precision: `"ieee"` under torch's `"highest"` matmul precision, else `"tf32"`."""
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
@@ -120,15 +116,14 @@ def operand_dtype(hidden):
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
                family, stats=None, operands=torch.float32):
-    """`kernel.dense_pass` computed by the kernels (`tiles` gives `V` only); `operands`: the products' dtype.
+    """`kernel.dense_pass` by the kernels (`tiles` gives `V` only; `operands`: the products' dtype).
 
-    For `Softmax` (run as `_FusedSoftmax`: no first pass in the loop) the
-    rows kernel computes the rows' `(max, sum exp)` with the hidden
-    gradient, and the columns kernel takes the merged `lse`.
+    Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass.
     """
     softmax = isinstance(family, Softmax)
     if not (softmax or isinstance(family, BCE)) or stats is not None:
-        raise NotImplementedError(f"The Triton kernels compute BCE and one-pass softmax. Received: {family!r}")
+        raise NotImplementedError(
+            f"The Triton kernels compute BCE and one-pass softmax. Received: family={family!r}")
     module = kernels(h.device)
     interpret = interpreting()
     num_rows, dim = h.shape
