@@ -337,6 +337,35 @@ def test_softmax_spec_rows_through_the_identity_table(label_smoothing):
         np.testing.assert_allclose(as_numpy(z.grad[row]), want_slopes, rtol=0, atol=tolerance)
 
 
+def test_softmax_items_with_a_bias_of_minus_inf_drop_out(rng):
+    """The kernels' part: items at `-inf` (a whole tile and split of them) are left out exactly."""
+    import torch
+
+    from keras_cutbce.backends.torch.positives import Positives
+    from keras_cutbce.backends.torch.triton import launch
+    from keras_cutbce.math.tiling import vocab_tiles
+
+    h, e, b, ids, _ = _problem("odd_shapes_bias", rng, "softmax")
+    cut = 70  # the interpreter's tiles are 32 wide, 2 a split: the first split, part of the third tile
+    b = b.clone()
+    b[:cut] = float("-inf")
+    scale = torch.rand(h.shape[0], device=h.device) + 0.5
+
+    def run(e, b):
+        tiles = vocab_tiles(e.shape[0], e.shape[0])
+        family = launch._FusedSoftmax(0.0, e.shape[0])
+        acc, *grads = launch.dense_pass(h, e, b, tiles, Positives(ids[:, :0], tiles), loss=True,
+                                        row_scale=scale, need=(True, True, True), family=family)
+        return [family.statistics(acc)] + grads
+
+    got, want = run(e, b), run(e[cut:], b[cut:])
+    for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got[2:], want[2:]):
+        assert (g[:cut] == 0).all()
+        np.testing.assert_allclose(as_numpy(g[cut:]), as_numpy(w), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, rng):
     """The mixed precision matrix of the kernels (as `tests/cutbce/test_cut_bce.py`'s).

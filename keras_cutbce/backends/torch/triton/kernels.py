@@ -119,10 +119,11 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_p
         z = _logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok, num_targets,
                     FAMILY, HAS_BIAS, INTERPRET, PRECISION, BLOCK_M, BLOCK_N)
         if FAMILY == "softmax":
-            # A tile has a column below V, so `top` is finite and `exp(-inf - top)` is 0.
+            # `top` is -inf only while every logit so far is (a bias of -inf): 0 stands in for it.
             top = tl.maximum(row_max, tl.max(z, axis=1))
-            shrink = tl.exp(row_max - top)
-            slope = tl.exp(z - top[:, None])
+            shift = tl.where(top == float("-inf"), 0.0, top)
+            shrink = tl.exp(row_max - shift)
+            slope = tl.exp(z - shift[:, None])
             row_sum = row_sum * shrink + tl.sum(slope, axis=1)
             row_max = top
             if GRAD_H:
