@@ -57,6 +57,21 @@ _FULL_FP32 = {
     (90, 128): KernelConfig((32, 32, 4, 2), (128, 32, 8, 2)),
 }
 _FULL_FP32_MAX_BLOCK_D = 128
+# (family, generation, BLOCK_D, operands) -> {kernel: tiles} replacing the above where they spill:
+# softmax's kernels (no positives loop) schedule differently, and float16's `RESCALE` holds more
+# registers than bfloat16 in the columns kernel.
+_SMALL = (32, 32, 4, 2)
+_REPLACE = {
+    ("softmax", 80, 32, "float32-ieee"): {"columns": _SMALL},
+    ("softmax", 80, 64, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 80, 128, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 80, 64, "float32-tf32"): {"columns": _SMALL},
+    ("softmax", 80, 128, "float32-tf32"): {"columns": _SMALL},
+    ("softmax", 80, 256, "float32-tf32"): {"columns": (32, 32, 4, 1)},
+    ("softmax", 90, 32, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 90, 64, "float32-ieee"): {"rows": (32, 32, 4, 1), "columns": _SMALL},
+    ("softmax", 90, 128, "float32-ieee"): {"columns": _SMALL},
+}
 
 # Spills the compile test accepts (bytes per thread): sm_80 fp32 D=64 `columns_kernel` spills 12 bytes
 # at every tile tried (128 x 64 is the least; 32 x 32 still spills 32 at 128 registers), stored
@@ -104,7 +119,11 @@ def supports(dim, dtype=torch.bfloat16, precision="tf32"):
     return block_dim(dim) <= limit
 
 
-def choose(dim, dtype, interpret, arch=90, precision="tf32"):
+def _operands(dtype, precision):
+    return f"float32-{precision}" if dtype == torch.float32 else str(dtype).split(".")[-1]
+
+
+def choose(dim, dtype, interpret, arch=90, precision="tf32", family="bce"):
     """The `KernelConfig` of width `dim`, operand `dtype`, compute capability `arch`, fp32 `precision`.
 
     >>> choose(64, torch.bfloat16, interpret=False, arch=80).rows_block
@@ -118,10 +137,13 @@ def choose(dim, dtype, interpret, arch=90, precision="tf32"):
     key = (block_dim(dim), dtype != torch.float32)
     generation = 90 if arch >= 90 else 80
     if dtype == torch.float32 and precision == "ieee" and (generation, key[0]) in _FULL_FP32:
-        return _FULL_FP32[(generation, key[0])]
-    if arch < 90 and key in _BEFORE_SM90:
-        return _BEFORE_SM90[key]
-    return _TABLE[key]
+        settings = _FULL_FP32[(generation, key[0])]
+    elif arch < 90 and key in _BEFORE_SM90:
+        settings = _BEFORE_SM90[key]
+    else:
+        settings = _TABLE[key]
+    replace = _REPLACE.get((family, generation, key[0], _operands(dtype, precision)), {})
+    return settings._replace(**{f"{kernel}_block": tiles for kernel, tiles in replace.items()})
 
 
 def device_arch(device):

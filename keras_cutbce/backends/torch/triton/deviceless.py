@@ -126,7 +126,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
 
     if block is None:
         settings = config.choose(dim, getattr(torch, dtype), interpret=False, arch=arch,
-                                 precision=precision)
+                                 precision=precision, family=family)
         block = settings.rows_block if kernel == "rows" else settings.columns_block
     block_m, block_n, warps, stages = block
     constants = dict(

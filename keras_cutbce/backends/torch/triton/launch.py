@@ -134,7 +134,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     bias = hidden if bias is None else bias.contiguous()
     targets = _target_ids(positives, num_rows, h.device)
     precision = triton_precision()
-    settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision)
+    settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision,
+                             family="softmax" if softmax else "bce")
     flags = dict(
         SPLIT_DOT=operands != torch.float32, RESCALE=operands == torch.float16,
         INTERPRET=interpret, PRECISION=precision, BLOCK_D=config.block_dim(dim),
