@@ -5,9 +5,10 @@ no CUDA driver):
 
     python benchmarks/cutbce_triton.py --deviceless
 
-compiles both kernels (their heaviest variants) with the static table's
-configuration for sm_80 and sm_90 at D in {32, 64, 128, 256}, float32 (at
-torch's default precision, full fp32, and at TF32) and bfloat16, and prints registers, spill bytes, shared memory, the SASS
+compiles both kernels (their heaviest variants) of both loss families (BCE,
+softmax) with the static table's configuration for sm_80 and sm_90 at D in
+{32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at
+TF32) and bfloat16, and prints registers, spill bytes, shared memory, the SASS
 instructions of the tile loop per logit (warp instructions of one iteration
 / logits of the tile; the positives' inner loop counted once) and three
 lower bounds of one training step (loss + all gradients: both kernels) at
@@ -32,6 +33,7 @@ the Triton interpreter (checks the script; the numbers mean nothing).
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -58,6 +60,7 @@ ARCHS = (80, 90)
 DIMS = (32, 64, 128, 256)
 # (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), and bf16.
 OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"))
+FAMILIES = ("bce", "softmax")
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use
 
 
@@ -88,35 +91,34 @@ def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, voca
 
 
 def deviceless():
-    """Compiles every (arch, D, operands, kernel) of the static table; returns the table's rows."""
+    """Compiles every (family, arch, D, operands, kernel) of the static table; returns the table's rows."""
     import torch
 
     from keras_cutbce.backends.torch.triton import config
     from keras_cutbce.backends.torch.triton.deviceless import compile_kernel
 
     table = []
-    for arch in ARCHS:
-        for dim in DIMS:
-            for dtype, precision in OPERANDS:
-                if not config.supports(dim, getattr(torch, dtype), precision):
-                    continue  # the chunked loop runs these
-                pair = {}
-                for kernel in ("rows", "columns"):
-                    start = time.perf_counter()
-                    report = compile_kernel(kernel, arch, dim, dtype, precision=precision)
-                    report["precision"] = precision if dtype == "float32" else "-"
-                    report["compile_s"] = time.perf_counter() - start
-                    report["shared_limit"] = SHARED_LIMIT[arch]
-                    pair[kernel] = report
-                bounds = _bounds(pair["rows"], pair["columns"], arch, dtype, precision,
-                                 PAPER["rows"], dim, PAPER["vocab"])
-                for report in pair.values():
-                    table.append({**report, **bounds})
+    for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, ARCHS, DIMS, OPERANDS):
+        if not config.supports(dim, getattr(torch, dtype), precision):
+            continue  # the chunked loop runs these
+        pair = {}
+        for kernel in ("rows", "columns"):
+            start = time.perf_counter()
+            report = compile_kernel(kernel, arch, dim, dtype, precision=precision,
+                                    family=family)
+            report["precision"] = precision if dtype == "float32" else "-"
+            report["compile_s"] = time.perf_counter() - start
+            report["shared_limit"] = SHARED_LIMIT[arch]
+            pair[kernel] = report
+        bounds = _bounds(pair["rows"], pair["columns"], arch, dtype, precision,
+                         PAPER["rows"], dim, PAPER["vocab"])
+        for report in pair.values():
+            table.append({**report, **bounds})
     return table
 
 
 def _deviceless_markdown(table):
-    columns = ["arch", "dim", "dtype", "precision", "kernel", "block_m", "block_n", "num_warps", "num_stages",
+    columns = ["family", "arch", "dim", "dtype", "precision", "kernel", "block_m", "block_n", "num_warps", "num_stages",
                "registers", "spill_bytes", "shared_bytes", "instructions_per_logit",
                "issue_ms", "matmul_ms", "hbm_ms", "bound"]
     return (markdown_table(table, columns)

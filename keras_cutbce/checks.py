@@ -139,7 +139,7 @@ def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implement
     """Returns the loss ops' scalar options checked, as a `LossOptions`.
 
     `family`: `"bce"` (binary cross-entropy) or `"softmax"` (softmax
-    cross-entropy, which has no Pallas or Triton kernel yet).
+    cross-entropy, which has no Pallas kernel yet).
 
     Example:
 

@@ -17,7 +17,7 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   reduces its `cut_bce`;
 - `cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size)` and
   `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy
-  (`chunked` and `reference` only, so far);
+  (`chunked`, `reference` and `triton`);
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
   -> (scores [M, k] float32, ids [M, k] int32)`, ties to the lower id;
 - `count_above(hidden, table, bias, scores [M], ids [M], exclude_ids [M, X] |
@@ -118,6 +118,7 @@ IMPLEMENTATIONS = {
             "torch": f"{_TORCH}.chunked:cut_softmax",
             "tensorflow": f"{_TF}.chunked:cut_softmax",
         },
+        "triton": {"torch": f"{_TORCH}.triton.launch:cut_softmax"},
     },
     "cut_softmax_weighted_sum": {
         "chunked": {
@@ -125,6 +126,7 @@ IMPLEMENTATIONS = {
             "torch": f"{_TORCH}.chunked:cut_softmax_weighted_sum",
             "tensorflow": f"{_TF}.chunked:cut_softmax_weighted_sum",
         },
+        "triton": {"torch": f"{_TORCH}.triton.launch:cut_softmax_weighted_sum"},
     },
     "top_k": {
         "chunked": {

@@ -12,7 +12,9 @@ import keras
 import numpy as np
 import pytest
 
+import keras_cutbce
 from keras_cutbce import cut_binary_crossentropy
+from keras_cutbce import cut_categorical_crossentropy
 from keras_cutbce import registry
 
 TRITON = importlib.util.find_spec("triton") is not None
@@ -20,8 +22,9 @@ TRITON = importlib.util.find_spec("triton") is not None
 
 def test_auto_order_on_a_gpu(monkeypatch):
     assert registry.auto("cut_bce", "torch", "gpu") == ("triton" if TRITON else "chunked")
-    assert registry.auto("cut_bce_weighted_sum", "torch", "gpu") == (
-        "triton" if TRITON else "chunked")
+    for op in ("cut_bce_weighted_sum", "cut_softmax", "cut_softmax_weighted_sum"):
+        assert registry.auto(op, "torch", "gpu") == ("triton" if TRITON else "chunked")
+    assert registry.auto("cut_softmax", "torch", "cpu") == "chunked"
     assert registry.auto("top_k", "torch", "gpu") == "chunked"  # no Triton retrieval
     assert registry.auto("cut_bce", "jax", "gpu") == "chunked"
     assert registry.auto("cut_bce", "torch", "cpu") == "chunked"
@@ -36,47 +39,58 @@ def test_triton_is_torch_only():
                                 np.zeros((2, 1), "int32"), implementation="triton")
 
 
+# Each family's public op and its kernels' entry points.
+FAMILIES = {"bce": (cut_binary_crossentropy, "cut_bce"),
+            "softmax": (cut_categorical_crossentropy, "cut_softmax")}
+
+
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
-def test_cpu_tensors_run_the_chunked_loop_under_auto(monkeypatch):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cpu_tensors_run_the_chunked_loop_under_auto(family, monkeypatch):
     from keras_cutbce.backends.torch.triton import launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("auto routed CPU tensors to the Triton kernels")
 
-    monkeypatch.setattr(launch, "cut_bce", refuse)
-    monkeypatch.setattr(launch, "cut_bce_weighted_sum", refuse)
-    loss = cut_binary_crossentropy(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
-                                   np.zeros((2, 1), "int32"))
+    public_op, op = FAMILIES[family]
+    monkeypatch.setattr(launch, op, refuse)
+    monkeypatch.setattr(launch, op + "_weighted_sum", refuse)
+    loss = public_op(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
+                     np.zeros((2, 1), "int32"))
     assert tuple(loss.shape) == (2,)
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch" or not TRITON, reason="torch with Triton")
-def test_triton_on_cpu_outside_the_interpreter_says_how(monkeypatch):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_triton_on_cpu_outside_the_interpreter_says_how(family, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        cut_binary_crossentropy(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
-                                np.zeros((2, 1), "int32"), implementation="triton")
+        FAMILIES[family][0](np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
+                            np.zeros((2, 1), "int32"), implementation="triton")
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "autocast"])
-def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(policy, monkeypatch):
+def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, policy, monkeypatch):
     """The products' operand dtype is the policy's compute dtype (the float32 table cast to
     it; float32 accumulation), and `torch.autocast`'s dtype under autocast."""
     import contextlib
 
     import torch
 
-    from keras_cutbce import CutBCELoss
+    from keras_cutbce import CutBCELoss, CutSoftmaxLoss
     from keras_cutbce.backends.torch import kernel
     from keras_cutbce.backends.torch.triton import launch
     from tests.backend_utils import dtype_policy
 
     seen = []
 
-    def tile_loop(*args, operands, **kwargs):  # records what the kernels would take
+    def tile_loop(*args, operands, family, **kwargs):  # records what the kernels would take
         seen.append(operands)
-        return kernel.dense_pass(*args, **kwargs)
+        if family.two_pass is False and hasattr(family, "statistics"):  # softmax in one pass
+            kwargs["stats"] = family.statistics(kernel.dense_pass(*args, loss=True, family=family)[0])
+        return kernel.dense_pass(*args, family=family, **kwargs)
 
     monkeypatch.setattr(launch, "dense_pass", tile_loop)
     autocast = policy == "autocast"
@@ -86,19 +100,21 @@ def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(policy, monke
         hidden = keras.ops.cast(np.random.default_rng(0).normal(size=(6, 8)), compute)
         ids = np.random.default_rng(1).integers(0, 40, size=(6, 2)).astype("int32")
         scope = torch.autocast(hidden.device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
+        loss_class = CutBCELoss if family == "bce" else CutSoftmaxLoss
         with scope:
-            cut_binary_crossentropy(hidden, items, ids, implementation="triton")
-            CutBCELoss(items, implementation="triton")(ids, hidden)
+            FAMILIES[family][0](hidden, items, ids, implementation="triton")
+            loss_class(items, implementation="triton")(ids, hidden)
     want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[compute]
     assert seen == [torch.bfloat16 if autocast else want] * 2
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("dtype, dim, fits", [
     ("float32", 8, True), ("bfloat16", 200, True), ("float64", 8, False),
     ("float32", 200, False), ("bfloat16", 300, False),
 ])
-def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(dtype, dim, fits, monkeypatch):
+def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(family, dtype, dim, fits, monkeypatch):
     """The registry's `FITS` entry: float64, `D > 256` and fp32 products at full precision
     with `D > 128` run the chunked loop under `"triton"`; the others the kernels."""
     import torch
@@ -106,9 +122,10 @@ def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(dtype, dim, fits, m
     from keras_cutbce.backends.torch import chunked
     from keras_cutbce.backends.torch.triton import launch
 
+    public_op, op = FAMILIES[family]
     ran = []
-    for name in ("cut_bce", "cut_bce_weighted_sum"):
-        zeros = torch.zeros(2) if name == "cut_bce" else torch.zeros(())
+    for name in (op, op + "_weighted_sum"):
+        zeros = torch.zeros(2) if name == op else torch.zeros(())
         monkeypatch.setattr(launch, name, lambda *a, name=name, zeros=zeros, **k: (
             ran.append(("triton", name)), zeros)[1])
         real = getattr(chunked, name)
@@ -117,9 +134,8 @@ def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(dtype, dim, fits, m
     hidden = torch.ones((2, dim), dtype=getattr(torch, dtype))
     table = torch.ones((5, dim), dtype=getattr(torch, dtype))
     ids = np.zeros((2, 1), "int32")
-    cut_binary_crossentropy(hidden, table, ids, implementation="triton")
-    from keras_cutbce.ops import weighted_loss_sum
-
-    weighted_loss_sum(hidden, table, ids, np.ones(2, "float32"), implementation="triton")
+    public_op(hidden, table, ids, implementation="triton")
+    loss_class = keras_cutbce.CutBCELoss if family == "bce" else keras_cutbce.CutSoftmaxLoss
+    loss_class(table, implementation="triton")(ids, hidden)  # the weighted sum
     route = "triton" if fits else "chunked"
-    assert ran == [(route, "cut_bce"), (route, "cut_bce_weighted_sum")]
+    assert ran == [(route, op), (route, op + "_weighted_sum")]

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (`implementation="triton"`) against the dense reference and Keras BCE.
+"""The fused Triton kernels (`implementation="triton"`) against the dense reference, Keras BCE and float64.
 
 Runs where the kernels run: on a CUDA GPU, or on CPU tensors in the Triton
 interpreter, which needs `TRITON_INTERPRET=1` before Triton is imported, so
@@ -12,7 +12,11 @@ repeated and >= 2^31 ids; rows without targets): the per-row loss and the
 gradients of hidden, table and bias under a random cotangent, and the fused
 weighted sum (`cut_bce_weighted_sum`) with an upstream cotangent != 1,
 against `keras_cutbce.math.reference` and, at `pos_weight = 1`, against
-`keras.losses.binary_crossentropy` on the dense logits.
+`keras.losses.binary_crossentropy` on the dense logits. The softmax family
+(`SOFTMAX_CASES`, the same tests parametrised; logits x40 among them)
+against float64 (`math.spec.softmax_row`), each loss and gradient as close
+as the dense float32 reference or the chunked loop is (x4), and the spec
+rows through the identity table.
 
 Interpreter dtypes: float32, and bf16 inputs with the kernels' products on
 operands cast to fp32 (`INTERPRET`), because bf16 `tl.dot` gives wrong
@@ -26,6 +30,9 @@ import importlib.util
 import keras
 import numpy as np
 import pytest
+
+from keras_cutbce.math import spec
+from tests.backend_utils import worst_row_error
 
 from tests.cutbce.torch_inputs import (
     UPSTREAM,
@@ -71,6 +78,16 @@ CASES = {
     "bfloat16": (29, 12, 77, "mixed", True, 0.05, 2.0, "bfloat16"),
     "float16": (26, 10, 61, "dups", True, 0.0, 1.0, "float16"),
 }
+SOFTMAX_CASES = {
+    # name: (M, D, V, ids kind, bias, label_smoothing, logit scale, dtype)
+    "odd_shapes_bias": (37, 7, 101, "mixed", True, 0.0, 1.0, "float32"),
+    "duplicates_no_bias": (21, 5, 67, "dups", False, 0.1, 1.0, "float32"),
+    "single_target_wide_d": (18, 33, 70, "single", True, 0.0, 1.0, "float32"),
+    "saturated_x40": (23, 9, 83, "mixed", True, 0.1, 40.0, "float32"),
+    "bfloat16": (29, 12, 77, "mixed", True, 0.1, 1.0, "bfloat16"),
+    "float16": (26, 10, 61, "dups", True, 0.0, 1.0, "float16"),
+}
+FAMILY_CASES = [("bce", n) for n in sorted(CASES)] + [("softmax", n) for n in sorted(SOFTMAX_CASES)]
 # Half-precision gradients come back in their dtype (one rounding: 2^-9 relative for bf16).
 TOLERANCES = {"float32": (1e-5, 1e-6), "bfloat16": (2e-2, 1e-2), "float16": (4e-3, 2e-3)}
 
@@ -81,12 +98,17 @@ def _device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _problem(name, rng):
+def _problem(name, rng, family="bce"):
     import torch
 
-    m, d, v, kind, with_bias, a, p, dtype = CASES[name]
+    if family == "softmax":
+        m, d, v, kind, with_bias, a, scale, dtype = SOFTMAX_CASES[name]
+        p = None
+    else:
+        (m, d, v, kind, with_bias, a, p, dtype), scale = CASES[name], 1.0
     h, e, b = (None if x is None else x.to(_device())
                for x in tensors(rng, m, d, v, with_bias, dtype))
+    h = (h.float() * scale).to(h.dtype)
     ids = ids_of_kind(kind, m, v, rng)
     if kind == "mixed":
         ids[3, 1] = 2**40  # an id >= 2^31: padding
@@ -101,6 +123,55 @@ def _assert_grads_close(got, want, dtype):
         if g is not None:
             scale = max(1.0, float(np.abs(as_numpy(w)).max())) if dtype != "float32" else 1.0
             np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=rtol, atol=atol * scale)
+
+
+def _op(family, weighted=False):
+    """The kernels' entry point of `family` and its options `(a, p) -> kwargs`."""
+    from keras_cutbce.backends.torch.triton import launch
+
+    name = ("cut_bce" if family == "bce" else "cut_softmax") + ("_weighted_sum" if weighted else "")
+    if family == "bce":
+        return getattr(launch, name), lambda a, p: dict(label_smoothing=a, pos_weight=p)
+    return getattr(launch, name), lambda a, p: dict(label_smoothing=a)
+
+
+def _softmax_float64(h, e, b, ids, a, weights):
+    """The float64 loss `[M]` and the gradients of `UPSTREAM * sum(weights * loss)` (`spec.softmax_row`)."""
+    h, e = as_numpy(h), as_numpy(e)
+    z = h @ e.T + (0.0 if b is None else as_numpy(b))
+    ids = np.asarray(ids.cpu())
+    rows = [spec.softmax_row(z[m], [i for i in ids[m] if 0 <= i < len(e)], a) for m in range(len(z))]
+    loss = np.array([r[0] for r in rows])
+    s = UPSTREAM * np.stack([r[1] for r in rows]) * as_numpy(weights)[:, None]
+    return loss, [s @ e, s.T @ h] + ([] if b is None else [s.sum(0)])
+
+
+def _assert_softmax_close(got, objective, problem, weights, dtype):
+    """`got` (value and gradients of `objective`) as close to float64 as the dense or chunked loop, x4.
+
+    The floor: the half dtypes' tolerance (their gradients come back rounded), 1e-6 in float32.
+    """
+    from keras_cutbce.backends.torch import chunked
+    from keras_cutbce.math import reference
+
+    h, e, b, ids, (a, _, _) = problem
+    loss, grads = _softmax_float64(h, e, b, ids, a, weights)
+    want = [np.sum(as_numpy(weights) * loss)] + grads
+    others = [
+        scaled_value_and_grads(objective(functools.partial(reference.cut_softmax, label_smoothing=a)),
+                               (h, e, b)),
+        scaled_value_and_grads(objective(functools.partial(chunked.cut_softmax, label_smoothing=a,
+                                                           chunk_size=16)), (h, e, b)),
+    ]
+    floor = 1e-6 if dtype == "float32" else TOLERANCES[dtype][0]
+    for i, what in enumerate(("value", "d hidden", "d table", "d bias")[:len(want)]):
+        def error(result):
+            value = result[0] if i == 0 else result[1][i - 1]
+            return worst_row_error(np.reshape(as_numpy(value), np.shape(want[i]) or (1,)),
+                                   np.reshape(want[i], np.shape(want[i]) or (1,)))
+
+        bound = max([floor] + [4.0 * error(other) for other in others])
+        assert error(got) <= bound, (what, error(got), [error(o) for o in others])
 
 
 def _reference_objective(ids, a, p, cotangent):
@@ -122,67 +193,93 @@ def _keras_objective(ids, a, v, cotangent):
     return objective
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_per_row_loss_and_gradients_under_any_cotangent(name, rng):
+@pytest.mark.parametrize("family, name", FAMILY_CASES)
+def test_per_row_loss_and_gradients_under_any_cotangent(family, name, rng):
     import torch
 
-    from keras_cutbce.backends.torch.triton import launch as kernels
-
-    h, e, b, ids, (a, p, dtype) = _problem(name, rng)
+    problem = _problem(name, rng, family)
+    h, e, b, ids, (a, p, dtype) = problem
     cotangent = torch.tensor(rng.normal(size=h.shape[0]), dtype=torch.float32, device=h.device)
+    op, options = _op(family)
+    losses = []
 
     def triton_objective(h, e, b):
-        loss = kernels.cut_bce(h, e, ids, b, label_smoothing=a, pos_weight=p)
+        loss = op(h, e, ids, b, **options(a, p))
         assert loss.dtype == torch.float32 and loss.shape == (h.shape[0],)
+        losses.append(loss.detach())
         return (cotangent * loss).sum()
 
     got = scaled_value_and_grads(triton_objective, (h, e, b))
-    want = scaled_value_and_grads(_reference_objective(ids, a, p, cotangent), (h, e, b))
-    _assert_grads_close([got[0]] + got[1], [want[0]] + want[1], dtype)
     for grad, x in zip(got[1], (h, e, b)):
         assert grad is None or (grad.dtype == x.dtype and grad.shape == x.shape)
+    if family == "softmax":
+        def objective(fn):
+            return lambda h, e, b: (cotangent * fn(h, e, ids, b)).sum()
+
+        _assert_softmax_close(got, objective, problem, cotangent, dtype)
+        from keras_cutbce.backends.torch import chunked
+        from keras_cutbce.math import reference
+
+        want_loss, _ = _softmax_float64(h, e, b, ids, a, cotangent)
+        dense, loop = (as_numpy(f(h, e, ids, b, label_smoothing=a)) for f in (
+            reference.cut_softmax, functools.partial(chunked.cut_softmax, chunk_size=16)))
+        error = np.abs(as_numpy(losses[0]) - want_loss).max()
+        bound = max(4 * np.abs(dense - want_loss).max(), 4 * np.abs(loop - want_loss).max(), 1e-6)
+        assert error <= bound, (error, bound)
+        empty = ~((ids >= 0) & (ids < e.shape[0])).any(1)  # no valid id: loss 0, no gradient
+        assert (losses[0][empty] == 0).all() and (got[1][0][empty] == 0).all()
+        return
+    want = scaled_value_and_grads(_reference_objective(ids, a, p, cotangent), (h, e, b))
+    _assert_grads_close([got[0]] + got[1], [want[0]] + want[1], dtype)
     if p == 1.0:
         keras_bce = scaled_value_and_grads(_keras_objective(ids, a, e.shape[0], cotangent), (h, e, b))
         _assert_grads_close([got[0]] + got[1], [keras_bce[0]] + keras_bce[1], dtype)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_fused_weighted_sum(name, rng):
-    from keras_cutbce.backends.torch.triton import launch as kernels
-
-    h, e, b, ids, (a, p, dtype) = _problem(name, rng)
+@pytest.mark.parametrize("family, name", FAMILY_CASES)
+def test_fused_weighted_sum(family, name, rng):
+    problem = _problem(name, rng, family)
+    h, e, b, ids, (a, p, dtype) = problem
     w = row_weights(rng, h.shape[0]).to(h.device)
-    value, grads = scaled_value_and_grads(
-        lambda h, e, b: kernels.cut_bce_weighted_sum(h, e, ids, b, w, label_smoothing=a,
-                                                     pos_weight=p),
-        (h, e, b),
-    )
-    want_value, want_grads = scaled_value_and_grads(_reference_objective(ids, a, p, w), (h, e, b))
-    _assert_grads_close([value] + grads, [want_value] + want_grads, dtype)
+    op, options = _op(family, weighted=True)
+    value, grads = scaled_value_and_grads(lambda h, e, b: op(h, e, ids, b, w, **options(a, p)),
+                                          (h, e, b))
+    if family == "softmax":
+        _assert_softmax_close((value, grads), lambda fn: lambda h, e, b: (w * fn(h, e, ids, b)).sum(),
+                              problem, w, dtype)
+    else:
+        want_value, want_grads = scaled_value_and_grads(_reference_objective(ids, a, p, w), (h, e, b))
+        _assert_grads_close([value] + grads, [want_value] + want_grads, dtype)
     assert (grads[0][w == 0] == 0).all()  # masked rows get no hidden gradient
     assert UPSTREAM != 1.0
 
 
-def test_public_op_routes_triton(rng):
-    """`implementation="triton"` through the public op and `CutBCELoss` (the fused path)."""
+@pytest.mark.parametrize("family", ["bce", "softmax"])
+def test_public_op_routes_triton(family, rng):
+    """`implementation="triton"` through the public op and its Keras loss (the fused path)."""
     import torch
 
-    from keras_cutbce import CutBCELoss
-    from keras_cutbce import cut_binary_crossentropy
+    import keras_cutbce
     from keras_cutbce.math import reference
 
+    op, loss_class, dense = {
+        "bce": (keras_cutbce.cut_binary_crossentropy, keras_cutbce.CutBCELoss, reference.cut_bce),
+        "softmax": (keras_cutbce.cut_categorical_crossentropy, keras_cutbce.CutSoftmaxLoss,
+                    reference.cut_softmax),
+    }[family]
     h, e, b, ids, _ = _problem("odd_shapes_bias", rng)
-    got = cut_binary_crossentropy(h, e, ids, b, implementation="triton")
-    want = reference.cut_bce(h, e, ids, b)
+    got = op(h, e, ids, b, implementation="triton")
+    want = dense(h, e, ids, b)
     np.testing.assert_allclose(as_numpy(got), as_numpy(want), rtol=1e-5, atol=1e-6)
     table = keras.Variable(as_numpy(e).astype("float32"))
-    loss = CutBCELoss(table, implementation="triton")(ids, h)
-    want = reference.cut_bce(h, e, ids).mean()
+    loss = loss_class(table, implementation="triton")(ids, h)
+    want = dense(h, e, ids).mean()
     assert isinstance(loss, torch.Tensor)
     assert float(loss.detach()) == pytest.approx(float(want), rel=1e-5)
 
 
-def test_bf16_split_products_keep_fp32_accuracy(rng):
+@pytest.mark.parametrize("family", ["bce", "softmax"])
+def test_bf16_split_products_keep_fp32_accuracy(family, rng):
     """The gradient products of bf16 inputs: the hi/lo split gives ~1e-5, one rounding ~3e-3."""
     import torch
 
@@ -200,13 +297,73 @@ def test_bf16_split_products_keep_fp32_accuracy(rng):
     positives = Positives(ids, tiles)
     scale = torch.rand(m, device=h.device) + 0.5
     need = (True, True, True)
-    family = math.BCE(bce_coefficients())
+    stats = None
+    if family == "bce":
+        family = fused = math.BCE(bce_coefficients())
+    else:  # the loop's two passes against the kernels' one; compared on the rows' log-sum-exp
+        family, fused = math.Softmax(0.1, v), launch._FusedSoftmax(0.1, v)
+        stats = torch.logsumexp(h @ e.T, 1)
     got = launch.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
-                            family=family, operands=torch.bfloat16)
+                            family=fused, operands=torch.bfloat16)
     want = kernel.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
-                             family=family)
+                             family=family, stats=stats)
+    if stats is not None:
+        got, want = (family.statistics(got[0]),) + got[1:], (stats,) + want[1:]
     for g, w in zip(got, want):
         np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=5e-5, atol=5e-5 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize("label_smoothing", spec.SOFTMAX_SMOOTHING)
+def test_softmax_spec_rows_through_the_identity_table(label_smoothing):
+    """Saturated logits (|z| up to 1e3): the loss and slopes of each float64 spec row."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import launch
+
+    z = torch.tensor([row for row, _ in spec.SOFTMAX_ROWS], dtype=torch.float32, device=_device())
+    width = max(len(t) for _, t in spec.SOFTMAX_ROWS)
+    ids = torch.tensor([list(t) + [-1] * (width - len(t)) for _, t in spec.SOFTMAX_ROWS],
+                       device=_device())
+    eye = torch.eye(z.shape[1], device=_device())
+    z.requires_grad_(True)
+    loss = launch.cut_softmax(z, eye, ids, label_smoothing=label_smoothing)
+    loss.sum().backward()
+    loss = loss.detach()
+    for row, (logits, targets) in enumerate(spec.SOFTMAX_ROWS):
+        want_loss, want_slopes = spec.softmax_row(logits, targets, label_smoothing)
+        # float32: the log-sum-exp carries a rounding of `max |z|`, as in any float32 softmax
+        tolerance = 4 * 2.0**-24 * (np.max(np.abs(logits)) + 1.0)
+        assert abs(float(loss[row]) - want_loss) <= tolerance + 4 * 2.0**-24 * abs(want_loss), row
+        np.testing.assert_allclose(as_numpy(z.grad[row]), want_slopes, rtol=0, atol=tolerance)
+
+
+def test_softmax_items_with_a_bias_of_minus_inf_drop_out(rng):
+    """The kernels' part: items at `-inf` (a whole tile and split of them) are left out exactly."""
+    import torch
+
+    from keras_cutbce.backends.torch.positives import Positives
+    from keras_cutbce.backends.torch.triton import launch
+    from keras_cutbce.math.tiling import vocab_tiles
+
+    h, e, b, ids, _ = _problem("odd_shapes_bias", rng, "softmax")
+    cut = 70  # the interpreter's tiles are 32 wide, 2 a split: the first split, part of the third tile
+    b = b.clone()
+    b[:cut] = float("-inf")
+    scale = torch.rand(h.shape[0], device=h.device) + 0.5
+
+    def run(e, b):
+        tiles = vocab_tiles(e.shape[0], e.shape[0])
+        family = launch._FusedSoftmax(0.0, e.shape[0])
+        acc, *grads = launch.dense_pass(h, e, b, tiles, Positives(ids[:, :0], tiles), loss=True,
+                                        row_scale=scale, need=(True, True, True), family=family)
+        return [family.statistics(acc)] + grads
+
+    got, want = run(e, b), run(e[cut:], b[cut:])
+    for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(as_numpy(g), as_numpy(w), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got[2:], want[2:]):
+        assert (g[:cut] == 0).all()
+        np.testing.assert_allclose(as_numpy(g[cut:]), as_numpy(w), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])

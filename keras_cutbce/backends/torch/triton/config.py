@@ -1,17 +1,8 @@
-"""The static tile table of the Triton kernels: one configuration per (arch, D, dtype).
+"""The static tile table of the Triton kernels (no autotuning): one configuration per (arch, D, dtype).
 
-No autotuning: a configuration is chosen from this table by the padded
-feature width `BLOCK_D` (the next power of two >= D, at least 16), the
-operand dtype and the GPU generation (sm_90 and later, or before: what
-the kernels were compiled for without a GPU: `benchmarks/cutbce_triton.py
---deviceless` prints registers, spills and shared memory of each entry for
-sm_80 and sm_90; the GPU check's sweep is what retunes it). The rule: keep a
-`[BLOCK_M, BLOCK_N]` fp32 logits tile and the `[BLOCK, BLOCK_D]` fp32
-gradient accumulator in registers without spills, so the tiles shrink as
-`BLOCK_D` grows.
-
-The interpreter (CPU tensors) runs small tiles instead (`INTERPRET`), so
-odd test shapes cover several row blocks, vocabulary tiles and splits.
+The rule: the fp32 logits tile and gradient accumulator stay in registers
+without spills (`benchmarks/cutbce_triton.py --deviceless`); the
+interpreter runs small tiles (`INTERPRET`) so test shapes span several.
 """
 
 import contextlib
@@ -26,12 +17,7 @@ __all__ = [
 
 
 class KernelConfig(NamedTuple):
-    """The launch settings of the two kernels for one (D, dtype).
-
-    Attributes:
-        rows_block: `(BLOCK_M, BLOCK_N, num_warps, num_stages)` of `rows_kernel`.
-        columns_block: the same for `columns_kernel`.
-    """
+    """`(BLOCK_M, BLOCK_N, num_warps, num_stages)` of `rows_kernel` and of `columns_kernel`."""
 
     rows_block: tuple
     columns_block: tuple
@@ -71,6 +57,21 @@ _FULL_FP32 = {
     (90, 128): KernelConfig((32, 32, 4, 2), (128, 32, 8, 2)),
 }
 _FULL_FP32_MAX_BLOCK_D = 128
+# (family, generation, BLOCK_D, operands) -> {kernel: tiles} replacing the above where they spill:
+# softmax's kernels (no positives loop) schedule differently, and float16's `RESCALE` holds more
+# registers than bfloat16 in the columns kernel.
+_SMALL = (32, 32, 4, 2)
+_REPLACE = {
+    ("softmax", 80, 32, "float32-ieee"): {"columns": _SMALL},
+    ("softmax", 80, 64, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 80, 128, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 80, 64, "float32-tf32"): {"columns": _SMALL},
+    ("softmax", 80, 128, "float32-tf32"): {"columns": _SMALL},
+    ("softmax", 80, 256, "float32-tf32"): {"columns": (32, 32, 4, 1)},
+    ("softmax", 90, 32, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 90, 64, "float32-ieee"): {"rows": (32, 32, 4, 1), "columns": _SMALL},
+    ("softmax", 90, 128, "float32-ieee"): {"columns": _SMALL},
+}
 
 # Spills the compile test accepts (bytes per thread): sm_80 fp32 D=64 `columns_kernel` spills 12 bytes
 # at every tile tried (128 x 64 is the least; 32 x 32 still spills 32 at 128 registers), stored
@@ -90,14 +91,7 @@ _OVERRIDE = []
 
 @contextlib.contextmanager
 def overridden(settings):
-    """Runs the kernels with `settings` (a `KernelConfig`) inside the block: the GPU check's sweep.
-
-    Example:
-
-    >>> with overridden(INTERPRET):
-    ...     choose(64, torch.float32, interpret=False) == INTERPRET
-    True
-    """
+    """Runs the kernels with `settings` (a `KernelConfig`) inside the block: the GPU check's sweep."""
     _OVERRIDE.append(KernelConfig(*settings))
     try:
         yield
@@ -106,9 +100,7 @@ def overridden(settings):
 
 
 def block_dim(dim):
-    """Returns `BLOCK_D`: the next power of two >= `dim`, at least 16 (`tl.dot`'s minimum).
-
-    Example:
+    """`BLOCK_D`: the next power of two >= `dim`, at least 16 (`tl.dot`'s minimum).
 
     >>> block_dim(5), block_dim(64), block_dim(65)
     (16, 64, 128)
@@ -120,28 +112,20 @@ MAX_BLOCK_D = 256
 
 
 def supports(dim, dtype=torch.bfloat16, precision="tf32"):
-    """Returns True when the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`.
-
-    Example:
-
-    >>> supports(256), supports(257), supports(256, torch.float32, "ieee")
-    (True, False, False)
-    """
+    """Whether the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`."""
     limit = MAX_BLOCK_D
     if dtype == torch.float32 and precision == "ieee":
         limit = _FULL_FP32_MAX_BLOCK_D
     return block_dim(dim) <= limit
 
 
-def choose(dim, dtype, interpret, arch=90, precision="tf32"):
-    """Returns the `KernelConfig` for feature width `dim`, operand `dtype`, compute capability `arch`.
+def _operands(dtype, precision):
+    return f"float32-{precision}" if dtype == torch.float32 else str(dtype).split(".")[-1]
 
-    `precision` is the `tl.dot` precision of fp32 operands (`"ieee"` or `"tf32"`).
 
-    Example:
+def choose(dim, dtype, interpret, arch=90, precision="tf32", family="bce"):
+    """The `KernelConfig` of width `dim`, operand `dtype`, compute capability `arch`, fp32 `precision`.
 
-    >>> choose(64, torch.bfloat16, interpret=False).rows_block
-    (128, 64, 8, 2)
     >>> choose(64, torch.bfloat16, interpret=False, arch=80).rows_block
     (64, 32, 4, 2)
     """
@@ -153,20 +137,17 @@ def choose(dim, dtype, interpret, arch=90, precision="tf32"):
     key = (block_dim(dim), dtype != torch.float32)
     generation = 90 if arch >= 90 else 80
     if dtype == torch.float32 and precision == "ieee" and (generation, key[0]) in _FULL_FP32:
-        return _FULL_FP32[(generation, key[0])]
-    if arch < 90 and key in _BEFORE_SM90:
-        return _BEFORE_SM90[key]
-    return _TABLE[key]
+        settings = _FULL_FP32[(generation, key[0])]
+    elif arch < 90 and key in _BEFORE_SM90:
+        settings = _BEFORE_SM90[key]
+    else:
+        settings = _TABLE[key]
+    replace = _REPLACE.get((family, generation, key[0], _operands(dtype, precision)), {})
+    return settings._replace(**{f"{kernel}_block": tiles for kernel, tiles in replace.items()})
 
 
 def device_arch(device):
-    """Returns the compute capability of a CUDA `device` as an int (90 for 9.0); 90 elsewhere.
-
-    Example:
-
-    >>> device_arch(torch.device("cpu"))
-    90
-    """
+    """The compute capability of a CUDA `device` as an int (90 for 9.0); 90 elsewhere."""
     if device.type != "cuda":
         return 90
     major, minor = torch.cuda.get_device_capability(device)
@@ -174,13 +155,7 @@ def device_arch(device):
 
 
 def num_splits(num_rows, num_tiles, block_rows, device):
-    """Returns how many vocabulary splits `rows_kernel` runs, so the grid fills the GPU.
-
-    Example:
-
-    >>> num_splits(37, 10, 16, torch.device("cpu"))
-    2
-    """
+    """How many vocabulary splits `rows_kernel` runs, so the grid fills the GPU (2 programs an SM)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:

@@ -98,7 +98,7 @@ def _loop_instructions(cubin):
     return longest, len(lines)
 
 
-def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True):
+def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True, family="bce"):
     """Compiles one kernel for `sm_<arch>` and returns what the compiler reports.
 
     Args:
@@ -109,6 +109,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         block: `(BLOCK_M, BLOCK_N, num_warps, num_stages)`; None: the static table's.
         precision: `tl.dot` input precision of fp32 operands.
         has_bias: compile the bias variant.
+        family: the loss family (`"bce"` or `"softmax"`).
 
     Returns:
         A dict: the settings, `registers`, `spill_bytes`, `shared_bytes`,
@@ -125,15 +126,21 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
 
     if block is None:
         settings = config.choose(dim, getattr(torch, dtype), interpret=False, arch=arch,
-                                 precision=precision)
+                                 precision=precision, family=family)
         block = settings.rows_block if kernel == "rows" else settings.columns_block
     block_m, block_n, warps, stages = block
     constants = dict(
         HAS_BIAS=has_bias, SPLIT_DOT=dtype != "float32", RESCALE=dtype == "float16",
         INTERPRET=False, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=config.block_dim(dim), **KERNEL_VARIANTS[kernel],
+        FAMILY=family,
     )
     signature = _signature(kernel, dtype)
+    if kernel == "columns":  # softmax's row log-sum-exp
+        if family == "softmax":
+            signature["lse_ptr"] = "*fp32"
+        else:
+            constants["lse_ptr"] = None
     signature.update({name: "constexpr" for name in constants})
     fn = kernels.rows_kernel if kernel == "rows" else kernels.columns_kernel
     compiled = triton.compile(
@@ -144,7 +151,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
     registers, spills = _ptxas_resources(compiled.asm["ptx"], arch)
     loop, total = _loop_instructions(compiled.asm["cubin"])
     return dict(
-        kernel=kernel, arch=arch, dim=dim, dtype=dtype, block_m=block_m, block_n=block_n,
+        kernel=kernel, family=family, arch=arch, dim=dim, dtype=dtype, block_m=block_m, block_n=block_n,
         num_warps=warps, num_stages=stages, registers=registers, spill_bytes=spills,
         shared_bytes=int(compiled.metadata.shared), loop_instructions=loop, instructions=total,
         instructions_per_logit=loop * warps / (block_m * block_n),
