@@ -682,6 +682,163 @@ def memory(args):
         f.write("\n".join(lines) + "\n")
 
 
+# ----------------------------------------------------------------- softmax ---
+
+SOFTMAX_SHAPES = [(4096, 64, 32768), (1024, 128, 262144)]
+SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.linear_cross_entropy"
+
+
+def _softmax_cells(backend, shape, variants):
+    """name -> `(run, inputs)`: loss + gradients of h, E, b, one target a position."""
+    import keras
+    from keras import ops
+
+    from keras_cutbce import checks
+    from keras_cutbce import cut_categorical_crossentropy
+    from keras_cutbce import ops as cut_ops
+
+    hidden, table, bias, ids = _inputs(shape)
+    ids = ids[:, 0]
+    h, t, b, i = (ops.convert_to_tensor(x) for x in (hidden, table, bias, ids))
+    options = checks.loss_options(implementation="auto", family="softmax")
+    weights = ops.ones((shape[0],), "float32")
+
+    def dense(h, t, b):
+        logits = ops.matmul(h, ops.transpose(t)) + b
+        return ops.sum(keras.losses.sparse_categorical_crossentropy(i, logits, from_logits=True))
+
+    def loss(h, t, b):  # what `CutSoftmaxLoss` runs (its fused weighted sum)
+        return cut_ops.loss_sum(cut_ops.loss_inputs(h, t, i, b), options, weights)
+
+    def op(h, t, b):
+        return ops.sum(cut_categorical_crossentropy(h, t, i, b))
+
+    cells = {"dense": dense, "cut_loss": loss, "cut_op": op}
+    cells = {name: (_value_and_grad_fn(backend, fn), (h, t, b)) for name, fn in cells.items()}
+    if backend == "torch":
+        import torch
+        import torch.nn.functional as F
+
+        target = torch.as_tensor(ids).long()
+
+        def torch_lce(chunked):
+            options = torch.nn.LinearCrossEntropyOptions() if chunked else None
+
+            def run(h, t, b):  # `backward()`: the chunked path's gradients are not `autograd.grad`'s
+                h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
+                value = F.linear_cross_entropy(h, t, target, linear_bias=b, reduction="sum", options=options)
+                value.backward()
+                return value, (h.grad, t.grad, b.grad)
+
+            return run, (h, t, b)
+
+        cells["torch_lce_chunked"] = torch_lce(True)
+        cells["torch_lce"] = torch_lce(False)
+    return {name: cell for name, cell in cells.items() if not variants or name in variants}
+
+
+def softmax_cell(args):
+    """In this process: the softmax cells of one backend, alternating (`--softmax-cell time`) or
+    one cell's extra peak RSS (`--softmax-cell memory --variant NAME`); prints a `ROW` line."""
+    from benchmarks.common import alternate, emit_row
+
+    backend = os.environ["KERAS_BACKEND"]
+    threads = _set_threads(backend, _threads(args.threads))
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if args.softmax_cell == "time":
+        cells = _softmax_cells(backend, shape, args.variants and args.variants.split(","))
+        timed = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in cells.items()},
+                          args.repeats, block=_block)
+        return emit_row({"threads": threads, "loadavg": os.getloadavg(), "cells": timed})
+    run, inputs = _softmax_cells(backend, shape, [args.variant])[args.variant]
+    before = _status("VmRSS")
+    _reset_peak()
+    _block(run(*inputs))  # warm-up: tracing and compilation
+    first = _status("VmHWM")
+    gc.collect()
+    _reset_peak()
+    peaks = []
+    for _ in range(args.repeats):
+        gc.collect()
+        _block(run(*inputs))
+        peaks.append((_status("VmHWM") - before) / 2**20)
+    emit_row({"threads": threads, "peak_extra_mb": max(peaks),
+              "first_call_peak_extra_mb": (first - before) / 2**20})
+
+
+SOFTMAX_LABELS = {
+    "dense": "dense Keras (`sparse_categorical_crossentropy`, logits from a matmul)",
+    "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)", "cut_op": "`cut_categorical_crossentropy` (auto)",
+    "torch_lce_chunked": "`F.linear_cross_entropy`, chunked options", "torch_lce": "`F.linear_cross_entropy`, reference",
+}
+
+
+def softmax(args):
+    """The softmax table: per backend and shape, one process timing every cell alternating, then one
+    fresh process per cell for its extra peak RSS."""
+    from benchmarks.common import fmt_spread, machine_info, run_cell, write_results
+
+    shapes = SOFTMAX_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
+    threads = args.threads or "1"
+    info = machine_info(threads=threads)
+    rows, lines = [], [
+        "| backend | M, D, V | implementation | wall s, median (min-max) | CPU s, median | "
+        "wall / dense | wall / F.lce chunked | extra peak MB | first call MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    script = os.path.relpath(os.path.abspath(__file__), ROOT)
+    for backend in args.backends.split(","):
+        env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
+        for shape in shapes:
+            common = [script, "--shape", ",".join(map(str, shape)), "--threads", threads]
+            try:
+                timed = run_cell(common + ["--softmax-cell", "time", "--repeats", str(args.repeats)]
+                                 + (["--variants", args.variants] if args.variants else []), ROOT, env)
+            except RuntimeError as error:
+                timed = {"error": str(error)[-300:], "cells": {}}
+            for name, cell in timed["cells"].items():
+                try:
+                    cell.update(run_cell(common + ["--softmax-cell", "memory", "--variant", name,
+                                                   "--repeats", "1"], ROOT, env))
+                except RuntimeError as error:
+                    cell["memory_error"] = str(error)[-300:]
+            cells = timed["cells"]
+            dense = cells.get("dense", {}).get("wall", {}).get("median")
+            lce = cells.get("torch_lce_chunked", {}).get("wall", {}).get("median")
+            for name, cell in cells.items():
+                wall = cell["wall"]["median"]
+                row = {"backend": backend, "shape": shape, "implementation": name, **cell,
+                       "wall_over_dense": wall / dense if dense else None,
+                       "wall_over_torch_lce_chunked": wall / lce if lce else None}
+                rows.append(row)
+                ratio = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+                lines.append(
+                    f"| {backend} | {', '.join(map(str, shape))} | {SOFTMAX_LABELS[name]} | "
+                    f"{fmt_spread(cell['wall'])} | {cell['cpu']['median']:.3g} | "
+                    f"{ratio(row['wall_over_dense'])} | {ratio(row['wall_over_torch_lce_chunked'])} | "
+                    f"{cell.get('peak_extra_mb', float('nan')):.0f} | "
+                    f"{cell.get('first_call_peak_extra_mb', float('nan')):.0f} |")
+            print("\n".join(lines[-len(cells):]) or timed.get("error"), flush=True)
+    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    command = f"python {script} --softmax --backends {args.backends} --repeats {args.repeats} --threads {threads}"
+    what = (
+        "Softmax cross-entropy over the full vocabulary, one target id a position, float32, CPU: loss plus "
+        "gradients of hidden, table and bias. Per backend and shape one process times every implementation "
+        f"alternating (one call of each per round, {args.repeats} rounds after a warm-up round; jit / "
+        "tf.function on JAX / TensorFlow, eager on torch): wall seconds median (min-max) and CPU seconds "
+        "median. Extra peak MB: a fresh process per implementation, the peak RSS of one call after the "
+        "warm-up above the RSS once the inputs exist (`/proc/self/clear_refs`), as the BCE memory table; "
+        "first call MB includes tracing and compilation. `CutSoftmaxLoss` and `cut_categorical_crossentropy` "
+        "run `implementation=\"auto\"`, which is the chunked implementation on CPU. Threads: "
+        f"{threads} (torch `set_num_threads`, TensorFlow intra/inter-op, XLA's CPU client single-threaded at 1), "
+        f"on a 2-core machine shared with other jobs (load average in the machine line). Goals: {SOFTMAX_GOALS}."
+    )
+    write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU", what, command,
+                  info, "\n".join(lines), {"rows": rows})
+
+
 def _fmt(entry, key="median_s", digits=3):
     if entry is None:
         return "-"
@@ -709,12 +866,20 @@ def main():
     parser.add_argument("--side-by-side", action="store_true",
                         help="dense, loss and op (and --old-root's) alternating in one process per backend")
     parser.add_argument("--old-root", help="an older checkout whose chunked kernels are timed beside")
+    parser.add_argument("--softmax", action="store_true",
+                        help="the softmax table: CutSoftmaxLoss / cut_categorical_crossentropy vs dense "
+                             "(and F.linear_cross_entropy on torch), alternating; --threads default 1")
+    parser.add_argument("--softmax-cell", choices=("time", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.package_root:
         os.environ["CUTBCE_PACKAGE_ROOT"] = os.path.abspath(args.package_root)
+    if args.softmax_cell:
+        return softmax_cell(args)
+    if args.softmax:
+        return softmax(args)
     if args.worker:
         return side_by_side_worker(args) if args.variant == "side_by_side" else worker(args)
     if args.side_by_side:

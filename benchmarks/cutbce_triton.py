@@ -92,7 +92,7 @@ def deviceless():
     import torch
 
     from keras_cutbce.backends.torch.triton import config
-    from keras_cutbce.backends.torch.triton.deviceless import compile_kernel
+    from tools.triton_deviceless import compile_kernel
 
     table = []
     for arch in ARCHS:

@@ -34,7 +34,6 @@ Usage:
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -75,14 +74,10 @@ def run_cell(mode, batch, width, args):
 
 
 def run_in_process(repo, mode, batch, width, args):
-    command = [sys.executable, os.path.abspath(__file__), "--cell", f"{mode},{batch},{width}",
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.path.abspath(repo))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"{repo} {mode} ({batch}, {width}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])
+    from benchmarks.common import run_cell
+
+    return run_cell([os.path.abspath(__file__), "--cell", f"{mode},{batch},{width}", "--steps", str(args.steps),
+                     "--warmup", str(args.warmup)], repo, dict(os.environ, KERAS_BACKEND="torch"))
 
 
 def summarize(rows, names, sizes):

@@ -90,12 +90,12 @@ def run_cell(mode, args):
 
 
 def run_in_process(repo, mode, args):
-    from benchmarks.common import run_checkout_cell
+    from benchmarks.common import run_cell
 
-    return run_checkout_cell(__file__, repo, [
+    return run_cell([os.path.abspath(__file__), "--cell", *map(str, [
         mode, "--threads", args.threads, "--batch", args.batch, "--steps", args.steps,
         "--warmup", args.warmup, "--count-steps", args.count_steps, "--buckets", args.buckets,
-    ])
+    ])], repo, dict(os.environ, KERAS_BACKEND="torch"))
 
 
 def summarize(rows, names, modes):

@@ -101,12 +101,12 @@ def run_cell(label, args):
 
 
 def run_in_process(repo, label, args):
-    from benchmarks.common import run_checkout_cell
+    from benchmarks.common import run_cell
 
-    return run_checkout_cell(__file__, repo, [
+    return run_cell([os.path.abspath(__file__), "--cell", *map(str, [
         label, "--threads", args.threads, "--batch", args.batch, "--steps", args.steps,
         "--warmup", args.warmup, "--buckets", args.buckets,
-    ])
+    ])], repo, dict(os.environ, KERAS_BACKEND="torch"))
 
 
 def table(rows, names, labels):
