@@ -1,6 +1,6 @@
 """The gradient hand-off on the CTR example (torch CPU): embedding backwards per step and QPS.
 
-Claim (issue 15 A): with the hand-off, the shared embedding table's backward
+Claim: with the hand-off, the shared embedding table's backward
 runs once per step in every schedule (before: once per `detach_input=False`
 tower, six on the CTR example), and the early schedules get faster.
 

@@ -1,6 +1,6 @@
 """Host time per CTR step for every ERASE schedule combination (torch CPU), checkouts side by side.
 
-Claim (issue 22 A): the launcher x placement x graphs options add no host
+Claim: the launcher x placement x graphs options add no host
 time over the schedules they replace. On a CPU the whole step is host time;
 on a GPU this is the host path the device must hide.
 
