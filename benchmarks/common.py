@@ -220,13 +220,50 @@ def run_checkouts(argv, before, rounds, env=None):
     return out
 
 
+def parse_repos(items):
+    """`--repos NAME=PATH ...` as `{name: path}` (e.g. `before=/tmp/old after=.`)."""
+    return dict(item.split("=", 1) for item in items)
+
+
+def run_repos(repos, cells, reps, run):
+    """Every cell in every checkout of `repos`, `reps` rounds; returns the rows `run(path, cell)` gives.
+
+    The cells rotate each round and the checkouts alternate which goes first,
+    so a passing load hits every (checkout, cell) alike. Each row gets `repo`
+    (the checkout's name) and `rep`; a `None` row is skipped.
+    """
+    rows, names = [], list(repos)
+    for rep in range(reps):
+        shift = rep % len(cells)
+        for index, cell in enumerate(cells[shift:] + cells[:shift]):
+            for name in names if (rep + index) % 2 == 0 else names[::-1]:
+                row = run(repos[name], cell)
+                print(name, cell, json.dumps(row, default=str), flush=True)
+                if row is not None:
+                    rows.append(dict(row, repo=name, rep=rep))
+    return rows
+
+
+def command_line():
+    """This process's command as a user reruns it (the backend, the script relative to the repository)."""
+    import shlex
+
+    backend = os.environ.get("KERAS_BACKEND")
+    argv = [os.path.relpath(os.path.abspath(sys.argv[0]), _REPO), *sys.argv[1:]]
+    return (f"KERAS_BACKEND={backend} " if backend else "") + "python " + shlex.join(argv)
+
+
 def emit_row(row):
     """Prints a cell's result as the `ROW <json>` line `run_cell` reads."""
     print("ROW " + json.dumps(row, default=str), flush=True)
 
 
 def write_results(prefix, title, what, command, info, table, payload):
-    """Writes `prefix.md` (title, what each figure is, the command, the machine line, the table) and `prefix.json`."""
+    """Writes `prefix.md` (title, what each figure is, the command, the machine line, the table) and `prefix.json`.
+
+    `command`: the one command that reproduces the table (`None`: this process's, `command_line()`).
+    """
+    command = command or command_line()
     write_text(prefix + ".md", f"# {title}\n\n{what}\n\nCommand: `{command}`\n\n{machine_line(info)}\n\n{table}\n")
     write_json(prefix + ".json", {"title": title, "command": command, "machine": info, **payload})
 

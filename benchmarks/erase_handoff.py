@@ -142,32 +142,19 @@ def main(argv=None):
     if args.cell is not None:
         print("ROW " + json.dumps(run_cell(args.cell, args)), flush=True)
         return None
-    repos = dict(item.split("=", 1) for item in args.repos)
+    from benchmarks.common import machine_info, parse_repos, run_repos, write_results
+
+    repos = parse_repos(args.repos)
     names = list(repos)
-    load_before = os.getloadavg()
-    rows = []
-    for rep in range(args.reps):
-        order = args.modes[rep % len(args.modes):] + args.modes[: rep % len(args.modes)]
-        for mode in order:
-            for name in names if rep % 2 == 0 else names[::-1]:
-                row = run_in_process(repos[name], mode, args)
-                row.update(repo=name, rep=rep)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    rows = run_repos(repos, args.modes, args.reps, lambda path, mode: run_in_process(path, mode, args))
     table, summary = summarize(rows, names, args.modes)
-    load = {"before": load_before, "after": os.getloadavg()}
-    note = (
-        f"\ntorch.set_num_threads({args.threads}), batch {args.batch}, {args.steps} steps "
-        f"({args.warmup} warm-up), {args.reps} processes per cell, os.cpu_count()="
-        f"{os.cpu_count()}, load average (1, 5, 15 min) before {load['before']} "
-        f"after {load['after']}. Ratios: {names[-1]} / {names[0]}."
-    )
-    print(table + note)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n" + note + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rows": rows, "summary": summary, "load": load, "args": vars(args)}, f,
-                  indent=2)
+    what = (f"torch.set_num_threads({args.threads}), batch {args.batch}, {args.steps} steps "
+            f"({args.warmup} warm-up), {args.reps} processes per cell (the checkouts alternating). "
+            f"backwards/step: the shared embedding table's backwards per step; p50/p90: per-step "
+            f"examples/s after the warm-up (p90 = the fast end). Ratios: {names[-1]} / {names[0]}.")
+    print(table)
+    write_results(args.out, "The gradient hand-off on the CTR example (torch CPU)", what, None,
+                  machine_info(threads=args.threads), table, {"rows": rows, "summary": summary, "args": vars(args)})
     return rows
 
 
