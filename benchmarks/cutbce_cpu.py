@@ -76,7 +76,7 @@ TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}
 
 
 sys.path.insert(0, ROOT)  # this checkout's harness, even in a `--before` worker
-from benchmarks.common import alternate, commit, emit_row  # noqa: E402
+from benchmarks.common import alternate, commit, emit_row, fmt_spread  # noqa: E402
 from benchmarks.common import reset_peak_rss as _reset_peak  # noqa: E402
 from benchmarks.common import rss_bytes as _status  # noqa: E402
 
@@ -700,21 +700,51 @@ SOFTMAX_LABELS = {
 }
 
 
+def _softmax_lines(rows):
+    """The softmax table's markdown lines; ratios over the same process's dense and F.lce cells."""
+    lines = ["| backend | M, D, V | implementation | wall s, median (min-max) | CPU s, median (min-max) | "
+             "wall / dense | CPU / dense | CPU / F.lce chunked | extra peak MB | first call MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
+    for row in rows:
+        same = {r["implementation"]: r for r in rows if (r["backend"], r["shape"]) == (row["backend"], row["shape"])}
+        over = lambda other, key: (row[key]["median"] / same[other][key]["median"]  # noqa: E731
+                                   if other in same else None)
+        lines.append(
+            f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {SOFTMAX_LABELS[row['implementation']]} | "
+            f"{fmt_spread(row['wall'])} | {fmt_spread(row['cpu'])} | {fmt(over('dense', 'wall'))} | "
+            f"{fmt(over('dense', 'cpu'))} | {fmt(over('torch_lce_chunked', 'cpu'))} | "
+            f"{fmt(row.get('peak_extra_mb'), '.0f')} | {fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
+    return lines
+
+
+SOFTMAX_WHAT = (
+    "Softmax cross-entropy over the full vocabulary, one target id a position, float32, CPU: loss plus "
+    "gradients of hidden, table and bias. Per backend and shape one process times every implementation "
+    "alternating (one call of each per round, {repeats} rounds after a warm-up round; jit / tf.function on "
+    "JAX / TensorFlow, eager on torch): wall and CPU seconds of a call, median (min-max); ratios over the "
+    "same process's dense (and, on torch, `F.linear_cross_entropy` with chunking options) medians. Extra "
+    "peak MB (at (1024, 128, 262144)): a fresh process per implementation, the peak RSS of one call after "
+    "the warm-up above the RSS once the inputs exist (`/proc/self/clear_refs`), as the BCE memory table; "
+    "first call MB includes tracing and compilation. `CutSoftmaxLoss` runs `implementation=\"auto\"`: "
+    "the chunked implementation on CPU. Threads: {threads} (torch `set_num_threads`, TensorFlow "
+    "intra/inter-op, XLA's CPU client single-threaded at 1), on a 2-core machine shared with other jobs "
+    "(load average in the machine line: on a loaded machine wall time includes waiting for a core, CPU "
+    "time does not). Goals: " + SOFTMAX_GOALS + "."
+)
+
+
 def softmax(args):
     """The softmax table: per backend and shape, one process timing every cell alternating, then one
-    fresh process per cell for its extra peak RSS."""
-    from benchmarks.common import fmt_spread, machine_info, run_cell, write_results
+    fresh process per cell for its extra peak RSS (at `MEMORY_SHAPE`)."""
+    from benchmarks.common import machine_info, run_cell, write_results
 
     shapes = SOFTMAX_SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
     threads = args.threads or "1"
     info = machine_info(threads=threads)
-    rows, lines = [], [
-        "| backend | M, D, V | implementation | wall s, median (min-max) | CPU s, median | "
-        "wall / dense | wall / F.lce chunked | extra peak MB | first call MB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     script = os.path.relpath(os.path.abspath(__file__), ROOT)
     for backend in args.backends.split(","):
         env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
@@ -724,47 +754,21 @@ def softmax(args):
                 timed = run_cell(common + ["--softmax-cell", "time", "--repeats", str(args.repeats)]
                                  + (["--variants", args.variants] if args.variants else []), ROOT, env)
             except RuntimeError as error:
-                timed = {"error": str(error)[-300:], "cells": {}}
-            for name, cell in timed["cells"].items() if shape == MEMORY_SHAPE else ():
-                try:
-                    cell.update(run_cell(common + ["--softmax-cell", "memory", "--variant", name,
-                                                   "--repeats", "1"], ROOT, env))
-                except RuntimeError as error:
-                    cell["memory_error"] = str(error)[-300:]
-            cells = timed["cells"]
-            dense = cells.get("dense", {}).get("wall", {}).get("median")
-            lce = cells.get("torch_lce_chunked", {}).get("wall", {}).get("median")
-            for name, cell in cells.items():
-                wall = cell["wall"]["median"]
-                row = {"backend": backend, "shape": shape, "implementation": name, **cell,
-                       "wall_over_dense": wall / dense if dense else None,
-                       "wall_over_torch_lce_chunked": wall / lce if lce else None}
-                rows.append(row)
-                ratio = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
-                lines.append(
-                    f"| {backend} | {', '.join(map(str, shape))} | {SOFTMAX_LABELS[name]} | "
-                    f"{fmt_spread(cell['wall'])} | {cell['cpu']['median']:.3g} | "
-                    f"{ratio(row['wall_over_dense'])} | {ratio(row['wall_over_torch_lce_chunked'])} | "
-                    f"{ratio(cell.get('peak_extra_mb'), '.0f')} | "
-                    f"{ratio(cell.get('first_call_peak_extra_mb'), '.0f')} |")
-            print("\n".join(lines[-len(cells):]) or timed.get("error"), flush=True)
+                print(backend, shape, str(error)[-300:], flush=True)
+                continue
+            for name, cell in timed["cells"].items():
+                if shape == MEMORY_SHAPE:
+                    try:
+                        cell.update(run_cell(common + ["--softmax-cell", "memory", "--variant", name,
+                                                       "--repeats", "1"], ROOT, env))
+                    except RuntimeError as error:
+                        cell["memory_error"] = str(error)[-300:]
+                rows.append({"backend": backend, "shape": shape, "implementation": name, **cell})
+            print("\n".join(_softmax_lines(rows)[-len(timed["cells"]):]), flush=True)
     info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    command = (f"python {script} --softmax --backends {args.backends} --repeats {args.repeats} --threads {threads}"
-               + (f" --variants {args.variants}" if args.variants else ""))
-    what = (
-        "Softmax cross-entropy over the full vocabulary, one target id a position, float32, CPU: loss plus "
-        "gradients of hidden, table and bias. Per backend and shape one process times every implementation "
-        f"alternating (one call of each per round, {args.repeats} rounds after a warm-up round; jit / "
-        "tf.function on JAX / TensorFlow, eager on torch): wall seconds median (min-max) and CPU seconds "
-        "median. Extra peak MB (at (1024, 128, 262144) only): a fresh process per implementation, the peak RSS of one call after the "
-        "warm-up above the RSS once the inputs exist (`/proc/self/clear_refs`), as the BCE memory table; "
-        "first call MB includes tracing and compilation. `CutSoftmaxLoss` and `cut_categorical_crossentropy` "
-        "run `implementation=\"auto\"`, which is the chunked implementation on CPU. Threads: "
-        f"{threads} (torch `set_num_threads`, TensorFlow intra/inter-op, XLA's CPU client single-threaded at 1), "
-        f"on a 2-core machine shared with other jobs (load average in the machine line). Goals: {SOFTMAX_GOALS}."
-    )
-    write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU", what, command,
-                  info, "\n".join(lines), {"rows": rows})
+    write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU",
+                  SOFTMAX_WHAT.format(repeats=args.repeats, threads=threads), None, info,
+                  "\n".join(_softmax_lines(rows)), {"repeats": args.repeats, "rows": rows})
 
 
 def _fmt(entry, key="median_s", digits=3):

@@ -48,7 +48,7 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import command_line, markdown_table  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
@@ -151,7 +151,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.deviceless:
         payload = deviceless()
-        text = _deviceless_markdown(payload)
+        text = f"Command: `{command_line()}`\n\n" + _deviceless_markdown(payload)
         stem = "cutbce_triton_deviceless"
     else:
         import torch

@@ -23,7 +23,7 @@ ratio of each checkout to the first one.
 
 Usage:
 
-    git worktree add /tmp/erase-old 817459f
+    git worktree add /tmp/erase-old COMMIT   # a commit before the hand-off
     KERAS_BACKEND=torch python benchmarks/erase_handoff.py \
         --repos before=/tmp/erase-old after=. --threads 2
 """
