@@ -709,10 +709,11 @@ def _softmax_lines(rows):
     for row in rows:
         same = {r["implementation"]: r for r in rows if (r["backend"], r["shape"]) == (row["backend"], row["shape"])}
         over = lambda other, key: (row[key]["median"] / same[other][key]["median"]  # noqa: E731
-                                   if other in same else None)
+                                   if key in row and key in same.get(other, {}) else None)
+        spreads = [fmt_spread(row[key]) if key in row else "-" for key in ("wall", "cpu")]
         lines.append(
             f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {SOFTMAX_LABELS[row['implementation']]} | "
-            f"{fmt_spread(row['wall'])} | {fmt_spread(row['cpu'])} | {fmt(over('dense', 'wall'))} | "
+            f"{spreads[0]} | {spreads[1]} | {fmt(over('dense', 'wall'))} | "
             f"{fmt(over('dense', 'cpu'))} | {fmt(over('torch_lce_chunked', 'cpu'))} | "
             f"{fmt(row.get('peak_extra_mb'), '.0f')} | {fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
     return lines
