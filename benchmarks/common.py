@@ -129,7 +129,10 @@ def markdown_table(rows, columns, headers=None):
 def commit(root=_REPO):
     """The checkout's short commit, with `+dirty` when it has uncommitted changes ("" if not a git checkout)."""
     def git(*args):
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
 
     sha = git("rev-parse", "--short", "HEAD")
     return sha + ("+dirty" if sha and git("status", "--porcelain", "--untracked-files=no") else "")
