@@ -1,5 +1,13 @@
-"""Small generic helpers for the benchmark scripts: step timing statistics, markdown
-tables and JSON output. Nothing here knows about a particular model.
+"""The benchmarks' harness: alternating cells, medians with spread, the machine line, markdown + JSON.
+
+Every benchmark script times its cells with `alternate` (one call of each
+cell per round, round 0 a warm-up, so load on a shared machine hits every
+cell alike), summarises with `spread` (median, min, max), writes its table
+with `write_results` (a header naming the command that reproduces it and
+the machine line: platform, CPUs, threads, load average, the checkout's
+commit) and compares two checkouts with `--before DIR` through
+`run_checkouts` (the same command in each checkout, alternating) instead of
+code that knows commits.
 
 Throughput convention (the ERASE paper's, defined once in `keras_erase.throughput`):
 `p50` and `p90` are the 50th and 90th percentiles of per-step examples per second
@@ -15,12 +23,15 @@ Example:
 ```python
 stats = throughput_stats([0.010, 0.011, 0.012], batch_size=512)
 print(markdown_table([{"mode": "standard", **stats}], ["mode", "p50", "p90"]))
+print(spread([0.3, 0.1, 0.2]))
 ```
 """
 
+import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -115,16 +126,149 @@ def markdown_table(rows, columns, headers=None):
     return "\n".join(lines)
 
 
+def commit(root=_REPO):
+    """The checkout's short commit, with `+dirty` when it has uncommitted changes ("" if not a git checkout)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on this machine
+            return ""
+
+    sha = git("rev-parse", "--short", "HEAD")
+    return sha + ("+dirty" if sha and git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def machine_info(**extra):
-    """A small description of the machine for result files."""
+    """The machine line's fields: platform, Python, CPUs, load average, the checkout's commit, the time."""
     info = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        "loadavg": [round(v, 2) for v in os.getloadavg()],
+        "commit": commit(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     info.update(extra)
     return info
+
+
+def machine_line(info):
+    """`machine_info` (with e.g. `threads=`) as one markdown line."""
+    return "Machine: " + "; ".join(
+        f"{k} {', '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in info.items()
+    ) + "."
+
+
+def spread(samples):
+    """`{"median", "min", "max", "n"}` of `samples` (seconds, bytes, ...)."""
+    samples = [float(x) for x in samples]
+    return {"median": float(np.median(samples)), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def fmt_spread(stats, scale=1.0, digits=3):
+    """`median (min-max)` of a `spread` dict, each value times `scale`."""
+    m, lo, hi = (stats[k] * scale for k in ("median", "min", "max"))
+    return f"{m:.{digits}g} ({lo:.{digits}g}-{hi:.{digits}g})"
+
+
+def alternate(cells, repeats, block=lambda result: result):
+    """Times `cells` (name -> zero-argument callable) alternating: one call of each per round.
+
+    Round 0 is a warm-up (compilation; its wall seconds are kept as
+    `first_s`). Returns name -> `{"wall": spread, "cpu": spread, "times_s",
+    "first_s"}`; `block(result)` waits for an asynchronous result.
+    """
+    out = {name: {"times_s": [], "cpu_s": []} for name in cells}
+    for round_ in range(repeats + 1):
+        for name, call in cells.items():
+            gc.collect()
+            cpu, start = time.process_time(), time.perf_counter()
+            block(call())
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if round_ == 0:
+                out[name]["first_s"] = wall
+            else:
+                out[name]["times_s"].append(wall)
+                out[name]["cpu_s"].append(cpu)
+    for entry in out.values():
+        entry["wall"], entry["cpu"] = spread(entry["times_s"]), spread(entry["cpu_s"])
+    return out
+
+
+def run_cell(argv, root=_REPO, env=None):
+    """Runs `python argv...` in a fresh process importing the checkout at `root`; returns its `ROW <json>` line.
+
+    The script runs from `root` (the same relative path in that checkout).
+    """
+    env = dict(os.environ if env is None else env, PYTHONPATH=os.path.abspath(root))
+    done = subprocess.run([sys.executable, *argv], env=env, cwd=os.path.abspath(root),
+                          capture_output=True, text=True, check=False)
+    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"{root}: {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(rows[-1])
+
+
+def run_checkouts(argv, before, rounds, env=None):
+    """The same command in this checkout and in `before` (a folder), alternating for `rounds` rounds.
+
+    Returns `{"before": [rows], "after": [rows]}` (`run_cell` rows), the
+    before/after comparison every script offers with `--before DIR`.
+    """
+    roots = {"before": before, "after": _REPO}
+    out = {label: [] for label in roots}
+    for _ in range(rounds):
+        for label, root in roots.items():
+            out[label].append(run_cell(argv, root, env))
+    return out
+
+
+def parse_repos(items):
+    """`--repos NAME=PATH ...` as `{name: path}` (e.g. `before=/tmp/old after=.`)."""
+    return dict(item.split("=", 1) for item in items)
+
+
+def run_repos(repos, cells, reps, run):
+    """Every cell in every checkout of `repos`, `reps` rounds; returns the rows `run(path, cell)` gives.
+
+    The cells rotate each round and the checkouts alternate which goes first,
+    so a passing load hits every (checkout, cell) alike. Each row gets `repo`
+    (the checkout's name) and `rep`; a `None` row is skipped.
+    """
+    rows, names = [], list(repos)
+    for rep in range(reps):
+        shift = rep % len(cells)
+        for index, cell in enumerate(cells[shift:] + cells[:shift]):
+            for name in names if (rep + index) % 2 == 0 else names[::-1]:
+                row = run(repos[name], cell)
+                print(name, cell, json.dumps(row, default=str), flush=True)
+                if row is not None:
+                    rows.append(dict(row, repo=name, rep=rep))
+    return rows
+
+
+def command_line():
+    """This process's command as a user reruns it (the backend, the script relative to the repository)."""
+    import shlex
+
+    backend = os.environ.get("KERAS_BACKEND")
+    argv = [os.path.relpath(os.path.abspath(sys.argv[0]), _REPO), *sys.argv[1:]]
+    return (f"KERAS_BACKEND={backend} " if backend else "") + "python " + shlex.join(argv)
+
+
+def emit_row(row):
+    """Prints a cell's result as the `ROW <json>` line `run_cell` reads."""
+    print("ROW " + json.dumps(row, default=str), flush=True)
+
+
+def write_results(prefix, title, what, command, info, table, payload):
+    """Writes `prefix.md` (title, what each figure is, the command, the machine line, the table) and `prefix.json`.
+
+    `command`: the one command that reproduces the table (`None`: this process's, `command_line()`).
+    """
+    command = command or command_line()
+    write_text(prefix + ".md", f"# {title}\n\n{what}\n\nCommand: `{command}`\n\n{machine_line(info)}\n\n{table}\n")
+    write_json(prefix + ".json", {"title": title, "command": command, "machine": info, **payload})
 
 
 def write_json(path, payload):
@@ -140,21 +284,3 @@ def write_text(path, text):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text if text.endswith("\n") else text + "\n")
-
-
-def run_checkout_cell(script, repo, cell_args):
-    """Runs `python script --cell ...` in a fresh process that imports the checkout at `repo`.
-
-    The cell prints its result as one `ROW <json>` line; returns it parsed.
-    Used by the before/after benchmarks (`erase_handoff.py`, `erase_host_time.py`).
-    """
-    import subprocess
-
-    command = [sys.executable, os.path.abspath(script), "--cell", *map(str, cell_args)]
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.path.abspath(repo))
-    done = subprocess.run(command, env=env, cwd=os.path.abspath(repo), capture_output=True,
-                          text=True, check=False)
-    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"{repo} {cell_args[0]} failed:\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])

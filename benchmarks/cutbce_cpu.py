@@ -28,22 +28,29 @@ default) leaves each backend at its own, as users run it.
 
 `--side-by-side` instead times, per backend and thread setting (`--threads`,
 a comma list, default "default,1") in one process, dense BCE, the loss path
-and the op (and, with `--old-root`, an older checkout's chunked kernels at
-the tile its own width rule picks, and on JAX a pure-JAX
-scan-and-checkpoint operator) alternating, one of each per round, and writes
-`..._side_by_side.{md,json}` with each one's wall and CPU ratio over dense:
-wall time at the default threads is what users see; CPU time at 1 thread
-has no waits at thread barriers.
+and the op (and on JAX a pure-JAX scan-and-checkpoint operator) alternating,
+one of each per round, and writes `..._side_by_side.{md,json}` with each
+one's wall and CPU ratio over dense: wall time at the default threads is
+what users see; CPU time at 1 thread has no waits at thread barriers.
 
 `--memory` writes the memory table `..._memory.{md,json}`: the extra peak
-RSS of one forward + backward of the loss path at (1024, 128, 262144), for
-this checkout and (with `--old-root`) that checkout's whole package, each
-in its own process.
+RSS of one forward + backward of the loss path at (1024, 128, 262144), each
+backend in its own process.
+
+`--softmax` writes `..._softmax.{md,json}`: `CutSoftmaxLoss` and
+`cut_categorical_crossentropy` against dense Keras softmax cross-entropy
+(and `F.linear_cross_entropy` on torch), alternating in one process per
+backend and shape, plus each one's extra peak RSS in a fresh process.
+
+`--before DIR` (with `--side-by-side` or `--memory`) runs the same worker
+processes with the package of the checkout at DIR too, alternating with
+this checkout's: the before/after comparison, from two checkouts.
 
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (takes ~15 min)
-    python benchmarks/cutbce_cpu.py --side-by-side --old-root /tmp/cpu-old
-    python benchmarks/cutbce_cpu.py --memory --old-root /tmp/cpu-old --backends torch,tensorflow
+    python benchmarks/cutbce_cpu.py --side-by-side --before /tmp/cpu-old
+    python benchmarks/cutbce_cpu.py --memory --before /tmp/cpu-old --backends torch,tensorflow
+    python benchmarks/cutbce_cpu.py --softmax --threads 1 --repeats 3
     python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
 
 Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
@@ -61,11 +68,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The checkout whose `keras_cutbce` is timed (`--package-root`; default this
-# one, never an installed copy).
-PACKAGE_ROOT = os.environ.get("CUTBCE_PACKAGE_ROOT", ROOT)
-if PACKAGE_ROOT not in sys.path:
-    sys.path.insert(0, PACKAGE_ROOT)
 SHAPES = [(4096, 64, 32768), (4096, 64, 131072), (1024, 128, 262144)]
 QUICK_SHAPES = [(512, 32, 4096)]
 BACKENDS = ["jax", "torch", "tensorflow"]
@@ -73,10 +75,13 @@ TOP_K = 10
 TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}
 
 
-if ROOT not in sys.path:  # after PACKAGE_ROOT: the timed checkout's package comes first
-    sys.path.append(ROOT)
+sys.path.insert(0, ROOT)  # this checkout's harness, even in a `--before` worker
+from benchmarks.common import alternate, commit, emit_row, fmt_spread  # noqa: E402
 from benchmarks.common import reset_peak_rss as _reset_peak  # noqa: E402
 from benchmarks.common import rss_bytes as _status  # noqa: E402
+
+sys.path.remove(ROOT)  # the timed `keras_cutbce`: PYTHONPATH's (`--before`'s checkout) first
+sys.path.append(ROOT)
 
 
 def _inputs(shape, seed=0):
@@ -316,7 +321,7 @@ def worker(args):
         _block(run(*inputs))
         times.append(time.perf_counter() - start)
     peak = _status("VmHWM")
-    print(json.dumps({
+    emit_row(({
         "median_s": statistics.median(times), "times_s": times, "first_s": first,
         "peak_extra_mb": (peak - before) / 2**20,
         "first_call_peak_extra_mb": (first_peak - before) / 2**20,
@@ -327,32 +332,6 @@ def worker(args):
 # ------------------------------------------------------------ side by side ---
 
 SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
-
-
-def _old_module(old_root, *parts):
-    """A module file of an older checkout, loaded beside this one (its imports resolve here)."""
-    import importlib.util
-
-    path = os.path.join(old_root, "keras_cutbce", *parts)
-    spec = importlib.util.spec_from_file_location("_old_" + "_".join(parts)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _old_chunked(backend, old_root):
-    """The chunked kernel module of an older checkout, loaded beside this one.
-
-    Only `backends/<backend>/chunked.py` comes from `old_root`; its imports
-    (`positives`, `coefficients`, `tiling`) resolve to this checkout's.
-    """
-    return _old_module(old_root, "backends", backend, "chunked.py")
-
-
-def _old_tile(backend, old_root, rows, vocab):
-    """The tile the older checkout's public API picks for these shapes (its own width rule)."""
-    tiling = _old_module(old_root, "math", "tiling.py")
-    return tiling.default_chunk_size(rows, vocab, tiling.tile_budget_bytes(backend, "cpu"))
 
 
 def _pure_jax_operator(ids, tile):
@@ -385,8 +364,8 @@ def _pure_jax_operator(ids, tile):
     return loss
 
 
-def _side_by_side_fns(backend, shape, old_root):
-    """`name -> (run, inputs)`: dense, the new loss and op, the old ones, the pure-JAX one."""
+def _side_by_side_fns(backend, shape):
+    """`name -> (run, inputs)`: dense, the loss and op, on JAX the pure-JAX op; and the tile."""
     from keras import ops
 
     from keras_cutbce import cut_binary_crossentropy
@@ -401,60 +380,39 @@ def _side_by_side_fns(backend, shape, old_root):
     budget = tile_budget_bytes(backend, "cpu", table_bytes=4 * vocab * shape[1])
     tile = default_chunk_size(rows, vocab, budget, max_tile(backend, "cpu"))
 
-    def new_loss(h, t, b):
+    def loss(h, t, b):
         return weighted_loss_sum(h, t, ids, weights, b, implementation="chunked")
 
-    def new_op(h, t, b):
+    def op(h, t, b):
         return ops.sum(cut_binary_crossentropy(h, t, ids, b, implementation="chunked"))
 
     inputs = (hidden, table, bias)
-    fns["loss"] = (_value_and_grad_fn(backend, new_loss), inputs)
-    fns["op"] = (_value_and_grad_fn(backend, new_op), inputs)
-    old_tile = None
-    if old_root:
-        old = _old_chunked(backend, old_root)
-        old_tile = _old_tile(backend, old_root, rows, vocab)
-        kwargs = dict(label_smoothing=0.0, pos_weight=1.0, chunk_size=old_tile)
-
-        def old_loss(h, t, b):
-            return old.cut_bce_weighted_sum(h, t, ids, b, weights, **kwargs)
-
-        def old_op(h, t, b):
-            return ops.sum(old.cut_bce(h, t, ids, b, **kwargs))
-
-        fns["loss_old"] = (_value_and_grad_fn(backend, old_loss), inputs)
-        fns["op_old"] = (_value_and_grad_fn(backend, old_op), inputs)
+    fns["loss"] = (_value_and_grad_fn(backend, loss), inputs)
+    fns["op"] = (_value_and_grad_fn(backend, op), inputs)
     if backend == "jax" and vocab % tile == 0:
         fns["pure_jax"] = (_value_and_grad_fn(backend, _pure_jax_operator(ids, tile)), inputs)
-    return fns, tile, old_tile
+    return fns, tile
 
 
 def side_by_side_worker(args):
-    """Times every side-by-side variant in this one process, alternating, and prints a JSON line."""
+    """Times every side-by-side variant in this one process, alternating; prints a `ROW` line."""
     backend = os.environ["KERAS_BACKEND"]
     threads_used = _set_threads(backend, _threads(args.threads))
     shape = tuple(int(x) for x in args.shape.split(","))
-    fns, tile, old_tile = _side_by_side_fns(backend, shape, args.old_root)
-    times = {name: [] for name in fns}
-    cpu_times = {name: [] for name in fns}
-    first = {}
-    for round_ in range(args.repeats + 1):  # round 0: warm-up (compiles)
-        for name, (run, inputs) in fns.items():
-            gc.collect()
-            cpu_start, start = time.process_time(), time.perf_counter()
-            _block(run(*inputs))
-            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            if round_ == 0:
-                first[name] = elapsed
-            else:
-                times[name].append(elapsed)
-                cpu_times[name].append(cpu)
-    print(json.dumps({
-        "tile": tile, "old_tile": old_tile, "times_s": times, "cpu_times_s": cpu_times, "first_s": first,
-        "median_s": {name: statistics.median(t) for name, t in times.items()},
-        "median_cpu_s": {name: statistics.median(t) for name, t in cpu_times.items()},
+    fns, tile = _side_by_side_fns(backend, shape)
+    timed = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in fns.items()},
+                      args.repeats, block=_block)
+    emit_row({
+        "tile": tile, "cells": timed, "commit": commit(),
+        "median_s": {name: cell["wall"]["median"] for name, cell in timed.items()},
+        "median_cpu_s": {name: cell["cpu"]["median"] for name, cell in timed.items()},
         "loadavg": os.getloadavg(), "threads": threads_used,
-    }))
+    })
+
+
+def _roots(args):
+    """`label -> checkout`: this one ("after"), and `--before`'s first when given."""
+    return {"before": os.path.abspath(args.before), "after": ROOT} if args.before else {"after": ROOT}
 
 
 def _thread_settings(value):
@@ -463,30 +421,20 @@ def _thread_settings(value):
 
 
 def side_by_side(args):
-    """One process per backend and thread setting: dense, loss, op (new and old), alternating."""
+    """One process per backend, thread setting and checkout: dense, loss, op, alternating."""
     shape = tuple(int(x) for x in (args.shapes or "4096,64,32768").split(";")[0].split(","))
     settings = _thread_settings(args.threads)
-    results = {"shape": shape, "repeats": args.repeats, "threads": settings,
-               "old_root": args.old_root, "cpus": os.cpu_count(),
-               "loadavg_start": os.getloadavg(), "backends": {}}
+    roots = _roots(args)
+    results = {"shape": shape, "repeats": args.repeats, "threads": settings, "roots": roots,
+               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "backends": {}}
     for backend in args.backends.split(","):
-        results["backends"][backend] = {}
         for threads in settings:
-            env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"),
-                              _threads(threads))
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant",
-                   "side_by_side", "--shape", ",".join(map(str, shape)),
-                   "--repeats", str(args.repeats), "--threads", threads]
-            if args.old_root:
-                cmd += ["--old-root", args.old_root]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-                entry = {"error": last[:300]}
-            else:
-                entry = json.loads(proc.stdout.strip().splitlines()[-1])
-            results["backends"][backend][threads] = entry
-            print(backend, threads, entry, flush=True)
+            for label, root in roots.items():  # the checkouts alternate, backend by backend
+                name = backend if label == "after" else f"{backend} ({label})"
+                entry = run_variant(backend, "side_by_side", shape, args.repeats, threads,
+                                    args.memory_cap_gb * 2**30, root)
+                results["backends"].setdefault(name, {})[threads] = entry
+                print(name, threads, entry.get("median_s", entry), flush=True)
     results["loadavg_end"] = os.getloadavg()
     lines = _side_by_side_table(results)
     print("\n".join(lines))
@@ -500,7 +448,7 @@ def side_by_side(args):
 
 SIDE_BY_SIDE_LABELS = {
     "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
-    "loss_old": "loss, old", "op_old": "op, old", "pure_jax": "pure-JAX op (reference)",
+    "pure_jax": "pure-JAX op (reference)",
 }
 
 
@@ -529,8 +477,7 @@ def _side_by_side_table(results):
             if key not in ok[0]["median_s"]:
                 continue
             label = "dense Keras BCE" if key == "dense" else SIDE_BY_SIDE_LABELS[key]
-            row_tile = ok[0].get("old_tile") or tile if key.endswith("_old") else tile
-            row = f"| {backend} | {row_tile} | {label} |"
+            row = f"| {backend} | {tile} | {label} |"
             for entry in entries:
                 if "error" in entry:
                     row += f" {entry['error'][:60]} | | |"
@@ -543,26 +490,17 @@ def _side_by_side_table(results):
     return lines
 
 
-def _commit(root):
-    """` (commit abc1234)` of a git checkout, or "" when git cannot tell."""
-    proc = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)
-    return f" (commit {proc.stdout.strip()})" if proc.returncode == 0 else ""
-
-
 def _side_by_side_header(results, args):
     shape = ", ".join(map(str, results["shape"]))
     load = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
-    old = (f"; old = `backends/<backend>/chunked.py` of `{args.old_root}`{_commit(args.old_root)} "
-           "at the tile that checkout's width rule picks, called as the public API calls it"
-           if args.old_root else "")
+    commits = ", ".join(f"{label} = `{root}` ({commit(root)})" for label, root in results["roots"].items())
     return (
         f"# CutBCE side by side with dense Keras BCE, (M, D, V) = ({shape}), float32, CPU\n\n"
         f"Forward + gradients of h, E, b. Each backend in one process: every variant once per "
         f"round, {results['repeats']} rounds after a warm-up round, medians; ratios over the same "
         f"process's dense BCE, in wall time and in the process's CPU time (all its threads; "
         "steadier than wall time on a loaded machine). loss = `weighted_loss_sum` (what `CutBCELoss` runs), op = "
-        f"`sum(cut_binary_crossentropy)` (exact for any cotangent){old}; pure-JAX op = "
+        f"`sum(cut_binary_crossentropy)` (exact for any cotangent); pure-JAX op = "
         "`lax.scan` over tiles under `jax.checkpoint` with autodiff (a reference written here, "
         f"not exact at saturated positives). {results['cpus']} cores; one process per thread "
         f"setting ({', '.join(results['threads'])}): \"default\" leaves torch, TensorFlow and "
@@ -570,26 +508,19 @@ def _side_by_side_header(results, args):
         "1 pins all three to one thread (CPU-time ratios without waits at thread barriers). "
         "Load average (1, 5, 15 min) at start "
         f"{load(results['loadavg_start'])}, at end {load(results['loadavg_end'])} (a shared, "
-        "loaded machine: ratios are the stable figures, absolute seconds are not).\n\n"
+        f"loaded machine: ratios are the stable figures, absolute seconds are not). Checkouts: {commits}.\n\n"
         "Command: `python benchmarks/cutbce_cpu.py --side-by-side"
         + (f" --backends {args.backends}" if args.backends != ",".join(BACKENDS) else "")
-        + (f" --old-root {args.old_root}" if args.old_root else "")
-        + f" --repeats {args.repeats} --threads {','.join(results['threads'])}`"
-        + (f" (package: `{PACKAGE_ROOT}`{_commit(PACKAGE_ROOT)})" if PACKAGE_ROOT != ROOT else "")
-        + "\n\n"
+        + (f" --before {args.before}" if args.before else "")
+        + f" --repeats {args.repeats} --threads {','.join(results['threads'])}`\n\n"
     )
 
 
-def run_variant(backend, variant, shape, repeats, threads, cap_bytes, package_root=None):
-    """Runs `worker` in a subprocess, killing it if its RSS passes `cap_bytes`.
-
-    `package_root`: the checkout whose `keras_cutbce` the worker imports
-    (default: `--package-root`, else this one).
-    """
+def run_variant(backend, variant, shape, repeats, threads, cap_bytes, root=ROOT):
+    """Runs `worker` in a subprocess importing the checkout at `root`, killing it if its RSS passes `cap_bytes`."""
     env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"),
                       _threads(threads))
-    if package_root:
-        env["CUTBCE_PACKAGE_ROOT"] = package_root
+    env["PYTHONPATH"] = root
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant,
            "--shape", ",".join(map(str, shape)), "--repeats", str(repeats), "--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -615,7 +546,7 @@ def run_variant(backend, variant, shape, repeats, threads, cap_bytes, package_ro
     if proc.returncode != 0:
         last = (err.strip().splitlines() or ["?"])[-1]
         return {"error": f"failed: {last[:200]}"}
-    return json.loads(out.strip().splitlines()[-1])
+    return json.loads([line for line in out.splitlines() if line.startswith("ROW ")][-1][4:])
 
 
 MEMORY_SHAPE = (1024, 128, 262144)
@@ -628,15 +559,12 @@ def memory(args):
     Per backend, `weighted_loss_sum` (what `fit` runs) at `MEMORY_SHAPE` in a
     fresh process (`worker`, variant `cutbce_loss`): the peak RSS of the
     timed runs above the RSS once the inputs exist, compilation excluded
-    (and the first call's, compilation included). With `--old-root`, the
-    same for that checkout's whole package, in its own processes, one
-    backend at a time after this checkout's.
+    (and the first call's, compilation included). With `--before`, the
+    same for that checkout's package, in its own processes.
     """
     shape = tuple(int(x) for x in args.shapes.split(",")) if args.shapes else MEMORY_SHAPE
     threads = args.threads or "default"
-    roots = {"after": ROOT}
-    if args.old_root:
-        roots = {"before": os.path.abspath(args.old_root), "after": ROOT}
+    roots = _roots(args)
     cap = args.memory_cap_gb * 2**30
     results = {"shape": shape, "repeats": args.repeats, "threads": threads, "roots": roots,
                "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "backends": {}}
@@ -644,7 +572,7 @@ def memory(args):
         results["backends"][backend] = {}
         for label, root in roots.items():
             entry = run_variant(backend, "cutbce_loss", shape, args.repeats, threads, cap,
-                                package_root=root)
+                                root)
             results["backends"][backend][label] = entry
             print(backend, label, entry, flush=True)
     results["loadavg_end"] = os.getloadavg()
@@ -662,7 +590,7 @@ def memory(args):
     with open(out + ".json", "w") as f:
         json.dump(results, f, indent=1)
     rows, dim, vocab = shape
-    before = (f"before = `{args.old_root}`{_commit(args.old_root)}, " if args.old_root else "")
+    commits = ", ".join(f"{label} = `{root}` ({commit(root)})" for label, root in roots.items())
     with open(out + ".md", "w") as f:
         f.write(
             f"# CutBCE loss path memory, (M, D, V) = ({rows}, {dim}, {vocab}), float32, CPU\n\n"
@@ -671,15 +599,177 @@ def memory(args):
             "each in a fresh process: the peak RSS of the timed runs above the RSS once the "
             "inputs exist (`/proc/self/clear_refs` resets the peak after the warm-up call); "
             "\"first call\" includes tracing and compilation. The `[V, D]` table gradient alone "
-            f"is {vocab * dim * 4 / 2**20:.0f} MB. {before}after = this checkout"
-            f"{_commit(ROOT)}. Threads: {threads}; max of {args.repeats} timed runs. Load average "
+            f"is {vocab * dim * 4 / 2**20:.0f} MB. Checkouts: {commits}. Threads: {threads}; max of {args.repeats} timed runs. Load average "
             f"(1, 5, 15 min) at the end: {', '.join(f'{v:.1f}' for v in results['loadavg_end'])} "
             "(a shared machine).\n\n"
             f"Command: `python benchmarks/cutbce_cpu.py --memory"
-            + (f" --old-root {args.old_root}" if args.old_root else "")
+            + (f" --before {args.before}" if args.before else "")
             + f" --backends {args.backends} --repeats {args.repeats}`\n\n"
         )
         f.write("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------- softmax ---
+
+SOFTMAX_SHAPES = [(4096, 64, 32768), (1024, 128, 262144)]
+SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.linear_cross_entropy"
+
+
+def _softmax_cells(backend, shape, variants):
+    """name -> `(run, inputs)`: loss + gradients of h, E, b, one target a position."""
+    import keras
+    from keras import ops
+
+    from keras_cutbce import checks
+    from keras_cutbce import cut_categorical_crossentropy
+    from keras_cutbce import ops as cut_ops
+
+    hidden, table, bias, ids = _inputs(shape)
+    ids = ids[:, 0]
+    h, t, b, i = (ops.convert_to_tensor(x) for x in (hidden, table, bias, ids))
+    options = checks.loss_options(implementation="auto", family="softmax")
+    weights = ops.ones((shape[0],), "float32")
+
+    def dense(h, t, b):
+        logits = ops.matmul(h, ops.transpose(t)) + b
+        return ops.sum(keras.losses.sparse_categorical_crossentropy(i, logits, from_logits=True))
+
+    def loss(h, t, b):  # what `CutSoftmaxLoss` runs (its fused weighted sum)
+        return cut_ops.loss_sum(cut_ops.loss_inputs(h, t, i, b), options, weights)
+
+    def op(h, t, b):
+        return ops.sum(cut_categorical_crossentropy(h, t, i, b))
+
+    cells = {"dense": dense, "cut_loss": loss, "cut_op": op}
+    cells = {name: (_value_and_grad_fn(backend, fn), (h, t, b)) for name, fn in cells.items()}
+    if backend == "torch":
+        import torch
+        import torch.nn.functional as F
+
+        target = torch.as_tensor(ids).long()
+
+        def torch_lce(chunked):
+            options = torch.nn.LinearCrossEntropyOptions() if chunked else None
+
+            def run(h, t, b):  # `backward()`: the chunked path's gradients are not `autograd.grad`'s
+                h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
+                value = F.linear_cross_entropy(h, t, target, linear_bias=b, reduction="sum", options=options)
+                value.backward()
+                return value, (h.grad, t.grad, b.grad)
+
+            return run, (h, t, b)
+
+        cells["torch_lce_chunked"] = torch_lce(True)
+        cells["torch_lce"] = torch_lce(False)
+    return {name: cell for name, cell in cells.items() if not variants or name in variants}
+
+
+def softmax_cell(args):
+    """In this process: the softmax cells of one backend, alternating (`--softmax-cell time`) or
+    one cell's extra peak RSS (`--softmax-cell memory --variant NAME`); prints a `ROW` line."""
+    from benchmarks.common import alternate, emit_row
+
+    backend = os.environ["KERAS_BACKEND"]
+    threads = _set_threads(backend, _threads(args.threads))
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if args.softmax_cell == "time":
+        cells = _softmax_cells(backend, shape, args.variants and args.variants.split(","))
+        timed = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in cells.items()},
+                          args.repeats, block=_block)
+        return emit_row({"threads": threads, "loadavg": os.getloadavg(), "cells": timed})
+    run, inputs = _softmax_cells(backend, shape, [args.variant])[args.variant]
+    before = _status("VmRSS")
+    _reset_peak()
+    _block(run(*inputs))  # warm-up: tracing and compilation
+    first = _status("VmHWM")
+    gc.collect()
+    _reset_peak()
+    peaks = []
+    for _ in range(args.repeats):
+        gc.collect()
+        _block(run(*inputs))
+        peaks.append((_status("VmHWM") - before) / 2**20)
+    emit_row({"threads": threads, "peak_extra_mb": max(peaks),
+              "first_call_peak_extra_mb": (first - before) / 2**20})
+
+
+SOFTMAX_LABELS = {
+    "dense": "dense Keras (`sparse_categorical_crossentropy`, logits from a matmul)",
+    "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)", "cut_op": "`cut_categorical_crossentropy` (auto)",
+    "torch_lce_chunked": "`F.linear_cross_entropy`, chunked options", "torch_lce": "`F.linear_cross_entropy`, reference",
+}
+
+
+def _softmax_lines(rows):
+    """The softmax table's markdown lines; ratios over the same process's dense and F.lce cells."""
+    lines = ["| backend | M, D, V | implementation | wall s, median (min-max) | CPU s, median (min-max) | "
+             "wall / dense | CPU / dense | CPU / F.lce chunked | extra peak MB | first call MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
+    for row in rows:
+        same = {r["implementation"]: r for r in rows if (r["backend"], r["shape"]) == (row["backend"], row["shape"])}
+        over = lambda other, key: (row[key]["median"] / same[other][key]["median"]  # noqa: E731
+                                   if key in row and key in same.get(other, {}) else None)
+        spreads = [fmt_spread(row[key]) if key in row else "-" for key in ("wall", "cpu")]
+        lines.append(
+            f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {SOFTMAX_LABELS[row['implementation']]} | "
+            f"{spreads[0]} | {spreads[1]} | {fmt(over('dense', 'wall'))} | "
+            f"{fmt(over('dense', 'cpu'))} | {fmt(over('torch_lce_chunked', 'cpu'))} | "
+            f"{fmt(row.get('peak_extra_mb'), '.0f')} | {fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
+    return lines
+
+
+SOFTMAX_WHAT = (
+    "Softmax cross-entropy over the full vocabulary, one target id a position, float32, CPU: loss plus "
+    "gradients of hidden, table and bias. Per backend and shape one process times every implementation "
+    "alternating (one call of each per round, {repeats} rounds after a warm-up round; jit / tf.function on "
+    "JAX / TensorFlow, eager on torch): wall and CPU seconds of a call, median (min-max); ratios over the "
+    "same process's dense (and, on torch, `F.linear_cross_entropy` with chunking options) medians. Extra "
+    "peak MB (at (1024, 128, 262144)): a fresh process per implementation, the peak RSS of one call after "
+    "the warm-up above the RSS once the inputs exist (`/proc/self/clear_refs`), as the BCE memory table; "
+    "first call MB includes tracing and compilation. `CutSoftmaxLoss` runs `implementation=\"auto\"`: "
+    "the chunked implementation on CPU. Threads: {threads} (torch `set_num_threads`, TensorFlow "
+    "intra/inter-op, XLA's CPU client single-threaded at 1), on a 2-core machine shared with other jobs "
+    "(load average in the machine line: on a loaded machine wall time includes waiting for a core, CPU "
+    "time does not). Goals: " + SOFTMAX_GOALS + "."
+)
+
+
+def softmax(args):
+    """The softmax table: per backend and shape, one process timing every cell alternating, then one
+    fresh process per cell for its extra peak RSS (at `MEMORY_SHAPE`)."""
+    from benchmarks.common import machine_info, run_cell, write_results
+
+    shapes = SOFTMAX_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
+    threads = args.threads or "1"
+    info = machine_info(threads=threads)
+    rows = []
+    script = os.path.relpath(os.path.abspath(__file__), ROOT)
+    for backend in args.backends.split(","):
+        env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
+        for shape in shapes:
+            common = [script, "--shape", ",".join(map(str, shape)), "--threads", threads]
+            try:
+                timed = run_cell(common + ["--softmax-cell", "time", "--repeats", str(args.repeats)]
+                                 + (["--variants", args.variants] if args.variants else []), ROOT, env)
+            except RuntimeError as error:
+                print(backend, shape, str(error)[-300:], flush=True)
+                continue
+            for name, cell in timed["cells"].items():
+                if shape == MEMORY_SHAPE:
+                    try:
+                        cell.update(run_cell(common + ["--softmax-cell", "memory", "--variant", name,
+                                                       "--repeats", "1"], ROOT, env))
+                    except RuntimeError as error:
+                        cell["memory_error"] = str(error)[-300:]
+                rows.append({"backend": backend, "shape": shape, "implementation": name, **cell})
+            print("\n".join(_softmax_lines(rows)[-len(timed["cells"]):]), flush=True)
+    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU",
+                  SOFTMAX_WHAT.format(repeats=args.repeats, threads=threads), None, info,
+                  "\n".join(_softmax_lines(rows)), {"repeats": args.repeats, "rows": rows})
 
 
 def _fmt(entry, key="median_s", digits=3):
@@ -701,20 +791,24 @@ def main():
                              '--side-by-side a comma list (default "default,1")')
     parser.add_argument("--variants", help="comma list of the table's variants (default: all)")
     parser.add_argument("--memory", action="store_true",
-                        help="the memory table: extra peak RSS of the loss path, before (--old-root) and after")
-    parser.add_argument("--package-root",
-                        help="time the keras_cutbce of this checkout (default: this one)")
+                        help="the memory table: extra peak RSS of the loss path (and --before's)")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
     parser.add_argument("--side-by-side", action="store_true",
-                        help="dense, loss and op (and --old-root's) alternating in one process per backend")
-    parser.add_argument("--old-root", help="an older checkout whose chunked kernels are timed beside")
+                        help="dense, loss and op alternating in one process per backend (and checkout)")
+    parser.add_argument("--before", help="another checkout: --side-by-side and --memory run there too, alternating")
+    parser.add_argument("--softmax", action="store_true",
+                        help="the softmax table: CutSoftmaxLoss / cut_categorical_crossentropy vs dense "
+                             "(and F.linear_cross_entropy on torch), alternating; --threads default 1")
+    parser.add_argument("--softmax-cell", choices=("time", "memory"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.package_root:
-        os.environ["CUTBCE_PACKAGE_ROOT"] = os.path.abspath(args.package_root)
+    if args.softmax_cell:
+        return softmax_cell(args)
+    if args.softmax:
+        return softmax(args)
     if args.worker:
         return side_by_side_worker(args) if args.variant == "side_by_side" else worker(args)
     if args.side_by_side:

@@ -8,7 +8,7 @@ rounds with their range. Figures per tile:
 
 - wall s: seconds of one step (what a user waits for);
 - CPU s: the process's CPU seconds in that step, all threads together (the
-  steadier figure on a shared machine, and the issue's unit);
+  steadier figure on a shared machine, and the unit of the tile rule's target);
 - peak MB: one step's peak RSS above the RSS once the inputs exist, in a
   fresh process per tile (`/proc/self/clear_refs` resets the peak): the
   gradients (the `[V, D]` table's among them) and the tile's buffers. (In

@@ -50,7 +50,7 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import command_line, markdown_table  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
@@ -95,7 +95,7 @@ def deviceless():
     import torch
 
     from keras_cutbce.backends.torch.triton import config
-    from keras_cutbce.backends.torch.triton.deviceless import compile_kernel
+    from tools.triton_deviceless import compile_kernel
 
     table = []
     for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, ARCHS, DIMS, OPERANDS):
@@ -153,7 +153,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.deviceless:
         payload = deviceless()
-        text = _deviceless_markdown(payload)
+        text = f"Command: `{command_line()}`\n\n" + _deviceless_markdown(payload)
         stem = "cutbce_triton_deviceless"
     else:
         import torch

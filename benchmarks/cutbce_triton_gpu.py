@@ -29,10 +29,7 @@ no TF32, no profiler kernels, no ncu): it checks the code, the numbers mean noth
 """
 
 import contextlib
-import csv
-import io
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +41,8 @@ if _REPO not in sys.path:
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+
+from tools import nsight_compute  # noqa: E402
 
 # variant -> (operand dtype, torch's fp32 matmul precision)
 VARIANTS = {"bf16": ("bfloat16", "highest"), "tf32": ("float32", "high"),
@@ -58,9 +57,6 @@ SWEEP = (((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
          ((128, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2)))
 # full fp32: the table's tiles, and the rows tile Triton 3.6 compiles without spilling (docs/benchmarks.md)
 SWEEP_IEEE = (SWEEP[0], ((64, 64, 8, 2), (128, 64, 8, 2)))
-NCU_METRICS = ("smsp__inst_executed.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active",
-               "sm__warps_active.avg.per_cycle_active",
-               "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio")
 DRY_RUN = dict(small=(64, 16, 300), paper=(96, 16, 700), parity=(40, 16, 203),
                variants=("ieee",), targets=(1, 8), repeats=2)
 
@@ -422,59 +418,14 @@ def sweep(run):
     return rows
 
 
-def ncu_tool():
-    """The Nsight Compute command line, if installed."""
-    found = shutil.which("ncu")
-    if found:
-        return found
-    import glob
-
-    candidates = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")
-                        + glob.glob("/usr/local/cuda*/bin/ncu"))
-    return candidates[-1] if candidates else None
-
-
-def parse_ncu_csv(text, logits):
-    """Per kernel: warp instructions per logit, issue activity, warps per SM, top 3 stalls."""
-    lines = [line for line in text.splitlines() if line.startswith('"')]
-    table = list(csv.reader(io.StringIO("\n".join(lines))))
-    if len(table) < 2:
-        raise ValueError(f"no ncu metrics in its output: {text[-500:]}")
-    header, rows = table[0], table[1:]
-    name_col = header.index("Kernel Name")
-
-    def number(value):
-        try:
-            return float(value.replace(",", ""))
-        except ValueError:
-            return None
-
-    found = []
-    for row in rows:
-        values = dict(zip(header, row))
-        if not values.get("Kernel Name") or number(values.get("smsp__inst_executed.sum", "")) is None:
-            continue  # the units row
-        stalls = {k.split("issue_stalled_")[1].split("_per_issue")[0]: number(v)
-                  for k, v in values.items() if "issue_stalled_" in k and number(v) is not None}
-        top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
-        found.append(dict(
-            kernel=row[name_col].split("(")[0],
-            instructions_per_logit=number(values["smsp__inst_executed.sum"]) / logits,
-            issue_active_pct=number(values["smsp__issue_active.avg.pct_of_peak_sustained_active"]),
-            warps_per_sm=number(values["sm__warps_active.avg.per_cycle_active"]),
-            top_stalls=", ".join(f"{k} {v:.2f}" for k, v in top),
-        ))
-    return found
-
-
 def nsight(run):
-    tool = ncu_tool()
+    tool = nsight_compute.ncu_tool()
     if run.dry_run or tool is None:
         return [dict(ran=False, why="dry run" if run.dry_run else "ncu is not installed")]
     command = [tool, "--clock-control", "none", "--target-processes", "all", "--csv",
                "--page", "raw", "--print-units", "base", "-k", "regex:rows_kernel|columns_kernel",
                "--launch-skip", "3", "--launch-count", "3",
-               "--metrics", ",".join(NCU_METRICS),
+               "--metrics", ",".join(nsight_compute.NCU_METRICS),
                sys.executable, os.path.abspath(__file__), "--ncu-child"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=max(30, run.left()),
                           check=False)
@@ -482,7 +433,7 @@ def nsight(run):
         return [dict(ran=False, why=f"ncu exit {done.returncode}: "
                                     f"{(done.stderr or done.stdout)[-400:]}")]
     rows, _, vocab = run.small
-    return parse_ncu_csv(done.stdout, rows * vocab)
+    return nsight_compute.parse_ncu_csv(done.stdout, rows * vocab)
 
 
 def ncu_child():

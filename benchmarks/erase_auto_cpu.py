@@ -34,7 +34,6 @@ Usage:
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -75,14 +74,10 @@ def run_cell(mode, batch, width, args):
 
 
 def run_in_process(repo, mode, batch, width, args):
-    command = [sys.executable, os.path.abspath(__file__), "--cell", f"{mode},{batch},{width}",
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=os.path.abspath(repo))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode != 0 or not rows:
-        raise RuntimeError(f"{repo} {mode} ({batch}, {width}) failed:\n{done.stderr[-3000:]}")
-    return json.loads(rows[-1])
+    from benchmarks.common import run_cell
+
+    return run_cell([os.path.abspath(__file__), "--cell", f"{mode},{batch},{width}", "--steps", str(args.steps),
+                     "--warmup", str(args.warmup)], repo, dict(os.environ, KERAS_BACKEND="torch"))
 
 
 def summarize(rows, names, sizes):
@@ -128,42 +123,31 @@ def main(argv=None):
         print("ROW " + json.dumps(run_cell(mode, int(batch), int(width), args)), flush=True)
         return None
     sizes = SIZES if not args.sizes else [tuple(int(v) for v in s.split(",")) for s in args.sizes]
-    repos = dict(item.split("=", 1) for item in args.repos)
+    from benchmarks.common import machine_info, parse_repos, run_repos, write_results
+
+    repos = parse_repos(args.repos)
     names = list(repos)
-    load_before, started = os.getloadavg(), time.perf_counter()
-    rows = []
-    for rep in range(args.reps):
-        for batch, width in sizes:
-            cells = [(name, mode) for name in names for mode in MODES]
-            shift = rep % len(cells)
-            for name, mode in cells[shift:] + cells[:shift]:
-                row = dict(run_in_process(repos[name], mode, batch, width, args), repo=name, rep=rep)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    started = time.perf_counter()
+    cells = [(mode, batch, width) for batch, width in sizes for mode in MODES]
+    rows = run_repos(repos, cells, args.reps, lambda path, cell: run_in_process(path, *cell, args))
     table = summarize(rows, names, sizes)
-    load = {"before": load_before, "after": os.getloadavg()}
     columns = ["batch", "width"] + [
         f"{n} {k}" for n in names for k in ("p90", "epoch", "auto kept", "measuring steps")]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for entry in table:
         lines.append("| " + " | ".join(str(entry[c]) for c in columns) + " |")
-    note = (
-        f"\nEach cell: auto / standard, median over {args.reps} alternating repeats, spread "
+    what = (
+        f"Each cell: auto / standard, median over {args.reps} alternating repeats, spread "
         f"(min..max) in brackets. p90: 90th percentile of per-step examples/s after the first "
         f"{args.warmup} of {args.steps} steps (the fast end); epoch: examples/s of the whole "
         "fit, every measuring step of auto included. 'auto kept': each repeat's "
         "dispatch_choice at the end of its fit (mode@main-thread intra-op threads where a "
         "checkout's auto measured thread budgets); 'measuring steps': the steps auto spent "
-        f"measuring. torch default threads, os.cpu_count()={os.cpu_count()}, load average (1, 5, 15 min) before {tuple(round(v, 2) for v in load['before'])} "
-        f"after {tuple(round(v, 2) for v in load['after'])}; the machine is shared with other "
-        f"jobs. Wall time {time.perf_counter() - started:.0f} s."
+        f"measuring. torch default threads. Wall time {time.perf_counter() - started:.0f} s."
     )
-    text = "\n".join(lines) + "\n" + note
-    print(text)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rows": rows, "table": table, "load": load, "args": vars(args)}, f, indent=2)
+    print("\n".join(lines))
+    write_results(args.out, "auto / standard on CPU (torch)", what, None, machine_info(threads="torch default"),
+                  "\n".join(lines), {"rows": rows, "table": table, "args": vars(args)})
     return table
 
 

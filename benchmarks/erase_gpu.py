@@ -38,7 +38,7 @@ model's worker thread lives until the cyclic collector runs) and
 Measured per cell (`benchmarks.common.QPS_NOTE`): p50/p90 QPS and step times, host
 time per step, `max_memory_allocated` (MiB, reset per cell) and, for graph modes,
 captures, replays and the MiB the graphs' memory pools hold; from one profiled step
-after the timed steps of the first repeat (`benchmarks.gpu_trace.step_metrics`): the
+after the timed steps of the first repeat (`tools.gpu_trace.step_metrics`): the
 GPU-busy fraction, the overlapped kernel-time fraction (kernels of two or more streams
 at once, over the GPU-busy time) and the host time of the main thread, the backward
 worker and autograd's device thread.
@@ -77,7 +77,7 @@ if REPO not in sys.path:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import gpu_trace  # noqa: E402
+from tools import gpu_trace  # noqa: E402
 from benchmarks.common import QPS_NOTE  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
@@ -652,7 +652,7 @@ def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, ex
             "non-blocking row is +9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%).",
             "",
             "Traces: one profiled step per batch of the first model in the trace mode "
-            "(`benchmarks/gpu_trace.py`). step_ms: the step's wall time (host clock, until the "
+            "(`tools/gpu_trace.py`). step_ms: the step's wall time (host clock, until the "
             "device finished); gpu_busy_fraction: the union of its kernels over it; "
             "overlapped_fraction: time kernels of two or more streams ran at once over the "
             "GPU-busy time; host_*_ms: each thread role's host work in the step (main thread, "

@@ -1,6 +1,6 @@
 """The gradient hand-off on the CTR example (torch CPU): embedding backwards per step and QPS.
 
-Claim (issue 15 A): with the hand-off, the shared embedding table's backward
+Claim: with the hand-off, the shared embedding table's backward
 runs once per step in every schedule (before: once per `detach_input=False`
 tower, six on the CTR example), and the early schedules get faster.
 
@@ -23,7 +23,7 @@ ratio of each checkout to the first one.
 
 Usage:
 
-    git worktree add /tmp/erase-old 817459f
+    git worktree add /tmp/erase-old COMMIT   # a commit before the hand-off
     KERAS_BACKEND=torch python benchmarks/erase_handoff.py \
         --repos before=/tmp/erase-old after=. --threads 2
 """
@@ -90,12 +90,12 @@ def run_cell(mode, args):
 
 
 def run_in_process(repo, mode, args):
-    from benchmarks.common import run_checkout_cell
+    from benchmarks.common import run_cell
 
-    return run_checkout_cell(__file__, repo, [
+    return run_cell([os.path.abspath(__file__), "--cell", *map(str, [
         mode, "--threads", args.threads, "--batch", args.batch, "--steps", args.steps,
         "--warmup", args.warmup, "--count-steps", args.count_steps, "--buckets", args.buckets,
-    ])
+    ])], repo, dict(os.environ, KERAS_BACKEND="torch"))
 
 
 def summarize(rows, names, modes):
@@ -142,32 +142,19 @@ def main(argv=None):
     if args.cell is not None:
         print("ROW " + json.dumps(run_cell(args.cell, args)), flush=True)
         return None
-    repos = dict(item.split("=", 1) for item in args.repos)
+    from benchmarks.common import machine_info, parse_repos, run_repos, write_results
+
+    repos = parse_repos(args.repos)
     names = list(repos)
-    load_before = os.getloadavg()
-    rows = []
-    for rep in range(args.reps):
-        order = args.modes[rep % len(args.modes):] + args.modes[: rep % len(args.modes)]
-        for mode in order:
-            for name in names if rep % 2 == 0 else names[::-1]:
-                row = run_in_process(repos[name], mode, args)
-                row.update(repo=name, rep=rep)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    rows = run_repos(repos, args.modes, args.reps, lambda path, mode: run_in_process(path, mode, args))
     table, summary = summarize(rows, names, args.modes)
-    load = {"before": load_before, "after": os.getloadavg()}
-    note = (
-        f"\ntorch.set_num_threads({args.threads}), batch {args.batch}, {args.steps} steps "
-        f"({args.warmup} warm-up), {args.reps} processes per cell, os.cpu_count()="
-        f"{os.cpu_count()}, load average (1, 5, 15 min) before {load['before']} "
-        f"after {load['after']}. Ratios: {names[-1]} / {names[0]}."
-    )
-    print(table + note)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n" + note + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rows": rows, "summary": summary, "load": load, "args": vars(args)}, f,
-                  indent=2)
+    what = (f"torch.set_num_threads({args.threads}), batch {args.batch}, {args.steps} steps "
+            f"({args.warmup} warm-up), {args.reps} processes per cell (the checkouts alternating). "
+            f"backwards/step: the shared embedding table's backwards per step; p50/p90: per-step "
+            f"examples/s after the warm-up (p90 = the fast end). Ratios: {names[-1]} / {names[0]}.")
+    print(table)
+    write_results(args.out, "The gradient hand-off on the CTR example (torch CPU)", what, None,
+                  machine_info(threads=args.threads), table, {"rows": rows, "summary": summary, "args": vars(args)})
     return rows
 
 

@@ -1,6 +1,6 @@
 """Host time per CTR step for every ERASE schedule combination (torch CPU), checkouts side by side.
 
-Claim (issue 22 A): the launcher x placement x graphs options add no host
+Claim: the launcher x placement x graphs options add no host
 time over the schedules they replace. On a CPU the whole step is host time;
 on a GPU this is the host path the device must hide.
 
@@ -101,12 +101,12 @@ def run_cell(label, args):
 
 
 def run_in_process(repo, label, args):
-    from benchmarks.common import run_checkout_cell
+    from benchmarks.common import run_cell
 
-    return run_checkout_cell(__file__, repo, [
+    return run_cell([os.path.abspath(__file__), "--cell", *map(str, [
         label, "--threads", args.threads, "--batch", args.batch, "--steps", args.steps,
         "--warmup", args.warmup, "--buckets", args.buckets,
-    ])
+    ])], repo, dict(os.environ, KERAS_BACKEND="torch"))
 
 
 def table(rows, names, labels):
@@ -140,28 +140,19 @@ def main(argv=None):
         row = run_cell(args.cell, args)
         print("ROW " + json.dumps(row if row is not None else {"schedule": args.cell}), flush=True)
         return None
-    repos = dict(item.split("=", 1) for item in args.repos)
+    from benchmarks.common import machine_info, parse_repos, run_repos, write_results
+
+    repos = parse_repos(args.repos)
     names = list(repos)
-    load_before = os.getloadavg()
-    rows = []
-    for index, label in enumerate(args.schedules):  # alternate which checkout goes first
-        for name in names if index % 2 == 0 else names[::-1]:
-            row = run_in_process(repos[name], label, args)
-            row.update(repo=name)
-            print(json.dumps(row), flush=True)
-            if "median_ms" in row:
-                rows.append(row)
-    load = {"before": load_before, "after": os.getloadavg()}
-    note = (f"\ntorch.set_num_threads({args.threads}), batch {args.batch}, {args.steps} timed steps "
-            f"after {args.warmup}, one process per cell, os.cpu_count()={os.cpu_count()}, load "
-            f"average (1, 5, 15 min) before {load['before']} after {load['after']}. Ratio: "
+    rows = run_repos(repos, args.schedules, 1, lambda path, label: run_in_process(path, label, args))
+    rows = [row for row in rows if "median_ms" in row]
+    what = (f"torch.set_num_threads({args.threads}), batch {args.batch}, {args.steps} timed steps "
+            f"after {args.warmup}, one process per cell (the checkouts alternating). Ratio: "
             f"{names[-1]} / {names[0]}. Graphs: the CPU stand-in capture's Python replay.")
-    text = table(rows, names, args.schedules) + note
+    text = table(rows, names, args.schedules)
     print(text)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rows": rows, "load": load, "args": vars(args)}, f, indent=2)
+    write_results(args.out, "Host time per CTR step for every schedule combination (torch CPU)", what, None,
+                  machine_info(threads=args.threads), text, {"rows": rows, "args": vars(args)})
     return rows
 
 

@@ -162,7 +162,7 @@ NCU_RAW = '''==PROF== Connected to process 4242
 
 
 def test_nsight_compute_counters_are_read_per_kernel_and_logit():
-    from benchmarks.cutbce_triton_gpu import parse_ncu_csv
+    from tools.nsight_compute import parse_ncu_csv
 
     rows = parse_ncu_csv(NCU_RAW, logits=4_096_000)
     assert [r["kernel"] for r in rows] == ["rows_kernel", "columns_kernel"]

@@ -39,3 +39,21 @@ def test_every_keras_erase_module_is_in_the_layout_and_every_listed_one_exists()
     assert len(modules) > 25  # the walk finds the code
     assert modules - listed == set(), "keras_erase modules missing from the layout"
     assert listed - modules - {"__init__.py"} == set(), "the layout names modules that are gone"
+
+
+def test_benchmarks_and_tools_are_in_the_layout_and_out_of_the_packages():
+    """One script per benchmark area, the compiler tools in tools/; the packages import neither."""
+    import re
+
+    with open(os.path.join(REPO, "docs", "development.md"), encoding="utf-8") as f:
+        text = f.read()
+    for folder, end in (("benchmarks", "tools/          "), ("tools", "scripts/        ")):
+        layout = text[text.index(f"{folder}/ "):text.index(end)]
+        listed = set(re.findall(r"[a-z_0-9]+\.py", layout))
+        scripts = {name for name in os.listdir(os.path.join(REPO, folder)) if name.endswith(".py")}
+        assert scripts - listed == set(), f"{folder}/ scripts missing from the layout"
+        assert listed - scripts == set(), "the layout names scripts that are gone"
+    imports = re.compile(r"^\s*(?:from|import) (?:benchmarks|tools)\b", re.M)
+    for path in _modules(("keras_cutbce", "keras_erase")):
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
+            assert not imports.search(f.read()), f"{path} imports benchmarks/ or tools/"

@@ -127,7 +127,7 @@ def _child_kernels():
 
 
 def _child_tpu():
-    from benchmarks import sharded_tpu
+    from tools import sharded_tpu
 
     devices = sharded_tpu.topology_devices("v6e:2x2")
     rows, dim, vocab = 1024, 64, 100_000  # 25,000 rows a chip: a partial last tile

@@ -22,7 +22,7 @@ its `CompileReport` checked:
   pass within its scoped VMEM limit;
 - retrieval (`cut_top_k`, `cut_count_at_least`: XLA loops, no Pallas kernel)
   compiles without host callbacks;
-- the fused kernel's schedule (`benchmarks/pallas_cycles.py`: the final
+- the fused kernel's schedule (`tools/pallas_cycles.py`: the final
   bundles, a static property of the compiled kernel, not a timing) stays
   within the cycles per 1024 logits and the multiple of the MXU floor it
   reached (v6e, (4096, 64, 876000) float32 and bfloat16, L = 8).
@@ -197,7 +197,7 @@ MAX_TIMES_MXU_FLOOR = {"float32": 1.98, "bfloat16": 2.07}
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_kernel_cycles_per_1024_logits(tmp_path, dtype):
-    from benchmarks import pallas_cycles
+    from tools import pallas_cycles
 
     env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1", CUTBCE_DUMP_DIR=str(tmp_path),

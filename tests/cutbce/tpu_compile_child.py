@@ -7,7 +7,7 @@ Usage: `python tests/tpu_compile_child.py '<JSON list of cases>'`; prints one
 (`jax.set_mesh`), else it is decided at lowering. Every op runs through the
 public API with `implementation="auto"`.
 
-A case `{"op": "cycles", ...}` (the keys of `benchmarks/pallas_cycles.py`'s
+A case `{"op": "cycles", ...}` (the keys of `tools/pallas_cycles.py`'s
 cases) reports the kernels' cycles read from their final bundles instead; the
 parent then starts this process with libtpu dumping into `CUTBCE_DUMP_DIR`
 (`pallas_cycles.DUMP_FLAGS`).
@@ -29,7 +29,7 @@ import keras  # noqa: E402
 
 from keras_cutbce import CutBCELoss  # noqa: E402
 from keras_cutbce import ops as kc  # noqa: E402
-from benchmarks import tpu_aot  # noqa: E402
+from tools import tpu_aot  # noqa: E402
 
 NUM_IDS = 4
 
@@ -96,7 +96,7 @@ def _train_program(case, device):
 
 
 def _cycles(case):
-    from benchmarks import pallas_cycles
+    from tools import pallas_cycles
 
     dump_dir = os.environ["CUTBCE_DUMP_DIR"]
     case = {k: v for k, v in case.items() if k != "op"}

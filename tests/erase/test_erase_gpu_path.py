@@ -1,6 +1,6 @@
 """The GPU check's CPU-checkable parts: `benchmarks/erase_gpu.py` (argument handling, the middle
 batch, the budget's plan, a tiny CPU dry run through the graph code path),
-`benchmarks/gpu_trace.py` (block ranges, overlap and step measures on synthetic CUDA traces),
+`tools/gpu_trace.py` (block ranges, overlap and step measures on synthetic CUDA traces),
 `scripts/gpu_check.sh`, `benchmarks/common.py`'s QPS convention, and
 `EraseModel(cuda_graphs=True)` in every mode with the CPU stand-in capture."""
 
@@ -115,7 +115,7 @@ def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
 @torch_only
 def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window():
     from benchmarks import erase_gpu
-    from benchmarks import gpu_trace
+    from tools import gpu_trace
     from keras_erase.auto import ScheduleSelector
 
     ranges = [  # (row, block, phase, start, duration)
@@ -175,7 +175,7 @@ def _synthetic_cuda_trace():
 def test_overlap_is_found_from_kernels_whose_backward_launches_come_from_another_thread(tmp_path):
     import json
 
-    from benchmarks import gpu_trace
+    from tools import gpu_trace
 
     events = _synthetic_cuda_trace()
     ranges = gpu_trace.device_block_ranges(events)
@@ -194,7 +194,7 @@ def test_overlap_is_found_from_kernels_whose_backward_launches_come_from_another
 
 
 def test_step_measures_from_a_synthetic_cuda_trace():
-    from benchmarks import gpu_trace
+    from tools import gpu_trace
 
     events = _synthetic_cuda_trace()
     events.append({"ph": "X", "cat": "user_annotation", "name": gpu_trace.STEP, "tid": 1,

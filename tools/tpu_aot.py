@@ -1,7 +1,7 @@
 """Compile for a TPU that is not there, and read what the compiler decided.
 
 A helper of the TPU compile tests (`tests/tpu_compile_child.py`) and the
-TPU benchmarks (`benchmarks/cutbce_tpu.py`, `benchmarks/pallas_traffic.py`),
+TPU benchmarks (`tools/cutbce_tpu.py`, `tools/pallas_traffic.py`),
 not part of the package.
 
 With `libtpu` installed (`pip install "keras-cutbce-erase[tpu-compile]"`),

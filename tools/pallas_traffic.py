@@ -23,9 +23,9 @@ the most ids one row of the row tile has in the vocabulary tile.
 
 Usage (needs libtpu: `pip install ".[tpu-compile]"`):
 
-    python benchmarks/pallas_traffic.py                     # v6e:2x2
-    python benchmarks/pallas_traffic.py --topology v5p:2x2x1
-    python benchmarks/pallas_traffic.py --repo ../other-checkout --json before.json
+    python tools/pallas_traffic.py                     # v6e:2x2
+    python tools/pallas_traffic.py --topology v5p:2x2x1
+    python tools/pallas_traffic.py --repo ../other-checkout --json before.json
 
 `--repo` imports `keras_cutbce` from another checkout (e.g. the commit
 before a kernel change), so before/after come from the same script.
@@ -197,7 +197,7 @@ def measure(topology):
 
     if ROOT not in sys.path:  # after `--repo`: keras_cutbce still comes from there
         sys.path.append(ROOT)
-    from benchmarks import tpu_aot
+    from tools import tpu_aot
 
     device = tpu_aot.topology_devices(topology)[0]
     rows = []

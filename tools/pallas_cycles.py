@@ -55,10 +55,10 @@ clock (cycles of the busiest TensorCore), and the bounds beside it:
 Usage (needs libtpu: `pip install ".[tpu-compile]"`; each case is a ~20-60 s
 compile on one core, dumps are cached under `--cache`):
 
-    python benchmarks/pallas_cycles.py                           # the full grid
-    python benchmarks/pallas_cycles.py --chips v6e --dtypes float32 --ids 8
-    python benchmarks/pallas_cycles.py --repo ../before --json results/pallas_cycles_before.json
-    python benchmarks/pallas_cycles.py --shapes "16384,64,876000" --target unknown
+    python tools/pallas_cycles.py                           # the full grid
+    python tools/pallas_cycles.py --chips v6e --dtypes float32 --ids 8
+    python tools/pallas_cycles.py --repo ../before --json results/pallas_cycles_before.json
+    python tools/pallas_cycles.py --shapes "16384,64,876000" --target unknown
 
 `--target unknown` compiles without telling the trace the chip's generation
 (tiles for any generation, as from a CPU host without `jax.set_mesh`).
@@ -416,7 +416,7 @@ def compile_case(case, dump_dir):
     import numpy as np
 
     sys.path.append(ROOT)
-    from benchmarks import tpu_aot
+    from tools import tpu_aot
     from keras_cutbce.backends.jax import pallas
     from keras_cutbce.backends.jax import compile_platform
     from keras_cutbce.backends.jax.pallas import call, tiling
@@ -622,7 +622,7 @@ def markdown(rows, commit):
         "FLOPs, VALU / EUP / load / store ops (per slot) and HBM bytes need. The one-off "
         "`pl.when` regions are weighted by how often they run over the grid; \"every step\": "
         "the count with every region on every step (the earlier count). "
-        "See `benchmarks/pallas_cycles.py` for the method.")
+        "See `tools/pallas_cycles.py` for the method.")
     return "\n".join([intro, "", HEADER] + [_line(r) for r in rows]) + "\n"
 
 

@@ -11,7 +11,7 @@ the 16 MiB default) and the HBM temporaries. "known": compiled under
 `jax.set_mesh` of the target device (what a TPU host gets); "unknown": the
 generation decided at lowering (a CPU host without a mesh: tiles for any
 generation). `--cycles JSON...` puts the fused kernel's cycles per 1024
-logits of `benchmarks/pallas_cycles.py` runs beside each case
+logits of `tools/pallas_cycles.py` runs beside each case
 (`--before-cycles`: earlier runs'). `--cached-only` compiles nothing and
 reports the cases not in `--cache` as not run (a grid split over several
 runs).
@@ -19,9 +19,9 @@ runs).
 Usage (needs libtpu; a case is a 20 s to 10 min compile on one core, results
 are cached under `--cache`):
 
-    python benchmarks/pallas_vmem.py                                   # the grid
-    python benchmarks/pallas_vmem.py --repo ../before --json /tmp/pallas_vmem_before.json
-    python benchmarks/pallas_vmem.py --cached-only --compare /tmp/pallas_vmem_before.json \\
+    python tools/pallas_vmem.py                                   # the grid
+    python tools/pallas_vmem.py --repo ../before --json /tmp/pallas_vmem_before.json
+    python tools/pallas_vmem.py --cached-only --compare /tmp/pallas_vmem_before.json \\
         --cycles benchmarks/results/pallas_cycles_vmem.json
 """
 
@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if "--child" in sys.argv:  # the `--repo` checkout's keras_cutbce (on PYTHONPATH), not ROOT's
     import keras_cutbce  # noqa: F401
 sys.path.insert(0, ROOT)
-from benchmarks.pallas_cycles import CHIPS, chip_label, commit_label, source_digest  # noqa: E402
+from tools.pallas_cycles import CHIPS, chip_label, commit_label, source_digest  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MiB = 2**20
@@ -52,7 +52,7 @@ def compile_case(case):
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import tpu_aot
+    from tools import tpu_aot
     from keras_cutbce import ops
     from keras_cutbce.backends.jax import compile_platform
     from keras_cutbce.backends.jax.pallas import tiling
@@ -153,7 +153,7 @@ def markdown(rows, before, cycles, before_cycles, label, before_label):
         "(nothing ran): value and gradients of `weighted_loss_sum`, L = 8, one chip. Tiles: "
         "(row tile, vocabulary tile) x passes (resident row blocks). VMEM: the largest scoped "
         "VMEM of a pass / its limit, MiB. Temporaries: HBM, MiB. Cycles: the fused kernel's "
-        "cycles per 1024 logits from its final bundles (`benchmarks/pallas_cycles.py`, V "
+        "cycles per 1024 logits from its final bundles (`tools/pallas_cycles.py`, V "
         "rounded up to whole tiles; a lower bound, not a timing; \"-\": not measured). "
         "\"unknown\": compiled with the generation unknown (tiles for any); \"not run\": not "
         f"compiled in this run. {sum(bool(r['compiles']) for r in ran)} of {len(ran)} cases "
@@ -174,7 +174,7 @@ def markdown(rows, before, cycles, before_cycles, label, before_label):
 
 
 def cases_of(args):
-    from benchmarks.pallas_cycles import parse_shapes
+    from tools.pallas_cycles import parse_shapes
 
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     return [dict(chip=chip, target=target, rows=m, dim=d, vocab=v, dtype=dtype)

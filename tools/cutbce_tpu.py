@@ -18,9 +18,9 @@ Variants:
 
 Usage (on a TPU VM, from the repository root):
 
-    python benchmarks/cutbce_tpu.py                       # rows 8192, V 262144, D 128
-    python benchmarks/cutbce_tpu.py --rows 32768 --vocab 1048576 --dtype bfloat16
-    python benchmarks/cutbce_tpu.py --allow-cpu           # tiny shapes, interpret mode
+    python tools/cutbce_tpu.py                       # rows 8192, V 262144, D 128
+    python tools/cutbce_tpu.py --rows 32768 --vocab 1048576 --dtype bfloat16
+    python tools/cutbce_tpu.py --allow-cpu           # tiny shapes, interpret mode
 
 Without a TPU the script explains itself and exits with status 2, unless
 `--allow-cpu` is given: then it runs tiny shapes, the Pallas kernels in the
@@ -29,8 +29,8 @@ nothing).
 
 Deviceless (any host with libtpu: `pip install ".[tpu-compile]"`):
 
-    python benchmarks/cutbce_tpu.py --deviceless v6e:2x2
-    python benchmarks/cutbce_tpu.py --deviceless v5e:2x2
+    python tools/cutbce_tpu.py --deviceless v6e:2x2
+    python tools/cutbce_tpu.py --deviceless v5e:2x2
 
 compiles the same step for one chip of that topology with the real TPU
 compiler (nothing runs: no timing) at the CutBCE paper's Yambda scale (876k
@@ -54,7 +54,7 @@ PAPER_HBM_CHANGE = "-65.7%"  # the CutBCE paper's HBM reduction vs dense BCE (Ya
 HBM_BYTES = {"TPU v5 lite": 16 * 2**30, "TPU v6 lite": 32 * 2**30, "TPU v5": 95 * 2**30,
              "TPU v4": 32 * 2**30}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `benchmarks.tpu_aot` and this checkout's package
+if ROOT not in sys.path:  # `tools.tpu_aot` and this checkout's package
     sys.path.insert(0, ROOT)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_JSON = os.path.join(RESULTS, "cutbce_tpu.json")
@@ -146,7 +146,7 @@ def run_deviceless_worker(args):
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import tpu_aot
+    from tools import tpu_aot
 
     device = tpu_aot.topology_devices(args.deviceless)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)

@@ -24,8 +24,8 @@ float32 moments of the table shard (what an optimizer keeps; derived, not
 compiled). `HBM` is the chip's capacity (v5e 16 GiB, v6e 32 GiB per chip).
 
 Usage:
-    TPU_SKIP_MDS_QUERY=1 python benchmarks/sharded_tpu.py         # writes results/sharded_tpu.{md,json}
-    TPU_SKIP_MDS_QUERY=1 python benchmarks/sharded_tpu.py --quick # one small compile
+    TPU_SKIP_MDS_QUERY=1 python tools/sharded_tpu.py         # writes results/sharded_tpu.{md,json}
+    TPU_SKIP_MDS_QUERY=1 python tools/sharded_tpu.py --quick # one small compile
 """
 
 import argparse
@@ -40,7 +40,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import machine_info, write_json, write_text  # noqa: E402
 
 TOPOLOGIES = ("v6e:2x2", "v6e:4x4", "v5e:4x8")
 VOCABS = (10**7, 10**8)
@@ -197,6 +196,8 @@ def _write(out, results, machine, rows):
         "shard (what a TPU compile gets), `chunked` = the XLA loop. Compiled on a shared "
         f"CPU host, load average {load}."
     )
+    from benchmarks.common import write_json, write_text  # (the results' writers; not for importers)
+
     table = markdown(results)
     print(note + "\n\n" + table)
     write_text(out + ".md", "# CutBCE on TPU pods: per-chip HBM, table sharded on V\n\n"
@@ -243,7 +244,9 @@ def main():
                                   kernel=kernel)
                     results.append(_run_child(config))
                     print(json.dumps(results[-1]), flush=True)
-    _write(args.out, results, machine_info(load_average=list(os.getloadavg())), args.rows)
+    from benchmarks.common import machine_info
+
+    _write(args.out, results, machine_info(), args.rows)
     return 0
 
 
