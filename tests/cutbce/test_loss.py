@@ -129,8 +129,13 @@ def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
     return x, y.astype("int32")
 
 
-def first_step(vocab, dim, x, y, policy, dense=False):
-    """The loss and the weight change of one SGD(1) step of `build_model` under `policy`."""
+def first_step(vocab, dim, x, y, policy, dense=False, softmax=False):
+    """The loss and the weight change of one SGD(1) step of `build_model` under `policy`.
+
+    BCE (`CutBCELoss` or Keras's dense loss), or with `softmax` the softmax
+    cross-entropy (`CutSoftmaxLoss`, or Keras's on the targets `multi_hot / |P|`).
+    """
+    from keras_cutbce import CutSoftmaxLoss
     from tests.backend_utils import dtype_policy
 
     with dtype_policy("float32"):
@@ -139,11 +144,18 @@ def first_step(vocab, dim, x, y, policy, dense=False):
         model, items = build_model(vocab, dim, dense=dense)
         model.set_weights(initial)
         if dense:
-            loss = keras.losses.BinaryCrossentropy(from_logits=True)
-            y = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
+            hot = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
+            if softmax:
+                hot = hot / np.maximum(hot.sum(-1, keepdims=True), 1.0)
+                loss = keras.losses.CategoricalCrossentropy(from_logits=True)
+            else:
+                loss = keras.losses.BinaryCrossentropy(from_logits=True)
+            y = hot
         else:
-            loss = CutBCELoss(items, chunk_size=16)
+            loss = (CutSoftmaxLoss if softmax else CutBCELoss)(items, chunk_size=16)
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
+        if policy == "mixed_float16":  # Keras scales the loss: the step goes through the scale
+            assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         value = model.train_on_batch(x, np.asarray(y, "float32") if dense else y)
         return value, [to_numpy(w) - w0 for w, w0 in zip(model.get_weights(), initial)]
 

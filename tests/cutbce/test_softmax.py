@@ -35,12 +35,12 @@ def _inputs(seed=0, scale=1.0, rows=5):
     return hidden, table, bias
 
 
-def _targets(ids):
-    """`multi_hot(ids) / |P|` (float32 `[M, V]`) and each position's count of valid ids."""
-    hot = np.zeros((len(ids), V), np.float32)
+def _targets(ids, vocab=V):
+    """`multi_hot(ids) / |P|` (float32 `[M, vocab]`) and each position's count of valid ids."""
+    hot = np.zeros((len(ids), vocab), np.float32)
     for row, row_ids in enumerate(ids):
         for i in row_ids:
-            if 0 <= i < V:
+            if 0 <= i < vocab:
                 hot[row, i] = 1.0
     count = hot.sum(1)
     return hot / np.maximum(count, 1.0)[:, None], count
@@ -209,12 +209,13 @@ def test_fit_trains_the_table_through_the_loss():
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_bfloat16_inputs_are_as_exact_as_the_dense_bfloat16_loss(label_smoothing):
-    """bfloat16 hidden, table and bias (mixed_bfloat16's): float32 accumulation inside."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_inputs_are_as_exact_as_the_dense_low_precision_loss(dtype, label_smoothing):
+    """bfloat16 / float16 hidden, table and bias (the mixed policies'): float32 accumulation inside."""
     from tests.backend_utils import assert_within_low_precision
 
     ids = IDS["multi"]
-    hidden, table, bias = (ops.cast(x, "bfloat16") for x in _inputs(seed=5, scale=2.0))
+    hidden, table, bias = (ops.cast(x, dtype) for x in _inputs(seed=5, scale=2.0))
     weights = np.array([1.0, 0.5, 2.0, 0.25, 1.5], np.float32)
     w = ops.convert_to_tensor(weights)
 
@@ -222,7 +223,7 @@ def test_bfloat16_inputs_are_as_exact_as_the_dense_bfloat16_loss(label_smoothing
         return ops.sum(w * cut_categorical_crossentropy(h, e, ids, b, label_smoothing=label_smoothing,
                                                         chunk_size=TILE))
 
-    def dense(h, e, b):  # Keras's loss on bfloat16 logits
+    def dense(h, e, b):  # Keras's loss on the low-precision logits
         return ops.sum(ops.cast(_keras_loss(h, e, b, ids, label_smoothing), "float32") * w)
 
     value, grads = value_and_grads(cut, hidden, table, bias)
@@ -268,3 +269,77 @@ def test_item_embedding_bias_trains_through_the_loss():
     model.fit(x, y, batch_size=3, epochs=1, verbose=0)
     np.testing.assert_allclose(to_numpy(items.bias), bias - 0.5 * grad_bias, atol=1e-6)
     assert np.abs(grad_bias).max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_first_fit_step_under_mixed_precision_matches_dense_keras(policy):
+    """One SGD step of `fit` under the policy (under `mixed_float16`, through Keras's loss
+    scaling) against float64: the loss and every weight's change no worse than twice the
+    dense Keras model's (`CategoricalCrossentropy` on the logits) under the same policy."""
+    from tests.backend_utils import assert_within_low_precision
+    from tests.cutbce.test_loss import first_step, fit_data
+
+    vocab, dim = 53, 8
+    x, y = fit_data(vocab)
+    l_cut, cut = first_step(vocab, dim, x, y, policy, softmax=True)
+    l_dense, dense = first_step(vocab, dim, x, y, policy, dense=True, softmax=True)
+    l_true, true = first_step(vocab, dim, x, y, "float64", softmax=True)
+    assert_within_low_precision(l_cut, l_dense, l_true, "loss")
+    for i, (a, b, t) in enumerate(zip(cut, dense, true)):
+        assert np.abs(a).max() > 0  # the table (and the projection) trained
+        assert_within_low_precision(a, b, t, f"weight #{i} change")
+
+
+# Keras's own test cases of `CategoricalCrossentropy` and `SparseCategoricalCrossentropy`
+# (keras/src/losses/losses_test.py) that take logits, through the identity table
+# (hidden = the logits, embeddings = I): (logits, ids, call and loss arguments, Keras's number).
+_LOGITS = [[8.0, 1.0, 1.0], [0.0, 9.0, 1.0], [2.0, 3.0, 5.0]]
+_CORRECT = [[10.0, 0.0, 0.0], [0.0, 10.0, 0.0], [0.0, 0.0, 10.0]]
+_WEIGHTS = [[1.2], [3.4], [5.6]]
+_IGNORED = [[[0.854, 0.698, 0.598], [0.088, 0.86, 0.018]]]
+KERAS_CASES = {
+    "all_correct_unweighted": (_CORRECT, [[0], [1], [2]], {}, 0.0),
+    "unweighted": (_LOGITS, [[0], [1], [2]], {}, 0.0573),
+    "sparse_unweighted": (_LOGITS, [0, 1, 2], {}, 0.0573),
+    "scalar_weighted": (_LOGITS, [[0], [1], [2]], {"sample_weight": 2.3}, 0.1317),
+    "sample_weighted": (_LOGITS, [[0], [1], [2]], {"sample_weight": _WEIGHTS}, 0.31829),
+    "no_reduction": (_LOGITS, [[0], [1], [2]], {"reduction": None}, [0.001822, 0.000459, 0.169846]),
+    "label_smoothing": ([[100.0, -100.0, -100.0]], [[0]], {"label_smoothing": 0.1}, 400 * 0.1 / 3),
+    "ignore_class": (_IGNORED, [[-1, 2]], {"reduction": None}, [[0.0, 1.480129]]),
+    "ignore_class_ids_last_axis": (_IGNORED, [[[-1], [2]]], {"reduction": None}, [[0.0, 1.480129]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_CASES))
+def test_keras_categorical_crossentropy_cases_through_the_identity_table(name):
+    """Keras's number (to its 3 decimals) and Keras's loss class on the logits (to float32).
+
+    Not ported, as they do not apply: the cases on probabilities (`from_logits=False`: the
+    loss takes hidden states, its logits are `h @ E.T`), `axis` other than -1 and the
+    segmentation cases (probabilities, a class axis), `shape_mismatch` (one-hot `y_true`:
+    the targets here are ids). `ignore_class=-1` is a padding id here. The config and dtype
+    cases: `test_config_round_trip_and_unimplemented_kernels` and the dtype case below.
+    """
+    logits, ids, kwargs, want = KERAS_CASES[name]
+    logits, ids = np.array(logits, "float32"), np.array(ids)
+    call = {"sample_weight": kwargs.pop("sample_weight")} if "sample_weight" in kwargs else {}
+    call = {k: np.array(v, "float32") if isinstance(v, list) else v for k, v in call.items()}
+    got = to_numpy(CutSoftmaxLoss(np.eye(3, dtype="float32"), **kwargs)(ids, logits, **call))
+    np.testing.assert_allclose(got, np.array(want), atol=1e-3)
+    if name.startswith("ignore_class"):
+        keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1,
+                                                                **kwargs)
+        keras_value = keras_loss(ids, logits)
+    else:
+        hot, _ = _targets(ids.reshape(len(logits), -1), vocab=3)
+        keras_loss = keras.losses.CategoricalCrossentropy(from_logits=True, **kwargs)
+        keras_value = keras_loss(hot, logits, **call)
+    np.testing.assert_allclose(got, to_numpy(keras_value), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_dtype_case():
+    """Keras's `test_dtype_arg`: the reduced loss in the loss's `dtype`."""
+    loss = CutSoftmaxLoss(np.eye(3, dtype="float32"), dtype="bfloat16")
+    value = loss(np.array([[0], [1], [2]]), np.eye(3, dtype="float32"))
+    assert keras.backend.standardize_dtype(value.dtype) == "bfloat16"
