@@ -235,19 +235,80 @@ def test_low_precision_inputs_are_as_exact_as_the_dense_low_precision_loss(dtype
         assert_within_low_precision(got, low, want, f"d{name}")
 
 
+def _torch_peer(peer, hidden, table, bias, target, **kwargs):
+    """PyTorch's loss on `hidden @ table.T + bias` (`cross_entropy`) or without the logits."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    if peer == "cross_entropy":
+        return F.cross_entropy(hidden @ table.T + bias, target, **kwargs)
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=8) if peer.endswith("chunked") else None
+    return F.linear_cross_entropy(hidden, table, target, linear_bias=bias, options=options, **kwargs)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own losses")
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("peer", ["cross_entropy", "linear_cross_entropy",
+                                  "linear_cross_entropy_chunked"])
+def test_matches_torch_with_ignore_index(peer, reduction, label_smoothing):
+    """PyTorch's `cross_entropy` and `linear_cross_entropy` (reference and chunked paths):
+    loss and gradients of hidden, table and bias, padding ids as `ignore_index`.
+
+    Where the semantics differ: PyTorch's `"mean"` divides by the targets not ignored;
+    Keras's `"sum_over_batch_size"` by every position (a padding position is a zero-weight
+    one). PyTorch's mean is Keras's `"mean_with_sample_weight"` with the valid mask as weight.
+    """
+    import torch
+
+    if peer.endswith("chunked") and label_smoothing:
+        pytest.skip("PyTorch's chunked path has no label smoothing (it falls back to the reference)")
+    hidden, table, bias = (torch.tensor(x) for x in _inputs(seed=6, scale=3.0, rows=13))
+    target = torch.tensor([3, -1, 36, 0, -1, 5, 5, 17, 36, 1, -1, 2, 30])
+    valid = (target >= 0).to(torch.float32)
+
+    def ours(h, e, b):
+        kwargs = {"label_smoothing": label_smoothing, "chunk_size": TILE}
+        if reduction == "mean":
+            loss = CutSoftmaxLoss(e, b, reduction="mean_with_sample_weight", **kwargs)
+            return loss(target, h, sample_weight=valid)
+        return CutSoftmaxLoss(e, b, reduction=reduction, **kwargs)(target, h)
+
+    def theirs(h, e, b):
+        return _torch_peer(peer, h, e, b, target, ignore_index=-1, reduction=reduction,
+                           label_smoothing=label_smoothing)
+
+    def scalar(fn):
+        return lambda h, e, b: (fn(h, e, b) * torch.arange(1.0, 14.0)).sum() if (
+            reduction == "none") else fn(h, e, b)
+
+    value, grads = value_and_grads(scalar(ours), hidden, table, bias)
+    want, want_grads = value_and_grads(scalar(theirs), hidden, table, bias)
+    np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-5)
+    for name, got, w in zip(("hidden", "table", "bias"), grads, want_grads):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5, err_msg=name)
+    if reduction == "mean":  # Keras's default divides by all 13 positions, PyTorch by the 10 valid
+        keras_mean = CutSoftmaxLoss(table, bias, label_smoothing=label_smoothing)(target, hidden)
+        np.testing.assert_allclose(to_numpy(keras_mean) * 13 / 10, want, rtol=1e-5)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own cross_entropy")
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
-def test_matches_torch_cross_entropy_with_ignore_index(label_smoothing):
+def test_several_ids_are_torch_cross_entropy_of_probability_targets(label_smoothing):
+    """`cross_entropy` with class probabilities `multi_hot / |P|` is the multi-id loss; it
+    differs only at a position without a valid id (PyTorch: the smoothing's `a * mean(-log p)`
+    on an all-zero target; here padding, loss 0)."""
     import torch
     import torch.nn.functional as F
 
-    hidden, table, bias = (torch.tensor(x) for x in _inputs(seed=6, scale=3.0))
-    target = torch.tensor([3, -1, 36, 0, -1])
-    got = cut_categorical_crossentropy(hidden, table, target, bias, label_smoothing=label_smoothing,
-                                       chunk_size=TILE)
-    want = F.cross_entropy(hidden @ table.T + bias, target, ignore_index=-1, reduction="none",
-                           label_smoothing=label_smoothing)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    hidden, table, bias = _inputs(seed=8, scale=2.0)
+    y, count = _targets(IDS["multi"])
+    got = to_numpy(cut_categorical_crossentropy(hidden, table, IDS["multi"], bias,
+                                                label_smoothing=label_smoothing, chunk_size=TILE))
+    z = torch.tensor(hidden @ table.T + bias)
+    want = F.cross_entropy(z, torch.tensor(y), reduction="none", label_smoothing=label_smoothing)
+    np.testing.assert_allclose(got[count > 0], to_numpy(want)[count > 0], rtol=1e-5, atol=1e-5)
+    assert got[2] == 0.0 and (label_smoothing == 0.0) == (float(want[2]) == 0.0)
 
 
 def test_item_embedding_bias_trains_through_the_loss():
