@@ -29,8 +29,8 @@ def build_parser():
                         help="cutbce: exact full-catalogue BCE without logits; dense: the same "
                              "BCE through the full logits; sampled: BCE on each positive and "
                              "--num-negatives uniform negatives; softmax: full-catalogue "
-                             "softmax cross-entropy; cutsoftmax: the same softmax "
-                             "without logits (keras_cutbce.cut_categorical_crossentropy)")
+                             "softmax cross-entropy; cutsoftmax: that softmax without "
+                             "logits (keras_cutbce's CutSoftmaxLoss op)")
     parser.add_argument("--num-negatives", type=positive_int, default=1,
                         help="--loss sampled: negatives per target (1: the SASRec recipe)")
     parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"],
