@@ -6,7 +6,8 @@ default 12 GiB), with the same model, seed, batch and evaluation for every loss:
 
 - `cutbce` (exact full-catalogue BCE, no logits), `dense` (the same BCE through the
   logits), `sampled` with 1 negative per target (the original SASRec / keras-rs
-  recipe) and with 256, `softmax` (full-catalogue softmax cross-entropy);
+  recipe) and with 256, `softmax` (full-catalogue softmax cross-entropy), `cutsoftmax`
+  (the same softmax without logits);
 - on MovieLens `ml-latest-small` (`--movielens-dir`, read in place) for
   `--epochs` epochs, evaluated after every epoch (leave-last-8-out, whole
   catalogue, seen items excluded): the quality comparison;
@@ -46,7 +47,8 @@ from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
 
-LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1)]
+LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
+          ("cutsoftmax", 1)]
 
 
 def loss_name(loss, num_negatives):

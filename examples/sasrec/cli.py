@@ -15,7 +15,7 @@ from examples import (
     unit_interval,
 )
 
-LOSSES = ("cutbce", "dense", "sampled", "softmax")
+LOSSES = ("cutbce", "dense", "sampled", "softmax", "cutsoftmax")
 DESCRIPTION = (
     "Train and evaluate the multi-label SASRec: every non-padding position predicts its next "
     "8 items; each user's last 8 items are held out and ranked against the whole catalogue, "
@@ -29,7 +29,8 @@ def build_parser():
                         help="cutbce: exact full-catalogue BCE without logits; dense: the same "
                              "BCE through the full logits; sampled: BCE on each positive and "
                              "--num-negatives uniform negatives; softmax: full-catalogue "
-                             "softmax cross-entropy")
+                             "softmax cross-entropy; cutsoftmax: that softmax without "
+                             "logits (keras_cutbce's CutSoftmaxLoss op)")
     parser.add_argument("--num-negatives", type=positive_int, default=1,
                         help="--loss sampled: negatives per target (1: the SASRec recipe)")
     parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"],

@@ -14,6 +14,9 @@ int ids (-1 = padding), so one model and one evaluation serve every loss.
 - `SoftmaxCrossEntropyLoss`: full-catalogue softmax cross-entropy of each
   target (the padding row excluded from the softmax), through the dense
   `[..., V]` logits.
+- `CutSoftmaxCrossEntropyLoss`: the same value and gradients without the
+  logits, through `keras_cutbce.cut_categorical_crossentropy` (the op of
+  `CutSoftmaxLoss`), the padding row left out of the softmax by its bias.
 
 Example:
 
@@ -137,6 +140,36 @@ class SoftmaxCrossEntropyLoss(keras.losses.Loss):
         log_normalizer = ops.logsumexp(logits, axis=-1, keepdims=True)
         target_logits = ops.take_along_axis(logits, ops.where(valid, ids, 0), axis=-1)
         return _mean_over_valid(log_normalizer - target_logits, valid)
+
+
+@keras.saving.register_keras_serializable(package="examples_sasrec")
+class CutSoftmaxCrossEntropyLoss(SoftmaxCrossEntropyLoss):
+    """`SoftmaxCrossEntropyLoss` without the `[..., V]` logits.
+
+    The per-position loss of `keras_cutbce.CutSoftmaxLoss`
+    (`cut_categorical_crossentropy`: `logsumexp(z) - mean_j z_{t_j}`, tile by
+    tile over the catalogue), with the padding row `padding_id` out of the
+    softmax (its bias set to -1e9, so its probability and gradients are 0)
+    and out of the targets, as in `SoftmaxCrossEntropyLoss`: the same value
+    and gradients, and the same Keras reduction of the per-position losses.
+    """
+
+    def __init__(self, embeddings, bias=None, padding_id=0,
+                 name="cut_softmax_crossentropy", **kwargs):
+        super().__init__(embeddings, bias, padding_id=padding_id, name=name, **kwargs)
+
+    def call(self, y_true, y_pred):
+        from keras_cutbce import cut_categorical_crossentropy
+
+        table, bias = _table_and_bias(self.embeddings, self.bias, y_pred.dtype)
+        ids = ops.cast(y_true, "int32")
+        if self.padding_id is not None:
+            column = ops.arange(ops.shape(table)[0]) == self.padding_id
+            bias = ops.zeros(ops.shape(table)[:1], table.dtype) if bias is None else bias
+            bias = ops.where(column, ops.cast(-1e9, bias.dtype), bias)
+            ids = ops.where(ops.equal(ids, self.padding_id), -1, ids)
+        per_position = cut_categorical_crossentropy(y_pred, table, ids, bias)
+        return ops.cast(per_position, y_pred.dtype)
 
 
 class NegativeSamplingBatches(keras.utils.PyDataset):

@@ -4,7 +4,9 @@ Every non-padding position predicts its next 8 items. `--loss` picks how:
 `cutbce` is the exact full-catalogue BCE (`keras_cutbce.CutBCELoss`, no logits
 tensor), `dense` the same BCE through the full logits, `sampled` BCE on each
 positive plus `--num-negatives` uniformly drawn negatives (the original SASRec
-recipe with 1), `softmax` full-catalogue softmax cross-entropy. Every loss
+recipe with 1), `softmax` full-catalogue softmax cross-entropy, `cutsoftmax`
+the same softmax without the logits (`keras_cutbce.cut_categorical_crossentropy`,
+the op of `CutSoftmaxLoss`). Every loss
 trains the same model (tied item table, learned per-item output bias) and is
 scored by the same evaluation: each user's last 8 items are held out, the
 hidden state at the last training position is ranked against the whole
@@ -33,7 +35,8 @@ import numpy as np
 from examples import default_verbosity  # noqa: F401  (re-exported: the verbosity rule)
 from examples.sasrec import data as data_lib
 from examples.sasrec.cli import LOSSES, build_parser, parse_args  # noqa: F401
-from examples.sasrec.losses import NegativeSamplingBatches, SampledBCELoss, SoftmaxCrossEntropyLoss
+from examples.sasrec.losses import CutSoftmaxCrossEntropyLoss, NegativeSamplingBatches
+from examples.sasrec.losses import SampledBCELoss, SoftmaxCrossEntropyLoss
 from examples.sasrec.model import DenseBCELoss, build_sasrec
 from examples.sasrec.tables import run_name, sasrec_table
 
@@ -159,6 +162,8 @@ def make_loss(kind, items, bias, pos_weight=1.0, num_negatives=1):
         return SampledBCELoss(items, bias, num_targets=NUM_TARGETS, num_negatives=num_negatives)
     if kind == "softmax":
         return SoftmaxCrossEntropyLoss(items, bias, padding_id=0)
+    if kind == "cutsoftmax":
+        return CutSoftmaxCrossEntropyLoss(items, bias, padding_id=0)
     raise ValueError(f"Unknown loss {kind!r}; expected one of {LOSSES}.")
 
 

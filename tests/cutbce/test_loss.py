@@ -60,7 +60,10 @@ def test_keras_mask_on_hidden_is_applied():
 
 
 @pytest.mark.slow
-def test_ids_stay_integers_beyond_float32_precision():
+@pytest.mark.parametrize("softmax", [False, True], ids=["bce", "softmax"])
+def test_ids_stay_integers_beyond_float32_precision(softmax):
+    from keras_cutbce import CutSoftmaxLoss
+
     vocab = 2**24 + 8
     dim = 2
     rng = np.random.default_rng(3)
@@ -72,11 +75,16 @@ def test_ids_stay_integers_beyond_float32_precision():
     table[2**24 + 4] = -5000.0 * unit
     assert float(np.float32(ids[0, 0])) != ids[0, 0]
     z = hidden.astype(np.float64) @ table.T.astype(np.float64)
-    background = np.logaddexp(0.0, z).sum()
-    exact = (background - z[0, ids[0, 0]]) / vocab
-    rounded = (background - z[0, int(np.float32(ids[0, 0]))]) / vocab
+    if softmax:  # log-sum-exp minus the target's logit
+        top = z.max()
+        background, scale = top + np.log(np.exp(z - top).sum()), 1.0
+    else:
+        background, scale = np.logaddexp(0.0, z).sum(), 1.0 / vocab
+    exact = (background - z[0, ids[0, 0]]) * scale
+    rounded = (background - z[0, int(np.float32(ids[0, 0]))]) * scale
     assert abs(exact - rounded) > 1e-9  # the test can tell the two apart
-    value = to_numpy(CutBCELoss(keras.Variable(table), chunk_size=8192)(ops.convert_to_tensor(ids), hidden))
+    loss = (CutSoftmaxLoss if softmax else CutBCELoss)(keras.Variable(table), chunk_size=8192)
+    value = to_numpy(loss(ops.convert_to_tensor(ids), hidden))
     assert abs(value - exact) < 0.01 * abs(exact - rounded), (value, exact, rounded)
 
 
@@ -129,8 +137,13 @@ def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
     return x, y.astype("int32")
 
 
-def first_step(vocab, dim, x, y, policy, dense=False):
-    """The loss and the weight change of one SGD(1) step of `build_model` under `policy`."""
+def first_step(vocab, dim, x, y, policy, dense=False, softmax=False):
+    """The loss and the weight change of one SGD(1) step of `build_model` under `policy`.
+
+    BCE (`CutBCELoss` or Keras's dense loss), or with `softmax` the softmax
+    cross-entropy (`CutSoftmaxLoss`, or Keras's on the targets `multi_hot / |P|`).
+    """
+    from keras_cutbce import CutSoftmaxLoss
     from tests.backend_utils import dtype_policy
 
     with dtype_policy("float32"):
@@ -139,11 +152,18 @@ def first_step(vocab, dim, x, y, policy, dense=False):
         model, items = build_model(vocab, dim, dense=dense)
         model.set_weights(initial)
         if dense:
-            loss = keras.losses.BinaryCrossentropy(from_logits=True)
-            y = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
+            hot = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
+            if softmax:
+                hot = hot / np.maximum(hot.sum(-1, keepdims=True), 1.0)
+                loss = keras.losses.CategoricalCrossentropy(from_logits=True)
+            else:
+                loss = keras.losses.BinaryCrossentropy(from_logits=True)
+            y = hot
         else:
-            loss = CutBCELoss(items, chunk_size=16)
+            loss = (CutSoftmaxLoss if softmax else CutBCELoss)(items, chunk_size=16)
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
+        if policy == "mixed_float16":  # Keras scales the loss: the step goes through the scale
+            assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         value = model.train_on_batch(x, np.asarray(y, "float32") if dense else y)
         return value, [to_numpy(w) - w0 for w, w0 in zip(model.get_weights(), initial)]
 
@@ -173,17 +193,21 @@ def test_first_step_under_every_policy_matches_dense_bce_and_loss_falls(policy):
 
 
 @pytest.mark.slow
-def test_save_and_load_rebinds_the_table(tmp_path):
+@pytest.mark.parametrize("loss_class", ["CutBCELoss", "CutSoftmaxLoss"])
+def test_save_and_load_rebinds_the_table(tmp_path, loss_class):
+    import keras_cutbce
+
     vocab, dim = 31, 4
     x, y = fit_data(vocab)
     model, items = build_model(vocab, dim)
-    model.compile(optimizer="adam", loss=CutBCELoss(items, label_smoothing=0.1, chunk_size=8))
+    loss_class = getattr(keras_cutbce, loss_class)
+    model.compile(optimizer="adam", loss=loss_class(items, label_smoothing=0.1, chunk_size=8))
     model.fit(x, y, epochs=1, verbose=0)
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
     loss = loaded.loss
-    assert isinstance(loss, CutBCELoss)
+    assert type(loss) is loss_class
     assert loss.embeddings is loaded.get_layer("items").embeddings
     assert loss.label_smoothing == 0.1 and loss.chunk_size == 8
     np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0), rtol=1e-5)

@@ -35,12 +35,12 @@ def _inputs(seed=0, scale=1.0, rows=5):
     return hidden, table, bias
 
 
-def _targets(ids):
-    """`multi_hot(ids) / |P|` (float32 `[M, V]`) and each position's count of valid ids."""
-    hot = np.zeros((len(ids), V), np.float32)
+def _targets(ids, vocab=V):
+    """`multi_hot(ids) / |P|` (float32 `[M, vocab]`) and each position's count of valid ids."""
+    hot = np.zeros((len(ids), vocab), np.float32)
     for row, row_ids in enumerate(ids):
         for i in row_ids:
-            if 0 <= i < V:
+            if 0 <= i < vocab:
                 hot[row, i] = 1.0
     count = hot.sum(1)
     return hot / np.maximum(count, 1.0)[:, None], count
@@ -211,12 +211,13 @@ def test_fit_trains_the_table_through_the_loss():
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_bfloat16_inputs_are_as_exact_as_the_dense_bfloat16_loss(label_smoothing):
-    """bfloat16 hidden, table and bias (mixed_bfloat16's): float32 accumulation inside."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_inputs_are_as_exact_as_the_dense_low_precision_loss(dtype, label_smoothing):
+    """bfloat16 / float16 hidden, table and bias (the mixed policies'): float32 accumulation inside."""
     from tests.backend_utils import assert_within_low_precision
 
     ids = IDS["multi"]
-    hidden, table, bias = (ops.cast(x, "bfloat16") for x in _inputs(seed=5, scale=2.0))
+    hidden, table, bias = (ops.cast(x, dtype) for x in _inputs(seed=5, scale=2.0))
     weights = np.array([1.0, 0.5, 2.0, 0.25, 1.5], np.float32)
     w = ops.convert_to_tensor(weights)
 
@@ -224,7 +225,7 @@ def test_bfloat16_inputs_are_as_exact_as_the_dense_bfloat16_loss(label_smoothing
         return ops.sum(w * cut_categorical_crossentropy(h, e, ids, b, label_smoothing=label_smoothing,
                                                         chunk_size=TILE))
 
-    def dense(h, e, b):  # Keras's loss on bfloat16 logits
+    def dense(h, e, b):  # Keras's loss on the low-precision logits
         return ops.sum(ops.cast(_keras_loss(h, e, b, ids, label_smoothing), "float32") * w)
 
     value, grads = value_and_grads(cut, hidden, table, bias)
@@ -236,19 +237,80 @@ def test_bfloat16_inputs_are_as_exact_as_the_dense_bfloat16_loss(label_smoothing
         assert_within_low_precision(got, low, want, f"d{name}")
 
 
+def _torch_peer(peer, hidden, table, bias, target, **kwargs):
+    """PyTorch's loss on `hidden @ table.T + bias` (`cross_entropy`) or without the logits."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    if peer == "cross_entropy":
+        return F.cross_entropy(hidden @ table.T + bias, target, **kwargs)
+    options = nn.LinearCrossEntropyOptions(batch_chunk_size=8) if peer.endswith("chunked") else None
+    return F.linear_cross_entropy(hidden, table, target, linear_bias=bias, options=options, **kwargs)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own losses")
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("peer", ["cross_entropy", "linear_cross_entropy",
+                                  "linear_cross_entropy_chunked"])
+def test_matches_torch_with_ignore_index(peer, reduction, label_smoothing):
+    """PyTorch's `cross_entropy` and `linear_cross_entropy` (reference and chunked paths):
+    loss and gradients of hidden, table and bias, padding ids as `ignore_index`.
+
+    Where the semantics differ: PyTorch's `"mean"` divides by the targets not ignored;
+    Keras's `"sum_over_batch_size"` by every position (a padding position is a zero-weight
+    one). PyTorch's mean is Keras's `"mean_with_sample_weight"` with the valid mask as weight.
+    """
+    import torch
+
+    if peer.endswith("chunked") and label_smoothing:
+        pytest.skip("PyTorch's chunked path has no label smoothing (it falls back to the reference)")
+    hidden, table, bias = (torch.tensor(x) for x in _inputs(seed=6, scale=3.0, rows=13))
+    target = torch.tensor([3, -1, 36, 0, -1, 5, 5, 17, 36, 1, -1, 2, 30])
+    valid = (target >= 0).to(torch.float32)
+
+    def ours(h, e, b):
+        kwargs = {"label_smoothing": label_smoothing, "chunk_size": TILE}
+        if reduction == "mean":
+            loss = CutSoftmaxLoss(e, b, reduction="mean_with_sample_weight", **kwargs)
+            return loss(target, h, sample_weight=valid)
+        return CutSoftmaxLoss(e, b, reduction=reduction, **kwargs)(target, h)
+
+    def theirs(h, e, b):
+        return _torch_peer(peer, h, e, b, target, ignore_index=-1, reduction=reduction,
+                           label_smoothing=label_smoothing)
+
+    def scalar(fn):
+        return lambda h, e, b: (fn(h, e, b) * torch.arange(1.0, 14.0)).sum() if (
+            reduction == "none") else fn(h, e, b)
+
+    value, grads = value_and_grads(scalar(ours), hidden, table, bias)
+    want, want_grads = value_and_grads(scalar(theirs), hidden, table, bias)
+    np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-5)
+    for name, got, w in zip(("hidden", "table", "bias"), grads, want_grads):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5, err_msg=name)
+    if reduction == "mean":  # Keras's default divides by all 13 positions, PyTorch by the 10 valid
+        keras_mean = CutSoftmaxLoss(table, bias, label_smoothing=label_smoothing)(target, hidden)
+        np.testing.assert_allclose(to_numpy(keras_mean) * 13 / 10, want, rtol=1e-5)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's own cross_entropy")
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
-def test_matches_torch_cross_entropy_with_ignore_index(label_smoothing):
+def test_several_ids_are_torch_cross_entropy_of_probability_targets(label_smoothing):
+    """`cross_entropy` with class probabilities `multi_hot / |P|` is the multi-id loss; it
+    differs only at a position without a valid id (PyTorch: the smoothing's `a * mean(-log p)`
+    on an all-zero target; here padding, loss 0)."""
     import torch
     import torch.nn.functional as F
 
-    hidden, table, bias = (torch.tensor(x) for x in _inputs(seed=6, scale=3.0))
-    target = torch.tensor([3, -1, 36, 0, -1])
-    got = cut_categorical_crossentropy(hidden, table, target, bias, label_smoothing=label_smoothing,
-                                       chunk_size=TILE)
-    want = F.cross_entropy(hidden @ table.T + bias, target, ignore_index=-1, reduction="none",
-                           label_smoothing=label_smoothing)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    hidden, table, bias = _inputs(seed=8, scale=2.0)
+    y, count = _targets(IDS["multi"])
+    got = to_numpy(cut_categorical_crossentropy(hidden, table, IDS["multi"], bias,
+                                                label_smoothing=label_smoothing, chunk_size=TILE))
+    z = torch.tensor(hidden @ table.T + bias)
+    want = F.cross_entropy(z, torch.tensor(y), reduction="none", label_smoothing=label_smoothing)
+    np.testing.assert_allclose(got[count > 0], to_numpy(want)[count > 0], rtol=1e-5, atol=1e-5)
+    assert got[2] == 0.0 and (label_smoothing == 0.0) == (float(want[2]) == 0.0)
 
 
 def test_item_embedding_bias_trains_through_the_loss():
@@ -270,3 +332,77 @@ def test_item_embedding_bias_trains_through_the_loss():
     model.fit(x, y, batch_size=3, epochs=1, verbose=0)
     np.testing.assert_allclose(to_numpy(items.bias), bias - 0.5 * grad_bias, atol=1e-6)
     assert np.abs(grad_bias).max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_first_fit_step_under_mixed_precision_matches_dense_keras(policy):
+    """One SGD step of `fit` under the policy (under `mixed_float16`, through Keras's loss
+    scaling) against float64: the loss and every weight's change no worse than twice the
+    dense Keras model's (`CategoricalCrossentropy` on the logits) under the same policy."""
+    from tests.backend_utils import assert_within_low_precision
+    from tests.cutbce.test_loss import first_step, fit_data
+
+    vocab, dim = 53, 8
+    x, y = fit_data(vocab)
+    l_cut, cut = first_step(vocab, dim, x, y, policy, softmax=True)
+    l_dense, dense = first_step(vocab, dim, x, y, policy, dense=True, softmax=True)
+    l_true, true = first_step(vocab, dim, x, y, "float64", softmax=True)
+    assert_within_low_precision(l_cut, l_dense, l_true, "loss")
+    for i, (a, b, t) in enumerate(zip(cut, dense, true)):
+        assert np.abs(a).max() > 0  # the table (and the projection) trained
+        assert_within_low_precision(a, b, t, f"weight #{i} change")
+
+
+# Keras's own test cases of `CategoricalCrossentropy` and `SparseCategoricalCrossentropy`
+# (keras/src/losses/losses_test.py) that take logits, through the identity table
+# (hidden = the logits, embeddings = I): (logits, ids, call and loss arguments, Keras's number).
+_LOGITS = [[8.0, 1.0, 1.0], [0.0, 9.0, 1.0], [2.0, 3.0, 5.0]]
+_CORRECT = [[10.0, 0.0, 0.0], [0.0, 10.0, 0.0], [0.0, 0.0, 10.0]]
+_WEIGHTS = [[1.2], [3.4], [5.6]]
+_IGNORED = [[[0.854, 0.698, 0.598], [0.088, 0.86, 0.018]]]
+KERAS_CASES = {
+    "all_correct_unweighted": (_CORRECT, [[0], [1], [2]], {}, 0.0),
+    "unweighted": (_LOGITS, [[0], [1], [2]], {}, 0.0573),
+    "sparse_unweighted": (_LOGITS, [0, 1, 2], {}, 0.0573),
+    "scalar_weighted": (_LOGITS, [[0], [1], [2]], {"sample_weight": 2.3}, 0.1317),
+    "sample_weighted": (_LOGITS, [[0], [1], [2]], {"sample_weight": _WEIGHTS}, 0.31829),
+    "no_reduction": (_LOGITS, [[0], [1], [2]], {"reduction": None}, [0.001822, 0.000459, 0.169846]),
+    "label_smoothing": ([[100.0, -100.0, -100.0]], [[0]], {"label_smoothing": 0.1}, 400 * 0.1 / 3),
+    "ignore_class": (_IGNORED, [[-1, 2]], {"reduction": None}, [[0.0, 1.480129]]),
+    "ignore_class_ids_last_axis": (_IGNORED, [[[-1], [2]]], {"reduction": None}, [[0.0, 1.480129]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_CASES))
+def test_keras_categorical_crossentropy_cases_through_the_identity_table(name):
+    """Keras's number (to its 3 decimals) and Keras's loss class on the logits (to float32).
+
+    Not ported, as they do not apply: the cases on probabilities (`from_logits=False`: the
+    loss takes hidden states, its logits are `h @ E.T`), `axis` other than -1 and the
+    segmentation cases (probabilities, a class axis), `shape_mismatch` (one-hot `y_true`:
+    the targets here are ids). `ignore_class=-1` is a padding id here. The config and dtype
+    cases: `test_config_round_trip_and_unimplemented_kernels` and the dtype case below.
+    """
+    logits, ids, kwargs, want = KERAS_CASES[name]
+    logits, ids = np.array(logits, "float32"), np.array(ids)
+    call = {"sample_weight": kwargs.pop("sample_weight")} if "sample_weight" in kwargs else {}
+    call = {k: np.array(v, "float32") if isinstance(v, list) else v for k, v in call.items()}
+    got = to_numpy(CutSoftmaxLoss(np.eye(3, dtype="float32"), **kwargs)(ids, logits, **call))
+    np.testing.assert_allclose(got, np.array(want), atol=1e-3)
+    if name.startswith("ignore_class"):
+        keras_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1,
+                                                                **kwargs)
+        keras_value = keras_loss(ids, logits)
+    else:
+        hot, _ = _targets(ids.reshape(len(logits), -1), vocab=3)
+        keras_loss = keras.losses.CategoricalCrossentropy(from_logits=True, **kwargs)
+        keras_value = keras_loss(hot, logits, **call)
+    np.testing.assert_allclose(got, to_numpy(keras_value), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_dtype_case():
+    """Keras's `test_dtype_arg`: the reduced loss in the loss's `dtype`."""
+    loss = CutSoftmaxLoss(np.eye(3, dtype="float32"), dtype="bfloat16")
+    value = loss(np.array([[0], [1], [2]]), np.eye(3, dtype="float32"))
+    assert keras.backend.standardize_dtype(value.dtype) == "bfloat16"

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_cutbce import CutBCELoss
+from keras_cutbce import CutBCELoss, CutSoftmaxLoss
 from keras_cutbce.math.reference import multi_hot
 from tests.backend_utils import BACKEND, to_numpy
 
@@ -51,8 +51,8 @@ def table_index(model, items):
     return [i for i, v in enumerate(model.trainable_variables) if v is items.embeddings][0]
 
 
-def dense_objective(model, items):
-    """Keras's dense BCE on the full logits, as a function of the trainable values."""
+def dense_objective(model, items, softmax=False):
+    """Keras's dense BCE (or softmax cross-entropy) on the full logits, of the trainable values."""
     import jax.numpy as jnp
 
     index = table_index(model, items)
@@ -61,19 +61,22 @@ def dense_objective(model, items):
         y_pred, _ = model.stateless_call(trainable, non_trainable, x)
         logits = jnp.einsum("btd,vd->btv", y_pred, trainable[index])
         targets = multi_hot(y.reshape(-1, y.shape[-1]), VOCAB).reshape(logits.shape)
+        if softmax:  # a position without a valid id is padding: loss 0 (a zero target row)
+            targets = targets / jnp.maximum(targets.sum(-1, keepdims=True), 1.0)
+            return keras.losses.CategoricalCrossentropy(from_logits=True)(targets, logits)
         return keras.losses.BinaryCrossentropy(from_logits=True)(targets, logits)
 
     return objective
 
 
-def assert_grads_match_dense(model, items, objective):
+def assert_grads_match_dense(model, items, objective, softmax=False):
     import jax
 
     x, y = data()
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
     grad_fn = jax.jit(jax.grad(objective))
-    want = jax.grad(dense_objective(model, items))(trainable, non_trainable, x, y)
+    want = jax.grad(dense_objective(model, items, softmax))(trainable, non_trainable, x, y)
     got = grad_fn(trainable, non_trainable, x, y)
     index = table_index(model, items)
     assert np.abs(to_numpy(want[index])).max() > 1e-4  # the table does get a gradient
@@ -82,14 +85,15 @@ def assert_grads_match_dense(model, items, objective):
     # Not frozen at trace time: a different table gives the new gradient (same jit).
     trainable[index] = trainable[index] * 2.0
     got = grad_fn(trainable, non_trainable, x, y)
-    want = jax.grad(dense_objective(model, items))(trainable, non_trainable, x, y)
+    want = jax.grad(dense_objective(model, items, softmax))(trainable, non_trainable, x, y)
     np.testing.assert_allclose(to_numpy(got[index]), to_numpy(want[index]), rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.slow
-def test_stateless_loop_with_a_stateless_scope_trains_the_table():
+@pytest.mark.parametrize("softmax", [False, True], ids=["bce", "softmax"])
+def test_stateless_loop_with_a_stateless_scope_trains_the_table(softmax):
     model, items = tied_model()
-    loss = CutBCELoss(items, chunk_size=8)
+    loss = (CutSoftmaxLoss if softmax else CutBCELoss)(items, chunk_size=8)
 
     def objective(trainable, non_trainable, x, y):
         y_pred, _ = model.stateless_call(trainable, non_trainable, x)
@@ -98,13 +102,14 @@ def test_stateless_loop_with_a_stateless_scope_trains_the_table():
         with keras.StatelessScope(state_mapping=mapping):
             return loss(y, y_pred)
 
-    assert_grads_match_dense(model, items, objective)
+    assert_grads_match_dense(model, items, objective, softmax)
 
 
 @pytest.mark.slow
-def test_stateless_compute_loss_trains_the_table():
+@pytest.mark.parametrize("softmax", [False, True], ids=["bce", "softmax"])
+def test_stateless_compute_loss_trains_the_table(softmax):
     model, items = tied_model()
-    model.compile(optimizer="sgd", loss=CutBCELoss(items, chunk_size=8))
+    model.compile(optimizer="sgd", loss=(CutSoftmaxLoss if softmax else CutBCELoss)(items, chunk_size=8))
     x, y = data()
     model.fit(x, y, epochs=1, verbose=0)  # builds the compiled loss and metrics
 
@@ -116,7 +121,7 @@ def test_stateless_compute_loss_trains_the_table():
         )
         return value
 
-    assert_grads_match_dense(model, items, objective)
+    assert_grads_match_dense(model, items, objective, softmax)
 
 
 def test_stateless_loop_without_the_values_raises_clearly():

@@ -270,7 +270,7 @@ def test_popularity_metrics_agree_with_top_k_retrieval():
 
 
 @needs_metrics
-@pytest.mark.parametrize("loss", ["cutbce", "dense", "sampled", "softmax"])
+@pytest.mark.parametrize("loss", ["cutbce", "dense", "sampled", "softmax", "cutsoftmax"])
 @pytest.mark.slow
 def test_sasrec_end_to_end(tmp_path, loss):
     from examples.sasrec.train import main
@@ -665,8 +665,9 @@ def test_sampled_bce_matches_numpy():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_softmax_cross_entropy_matches_numpy_and_excludes_padding_row():
-    from examples.sasrec.losses import SoftmaxCrossEntropyLoss
+@pytest.mark.parametrize("cut", [False, True], ids=["dense", "cut"])
+def test_softmax_cross_entropy_matches_numpy_and_excludes_padding_row(cut):
+    from examples.sasrec import losses
 
     rng = np.random.default_rng(2)
     items, table = _tiny_table(seed=3)
@@ -674,7 +675,8 @@ def test_softmax_cross_entropy_matches_numpy_and_excludes_padding_row():
     targets = rng.integers(1, 23, size=(2, 3, 2)).astype("int32")
     targets[0, 1, 0] = -1
     targets[1, 0] = [0, -1]  # only the padding row: no valid target
-    loss = SoftmaxCrossEntropyLoss(items, padding_id=0, reduction=None)
+    cls = losses.CutSoftmaxCrossEntropyLoss if cut else losses.SoftmaxCrossEntropyLoss
+    loss = cls(items, padding_id=0, reduction=None)
     got = keras.ops.convert_to_numpy(loss(targets, hidden))
     logits = hidden @ table.T
     logits[..., 0] = -np.inf  # the padding row is not a class
