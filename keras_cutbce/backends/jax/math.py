@@ -38,70 +38,39 @@ def exp_neg_abs(z):
     return jnp.exp(-jnp.abs(z))
 
 
-def _select(positive, pos, neg):
-    return neg if pos is None else pos if neg is None else jnp.where(positive, pos, neg)
+def terms(z, minus, plus, *, e=None):
+    """`minus * softplus(-z) + plus * softplus(z)` per logit; `e`: `exp(-|z|)` if already computed.
 
+    Written as two non-negative parts sharing one `log1p(e)`; a part whose
+    weight is 0 is left out (so `z = -inf` with `minus = 0` gives exactly 0).
 
-def terms(z, e, coef, positive=False):
-    """Returns each logit's loss term, from `e = exp_neg_abs(z)` (one `log1p` a logit).
-
-    Args:
-        z: float32 logits.
-        e: `exp(-|z|)`.
-        coef: `keras_cutbce.math.coefficients.BCECoefficients`.
-        positive: False (every logit is a negative), True (every logit is a
-            positive), or a bool array of `z`'s shape.
-
-    Returns:
-        `neg_scale softplus(z) - neg_target z` at the negatives and
-        `pos_minus softplus(-z) + pos_plus softplus(z)` at the positives.
-
-    Example:
-
-    >>> from keras_cutbce.math.coefficients import bce_coefficients
     >>> z = jnp.array([-100.0, 0.0, 100.0])
-    >>> [round(float(x), 4) for x in terms(z, exp_neg_abs(z), bce_coefficients(), True)]
+    >>> [round(float(x), 4) for x in terms(z, 1.0, 0.0)]
     [100.0, 0.6931, 0.0]
     """
-    log_e = jnp.log1p(e)
-    neg = pos = None
-    if positive is not True:
-        if coef.neg_target == 0.0:
-            neg = jnp.maximum(z, 0.0) + log_e
-            neg = neg if coef.neg_scale == 1.0 else coef.neg_scale * neg
-        else:  # label smoothing: two non-negative parts, no inf - inf at |z| = inf
-            minus, plus = coef.negative_weights
-            neg = plus * jnp.maximum(z, 0.0) + minus * jnp.maximum(-z, 0.0) + coef.neg_scale * log_e
-    if positive is not False:
-        pos = coef.pos_minus * (jnp.maximum(-z, 0.0) + log_e)
-        if coef.pos_plus != 0.0:
-            pos = pos + coef.pos_plus * (jnp.maximum(z, 0.0) + log_e)
-    return _select(positive, pos, neg)
+    log_part = jnp.log1p(exp_neg_abs(z) if e is None else e)
+    out = None
+    if minus != 0.0:
+        out = jnp.maximum(-z, 0.0) + log_part
+        out = out if minus == 1.0 else minus * out
+    if plus != 0.0:
+        part = jnp.maximum(z, 0.0) + log_part
+        part = part if plus == 1.0 else plus * part
+        out = part if out is None else out + part
+    return jnp.zeros_like(z) if out is None else out
 
 
-def slopes(z, e, coef, positive=False):
-    """Returns each term's derivative in `z`, from `e = exp_neg_abs(z)` (one reciprocal a logit).
-
-    Args:
-        z: float32 logits.
-        e: `exp(-|z|)`.
-        coef: `keras_cutbce.math.coefficients.BCECoefficients`.
-        positive: False, True, or a bool array of `z`'s shape (as in `terms`).
-
-    Returns:
-        `neg_scale sigmoid(z) - neg_target` at the negatives and
-        `pos_plus - (pos_plus + pos_minus) sigmoid(-z)` at the positives.
-    """
+def slopes(z, minus, plus, *, e=None):
+    """`plus * sigmoid(z) - minus * sigmoid(-z)`, the derivative of `terms`, with one sigmoid."""
+    e = exp_neg_abs(z) if e is None else e
     r = 1.0 / (1.0 + e)
-    neg = pos = None
-    if positive is not True:
-        neg = jnp.where(z >= 0, r, e * r)  # sigmoid(z)
-        neg = neg if coef.neg_scale == 1.0 else coef.neg_scale * neg
-        neg = neg if coef.neg_target == 0.0 else neg - coef.neg_target
-    if positive is not False:
-        pos = (coef.pos_plus + coef.pos_minus) * jnp.where(z >= 0, e * r, r)  # sigmoid(-z)
-        pos = -pos if coef.pos_plus == 0.0 else coef.pos_plus - pos
-    return _select(positive, pos, neg)
+    total = plus + minus
+    if minus >= plus:  # the larger weight's sigmoid: exact at any z, a 0 weight drops its part
+        out = -total * jnp.where(z >= 0, e * r, r)  # sigmoid(-z)
+        return out if plus == 0.0 else out + plus
+    out = jnp.where(z >= 0, r, e * r)  # sigmoid(z)
+    out = out if total == 1.0 else total * out
+    return out if minus == 0.0 else out - minus
 
 
 def sorted_positives(ids, vocab_size):
@@ -157,16 +126,16 @@ class BCE(NamedTuple):
 
     def tile(self, z, stats, *, loss, grad):
         """Returns a tile's `(row part [M] or None, slopes [M, T] or None)`; `-inf` (a positive) adds 0."""
-        e = exp_neg_abs(z)
-        part = jnp.sum(_drop_masked(terms(z, e, self.coef), z, self.coef), axis=1) if loss else None
-        dz = _drop_masked(slopes(z, e, self.coef), z, self.coef) if grad else None
+        e, weights = exp_neg_abs(z), self.coef.negative_weights
+        part = jnp.sum(_drop_masked(terms(z, *weights, e=e), z, self.coef), axis=1) if loss else None
+        dz = _drop_masked(slopes(z, *weights, e=e), z, self.coef) if grad else None
         return part, dz
 
     def positives(self, z, keep, *, loss, grad):
         """Returns the positives' `(terms [M, L] or None, slopes [M, L] or None)`; `keep`: valid ids."""
-        e = exp_neg_abs(z)
-        return (terms(z, e, self.coef, True) if loss else None,
-                slopes(z, e, self.coef, True) if grad else None)
+        e, weights = exp_neg_abs(z), self.coef.positive_weights
+        return (terms(z, *weights, e=e) if loss else None,
+                slopes(z, *weights, e=e) if grad else None)
 
     def finish(self, acc, positive_rows, keep, vocab):
         """Returns the rows' loss `[M]`: the mean over the vocabulary."""

@@ -14,7 +14,7 @@ the count -1.
 
 import tensorflow as tf
 
-from keras_cutbce.backends.tensorflow.kernel import tile_logits
+from keras_cutbce.backends.tensorflow.chunked import tile_logits
 from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.math.tiling import vocab_tiles
 
