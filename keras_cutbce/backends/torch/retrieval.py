@@ -9,7 +9,7 @@ ids `EMPTY_ID`, `count_above` the count -1.
 
 import torch
 
-from keras_cutbce.backends.torch.kernel import tile_logits
+from keras_cutbce.backends.torch.chunked import tile_logits
 from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.math.tiling import vocab_tiles
 
