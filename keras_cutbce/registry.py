@@ -19,7 +19,9 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy
   (`chunked` and `reference` only, so far);
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
-  -> (scores [M, k] float32, ids [M, k] int32)`, ties to the lower id;
+  -> (scores [M, k] float32, ids [M, k] int32)`, sorted descending, ties to
+  the lower id; a slot no item can fill gets `-inf` and `EMPTY_ID`; exclusions
+  outside `[0, V)` are ignored (compared before any int32 cast);
 - `count_above(hidden, table, bias, scores [M], ids [M], exclude_ids [M, X] |
   None, *, chunk_size) -> [M] int32`, per row the items ranked above
   `(score, id)` in `top_k`'s order (a higher logit, or an equal one and a
