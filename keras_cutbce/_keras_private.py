@@ -31,7 +31,6 @@ _JAX_STEPS = ("train_step", "test_step", "predict_step")
 
 
 def _models_on_stack():
-    """The `keras.Model` instances whose methods are on the call stack, innermost first."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
@@ -44,7 +43,6 @@ def _models_on_stack():
 
 
 def _owning_layer(model, variable):
-    """The layer of `model` to read for the table `variable` (LoRA, `ReversibleEmbedding`), else `variable`."""
     if variable.name != "embeddings":
         return variable
     for layer in model._flatten_layers(include_self=False):
@@ -82,7 +80,6 @@ def jax_step_state():
 
 
 def _frames_named(*names):
-    """The call stack's frames running a function named one of `names`, innermost first (code names only)."""
     frame = inspect.currentframe()
     try:
         while frame is not None:

@@ -1,8 +1,4 @@
-"""The public ops' and metrics' argument checks, once: a `ValueError` / `TypeError` naming the argument.
-
-Each returns the value normalised (Python numbers, int32 ids with padding
-`EMPTY_ID`); below them nothing checks again.
-"""
+"""The public ops' and metrics' argument checks, once, each returning the value normalised (the kernels trust it)."""
 
 import math
 import numbers
@@ -47,12 +43,10 @@ def _dtype(x):
 
 
 def is_float(x):
-    """Returns True for a float tensor (bfloat16 included)."""
     return keras.backend.is_float_dtype(_dtype(x))
 
 
 def is_int(x):
-    """Returns True for an integer tensor (signed or unsigned)."""
     return keras.backend.is_int_dtype(_dtype(x))
 
 
@@ -69,7 +63,6 @@ def check_int(value, argument, minimum=1):
 
 
 def check_chunk_size(chunk_size):
-    """Returns None or a positive Python int (NumPy integers accepted)."""
     if chunk_size is None:
         return None
     if (
@@ -94,7 +87,6 @@ def _as_float(value, argument, expected):
 
 
 def check_label_smoothing(label_smoothing):
-    """Returns `label_smoothing` as a float in `[0, 1]`."""
     value = _as_float(label_smoothing, "label_smoothing", "in [0, 1]")
     if not 0.0 <= value <= 1.0:
         raise ValueError(
@@ -105,7 +97,6 @@ def check_label_smoothing(label_smoothing):
 
 
 def check_pos_weight(pos_weight):
-    """Returns `pos_weight` as a finite float `> 0`."""
     value = _as_float(pos_weight, "pos_weight", "> 0")
     if not (value > 0.0 and math.isfinite(value)):
         raise ValueError(
@@ -144,7 +135,6 @@ def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implement
 
 
 def check_k(k, vocab_size):
-    """Returns `k` as an int in `[1, V]` (NumPy integers accepted)."""
     upper = "V" if vocab_size is None else vocab_size
     if (
         isinstance(k, bool)
@@ -244,7 +234,6 @@ def check_hidden_and_table(hidden, table, bias):
 
 
 def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
-    """`i_dims` with the last axis: `[...]` (one id a position, targets only) gains a trailing 1."""
     lead = h_dims[:-1]
     axis = "L" if one_per_position else "X"
     shape = i_dims + (1,) if one_per_position and len(i_dims) == len(lead) else i_dims
@@ -268,10 +257,7 @@ def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
 
 
 def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
-    """Ids checked for `hidden [..., D]`: int32 `[..., L]`, `EMPTY_ID` outside `[0, V)` (`ids_as_int32`).
-
-    `[...]` is one id a position when `one_per_position`; multi-hot labels are
-    refused (`keras_cutbce.ids.refuse_multi_hot`).
+    """Ids checked for `hidden [..., D]`: int32 `[..., L]`, `EMPTY_ID` outside `[0, V)`, multi-hot refused.
 
     >>> import numpy as np
     >>> np.asarray(int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")).tolist()

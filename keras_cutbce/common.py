@@ -10,7 +10,6 @@ EMPTY_ID = -1
 
 
 def round_up(value, multiple):
-    """`value` rounded up to a multiple of `multiple`."""
     return -(-int(value) // multiple) * multiple
 
 
@@ -57,10 +56,7 @@ def concrete_values(x):
 
 
 def ids_as_int32(ids, vocab_size):
-    """Ids as int32, every id outside `[0, vocab_size)` set to `EMPTY_ID` in its own dtype first.
-
-    A plain cast would wrap an int64 `2**32 + 16` to item 16. NumPy ids are
-    clamped in NumPy; `vocab_size=None` clamps to the int32 range only.
+    """Ids as int32, every id outside `[0, vocab_size)` set to `EMPTY_ID` in its own dtype first (no int64 wrap).
 
     >>> import numpy as np
     >>> np.asarray(ids_as_int32(np.array([[0, 4, 2**32 + 1, -7]]), 5)).tolist()
@@ -90,7 +86,6 @@ def ids_as_int32(ids, vocab_size):
 
 
 def static_dims(x):
-    """The static dimensions of `x`, None where unknown."""
     from keras import ops
 
     shape = getattr(x, "shape", None)

@@ -1,9 +1,4 @@
-"""`ItemTable`: a table (or bias) as the ops, the loss and the metrics read it, once per call.
-
-A source is a tensor or array (a constant), a `keras.Variable`, or a layer
-holding one as `embeddings` (`Embedding`, with or without LoRA,
-`ReversibleEmbedding`); configs hold a variable's path or a constant array.
-"""
+"""`ItemTable`: a table (or bias) from a tensor, a `keras.Variable` or a layer, read once per call."""
 
 import keras
 import numpy as np
@@ -52,16 +47,11 @@ def table_variable(source, argument="embeddings"):
 
 
 def _untied_reversible(layer):
-    """True for a `ReversibleEmbedding` whose output projection is its own `reverse_embeddings`."""
     return isinstance(layer, keras.layers.ReversibleEmbedding) and not layer.tie_weights
 
 
 def layer_table(layer, argument="embeddings"):
-    """The `[V, D]` table a layer's own projection scores with; `logit_soft_cap` refused (`ValueError`).
-
-    A `ReversibleEmbedding` with `tie_weights=False` gives its
-    `reverse_embeddings` transposed; a LoRA layer its merged table.
-    """
+    """The `[V, D]` table a layer's own projection scores with (`ReversibleEmbedding`; `logit_soft_cap` refused)."""
     cap = getattr(layer, "logit_soft_cap", None)
     if isinstance(layer, keras.layers.ReversibleEmbedding) and cap is not None:
         raise ValueError(
@@ -89,11 +79,7 @@ def layer_bias(source):
 
 
 def resolve_bias(embeddings, bias):
-    """The bias a call uses: `bias`, or the table layer's own.
-
-    Raises:
-        ValueError: when the table layer owns a bias and another `bias=` is given.
-    """
+    """The bias a call uses: `bias` or the table layer's own (`ValueError` if both differ)."""
     own = layer_bias(embeddings)
     if own is None or bias is None:
         return own if bias is None else bias
@@ -157,9 +143,6 @@ def bind(source, argument="embeddings"):
 class ItemTable:
     """An item table (or bias) read for one call: `value`, `variable` (None: a constant), `source`, `sharding`.
 
-    Build one with `ItemTable.read`; the ops accept one wherever they accept a
-    table.
-
     >>> import numpy as np
     >>> table = ItemTable.read(np.zeros((10, 4), "float32"))
     >>> table.vocab_size, table.variable is None, table.sharding is None
@@ -191,7 +174,6 @@ class ItemTable:
 
     @property
     def vocab_size(self):
-        """V: a Python int when static, else a scalar tensor."""
         static = self.value.shape[0]
         try:
             return int(static)
@@ -215,7 +197,6 @@ class ItemTable:
 
 
 def _vocab_sharding(*candidates):
-    """The `VocabSharding` of the first candidate split along V over a JAX mesh."""
     if keras.backend.backend() != "jax":
         return None
     from keras_cutbce.backends.jax import sharded

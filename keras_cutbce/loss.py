@@ -40,7 +40,6 @@ class CutLoss(keras.losses.Loss):
 
     @property
     def label_smoothing(self):
-        """The label smoothing, a float in `[0, 1]`."""
         return self._options.label_smoothing
 
     @label_smoothing.setter
@@ -49,7 +48,6 @@ class CutLoss(keras.losses.Loss):
 
     @property
     def chunk_size(self):
-        """The vocabulary tile width, or None for the default rule."""
         return self._options.chunk_size
 
     @chunk_size.setter
@@ -58,7 +56,6 @@ class CutLoss(keras.losses.Loss):
 
     @property
     def implementation(self):
-        """The implementation: `"auto"`, `"chunked"`, `"pallas"`, `"triton"` or `"reference"`."""
         return self._options.implementation
 
     @implementation.setter
@@ -90,7 +87,6 @@ class CutLoss(keras.losses.Loss):
 
     @staticmethod
     def _integral_ids(y_true):
-        """Ids as given (host ids stay on the host, range-checked before any cast), except tf.distribute's float placeholder."""
         if keras.backend.backend() != "tensorflow" or not hasattr(y_true, "dtype"):
             return y_true
         if checks.is_int(y_true) or not keras.ops.is_tensor(y_true):
@@ -102,7 +98,6 @@ class CutLoss(keras.losses.Loss):
         return y_true
 
     def _sample_weight(self, sample_weight, y_pred):
-        """`sample_weight` as `self.dtype` with the rank Keras's reduction expects (`ValueError` naming both shapes)."""
         if sample_weight is None:
             return None
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
@@ -119,7 +114,6 @@ class CutLoss(keras.losses.Loss):
         return sample_weight
 
     def _merge_mask(self, sample_weight, mask):
-        """Keras's `apply_mask`, out of place (Keras's in-place product fails on torch for `[B, 1]` by `[B, T]`)."""
         if mask is None:
             return sample_weight
         mask = ops.convert_to_tensor(mask, dtype=self.dtype)
@@ -132,7 +126,6 @@ class CutLoss(keras.losses.Loss):
         return sample_weight * float_mask
 
     def _row_weights(self, y_pred, sample_weight, mask):
-        """Per-position weights `w` with `reduction(losses) == sum(w * losses)`: Keras's reduction applied to ones."""
         ones = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
         weights = self._merge_mask(sample_weight, mask)
         if weights is None:
@@ -149,11 +142,7 @@ class CutLoss(keras.losses.Loss):
         return ops.divide_no_nan(values, divisor)
 
     def _tables(self, y_pred):
-        """`(y_pred, table, bias)` read now; refuses a trainable table the fitted model does not train.
-
-        On JAX a trainable table baked in as a constant while `y_pred` is traced
-        gets `y_pred` wrapped to raise if differentiated (`backends/jax/table_guard.py`).
-        """
+        """`(y_pred, table, bias)` read now; refuses an untrained table, guards a JAX constant one (`table_guard`)."""
         table = ItemTable.read(self.embeddings, "embeddings")
         bias = resolve_bias(table, self.bias)
         bias = None if bias is None else ItemTable.read(bias, "bias")
@@ -176,7 +165,6 @@ class CutLoss(keras.losses.Loss):
         return y_pred, table, bias
 
     def _check_trained_by(self, model, variables, role="item table"):
-        """Raises if `model` is training and does not train `variables` (`role` names them); remembered per model."""
         if model is None or not variables:
             return
         verified = _TRAINED_BY.setdefault(model, {})
@@ -295,7 +283,6 @@ class CutBCELoss(CutLoss):
 
     @property
     def pos_weight(self):
-        """The weight of the positive terms, a finite float > 0."""
         return self._options.pos_weight
 
     @pos_weight.setter

@@ -30,7 +30,6 @@ def _flatten(hidden, ids=None):
 
 
 def _read_bias(table, bias):
-    """The bias value a call uses: `bias=`, or the bias the table layer owns (None without)."""
     bias = resolve_bias(table, bias)
     return None if bias is None else ItemTable.read(bias, "bias").value
 
@@ -184,7 +183,6 @@ def _prepare_retrieval(hidden, embeddings, bias, chunk_size):
 
 
 def _exclusions(exclude_ids, hidden, vocab_size):
-    """`exclude_ids [..., X]` checked and flattened to `[M, X]` (None stays None)."""
     if exclude_ids is None:
         return None
     ids = checks.int32_ids(exclude_ids, hidden, vocab_size, "exclude_ids", one_per_position=False)

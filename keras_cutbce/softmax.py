@@ -1,7 +1,4 @@
-"""The softmax cross-entropy over the full vocabulary: `cut_categorical_crossentropy` and `CutSoftmaxLoss`.
-
-The loss ops' path with `family="softmax"`; `"chunked"` and `"reference"` only (docs/cutbce.md).
-"""
+"""The softmax cross-entropy over the full vocabulary: `cut_categorical_crossentropy` and `CutSoftmaxLoss`."""
 
 from typing import Optional
 

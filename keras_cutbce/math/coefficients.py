@@ -1,10 +1,7 @@
-"""The per-logit weights of binary cross-entropy, written once for every backend.
+"""The per-logit weights of binary cross-entropy, once: `minus * softplus(-z) + plus * softplus(z)`.
 
-A logit's term is `minus * softplus(-z) + plus * softplus(z)` with `minus =
-p y'`, `plus = 1 - y'` for the smoothed target `y' = y (1 - a) + a / 2`
-(`math.spec` is its float64 table). A negative's term is also `neg_scale *
-softplus(z) - neg_target * z`, so a kernel may sum the linear part in
-closed form; the positives are masked in the tiles and added exactly apart.
+`minus = p y'`, `plus = 1 - y'` for `y' = y (1 - a) + a / 2`; a negative's
+term is also `neg_scale softplus(z) - neg_target z` (a closed-form linear part).
 """
 
 from typing import NamedTuple
@@ -30,11 +27,7 @@ class BCECoefficients(NamedTuple):
 
 
 def bce_coefficients(label_smoothing=0.0, pos_weight=1.0):
-    """The `BCECoefficients` for a label smoothing and a positive weight.
-
-    >>> bce_coefficients(0.0, 1.0)
-    BCECoefficients(neg_scale=1.0, neg_target=0.0, pos_minus=1.0, pos_plus=0.0)
-    """
+    """The `BCECoefficients` for a label smoothing and a positive weight."""
     a = float(label_smoothing)
     p = float(pos_weight)
     neg_y = a / 2.0

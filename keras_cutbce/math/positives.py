@@ -1,22 +1,13 @@
-"""A row's positives (`distinct_targets`), their logits (`item_logits`), the first (`first_item`), in `keras.ops`.
-
-Memory O(M L): a row's ids are sorted, so a repeat sits next to its first.
-"""
+"""A row's positives (`distinct_targets`), their logits, the first (`first_item`), in `keras.ops`, O(M L)."""
 
 import keras
 from keras import ops
 
 
 def distinct_targets(ids, vocab_size):
-    """`(safe, keep)`: int32 `[M, L]` ids sorted per row (0 where not kept) and the bool mask of the valid first ones.
+    """`(safe, keep)`: int32 `[M, L]` ids sorted per row (0 where not kept) and the mask of the valid first ones.
 
-    Ids outside `[0, vocab_size)` are padding (compared in their own dtype: an
-    int64 id >= 2**31 never wraps to a valid id).
-
-    >>> import numpy as np
-    >>> safe, keep = distinct_targets(np.array([[3, -1, 3, 7, 1]]), 5)
-    >>> np.asarray(ops.convert_to_numpy(safe)).tolist(), np.asarray(ops.convert_to_numpy(keep)).tolist()
-    ([[0, 0, 1, 3, 0]], [[False, False, True, True, False]])
+    Ids outside `[0, vocab_size)` are padding, compared in their own dtype.
     """
     ids = ops.convert_to_tensor(ids)
     wide = keras.backend.standardize_dtype(ids.dtype) in ("int64", "uint32", "uint64")

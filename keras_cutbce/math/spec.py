@@ -1,9 +1,7 @@
 """The float64 spec table: the exact loss and slope of one logit, which every backend's helpers are tested against.
 
-For target `y`, smoothing `a`, positive weight `p`, `y' = y (1 - a) + a / 2`:
-`loss = p y' softplus(-z) + (1 - y') softplus(z)` and `slope = d loss / dz`
-(the contract's `(1 + (p - 1) y') softplus(z) - p y' z`), zero weights
-left out so infinite logits have their limits. Logits from `-inf` to `+inf`.
+`loss = p y' softplus(-z) + (1 - y') softplus(z)` for `y' = y (1 - a) + a / 2`
+(the contract's `(1 + (p - 1) y') softplus(z) - p y' z`); zero weights left out.
 """
 
 from typing import NamedTuple
@@ -32,23 +30,17 @@ class SpecRow(NamedTuple):
 
 
 def term_weights(positive, label_smoothing=0.0, pos_weight=1.0):
-    """`(minus, plus)`: the weights of `softplus(-z)` and `softplus(z)`.
-
-    >>> term_weights(False), term_weights(True)
-    ((0.0, 1.0), (1.0, 0.0))
-    """
+    """`(minus, plus)`: the weights of `softplus(-z)` and `softplus(z)`."""
     a, p = float(label_smoothing), float(pos_weight)
     smoothed = 1.0 - a / 2.0 if positive else a / 2.0
     return p * smoothed, 1.0 - smoothed
 
 
 def softplus(z):
-    """Float64 `log(1 + exp(z))`, exact for any `z`."""
     return np.logaddexp(0.0, np.asarray(z, np.float64))
 
 
 def sigmoid(z):
-    """Float64 `1 / (1 + exp(-z))`, exact for any `z`."""
     return np.exp(-softplus(-np.asarray(z, np.float64)))
 
 

@@ -14,11 +14,7 @@ TORCH_CPU_MAX_TILE = 65536
 
 
 def tile_budget_bytes(backend, platform, table_bytes=0):
-    """The width rule's budget for a Keras backend on a platform (torch CPU: `table_bytes`, clamped).
-
-    >>> tile_budget_bytes("jax", "cpu") // 2**20, tile_budget_bytes("torch", "cpu") // 2**20
-    (16, 128)
-    """
+    """The width rule's budget for a Keras backend on a platform (torch CPU: `table_bytes`, clamped)."""
     if platform == "cpu" and backend in ("jax", "tensorflow"):
         return CPU_CACHE_TILE_BUDGET_BYTES
     if platform == "cpu" and backend == "torch":
@@ -55,7 +51,6 @@ class VocabTiles(NamedTuple):
 
     @property
     def remainder_start(self):
-        """Returns the first item of the remainder tile, `num_full * tile`."""
         return self.num_full * self.tile
 
     def bounds(self):
@@ -67,11 +62,7 @@ class VocabTiles(NamedTuple):
 
 
 def vocab_tiles(vocab_size, tile):
-    """The `VocabTiles` of `[0, vocab_size)` for a checked `tile` (narrowed to a static V).
-
-    >>> vocab_tiles(10, 4), vocab_tiles(10, 64).tile
-    (VocabTiles(vocab_size=10, tile=4, num_full=2, remainder=2), 10)
-    """
+    """The `VocabTiles` of `[0, vocab_size)` for a checked `tile` (narrowed to a static V)."""
     tile = int(tile)
     assert tile > 0, tile
     if isinstance(vocab_size, int):

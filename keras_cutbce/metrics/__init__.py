@@ -1,9 +1,4 @@
-"""Keras metrics over the full item vocabulary, without logits (docs/cutbce.md defines them).
-
-`TopKRetrieval`, `MeanReciprocalRank` and `ThresholdConfusion` read the
-item table at every update (`ItemTableMetric`; the ranking ones share
-`RankingMetric`); `OutOfRangeTargets` reads only V.
-"""
+"""Keras metrics over the full item vocabulary, without logits (docs/cutbce.md defines them)."""
 
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
 from keras_cutbce.metrics.mean_reciprocal_rank import MeanReciprocalRank

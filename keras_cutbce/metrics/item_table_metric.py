@@ -51,7 +51,6 @@ def key_prefix(metric, default_name):
 
 
 def _stored_variables(source):
-    """The variables a table source reads: a layer's weights, or the variable itself."""
     if isinstance(source, keras.layers.Layer):
         return list(source.weights)
     return [source] if isinstance(source, keras.Variable) else []
@@ -86,7 +85,6 @@ class ItemTableMetric(keras.metrics.Metric):
         object.__setattr__(self, "bias", bias)
 
     def _read(self, source, argument):
-        """The `ItemTable` of a source as this update sees it (in a JAX step: the traced state)."""
         source = bind(source, argument)
         if keras.backend.backend() == "jax":
             state = _keras_private.jax_step_state()

@@ -24,7 +24,6 @@ DEFAULT_NAME = "out_of_range_targets"
 
 
 def _refuse_multi_hot(ids, vocab_size, lead_ndim):
-    """Multi-hot labels `[..., V]` are refused, as by the loss (the last axis is L without y_pred)."""
     lead_ndim = len(ids.shape) - 1 if lead_ndim is None else lead_ndim
     refuse_multi_hot(ids, vocab_size, "y_true", lead_ndim)
 
@@ -86,7 +85,6 @@ class OutOfRangeTargets(keras.metrics.Metric):
         )
 
     def vocab_size(self):
-        """Returns V, the number of items (ids outside `[0, V)` are padding)."""
         if isinstance(self.embeddings, int):
             return self.embeddings
         source = bind(self.embeddings, "embeddings")
@@ -100,7 +98,6 @@ class OutOfRangeTargets(keras.metrics.Metric):
         return size
 
     def _flags(self, y_true, lead_ndim):
-        """`(outside, padding)`: bool `[M, L]` of ids outside `[0, V)` and of padding ids."""
         vocab_size = self.vocab_size()
         if is_host_array(y_true):
             ids = np.asarray(y_true)

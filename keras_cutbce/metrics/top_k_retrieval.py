@@ -21,7 +21,6 @@ MEASURES = ("hit", "recall", "ndcg", "precision")
 
 
 def _check_depth(cutoffs, vocab_size):
-    """Raises unless every cut-off is at most V (unknown V: not checked)."""
     if vocab_size is not None and max(cutoffs) > vocab_size:
         raise ValueError(
             f"`k` must be at most V = {vocab_size} (the number of items). "

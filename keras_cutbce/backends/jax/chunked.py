@@ -1,13 +1,7 @@
-"""The chunked implementation on JAX: a `lax.scan` over vocabulary tiles under `jax.custom_vjp`.
+"""The chunked implementation on JAX: a `lax.scan` over vocabulary tiles under `vjp.py`'s `custom_vjp`.
 
-The contract is `keras_cutbce.registry`'s; the loss family (`math.BCE`,
-`math.Softmax`) is the seam of docs/development.md. The tiles are
-`dynamic_slice`s of the table (plus one narrower remainder tile: never
-copied, padded or masked per logit); a family that masks positives gets
-each row's positives at `-inf` by one O(M L) scatter, and their exact terms
-from the gathered rows. The scan's carry holds the rows' reduction and the
-gradients (the table's written in place, tile by tile); the `custom_vjp`
-is `vjp.py`'s. Float32 accumulation.
+The tiles are `dynamic_slice`s of the table (never copied, padded or
+masked per logit); the carry holds the rows' reduction and the gradients.
 """
 
 import functools
@@ -38,12 +32,7 @@ def tile_logits(hidden, table_tile, bias_tile=None):
 
 
 def mask_positives(z, ids, start):
-    """`z` `[M, tile]` with `-inf` at the row's positives in `[start, start + tile)`: one O(M L) scatter.
-
-    >>> import numpy as np
-    >>> np.asarray(mask_positives(jnp.zeros((2, 4)), jnp.array([[5, 5], [-1, 9]]), 4)).tolist()
-    [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
-    """
+    """`z` `[M, tile]` with `-inf` at the row's positives in `[start, start + tile)`: one O(M L) scatter."""
     rows, tile = z.shape
     if ids.shape[-1] == 0:
         return z
@@ -57,7 +46,6 @@ def mask_positives(z, ids, start):
 
 
 def _tile_at(table, bias, start, size):
-    """The items `[start, start + size)` of the table and bias: slices, never copies."""
     table_tile = jax.lax.dynamic_slice_in_dim(table, start, size, axis=0)
     bias_tile = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
     return table_tile, bias_tile
@@ -65,11 +53,7 @@ def _tile_at(table, bias, start, size):
 
 def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, family, stats, *, loss,
                row_scale):
-    """One tile: `(the family's row part | None, dZ @ E_tile | None, hidden_t @ dZ | None)`.
-
-    `hidden_t @ dZ` is the table gradient transposed (the bias's in its last
-    row); `dZ` is read by two untransposed matmuls only, for XLA's CPU backend.
-    """
+    """One tile: `(row part | None, dZ @ E_tile | None, hidden_t @ dZ | None)` (the table's gradient transposed)."""
     z = tile_logits(hidden, table_tile, bias_tile)
     if family.masks_positives:
         z = mask_positives(z, ids, start)
@@ -81,7 +65,6 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, family, stat
 
 
 def _dense_pass(hidden, table, bias, ids, tile, family, stats=None, *, loss, row_scale=None):
-    """Every tile in one `lax.scan`: `(the family's row reduction | None, (dh, dtable, dbias) | None)`."""
     want_grads = row_scale is not None
     hidden_t = None
     if want_grads:
@@ -146,7 +129,6 @@ def _dense_pass(hidden, table, bias, ids, tile, family, stats=None, *, loss, row
 
 
 def _positive_logits(hidden, table, bias, index):
-    """The float32 logits `[M, L]` at the gathered rows, and the rows `[M, L, D]`."""
     rows = jnp.take(table, index, axis=0)
     z = jnp.sum(hidden.astype(_F32)[:, None, :] * rows.astype(_F32), axis=-1)
     if bias is not None:
@@ -155,7 +137,6 @@ def _positive_logits(hidden, table, bias, index):
 
 
 def _add_positives(hidden, table, bias, index, keep, family, grads, *, loss, row_scale=None):
-    """`(each row's positives' terms [M] | None, grads with the positives' gradients added)`."""
     if index.shape[-1] == 0:
         return None, grads
     vocab = table.shape[0]
@@ -176,7 +157,6 @@ def _add_positives(hidden, table, bias, index, keep, family, grads, *, loss, row
 
 
 def _loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_weights=None):
-    """The per-row loss `[M]` and the float32 gradients of `sum_m row_weights_m * loss_m` (each or None)."""
     vocab = table.shape[0]
     index, keep = distinct_targets(ids, vocab)
     row_scale = None if row_weights is None else family.row_scale(row_weights, keep, vocab)
@@ -197,7 +177,6 @@ def _loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_weights
 
 @functools.lru_cache(maxsize=128)
 def _functions(family, tile):
-    """The jitted `(per_row_loss, weighted_sum)` of one configuration (`vjp`'s builders)."""
 
     def loss_fn(hidden, table, ids, bias):
         return _loss_and_grads(hidden, table, ids, bias, family, tile, loss=True)[0]

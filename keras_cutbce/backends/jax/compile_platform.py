@@ -1,12 +1,7 @@
-"""The platform and TPU a JAX program is compiled for (routing follows it, not the host).
+"""The platform and TPU a JAX program is compiled for: routing follows it, not the host.
 
-`compiled_platform()` is known from the trace's abstract mesh, the
-`jax.default_device` context, a TPU host, or a host without a TPU compiler;
-else None, and `by_platform` lowers both under `platform_dependent`.
-`compiled_chip()` is the device kind's `ChipInfo` (None: unknown generation).
-
->>> chip_info("TPU v5").cores
-2
+`compiled_platform()` is None when only the lowering knows (a CPU host with
+the TPU compiler): `by_platform` then traces both branches.
 """
 
 import importlib.util
@@ -50,14 +45,12 @@ def chip_info(device_kind):
 
 
 def _mesh_device():
-    """Returns the abstract device of the current trace's mesh, or None."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get_mesh() if get_mesh is not None else None
     return getattr(mesh, "abstract_device", None)
 
 
 def _context_device():
-    """Returns `(platform, device_kind)` the trace is compiled for, when something says so."""
     device = _mesh_device()
     if device is not None:
         return device.platform, device.device_kind

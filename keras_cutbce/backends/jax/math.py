@@ -1,11 +1,8 @@
 """JAX's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers, in float32.
 
-The helpers (`terms`, `slopes`: `(z, minus, plus, *, e=None)` on every
-backend; the weights from `keras_cutbce.math.coefficients`, tested against
-`keras_cutbce.math.spec`) give each logit one `exp` and one `log1p`; a
-weight that is statically 0 (or 1) costs nothing, the branch is taken at
-trace time. The Pallas kernel has its own helpers (`pallas/logit_terms.py`)
-and uses `sorted_positives` from here.
+`terms` / `slopes(z, minus, plus, *, e=None)` on every backend (tested
+against `keras_cutbce.math.spec`); the Pallas kernel has its own
+(`pallas/logit_terms.py`) and uses `sorted_positives`.
 """
 
 from typing import NamedTuple
@@ -17,20 +14,11 @@ from keras_cutbce.math.positives import distinct_targets
 
 
 def exp_neg_abs(z):
-    """Returns `exp(-|z|)`, the one exponential of a logit."""
     return jnp.exp(-jnp.abs(z))
 
 
 def terms(z, minus, plus, *, e=None):
-    """`minus * softplus(-z) + plus * softplus(z)` per logit; `e`: `exp(-|z|)` if already computed.
-
-    Written as two non-negative parts sharing one `log1p(e)`; a part whose
-    weight is 0 is left out (so `z = -inf` with `minus = 0` gives exactly 0).
-
-    >>> z = jnp.array([-100.0, 0.0, 100.0])
-    >>> [round(float(x), 4) for x in terms(z, 1.0, 0.0)]
-    [100.0, 0.6931, 0.0]
-    """
+    """`minus * softplus(-z) + plus * softplus(z)`: two non-negative parts, a 0 weight's left out; `e = exp(-|z|)`."""
     log_part = jnp.log1p(exp_neg_abs(z) if e is None else e)
     out = None
     if minus != 0.0:
@@ -57,12 +45,7 @@ def slopes(z, minus, plus, *, e=None):
 
 
 def sorted_positives(ids, vocab_size):
-    """Each row's positives (`distinct_targets`) sorted ascending, `EMPTY_ID` first for the rest: int32 `[M, L]`.
-
-    >>> import numpy as np
-    >>> np.asarray(sorted_positives(np.array([[3, -1, 3, 7, 1]]), 5)).tolist()
-    [[-1, -1, -1, 1, 3]]
-    """
+    """Each row's positives sorted ascending, `EMPTY_ID` first for the rest: int32 `[M, L]`."""
     safe, keep = distinct_targets(ids, vocab_size)
     return jnp.sort(jnp.where(keep, safe, EMPTY_ID), axis=1)
 
@@ -96,28 +79,23 @@ class BCE(NamedTuple):
                 slopes(z, *weights, e=e) if grad else None)
 
     def finish(self, acc, positive_rows, keep, vocab):
-        """The rows' loss `[M]`: the mean over the vocabulary."""
         return (acc if positive_rows is None else acc + positive_rows) / vocab
 
     def row_scale(self, row_weights, keep, vocab):
-        """The factor of each row's slopes: its weight over `V`."""
         return row_weights / vocab
 
 
 def _drop_masked(values, z, coef):
-    """Returns `values` with 0 where the loop put `-inf` (only label smoothing needs it)."""
     if coef.neg_target == 0.0:
         return values
     return jnp.where(z == -jnp.inf, 0.0, values)
 
 
 class Softmax(NamedTuple):
-    """Softmax cross-entropy as a loop's loss family; hashable.
+    """Softmax cross-entropy as a loop's loss family (docs/development.md); hashable.
 
-    A row's loss is `logsumexp(z) - (a / V) sum_v z_v - (1 - a) / |P| sum_P z_p`
-    (0 without a valid id). The tiles reduce to `(max, sum exp(z - max), sum z)`,
-    merged by rescaling; the slopes `exp(z - lse) - a / V` need the first
-    pass's `lse`; the positives are not masked.
+    The tiles reduce to `(max, sum exp(z - max), sum z)`, merged by
+    rescaling; the slopes `exp(z - lse) - a / V` need the first pass's `lse`.
     """
 
     label_smoothing: float
@@ -149,7 +127,6 @@ class Softmax(NamedTuple):
         return part, dz
 
     def statistics(self, acc):
-        """The rows' log-sum-exp `[M]`."""
         return acc[0] + jnp.log(acc[1])
 
     def positives(self, z, keep, *, loss, grad):
@@ -158,7 +135,6 @@ class Softmax(NamedTuple):
         return (weight * z if loss else None), (jnp.broadcast_to(weight, z.shape) if grad else None)
 
     def finish(self, acc, positive_rows, keep, vocab):
-        """The rows' loss `[M]`, 0 for a row without a valid id."""
         loss = self.statistics(acc)
         if self.label_smoothing:
             loss = loss - (self.label_smoothing / vocab) * acc[2]
@@ -167,12 +143,10 @@ class Softmax(NamedTuple):
         return jnp.where(jnp.any(keep, axis=1), loss + positive_rows, 0.0)
 
     def row_scale(self, row_weights, keep, vocab):
-        """The factor of each row's slopes: its weight, 0 without a valid id."""
         return jnp.where(jnp.any(keep, axis=1), row_weights, 0.0)
 
 
 def _rescaled(total, m_old, m_new):
-    """`total * exp(m_old - m_new)`, 0 for an empty total (no `-inf - -inf`)."""
     return jnp.where(m_old == -jnp.inf, 0.0, total * jnp.exp(m_old - m_new))
 
 

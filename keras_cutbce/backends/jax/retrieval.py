@@ -1,7 +1,4 @@
-"""Top-k retrieval and rank counts on jax, one `[M, T]` tile of logits at a time.
-
-The contract is `keras_cutbce.registry`'s; memory O(M (k + T)) whatever V.
-"""
+"""Top-k retrieval and rank counts on jax, one `[M, T]` tile of logits at a time (the contract: the registry)."""
 
 import functools
 
@@ -19,7 +16,6 @@ def _tiling(vocab_size, chunk_size):
 
 
 def _tile(table, bias, index, width):
-    """Returns the start, rows `[tile, D]`, bias `[tile]` and fresh-column mask of tile `index`."""
     vocab_size = table.shape[0]
     nominal = index * width
     start = jnp.minimum(nominal, vocab_size - width)
@@ -32,7 +28,6 @@ def _tile(table, bias, index, width):
 
 
 def _excluded_mask(exclude_ids, start, width):
-    """Returns bool `[M, tile]`: True where the row excludes the tile's column."""
     local = exclude_ids.astype(jnp.int32) - start
     local = jnp.where((local >= 0) & (local < width), local, width)  # width: dropped
     rows = jnp.arange(exclude_ids.shape[0])[:, None]

@@ -1,8 +1,4 @@
-"""JAX: refuse to differentiate a loss whose trainable table was baked in as a constant.
-
-Under `jax.grad` over `stateless_call` without a `StatelessScope`, a
-`keras.Variable` table reads as a concrete value and would get no gradient.
-"""
+"""JAX: refuse to differentiate a loss whose trainable table was baked in as a constant (no silent zero gradient)."""
 
 import jax
 

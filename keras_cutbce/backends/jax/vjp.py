@@ -1,10 +1,4 @@
-"""The one `jax.custom_vjp` of the chunked, Pallas and sharded implementations.
-
-`per_row_loss` saves only the inputs and recomputes in its backward pass;
-`weighted_sum` computes the loss and the gradients at cotangent 1 in its
-forward pass and only scales them backward (the row weights are constants).
-Gradients come back scaled and in each input's dtype; `ids` get none.
-"""
+"""The one `jax.custom_vjp` of the chunked, Pallas and sharded implementations (gradients in the inputs' dtypes)."""
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +19,7 @@ def _cast(grads, hidden, table, bias, scale=None):
 
 
 def per_row_loss(loss_fn, grads_fn):
-    """`f(hidden, table, ids, bias) -> [M]`, its backward `grads_fn(hidden, table, ids, bias, row_scale)`.
-
-    >>> f = per_row_loss(lambda h, t, i, b: (h @ t.T).sum(1),
-    ...                  lambda h, t, i, b, s: (s[:, None] * t.sum(0), s.sum() * h.sum(0)
-    ...                                         * jnp.ones_like(t), None))
-    >>> jax.grad(lambda h: f(h, jnp.ones((3, 2)), None, None).sum())(jnp.ones((1, 2))).tolist()
-    [[3.0, 3.0]]
-    """
+    """`f(hidden, table, ids, bias) -> [M]`, saving the inputs; backward: `grads_fn(..., row_scale)`."""
 
     @jax.custom_vjp
     def loss(hidden, table, ids, bias):
@@ -52,7 +39,7 @@ def per_row_loss(loss_fn, grads_fn):
 
 
 def weighted_sum(loss_fn, loss_and_grads_fn):
-    """`f(hidden, table, ids, bias, row_weights) -> scalar`, the gradients from `loss_and_grads_fn`'s forward."""
+    """`f(hidden, table, ids, bias, row_weights) -> scalar`, the gradients at 1 from the forward, scaled backward."""
 
     @jax.custom_vjp
     def total(hidden, table, ids, bias, row_weights):

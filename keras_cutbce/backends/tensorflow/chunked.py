@@ -1,13 +1,8 @@
 """The chunked implementation on TensorFlow: a `tf.while_loop` over vocabulary tiles, compiled by XLA.
 
-The contract is `keras_cutbce.registry`'s; the loss family (`math.BCE`,
-`math.Softmax`) is the seam of docs/development.md. A family that masks
-positives gets each row's positives at `-inf` in its tiles and their exact
-terms from the gathered table rows. `tf.custom_gradient` wraps the passes
-(inputs `stop_gradient`-ed inside, so an eager tape records no tile); each
-pass is a `tf.function(jit_compile=True)` per option set and input
-signature, traced once (the rows left unknown; XLA compiles per size); a V
-unknown at trace time runs on the graph executor.
+`tf.custom_gradient` wraps the passes; each is a `tf.function(jit_compile=True)`
+per option set and input signature, traced once (a V unknown at trace time
+runs on the graph executor).
 """
 
 import functools
@@ -32,7 +27,6 @@ def tile_logits(hidden, table_tile, bias_tile=None):
 
 
 def _tiles_of(table, tile):
-    """The `VocabTiles` of `table`: static Python ints where V is known (what XLA needs)."""
     static_vocab = table.shape[0]
     vocab_size = int(static_vocab) if static_vocab is not None else tf.shape(table)[0]
     return vocab_tiles(vocab_size, tile)
@@ -52,17 +46,14 @@ def _remainder_tile(table, bias, tiles):
 
 
 def _has_remainder(tiles):
-    """Whether to build the remainder tile (always when V is unknown at trace time)."""
     return not isinstance(tiles.remainder, int) or tiles.remainder > 0
 
 
 def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss, scaled_t, inv_v):
     """One tile: `(loss_rows | None, (hidden_part, table_part, bias_part) | None)`.
 
-    The table gradient is `(scaled_t @ slopes) * inv_v`, transposed, its last
-    row the bias gradient. `inv_v` multiplies the product on purpose: folded
-    into `scaled_t`, XLA fuses the transpose into the matmul, about 3x slower
-    on its CPU backend. The caller applies `row_scale * inv_v` to `hidden_part`.
+    `inv_v` multiplies the table product on purpose: folded into `scaled_t`,
+    XLA fuses the transpose into the matmul, about 3x slower on CPU.
     """
     z = tile_logits(hidden, table_tile, bias_tile)
     if family.masks_positives:
@@ -77,7 +68,6 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss
 
 
 def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, row_scale=None):
-    """Every tile: `(the family's row reduction | None, (dh, dtable, dbias) | None)`."""
     want_grads = row_scale is not None
     inv_v = family.scale(tiles.vocab_size)
     scaled_t = None
@@ -188,13 +178,7 @@ def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=No
 
 
 def mask_positives(z, ids, start):
-    """`z` `[M, T]` with `-inf` at the row's positives in `[start, start + T)`: one O(M L) `min` scatter.
-
-    Ids outside the tile go to column 0 with `+inf` (no effect, always in bounds).
-
-    >>> mask_positives(tf.zeros([2, 4]), tf.constant([[5, 5], [-1, 9]]), 4).numpy().tolist()
-    [[0.0, -inf, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
-    """
+    """`z` `[M, T]` with `-inf` at the row's positives in `[start, start + T)`: one O(M L) `min` scatter."""
     tile = z.shape[1]
     if ids.shape[1] == 0 or tile == 0:
         return z
@@ -226,7 +210,6 @@ def positive_logits(hidden, table, bias, safe):
 
 
 def _scaled(x, factor):
-    """`factor * x`, without a new `[V, D]` buffer when `factor` is 1 (the usual cotangent)."""
     return tf.cond(tf.equal(factor, 1.0), lambda: tf.identity(x), lambda: factor * x)
 
 
@@ -242,7 +225,6 @@ def _cast_grads(grads, hidden, table, bias, factor=None):
 
 
 def _with_gradient(fn, hidden, table, ids, bias):
-    """`fn(hidden, table, ids, bias) -> (value, grad_fn)` as a `tf.custom_gradient`, inputs `stop_gradient`-ed."""
     if bias is None:
 
         @tf.custom_gradient
@@ -315,7 +297,6 @@ def _optional(bias):
 
 
 def _specs(hidden, table, ids, bias):
-    """A program's input signature: every static size but the rows `M`."""
     specs = (
         tf.TensorSpec([None] + hidden.shape[1:].as_list(), hidden.dtype),
         tf.TensorSpec(table.shape, table.dtype),
@@ -328,11 +309,7 @@ _ROW_WEIGHTS = tf.TensorSpec([None], tf.float32)
 
 
 def _program(body, specs, jit_compile):
-    """`body` as a `tf.function` of `specs`, traced once.
-
-    Each wraps its own `functools.partial`, so TensorFlow's retracing detector
-    (which groups by code object) does not report a new option set as a retrace.
-    """
+    """`body` as a `tf.function` of `specs` (its own `functools.partial`: no retracing warning)."""
     return tf.function(body, input_signature=specs, jit_compile=jit_compile, autograph=False)
 
 
@@ -353,12 +330,7 @@ def _fused_body(family, tile, hidden, table, ids, row_weights, bias=None):
 
 @functools.lru_cache(maxsize=64)
 def _per_row_programs(family, tile, specs, static_vocab):
-    """`cut_bce`'s `(loss_program, grad_program)`, cached per option set and signature.
-
-    A V unknown at trace time (`static_vocab=False`) keeps the graph executor:
-    XLA would compile the loop body for a V smaller than a tile, whose slice
-    does not fit.
-    """
+    """`cut_bce`'s `(loss_program, grad_program)`; an unknown V keeps the graph executor (XLA's slice would not fit)."""
     hidden, table, ids, *bias = specs
     loss_program = _program(functools.partial(_loss_body, family, tile), specs, static_vocab)
     grad_program = _program(
@@ -371,12 +343,7 @@ def _per_row_programs(family, tile, specs, static_vocab):
 
 @functools.lru_cache(maxsize=64)
 def _fused_program(family, tile, specs):
-    """The fused pass `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`, always XLA.
-
-    XLA writes the table gradient tiles in place into one buffer (the graph
-    executor would keep the tiles, their stacked copy and a copy for the
-    positives' scatter-add).
-    """
+    """The fused pass `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`, always XLA (in-place tiles)."""
     hidden, table, ids, *bias = specs
     return _program(
         functools.partial(_fused_body, family, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias), True

@@ -1,10 +1,4 @@
-"""TensorFlow's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers.
-
-The helpers' math and signature are those of `backends/jax/math.py`
-(`keras_cutbce.math.spec` is the float64 table they are tested against);
-the optional `e = exp(-|z|)` is shared by `terms` and `slopes`, and XLA
-(`jit_compile=True`) fuses them into one pass per tile.
-"""
+"""TensorFlow's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers (as `backends/jax/math.py`)."""
 
 from typing import NamedTuple
 
@@ -12,19 +6,11 @@ import tensorflow as tf
 
 
 def exp_neg_abs(z):
-    """`exp(-|z|)`, the one exponential `terms` and `slopes` share."""
     return tf.exp(-tf.abs(z))
 
 
 def terms(z, minus, plus, *, e=None):
-    """`minus * softplus(-z) + plus * softplus(z)` per logit; `e`: `exp(-|z|)` if already computed.
-
-    Two non-negative parts sharing one `log1p(e)`; a part whose weight is 0
-    is left out (so `z = -inf` with `minus = 0` gives exactly 0).
-
-    >>> terms(tf.constant([float("-inf"), 0.0, 100.0]), 0.0, 1.0).numpy().tolist()
-    [0.0, 0.6931471824645996, 100.0]
-    """
+    """`minus * softplus(-z) + plus * softplus(z)`: two non-negative parts, a 0 weight's left out; `e = exp(-|z|)`."""
     log_part = tf.math.log1p(exp_neg_abs(z) if e is None else e)
     out = None
     if minus != 0.0:
@@ -153,5 +139,4 @@ class Softmax(NamedTuple):
 
 
 def _rescaled(total, m_old, m_new):
-    """`total * exp(m_old - m_new)`, 0 for an empty total (no `-inf - -inf`)."""
     return tf.where(tf.equal(m_old, float("-inf")), tf.zeros_like(total), total * tf.exp(m_old - m_new))

@@ -1,7 +1,4 @@
-"""Top-k retrieval and rank counts on tensorflow, one `[M, T]` tile of logits at a time.
-
-The contract is `keras_cutbce.registry`'s; memory O(M (k + T)) whatever V.
-"""
+"""Top-k retrieval and rank counts on tensorflow, one `[M, T]` tile of logits at a time (the contract: the registry)."""
 
 import tensorflow as tf
 
@@ -16,7 +13,6 @@ def _tiles_of(table, tile):
 
 
 def _tile_at(table, bias, start, tile):
-    """Returns the columns `[T]`, table rows `[T, D]` and bias `[T]` of the tile at `start`."""
     rows = tf.slice(table, tf.stack([start, 0]), tf.stack([tile, -1]))
     bias_tile = None
     if bias is not None:
@@ -25,7 +21,6 @@ def _tile_at(table, bias, start, tile):
 
 
 def _over_tiles(table, tile, step, init, name):
-    """Runs `step(start, tile, *state) -> state` over every tile: a loop, then the remainder."""
     tiles = _tiles_of(table, tile)
     with tf.name_scope(name):
         state = tf.while_loop(
@@ -42,7 +37,6 @@ def _over_tiles(table, tile, step, init, name):
 
 
 def _excluded_mask(exclude_ids, start, tile):
-    """Bool `[M, T]`: the row excludes column `start + j` (compared in the ids' dtype, never wrapping)."""
     exclude_ids = tf.convert_to_tensor(exclude_ids)
     if not exclude_ids.dtype.is_integer:
         raise TypeError(f"exclude_ids must be integers; received {exclude_ids.dtype}.")

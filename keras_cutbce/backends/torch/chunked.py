@@ -1,15 +1,9 @@
-"""The chunked implementation on torch: a Python loop over vocabulary tiles, in `autograd.Function`s.
+"""The chunked implementation on torch: a Python loop over vocabulary tiles in `autograd.Function`s.
 
-The contract is `keras_cutbce.registry`'s; the loss family (`math.BCE`,
-`math.Softmax`) is the seam of docs/development.md. A row's loss splits in
-three: the dense background over the tiles (`dense_pass`: one matmul and
-one `softplus` a logit for the loss, one `sigmoid` and one matmul a needed
-gradient; positives at `-inf`), the linear background `-linear * sum_v z_v`
-in closed form, and the positives' exact terms (`sparse_terms`). Only
-`[M, T]` buffers exist per tile, each reused for every tile (`out=`); the
-compute dtype is `math.compute_dtype`. Nothing on the per-call path reads a
-device value on the host (no CUDA sync, no graph break under
-`torch.compile`, nothing a CUDA graph capture could not record).
+A row's loss is the dense background over the tiles (`dense_pass`, one
+`[M, T]` buffer each, reused), the linear background in closed form and
+the positives' exact terms (`sparse_terms`). Nothing on the per-call path
+reads a device value on the host (no CUDA sync, no graph break).
 """
 
 import torch
@@ -23,16 +17,7 @@ from keras_cutbce.math.tiling import vocab_tiles
 
 
 class Positives:
-    """A pass's valid, de-duplicated target ids (`safe` int64 `[M, L]`, `keep` bool), found once.
-
-    Which positives a tile owns is a mask over the ids (O(M L) a tile), never
-    a count read on the host.
-
-    >>> from keras_cutbce.math.tiling import vocab_tiles
-    >>> positives = Positives(torch.tensor([[3, -1, 3], [0, 9, 1]]), vocab_tiles(10, 4))
-    >>> positives.keep.sum().item(), sorted(positives.flat(0).tolist())
-    (4, [3, 4, 5, 8, 8, 8])
-    """
+    """A pass's valid, de-duplicated target ids (`safe` int64 `[M, L]`, `keep` bool); a tile's are a mask, never a host count."""
 
     def __init__(self, ids, tiles):
         self.empty = ids.shape[1] == 0
@@ -72,7 +57,6 @@ def tile_logits(hidden, table_tile, bias_tile=None):
 
 
 def _tile_logits_into(out, hidden, table_tile, bias_tile):
-    """Writes one tile's logits into `out` `[M, T]` (in the compute dtype)."""
     table_tile = table_tile.to(out.dtype)
     if bias_tile is None:
         return torch.mm(hidden, table_tile.T, out=out)
@@ -83,10 +67,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
                family, stats=None):
     """The family's row reduction over the tiles and its gradients: `(acc, grad_h, grad_table, grad_bias)`.
 
-    Each None when not asked for (`loss`; `need` for `(h, table, bias)` with
-    `row_scale`); the row scales are folded into the products, not applied
-    per logit; the table gradient is a transposed view of a `[D, V]` buffer.
-    The Triton kernels implement this signature (`triton/launch.py`).
+    Each None when not asked for; the table's a transposed view of `[D, V]`.
+    The Triton kernels implement this signature.
     """
     dtype, device = h.dtype, h.device
     num_rows, dim = h.shape
@@ -189,10 +171,7 @@ def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, gra
 
 def row_losses(h, table, bias, ids, family, tile, row_scale=None, need=(False,) * 3, *,
                dense=dense_pass):
-    """The per-row losses `[M]` and, with a cotangent `row_scale`, their gradients.
-
-    `dense`: `dense_pass` or the Triton kernels' (`triton/launch.py`).
-    """
+    """The per-row losses `[M]` and, with a cotangent `row_scale`, their gradients (`dense`: this loop's or Triton's)."""
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
     dense_scale, sparse_scale = (None, None) if row_scale is None else family.row_scales(
@@ -229,7 +208,6 @@ def row_gradients(h, table, bias, ids, family, tile, row_scale, need, *, dense=d
 
 
 def _statistics(h, table, bias, tiles, positives, family, dense, row_scale):
-    """`(acc, stats)` of a `two_pass` family's first pass when slopes are needed, else `(None, None)`."""
     if not family.two_pass or row_scale is None:
         return None, None
     acc, _, _, _ = dense(h, table, bias, tiles, positives, loss=True, family=family)
@@ -237,11 +215,7 @@ def _statistics(h, table, bias, tiles, positives, family, dense, row_scale):
 
 
 def mask_zero_rows(weight, hidden):
-    """`hidden` with the rows of zero weight zeroed: they add exactly 0, even where not finite.
-
-    >>> mask_zero_rows(torch.tensor([1.0, 0.0]), torch.full((2, 1), float("nan"))).isnan().tolist()
-    [[True], [False]]
-    """
+    """`hidden` with the rows of zero weight zeroed: they add exactly 0, even where not finite."""
     return torch.where((weight != 0)[:, None], hidden, torch.zeros((), dtype=hidden.dtype))
 
 
@@ -250,7 +224,6 @@ def _cast(grad, like):
 
 
 class _CutBCEFunction(torch.autograd.Function):
-    """Per-row CutBCE loss with exact, tile-by-tile gradients for any cotangent."""
 
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, family, tile, dense):
@@ -280,10 +253,7 @@ class _CutBCEFunction(torch.autograd.Function):
 
 
 class _CutBCEWeightedSumFunction(torch.autograd.Function):
-    """`sum_m w_m * loss_m`, its gradients computed in the forward pass and scaled in place backward.
-
-    A second backward (`retain_graph=True`) recomputes them.
-    """
+    """`sum_m w_m * loss_m`, its gradients computed forward and scaled in place backward."""
 
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, row_weights, family, tile, need, dense):
@@ -312,7 +282,6 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
 
 
 def _fused_pass(hidden, table, bias, ids, row_weights, family, tile, need, dense):
-    """The weighted loss sum and the needed gradients at cotangent 1."""
     dtype = compute_dtype(hidden, table, bias)
     w = row_weights.to(dtype)
     h = mask_zero_rows(w, hidden.to(dtype))
@@ -323,7 +292,6 @@ def _fused_pass(hidden, table, bias, ids, row_weights, family, tile, need, dense
 
 
 def _tile(chunk_size):
-    """The tile width: `chunk_size` as the public op checked it (a positive int)."""
     assert isinstance(chunk_size, int) and not isinstance(chunk_size, bool), chunk_size
     assert chunk_size > 0, chunk_size
     return chunk_size

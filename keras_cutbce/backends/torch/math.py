@@ -1,8 +1,6 @@
-"""torch's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers.
+"""torch's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers (as `backends/jax/math.py`).
 
-The helpers' math and signature are those of `backends/jax/math.py`
-(tested against `keras_cutbce.math.spec`), with an `out=` buffer instead of
-a shared `exp(-|z|)`: a `softplus(z)`-only term (the dense tiles) runs the
+`out=` instead of a shared `exp(-|z|)`: a `softplus(z)`-only term runs the
 stock `softplus` / `sigmoid` kernels, one pass each over `[M, T]`.
 """
 
@@ -35,14 +33,7 @@ def _softplus(z, out=None):
 
 
 def terms(z, minus, plus, *, out=None):
-    """`minus * softplus(-z) + plus * softplus(z)` per logit; `out`: a buffer, used when `minus` is 0.
-
-    A part whose weight is 0 is left out (`z = -inf` with `minus = 0` gives
-    exactly 0); otherwise two non-negative parts sharing one `log1p(exp(-|z|))`.
-
-    >>> terms(torch.tensor([-float("inf"), 0.0, 100.0]), 0.0, 1.0).tolist()
-    [0.0, 0.6931471824645996, 100.0]
-    """
+    """`minus * softplus(-z) + plus * softplus(z)`, a 0 weight's part left out; `out`: used when `minus` is 0."""
     if minus == 0.0:
         result = _softplus(z, out)
         return result if plus == 1.0 else result.mul_(plus)
@@ -54,11 +45,7 @@ def terms(z, minus, plus, *, out=None):
 
 
 def slopes(z, minus, plus, *, out=None):
-    """`plus * sigmoid(z) - minus * sigmoid(-z)` with one sigmoid; `out` may be `z` itself.
-
-    >>> f"{slopes(torch.tensor([-30.0]), 0.0, 1.0).item():.4e}"
-    '9.3576e-14'
-    """
+    """`plus * sigmoid(z) - minus * sigmoid(-z)` with one sigmoid; `out` may be `z` itself."""
     total = plus + minus
     if minus >= plus:
         result = torch.sigmoid(-z, out=out) if out is not None else torch.sigmoid(-z)
@@ -83,7 +70,6 @@ class BCE(NamedTuple):
         return self.coef.neg_target
 
     def init(self, rows, dtype, device):
-        """`[M]` zeros: the sums of `softplus(z)`."""
         return torch.zeros(rows, dtype=dtype, device=device)
 
     def tile(self, z, acc, stats, *, out, ones):
@@ -91,7 +77,6 @@ class BCE(NamedTuple):
         acc.addmv_(terms(z, 0.0, 1.0, out=out), ones)
 
     def slopes(self, z, stats):
-        """The tile's `sigmoid(z)`, written over `z`."""
         return slopes(z, 0.0, 1.0, out=z)
 
     def positives(self, z, keep, *, loss, grad):
@@ -111,7 +96,6 @@ class BCE(NamedTuple):
         return (self.coef.neg_scale * acc + sparse) / vocab
 
     def row_scales(self, row_weights, positives, vocab):
-        """The factors of each row's dense and sparse slopes: its weight over `V`."""
         inv_v = 1.0 / vocab
         return row_weights * (self.coef.neg_scale * inv_v), row_weights * inv_v
 
@@ -146,7 +130,6 @@ class Softmax(NamedTuple):
         return acc[0] + torch.log(acc[1])
 
     def slopes(self, z, stats):
-        """The tile's `softmax(z)`, written over `z`."""
         return z.sub_(stats[:, None]).exp_()
 
     def positives(self, z, keep, *, loss, grad):
@@ -155,11 +138,9 @@ class Softmax(NamedTuple):
         return (weight * z if loss else None), (weight.expand_as(z) if grad else None)
 
     def finish(self, acc, sparse, positives, vocab):
-        """The rows' loss, 0 for a row without a valid id."""
         return torch.where(_has_target(positives), self.statistics(acc) + sparse, 0.0)
 
     def row_scales(self, row_weights, positives, vocab):
-        """The dense and sparse factors: the row's weight, 0 without a valid id."""
         scale = torch.where(_has_target(positives), row_weights, 0.0)
         return scale, scale
 

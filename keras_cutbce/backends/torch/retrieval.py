@@ -1,7 +1,4 @@
-"""Top-k retrieval and rank counts on torch, one `[M, T]` tile of logits at a time.
-
-The contract is `keras_cutbce.registry`'s; memory O(M (k + T)) whatever V.
-"""
+"""Top-k retrieval and rank counts on torch, one `[M, T]` tile of logits at a time (the contract: the registry)."""
 
 import torch
 
@@ -15,7 +12,6 @@ def _tiles(vocab_size, tile):
 
 
 def _excluded_mask(exclude_ids, start, stop):
-    """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`."""
     tile = stop - start
     local = exclude_ids.long() - start
     local = torch.where((local >= 0) & (local < tile), local, tile)  # tile: dropped
@@ -27,12 +23,7 @@ def _excluded_mask(exclude_ids, start, stop):
 
 
 def _order_keys(x):
-    """int64 `[M, T]` keys ordering as (value descending, column ascending), all distinct.
-
-    The float bits map onto an int32 that orders as the floats (`-0.0` made
-    `+0.0`, every NaN one NaN above `+inf`, as `torch.sort` ranks it); the
-    reversed column fills the low 32 bits.
-    """
+    """Distinct int64 keys ordering as (value descending, column ascending), NaN above `+inf` as `torch.sort`."""
     x = torch.where(torch.isnan(x), torch.nan, x.float() + 0.0)
     bits = x.view(torch.int32)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
@@ -41,7 +32,6 @@ def _order_keys(x):
 
 
 def _top_k_by_keys(x, k):
-    """`_stable_top_k` without reading any value on the host (CUDA: no sync)."""
     if x.dtype == torch.float64:  # no room for the column beside 64 value bits
         values, columns = torch.sort(x, dim=1, descending=True, stable=True)
         return values[:, :k], columns[:, :k]
@@ -50,7 +40,6 @@ def _top_k_by_keys(x, k):
 
 
 def _top_k_reading_ties(x, k):
-    """`_stable_top_k` on CPU: `torch.topk`, trusted unless a tie straddles the k-th value (read on the host)."""
     rows, width = x.shape
     if k >= width:
         return torch.sort(x, dim=1, descending=True, stable=True)
@@ -77,11 +66,7 @@ def host_reads_are_free(device):
 
 
 def _stable_top_k(x, k):
-    """The top k of each row by value, ties to the lower column: `(values, columns)`, no host read off CPU.
-
-    >>> _stable_top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), 2)[1].tolist()
-    [[1, 2]]
-    """
+    """The top k of each row, ties to the lower column: `(values, columns)`, no host read off CPU."""
     k = min(k, x.shape[1])
     if host_reads_are_free(x.device):
         return _top_k_reading_ties(x, k)
