@@ -40,6 +40,7 @@ class CutLoss(keras.losses.Loss):
 
     @property
     def label_smoothing(self):
+        """The label smoothing, a float in `[0, 1]`."""
         return self._options.label_smoothing
 
     @label_smoothing.setter
@@ -48,6 +49,7 @@ class CutLoss(keras.losses.Loss):
 
     @property
     def chunk_size(self):
+        """The vocabulary tile width, or None for the default rule."""
         return self._options.chunk_size
 
     @chunk_size.setter
@@ -56,6 +58,7 @@ class CutLoss(keras.losses.Loss):
 
     @property
     def implementation(self):
+        """The implementation: `"auto"`, `"chunked"`, `"pallas"`, `"triton"` or `"reference"`."""
         return self._options.implementation
 
     @implementation.setter
@@ -87,6 +90,7 @@ class CutLoss(keras.losses.Loss):
 
     @staticmethod
     def _integral_ids(y_true):
+        """Ids as given (host ids stay on the host, range-checked before any cast), except tf.distribute's float placeholder."""
         if keras.backend.backend() != "tensorflow" or not hasattr(y_true, "dtype"):
             return y_true
         if checks.is_int(y_true) or not keras.ops.is_tensor(y_true):
@@ -114,6 +118,7 @@ class CutLoss(keras.losses.Loss):
         return sample_weight
 
     def _merge_mask(self, sample_weight, mask):
+        """Keras's `apply_mask`, out of place (Keras's in-place product fails on torch for `[B, 1]` by `[B, T]`)."""
         if mask is None:
             return sample_weight
         mask = ops.convert_to_tensor(mask, dtype=self.dtype)
@@ -283,6 +288,7 @@ class CutBCELoss(CutLoss):
 
     @property
     def pos_weight(self):
+        """The weight of the positive terms, a finite float > 0."""
         return self._options.pos_weight
 
     @pos_weight.setter

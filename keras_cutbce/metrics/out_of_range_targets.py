@@ -85,6 +85,7 @@ class OutOfRangeTargets(keras.metrics.Metric):
         )
 
     def vocab_size(self):
+        """V, the number of items (ids outside `[0, V)` are padding)."""
         if isinstance(self.embeddings, int):
             return self.embeddings
         source = bind(self.embeddings, "embeddings")
