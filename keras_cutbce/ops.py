@@ -164,6 +164,11 @@ def weighted_loss_sum(
 
     `row_weights` (shape `hidden.shape[:-1]`) are constants; the other
     arguments are `cut_binary_crossentropy`'s.
+
+    >>> import numpy as np
+    >>> h, table = np.ones((2, 4), "float32"), np.ones((10, 4), "float32")
+    >>> round(float(weighted_loss_sum(h, table, np.array([[1], [2]]), np.array([0.5, 0.5]))), 3)
+    3.618
     """
     options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
     inputs = loss_inputs(hidden, embeddings, target_ids, bias)
@@ -286,6 +291,13 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
 
     Returns:
         Int32 counts of shape `hidden.shape[:-1]`; -1 for a position with a NaN logit.
+
+    Example:
+
+    >>> import numpy as np
+    >>> table = np.array([[1, 1, 1], [-1, -1, -1], [1, 0, 0]], "float32")
+    >>> np.asarray(cut_count_at_least(np.ones((2, 3), "float32"), table, 0.5)).tolist()
+    [2, 2]
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
     lead_shape = ops.shape(hidden)[:-1]
