@@ -1,11 +1,4 @@
-"""Check the arguments of the public ops and metrics, once, before any kernel runs.
-
-Every check raises a `ValueError` or `TypeError` naming the argument, what it
-must be and what was received (`"... Received: chunk_size=2.5"`), and returns
-the value normalised (a Python int or float, int32 ids with one padding id).
-Below the public entry points nothing checks again: the kernels trust what
-they get.
-"""
+"""The public ops' and metrics' argument checks, once, each returning the value normalised (the kernels trust it)."""
 
 import math
 import numbers
@@ -50,12 +43,10 @@ def _dtype(x):
 
 
 def is_float(x):
-    """Returns True for a float tensor (bfloat16 included)."""
     return keras.backend.is_float_dtype(_dtype(x))
 
 
 def is_int(x):
-    """Returns True for an integer tensor (signed or unsigned)."""
     return keras.backend.is_int_dtype(_dtype(x))
 
 
@@ -63,14 +54,7 @@ def is_int(x):
 
 
 def check_int(value, argument, minimum=1):
-    """Returns `value` as a Python int (NumPy integers accepted), `>= minimum`.
-
-    Example:
-
-    >>> import numpy as np
-    >>> check_int(np.int64(3), "k")
-    3
-    """
+    """`value` as a Python int (NumPy integers accepted), `>= minimum`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(
             f"`{argument}` must be an int >= {minimum}. Received: {argument}={value!r}"
@@ -79,7 +63,6 @@ def check_int(value, argument, minimum=1):
 
 
 def check_chunk_size(chunk_size):
-    """Returns None or a positive Python int (NumPy integers accepted)."""
     if chunk_size is None:
         return None
     if (
@@ -104,7 +87,6 @@ def _as_float(value, argument, expected):
 
 
 def check_label_smoothing(label_smoothing):
-    """Returns `label_smoothing` as a float in `[0, 1]`."""
     value = _as_float(label_smoothing, "label_smoothing", "in [0, 1]")
     if not 0.0 <= value <= 1.0:
         raise ValueError(
@@ -115,7 +97,6 @@ def check_label_smoothing(label_smoothing):
 
 
 def check_pos_weight(pos_weight):
-    """Returns `pos_weight` as a finite float `> 0`."""
     value = _as_float(pos_weight, "pos_weight", "> 0")
     if not (value > 0.0 and math.isfinite(value)):
         raise ValueError(
@@ -136,16 +117,7 @@ class LossOptions(NamedTuple):
 
 def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implementation="auto",
                  family="bce"):
-    """Returns the loss ops' scalar options checked, as a `LossOptions`.
-
-    `family`: `"bce"` (binary cross-entropy) or `"softmax"` (softmax
-    cross-entropy, which has no Pallas kernel yet).
-
-    Example:
-
-    >>> loss_options(label_smoothing=0, chunk_size=64)
-    LossOptions(label_smoothing=0.0, pos_weight=1.0, chunk_size=64, implementation='auto', family='bce')
-    """
+    """The loss ops' scalar options checked, as a `LossOptions` (`family`: `"bce"` or `"softmax"`)."""
     implementation = registry.check_implementation(implementation)
     softmax = ("auto", *registry.IMPLEMENTATIONS["cut_softmax"])
     if family == "softmax" and implementation not in softmax:
@@ -163,7 +135,6 @@ def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implement
 
 
 def check_k(k, vocab_size):
-    """Returns `k` as an int in `[1, V]` (NumPy integers accepted)."""
     upper = "V" if vocab_size is None else vocab_size
     if (
         isinstance(k, bool)
@@ -176,13 +147,7 @@ def check_k(k, vocab_size):
 
 
 def check_cutoffs(k):
-    """Returns an int or a non-empty sequence of ints >= 1 as a sorted tuple of distinct ints.
-
-    Example:
-
-    >>> check_cutoffs([10, 5, 10])
-    (5, 10)
-    """
+    """An int or a non-empty sequence of ints >= 1 as a sorted tuple of distinct ints."""
     ks = (k,) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k
     try:
         ks = tuple(ks)
@@ -269,7 +234,6 @@ def check_hidden_and_table(hidden, table, bias):
 
 
 def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
-    """`i_dims` with the last axis: `[...]` (one id a position, targets only) gains a trailing 1."""
     lead = h_dims[:-1]
     axis = "L" if one_per_position else "X"
     shape = i_dims + (1,) if one_per_position and len(i_dims) == len(lead) else i_dims
@@ -293,20 +257,10 @@ def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
 
 
 def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
-    """Returns integer ids checked for `hidden [..., D]`: int32 `[..., L]`, padding `EMPTY_ID`.
-
-    Ids of any integer dtype, `[..., L]`, or `[...]` (one a position) when
-    `one_per_position` (target ids; `exclude_ids` name their own axis). Every
-    id outside `[0, vocab_size)` becomes `EMPTY_ID` in its own dtype before
-    the cast (`keras_cutbce.common.ids_as_int32`), so an int64 id >= 2**31
-    never wraps to a valid id; host (NumPy) ids are clamped on the host.
-    Multi-hot labels `[..., V]` are refused (`keras_cutbce.ids.refuse_multi_hot`).
-
-    Example:
+    """Ids checked for `hidden [..., D]`: int32 `[..., L]`, `EMPTY_ID` outside `[0, V)`, multi-hot refused.
 
     >>> import numpy as np
-    >>> ids = int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")
-    >>> np.asarray(ids).tolist()
+    >>> np.asarray(int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")).tolist()
     [[0], [-1], [-1]]
     """
     host = is_host_array(ids) and np.asarray(ids).dtype.kind in "iu"
@@ -335,13 +289,7 @@ def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
 
 
 def check_sample_weight(weight_dims, loss_dims, received=None):
-    """Raises unless `sample_weight` dims broadcast onto the per-position loss dims.
-
-    `weight_dims` are the dims after Keras's rank adjustment (a trailing
-    size-1 axis squeezed, or the weight expanded over trailing positions).
-    Unknown (None) dims are not checked. `received` is the shape the caller
-    gave, for the message (default `weight_dims`).
-    """
+    """Raises unless `weight_dims` (after Keras's rank adjustment) broadcast onto the loss dims."""
     ok = len(weight_dims) <= len(loss_dims)
     if ok:
         for w, d in zip(reversed(weight_dims), reversed(loss_dims)):

@@ -1,14 +1,4 @@
-"""Constants and small helpers shared by the public API and every backend.
-
-- `EMPTY_ID`: the id of "no item" (padding targets, empty top-k slots).
-- `round_up`, `on_tpu`, `static_dims`: tiling arithmetic, the device test, static shapes.
-- `is_host_array`, `concrete_values`: data on the host, and the values of
-  data that can be read now (not traced).
-- `ids_as_int32`: the one rule for integer ids of any width. Ids outside
-  `[0, V)` are padding by contract, so they become `EMPTY_ID` *in their own
-  dtype*, before the cast to int32 the kernels use. A plain cast would wrap
-  an int64 id such as `2**32 + 16` to the valid item 16.
-"""
+"""Constants and small helpers shared by the public API and every backend (`EMPTY_ID`: no item)."""
 
 import numbers
 
@@ -20,13 +10,6 @@ EMPTY_ID = -1
 
 
 def round_up(value, multiple):
-    """Rounds `value` up to a multiple of `multiple`.
-
-    Example:
-
-    >>> round_up(130, 128)
-    256
-    """
     return -(-int(value) // multiple) * multiple
 
 
@@ -46,17 +29,7 @@ def is_host_array(ids):
 
 
 def concrete_values(x):
-    """Returns `x` as a NumPy array when its values can be read now, else None.
-
-    Host data and eager tensors can; tensors traced inside a compiled step
-    (a JAX tracer, a TensorFlow graph tensor, a `KerasTensor`, a torch
-    tensor on the "meta" device of Keras's symbolic build) cannot.
-
-    Example:
-
-    >>> concrete_values([[0, 1]]).tolist()
-    [[0, 1]]
-    """
+    """`x` as a NumPy array when its values can be read now (not traced), else None."""
     if is_host_array(x):
         return np.asarray(x)
     import keras
@@ -83,27 +56,10 @@ def concrete_values(x):
 
 
 def ids_as_int32(ids, vocab_size):
-    """Returns integer ids as int32, with every id outside `[0, vocab_size)` set to `EMPTY_ID`.
-
-    NumPy inputs (and lists) are clamped in NumPy, in their own dtype, before
-    they become tensors (JAX without x64 would otherwise wrap int64 on
-    conversion). Tensors of the active Keras backend (tracers included) are
-    clamped with `keras.ops` in their own dtype, then cast.
-
-    Args:
-        ids: integer ids of any shape, NumPy or backend tensor.
-        vocab_size: V, a Python int or a scalar integer tensor (a dynamic
-            V); None when unknown, then only ids outside the int32 range
-            become `EMPTY_ID`.
-
-    Returns:
-        An int32 tensor of the active backend, same shape.
-
-    Example:
+    """Ids as int32, every id outside `[0, vocab_size)` set to `EMPTY_ID` in its own dtype first (no int64 wrap).
 
     >>> import numpy as np
-    >>> ids = np.array([[0, 4, 2**32 + 1, -7]])
-    >>> np.asarray(ids_as_int32(ids, 5)).tolist()
+    >>> np.asarray(ids_as_int32(np.array([[0, 4, 2**32 + 1, -7]]), 5)).tolist()
     [[0, 4, -1, -1]]
     """
     from keras import ops
@@ -130,14 +86,6 @@ def ids_as_int32(ids, vocab_size):
 
 
 def static_dims(x):
-    """Returns the static dimensions of `x` as a tuple of ints, None where unknown.
-
-    Example:
-
-    >>> import numpy as np
-    >>> static_dims(np.zeros((2, 3)))
-    (2, 3)
-    """
     from keras import ops
 
     shape = getattr(x, "shape", None)

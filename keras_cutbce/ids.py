@@ -1,17 +1,4 @@
-"""Your item-id data: the forms CutBCE takes, and the helpers that convert and check it.
-
-CutBCE's targets are integer item ids `[..., L]` a position (padded with ids
-outside `[0, V)`, e.g. -1), and its exclusions are ids `[..., X]` a position.
-
-- `multi_hot_to_ids`: multi-hot labels `[..., V]` (the dense binary
-  cross-entropy form) as ids `[..., L]` padded with -1;
-- `seen_items`: the items each position of a sequence has seen, as
-  `exclude_ids [..., T, T]` (retrieval that excludes a user's history);
-- `count_out_of_range_ids`: the ids outside `[0, V)`, which the loss and the
-  metrics read as padding;
-- `refuse_multi_hot`: the check that stops multi-hot labels given as ids
-  (called by `keras_cutbce.checks.int32_ids` and `OutOfRangeTargets`).
-"""
+"""Your item-id data: `multi_hot_to_ids`, `seen_items`, `count_out_of_range_ids`, and `refuse_multi_hot`."""
 
 import numbers
 
@@ -27,19 +14,18 @@ __all__ = ["count_out_of_range_ids", "multi_hot_to_ids", "refuse_multi_hot", "se
 
 
 def multi_hot_to_ids(labels, max_ids=None):
-    """Converts multi-hot labels `[..., V]` into the integer target ids `[..., L]` CutBCE takes.
-
-    Each position's items (the indices of its ones) in increasing order,
-    padded with -1 to `L` ids: the most any position has, or `max_ids`.
-    Convert your data once, before `fit` (a data step, on the host).
+    """Multi-hot labels `[..., V]` as the integer target ids `[..., L]` CutBCE takes, padded with -1 (on the host).
 
     Args:
         labels: 0/1 labels `[..., V]` (bool, integer or float; NumPy, a list
             or an eager tensor).
-        max_ids: optional int, L; a position with more items raises.
+        max_ids: optional int, L (default: the most any position has).
 
     Returns:
-        An int32 NumPy array `[..., L]`.
+        An int32 NumPy array `[..., L]`, each position's items in increasing order.
+
+    Raises:
+        ValueError: a position with more than `max_ids` items.
 
     Example:
 
@@ -78,22 +64,14 @@ def multi_hot_to_ids(labels, max_ids=None):
 
 
 def seen_items(sequences, causal=True):
-    """Returns the items each position of a sequence has seen, as `exclude_ids [..., T, T]`.
-
-    Position t of `sequences [..., T]` excludes `sequences[..., :t + 1]`
-    (`causal`, what a next-item model has seen at t) or all of
-    `sequences[...]` (`causal=False`); the other slots are -1 (padding).
-    Give it to `cut_top_k(..., exclude_ids=...)` or
-    `TopKRetrieval.update_state(..., exclude_ids=...)` with hidden states
-    `[..., T, D]`. Padding ids in `sequences` stay padding.
+    """The items each position of a sequence has seen, as `exclude_ids [..., T, T]` for `cut_top_k`.
 
     Args:
-        sequences: integer item ids `[..., T]`, NumPy or a tensor (traced
-            tensors too).
-        causal: whether position t excludes only the first t + 1 items.
+        sequences: integer item ids `[..., T]`, NumPy or a tensor.
+        causal: position t excludes `sequences[..., :t + 1]` (else all of them).
 
     Returns:
-        Ids `[..., T, T]`: NumPy for NumPy input, else a tensor.
+        Ids `[..., T, T]`, -1 in the other slots: NumPy for NumPy input, else a tensor.
 
     Example:
 
@@ -122,13 +100,7 @@ def seen_items(sequences, causal=True):
 
 
 def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):
-    """Raises on multi-hot labels `[..., V]` given as ids, which would read as the ids 0 and 1.
-
-    Ids of rank `lead_ndim + 1` whose last axis has V >= 2 entries, all 0 or
-    1, are refused; V ids a position holding other values pass. Where the
-    values cannot be read (a traced tensor inside a compiled step: `fit` on
-    JAX and TensorFlow) the shape alone decides.
-    """
+    """Raises on multi-hot labels `[..., V]` given as ids (V >= 2 entries, all 0 or 1; traced: the shape alone)."""
     dims = tuple(ids.shape)
     if not isinstance(vocab_size, int) or vocab_size < 2 or len(dims) != lead_ndim + 1:
         return
@@ -152,22 +124,14 @@ def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):
 
 
 def count_out_of_range_ids(ids, embeddings) -> dict[int, int]:
-    """Counts the ids outside `[0, V)`, which the loss and metrics treat as padding.
-
-    A debug check for target ids before training: by design every id outside
-    `[0, V)` is padding (ignored), so an off-by-one (1-based ids `1..V` with a
-    table of V rows) loses item V silently. Your padding id (e.g. -1) is
-    listed too; any other entry is a real item the loss would ignore.
+    """The ids outside `[0, V)`, which the loss and the metrics read as padding: a check for off-by-one data.
 
     Args:
-        ids: integer ids of any shape (NumPy, a list, or a tensor of the
-            active backend).
-        embeddings: the item table (a layer, `keras.Variable`, array or
-            tensor `[V, D]`) or V itself, an int.
+        ids: integer ids of any shape (NumPy, a list or a tensor).
+        embeddings: the item table (layer, variable, array or tensor) or V.
 
     Returns:
-        A dict `{id: count}` of every distinct id outside `[0, V)`, sorted by
-        id (empty when all ids are items).
+        A dict `{id: count}` sorted by id (empty when all ids are items).
 
     Example:
 

@@ -7,20 +7,11 @@ __all__ = ["ItemEmbedding"]
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class ItemEmbedding(keras.layers.Embedding):
-    """An `Embedding` item table `[V, D]` with an optional trainable per-item bias `[V]`.
+    """A `keras.layers.Embedding` item table `[V, D]` with an optional trainable per-item bias `[V]`.
 
-    The layer is a `keras.layers.Embedding` (called on ids it returns their
-    rows; masks, LoRA, regularizers and quantization as in Keras), and with
-    `use_bias=True` it also owns a bias variable `bias [V]`, the per-item
-    logit offset `b` of `z_v = h . E_v + b_v`. Give the layer itself to
-    `CutBCELoss`, `cut_binary_crossentropy`, `cut_top_k`, `TopKRetrieval` or
-    `ThresholdConfusion`: each reads the table and the bias, so both train
-    through the loss with `fit` on every backend (JAX's stateless train step
-    included) and save with the model's weights.
-
-    The layer must belong to the model being trained: call it in a
-    functional model (typically as the model's input item embedding), or
-    assign it as an attribute of a subclassed model.
+    Give the layer itself to the losses, ops and metrics: each reads the table
+    and the bias, so both train through the loss on every backend and save with
+    the model. The layer must belong to the model being trained.
 
     Args:
         input_dim: V, the number of items (an int >= 1).
@@ -29,12 +20,11 @@ class ItemEmbedding(keras.layers.Embedding):
         bias_initializer: initializer of the bias (default zeros).
         bias_regularizer: optional regularizer of the bias.
         bias_constraint: optional constraint of the bias.
-        **kwargs: the other arguments of `keras.layers.Embedding`
-            (`embeddings_initializer`, `mask_zero`, `name`, ...).
+        **kwargs: the other arguments of `keras.layers.Embedding`.
 
     Example:
 
-    >>> import keras, numpy as np
+    >>> import keras
     >>> from keras_cutbce import CutBCELoss, ItemEmbedding
     >>> items = ItemEmbedding(100, 8, use_bias=True, name="items")
     >>> ids = keras.Input((5,), dtype="int32")

@@ -1,29 +1,4 @@
-"""`ItemTable`: the item table (or bias) as the ops, the loss and the metrics read it.
-
-A table can be given as a tensor or array (a constant), a `keras.Variable`,
-or a layer holding one as `embeddings` (`keras.layers.Embedding`, with or
-without LoRA, `keras.layers.ReversibleEmbedding`). `ItemTable.read` resolves
-it once per call into one object holding
-
-- `value`: the current value (a layer's `embeddings` property, so a LoRA
-  layer gives its merged table; a variable's value, which inside a
-  `keras.StatelessScope`, as in Keras's JAX train step, is the traced one).
-  A `ReversibleEmbedding` gives the table its `reverse=True` projection
-  scores against: `embeddings`, or with `tie_weights=False` its
-  `reverse_embeddings [D, V]` transposed (`layer_table`);
-- `variable`: the `keras.Variable` storing it (None for a constant, and for
-  a transposed `reverse_embeddings`);
-- `sharding`: its `VocabSharding` when split along V over a JAX mesh (read
-  from the variable's layout, else from the value), or None.
-
-A layer that owns a bias (`keras_cutbce.ItemEmbedding(..., use_bias=True)`)
-gives the bias too: `layer_bias` finds it and `resolve_bias` chooses the
-bias a call uses (the layer's, or the `bias=` argument, never both).
-
-Saved configs hold a table as its variable's path (re-bound to the loaded
-model's variable) or, for a constant, as an array: `table_config`,
-`tables_from_config` and `bind`.
-"""
+"""`ItemTable`: a table (or bias) from a tensor, a `keras.Variable` or a layer, read once per call."""
 
 import keras
 import numpy as np
@@ -49,12 +24,7 @@ _UNKNOWN = object()
 
 
 def table_variable(source, argument="embeddings"):
-    """Returns the `keras.Variable` storing a table given as a variable or a layer.
-
-    A layer's table is its `embeddings` attribute when that is a variable,
-    else (LoRA, quantized layers, where `embeddings` is computed) its weight
-    named `embeddings`. Tensors and None are returned as they are.
-    """
+    """The `keras.Variable` of a variable or layer source (a computed `embeddings`: the weight of that name)."""
     if not isinstance(source, keras.layers.Layer):
         return source
     if not source.built:
@@ -77,20 +47,11 @@ def table_variable(source, argument="embeddings"):
 
 
 def _untied_reversible(layer):
-    """True for a `ReversibleEmbedding` whose output projection is its own `reverse_embeddings`."""
     return isinstance(layer, keras.layers.ReversibleEmbedding) and not layer.tie_weights
 
 
 def layer_table(layer, argument="embeddings"):
-    """Returns the `[V, D]` table a layer scores items with, as its own projection does.
-
-    A layer's `embeddings` (a LoRA layer's merged table), except for a
-    `ReversibleEmbedding` built with `tie_weights=False`, whose `reverse=True`
-    projection is `hidden @ reverse_embeddings`: its `reverse_embeddings`
-    `[D, V]`, transposed. A `ReversibleEmbedding` with `logit_soft_cap`
-    projects onto capped logits `cap * tanh(z / cap)`, which CutBCE cannot
-    score without the logits: refused with a `ValueError`.
-    """
+    """The `[V, D]` table a layer's own projection scores with (`ReversibleEmbedding`; `logit_soft_cap` refused)."""
     cap = getattr(layer, "logit_soft_cap", None)
     if isinstance(layer, keras.layers.ReversibleEmbedding) and cap is not None:
         raise ValueError(
@@ -107,11 +68,7 @@ def layer_table(layer, argument="embeddings"):
 
 
 def layer_bias(source):
-    """Returns the bias variable `[V]` an item table layer owns, or None.
-
-    An `ItemEmbedding` built with `use_bias=True` owns one; any other table
-    source (another layer, a variable, a tensor, a path) has none.
-    """
+    """The bias variable `[V]` an `ItemEmbedding(use_bias=True)` owns, else None."""
     from keras_cutbce.item_embedding import ItemEmbedding
 
     if isinstance(source, ItemTable):
@@ -122,17 +79,7 @@ def layer_bias(source):
 
 
 def resolve_bias(embeddings, bias):
-    """Returns the bias a call uses: `bias`, or the bias the table layer owns.
-
-    Args:
-        embeddings: the table source (or its `ItemTable`).
-        bias: the `bias=` argument (None, a variable, a tensor, an
-            `ItemTable`).
-
-    Raises:
-        ValueError: when the table layer owns a bias and another `bias=` is
-            given too (the layer's own bias, given again, is accepted).
-    """
+    """The bias a call uses: `bias` or the table layer's own (`ValueError` if both differ)."""
     own = layer_bias(embeddings)
     if own is None or bias is None:
         return own if bias is None else bias
@@ -152,12 +99,7 @@ def resolve_bias(embeddings, bias):
 
 
 def static_vocab_size(source):
-    """Returns V of a table source when known without reading it (an int), else None.
-
-    A `keras.layers.Embedding` gives its `input_dim`, built or not; a
-    variable, array or tensor its first static dimension; a path (from a
-    config) or an unknown dimension gives None.
-    """
+    """V of a table source when known without reading it, else None."""
     if isinstance(source, ItemTable):
         source = source.value
     if isinstance(source, keras.layers.Embedding):
@@ -176,12 +118,7 @@ def static_vocab_size(source):
 
 
 def trainable_table_variables(source):
-    """Returns the trainable variables a table source reads (none for a frozen table or a constant).
-
-    A layer's trainable weights (none when `layer.trainable` is False; a
-    LoRA layer's factors), a variable created with `trainable=True`, and
-    nothing for a tensor, an array or None.
-    """
+    """The trainable variables a table source reads (none for a frozen layer or a constant)."""
     if isinstance(source, keras.layers.Layer):
         return list(source.trainable_weights)
     if isinstance(source, keras.Variable) and source.trainable:
@@ -204,19 +141,7 @@ def bind(source, argument="embeddings"):
 
 
 class ItemTable:
-    """An item table (or bias) read for one call: its value, variable and sharding.
-
-    Build one with `ItemTable.read`; the ops accept one wherever they accept a
-    table and use it as it is.
-
-    Args:
-        value: the table's current value, a tensor of the active backend.
-        variable: the `keras.Variable` storing it, or None for a constant.
-        source: what the caller gave (a layer, a variable, a tensor).
-        sharding: its `VocabSharding`, None when not split along V; by
-            default found on first use.
-
-    Example:
+    """An item table (or bias) read for one call: `value`, `variable` (None: a constant), `source`, `sharding`.
 
     >>> import numpy as np
     >>> table = ItemTable.read(np.zeros((10, 4), "float32"))
@@ -234,16 +159,7 @@ class ItemTable:
 
     @classmethod
     def read(cls, source, argument="embeddings", value=None):
-        """Returns the `ItemTable` of `source` as it is now (an `ItemTable` as it is).
-
-        Args:
-            source: a tensor, array, `keras.Variable`, layer with an
-                `embeddings` variable, or the path of a variable of the model
-                being loaded, compiled or trained.
-            argument: the argument's name, for error messages.
-            value: the value to use instead of reading `source` (e.g. the
-                traced state of a JAX train step).
-        """
+        """The `ItemTable` of `source` now; `value` replaces the read (a JAX step's traced state)."""
         if isinstance(source, ItemTable):
             return source
         source = bind(source, argument)
@@ -258,7 +174,6 @@ class ItemTable:
 
     @property
     def vocab_size(self):
-        """V: a Python int when static, else a scalar tensor."""
         static = self.value.shape[0]
         try:
             return int(static)
@@ -282,7 +197,6 @@ class ItemTable:
 
 
 def _vocab_sharding(*candidates):
-    """The `VocabSharding` of the first candidate split along V over a JAX mesh."""
     if keras.backend.backend() != "jax":
         return None
     from keras_cutbce.backends.jax import sharded
@@ -299,16 +213,7 @@ def _vocab_sharding(*candidates):
 
 
 def table_config(source, argument):
-    """Returns `source` as a config value: its variable's path, or the constant itself.
-
-    A table held in a `keras.Variable` (or a layer) is saved as the variable's
-    path, which re-binds to the loaded model's variable (its value is in the
-    model's weights). A constant table (a NumPy array or a tensor, which no
-    optimizer trains) is saved in the config as an array, so `model.save`
-    works for it too; a large constant table is better held in a
-    non-trainable `keras.Variable` of the model (saved with the weights).
-    None and paths pass through.
-    """
+    """`source` as a config value: its variable's path, or a constant as an array."""
     if source is None or isinstance(source, str):
         return source
     if isinstance(source, (keras.Variable, keras.layers.Layer)):
@@ -319,11 +224,7 @@ def table_config(source, argument):
 
 
 def tables_config(embeddings, bias):
-    """Returns `{"embeddings": ..., "bias": ...}` as config values (see `table_config`).
-
-    The bias a table layer owns is saved as the bias's own path, so the
-    loaded object reads the same bias whatever its table re-binds to.
-    """
+    """`{"embeddings": ..., "bias": ...}` as config values (an owned bias as its own path)."""
     return {
         "embeddings": table_config(embeddings, "embeddings"),
         "bias": table_config(resolve_bias(embeddings, bias), "bias"),
@@ -331,11 +232,7 @@ def tables_config(embeddings, bias):
 
 
 def tables_from_config(config, keys=("embeddings", "bias")):
-    """Returns `config` with its tables restored.
-
-    Paths are bound to the loaded model's variables where one is found,
-    constants become NumPy arrays.
-    """
+    """`config` with its paths bound to the loaded model's variables and constants as arrays."""
     config = dict(config)
     for key in keys:
         value = config.get(key)

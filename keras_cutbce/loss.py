@@ -22,13 +22,7 @@ _TRAINED_BY = weakref.WeakKeyDictionary()
 
 
 class CutLoss(keras.losses.Loss):
-    """The Keras loss around a loss op of this package: what `CutBCELoss` and `CutSoftmaxLoss` share.
-
-    The item table and bias read at each call, the Keras reductions, sample
-    weights and masks, integral ids, the checks that `fit` trains the table,
-    and the config (the table saved as variable paths). A subclass gives its
-    checked `checks.LossOptions` (whose `family` picks the op).
-    """
+    """The Keras loss around a loss op (`CutBCELoss`, `CutSoftmaxLoss`): tables, reductions, checks, config."""
 
     def __init__(self, embeddings, bias, options, *, reduction, name, dtype):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
@@ -96,15 +90,7 @@ class CutLoss(keras.losses.Loss):
 
     @staticmethod
     def _integral_ids(y_true):
-        """Ids as given, except the float placeholder of a tf.distribute build.
-
-        Host (NumPy) ids stay on the host, so int64 ids are range-checked
-        before any conversion could wrap them. Under a `tf.distribute`
-        strategy Keras builds the compiled loss once, in cross-replica
-        context, from the replicas' mean of the first batch: a float tensor
-        where only the shape matters. Anywhere else float ids are an error
-        (raised by the op).
-        """
+        """Ids as given (host ids stay on the host, range-checked before any cast), except tf.distribute's float placeholder."""
         if keras.backend.backend() != "tensorflow" or not hasattr(y_true, "dtype"):
             return y_true
         if checks.is_int(y_true) or not keras.ops.is_tensor(y_true):
@@ -116,14 +102,6 @@ class CutLoss(keras.losses.Loss):
         return y_true
 
     def _sample_weight(self, sample_weight, y_pred):
-        """`sample_weight` as `self.dtype` with the rank Keras's reduction expects.
-
-        As in Keras, a trailing size-1 axis is dropped (`[B, 1]` for `[B]`
-        losses is kept for Keras's own rank adjustment); a weight of lower
-        rank than the per-position loss (one a sequence, `[B]` for `[B, T]`)
-        is expanded over the trailing positions. Raises a `ValueError` naming
-        both shapes when it cannot broadcast.
-        """
         if sample_weight is None:
             return None
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=self.dtype)
@@ -140,11 +118,7 @@ class CutLoss(keras.losses.Loss):
         return sample_weight
 
     def _merge_mask(self, sample_weight, mask):
-        """Keras's `apply_mask` (the mask merged into the sample weight), out of place.
-
-        (Keras multiplies in place, which fails on torch for a `[B, 1]` weight
-        and a `[B, T]` mask.)
-        """
+        """Keras's `apply_mask`, out of place (Keras's in-place product fails on torch for `[B, 1]` by `[B, T]`)."""
         if mask is None:
             return sample_weight
         mask = ops.convert_to_tensor(mask, dtype=self.dtype)
@@ -157,15 +131,6 @@ class CutLoss(keras.losses.Loss):
         return sample_weight * float_mask
 
     def _row_weights(self, y_pred, sample_weight, mask):
-        """Per-position weights `w` with `reduction(losses) == sum(w * losses)`.
-
-        Keras's `reduce_weighted_values` step by step, on a tensor of ones in
-        place of the losses: the mask merged into the sample weight
-        (`apply_mask`), Keras's rank adjustment, then `"sum"` keeps the
-        weights, `"mean"`/`"sum_over_batch_size"` divide by the number of
-        positions and `"mean_with_sample_weight"` by the sum of the weights
-        (in their own shape: a weight per example counts once, as in Keras).
-        """
         ones = ops.ones_like(y_pred[..., 0], dtype=self.dtype)
         weights = self._merge_mask(sample_weight, mask)
         if weights is None:
@@ -182,19 +147,7 @@ class CutLoss(keras.losses.Loss):
         return ops.divide_no_nan(values, divisor)
 
     def _tables(self, y_pred):
-        """`(y_pred, table, bias)`: the table (an `ItemTable`) and bias values read now.
-
-        A trainable table must be trained by the model being fitted: inside a
-        `train_step` whose model does not hold it, this raises (see
-        `_check_trained_by`). On JAX, a trainable table held in a
-        `keras.Variable` whose value is concrete while `y_pred` is traced
-        (`jax.jit`/`jax.grad` over `model.stateless_call` without a
-        `keras.StatelessScope`) is baked in as a constant: fine for a forward
-        pass, but differentiating it would silently drop the table's gradient,
-        so `y_pred` is returned wrapped to raise if (and only if) it is
-        differentiated (`backends/jax/table_guard.py`). A frozen table
-        (`trainable=False`, a constant) is never refused.
-        """
+        """`(y_pred, table, bias)` read now; refuses an untrained table, guards a JAX constant one (`table_guard`)."""
         table = ItemTable.read(self.embeddings, "embeddings")
         bias = resolve_bias(table, self.bias)
         bias = None if bias is None else ItemTable.read(bias, "bias")
@@ -217,12 +170,6 @@ class CutLoss(keras.losses.Loss):
         return y_pred, table, bias
 
     def _check_trained_by(self, model, variables, role="item table"):
-        """Raises if `model` is being trained and does not train the `variables` of the table or bias.
-
-        `role` (`"item table"` or `"bias"`) names what they are in the
-        message. A model found to train them is remembered (per model), so
-        the next steps skip the walk over the model's variables.
-        """
         if model is None or not variables:
             return
         verified = _TRAINED_BY.setdefault(model, {})
@@ -266,11 +213,7 @@ class CutLoss(keras.losses.Loss):
         return ops.reshape(cut_ops.per_position_loss(inputs, self._options), inputs.lead_shape)
 
     def get_config(self):
-        """Returns the config, with the table (and bias) saved as variable paths.
-
-        On load inside `keras.saving.load_model`, the paths re-bind to the
-        loaded model's variables (or to the LoRA-enabled layer that owns it).
-        """
+        """The config, the table (and bias) saved as variable paths (re-bound on `load_model`)."""
         config = super().get_config()
         config.update(
             **tables_config(self.embeddings, self.bias),
@@ -287,62 +230,41 @@ class CutLoss(keras.losses.Loss):
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class CutBCELoss(CutLoss):
-    """Computes the full-vocabulary binary cross-entropy of hidden states against item ids.
+    """The full-vocabulary binary cross-entropy of hidden states `y_pred [..., D]` against item ids `y_true [..., L]`.
 
-    The model outputs hidden states `y_pred [..., D]`; the loss projects them
-    on the item table `E [V, D]` (plus an optional bias `[V]`) tile by tile
-    and compares the logits with the multi-hot of the integer target ids
-    `y_true [..., L]`, without materializing the `[positions, V]` logits. Its
-    value equals `keras.losses.BinaryCrossentropy(from_logits=True)` on the
-    dense logits (for `pos_weight=1`), and so do its gradients.
-
-    `y_true` stays integral (Keras's stock `Loss` would cast it to float,
-    which is exact only below 2**24). Ids outside `[0, V)` are padding, of
-    any integer width (an int64 `2**32 + 16` is padding, not item 16);
-    duplicates count once. Keras masks on `y_pred` and `sample_weight` give
-    Keras's numbers and shapes for every reduction (a trailing size-1 axis as
-    in Keras; a `[B]` weight over `[B, T]` losses is one weight per example,
-    Keras's `[B, 1]`); a weight that cannot broadcast raises a `ValueError`
-    naming both shapes.
-
-    The table is read when the loss is called, so inside a train step it is
-    the value being trained: tie it to the model's item embedding and the
-    table trains through the loss on every backend. In a JAX custom loop
-    (`model.stateless_call` under `jax.grad`), call the loss inside
-    `keras.StatelessScope(state_mapping=...)` with the values being
-    differentiated (or use `model.stateless_compute_loss`); without them the
-    loss raises instead of silently dropping the table's gradient.
+    Its value and gradients are `keras.losses.BinaryCrossentropy(from_logits=True)`
+    on the dense logits of `y_pred` against the item table (for `pos_weight=1`),
+    without the `[positions, V]` logits. `y_true` stays integral; ids outside
+    `[0, V)` are padding, duplicates count once. Masks and `sample_weight` give
+    Keras's numbers for every reduction. The table is read at each call, so it
+    trains through the loss (docs/cutbce.md: custom JAX loops need a
+    `keras.StatelessScope`).
 
     Args:
-        embeddings: a `keras.Variable` `[V, D]` or a layer holding one as
-            `embeddings` (`keras.layers.Embedding`, LoRA-enabled too,
-            `ReversibleEmbedding`, `keras_cutbce.ItemEmbedding`), or a
-            constant `[V, D]` array or tensor. An `ItemEmbedding` built with
-            `use_bias=True` gives its bias too: the trainable bias of a
-            model (it trains with the table).
-        bias: optional bias `[V]`, for a table without its own: a constant
-            array or tensor, or a `keras.Variable` of the model (a trainable
-            variable outside the model is refused by `fit`, as the table).
+        embeddings: a `keras.Variable` `[V, D]`, a layer holding one as
+            `embeddings` (`Embedding`, LoRA too, `ReversibleEmbedding`,
+            `ItemEmbedding`, whose bias is used), or a constant array or tensor.
+        bias: optional bias `[V]` for a table without its own: a constant or a
+            `keras.Variable` of the model.
         label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float weighting the positive terms.
-        chunk_size: vocabulary tile width, `None` for the default rule
-            (`keras_cutbce.math.tiling`).
-        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX),
-            `"triton"` (torch) or `"reference"` (dense).
-        reduction: any Keras reduction (`"sum_over_batch_size"`, `"sum"`,
-            `"mean"`, `"mean_with_sample_weight"`, `"none"`/`None`).
+        pos_weight: positive float, the weight of the positive terms.
+        chunk_size: vocabulary tile width, `None` for the default rule.
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX), `"triton"`
+            (torch) or `"reference"` (dense).
+        reduction: any Keras reduction.
         name: loss name.
         dtype: dtype of the reduced loss (default: Keras's float dtype).
+
+    Raises:
+        ValueError: a `sample_weight` that cannot broadcast; in `fit`, a
+            trainable table or bias the model does not train.
 
     Example:
 
     ```python
     items = keras.layers.Embedding(num_items, 64, name="items")
-    # or, with a trainable per-item bias the loss reads (and trains) too:
-    # items = keras_cutbce.ItemEmbedding(num_items, 64, use_bias=True, name="items")
     ids = keras.Input((None,), dtype="int32")
-    hidden = keras.layers.Dense(64)(items(ids))
-    model = keras.Model(ids, hidden)
+    model = keras.Model(ids, keras.layers.Dense(64)(items(ids)))
     model.compile(optimizer="adam", loss=CutBCELoss(items))
     model.fit(sequences, next_items)   # next_items: int [batch, seq, 8]
     ```

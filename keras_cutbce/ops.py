@@ -1,11 +1,4 @@
-"""Public CutBCE ops: check and normalise the inputs once, then run the registry's kernel.
-
-Each op checks its arguments (`keras_cutbce.checks`), reads the item table
-into one `ItemTable` (`keras_cutbce.item_table`), turns the ids into int32
-with one padding id (`EMPTY_ID`), flattens to 2-D and calls the function
-`keras_cutbce.registry.dispatch` chooses for the op and the implementation
-(the kernel contract is written there). The kernels trust their inputs.
-"""
+"""The public ops: check the inputs once (`checks`), read the table (`ItemTable`), run the registry's choice."""
 
 from typing import NamedTuple
 from typing import Optional
@@ -37,7 +30,6 @@ def _flatten(hidden, ids=None):
 
 
 def _read_bias(table, bias):
-    """The bias value a call uses: `bias=`, or the bias the table layer owns (None without)."""
     bias = resolve_bias(table, bias)
     return None if bias is None else ItemTable.read(bias, "bias").value
 
@@ -56,13 +48,7 @@ class LossInputs(NamedTuple):
 
 
 def loss_inputs(hidden, embeddings, target_ids, bias=None):
-    """Returns the loss ops' tensors checked and flattened to 2-D, as `LossInputs`.
-
-    `embeddings` and `bias` may be given as `ItemTable`s (used as they are).
-    The scalar options are checked separately (`checks.loss_options`), so a
-    caller that holds checked options (`CutBCELoss`) checks only the tensors
-    of each call.
-    """
+    """The loss ops' tensors checked and flattened to 2-D (`LossInputs`); tables may be `ItemTable`s."""
     hidden = ops.convert_to_tensor(hidden)
     table = ItemTable.read(embeddings)
     bias = _read_bias(table, bias)
@@ -97,10 +83,7 @@ def per_position_loss(inputs, options):
 
 
 def loss_sum(inputs, options, row_weights):
-    """Returns `sum(row_weights * loss)` of checked `LossInputs` and `LossOptions`, float32.
-
-    `row_weights` (shape `hidden.shape[:-1]`) are constants: no gradient.
-    """
+    """`sum(row_weights * loss)` of checked `LossInputs` and `LossOptions`, float32; the weights get no gradient."""
     weights = ops.reshape(
         ops.stop_gradient(ops.cast(row_weights, "float32")), (ops.shape(inputs.hidden)[0],)
     )
@@ -124,49 +107,39 @@ def cut_binary_crossentropy(
     chunk_size: Optional[int] = None,
     implementation: str = "auto",
 ):
-    """Computes the per-position binary cross-entropy over the full vocabulary, without logits.
+    """The per-position binary cross-entropy over the full vocabulary, without the logits.
 
-    For each position with hidden state `h`, logits `z = h @ E.T + b` and the
-    multi-hot target of its ids, returns
-    `mean_v[(1 + (p - 1) y'_v) softplus(z_v) - p y'_v z_v]` with
-    `y' = y (1 - label_smoothing) + label_smoothing / 2` and `p = pos_weight`:
-    the value of `keras.losses.binary_crossentropy(multi_hot, z,
-    from_logits=True, label_smoothing=...)`, computed tile by tile over the
-    vocabulary so the `[positions, V]` logits never exist. Gradients for
-    `hidden`, the table and `bias` are exact for any cotangent.
+    `keras.losses.binary_crossentropy(multi_hot, h @ E.T + b, from_logits=True,
+    label_smoothing=...)` averaged over the V items, with `pos_weight` on the
+    positive terms; exact gradients for any cotangent.
 
     Args:
-        hidden: float tensor `[..., D]`, rank >= 2.
-        embeddings: item table `[V, D]`, `V >= 1`: a tensor, a
-            `keras.Variable`, or a layer with an `embeddings` variable
-            (`keras.layers.Embedding`, LoRA-enabled too,
-            `keras_cutbce.ItemEmbedding`, whose own bias is used).
-        target_ids: integer ids `[..., L]` (or `[...]` for one id a position),
-            of any integer dtype. Ids outside `[0, V)` are padding (int64 ids
-            beyond the int32 range too); duplicates count once.
+        hidden: float `[..., D]`, rank >= 2.
+        embeddings: item table `[V, D]`: a tensor, a `keras.Variable`, or a
+            layer with `embeddings` (`Embedding`, LoRA too, `ItemEmbedding`,
+            whose own bias is used).
+        target_ids: integer ids `[..., L]` (or `[...]`, one a position); ids
+            outside `[0, V)` are padding, duplicates count once.
         bias: optional float `[V]`, for a table without its own bias.
         label_smoothing: float in `[0, 1]`.
-        pos_weight: finite float > 0 weighting the positive terms.
-        chunk_size: vocabulary tile width (an int, NumPy ints accepted);
-            `None` uses `keras_cutbce.math.tiling.default_chunk_size`.
-        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX only),
-            `"triton"` (torch only: the fused Triton kernels, which `"auto"`
-            runs for CUDA tensors when Triton is installed) or
-            `"reference"` (dense, for tests and debugging). With `"auto"` or
-            `"chunked"` on JAX, a table split along V over a mesh runs the
-            vocab-sharded kernel (`keras_cutbce.backends.jax.sharded`).
+        pos_weight: finite float > 0, the weight of the positive terms.
+        chunk_size: vocabulary tile width; `None`: the default rule.
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX), `"triton"`
+            (torch) or `"reference"` (dense); a table split along V over a JAX
+            mesh runs the sharded kernel.
 
     Returns:
-        Float32 loss of shape `hidden.shape[:-1]`, whatever the input dtypes
-        (float64 and bfloat16 inputs included), on every backend.
+        Float32 loss of shape `hidden.shape[:-1]`.
+
+    Raises:
+        ValueError, TypeError: a checked argument is out of its domain.
 
     Example:
 
     >>> import numpy as np
     >>> h = np.random.normal(size=(2, 3, 8)).astype("float32")
     >>> table = np.random.normal(size=(100, 8)).astype("float32")
-    >>> ids = np.array([[[1, 2], [3, -1], [5, 5]]] * 2)
-    >>> loss = cut_binary_crossentropy(h, table, ids)
+    >>> loss = cut_binary_crossentropy(h, table, np.array([[[1, 2], [3, -1], [5, 5]]] * 2))
     >>> tuple(loss.shape), keras.backend.standardize_dtype(loss.dtype)
     ((2, 3), 'float32')
     """
@@ -187,24 +160,14 @@ def weighted_loss_sum(
     chunk_size: Optional[int] = None,
     implementation: str = "auto",
 ):
-    """Computes `sum(row_weights * cut_binary_crossentropy(...))`: the scalar a reduced loss needs.
+    """`sum(row_weights * cut_binary_crossentropy(...))`, the gradients computed with the loss where fused.
 
-    `CutBCELoss` reduces per-position losses with known weights (sample
-    weights, masks, the reduction's divisor), so only this scalar is
-    differentiated, and the gradient for any upstream cotangent `c` is `c`
-    times the gradient at `c = 1`. Implementations with a fused kernel
-    (`cut_bce_weighted_sum`) compute that gradient in the same pass over the
-    vocabulary as the loss (one logits matmul and one `exp` per logit instead
-    of two); the others reduce `cut_binary_crossentropy`. `row_weights`
-    (shape `hidden.shape[:-1]`) are constants: no gradient. The other
-    arguments are those of `cut_binary_crossentropy`.
-
-    Example:
+    `row_weights` (shape `hidden.shape[:-1]`) are constants; the other
+    arguments are `cut_binary_crossentropy`'s.
 
     >>> import numpy as np
-    >>> h = np.ones((2, 4), "float32"); table = np.ones((10, 4), "float32")
-    >>> ids = np.array([[1], [2]])
-    >>> round(float(weighted_loss_sum(h, table, ids, np.array([0.5, 0.5]))), 3)
+    >>> h, table = np.ones((2, 4), "float32"), np.ones((10, 4), "float32")
+    >>> round(float(weighted_loss_sum(h, table, np.array([[1], [2]]), np.array([0.5, 0.5]))), 3)
     3.618
     """
     options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
@@ -225,7 +188,6 @@ def _prepare_retrieval(hidden, embeddings, bias, chunk_size):
 
 
 def _exclusions(exclude_ids, hidden, vocab_size):
-    """`exclude_ids [..., X]` checked and flattened to `[M, X]` (None stays None)."""
     if exclude_ids is None:
         return None
     ids = checks.int32_ids(exclude_ids, hidden, vocab_size, "exclude_ids", one_per_position=False)
@@ -240,37 +202,27 @@ def cut_top_k(
     exclude_ids=None,
     chunk_size: Optional[int] = None,
 ):
-    """Returns the top-k items per position without the `[positions, V]` logits.
-
-    Keeps a running top-k merged tile by tile over the vocabulary, so memory
-    is O(positions x (k + tile)). Exact against a dense `top_k` of
-    `hidden @ E.T + bias`, ties broken by the lower id. A position any of
-    whose V logits is NaN (a NaN hidden state, a NaN table row) has no
-    ranking: NaN scores and ids `EMPTY_ID` (-1), on every backend.
+    """The top-k items per position, without the `[positions, V]` logits (ties to the lower id).
 
     Args:
-        hidden: float tensor `[..., D]`, rank >= 2.
-        embeddings: item table `[V, D]` (tensor, variable or Embedding layer;
-            an `ItemEmbedding` with `use_bias=True` gives its bias too).
-        k: number of items to return, an int in `[1, V]` (NumPy ints too).
+        hidden: float `[..., D]`, rank >= 2.
+        embeddings: item table `[V, D]` (as in `cut_binary_crossentropy`).
+        k: an int in `[1, V]`.
         bias: optional float `[V]`, for a table without its own bias.
         exclude_ids: optional integer ids `[..., X]` never returned for that
-            position: X ids a position, with the leading dimensions of
-            `hidden` (`keras_cutbce.seen_items(sequences)` gives each
-            position of a sequence the items seen up to it). Ids outside
-            `[0, V)` (int64 ids beyond the int32 range too) are ignored.
-        chunk_size: vocabulary tile width; `None` uses the default rule.
+            position (`keras_cutbce.seen_items`); ids outside `[0, V)` ignored.
+        chunk_size: vocabulary tile width; `None`: the default rule.
 
     Returns:
         `(scores, ids)`: float32 `[..., k]` logits sorted descending and int32
-        `[..., k]` item ids (`EMPTY_ID` where fewer than k items remain).
+        ids (`EMPTY_ID` where fewer than k items remain); NaN scores and
+        `EMPTY_ID` for a position with a NaN logit.
 
     Example:
 
     >>> import numpy as np
     >>> h = np.random.normal(size=(4, 8)).astype("float32")
-    >>> table = np.random.normal(size=(50, 8)).astype("float32")
-    >>> scores, ids = cut_top_k(h, table, k=5)
+    >>> scores, ids = cut_top_k(h, np.random.normal(size=(50, 8)).astype("float32"), k=5)
     >>> tuple(ids.shape)
     (4, 5)
     """
@@ -287,37 +239,25 @@ def cut_top_k(
 
 
 def cut_rank(hidden, embeddings, item_ids, bias=None, exclude_ids=None, chunk_size=None):
-    """Returns the rank of each position's first item in its full ranking, without logits.
-
-    Of the position's items (`item_ids`, e.g. its targets) the first is the
-    one its ranking puts highest (the highest logit, then the lower id); its
-    rank is 1 + the number of items ranked above it: a higher logit, or an
-    equal logit and a lower id (the order of `cut_top_k`), counted tile by
-    tile over the vocabulary. Excluded items are out of the ranking, and
-    never the first item. The items' own logits are one gather of their
-    table rows (they agree with the tiles' products to float rounding).
+    """The rank of each position's first item (highest logit, then lower id) in its full ranking, without logits.
 
     Args:
-        hidden: float tensor `[..., D]`, rank >= 2.
-        embeddings: item table `[V, D]` (tensor, variable or layer).
-        item_ids: integer ids `[..., L]` (or `[...]`, one a position); ids
-            outside `[0, V)` are padding.
+        hidden: float `[..., D]`, rank >= 2.
+        embeddings: item table `[V, D]` (as in `cut_binary_crossentropy`).
+        item_ids: integer ids `[..., L]` (or `[...]`); ids outside `[0, V)` are padding.
         bias: optional float `[V]`, for a table without its own bias.
-        exclude_ids: optional integer ids `[..., X]` out of the position's
-            ranking (as in `cut_top_k`).
-        chunk_size: vocabulary tile width; `None` uses the default rule.
+        exclude_ids: optional integer ids `[..., X]` out of the ranking.
+        chunk_size: vocabulary tile width; `None`: the default rule.
 
     Returns:
-        Int32 ranks of shape `hidden.shape[:-1]`: in `[1, V]`; 0 for a
-        position without a valid item outside its exclusions; -1 for a
-        position any of whose logits is NaN (no ranking).
+        Int32 ranks of shape `hidden.shape[:-1]` in `[1, V]` (`cut_top_k`'s
+        order); 0 without a valid item; -1 for a position with a NaN logit.
 
     Example:
 
     >>> import numpy as np
-    >>> h = np.ones((1, 2), "float32")
     >>> table = np.array([[1, 0], [0, 3], [1, 1], [2, 0]], "float32")   # logits 1, 3, 2, 2
-    >>> np.asarray(cut_rank(h, table, [[3, 0]])).tolist()   # item 3 ties item 2, ranks third
+    >>> np.asarray(cut_rank(np.ones((1, 2), "float32"), table, [[3, 0]])).tolist()   # ties item 2
     [3]
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
@@ -340,26 +280,23 @@ def cut_rank(hidden, embeddings, item_ids, bias=None, exclude_ids=None, chunk_si
 
 
 def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None):
-    """Counts the items whose logit is `>= threshold`, per position, without logits.
+    """The number of items whose logit is `>= threshold`, per position, without logits.
 
     Args:
-        hidden: float tensor `[..., D]`.
-        embeddings: item table `[V, D]` (tensor, variable or Embedding layer;
-            an `ItemEmbedding` with `use_bias=True` gives its bias too).
+        hidden: float `[..., D]`.
+        embeddings: item table `[V, D]` (as in `cut_binary_crossentropy`).
         threshold: float logit threshold.
         bias: optional float `[V]`, for a table without its own bias.
-        chunk_size: vocabulary tile width; `None` uses the default rule.
+        chunk_size: vocabulary tile width; `None`: the default rule.
 
     Returns:
-        int32 counts of shape `hidden.shape[:-1]`; -1 for a position any of
-        whose logits is NaN.
+        Int32 counts of shape `hidden.shape[:-1]`; -1 for a position with a NaN logit.
 
     Example:
 
     >>> import numpy as np
-    >>> h = np.ones((2, 3), "float32")
     >>> table = np.array([[1, 1, 1], [-1, -1, -1], [1, 0, 0]], "float32")
-    >>> np.asarray(cut_count_at_least(h, table, 0.5)).tolist()
+    >>> np.asarray(cut_count_at_least(np.ones((2, 3), "float32"), table, 0.5)).tolist()
     [2, 2]
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)

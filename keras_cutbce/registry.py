@@ -19,7 +19,9 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy
   (`chunked`, `reference` and `triton`);
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
-  -> (scores [M, k] float32, ids [M, k] int32)`, ties to the lower id;
+  -> (scores [M, k] float32, ids [M, k] int32)`, sorted descending, ties to
+  the lower id; a slot no item can fill gets `-inf` and `EMPTY_ID`; exclusions
+  outside `[0, V)` are ignored (compared before any int32 cast);
 - `count_above(hidden, table, bias, scores [M], ids [M], exclude_ids [M, X] |
   None, *, chunk_size) -> [M] int32`, per row the items ranked above
   `(score, id)` in `top_k`'s order (a higher logit, or an equal one and a
@@ -166,24 +168,12 @@ def _path(op, implementation, backend):
 
 
 def has(op, implementation, backend):
-    """Returns True when `implementation` runs `op` on the Keras `backend`.
-
-    Example:
-
-    >>> has("cut_bce", "reference", "torch"), has("cut_bce", "pallas", "torch")
-    (True, False)
-    """
+    """Whether `implementation` runs `op` on the Keras `backend`."""
     return _path(op, implementation, backend) is not None
 
 
 def backends_of(implementation):
-    """Returns the Keras backends on which `implementation` runs some op.
-
-    Example:
-
-    >>> backends_of("pallas"), backends_of("auto")
-    (('jax',), ('jax', 'torch', 'tensorflow'))
-    """
+    """The Keras backends on which `implementation` runs some op."""
     if implementation == "auto":
         return BACKENDS
     return tuple(
@@ -194,11 +184,7 @@ def backends_of(implementation):
 
 
 def get(op, implementation, backend):
-    """Returns the function running `op` under `implementation` on `backend`.
-
-    Raises:
-        NotImplementedError: when the table has no such entry.
-    """
+    """The function running `op` under `implementation` on `backend` (`NotImplementedError` if none)."""
     path = _path(op, implementation, backend)
     if path is None:
         raise NotImplementedError(
@@ -219,9 +205,7 @@ def _installed(implementation):
 
 
 def auto(op, backend, platform):
-    """Returns the implementation `"auto"` runs for `op` on `backend` and device `platform`.
-
-    Example:
+    """The implementation `"auto"` runs for `op` on `backend` and device `platform`.
 
     >>> auto("cut_bce", "jax", "tpu"), auto("top_k", "jax", "tpu"), auto("cut_bce", "jax", "cpu")
     ('pallas', 'chunked', 'chunked')
@@ -254,7 +238,6 @@ def check_implementation(implementation):
 
 
 def _platform(tensor):
-    """Returns "cpu", "gpu", "tpu", ... where the active backend runs `tensor`."""
     backend = keras.backend.backend()
     if backend == "jax":
         import jax
@@ -280,7 +263,6 @@ def _default_chunk_size(hidden, table):
 
 
 def _compiled_platform(backend):
-    """Returns the platform the program is compiled for; None on JAX when decided at lowering."""
     if backend != "jax":
         return None
     from keras_cutbce.backends.jax import compile_platform
@@ -289,20 +271,7 @@ def _compiled_platform(backend):
 
 
 def select_implementation(implementation="auto"):
-    """Returns the implementation `"auto"` resolves to on this backend and target.
-
-    On JAX, `"pallas"` when the program is compiled for a TPU (known at trace
-    time: a TPU host, a TPU mesh or `jax.default_device`), else `"chunked"`.
-    When the target is only known at lowering (a CPU host with the TPU
-    compiler), `dispatch` compiles both and keeps the target's; this
-    function then answers for the host. Any value but `"auto"` is returned
-    as it is.
-
-    Example:
-
-    >>> select_implementation("reference")
-    'reference'
-    """
+    """The implementation `"auto"` resolves to on this backend and the host's platform (others as given)."""
     check_implementation(implementation)
     if implementation != "auto":
         return implementation
@@ -311,11 +280,7 @@ def select_implementation(implementation="auto"):
 
 
 def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
-    """Runs `op` on checked 2-D inputs; `table` is an `ItemTable`.
-
-    Returns None when the chosen implementation has no such op (only
-    `cut_bce_weighted_sum`, which the caller then reduces from `cut_bce`).
-    """
+    """Runs `op` on checked 2-D inputs (`table`: an `ItemTable`); None when the choice lacks the op."""
     backend = keras.backend.backend()
     if implementation in ("auto", "chunked") and table.sharding is not None:
         route = "sharded"

@@ -1,9 +1,13 @@
-"""Layout rules of both packages, read from the source tree (every backend)."""
+"""Layout rules of both packages, read from the source tree (every backend; docs/development.md)."""
 
+import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_LINES = 400  # small files, one job per module (docs/development.md)
+BACKENDS = ("jax", "torch", "tensorflow")
+# The modules of a backend folder that more than one implementation imports:
+# the loss families (`math.py`) and, on JAX, the one custom_vjp (`vjp.py`).
+SHARED = {"math", "vjp"}
 
 
 def _modules(packages=("keras_cutbce",)):  # keras_erase: one module per job (below)
@@ -14,17 +18,66 @@ def _modules(packages=("keras_cutbce",)):  # keras_erase: one module per job (be
                     yield os.path.relpath(os.path.join(folder, name), REPO)
 
 
-def test_no_package_module_is_over_400_lines():
-    sizes = {}
+def _imports(path):
+    """`(module, top_level)` for every `keras_cutbce` module `path` imports (`from a import b`: `a.b`)."""
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("keras_cutbce"):
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", id(node) in top
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("keras_cutbce"):
+                    yield alias.name, id(node) in top
+
+
+def _is_module(dotted):
+    base = os.path.join(REPO, *dotted.split("."))
+    return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))
+
+
+def test_each_registry_implementation_names_one_module():
+    from keras_cutbce.registry import FITS, IMPLEMENTATIONS
+
+    paths = [p for op in IMPLEMENTATIONS.values() for impl in op.values() for p in impl.values()]
+    assert len(paths) > 20  # the registry is read
+    for path in paths + list(FITS.values()):
+        module, _, function = path.partition(":")
+        assert function and _is_module(module), path
+
+
+def test_each_chunked_implementation_is_one_module_beside_the_shared_ones():
+    """`backends/<b>/chunked.py` imports only `math.py` (and JAX's `vjp.py`) from its folder."""
+    for backend in BACKENDS:
+        folder = f"keras_cutbce.backends.{backend}"
+        for name in ("chunked", "math", "retrieval"):
+            assert _is_module(f"{folder}.{name}"), (backend, name)
+        own = {
+            module[len(folder) + 1:].split(".")[0]
+            for module, _ in _imports(f"keras_cutbce/backends/{backend}/chunked.py")
+            if module.startswith(folder + ".")
+        }
+        assert own <= SHARED, (backend, own - SHARED)
+
+
+def test_backend_folders_never_import_each_other():
+    """And the backend-neutral modules import a backend only inside a function (lazily)."""
+    found = 0
     for path in _modules():
-        with open(os.path.join(REPO, path), encoding="utf-8") as f:
-            sizes[path] = sum(1 for _ in f)
-    assert len(sizes) > 40  # the walk finds the code
-    over = {path: n for path, n in sizes.items() if n > MAX_LINES}
-    assert not over, (
-        f"modules over {MAX_LINES} lines (split them by job, as docs/development.md's layout "
-        f"does): {over}"
-    )
+        parts = path[:-3].split(os.sep)
+        mine = parts[2] if parts[:2] == ["keras_cutbce", "backends"] and len(parts) > 3 else None
+        for module, top_level in _imports(path):
+            other = module.split(".")
+            if other[:2] != ["keras_cutbce", "backends"] or len(other) < 3:
+                continue
+            found += 1
+            if mine is None:
+                assert not top_level, f"{path} imports {module} at import time"
+            else:
+                assert other[2] == mine, f"{path} imports {module}"
+    assert found > 10  # the walk reads the imports
 
 
 def test_every_keras_erase_module_is_in_the_layout_and_every_listed_one_exists():

@@ -1,8 +1,4 @@
-"""Dense reference formulas: the oracle for tests and `implementation="reference"`.
-
-Written with `keras.ops`, so they run (and differentiate) on every backend.
-They build the full `[rows, V]` logits: use them only on small shapes.
-"""
+"""Dense reference formulas in `keras.ops`: the oracle of the tests and `implementation="reference"` (small shapes)."""
 
 from keras import ops
 
@@ -10,16 +6,7 @@ from keras_cutbce.math.coefficients import bce_coefficients
 
 
 def multi_hot(ids, vocab_size):
-    """Returns the float32 `[rows, V]` multi-hot of integer ids `[rows, L]`.
-
-    Ids outside `[0, V)` are ignored and duplicates count once.
-
-    Example:
-
-    >>> import numpy as np
-    >>> np.asarray(multi_hot(np.array([[0, 2, 2, -1]]), 4)).tolist()
-    [[1.0, 0.0, 1.0, 0.0]]
-    """
+    """The float32 `[rows, V]` multi-hot of ids `[rows, L]` (padding ignored, duplicates once)."""
     ids = ops.convert_to_tensor(ids)
     rows = ops.shape(ids)[0]
     if ids.shape[-1] == 0:
@@ -40,19 +27,7 @@ def logits(hidden, table, bias=None):
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0):
-    """Computes the dense per-row loss `[rows]` of the CutBCE contract.
-
-    Args:
-        hidden: float `[rows, D]`.
-        table: float `[V, D]`.
-        ids: integer `[rows, L]`.
-        bias: optional float `[V]`.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-
-    Returns:
-        Float32 `[rows]`.
-    """
+    """The dense `cut_bce` (the contract: `keras_cutbce.registry`)."""
     coef = bce_coefficients(label_smoothing, pos_weight)
     z = logits(hidden, table, bias)
     y = multi_hot(ids, ops.shape(table)[0])
@@ -67,12 +42,7 @@ def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
 
 
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0):
-    """Computes the dense per-row softmax cross-entropy `[rows]` of the `CutSoftmaxLoss` contract.
-
-    `logsumexp(z) - sum_v y'_v z_v` with `y' = (1 - a) multi_hot / |P| + a / V`
-    (`keras.losses.categorical_crossentropy(..., from_logits=True,
-    label_smoothing=a)`); 0 for a row without a valid id.
-    """
+    """The dense `cut_softmax`: `keras.losses.categorical_crossentropy` on `multi_hot / |P|`, 0 without a valid id."""
     z = logits(hidden, table, bias)
     y = multi_hot(ids, ops.shape(table)[0])
     count = ops.sum(y, axis=-1)

@@ -16,10 +16,7 @@ __all__ = ["ItemTableMetric", "accumulate", "key_prefix", "position_weights"]
 
 
 def position_weights(sample_weight, mask, ones, dtype):
-    """Returns per-position weights `[M]`: `sample_weight` broadcast over `ones`, times the mask.
-
-    `ones` is a tensor of ones shaped like the positions (`y_pred.shape[:-1]`).
-    """
+    """Per-position weights `[M]`: `sample_weight` broadcast over `ones`, times the mask."""
     lead_ndim = len(ones.shape)
     weights = ones
     if sample_weight is not None:
@@ -36,11 +33,7 @@ def position_weights(sample_weight, mask, ones, dtype):
 
 
 def accumulate(variable, weights, values, nan_rows):
-    """Adds `sum(weights * values)` over positions to `variable`, NaN if a counted one has no ranking.
-
-    A position counts when its weight is not 0; `nan_rows [M]` marks the
-    positions with a NaN logit (a diverged model), which make the sum NaN.
-    """
+    """Adds `sum(weights * values)` to `variable`; NaN if a counted position (`nan_rows`) has no ranking."""
     values = ops.where(nan_rows, float("nan"), weights * ops.cast(values, variable.dtype))
     variable.assign_add(ops.sum(ops.where(weights != 0, values, ops.zeros_like(values))))
 
@@ -58,28 +51,21 @@ def key_prefix(metric, default_name):
 
 
 def _stored_variables(source):
-    """The variables a table source reads: a layer's weights, or the variable itself."""
     if isinstance(source, keras.layers.Layer):
         return list(source.weights)
     return [source] if isinstance(source, keras.Variable) else []
 
 
 class ItemTableMetric(keras.metrics.Metric):
-    """A metric that reads an item table (and bias) when it updates.
+    """A metric that reads an item table (and bias) when it updates, saved as a variable path.
 
-    Holds the table untracked (a `keras.Variable` set as an attribute would
-    become one of the metric's own variables: reset to zero by `reset_state`),
-    resets its own variables to zero, and saves the table as a variable path
-    that re-binds to the loaded model's variable.
-
-    Subclasses implement `update_state` with `self.read_tables()` and
-    `self.prepare(y_true, y_pred)`, and name their `result()` keys with
-    `self.key_prefix()`.
+    The table is held untracked (else `reset_state` would zero it). Subclasses
+    implement `update_state` with `read_tables()` and `prepare(...)`, and name
+    their keys with `key_prefix()`.
 
     Args:
-        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable (`keras.layers.Embedding`; an
-            `ItemEmbedding` with `use_bias=True` gives its bias too).
+        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with an
+            `embeddings` variable (an `ItemEmbedding`'s bias is used).
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
         name: metric name.
@@ -99,11 +85,6 @@ class ItemTableMetric(keras.metrics.Metric):
         object.__setattr__(self, "bias", bias)
 
     def _read(self, source, argument):
-        """Returns the `ItemTable` of a table source as this update sees it.
-
-        Inside Keras's JAX train and test steps, the value is the step's traced
-        state of the table's variables, not the variables' concrete values.
-        """
         source = bind(source, argument)
         if keras.backend.backend() == "jax":
             state = _keras_private.jax_step_state()
@@ -122,12 +103,7 @@ class ItemTableMetric(keras.metrics.Metric):
         return table, bias
 
     def prepare(self, y_true, y_pred, vocab_size, never=()):
-        """Returns checked inputs: `(hidden [..., D], valid distinct targets, mask)`.
-
-        Returns `(y_pred, safe [M, L] int32, keep [M, L] bool, mask)`: each
-        row's targets de-duplicated (`keras_cutbce.math.positives`), ids
-        outside `[0, V)` (any integer width) and the ids in `never` dropped.
-        """
+        """`(y_pred, safe [M, L] int32, keep [M, L] bool, mask)`: the valid distinct targets not in `never`."""
         mask = _keras_private.get_keras_mask(y_pred)
         y_pred = ops.convert_to_tensor(y_pred)
         if not checks.is_float(y_pred):
@@ -150,15 +126,7 @@ class ItemTableMetric(keras.metrics.Metric):
         )
 
     def key_prefix(self):
-        """Returns the prefix of this metric's `result()` keys, so that metrics log apart.
-
-        `""` under the default name, `"{name}_"` under another. Compiled into
-        a model, the keys follow Keras's names for its own metrics: a second
-        metric of one name in the model is logged under Keras's `{name}_1`
-        (`hit@10`, then `top_k_retrieval_1_hit@10`), and a multi-output
-        model prefixes the output's name (`"{output}_hit@10"`), on every
-        backend.
-        """
+        """The prefix of the `result()` keys: `""` under the default name, else Keras's logged name and `"_"`."""
         return key_prefix(self, self.default_name)
 
     def reset_state(self):

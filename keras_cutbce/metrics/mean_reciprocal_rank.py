@@ -17,32 +17,19 @@ DEFAULT_NAME = "mean_reciprocal_rank"
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class MeanReciprocalRank(RankingMetric):
-    """Computes the mean reciprocal rank (MRR) of each position's first target over the whole catalogue.
+    """The mean of `1 / rank` of each position's first target over the whole catalogue (`"mrr"`).
 
-    A position's first target is the one its ranking of all V items puts
-    highest (the highest logit, then the lower id); its rank is 1 + the
-    number of items ranked above it, counted tile by tile over the
-    vocabulary by `keras_cutbce.ops.cut_rank` (no logits, no cut-off: a
-    target at rank 40,000 counts 1/40,000). The metric is the weighted mean
-    of `1 / rank` over positions, logged as `"mrr"`.
-
-    Positions, weights, exclusions and the NaN rule are those of
-    `TopKRetrieval`: a position without a valid target weighs zero
-    (`empty_positions="skip"`) or counts as 0 (`"zero"`, keras-rs's
-    convention); constructor `exclude_ids` are out of every ranking and
-    never targets; per-call `exclude_ids [..., X]` are out of that position's
-    ranking, and a target excluded there is never its first (all excluded:
-    0); a counted position with a NaN logit makes the metric NaN.
+    The rank is `cut_rank`'s (no cut-off). Positions, weights, exclusions and
+    the NaN rule are `RankingMetric`'s; a target excluded for its position is
+    never its first (all excluded: 0).
 
     Args:
-        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable.
+        embeddings: item table, a `keras.Variable` `[V, D]` or a layer.
         exclude_ids: optional list of int item ids excluded everywhere.
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
         empty_positions: `"skip"` (default) or `"zero"`.
-        name: metric name; under another name than the default the key
-            starts with it (`"{name}_mrr"`).
+        name: metric name (another than the default prefixes the key).
         dtype: dtype of the accumulators (default float32).
 
     Example:
@@ -50,7 +37,6 @@ class MeanReciprocalRank(RankingMetric):
     ```python
     model.compile(optimizer="adam", loss=CutBCELoss(items),
                   metrics=[TopKRetrieval(items, k=10), MeanReciprocalRank(items)])
-    model.evaluate(sequences, next_items)  # logs hit@10, ..., mrr
     ```
     """
 
@@ -72,16 +58,7 @@ class MeanReciprocalRank(RankingMetric):
         )
 
     def update_state(self, y_true, y_pred, sample_weight=None, exclude_ids=None):
-        """Accumulates one batch.
-
-        Args:
-            y_true: integer target ids `[..., L]` (or `[...]`, one a position).
-            y_pred: hidden states `[..., D]`.
-            sample_weight: optional weights `[B]` (broadcast over positions)
-                or `[...]` (one a position).
-            exclude_ids: optional integer ids `[..., X]` out of that
-                position's ranking (ids outside `[0, V)` ignored).
-        """
+        """Accumulates one batch (`TopKRetrieval.update_state`'s arguments)."""
         inputs = self.ranking_inputs(y_true, y_pred, sample_weight, exclude_ids)
         hidden = ops.reshape(inputs.y_pred, (-1, ops.shape(inputs.y_pred)[-1]))
         targets = ops.where(inputs.counted, inputs.targets, -1)

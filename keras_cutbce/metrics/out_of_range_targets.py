@@ -24,7 +24,6 @@ DEFAULT_NAME = "out_of_range_targets"
 
 
 def _refuse_multi_hot(ids, vocab_size, lead_ndim):
-    """Multi-hot labels `[..., V]` are refused, as by the loss (the last axis is L without y_pred)."""
     lead_ndim = len(ids.shape) - 1 if lead_ndim is None else lead_ndim
     refuse_multi_hot(ids, vocab_size, "y_true", lead_ndim)
 
@@ -33,32 +32,15 @@ def _refuse_multi_hot(ids, vocab_size, lead_ndim):
 class OutOfRangeTargets(keras.metrics.Metric):
     """Counts the target ids the loss ignores, and the positions and batches left without a target.
 
-    By design every target id outside `[0, V)` is padding: `CutBCELoss`, the
-    ops and the metrics ignore it without a word. This metric makes them
-    visible in the training logs. Over the positions it sees (those with a
-    non-zero `sample_weight` and Keras mask), it accumulates
-
-    - `out_of_range_ids`: target ids outside `[0, V)` other than
-      `padding_id` (e.g. 1-based ids, whose item V is silently dropped, or
-      ids of a larger catalogue), of any integer width;
-    - `positions_without_targets`: positions with no valid target at all
-      (their loss has no positive term);
-    - `batches_without_targets`: updates (batches) with no valid target at
-      any position.
-
-    `y_pred` is used for its Keras mask and its shape only (a `[...]` id
-    tensor, one id a position, needs it to be told apart from `[..., L]`).
-    Counts are float accumulators (exact below 2**24). The metric reads no
-    item table, only V; it works as a compiled metric (`metrics=`, or
-    `weighted_metrics=` to skip positions of weight zero) on every backend.
+    Keys: `out_of_range_ids` (ids outside `[0, V)` other than `padding_id`),
+    `positions_without_targets`, `batches_without_targets`, over the positions
+    with a non-zero weight and mask. It reads only V; `y_pred` gives its mask
+    and shape. Float accumulators (exact below 2**24).
 
     Args:
-        embeddings: the item table (a layer, `keras.Variable`, array or
-            tensor `[V, D]`) or V itself, an int.
-        padding_id: the id your data pads with, not counted (an int, or
-            None to count every id outside `[0, V)`).
-        name: metric name; under another name than the default the keys
-            start with it (`"{name}_out_of_range_ids"`).
+        embeddings: the item table (layer, variable, array or tensor) or V.
+        padding_id: the id your data pads with, not counted (None: count all).
+        name: metric name (another than the default prefixes the keys).
         dtype: dtype of the accumulators (default float32).
 
     Example:
@@ -68,9 +50,6 @@ class OutOfRangeTargets(keras.metrics.Metric):
     >>> metric.update_state(np.array([[[1, -1], [3, -1]], [[-1, -1], [2, 0]]]))
     >>> {k: int(v) for k, v in metric.result().items()}
     {'out_of_range_ids': 1, 'positions_without_targets': 2, 'batches_without_targets': 0}
-
-    In a model: `model.compile(loss=CutBCELoss(items),
-    metrics=[OutOfRangeTargets(items)])` logs the three counts each epoch.
     """
 
     def __init__(
@@ -106,7 +85,7 @@ class OutOfRangeTargets(keras.metrics.Metric):
         )
 
     def vocab_size(self):
-        """Returns V, the number of items (ids outside `[0, V)` are padding)."""
+        """V, the number of items (ids outside `[0, V)` are padding)."""
         if isinstance(self.embeddings, int):
             return self.embeddings
         source = bind(self.embeddings, "embeddings")
@@ -120,7 +99,6 @@ class OutOfRangeTargets(keras.metrics.Metric):
         return size
 
     def _flags(self, y_true, lead_ndim):
-        """`(outside, padding)`: bool `[M, L]` of ids outside `[0, V)` and of padding ids."""
         vocab_size = self.vocab_size()
         if is_host_array(y_true):
             ids = np.asarray(y_true)
@@ -158,15 +136,7 @@ class OutOfRangeTargets(keras.metrics.Metric):
         return outside, padding
 
     def update_state(self, y_true, y_pred=None, sample_weight=None):
-        """Accumulates one batch.
-
-        Args:
-            y_true: integer target ids `[..., L]` (or `[...]`, one a position,
-                when `y_pred` is given).
-            y_pred: optional hidden states `[..., D]` (their mask and shape).
-            sample_weight: optional weights `[B]` or `[...]`; positions of
-                weight zero are not counted.
-        """
+        """Accumulates one batch: `y_true` ids, optional `y_pred` (mask and shape), optional `sample_weight`."""
         mask, lead_ndim = None, None
         if y_pred is not None:
             mask = _keras_private.get_keras_mask(y_pred)

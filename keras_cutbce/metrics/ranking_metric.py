@@ -1,11 +1,4 @@
-"""`RankingMetric`: the base of the metrics over each position's ranking of the whole catalogue.
-
-What every ranking metric here shares, written once: the exclusions (the
-constructor's ids, never retrieved and never targets; the per-call
-`exclude_ids [..., X]`, out of the position's ranking only), which positions
-count (`empty_positions`), and the NaN rule (a counted position without a
-ranking makes the metric NaN).
-"""
+"""`RankingMetric`: the exclusions, the counted positions and the NaN rule of the ranking metrics, once."""
 
 from typing import NamedTuple
 
@@ -37,20 +30,16 @@ class RankingInputs(NamedTuple):
 class RankingMetric(ItemTableMetric):
     """A metric of each position's ranking of all V items (by logit, ties to the lower id).
 
-    Subclasses add their sums and accumulate them with `item_table_metric.
-    accumulate` on `ranking_inputs(...).weights`, and add the weights to
-    `total_weight`, the divisor of their results.
+    Subclasses accumulate with `item_table_metric.accumulate` on
+    `ranking_inputs(...).weights` and add the weights to `total_weight`.
 
     Args:
-        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable.
-        exclude_ids: optional list of int item ids excluded everywhere: never
-            ranked and never counted as targets (e.g. a padding item 0).
+        embeddings: item table, a `keras.Variable` `[V, D]` or a layer.
+        exclude_ids: optional list of int ids never ranked nor counted as targets.
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
-        empty_positions: how a position without a valid target counts:
-            `"skip"` (weight 0) or `"zero"` (value 0 at its weight, as
-            keras-rs's ranking metrics count a list without a relevant item).
+        empty_positions: a position without a valid target: `"skip"` (weight
+            0) or `"zero"` (value 0, keras-rs's convention).
         name: metric name.
         dtype: dtype of the accumulators (default float32).
     """
@@ -70,15 +59,7 @@ class RankingMetric(ItemTableMetric):
         )
 
     def ranking_inputs(self, y_true, y_pred, sample_weight=None, exclude_ids=None):
-        """Returns one update's checked inputs as `RankingInputs`.
-
-        `targets [M, L]` and `counted [M, L]` are each position's distinct
-        valid targets (the constructor's exclusions dropped),
-        `num_targets [M]` their count, `exclusions [..., X]` the per-call
-        ids with the constructor's (None without any), and `weights [M]`
-        the positions' weights (`sample_weight` times the Keras mask, zero
-        for an empty position under `empty_positions="skip"`).
-        """
+        """One update's checked `RankingInputs` (targets, counted, num_targets, exclusions, weights)."""
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
         never = tuple(i for i in self.exclude_ids if 0 <= i < vocab_size)

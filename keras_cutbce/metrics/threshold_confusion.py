@@ -19,30 +19,16 @@ DEFAULT_NAME = "threshold_confusion"
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class ThresholdConfusion(ItemTableMetric):
-    """Computes precision, recall and F1 of every item at a probability threshold, without logits.
+    """Precision, recall and F1 of every item at a probability threshold, without logits.
 
-    Each position predicts item v when `sigmoid(h . E_v + b_v) >= threshold`,
-    i.e. when its logit is `>= log(threshold / (1 - threshold))`. Over the
-    full vocabulary and all positions it accumulates
-
-    - TP: distinct valid targets predicted (their own logits, gathered);
-    - FP: items predicted that are not targets (`cut_count_at_least`, tile by
-      tile, minus TP; clipped at 0 should the two float paths disagree on a
-      logit at the threshold by a rounding);
-    - FN: targets not predicted; TN: the rest, `V - #targets - FP`;
-
-    weighted by `sample_weight` (per example, broadcast over positions, or
-    per position) and the Keras mask of `y_pred`. Every position counts, also
-    those without targets (mask padded positions out); a counted position
-    with a NaN logit (a diverged model) makes every count NaN. The counts are float
-    accumulators, exposed as the variables `true_positives`,
-    `false_positives`, `false_negatives` and `true_negatives` (TN reaches
-    `positions x V`: float32 keeps it to ~1e-7 relative precision).
+    A position predicts item v when `sigmoid(h . E_v + b_v) >= threshold`.
+    TP (targets' own logits), FP (`cut_count_at_least` minus TP, clipped at
+    0), FN and TN (`V - #targets - FP`) accumulate in the variables
+    `true_positives`, ... weighted by `sample_weight` and the mask; every
+    position counts; a counted NaN logit makes every count NaN.
 
     Args:
-        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable (an `ItemEmbedding` with `use_bias=True`
-            gives its bias too).
+        embeddings: item table, a `keras.Variable` `[V, D]` or a layer.
         threshold: probability in `(0, 1)`.
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
@@ -52,10 +38,8 @@ class ThresholdConfusion(ItemTableMetric):
     Example:
 
     ```python
-    metric = ThresholdConfusion(items, threshold=0.5)
-    model.compile(optimizer="adam", loss=CutBCELoss(items), metrics=[metric])
-    model.evaluate(x, target_ids)  # logs precision, recall, f1
-    metric.false_positives.numpy()
+    model.compile(optimizer="adam", loss=CutBCELoss(items),
+                  metrics=[ThresholdConfusion(items, threshold=0.5)])  # precision, recall, f1
     ```
     """
 
@@ -82,14 +66,7 @@ class ThresholdConfusion(ItemTableMetric):
             )
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        """Accumulates one batch.
-
-        Args:
-            y_true: integer target ids `[..., L]` (or `[...]`, one a position).
-            y_pred: hidden states `[..., D]`.
-            sample_weight: optional weights `[B]` (broadcast over positions)
-                or `[...]` (one a position).
-        """
+        """Accumulates one batch: `y_true` ids `[..., L]`, `y_pred` `[..., D]`, optional `sample_weight`."""
         table, bias = self.read_tables()
         vocab_size = int(table.value.shape[0])
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size)
@@ -118,12 +95,7 @@ class ThresholdConfusion(ItemTableMetric):
         )
 
     def result(self):
-        """Returns the dict `{"precision", "recall", "f1"}`.
-
-        Under a non-default name the keys start with it (`"{name}_precision"`);
-        a second metric of the same name in one compiled model logs under
-        Keras's de-duplicated name (`"threshold_confusion_1_precision"`).
-        """
+        """`{"precision", "recall", "f1"}`, prefixed as `ItemTableMetric.key_prefix` says."""
         tp, fp, fn = self.true_positives, self.false_positives, self.false_negatives
         precision = ops.divide_no_nan(tp, tp + fp)
         recall = ops.divide_no_nan(tp, tp + fn)

@@ -21,7 +21,6 @@ MEASURES = ("hit", "recall", "ndcg", "precision")
 
 
 def _check_depth(cutoffs, vocab_size):
-    """Raises unless every cut-off is at most V (unknown V: not checked)."""
     if vocab_size is not None and max(cutoffs) > vocab_size:
         raise ValueError(
             f"`k` must be at most V = {vocab_size} (the number of items). "
@@ -31,64 +30,32 @@ def _check_depth(cutoffs, vocab_size):
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
 class TopKRetrieval(RankingMetric):
-    """Computes hit@k, recall@k, ndcg@k and precision@k of full-vocabulary retrieval, without logits.
+    """hit@k, recall@k, ndcg@k and precision@k of full-vocabulary retrieval (`cut_top_k`), without logits.
 
-    For every position, the top `max(k)` items by logit `h . E_v + b_v` are
-    retrieved with `cut_top_k` (exact, ties to the lower id; memory
-    O(positions x (k + tile))) and compared with the position's distinct
-    valid target ids:
-
-    - `hit@k`: 1 if at least one target is in the top k;
-    - `recall@k`: targets in the top k / targets;
-    - `ndcg@k`: binary-relevance DCG of the top k, `sum 1 / log2(rank + 1)`,
-      over the ideal DCG of `min(#targets, k)` hits;
-    - `precision@k`: targets in the top k / k.
-
-    Each is averaged over positions weighted by `sample_weight` (one weight
-    per example, broadcast over its positions, or one per position) and the
-    Keras mask of `y_pred`. A position without a valid target (all
-    padding) weighs zero (`empty_positions="skip"`), or counts as 0 at its
-    weight (`"zero"`, keras-rs's convention). A counted position with no
-    ranking (a NaN logit: a diverged model) makes every value NaN.
-    `docs/cutbce.md` sets these definitions beside Keras's and keras-rs's.
-
-    Exclusions: `exclude_ids` given to the constructor are item ids never
-    retrieved and never counted as targets (e.g. a padding item 0); the
-    per-call `update_state(..., exclude_ids=[..., X])` removes items per
-    position (e.g. the user's history, `keras_cutbce.seen_items`) from the
-    retrieved list only: a target that is excluded for its position stays a
-    target (a miss).
+    Averaged over positions weighted by `sample_weight` and the mask (a
+    position without a valid target: `empty_positions`; a counted NaN logit
+    makes every value NaN). Constructor `exclude_ids` are never retrieved nor
+    targets; per-call `exclude_ids [..., X]` are removed from that position's
+    list only (an excluded target stays a miss).
 
     Args:
-        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with
-            an `embeddings` variable (`keras.layers.Embedding`; an
-            `ItemEmbedding` with `use_bias=True` gives its bias too).
-        k: an int or a sequence of ints, the cut-offs reported, each at
-            most V (checked here when V is known: a table, an `Embedding`
-            layer built or not; else at the first update).
+        embeddings: item table, a `keras.Variable` `[V, D]` or a layer with an
+            `embeddings` variable (an `ItemEmbedding`'s bias is used).
+        k: an int or a sequence of ints, each at most V.
         exclude_ids: optional list of int item ids excluded everywhere.
         bias: optional `keras.Variable` `[V]`, for a table without its own.
         chunk_size: vocabulary tile width, `None` for the default rule.
-        empty_positions: `"skip"` (default) or `"zero"`, see above.
+        empty_positions: `"skip"` (default) or `"zero"`.
         name: metric name.
         dtype: dtype of the accumulators (default float32).
 
     Example:
 
     ```python
-    items = keras.layers.Embedding(num_items, 64)
-    ...
-    model.compile(
-        optimizer="adam",
-        loss=CutBCELoss(items),
-        metrics=[TopKRetrieval(items, k=(10, 50), exclude_ids=[0])],
-    )
-    model.evaluate(sequences, next_items)  # logs hit@10, recall@10, ndcg@10, precision@10, ...
-
-    # Own evaluation loop, excluding what each position has seen:
-    metric = TopKRetrieval(items, k=10)
+    model.compile(optimizer="adam", loss=CutBCELoss(items),
+                  metrics=[TopKRetrieval(items, k=(10, 50), exclude_ids=[0])])
+    metric = TopKRetrieval(items, k=10)   # own loop, excluding the history:
     metric.update_state(next_items, hidden, exclude_ids=keras_cutbce.seen_items(sequences))
-    metric.result()["ndcg@10"]
     ```
     """
 
@@ -121,10 +88,8 @@ class TopKRetrieval(RankingMetric):
         Args:
             y_true: integer target ids `[..., L]` (or `[...]`, one a position).
             y_pred: hidden states `[..., D]`.
-            sample_weight: optional weights `[B]` (broadcast over positions)
-                or `[...]` (one a position).
-            exclude_ids: optional integer ids `[..., X]` never retrieved for
-                that position (ids outside `[0, V)` ignored).
+            sample_weight: optional weights `[B]` or `[...]`.
+            exclude_ids: optional integer ids `[..., X]` never retrieved there.
         """
         inputs = self.ranking_inputs(y_true, y_pred, sample_weight, exclude_ids)
         depth = max(self.k)
@@ -165,13 +130,7 @@ class TopKRetrieval(RankingMetric):
         self.total_weight.assign_add(ops.sum(inputs.weights))
 
     def result(self):
-        """Returns the dict `{"hit@k", "recall@k", "ndcg@k", "precision@k"}` for every cut-off k.
-
-        With a `name` other than the default the keys start with it
-        (`"{name}_hit@k"`), so two metrics in one model log apart; a second
-        metric of the same name in one compiled model logs under Keras's
-        de-duplicated name (`"top_k_retrieval_1_hit@k"`).
-        """
+        """`{"hit@k", "recall@k", "ndcg@k", "precision@k"}` for every cut-off, prefixed as `key_prefix` says."""
         prefix = self.key_prefix()
         return {
             f"{prefix}{key}": ops.divide_no_nan(variable, self.total_weight)

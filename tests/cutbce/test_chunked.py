@@ -334,9 +334,9 @@ def test_extreme_logits_are_finite_and_exact(a, p):
         assert_close(got, want, 1e-5, 1e-5, f"d {name}")
 
 
-MASK_POSITIVES = {  # torch keeps its positives as a mask over the ids instead (positives.py)
+MASK_POSITIVES = {  # torch keeps its positives as a mask over the ids instead (chunked.py)
     "jax": "keras_cutbce.backends.jax.chunked",
-    "tensorflow": "keras_cutbce.backends.tensorflow.positives",
+    "tensorflow": "keras_cutbce.backends.tensorflow.chunked",
 }
 
 

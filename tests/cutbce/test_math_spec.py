@@ -47,7 +47,7 @@ def _tensorflow_helpers(dtype):
         weights = coef.positive_weights if positive else coef.negative_weights
         z = tf.constant(z, dtype)
         e = math.exp_neg_abs(z)
-        loss, slope = math.terms(z, e, *weights), math.slopes(z, e, *weights)
+        loss, slope = math.terms(z, *weights, e=e), math.slopes(z, *weights, e=e)
         return loss.numpy().astype(np.float64), slope.numpy().astype(np.float64)
 
     return run
@@ -59,9 +59,10 @@ def _jax_helpers(dtype):
     from keras_cutbce.backends.jax import math
 
     def run(z, positive, coef):
+        weights = coef.positive_weights if positive else coef.negative_weights
         z = jnp.asarray(z, dtype)
         e = math.exp_neg_abs(z)
-        loss, slope = math.terms(z, e, coef, positive), math.slopes(z, e, coef, positive)
+        loss, slope = math.terms(z, *weights, e=e), math.slopes(z, *weights, e=e)
         return np.asarray(loss, np.float64), np.asarray(slope, np.float64)
 
     return run

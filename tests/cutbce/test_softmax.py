@@ -313,6 +313,31 @@ def test_several_ids_are_torch_cross_entropy_of_probability_targets(label_smooth
     assert got[2] == 0.0 and (label_smoothing == 0.0) == (float(want[2]) == 0.0)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="the torch tile loop's passes")
+def test_torch_fused_path_computes_the_loss_once(monkeypatch):
+    """Two passes over the tiles: the statistics (and the loss), then the gradients alone."""
+    import torch
+
+    from keras_cutbce.backends.torch import chunked
+
+    passes = []
+    real = chunked.dense_pass
+
+    def recorded(*args, loss, **kwargs):
+        passes.append(loss)
+        return real(*args, loss=loss, **kwargs)
+
+    monkeypatch.setattr(chunked, "dense_pass", recorded)
+    hidden, table, bias = (torch.tensor(x, requires_grad=True) for x in _inputs(seed=7))
+    ids = torch.tensor([[3], [-1], [36], [0], [5]])
+    weights = torch.ones(5)
+    total = chunked.cut_softmax_weighted_sum(hidden, table, ids, bias, weights, label_smoothing=0.1,
+                                             chunk_size=TILE)
+    per_row = chunked.cut_softmax(hidden, table, ids, bias, label_smoothing=0.1, chunk_size=TILE)
+    assert passes == [True, False, True]  # fused: statistics, gradients; per row: the loss
+    torch.testing.assert_close(total, per_row.sum(), rtol=1e-6, atol=1e-6)
+
+
 def test_item_embedding_bias_trains_through_the_loss():
     """An `ItemEmbedding(use_bias=True)`: the loss reads its bias, and `fit` moves it by Keras's gradient."""
     rng = np.random.default_rng(7)

@@ -24,7 +24,6 @@ if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
 
     from keras_cutbce.backends.tensorflow import chunked
-    from keras_cutbce.backends.tensorflow import positives
 
 
 def make_case(rng, rows, dim, vocab, labels, *, bias=True, id_dtype="int32"):
@@ -241,13 +240,13 @@ def test_mask_positives_with_a_tile_width_unknown_at_trace_time():
     ids = rng.integers(-3, 70, size=(6, 5)).astype("int32")
     ids[0, :] = 64  # duplicates
     dynamic = tf.function(
-        positives.mask_positives,
+        chunked.mask_positives,
         input_signature=[tf.TensorSpec([6, None], tf.float32), tf.TensorSpec([6, None], tf.int32),
                          tf.TensorSpec([], tf.int32)],
     )
     for start, width in ((0, 16), (64, 6), (70, 0)):
         z = tf.constant(rng.normal(size=(6, width)).astype("float32"))
-        want = positives.mask_positives(z, tf.constant(ids), start).numpy()
+        want = chunked.mask_positives(z, tf.constant(ids), start).numpy()
         assert np.isneginf(want).sum() == sum(
             len({i for i in row if start <= i < start + width}) for row in ids
         )

@@ -80,7 +80,7 @@ def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, polic
     import torch
 
     from keras_cutbce import CutBCELoss, CutSoftmaxLoss
-    from keras_cutbce.backends.torch import kernel
+    from keras_cutbce.backends.torch import chunked as kernel
     from keras_cutbce.backends.torch.triton import launch
     from tests.backend_utils import dtype_policy
 

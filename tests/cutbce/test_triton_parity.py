@@ -283,8 +283,8 @@ def test_bf16_split_products_keep_fp32_accuracy(family, rng):
     """The gradient products of bf16 inputs: the hi/lo split gives ~1e-5, one rounding ~3e-3."""
     import torch
 
-    from keras_cutbce.backends.torch import kernel, math
-    from keras_cutbce.backends.torch.positives import Positives
+    from keras_cutbce.backends.torch import chunked as kernel, math
+    from keras_cutbce.backends.torch.chunked import Positives
     from keras_cutbce.backends.torch.triton import launch
     from keras_cutbce.math.coefficients import bce_coefficients
     from keras_cutbce.math.tiling import vocab_tiles
@@ -341,7 +341,7 @@ def test_softmax_items_with_a_bias_of_minus_inf_drop_out(rng):
     """The kernels' part: items at `-inf` (a whole tile and split of them) are left out exactly."""
     import torch
 
-    from keras_cutbce.backends.torch.positives import Positives
+    from keras_cutbce.backends.torch.chunked import Positives
     from keras_cutbce.backends.torch.triton import launch
     from keras_cutbce.math.tiling import vocab_tiles
 

@@ -1,30 +1,7 @@
-"""The TPU a JAX program is compiled for: its platform, VMEM and cores.
+"""The platform and TPU a JAX program is compiled for: routing follows it, not the host.
 
-Dispatch follows the platform the program is compiled for, not the host's
-default backend, so a program compiled for a TPU from a CPU host
-(ahead-of-time compilation, `jax.experimental.topologies`) is the one a TPU
-host would run:
-
-- `compiled_platform()` is `"tpu"` or the host's platform when the platform
-  is known at trace time, else `None` ("decide at lowering"). It is known
-  from, in order: the abstract mesh of the current trace
-  (`jax.set_mesh`, `shard_map`: its `abstract_device`), the
-  `jax.default_device` context, the host's default backend when it is a
-  TPU, and the host itself when no TPU compiler is installed (no `libtpu`,
-  or `JAX_PLATFORMS` leaves TPUs out). Otherwise (a CPU host with `libtpu`,
-  no mesh) the caller lowers both variants under `jax.lax.platform_dependent`
-  and the compiler keeps the one of the platform it compiles for.
-- `compiled_chip()` is the `ChipInfo` (VMEM bytes per TensorCore,
-  TensorCores per device) of the compiled-for device kind, or `None` when the
-  generation is unknown; callers then use budgets that fit every generation
-  (`SAFE_VMEM_BYTES`).
-
-Example:
-
->>> chip_info("TPU v6 lite")
-ChipInfo(device_kind='TPU v6 lite', vmem_bytes=134217728, cores=1)
->>> chip_info("TPU v5").cores
-2
+`compiled_platform()` is None when only the lowering knows (a CPU host with
+the TPU compiler): `by_platform` then traces both branches.
 """
 
 import importlib.util
@@ -68,14 +45,12 @@ def chip_info(device_kind):
 
 
 def _mesh_device():
-    """Returns the abstract device of the current trace's mesh, or None."""
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get_mesh() if get_mesh is not None else None
     return getattr(mesh, "abstract_device", None)
 
 
 def _context_device():
-    """Returns `(platform, device_kind)` the trace is compiled for, when something says so."""
     device = _mesh_device()
     if device is not None:
         return device.platform, device.device_kind
@@ -115,11 +90,7 @@ def compiled_chip():
 
 
 def by_platform(operands, tpu, other):
-    """Runs `tpu(*operands)` when compiled for a TPU, else `other(*operands)`.
-
-    A known platform traces one branch; otherwise both are traced and
-    `jax.lax.platform_dependent` keeps the compiled-for platform's at lowering.
-    """
+    """`tpu(*operands)` when compiled for a TPU, else `other(*operands)` (both traced when unknown)."""
     platform = compiled_platform()
     if platform == "tpu":
         return tpu(*operands)

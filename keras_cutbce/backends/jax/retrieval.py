@@ -1,18 +1,4 @@
-"""Top-k retrieval and rank counts on JAX, tile by tile over the vocabulary.
-
-Both functions loop over vocabulary tiles with `lax.fori_loop` and only ever
-hold one `[M, T]` tile of logits (from `chunked.tile_logits`, the one fused
-tile function) plus the running result, so their memory is O(M * (k + T))
-whatever V is. They are `jax.jit`-ed (k and the tile static), so eager calls
-reuse the compiled loop, and they nest in any outer `jit`.
-
-Tiles all have the same static width `T = min(chunk_size, V)`. The last tile
-starts at `V - T` instead of running past the table (no padded copy of the
-table); its columns that the previous tile already covered are masked out.
-
-A row any of whose V logits is NaN has no ranking: `top_k` gives it NaN
-scores and ids `EMPTY_ID`, `count_above` the count -1.
-"""
+"""Top-k retrieval and rank counts on jax, one `[M, T]` tile of logits at a time (the contract: the registry)."""
 
 import functools
 
@@ -30,7 +16,6 @@ def _tiling(vocab_size, chunk_size):
 
 
 def _tile(table, bias, index, width):
-    """Returns the start, rows `[tile, D]`, bias `[tile]` and fresh-column mask of tile `index`."""
     vocab_size = table.shape[0]
     nominal = index * width
     start = jnp.minimum(nominal, vocab_size - width)
@@ -43,7 +28,6 @@ def _tile(table, bias, index, width):
 
 
 def _excluded_mask(exclude_ids, start, width):
-    """Returns bool `[M, tile]`: True where the row excludes the tile's column."""
     local = exclude_ids.astype(jnp.int32) - start
     local = jnp.where((local >= 0) & (local < width), local, width)  # width: dropped
     rows = jnp.arange(exclude_ids.shape[0])[:, None]
@@ -52,34 +36,7 @@ def _excluded_mask(exclude_ids, start, width):
 
 
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Returns the exact top-k logits per row without the `[M, V]` logits.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        k: int in `[1, V]`.
-        bias: optional float `[V]`.
-        exclude_ids: optional int `[M, X]`: ids never returned for that row;
-            ids outside `[0, V)` are ignored (int64 ids are checked before
-            any int32 cast, so `2**32 + 16` never excludes item 16).
-        chunk_size: vocabulary tile width.
-
-    Returns:
-        `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
-        lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
-        ids. Slots no item can fill (fewer than k items left after the
-        exclusions) have score `-inf` and id `EMPTY_ID` (-1); a row with a
-        NaN logit has NaN scores and ids `EMPTY_ID`.
-
-    Example:
-
-    >>> import numpy as np
-    >>> h = np.ones((1, 2), "float32")
-    >>> table = np.array([[1, 0], [0, 3], [1, 1]], "float32")
-    >>> scores, ids = top_k(h, table, 2, chunk_size=2)
-    >>> ids.tolist(), scores.tolist()
-    ([[1, 2]], [[3.0, 2.0]])
-    """
+    """The retrieval `top_k` (the contract: `keras_cutbce.registry`)."""
     if exclude_ids is not None:
         exclude_ids = ids_as_int32(exclude_ids, table.shape[0])
     return _top_k(hidden, table, k, bias, exclude_ids, chunk_size=chunk_size)
@@ -122,30 +79,7 @@ def _top_k(hidden, table, k, bias, exclude_ids, *, chunk_size):
 
 
 def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_size):
-    """Counts, per row, the items ranked above `(scores, ids)`: int32 `[M]`, -1 for a NaN row.
-
-    An item ranks above when its logit is higher than the row's score, or
-    equal with a lower id (the order of `top_k`). The item `ids[m]` itself
-    and the row's `exclude_ids` never count. `scores` at a threshold with
-    `ids = V` count the logits `>= threshold`.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        bias: optional float `[V]`.
-        scores: float32 `[M]`.
-        ids: int32 `[M]`.
-        exclude_ids: optional int `[M, X]` (ids outside `[0, V)` ignored).
-        chunk_size: vocabulary tile width.
-
-    Example:
-
-    >>> import numpy as np
-    >>> h = np.ones((1, 2), "float32")
-    >>> table = np.array([[1, 0], [0, 3], [1, 1]], "float32")
-    >>> count_above(h, table, None, np.array([1.0], "float32"), np.array([2]), chunk_size=2).tolist()
-    [2]
-    """
+    """The retrieval `count_above` (the contract: `keras_cutbce.registry`)."""
     if exclude_ids is not None:
         exclude_ids = ids_as_int32(exclude_ids, table.shape[0])
     counts, nan_rows = count_above_parts(
@@ -156,10 +90,7 @@ def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_siz
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def count_above_parts(hidden, table, bias, scores, ids, exclude_ids, *, chunk_size):
-    """`count_above` as `(counts int32 [M], NaN rows bool [M])`, for the sharded kernel.
-
-    `exclude_ids` are int32 with padding `EMPTY_ID` (`ids_as_int32`).
-    """
+    """`count_above` as `(counts int32 [M], NaN rows bool [M])` for the sharded kernel; int32 exclusions."""
     width, num_tiles = _tiling(table.shape[0], chunk_size)
     scores = scores.astype(jnp.float32)[:, None]
     ids = ids.astype(jnp.int32)[:, None]

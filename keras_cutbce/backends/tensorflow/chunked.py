@@ -1,20 +1,8 @@
-"""CutBCE on TensorFlow: `tf.custom_gradient` around the tile loop, compiled by XLA.
+"""The chunked implementation on TensorFlow: a `tf.while_loop` over vocabulary tiles, compiled by XLA.
 
-`cut_bce` (any cotangent) runs a loss pass forward and a gradient pass
-backward; `cut_bce_weighted_sum` (the training path of a reduced loss: the
-row weights are constants) runs one pass computing the loss and the
-gradients at cotangent 1, and its backward pass only scales them. Both run
-`keras_cutbce.backends.tensorflow.kernel` (the tile loop; its element-wise
-math is `keras_cutbce.backends.tensorflow.math`).
-
-What is TensorFlow's own here: the autograd mechanism (`tf.custom_gradient`,
-inputs `stop_gradient`-ed inside so an eager tape records no tile), and the
-compilation: every pass is a `tf.function(jit_compile=True)`, one per
-option set and input signature, traced once and never retraced (the rows
-are left unknown; XLA compiles per concrete size), the graph executor when
-V is unknown at trace time.
-The public op (`keras_cutbce.ops`) has checked every argument: these entry
-points trust it.
+`tf.custom_gradient` wraps the passes; each is a `tf.function(jit_compile=True)`
+per option set and input signature, traced once (a V unknown at trace time
+runs on the graph executor).
 """
 
 import functools
@@ -22,12 +10,206 @@ import functools
 import tensorflow as tf
 
 from keras_cutbce.backends.tensorflow import math
-from keras_cutbce.backends.tensorflow.kernel import loss_and_grads
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.math.tiling import vocab_tiles
+
+# Tiles in flight at once in graph mode; each matmul already uses every core.
+_PARALLEL_ITERATIONS = 2
+
+
+def tile_logits(hidden, table_tile, bias_tile=None):
+    """The float32 logits `[M, T]` of one vocabulary tile."""
+    z = tf.matmul(tf.cast(hidden, tf.float32), tf.cast(table_tile, tf.float32), transpose_b=True)
+    if bias_tile is not None:
+        z = z + tf.cast(bias_tile, tf.float32)
+    return z
+
+
+def _tiles_of(table, tile):
+    static_vocab = table.shape[0]
+    vocab_size = int(static_vocab) if static_vocab is not None else tf.shape(table)[0]
+    return vocab_tiles(vocab_size, tile)
+
+
+def _full_tile(table, bias, tiles, index):
+    start = index * tiles.tile
+    depth = table.shape[1] if table.shape[1] is not None else -1
+    table_tile = tf.slice(table, [start, 0], [tiles.tile, depth])
+    bias_tile = None if bias is None else tf.slice(bias, [start], [tiles.tile])
+    return start, table_tile, bias_tile
+
+
+def _remainder_tile(table, bias, tiles):
+    start = tiles.remainder_start
+    return start, table[start:], None if bias is None else bias[start:]
+
+
+def _has_remainder(tiles):
+    return not isinstance(tiles.remainder, int) or tiles.remainder > 0
+
+
+def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss, scaled_t, inv_v):
+    """One tile: `(loss_rows | None, (hidden_part, table_part, bias_part) | None)`.
+
+    `inv_v` multiplies the table product on purpose: folded into `scaled_t`,
+    XLA fuses the transpose into the matmul, about 3x slower on CPU.
+    """
+    z = tile_logits(hidden, table_tile, bias_tile)
+    if family.masks_positives:
+        z = mask_positives(z, ids, start)
+    loss_rows, slopes = family.tile(z, stats, loss=loss, grad=scaled_t is not None)
+    if scaled_t is None:
+        return loss_rows, None
+    hidden_part = tf.matmul(slopes, tf.cast(table_tile, tf.float32))
+    table_bias = tf.transpose(inv_v * tf.matmul(scaled_t, slopes))  # [T, D + 1]
+    dim = tf.shape(table_tile)[1]
+    return loss_rows, (hidden_part, table_bias[:, :dim], table_bias[:, dim])
+
+
+def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, row_scale=None):
+    want_grads = row_scale is not None
+    inv_v = family.scale(tiles.vocab_size)
+    scaled_t = None
+    if want_grads:
+        scaled_t = tf.concat(
+            [tf.transpose(row_scale[:, None] * hidden), row_scale[None, :]], axis=0
+        )
+
+    def tile_pass(start, table_tile, bias_tile):
+        return _tile_pass(
+            hidden, table_tile, bias_tile, ids, start, family, stats,
+            loss=loss, scaled_t=scaled_t, inv_v=inv_v,
+        )
+
+    rows = tf.shape(hidden)[0]
+    dim = tf.shape(table)[1]
+    state = []
+    if loss:
+        state.append(family.init(rows))
+    if want_grads:
+        # Full tiles only (XLA needs one element shape); the remainder is
+        # concatenated at the end. Under XLA the stacked tiles are one
+        # `[V, D]` buffer written in place.
+        state += [
+            tf.zeros_like(hidden),
+            tf.TensorArray(tf.float32, size=tiles.num_full,
+                           element_shape=[tiles.tile, table.shape[1]]),
+            tf.TensorArray(tf.float32, size=tiles.num_full, element_shape=[tiles.tile]),
+        ]
+
+    def add(state, tile_out, index=None):
+        tile_loss, tile_grads = tile_out
+        state = list(state)
+        k = 0
+        if loss:
+            state[0] = family.merge(state[0], tile_loss)
+            k = 1
+        if want_grads:
+            hidden_part, table_part, bias_part = tile_grads
+            state[k] = state[k] + hidden_part
+            if index is not None:
+                state[k + 1] = state[k + 1].write(index, table_part)
+                state[k + 2] = state[k + 2].write(index, bias_part)
+        return state
+
+    if not (isinstance(tiles.num_full, int) and tiles.num_full == 0):
+        out = tf.while_loop(
+            lambda index, *_: index < tiles.num_full,
+            lambda index, *st: (index + 1,) + tuple(
+                add(st, tile_pass(*_full_tile(table, bias, tiles, index)), index)
+            ),
+            (tf.constant(0),) + tuple(state),
+            maximum_iterations=tiles.num_full,
+            parallel_iterations=_PARALLEL_ITERATIONS,
+        )
+        state = list(out[1:])
+    rest = None
+    if _has_remainder(tiles):
+        rest = tile_pass(*_remainder_tile(table, bias, tiles))
+        state = add(state, rest)
+    loss_rows = state[0] if loss else None
+    if not want_grads:
+        return loss_rows, None
+    k = 1 if loss else 0
+    dh, table_tiles, bias_tiles = state[k], state[k + 1], state[k + 2]
+    # [tiles, tile, D] -> [V, D]: a reshape, no copy.
+    dtable = tf.reshape(table_tiles.stack(), [-1, dim])
+    dbias = tf.reshape(bias_tiles.stack(), [-1])
+    if rest is not None:
+        dtable = tf.concat([dtable, rest[1][1]], axis=0)
+        dbias = tf.concat([dbias, rest[1][2]], axis=0)
+    return loss_rows, ((row_scale * inv_v)[:, None] * dh, dtable, dbias)
+
+
+def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=None):
+    """The per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m` (when given)."""
+    tiles = _tiles_of(table, tile)
+    inv_v = family.scale(tiles.vocab_size)
+    hidden = tf.cast(hidden, tf.float32)
+    safe, keep = distinct_targets(ids, tiles.vocab_size)
+    keep = tf.cast(keep, tf.float32)
+    row_scale = None if row_scale is None else family.row_scale(tf.cast(row_scale, tf.float32), keep)
+    acc = stats = None
+    if family.two_pass and row_scale is not None:  # the row statistics first
+        acc, _ = _dense_pass(hidden, table, bias, ids, family, tiles, loss=True)
+        stats = family.statistics(acc)
+    dense, grads = _dense_pass(
+        hidden, table, bias, ids, family, tiles, stats, loss=loss and acc is None,
+        row_scale=row_scale,
+    )
+    acc = dense if acc is None else acc
+    if ids.shape[1] == 0:
+        return (family.finish(acc, None, keep, inv_v) if loss else None), grads
+    z_pos, rows_pos = positive_logits(hidden, table, bias, safe)
+    terms, slopes = family.positives(z_pos, keep, loss=loss, grad=grads is not None)
+    if loss:
+        loss_rows = family.finish(acc, tf.reduce_sum(keep * terms, axis=1), keep, inv_v)
+    if grads is not None:
+        dh, dtable, dbias = grads
+        dz = (row_scale * inv_v)[:, None] * keep * slopes
+        dh = dh + tf.einsum("ml,mld->md", dz, rows_pos)
+        index = tf.reshape(safe, [-1, 1])
+        dtable_pos = tf.reshape(dz[:, :, None] * hidden[:, None, :], [-1, tf.shape(hidden)[1]])
+        dtable = tf.tensor_scatter_nd_add(dtable, index, dtable_pos)
+        dbias = tf.tensor_scatter_nd_add(dbias, index, tf.reshape(dz, [-1]))
+        grads = (dh, dtable, dbias)
+    return (loss_rows if loss else None), grads
+
+
+def mask_positives(z, ids, start):
+    """`z` `[M, T]` with `-inf` at the row's positives in `[start, start + T)`: one O(M L) `min` scatter."""
+    tile = z.shape[1]
+    if ids.shape[1] == 0 or tile == 0:
+        return z
+    if tile is None:
+        # The remainder tile of a dynamic V may be empty, and a scatter into
+        # `[M, 0]` fails: scatter into one more column (it can only take the
+        # padding id V), then drop it.
+        return _scatter_min(tf.pad(z, [[0, 0], [0, 1]]), ids, start)[:, :-1]
+    return _scatter_min(z, ids, start)
+
+
+def _scatter_min(z, ids, start):
+    local = ids - tf.cast(start, ids.dtype)
+    inside = tf.logical_and(local >= 0, local < tf.cast(tf.shape(z)[1], ids.dtype))
+    column = tf.cast(tf.where(inside, local, tf.zeros_like(local)), tf.int32)
+    rows = tf.broadcast_to(tf.range(tf.shape(ids)[0])[:, None], tf.shape(column))
+    inf = tf.constant(float("inf"), z.dtype)
+    updates = tf.where(inside, -inf, inf)
+    return tf.tensor_scatter_nd_min(z, tf.stack([rows, column], axis=-1), updates)
+
+
+def positive_logits(hidden, table, bias, safe):
+    """The float32 logits `[M, L]` at the ids `safe` and the gathered rows `[M, L, D]`."""
+    rows = tf.cast(tf.gather(table, safe), tf.float32)  # [M, L, D]
+    z = tf.einsum("md,mld->ml", hidden, rows)
+    if bias is not None:
+        z = z + tf.cast(tf.gather(bias, safe), tf.float32)
+    return z, rows
 
 
 def _scaled(x, factor):
-    """`factor * x`, without a new `[V, D]` buffer when `factor` is 1 (the usual cotangent)."""
     return tf.cond(tf.equal(factor, 1.0), lambda: tf.identity(x), lambda: factor * x)
 
 
@@ -43,15 +225,6 @@ def _cast_grads(grads, hidden, table, bias, factor=None):
 
 
 def _with_gradient(fn, hidden, table, ids, bias):
-    """Returns `fn`'s value, with `fn`'s gradient as its `tf.custom_gradient`.
-
-    `fn(hidden, table, ids, bias) -> (value, grad_fn)`, with
-    `grad_fn(cotangent) -> (dh, dtable, dbias)`.
-
-    Inputs are `stop_gradient`-ed inside: an eager `GradientTape` would
-    otherwise record every tile's ops and keep their `[M, tile]`
-    intermediates alive.
-    """
     if bias is None:
 
         @tf.custom_gradient
@@ -94,34 +267,7 @@ def _as_tensors(hidden, table, ids, bias):
 
 
 def cut_bce(hidden, table, ids, bias, *, label_smoothing, pos_weight, chunk_size):
-    """Computes the per-row CutBCE loss `[M]` in float32, with exact gradients for any cotangent.
-
-    Args:
-        hidden: float `[M, D]` (float32, bfloat16 or float16); `M` may be
-            unknown statically.
-        table: float `[V, D]` item table (a tensor, not a `tf.Variable`).
-        ids: integer `[M, L]` target ids (`L` may be 0); ids outside `[0, V)`
-            are padding and duplicates in a row count once.
-        bias: float `[V]` or None.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width, a positive Python int (checked
-            by the public op).
-
-    Returns:
-        Float32 loss `[M]`; gradients reach `hidden`, `table` and `bias` in
-        their own dtypes.
-
-    Example:
-
-    >>> import numpy as np
-    >>> h = tf.constant(np.random.normal(size=(4, 8)), tf.float32)
-    >>> table = tf.constant(np.random.normal(size=(300, 8)), tf.float32)
-    >>> ids = tf.constant([[1, 2], [3, -1], [5, 5], [299, 0]])
-    >>> cut_bce(h, table, ids, None, label_smoothing=0.0, pos_weight=1.0,
-    ...         chunk_size=128).shape
-    TensorShape([4])
-    """
+    """The chunked `cut_bce` (the contract: `keras_cutbce.registry`)."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     return _per_row(family, hidden, table, ids, bias, chunk_size)
 
@@ -151,13 +297,6 @@ def _optional(bias):
 
 
 def _specs(hidden, table, ids, bias):
-    """The input signature of a program: every static size but the number of rows.
-
-    The rows `M` are left unknown, so a program is traced once per option
-    set and serves every batch size (XLA still compiles per concrete
-    size); the vocabulary, the width, the number of target columns and the
-    dtypes are part of the key.
-    """
     specs = (
         tf.TensorSpec([None] + hidden.shape[1:].as_list(), hidden.dtype),
         tf.TensorSpec(table.shape, table.dtype),
@@ -170,14 +309,7 @@ _ROW_WEIGHTS = tf.TensorSpec([None], tf.float32)
 
 
 def _program(body, specs, jit_compile):
-    """Returns `body` (a `functools.partial` binding the options) as a `tf.function` of `specs`.
-
-    One `tf.function` per option set, cached by the caller, with a fixed
-    input signature: it is traced once and never retraced. Each wraps its
-    own `functools.partial` object, which TensorFlow's retracing detector
-    tells apart (it groups functions by their code object), so compiling a
-    program for a new option set is not reported as retracing another.
-    """
+    """`body` as a `tf.function` of `specs` (its own `functools.partial`: no retracing warning)."""
     return tf.function(body, input_signature=specs, jit_compile=jit_compile, autograph=False)
 
 
@@ -198,19 +330,7 @@ def _fused_body(family, tile, hidden, table, ids, row_weights, bias=None):
 
 @functools.lru_cache(maxsize=64)
 def _per_row_programs(family, tile, specs, static_vocab):
-    """Returns `cut_bce`'s two passes, compiled by XLA: `(loss_program, grad_program)`.
-
-    `loss_program(hidden, table, ids[, bias]) -> loss [M]`;
-    `grad_program(hidden, table, ids, row_scale[, bias]) -> (dh, dtable,
-    dbias)` float32, the gradients of `sum_m row_scale_m loss_m` (it
-    recomputes the logits tile by tile). Cached per option set and input
-    signature (`_specs`). Compiled, each tile's elementwise work is one
-    fused pass (one `exp` per logit shared by softplus and sigmoid), which
-    TensorFlow's graph executor would run as a kernel per op. A V unknown
-    at trace time (`static_vocab=False`) keeps the graph executor: XLA
-    would compile the tile loop's body for a V smaller than a tile, where
-    it never runs but its slice does not fit.
-    """
+    """`cut_bce`'s `(loss_program, grad_program)`; an unknown V keeps the graph executor (XLA's slice would not fit)."""
     hidden, table, ids, *bias = specs
     loss_program = _program(functools.partial(_loss_body, family, tile), specs, static_vocab)
     grad_program = _program(
@@ -223,15 +343,7 @@ def _per_row_programs(family, tile, specs, static_vocab):
 
 @functools.lru_cache(maxsize=64)
 def _fused_program(family, tile, specs):
-    """Returns the fused pass, `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`.
-
-    `total = sum_m row_weights_m loss_m`, and its float32 gradients
-    `(dh, dtable, dbias)`, compiled by XLA: XLA runs the tile loop with the
-    table gradient tiles written in place into one buffer (TensorFlow's
-    graph executor would keep the tiles and their stacked copy, and copy
-    again for the positives' scatter-add). Cached per option set and input
-    signature (`_specs`); XLA compiles per concrete number of rows.
-    """
+    """The fused pass `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`, always XLA (in-place tiles)."""
     hidden, table, ids, *bias = specs
     return _program(
         functools.partial(_fused_body, family, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias), True
@@ -241,47 +353,7 @@ def _fused_program(family, tile, specs):
 def cut_bce_weighted_sum(
     hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight, chunk_size
 ):
-    """Computes `sum_m row_weights[m] * cut_bce(...)[m]`, its gradients computed with the loss.
-
-    The fused training path of a reduced loss (sample weights, masks and the
-    reduction's divisor are the row weights, constants without gradient).
-    One pass over the vocabulary tiles computes the loss and the gradients
-    at cotangent 1 (per tile one logits matmul, one softplus, one sigmoid
-    and the three gradient products), compiled by XLA (`_fused_program`);
-    the backward pass only scales them by the upstream cotangent. The gradients are computed even when none is
-    asked for (TensorFlow cannot tell in the forward pass): call `cut_bce`
-    for evaluation.
-
-    Args:
-        hidden: float `[M, D]`; `M` may be unknown statically.
-        table: float `[V, D]` item table (a tensor).
-        ids: integer `[M, L]` target ids; ids outside `[0, V)` are padding,
-            duplicates count once.
-        bias: float `[V]` or None.
-        row_weights: float `[M]` row weights (no gradient flows to them).
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width, a positive Python int (checked
-            by the public op).
-
-    Returns:
-        A float32 scalar; gradients reach `hidden`, `table` and `bias` in
-        their own dtypes.
-
-    Example:
-
-    >>> import numpy as np
-    >>> h = tf.constant(np.random.normal(size=(3, 8)), tf.float32)
-    >>> table = tf.constant(np.random.normal(size=(100, 8)), tf.float32)
-    >>> ids = tf.constant([[1, 2], [3, -1], [5, 5]])
-    >>> w = tf.constant([1.0, 0.0, 0.5])
-    >>> total = cut_bce_weighted_sum(h, table, ids, None, w, label_smoothing=0.0,
-    ...                              pos_weight=1.0, chunk_size=32)
-    >>> per_row = cut_bce(h, table, ids, None, label_smoothing=0.0, pos_weight=1.0,
-    ...                   chunk_size=32)
-    >>> bool(np.isclose(total, tf.reduce_sum(w * per_row), rtol=1e-5))
-    True
-    """
+    """The chunked `cut_bce_weighted_sum`: gradients computed with the loss, even when none is asked for."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     return _weighted_sum(family, hidden, table, ids, bias, row_weights, chunk_size)
 
@@ -312,26 +384,13 @@ def _softmax(table, label_smoothing):
 
 
 def cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size):
-    """Computes the per-row softmax cross-entropy `[M]` in float32, with exact gradients.
-
-    The loop of `cut_bce` with the `math.Softmax` family (two passes over
-    the tiles for the gradients: the rows' log-sum-exp, then the slopes).
-    Arguments as `cut_bce`'s, without `pos_weight`; V must be static.
-
-    Example:
-
-    >>> z = tf.math.log(tf.constant([[1.0, 2.0, 1.0]]))
-    >>> loss = cut_softmax(z, tf.eye(3), tf.constant([[1]]), None, label_smoothing=0.0,
-    ...                    chunk_size=2)
-    >>> round(float(loss[0]), 4)
-    0.6931
-    """
+    """The chunked `cut_softmax`: `cut_bce`'s loop with `math.Softmax` (V static)."""
     family = _softmax(tf.convert_to_tensor(table), label_smoothing)
     return _per_row(family, hidden, table, ids, bias, chunk_size)
 
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
                              chunk_size):
-    """Computes `sum_m row_weights[m] * cut_softmax(...)[m]`, as `cut_bce_weighted_sum`."""
+    """The chunked `cut_softmax_weighted_sum`."""
     family = _softmax(tf.convert_to_tensor(table), label_smoothing)
     return _weighted_sum(family, hidden, table, ids, bias, row_weights, chunk_size)

@@ -1,16 +1,4 @@
-"""The element-wise math of the TensorFlow kernels: one loss term and one slope.
-
-`terms(z, e, minus, plus)` is `minus * softplus(-z) + plus * softplus(z)`
-and `slopes(z, e, minus, plus)` its derivative `plus * sigmoid(z) - minus *
-sigmoid(-z)` (`keras_cutbce.math.coefficients` gives the weights of a
-negative and of a positive; `keras_cutbce.math.spec` is the float64 table
-they are tested against). Every TensorFlow pass calls these two, for the
-dense tiles and for the positives.
-
-What is TensorFlow's own: both take `e = exp(-|z|)` (`exp_neg_abs`),
-computed once per logit and shared, and are written as plain element-wise
-ops that XLA (`jit_compile=True`) fuses into one pass per tile.
-"""
+"""TensorFlow's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers (as `backends/jax/math.py`)."""
 
 from typing import NamedTuple
 
@@ -18,40 +6,12 @@ import tensorflow as tf
 
 
 def exp_neg_abs(z):
-    """Returns `exp(-|z|)`, the one exponential `terms` and `slopes` share.
-
-    Example:
-
-    >>> exp_neg_abs(tf.constant([0.0, float("-inf")])).numpy().tolist()
-    [1.0, 0.0]
-    """
     return tf.exp(-tf.abs(z))
 
 
-def terms(z, e, minus, plus):
-    """Returns `minus * softplus(-z) + plus * softplus(z)` from `e = exp(-|z|)`.
-
-    Written `minus * (max(-z, 0) + log1p(e)) + plus * (max(z, 0) +
-    log1p(e))`: each part non-negative, finite for any finite `z`; a part
-    whose weight is 0 is left out (so `z = -inf` with `minus = 0` gives
-    exactly 0).
-
-    Args:
-        z: float32 logits, any shape.
-        e: `exp_neg_abs(z)`.
-        minus: Python float, the weight of `softplus(-z)`.
-        plus: Python float, the weight of `softplus(z)`.
-
-    Returns:
-        A tensor like `z`.
-
-    Example:
-
-    >>> z = tf.constant([float("-inf"), 0.0, 100.0])
-    >>> terms(z, exp_neg_abs(z), 0.0, 1.0).numpy().tolist()
-    [0.0, 0.6931471824645996, 100.0]
-    """
-    log_part = tf.math.log1p(e)
+def terms(z, minus, plus, *, e=None):
+    """`minus * softplus(-z) + plus * softplus(z)`: two non-negative parts, a 0 weight's left out; `e = exp(-|z|)`."""
+    log_part = tf.math.log1p(exp_neg_abs(z) if e is None else e)
     out = None
     if minus != 0.0:
         out = tf.maximum(-z, 0.0) + log_part
@@ -63,32 +23,11 @@ def terms(z, e, minus, plus):
     return tf.zeros_like(z) if out is None else out
 
 
-def slopes(z, e, minus, plus):
-    """Returns `plus * sigmoid(z) - minus * sigmoid(-z)` from `e = exp(-|z|)`.
-
-    With one sigmoid, that of the larger weight's side: `plus - (plus +
-    minus) * sigmoid(-z)` when `minus >= plus`, else `(plus + minus) *
-    sigmoid(z) - minus`. So a weight of 0 drops its part exactly, and the
-    result is exact to float32 resolution at any `z` (a negative's
-    `sigmoid(-30) ~ 9e-14` is not lost as `1 - sigmoid(30)` would lose it).
-
-    Args:
-        z: float32 logits, any shape.
-        e: `exp_neg_abs(z)`.
-        minus: Python float, the weight of `sigmoid(-z)`.
-        plus: Python float, the weight of `sigmoid(z)`.
-
-    Returns:
-        A tensor like `z`.
-
-    Example:
-
-    >>> z = tf.constant([float("-inf"), 0.0])
-    >>> slopes(z, exp_neg_abs(z), 1.0, 0.0).numpy().tolist()
-    [-1.0, -0.5]
-    """
+def slopes(z, minus, plus, *, e=None):
+    """`plus * sigmoid(z) - minus * sigmoid(-z)`, the derivative of `terms`, with one sigmoid."""
+    e = exp_neg_abs(z) if e is None else e
     total = plus + minus
-    if minus >= plus:
+    if minus >= plus:  # the larger weight's sigmoid: exact at any z, a 0 weight drops its part
         sigmoid_neg = tf.where(z >= 0, e, tf.ones_like(e)) / (1.0 + e)
         out = -total * sigmoid_neg
         return out if plus == 0.0 else out + plus
@@ -97,14 +36,15 @@ def slopes(z, e, minus, plus):
     return out if minus == 0.0 else out - minus
 
 
-class BCE(NamedTuple):
-    """Binary cross-entropy as the TensorFlow loop's loss family (the seam: docs/development.md).
+def drop_masked(values, z, coef):
+    """`values` with 0 where the loop put `-inf` (only label smoothing needs it)."""
+    if coef.neg_target == 0.0:
+        return values
+    return tf.where(tf.equal(z, float("-inf")), tf.zeros_like(values), values)
 
-    The members of JAX's `math.BCE` (`init`, `merge`, `tile`, `positives`,
-    `finish`, `row_scale`, `masks_positives`, `two_pass`), plus `scale`: the
-    constant factor of every slope (`1 / V`), which the loop applies after
-    its matmuls (see `kernel._tile_pass`).
-    """
+
+class BCE(NamedTuple):
+    """JAX's `math.BCE` on TensorFlow, plus `scale`: every slope's constant factor `1 / V`."""
 
     coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
 
@@ -119,22 +59,20 @@ class BCE(NamedTuple):
 
     def tile(self, z, stats, *, loss, grad):
         """Returns a tile's `(row part [M] or None, slopes [M, T] or None)`; `-inf` (a positive) adds 0."""
-        from keras_cutbce.backends.tensorflow.positives import drop_masked
-
         e = exp_neg_abs(z)
         weights = self.coef.negative_weights
         part = dz = None
         if loss:
-            part = tf.reduce_sum(drop_masked(terms(z, e, *weights), z, self.coef), axis=1)
+            part = tf.reduce_sum(drop_masked(terms(z, *weights, e=e), z, self.coef), axis=1)
         if grad:
-            dz = drop_masked(slopes(z, e, *weights), z, self.coef)
+            dz = drop_masked(slopes(z, *weights, e=e), z, self.coef)
         return part, dz
 
     def positives(self, z, keep, *, loss, grad):
         """Returns the positives' `(terms [M, L] or None, slopes [M, L] or None)`."""
         e = exp_neg_abs(z)
         weights = self.coef.positive_weights
-        return (terms(z, e, *weights) if loss else None), (slopes(z, e, *weights) if grad else None)
+        return (terms(z, *weights, e=e) if loss else None), (slopes(z, *weights, e=e) if grad else None)
 
     def scale(self, vocab_size):
         return 1.0 / tf.cast(vocab_size, tf.float32)
@@ -147,13 +85,7 @@ class BCE(NamedTuple):
 
 
 class Softmax(NamedTuple):
-    """Softmax cross-entropy as the TensorFlow loop's loss family (the seam: docs/development.md).
-
-    The math of JAX's `math.Softmax`: the rows' `(max, sum exp(z - max),
-    sum z)` merged by rescaling, slopes `exp(z - lse) - a / V` after a first
-    pass (`two_pass`), the positives' linear `-(1 - a) / |P| z_p`, no slope
-    factor (`scale` 1). `keep` is the float32 mask of the valid ids.
-    """
+    """JAX's `math.Softmax` on TensorFlow (`scale` 1; `keep` is a float32 mask)."""
 
     label_smoothing: float
     vocab: int
@@ -207,5 +139,4 @@ class Softmax(NamedTuple):
 
 
 def _rescaled(total, m_old, m_new):
-    """`total * exp(m_old - m_new)`, 0 for an empty total (no `-inf - -inf`)."""
     return tf.where(tf.equal(m_old, float("-inf")), tf.zeros_like(total), total * tf.exp(m_old - m_new))

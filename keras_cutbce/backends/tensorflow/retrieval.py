@@ -1,20 +1,8 @@
-"""Top-k retrieval and rank counts on TensorFlow, tile by tile over the vocabulary.
-
-Both functions run a `tf.while_loop` over vocabulary tiles (graph-friendly,
-fine inside `tf.function`) holding one `[M, T]` tile of logits (from
-`kernel.tile_logits`, the one fused tile function) plus the running result:
-memory O(M * (k + T)) whatever V is.
-
-The tiles are those of every chunked kernel (`keras_cutbce.math.tiling.
-vocab_tiles`): the full tiles in the loop, then the narrower remainder tile
-(the table is sliced, never padded). A row any of whose V logits is NaN has
-no ranking: `top_k` gives it NaN scores and ids `EMPTY_ID`, `count_above`
-the count -1.
-"""
+"""Top-k retrieval and rank counts on tensorflow, one `[M, T]` tile of logits at a time (the contract: the registry)."""
 
 import tensorflow as tf
 
-from keras_cutbce.backends.tensorflow.kernel import tile_logits
+from keras_cutbce.backends.tensorflow.chunked import tile_logits
 from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.math.tiling import vocab_tiles
 
@@ -25,7 +13,6 @@ def _tiles_of(table, tile):
 
 
 def _tile_at(table, bias, start, tile):
-    """Returns the columns `[T]`, table rows `[T, D]` and bias `[T]` of the tile at `start`."""
     rows = tf.slice(table, tf.stack([start, 0]), tf.stack([tile, -1]))
     bias_tile = None
     if bias is not None:
@@ -34,7 +21,6 @@ def _tile_at(table, bias, start, tile):
 
 
 def _over_tiles(table, tile, step, init, name):
-    """Runs `step(start, tile, *state) -> state` over every tile: a loop, then the remainder."""
     tiles = _tiles_of(table, tile)
     with tf.name_scope(name):
         state = tf.while_loop(
@@ -51,11 +37,6 @@ def _over_tiles(table, tile, step, init, name):
 
 
 def _excluded_mask(exclude_ids, start, tile):
-    """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`.
-
-    Compared in the ids' own dtype before the int32 cast, so an int64 id
-    `2**32 + j` never wraps onto column `j`.
-    """
     exclude_ids = tf.convert_to_tensor(exclude_ids)
     if not exclude_ids.dtype.is_integer:
         raise TypeError(f"exclude_ids must be integers; received {exclude_ids.dtype}.")
@@ -71,32 +52,7 @@ def _excluded_mask(exclude_ids, start, tile):
 
 
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Returns the exact top-k logits per row, without the `[M, V]` logits.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        k: int in `[1, V]`.
-        bias: optional float `[V]`.
-        exclude_ids: optional int `[M, X]`: ids never returned for that row;
-            ids outside `[0, V)` are ignored.
-        chunk_size: vocabulary tile width.
-
-    Returns:
-        `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
-        lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
-        ids. Slots no item can fill (fewer than k items left after the
-        exclusions) have score `-inf` and id `EMPTY_ID` (-1); a row with a
-        NaN logit has NaN scores and ids `EMPTY_ID`.
-
-    Example:
-
-    >>> h = tf.ones((1, 2))
-    >>> table = tf.constant([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    >>> scores, ids = top_k(h, table, 2, chunk_size=2)
-    >>> ids.numpy().tolist(), scores.numpy().tolist()
-    ([[1, 2]], [[3.0, 2.0]])
-    """
+    """The retrieval `top_k` (the contract: `keras_cutbce.registry`)."""
     hidden = tf.convert_to_tensor(hidden)
     table = tf.convert_to_tensor(table)
     rows = tf.shape(hidden)[0]
@@ -129,17 +85,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
 
 
 def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_size):
-    """Counts, per row, the items ranked above `(scores, ids)`: int32 `[M]`, -1 for a NaN row.
-
-    The registry's `count_above` (`keras_cutbce/registry.py` says what counts).
-
-    Example:
-
-    >>> h = tf.ones((1, 2))
-    >>> table = tf.constant([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    >>> count_above(h, table, None, tf.constant([1.0]), tf.constant([2]), chunk_size=2).numpy().tolist()
-    [2]
-    """
+    """The retrieval `count_above` (the contract: `keras_cutbce.registry`)."""
     hidden = tf.convert_to_tensor(hidden)
     table = tf.convert_to_tensor(table)
     scores = tf.cast(scores, tf.float32)[:, None]

@@ -1,46 +1,221 @@
-"""CutBCE on torch: the `torch.autograd.Function`s and the kernel entry points.
+"""The chunked implementation on torch: a Python loop over vocabulary tiles in `autograd.Function`s.
 
-`cut_bce` (per-row loss, any cotangent) runs a loss pass forward and a
-gradient pass backward; `cut_bce_weighted_sum` (the fused training path of
-a reduced loss: the row weights are constants, so the gradient for any
-upstream scalar cotangent is a multiple of the gradient at 1) computes the
-loss and the gradients in one pass over the tiles, and its backward pass
-only scales them. Both run `keras_cutbce.backends.torch.kernel` (the tile
-loop; its element-wise math is `keras_cutbce.backends.torch.math`).
-
-What is torch's own here: the autograd mechanism (`torch.autograd.Function`,
-only the gradients that are needed, none under `torch.no_grad`) and rows
-with a zero cotangent masked (their hidden row zeroed, so they add exactly 0
-whatever they held). Nothing on the per-call path reads a device value on
-the host: no device-to-host sync on CUDA, no graph break under
-`torch.compile` and nothing that a CUDA graph capture could not record.
-The public op (`keras_cutbce.ops`) has checked every argument: these entry
-points assert, never re-check. Each gradient comes back in its input's
-dtype.
+A row's loss is the dense background over the tiles (`dense_pass`, one
+`[M, T]` buffer each, reused), the linear background in closed form and
+the positives' exact terms (`sparse_terms`). Nothing on the per-call path
+reads a device value on the host (no CUDA sync, no graph break).
 """
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from keras_cutbce.backends.torch import kernel
 from keras_cutbce.backends.torch import math
 from keras_cutbce.backends.torch.math import compute_dtype
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
+from keras_cutbce.math.tiling import vocab_tiles
+
+
+class Positives:
+    """A pass's valid, de-duplicated target ids (`safe` int64 `[M, L]`, `keep` bool); a tile's are a mask, never a host count."""
+
+    def __init__(self, ids, tiles):
+        self.empty = ids.shape[1] == 0
+        if self.empty:
+            return
+        safe, keep = distinct_targets(ids, tiles.vocab_size)
+        self.safe, self.keep = safe.long(), keep
+        self._rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        self._tile_bounds = tiles.bounds()
+
+    def flat(self, index):
+        """Flat offsets of tile `index`'s positives in its `[M, width]` buffer; the others point one past it."""
+        if self.empty:
+            return None
+        start, stop = self._tile_bounds[index]
+        width = stop - start
+        in_tile = self.keep & (self.safe >= start) & (self.safe < stop)
+        offsets = self._rows * width + (self.safe - start)
+        spare = torch.full((), self.safe.shape[0] * width, dtype=offsets.dtype, device=offsets.device)
+        return torch.where(in_tile, offsets, spare).reshape(-1)
+    def logits(self, hidden, table, bias, dtype):
+        """The table rows at the positives `[M, L, D]` and their logits `[M, L]`."""
+        rows = table[self.safe].to(dtype)
+        z = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)
+        if bias is not None:
+            z = z + bias[self.safe].to(dtype)
+        return rows, z
+
+
+def tile_logits(hidden, table_tile, bias_tile=None):
+    """The float32 logits `[M, T]` of one vocabulary tile."""
+    hidden = hidden.float()
+    table_tile = table_tile.float()
+    if bias_tile is None:
+        return hidden @ table_tile.T
+    return torch.addmm(bias_tile.float(), hidden, table_tile.T)
+
+
+def _tile_logits_into(out, hidden, table_tile, bias_tile):
+    table_tile = table_tile.to(out.dtype)
+    if bias_tile is None:
+        return torch.mm(hidden, table_tile.T, out=out)
+    return torch.addmm(bias_tile.to(out.dtype), hidden, table_tile.T, out=out)
+
+
+def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
+               family, stats=None):
+    """The family's row reduction over the tiles and its gradients: `(acc, grad_h, grad_table, grad_bias)`.
+
+    Each None when not asked for; the table's a transposed view of `[D, V]`.
+    The Triton kernels implement this signature.
+    """
+    dtype, device = h.dtype, h.device
+    num_rows, dim = h.shape
+    vocab_size, tile = tiles.vocab_size, tiles.tile
+    need_h, need_e, need_b = need if row_scale is not None else (False, False, False)
+    grads = need_h or need_e or need_b
+    # One spare element past the largest tile: where `Positives.flat` points
+    # the positives of the other tiles.
+    logits_buffer = torch.empty(num_rows * tile + 1, dtype=dtype, device=device)
+    softplus_sum = None
+    if loss:
+        ones = torch.ones(tile, dtype=dtype, device=device)
+        softplus_sum = family.init(num_rows, dtype, device)
+        # With gradients the logits are still needed after softplus.
+        softplus_buffer = (
+            torch.empty(num_rows * tile, dtype=dtype, device=device) if grads else logits_buffer
+        )
+    grad_h = torch.zeros(num_rows, dim, dtype=dtype, device=device) if need_h else None
+    grad_b = torch.empty(vocab_size, dtype=dtype, device=device) if need_b else None
+    if need_e:
+        # The table gradient is built transposed, `[D, V]`: `h.T @ S` per tile
+        # is a faster product than `S.T @ h` (a wide output).
+        scaled_h_t = (row_scale[:, None] * h).T
+        grad_e_t = torch.empty(dim, vocab_size, dtype=dtype, device=device)
+        grad_e_tile = torch.empty(dim * tile, dtype=dtype, device=device)
+
+    for index, (start, stop) in enumerate(tiles.bounds()):
+        size = num_rows * (stop - start)
+        table_tile = table[start:stop].to(dtype)
+        z = logits_buffer[:size].view(num_rows, stop - start)
+        _tile_logits_into(z, h, table_tile, None if bias is None else bias[start:stop])
+        skip = positives.flat(index) if family.masks_positives else None
+        if skip is not None:
+            logits_buffer[: size + 1].index_fill_(0, skip, float("-inf"))
+        if loss:
+            family.tile(z, softplus_sum, stats, out=softplus_buffer[:size].view(num_rows, stop - start),
+                        ones=ones[: stop - start])
+        if grads:
+            s = family.slopes(z, stats)
+            if need_h:
+                grad_h.addmm_(s, table_tile)
+            if need_e:
+                tile_grad = grad_e_tile[: dim * (stop - start)].view(dim, stop - start)
+                grad_e_t[:, start:stop] = torch.mm(scaled_h_t, s, out=tile_grad)
+            if need_b:
+                torch.mv(s.T, row_scale, out=grad_b[start:stop])
+    if need_h:
+        grad_h *= row_scale[:, None]
+    # A transposed view of the `[D, V]` buffer: no second `[V, D]` copy (the
+    # optimizer's update, or autograd accumulating into `.grad`, reads it as is).
+    grad_e = grad_e_t.T if need_e else None
+    return softplus_sum, grad_h, grad_e, grad_b
+
+
+def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, grads=(None,) * 3):
+    """The linear background and the positives' terms `[M]` (if `loss`); adds their gradients into `grads`."""
+    dtype = h.dtype
+    num_rows, dim = h.shape
+    grad_h, grad_e, grad_b = grads if row_scale is not None else (None, None, None)
+    any_grad = any(g is not None for g in (grad_h, grad_e, grad_b))
+    terms = torch.zeros(num_rows, dtype=dtype, device=h.device) if loss else None
+
+    # Linear background: d/dz of -linear * z is the constant -linear.
+    linear = family.linear
+    if linear != 0.0 and (loss or any_grad):
+        table_sum = table.sum(0, dtype=dtype)
+        if loss:
+            logit_sum = torch.mv(h, table_sum)
+            if bias is not None:
+                logit_sum += bias.sum(dtype=dtype)
+            terms -= linear * logit_sum
+        if row_scale is not None:
+            const = row_scale * linear
+            if grad_h is not None:
+                grad_h.addr_(const, table_sum, alpha=-1.0)
+            if grad_e is not None:
+                grad_e -= (const @ h)[None, :]
+            if grad_b is not None:
+                grad_b -= const.sum()
+
+    # Positives (skipped by the dense pass): their exact terms, plus
+    # `neg_target * z` to take them out of the linear background above.
+    if not positives.empty:
+        keep, safe = positives.keep, positives.safe
+        rows, zp = positives.logits(h, table, bias, dtype)
+        pos_terms, dz = family.positives(zp, keep, loss=loss, grad=any_grad)
+        if loss:
+            terms += (pos_terms * keep).sum(1)
+        if any_grad:
+            dz = dz * keep * row_scale[:, None]
+            flat = safe.reshape(-1)
+            if grad_h is not None:
+                grad_h += torch.bmm(dz.unsqueeze(1), rows).squeeze(1)
+            if grad_e is not None:
+                grad_e.index_add_(0, flat, (dz.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, dim))
+            if grad_b is not None:
+                grad_b.index_add_(0, flat, dz.reshape(-1))
+    return terms
+
+
+def row_losses(h, table, bias, ids, family, tile, row_scale=None, need=(False,) * 3, *,
+               dense=dense_pass):
+    """The per-row losses `[M]` and, with a cotangent `row_scale`, their gradients (`dense`: this loop's or Triton's)."""
+    tiles = vocab_tiles(table.shape[0], tile)
+    positives = Positives(ids, tiles)
+    dense_scale, sparse_scale = (None, None) if row_scale is None else family.row_scales(
+        row_scale, positives, tiles.vocab_size)
+    acc, stats = _statistics(h, table, bias, tiles, positives, family, dense, row_scale)
+    dense_sum, grad_h, grad_e, grad_b = dense(  # the first pass already gave a two-pass loss
+        h, table, bias, tiles, positives, loss=acc is None, row_scale=dense_scale, need=need,
+        family=family, stats=stats,
+    )
+    dense_sum = acc if acc is not None else dense_sum
+    terms = sparse_terms(
+        h, table, bias, positives, family, loss=True, row_scale=sparse_scale,
+        grads=(grad_h, grad_e, grad_b),
+    )
+    loss = family.finish(dense_sum, terms, positives, tiles.vocab_size)
+    return loss, grad_h, grad_e, grad_b
+
+
+def row_gradients(h, table, bias, ids, family, tile, row_scale, need, *, dense=dense_pass):
+    """The gradients of `sum_m row_scale_m * loss_m` (no loss), the table's contiguous."""
+    tiles = vocab_tiles(table.shape[0], tile)
+    positives = Positives(ids, tiles)
+    dense_scale, sparse_scale = family.row_scales(row_scale, positives, tiles.vocab_size)
+    _, stats = _statistics(h, table, bias, tiles, positives, family, dense, row_scale)
+    _, grad_h, grad_e, grad_b = dense(
+        h, table, bias, tiles, positives, loss=False, row_scale=dense_scale, need=need,
+        family=family, stats=stats,
+    )
+    sparse_terms(
+        h, table, bias, positives, family, loss=False, row_scale=sparse_scale,
+        grads=(grad_h, grad_e, grad_b),
+    )
+    return grad_h, None if grad_e is None else grad_e.contiguous(), grad_b
+
+
+def _statistics(h, table, bias, tiles, positives, family, dense, row_scale):
+    if not family.two_pass or row_scale is None:
+        return None, None
+    acc, _, _, _ = dense(h, table, bias, tiles, positives, loss=True, family=family)
+    return acc, family.statistics(acc)
 
 
 def mask_zero_rows(weight, hidden):
-    """Returns `hidden` with the rows whose weight is zero set to zero.
-
-    A zero-weight row then adds exactly 0 to the loss and to every gradient,
-    even where its hidden row is not finite, and its hidden gradient is
-    exactly 0. The rows are masked, not dropped: dropping them would need
-    their count on the host.
-
-    Example:
-
-    >>> mask_zero_rows(torch.tensor([1.0, 0.0]), torch.full((2, 1), float("nan"))).isnan().tolist()
-    [[True], [False]]
-    """
+    """`hidden` with the rows of zero weight zeroed: they add exactly 0, even where not finite."""
     return torch.where((weight != 0)[:, None], hidden, torch.zeros((), dtype=hidden.dtype))
 
 
@@ -49,12 +224,11 @@ def _cast(grad, like):
 
 
 class _CutBCEFunction(torch.autograd.Function):
-    """Per-row CutBCE loss with exact, tile-by-tile gradients for any cotangent."""
 
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, family, tile, dense):
         dtype = compute_dtype(hidden, table, bias)
-        loss, _, _, _ = kernel.row_losses(hidden.to(dtype), table, bias, ids, family, tile, dense=dense)
+        loss, _, _, _ = row_losses(hidden.to(dtype), table, bias, ids, family, tile, dense=dense)
         ctx.save_for_backward(hidden, table, bias, ids)
         ctx.family = family
         ctx.tile = tile
@@ -71,7 +245,7 @@ class _CutBCEFunction(torch.autograd.Function):
         # Rows with a zero cotangent (masked or padded positions) add nothing.
         row_scale = row_scale.to(dtype)
         h = mask_zero_rows(row_scale, hidden.to(dtype))
-        grad_h, grad_e, grad_b = kernel.row_gradients(
+        grad_h, grad_e, grad_b = row_gradients(
             h, table, bias, ids, ctx.family, ctx.tile, row_scale, need, dense=ctx.dense
         )
         grads = _cast(grad_h, hidden), _cast(grad_e, table), _cast(grad_b, bias)
@@ -79,15 +253,7 @@ class _CutBCEFunction(torch.autograd.Function):
 
 
 class _CutBCEWeightedSumFunction(torch.autograd.Function):
-    """`sum_m w_m * loss_m` whose gradients are computed in the forward pass.
-
-    The row weights are constants, so the gradient for an upstream scalar
-    cotangent `c` is `c` times the gradient at `c = 1`: the forward pass
-    computes it along with the loss (one logits matmul per tile instead of
-    two) and the backward pass only scales it, in place, so the `[V, D]`
-    table gradient exists once, not twice. A later backward through the same
-    graph (`retain_graph=True`, e.g. `gradcheck`) recomputes them.
-    """
+    """`sum_m w_m * loss_m`, its gradients computed forward and scaled in place backward."""
 
     @staticmethod
     def forward(ctx, hidden, table, bias, ids, row_weights, family, tile, need, dense):
@@ -116,18 +282,16 @@ class _CutBCEWeightedSumFunction(torch.autograd.Function):
 
 
 def _fused_pass(hidden, table, bias, ids, row_weights, family, tile, need, dense):
-    """Returns the weighted loss sum and the needed gradients at cotangent 1."""
     dtype = compute_dtype(hidden, table, bias)
     w = row_weights.to(dtype)
     h = mask_zero_rows(w, hidden.to(dtype))
-    loss, grad_h, grad_e, grad_b = kernel.row_losses(
+    loss, grad_h, grad_e, grad_b = row_losses(
         h, table, bias, ids, family, tile, w, need, dense=dense
     )
     return torch.dot(w, loss), grad_h, grad_e, grad_b
 
 
 def _tile(chunk_size):
-    """The tile width: `chunk_size` as the public op checked it (a positive int)."""
     assert isinstance(chunk_size, int) and not isinstance(chunk_size, bool), chunk_size
     assert chunk_size > 0, chunk_size
     return chunk_size
@@ -139,43 +303,13 @@ def _as_ids(ids, device):
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size):
-    """Computes the per-row binary cross-entropy over the whole vocabulary, tile by tile.
-
-    Never builds the `[M, V]` logits: memory is O(M * chunk_size + V * D).
-    Gradients for `hidden`, `table` and `bias` are exact for any cotangent;
-    only those that are needed are computed, and none under `torch.no_grad`.
-
-    Args:
-        hidden: float `[M, D]` (float32, bfloat16, float16 or float64).
-        table: float `[V, D]` item table.
-        ids: integer `[M, L]` target ids (any integer dtype, `L` may be 0).
-            Ids outside `[0, V)` are padding; repeated ids in a row count once.
-        bias: optional float `[V]`.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float weighting the positive terms.
-        chunk_size: positive int, the width of a vocabulary tile (checked by
-            the public op).
-
-    Returns:
-        Float32 loss `[M]` (float64 if an input is float64).
-
-    Example:
-
-    >>> h = torch.randn(4, 8)
-    >>> table = torch.randn(100, 8, requires_grad=True)
-    >>> ids = torch.tensor([[1, 2], [3, -1], [5, 5], [7, 99]])
-    >>> loss = cut_bce(h, table, ids, chunk_size=32)
-    >>> loss.shape
-    torch.Size([4])
-    >>> loss.sum().backward(); table.grad.shape
-    torch.Size([100, 8])
-    """
-    return run_cut_bce(kernel.dense_pass, hidden, table, ids, bias, label_smoothing=label_smoothing,
+    """The chunked `cut_bce` (the contract: `keras_cutbce.registry`)."""
+    return run_cut_bce(dense_pass, hidden, table, ids, bias, label_smoothing=label_smoothing,
                        pos_weight=pos_weight, tile=_tile(chunk_size))
 
 
 def run_cut_bce(dense, hidden, table, ids, bias, *, label_smoothing, pos_weight, tile):
-    """`cut_bce` with `dense` computing the background (`kernel.dense_pass`'s signature)."""
+    """`cut_bce` with `dense` computing the background (`dense_pass`'s signature)."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     return _per_row(dense, hidden, table, ids, bias, family, tile)
 
@@ -188,57 +322,15 @@ def _per_row(dense, hidden, table, ids, bias, family, tile):
 def cut_bce_weighted_sum(
     hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight, chunk_size
 ):
-    """Computes `sum_m row_weights[m] * cut_bce(...)[m]`, with its gradients fused in.
-
-    What a reduced loss needs (sample weights, masks and the reduction's
-    divisor are the row weights, constants without gradient). When a
-    gradient is needed, the one pass over the vocabulary tiles that computes
-    the loss also computes the gradients of `hidden`, `table` and `bias`
-    (only those that require grad): per tile, one logits matmul, one
-    `softplus` and one `sigmoid` over the `[M, T]` logits, then one product
-    per gradient. The backward pass only scales them by the upstream
-    cotangent. Rows with a zero weight add exactly 0. Without gradients (under
-    `torch.no_grad` or when no input requires grad) only the loss is
-    computed.
-
-    Args:
-        hidden: float `[M, D]` (float32, bfloat16, float16 or float64).
-        table: float `[V, D]` item table.
-        ids: integer `[M, L]` target ids (any integer dtype, `L` may be 0).
-            Ids outside `[0, V)` are padding; repeated ids in a row count once.
-        bias: float `[V]` or None.
-        row_weights: float `[M]` weights of the rows (no gradient flows to them).
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float weighting the positive terms.
-        chunk_size: positive int, the width of a vocabulary tile (checked by
-            the public op).
-
-    Returns:
-        Float32 scalar (float64 if an input is float64); gradients come back
-        in each input's dtype.
-
-    Example:
-
-    >>> h = torch.randn(4, 8, requires_grad=True)
-    >>> table = torch.randn(100, 8, requires_grad=True)
-    >>> ids = torch.tensor([[1, 2], [3, -1], [5, 5], [7, 99]])
-    >>> w = torch.tensor([0.25, 0.25, 0.0, 0.5])
-    >>> total = cut_bce_weighted_sum(h, table, ids, None, w, label_smoothing=0.0,
-    ...                              pos_weight=1.0, chunk_size=32)
-    >>> per_row = cut_bce(h, table, ids, chunk_size=32)
-    >>> torch.allclose(total, (w * per_row).sum())
-    True
-    >>> total.backward(); h.grad[2].abs().max().item()
-    0.0
-    """
-    return run_weighted_sum(kernel.dense_pass, hidden, table, ids, bias, row_weights,
+    """The chunked `cut_bce_weighted_sum`; only the loss without gradients (`torch.no_grad`, no input requiring grad)."""
+    return run_weighted_sum(dense_pass, hidden, table, ids, bias, row_weights,
                             label_smoothing=label_smoothing, pos_weight=pos_weight,
                             tile=_tile(chunk_size))
 
 
 def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
                      tile):
-    """`cut_bce_weighted_sum` with `dense` computing the background (as `run_cut_bce`)."""
+    """`cut_bce_weighted_sum` with `dense` computing the background."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
     return _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile)
 
@@ -259,37 +351,19 @@ def _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile):
         dtype = compute_dtype(hidden, table, bias)
         w = row_weights.to(dtype)
         h = mask_zero_rows(w, hidden.to(dtype))
-        loss, _, _, _ = kernel.row_losses(h, table, bias, ids, family, tile, dense=dense)
+        loss, _, _, _ = row_losses(h, table, bias, ids, family, tile, dense=dense)
         return torch.dot(w, loss)
 
 
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size):
-    """Computes the per-row softmax cross-entropy over the full vocabulary, tile by tile.
-
-    The loop of `cut_bce` with the `math.Softmax` family (two passes over
-    the tiles when a gradient is needed: the rows' log-sum-exp, then the
-    slopes). Arguments as `cut_bce`'s, without `pos_weight`.
-
-    Returns:
-        Float32 loss `[M]` (float64 if an input is float64); 0 for a row
-        without a valid id.
-
-    Example:
-
-    >>> z = torch.tensor([[1.0, 2.0, 1.0]]).log()
-    >>> round(cut_softmax(z, torch.eye(3), torch.tensor([[1]]), chunk_size=2).item(), 4)
-    0.6931
-    """
+    """The chunked `cut_softmax`: `cut_bce`'s loop with `math.Softmax`."""
     family = math.Softmax(float(label_smoothing), table.shape[0])
-    return _per_row(kernel.dense_pass, hidden, table, ids, bias, family, _tile(chunk_size))
+    return _per_row(dense_pass, hidden, table, ids, bias, family, _tile(chunk_size))
 
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
                              chunk_size):
-    """Computes `sum_m row_weights[m] * cut_softmax(...)[m]`, its gradients computed with it.
-
-    As `cut_bce_weighted_sum`, with the `math.Softmax` family.
-    """
+    """The chunked `cut_softmax_weighted_sum`."""
     family = math.Softmax(float(label_smoothing), table.shape[0])
-    return _weighted_sum(kernel.dense_pass, hidden, table, ids, bias, row_weights, family,
+    return _weighted_sum(dense_pass, hidden, table, ids, bias, row_weights, family,
                          _tile(chunk_size))

@@ -1,17 +1,7 @@
-"""The element-wise math of the torch kernels: one loss term and one slope.
+"""torch's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers (as `backends/jax/math.py`).
 
-`terms(z, minus, plus)` is `minus * softplus(-z) + plus * softplus(z)` and
-`slopes(z, minus, plus)` its derivative `plus * sigmoid(z) - minus *
-sigmoid(-z)` (`keras_cutbce.math.coefficients` gives the weights of a
-negative and of a positive; `keras_cutbce.math.spec` is the float64 table
-they are tested against). Every torch pass calls these two.
-
-What is torch's own: a term with only `softplus(z)` (what the dense tiles
-run) goes through the stock `softplus` / `sigmoid` kernels, each one pass
-over `[M, T]`, and can write into a preallocated `out=` buffer (the tile
-loop reuses one buffer for every tile). Sharing one `exp(-|z|)` between
-them would take more separate torch kernels, so more passes, than the
-second exponential costs.
+`out=` instead of a shared `exp(-|z|)`: a `softplus(z)`-only term runs the
+stock `softplus` / `sigmoid` kernels, one pass each over `[M, T]`.
 """
 
 from typing import NamedTuple
@@ -21,13 +11,7 @@ import torch.nn.functional as F
 
 
 def compute_dtype(*tensors):
-    """Returns float32, or float64 when an input is float64: the dtype the kernels compute in.
-
-    Example:
-
-    >>> compute_dtype(torch.zeros(2, dtype=torch.bfloat16), None)
-    torch.float32
-    """
+    """float32, or float64 when an input is float64: the dtype the kernels compute in."""
     dtype = torch.float32
     for tensor in tensors:
         if tensor is not None:
@@ -49,31 +33,7 @@ def _softplus(z, out=None):
 
 
 def terms(z, minus, plus, *, out=None):
-    """Returns `minus * softplus(-z) + plus * softplus(z)`, per logit.
-
-    A part whose weight is 0 is left out, so `z = -inf` with `minus = 0`
-    gives exactly 0 (how the tile loop skips a positive). Otherwise both
-    parts share one `log1p(exp(-|z|))`: `minus * (max(-z, 0) + log_part) +
-    plus * (max(z, 0) + log_part)`, each non-negative, finite for any
-    finite `z`.
-
-    Args:
-        z: float logits, any shape.
-        minus: Python float, the weight of `softplus(-z)`.
-        plus: Python float, the weight of `softplus(z)`.
-        out: optional buffer of `z`'s shape and dtype for the result (used
-            only when `minus` is 0, by the stock `softplus`); not `z` itself.
-
-    Returns:
-        A tensor like `z` (`out` when given and used).
-
-    Example:
-
-    >>> terms(torch.tensor([-float("inf"), 0.0, 100.0]), 0.0, 1.0).tolist()
-    [0.0, 0.6931471824645996, 100.0]
-    >>> terms(torch.tensor([-100.0, 100.0]), 1.0, 0.0)[1].item() > 0.0
-    True
-    """
+    """`minus * softplus(-z) + plus * softplus(z)`, a 0 weight's part left out; `out`: used when `minus` is 0."""
     if minus == 0.0:
         result = _softplus(z, out)
         return result if plus == 1.0 else result.mul_(plus)
@@ -85,31 +45,7 @@ def terms(z, minus, plus, *, out=None):
 
 
 def slopes(z, minus, plus, *, out=None):
-    """Returns `plus * sigmoid(z) - minus * sigmoid(-z)`, the `d/dz` of `terms`.
-
-    With one sigmoid, that of the larger weight's side: `plus - (plus +
-    minus) * sigmoid(-z)` when `minus >= plus`, else `(plus + minus) *
-    sigmoid(z) - minus`. So a weight of 0 drops its part exactly, and the
-    result is exact to float32 resolution at any `z` (a negative's
-    `sigmoid(-30) ~ 9e-14` is not lost as `1 - sigmoid(30)` would lose it).
-
-    Args:
-        z: float logits, any shape.
-        minus: Python float, the weight of `sigmoid(-z)`.
-        plus: Python float, the weight of `sigmoid(z)`.
-        out: optional buffer for the sigmoid; may be `z` itself (the tile
-            loop's in-place sigmoid).
-
-    Returns:
-        A tensor like `z`.
-
-    Example:
-
-    >>> slopes(torch.tensor([-float("inf"), 0.0]), 1.0, 0.0).tolist()
-    [-1.0, -0.5]
-    >>> f"{slopes(torch.tensor([-30.0]), 0.0, 1.0).item():.4e}"
-    '9.3576e-14'
-    """
+    """`plus * sigmoid(z) - minus * sigmoid(-z)` with one sigmoid; `out` may be `z` itself."""
     total = plus + minus
     if minus >= plus:
         result = torch.sigmoid(-z, out=out) if out is not None else torch.sigmoid(-z)
@@ -122,18 +58,7 @@ def slopes(z, minus, plus, *, out=None):
 
 
 class BCE(NamedTuple):
-    """Binary cross-entropy as the torch loop's loss family (the seam: docs/development.md).
-
-    The loop (`kernel`) is given a family: the rows' reduction over the tiles
-    (`init`, then `tile` adds a tile's dense terms in place), the dense
-    slopes (`slopes`, in place), the weight of the closed-form linear
-    background `-sum_v z_v` (`linear`), each positive's term and slope
-    (`positives`), the rows' loss (`finish`) and the factors of each row's
-    dense and sparse slopes (`row_scales`). As in JAX's
-    `math.BCE`: `masks_positives` (the tiles skip the positives, added
-    exactly by `positives`) and `two_pass` (the slopes need a first pass's
-    row statistics).
-    """
+    """JAX's `math.BCE` on torch: `tile` adds in place, `slopes` writes over `z`, `linear` is `neg_target`."""
 
     coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
 
@@ -145,19 +70,17 @@ class BCE(NamedTuple):
         return self.coef.neg_target
 
     def init(self, rows, dtype, device):
-        """The rows' reduction before the first tile: `[M]` zeros (the sums of `softplus(z)`)."""
         return torch.zeros(rows, dtype=dtype, device=device)
 
     def tile(self, z, acc, stats, *, out, ones):
-        """Adds the tile's `softplus(z)` (0 at a positive's `-inf`) to the rows' sums `acc`."""
+        """Adds the tile's `softplus(z)` (0 at a positive's `-inf`) to `acc`."""
         acc.addmv_(terms(z, 0.0, 1.0, out=out), ones)
 
     def slopes(self, z, stats):
-        """Returns the tile's slopes `sigmoid(z)`, written over `z`."""
         return slopes(z, 0.0, 1.0, out=z)
 
     def positives(self, z, keep, *, loss, grad):
-        """Returns each positive's `(term, slope)` (or None), with `linear * z` taken back out."""
+        """Each positive's `(term, slope)` (or None), with `linear * z` taken back out."""
         term = slope = None
         if loss:
             term = terms(z, *self.coef.positive_weights)
@@ -170,24 +93,15 @@ class BCE(NamedTuple):
         return term, slope
 
     def finish(self, acc, sparse, positives, vocab):
-        """Returns the rows' loss: the mean over the vocabulary."""
         return (self.coef.neg_scale * acc + sparse) / vocab
 
     def row_scales(self, row_weights, positives, vocab):
-        """Returns the factors of each row's dense and sparse slopes: its weight over `V`."""
         inv_v = 1.0 / vocab
         return row_weights * (self.coef.neg_scale * inv_v), row_weights * inv_v
 
 
 class Softmax(NamedTuple):
-    """Softmax cross-entropy as the torch loop's loss family (the seam: docs/development.md).
-
-    The math of JAX's `math.Softmax`. The rows' running value is a `[2, M]`
-    tensor `(max, sum exp(z - max))`, updated in place tile by tile; the
-    label smoothing's `-(a / V) sum_v z_v` is the loop's closed-form linear
-    background (`linear = a / V`), so the dense slopes are `exp(z - lse)`
-    alone, written over `z`.
-    """
+    """JAX's `math.Softmax` on torch: a `[2, M]` running `(max, sum exp)` in place; `linear = a / V`."""
 
     label_smoothing: float
     vocab: int
@@ -200,7 +114,6 @@ class Softmax(NamedTuple):
         return self.label_smoothing / self.vocab
 
     def init(self, rows, dtype, device):
-        """`(max, sum exp)` before the first tile: `[2, M]`, `(-inf, 0)`."""
         acc = torch.zeros(2, rows, dtype=dtype, device=device)
         acc[0] = float("-inf")
         return acc
@@ -214,30 +127,25 @@ class Softmax(NamedTuple):
         acc[0] = top
 
     def statistics(self, acc):
-        """The rows' log-sum-exp `[M]`."""
         return acc[0] + torch.log(acc[1])
 
     def slopes(self, z, stats):
-        """Returns the tile's `softmax(z)`, written over `z`."""
         return z.sub_(stats[:, None]).exp_()
 
     def positives(self, z, keep, *, loss, grad):
-        """Returns the positives' `(terms, slopes)`: `-(1 - a) / |P| z_p` and its slope."""
+        """The positives' `(terms, slopes)`: `-(1 - a) / |P| z_p` and its slope."""
         weight = -(1.0 - self.label_smoothing) / keep.sum(1, keepdim=True).clamp_min(1).to(z.dtype)
         return (weight * z if loss else None), (weight.expand_as(z) if grad else None)
 
     def finish(self, acc, sparse, positives, vocab):
-        """Returns the rows' loss, 0 for a row without a valid id."""
         return torch.where(_has_target(positives), self.statistics(acc) + sparse, 0.0)
 
     def row_scales(self, row_weights, positives, vocab):
-        """Returns the factors of each row's dense and sparse slopes: its weight, 0 without a valid id."""
         scale = torch.where(_has_target(positives), row_weights, 0.0)
         return scale, scale
 
 
 def _has_target(positives):
-    """Whether each row has a valid id, `[M]` bool."""
     if positives.empty:
         return torch.zeros((), dtype=torch.bool)
     return positives.keep.any(1)

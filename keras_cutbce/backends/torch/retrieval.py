@@ -1,15 +1,8 @@
-"""Top-k retrieval and rank counts on torch, tile by tile over the vocabulary.
-
-A Python loop over vocabulary tiles under `torch.no_grad()`: one `[M, T]`
-tile of logits (from `kernel.tile_logits`, the one fused tile function) and
-the running result are alive at a time, so memory is O(M * (k + T)). A row
-any of whose V logits is NaN has no ranking: `top_k` gives it NaN scores and
-ids `EMPTY_ID`, `count_above` the count -1.
-"""
+"""Top-k retrieval and rank counts on torch, one `[M, T]` tile of logits at a time (the contract: the registry)."""
 
 import torch
 
-from keras_cutbce.backends.torch.kernel import tile_logits
+from keras_cutbce.backends.torch.chunked import tile_logits
 from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.math.tiling import vocab_tiles
 
@@ -19,7 +12,6 @@ def _tiles(vocab_size, tile):
 
 
 def _excluded_mask(exclude_ids, start, stop):
-    """Returns the bool `[M, T]` mask: True where the row excludes the column `start + j`."""
     tile = stop - start
     local = exclude_ids.long() - start
     local = torch.where((local >= 0) & (local < tile), local, tile)  # tile: dropped
@@ -31,14 +23,7 @@ def _excluded_mask(exclude_ids, start, stop):
 
 
 def _order_keys(x):
-    """Returns int64 `[M, T]` keys of float32/16 `x` ordered as (value descending, column ascending) is.
-
-    The float32 bits are mapped onto an int32 that orders as the floats do
-    (`-0.0` made `+0.0` first, so the two zeros tie as they compare, and
-    every NaN made one positive NaN, above `+inf`, as `torch.sort` ranks
-    it), and the column fills the low 32 bits, reversed, so every key of a
-    row is distinct and equal values rank the lower column higher.
-    """
+    """Distinct int64 keys ordering as (value descending, column ascending), NaN above `+inf` as `torch.sort`."""
     x = torch.where(torch.isnan(x), torch.nan, x.float() + 0.0)
     bits = x.view(torch.int32)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
@@ -47,7 +32,6 @@ def _order_keys(x):
 
 
 def _top_k_by_keys(x, k):
-    """`_stable_top_k` without reading any value on the host (CUDA: no sync)."""
     if x.dtype == torch.float64:  # no room for the column beside 64 value bits
         values, columns = torch.sort(x, dim=1, descending=True, stable=True)
         return values[:, :k], columns[:, :k]
@@ -56,14 +40,6 @@ def _top_k_by_keys(x, k):
 
 
 def _top_k_reading_ties(x, k):
-    """`_stable_top_k` for CPU tensors, where reading a value on the host costs nothing.
-
-    `torch.topk`'s answer is trusted when no tie straddles the k-th value
-    (the usual case, seen from the (k+1)-th value, read on the host);
-    otherwise the tied columns are taken in column order. The k winners are
-    then ordered by a stable sort. One `topk` pass over the tile, where the
-    sync-free keys of `_top_k_by_keys` cost several element-wise passes.
-    """
     rows, width = x.shape
     if k >= width:
         return torch.sort(x, dim=1, descending=True, stable=True)
@@ -90,18 +66,7 @@ def host_reads_are_free(device):
 
 
 def _stable_top_k(x, k):
-    """Returns the top k of each row of `x` by value, ties to the lower column: `(values, columns)`.
-
-    `torch.topk` does not say which of equal values it keeps. On CPU ties
-    are checked on the host (`_top_k_reading_ties`); elsewhere `topk` runs
-    on distinct keys that order as a stable sort of `-x` does
-    (`_top_k_by_keys`), so nothing is read on the host.
-
-    Example:
-
-    >>> _stable_top_k(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), 2)[1].tolist()
-    [[1, 2]]
-    """
+    """The top k of each row, ties to the lower column: `(values, columns)`, no host read off CPU."""
     k = min(k, x.shape[1])
     if host_reads_are_free(x.device):
         return _top_k_reading_ties(x, k)
@@ -114,32 +79,7 @@ def _bias_tile(bias, start, stop):
 
 @torch.no_grad()
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
-    """Returns the exact top-k logits per row, without the `[M, V]` logits.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        k: int in `[1, V]`.
-        bias: optional float `[V]`.
-        exclude_ids: optional int `[M, X]`: ids never returned for that row;
-            ids outside `[0, V)` are ignored.
-        chunk_size: vocabulary tile width.
-
-    Returns:
-        `(scores, ids)`: float32 `[M, k]` logits sorted descending (ties:
-        lower id first, as a stable sort of `-logits`) and int32 `[M, k]`
-        ids. Slots no item can fill (fewer than k items left after the
-        exclusions) have score `-inf` and id `EMPTY_ID` (-1); a row with a
-        NaN logit has NaN scores and ids `EMPTY_ID`.
-
-    Example:
-
-    >>> h = torch.ones((1, 2))
-    >>> table = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    >>> scores, ids = top_k(h, table, 2, chunk_size=2)
-    >>> ids.tolist(), scores.tolist()
-    ([[1, 2]], [[3.0, 2.0]])
-    """
+    """The retrieval `top_k` (the contract: `keras_cutbce.registry`)."""
     rows, device = hidden.shape[0], hidden.device
     best_scores = torch.full((rows, k), -torch.inf, dtype=torch.float32, device=device)
     best_ids = torch.full((rows, k), EMPTY_ID, dtype=torch.int64, device=device)
@@ -163,17 +103,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, chunk_size):
 
 @torch.no_grad()
 def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, chunk_size):
-    """Counts, per row, the items ranked above `(scores, ids)`: int32 `[M]`, -1 for a NaN row.
-
-    The registry's `count_above` (`keras_cutbce/registry.py` says what counts).
-
-    Example:
-
-    >>> h = torch.ones((1, 2))
-    >>> table = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 1.0]])
-    >>> count_above(h, table, None, torch.tensor([1.0]), torch.tensor([2]), chunk_size=2).tolist()
-    [2]
-    """
+    """The retrieval `count_above` (the contract: `keras_cutbce.registry`)."""
     rows, device = hidden.shape[0], hidden.device
     scores = scores.float()[:, None]
     ids = ids.long()[:, None]

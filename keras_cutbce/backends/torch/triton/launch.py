@@ -116,7 +116,7 @@ def operand_dtype(hidden):
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
                family, stats=None, operands=torch.float32):
-    """`kernel.dense_pass` by the kernels (`tiles` gives `V` only; `operands`: the products' dtype).
+    """`chunked.dense_pass` by the kernels (`tiles` gives `V` only; `operands`: the products' dtype).
 
     Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass.
     """
