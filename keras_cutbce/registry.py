@@ -16,8 +16,7 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   gradient in one pass over the vocabulary; an implementation without it
   reduces its `cut_bce`;
 - `cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size)` and
-  `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy
-  (`chunked` and `reference` only, so far);
+  `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy;
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
   -> (scores [M, k] float32, ids [M, k] int32)`, ties to the lower id;
 - `count_above(hidden, table, bias, scores [M], ids [M], exclude_ids [M, X] |
@@ -118,6 +117,8 @@ IMPLEMENTATIONS = {
             "torch": f"{_TORCH}.chunked:cut_softmax",
             "tensorflow": f"{_TF}.chunked:cut_softmax",
         },
+        "pallas": {"jax": f"{_JAX}.pallas:cut_softmax"},
+        "sharded": {"jax": f"{_JAX}.sharded:cut_softmax"},
     },
     "cut_softmax_weighted_sum": {
         "chunked": {
@@ -125,6 +126,7 @@ IMPLEMENTATIONS = {
             "torch": f"{_TORCH}.chunked:cut_softmax_weighted_sum",
             "tensorflow": f"{_TF}.chunked:cut_softmax_weighted_sum",
         },
+        "pallas": {"jax": f"{_JAX}.pallas:cut_softmax_weighted_sum"},
     },
     "top_k": {
         "chunked": {

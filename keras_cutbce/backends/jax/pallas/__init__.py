@@ -29,6 +29,9 @@ Example:
 (4,)
 """
 
-from keras_cutbce.backends.jax.pallas.api import cut_bce, cut_bce_weighted_sum
+from keras_cutbce.backends.jax.pallas.api import (cut_bce, cut_bce_weighted_sum, cut_softmax,
+                                                  cut_softmax_weighted_sum, softmax_gradients,
+                                                  softmax_statistics)
 
-__all__ = ["cut_bce", "cut_bce_weighted_sum"]
+__all__ = ["cut_bce", "cut_bce_weighted_sum", "cut_softmax", "cut_softmax_weighted_sum",
+           "softmax_gradients", "softmax_statistics"]

@@ -18,12 +18,13 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from keras_cutbce.backends.jax import compile_platform, vjp
+from keras_cutbce.backends.jax import chunked, compile_platform, math, vjp
 from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.call import passes
 from keras_cutbce.backends.jax.pallas.config import Config
 from keras_cutbce.common import EMPTY_ID, round_up
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
 
 _PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST}
 
@@ -44,7 +45,7 @@ def _resolve_interpret(interpret):
 
 
 def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
-            interpret, precision="default"):
+            interpret, precision="default", family="bce"):
     """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays.
 
     `chunk_size` (the vocabulary tile, at most `tiling.MAX_TILE`) and
@@ -79,7 +80,8 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
                         round_up(max(num_rows, 1), tiling.LANES))
     cfg = Config(
         vocab_size=int(vocab_size),
-        coef=bce_coefficients(label_smoothing, pos_weight),
+        coef=(math.Softmax(float(label_smoothing), int(vocab_size)) if family == "softmax"
+              else bce_coefficients(label_smoothing, pos_weight)),
         row_tile=int(rows_tile),
         tile=int(tile),
         num_ids=int(ids.shape[1]),
@@ -90,6 +92,7 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
         table_dtype=jnp.dtype(table.dtype).name,
         dv_view=dim % tiling.LANES != 0,
         cores=int(tiling.tensorcores()),
+        family=family,
     )
     return cfg, hidden, table, bias, ids
 
@@ -223,3 +226,93 @@ def cut_bce_weighted_sum(
     if hidden.shape[0] == 0:
         return jnp.zeros((), jnp.float32)
     return _functions(cfg)[1](hidden, table, ids, bias, row_weights)
+
+
+def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=None):
+    """Softmax's loss `[M]` (or None) and gradients (or None): `chunked`'s loop with Pallas passes.
+
+    A statistics pass (the rows' max and sum exp, rescaled) gives the
+    log-sum-exp; the gradient pass takes it (slopes `exp(z - lse) - a / V`).
+    The linear rest is exact outside the kernel: the positives' `-(1 - a) /
+    |P| z_p` (gathered) and label smoothing's `-(a / V) (h . sum_v E_v +
+    sum_v b_v)`.
+    """
+    family = cfg.coef
+    index, keep = distinct_targets(ids, cfg.vocab_size)
+    (m, s), _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True)
+    grads = row_scale = None
+    if row_weights is not None:
+        row_scale = family.row_scale(row_weights, keep, cfg.vocab_size)
+        _, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
+                          lse=family.statistics((m, s)))
+        grads = (grads[0], grads[1].astype(jnp.float32), grads[2])
+    positive_rows, grads = chunked._add_positives(hidden, table, bias, index, keep, family, grads,
+                                                  loss=loss, row_scale=row_scale)
+    if not loss:
+        return None, grads
+    total = jnp.zeros_like(m)
+    if family.label_smoothing:
+        total = jnp.matmul(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
+                           precision=lax.Precision.HIGHEST)
+        total = total if bias is None else total + jnp.sum(bias.astype(jnp.float32))
+    return family.finish((m, s, total), positive_rows, keep, cfg.vocab_size), grads
+
+
+@functools.lru_cache(maxsize=128)
+def _softmax_functions(cfg):
+    """Returns the differentiable `(per_row_loss, weighted_sum)` of one softmax configuration."""
+
+    def loss_fn(hidden, table, ids, bias):
+        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=True)[0]
+
+    def grads_fn(hidden, table, ids, bias, row_weights):
+        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=False,
+                                       row_weights=row_weights)[1]
+
+    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
+        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=True,
+                                       row_weights=row_weights)
+
+    return (vjp.per_row_loss(loss_fn, grads_fn),
+            vjp.weighted_sum(loss_fn, loss_and_grads_fn))
+
+
+def softmax_statistics(hidden, table, bias, *, chunk_size=None, interpret=None):
+    """Returns the rows' `(max, sum_v exp(z_v - max))`, float32 `[M]` each (no gradient)."""
+    cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
+                                            0.0, 1.0, chunk_size, None, interpret,
+                                            family="softmax")
+    return passes(hidden, table, bias, ids, None, cfg, with_loss=True)[0]
+
+
+def softmax_gradients(hidden, table, bias, lse, row_scale, *, chunk_size=None, interpret=None):
+    """Returns the float32 gradients of `sum_m row_scale_m sum_v exp(z_mv - lse_m)` (no smoothing)."""
+    cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
+                                            0.0, 1.0, chunk_size, None, interpret,
+                                            family="softmax")
+    grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False, lse=lse)[1]
+    return grads[0], grads[1].astype(jnp.float32), grads[2]
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None,
+                block_rows=None, interpret=None, precision="default"):
+    """`cut_bce` for the softmax cross-entropy (`math.Softmax`), float32 `[M]`."""
+    cfg, hidden, table, bias, ids = prepare(
+        hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
+        precision, family="softmax")
+    if hidden.shape[0] == 0:
+        return jnp.zeros((0,), jnp.float32)
+    return _softmax_functions(cfg)[0](hidden, table, ids, bias)
+
+
+def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
+                             chunk_size=None, block_rows=None, interpret=None,
+                             precision="default"):
+    """`cut_bce_weighted_sum` for the softmax cross-entropy: a statistics pass, then gradients."""
+    cfg, hidden, table, bias, ids = prepare(
+        hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
+        precision, family="softmax")
+    row_weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
+    if hidden.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    return _softmax_functions(cfg)[1](hidden, table, ids, bias, row_weights)

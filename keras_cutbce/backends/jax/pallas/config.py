@@ -1,8 +1,7 @@
-"""The static settings of one Pallas CutBCE call and of one kernel pass."""
+"""The static settings of one Pallas call and of one kernel pass."""
 
 from typing import NamedTuple
 
-from keras_cutbce.math.coefficients import BCECoefficients
 
 
 class Config(NamedTuple):
@@ -10,7 +9,8 @@ class Config(NamedTuple):
 
     Attributes:
         vocab_size: `V`.
-        coef: the loss weights (`keras_cutbce.math.coefficients`).
+        coef: BCE's weights (`keras_cutbce.math.coefficients`); for softmax,
+            `math.Softmax` (its label smoothing).
         row_tile: rows of one kernel step (a multiple of 128).
         tile: items of one vocabulary tile (a multiple of 128).
         num_ids: `L`, target ids per row.
@@ -21,10 +21,11 @@ class Config(NamedTuple):
         table_dtype: dtype name of the table gradient the kernels write.
         dv_view: the kernels read the table as its `[D, V]` view (D % 128 != 0).
         cores: TensorCores of the target chip (the vocabulary is split across them).
+        family: the loss family, `"bce"` or `"softmax"` (`kernel`).
     """
 
     vocab_size: int
-    coef: BCECoefficients
+    coef: object
     row_tile: int
     tile: int
     num_ids: int
@@ -35,6 +36,11 @@ class Config(NamedTuple):
     table_dtype: str
     dv_view: bool
     cores: int = 1
+    family: str = "bce"
+
+    @property
+    def softmax(self):
+        return self.family == "softmax"
 
 
 class Pass(NamedTuple):
