@@ -343,7 +343,7 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         return kernel(hidden, table.value, *args, **kwargs)
     if route == "sharded":
         kwargs["sharding"] = table.sharding
-        if op == "cut_bce" and implementation == "chunked":
+        if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
             kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
     elif route == "chunked" and chunk_size is None:
         chunk_size = _default_chunk_size(hidden, table.value)

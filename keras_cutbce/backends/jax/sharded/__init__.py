@@ -26,7 +26,8 @@ scores, ids = top_k(hidden, table, 10, sharding=spec)       # [M, 10]
 """
 
 from keras_cutbce.backends.jax.sharded.discovery import VocabSharding, vocab_sharding_of
-from keras_cutbce.backends.jax.sharded.loss import KERNELS, cut_bce
+from keras_cutbce.backends.jax.sharded.loss import KERNELS, cut_bce, cut_softmax
 from keras_cutbce.backends.jax.sharded.retrieval import count_above, top_k
 
-__all__ = ["KERNELS", "VocabSharding", "count_above", "cut_bce", "top_k", "vocab_sharding_of"]
+__all__ = ["KERNELS", "VocabSharding", "count_above", "cut_bce", "cut_softmax", "top_k",
+           "vocab_sharding_of"]
