@@ -1,16 +1,7 @@
-"""The Pallas CutBCE functions: settings, the `custom_vjp` and the public entry points.
+"""The Pallas entry points: settings, the `custom_vjp`, BCE and softmax (contract: `registry`).
 
-Dispatch (`keras_cutbce.backends.jax.compile_platform`): the kernel compiles with
-Mosaic when the program is compiled for a TPU and runs in the Pallas
-interpreter otherwise (or whenever `interpret=True`); when the target is
-only known at lowering (a CPU host with libtpu, no mesh), both are traced
-and `jax.lax.platform_dependent` keeps the target's.
-
-Matmuls run in the hidden states' dtype when it is 16-bit (Keras mixed
-precision: bfloat16 activations, float32 table; the table tile is cast in
-VMEM), else in the promoted dtype, with float32 accumulation; float32
-matmuls at `precision="default"` (what Keras's dense BCE gets on a TPU) or
-`"highest"`.
+Mosaic when compiled for a TPU, the interpreter otherwise (`compile_platform`);
+16-bit hidden states keep their dtype in the matmuls, float32 accumulation.
 """
 
 import functools
@@ -46,14 +37,7 @@ def _resolve_interpret(interpret):
 
 def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
             interpret, precision="default", family="bce"):
-    """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays.
-
-    `chunk_size` (the vocabulary tile, at most `tiling.MAX_TILE`) and
-    `block_rows` (the row tile; None: `tiling.choose_tiles`) are rounded up
-    to 128. Ids of any integer width;
-    the kernel reads each row's positives
-    (`keras_cutbce.backends.jax.math.sorted_positives`).
-    """
+    """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays."""
     hidden = jnp.asarray(hidden)
     table = jnp.asarray(table)
     bias = None if bias is None else jnp.asarray(bias)
@@ -129,35 +113,14 @@ def cut_bce(
     interpret=None,
     precision="default",
 ):
-    """Computes the per-row CutBCE `[M]` float32 with the Pallas TPU kernel.
+    """Per-row CutBCE `[M]` float32 (`registry`'s contract); Pallas options below.
 
-    Gradients are exact for any cotangent.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates
-            count once.
-        bias: optional float `[V]`.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width (rounded up to 128, at most 4096); None:
-            `tiling.choose_tiles`.
-        block_rows: rows of one kernel step (rounded up to 128); None:
-            `tiling.choose_tiles`.
-        interpret: run the kernel in the Pallas TPU interpreter; None: when
-            the program is not compiled for a TPU (`compile_platform`).
-        precision: `"default"` (float32 matmuls at the TPU's default
-            precision, as Keras's dense BCE computes them) or `"highest"`.
-
-    Returns:
-        Float32 `[M]`: `mean_v[scale_v softplus(z_v) - target_v z_v]`.
-
-    Example:
+    `chunk_size`/`block_rows`: vocabulary/row tile (rounded up to 128; None: the
+    tile rule); `interpret`: None follows the target; `precision`: `"default"`
+    or `"highest"` float32 matmuls.
 
     >>> import numpy as np
-    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
-    >>> loss = cut_bce(h, table, np.array([[1], [2], [-1]]), None)
+    >>> loss = cut_bce(np.zeros((3, 4), "float32"), np.zeros((10, 4), "float32"), np.array([[1], [2], [-1]]))
     >>> bool(np.allclose(loss, np.log(2.0)))
     True
     """
@@ -184,40 +147,7 @@ def cut_bce_weighted_sum(
     interpret=None,
     precision="default",
 ):
-    """Computes `sum_m row_weights[m] * cut_bce(...)[m]` and its gradients in one pass.
-
-    The training path of a reduced loss (`keras_cutbce.ops`): when a
-    gradient is asked for, one kernel pass per resident row block (one in
-    all when the rows fit VMEM) computes the loss and the gradients of
-    `hidden`, `table` and `bias` at cotangent 1; the backward pass only
-    scales them. Plain evaluation runs the forward pass alone.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates count once.
-        bias: float `[V]` or None.
-        row_weights: float `[M]` row weights (constants: their gradient is 0).
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width (rounded up to 128, at most 4096); None: the tile rule.
-        block_rows: rows of one kernel step (rounded up to 128); None: the tile rule.
-        interpret: run the kernel in the Pallas TPU interpreter; None: when
-            the program is not compiled for a TPU.
-        precision: `"default"` or `"highest"` (float32 matmuls).
-
-    Returns:
-        A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`.
-
-    Example:
-
-    >>> import numpy as np
-    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
-    >>> w = np.array([1.0, 0.5, 0.0], "float32")
-    >>> total = cut_bce_weighted_sum(h, table, np.array([[1], [2], [-1]]), None, w)
-    >>> bool(np.isclose(total, 1.5 * np.log(2.0)))
-    True
-    """
+    """`sum_m row_weights[m] * cut_bce(...)[m]`; loss and gradients in one kernel pass."""
     cfg, hidden, table, bias, ids = prepare(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
         precision,
@@ -229,13 +159,10 @@ def cut_bce_weighted_sum(
 
 
 def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=None):
-    """Softmax's loss `[M]` (or None) and gradients (or None): `chunked`'s loop with Pallas passes.
+    """Softmax's loss `[M]` (or None) and gradients (or None), as `chunked`'s loop does.
 
-    A statistics pass (the rows' max and sum exp, rescaled) gives the
-    log-sum-exp; the gradient pass takes it (slopes `exp(z - lse) - a / V`).
-    The linear rest is exact outside the kernel: the positives' `-(1 - a) /
-    |P| z_p` (gathered) and label smoothing's `-(a / V) (h . sum_v E_v +
-    sum_v b_v)`.
+    A statistics pass gives the log-sum-exp, the gradient pass takes it; the
+    linear rest (positives, label smoothing) is exact outside the kernel.
     """
     family = cfg.coef
     index, keep = distinct_targets(ids, cfg.vocab_size)
@@ -308,7 +235,7 @@ def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_siz
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
                              chunk_size=None, block_rows=None, interpret=None,
                              precision="default"):
-    """`cut_bce_weighted_sum` for the softmax cross-entropy: a statistics pass, then gradients."""
+    """`cut_bce_weighted_sum` for softmax: a statistics pass, then the gradient pass."""
     cfg, hidden, table, bias, ids = prepare(
         hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
         precision, family="softmax")

@@ -1,18 +1,8 @@
 """The `pallas_call` plumbing: rows padded and laid out, one call per resident row block.
 
-Only the rows (hidden states, ids, `row_scale`: `O(M (D + L))`) are padded to
-the row tile (padded rows have a zero `row_scale` and only `EMPTY_ID` ids);
-the table is never padded, copied or relaid out: the grid covers
-`cdiv(V, tile)` tiles and the kernel masks the last, partial one. The table
-gradient of row block k is an input of block k + 1, aliased to its output,
-so it accumulates in place (in the table's dtype: a bfloat16 table's
-gradient is rounded once per block; a float32 copy would be a table-sized
-temporary). The bias travels as a `[1, V]` float32 row.
-
-JAX-version shims (JAX 0.10.2 and later): `pltpu.CompilerParams` was once
-`pltpu.TPUCompilerParams`, `pltpu.InterpretParams` and `pl.Squeezed` are
-recent; each is looked up with `getattr` and has a fallback. Grid semantics
-are the strings `"parallel"` / `"arbitrary"`, accepted by every version.
+Only the rows are padded (zero `row_scale`, `EMPTY_ID` ids); the table never
+is. The table gradient of a block is aliased into the next block's. JAX
+version shims use `getattr` with a fallback.
 """
 
 import functools
@@ -46,14 +36,7 @@ def _traced_over_several_devices():
 
 
 def interpret_arg(interpret):
-    """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target).
-
-    The TPU interpreter (`pltpu.InterpretParams`, JAX >= 0.6), except over
-    several devices: it synchronises their programs at barriers run from
-    host callbacks, which deadlocks when the host has fewer threads free than
-    devices (4 simulated devices on 2 cores); the generic interpreter runs
-    each shard's kernel on its own.
-    """
+    """Returns `pallas_call`'s `interpret=` (the TPU interpreter; the generic one over several devices)."""
     if interpret is None:
         interpret = compile_platform.compiled_platform() != "tpu"
     if not interpret:
@@ -88,12 +71,7 @@ def _pad_rows(x, rows, value=0):
 
 
 def row_inputs(hidden, ids, row_scale, rows, cfg):
-    """Returns the rows padded to `rows` in the kernel's layout.
-
-    Hidden states `[D, rows]` (`[D, V]` table view) or `[rows, D]`; each
-    row's positives sorted after `EMPTY_ID` padding, `[L, rows]` (None for
-    softmax); `row_scale` `[1, rows]` float32 (or None).
-    """
+    """Returns the padded rows in the kernel's layout: hidden, sorted positives `[L, rows]`, `row_scale`."""
     hidden = _pad_rows(hidden, rows)
     hidden = hidden.T if cfg.dv_view else hidden
     if ids is not None:
@@ -104,12 +82,7 @@ def row_inputs(hidden, ids, row_scale, rows, cfg):
 
 
 def in_tile_counts(ids_t, cfg):
-    """Returns `[tiles, row tiles]` int32: the most positives one row of a row tile has in a tile.
-
-    `ids_t`: sorted positives `[L, rows]` (`row_inputs`). O(rows L): a row's
-    positives in one tile are consecutive, so one's rank among them is its
-    slot minus the slot where its tile starts.
-    """
+    """Returns `[tiles, row tiles]` int32: the most positives one row of a row tile has in a tile."""
     ids = ids_t.T
     rows, length = ids.shape
     tiles = num_tiles(cfg)
@@ -148,14 +121,10 @@ def _cost(cfg, rows, dim, itemsize, ps):
 
 
 def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None):
-    """Runs one `pallas_call`: row block `block` of the padded rows against the whole table.
+    """Runs one `pallas_call`: row block `block` against the whole table.
 
-    Returns `(loss [rows] | None, grad_hidden (rows' layout) | None,
-    grad_table (view) | None, grad_bias [1, V] | None)`; `counts` are the
-    block's in-tile id counts (prefetched to SMEM, flat); `carried` the
-    table and bias gradients of earlier blocks to add to, or None. Softmax:
-    no ids, the loss is the rows' `(max, sum exp)`, the slopes take `lse`
-    `[1, rows]`.
+    Returns `(loss | None, grad_hidden | None, grad_table | None, grad_bias |
+    None)`; softmax's loss is the rows' `(max, sum exp)`, its slopes take `lse`.
     """
     dim = table.shape[1]
     tile, block_rows, per_core = cfg.tile, ps.block_rows, ps.tiles_per_core
@@ -270,13 +239,10 @@ def _merge_cores(maxes, sums):
 
 
 def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None):
-    """Returns the rows' loss sums `[M]` (or None) and the gradients (or None).
+    """Returns the rows' loss sums `[M]` (softmax: `(max, sum exp)`) or None, and the gradients or None.
 
-    The gradients `(grad_hidden [M, D], grad_table [V, D], grad_bias [V] |
-    None)` are those of `sum_m row_scale_m * loss_sum_m` when `row_scale`
-    is given; one pass over the table per resident row block. Softmax
-    (`cfg.softmax`, `ids` unused): the loss is the rows' `(max, sum exp)`,
-    the gradients those of the dense slopes with the rows' `lse` `[M]`.
+    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its dense
+    slopes with `lse`); one pass over the table per resident row block.
     """
     with_grads = row_scale is not None
     count, block_rows = row_blocks(hidden.shape[0], hidden.shape[1], hidden.dtype.itemsize, cfg,

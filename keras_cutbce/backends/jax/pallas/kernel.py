@@ -1,38 +1,9 @@
-"""The Pallas TPU kernel of CutBCE: one pass over the table for a block of resident rows.
+"""The Pallas TPU kernel: one pass over the table for a block of resident rows.
 
-One kernel, three uses (`config.Pass`): the rows' loss sums, the gradients
-under a row cotangent (`row_scale`), or both in one pass. Its grid is
-`(core, vocabulary tile, row tile)`:
-
-- the rows are resident: hidden states, ids `[L, rows]` and `row_scale`
-  `[1, rows]` are fetched once per pass, and the loss `[1, rows]` and hidden
-  gradient stay in VMEM for the whole pass, written back once. Per-row
-  values travel lane-dense; the kernel moves them to and from the sublanes
-  with one 128-aligned transpose per tile.
-- the table tile and its gradient accumulator stay in VMEM across the inner
-  row axis, so a pass reads the table once and writes its gradient once.
-- on megacore chips the leading axis is "parallel": each TensorCore takes a
-  contiguous half of the vocabulary tiles and writes its own loss and
-  hidden-gradient partials (on one-core chips the axis has size 1).
-
-What is Pallas-specific lives here: the layouts (the table read as its
-`[D, V]` view when `D % 128 != 0`, a bitcast of XLA:TPU's layout, else as
-`[V, D]`), the lane/sublane moves, the edge masks of the last, partial
-vocabulary tile, and finding a row's positives inside a tile from its
-sorted ids (`keras_cutbce.backends.jax.math.sorted_positives`) with a
-prefetched bound on how many fall there (the passes building the hit bits).
-
-A step's `[row_tile, tile]` tile is far larger than the vector register
-file, so it runs in pieces (`tiling.PIECE_ROWS` x `tiling.PIECE_COLS`), a
-column of them at a time, the columns unrolled (one straight-line step for
-the scheduler): the loss term and slope (`logit_terms`: a positive's sign
-flipped by one xor) of one column on the VPU while the MXU writes the next
-column's logits to one of two logits buffers and takes the previous
-column's gradient matmuls from one of two slope buffers. A row's ids in the
-tile are one int32 word per lane (bit `b`: item `128 b + lane`), built once
-a step from the sorted ids; a logit's positive flag is two vector ops on
-that word, however many ids a row has in the tile. A float32 table's
-gradient accumulates in its output block.
+Grid `(core, vocabulary tile, row tile)`; the step's tile runs in
+register-sized pieces, software-pipelined between the MXU and the VPU. BCE
+finds positives from hit bits; softmax keeps a running (max, sum exp) or
+takes `lse`. The design: docs/tpu.md.
 """
 
 import jax.numpy as jnp
@@ -111,13 +82,7 @@ def _pick(ids, first, k):
 
 
 def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
-    """Writes `bits_ref` `[rows, 128]` int32: each row's ids in the tile as bits.
-
-    Bit `b` of lane `l` is set where item `lo + 128 b + l` is one of the
-    row's ids (`tile` at most `32 * 128` items). One pass per id slot of
-    the most crowded row (`count`), over `bits_t_ref` `[128, rows]` (the
-    rows on the lanes, where the sorted ids are), then one transpose.
-    """
+    """Writes `bits_ref` `[rows, 128]`: bit `b` of lane `l` set where item `lo + 128 b + l` is an id."""
     lane = lax.broadcasted_iota(jnp.int32, bits_t_ref.shape, 0)
     bits_t_ref[...] = jnp.zeros(bits_t_ref.shape, jnp.int32)
 
@@ -168,25 +133,10 @@ def piece_shape(cfg):
 
 
 def kernel(*refs, cfg, ps, interpreted=False):
-    """Writes the loss sums and/or gradients of one block of resident rows.
+    """Writes the loss (softmax: max and sum exp) and/or gradients of one block of resident rows.
 
-    Grid `(core, j, i)`: TensorCore `core` ("parallel"), its vocabulary tile
-    `j`, row tile `i` of the resident block. Refs, in order: the prefetched
-    in-tile counts, hidden states (`[D, rows]` or `[rows, D]`), ids
-    `[L, rows]`, `row_scale` `[1, rows]` (with gradients), the table tile,
-    the bias tile (with a bias), the carried table and bias gradients (with
-    `ps.carry`); outputs: loss `[1, rows]`, the hidden gradient before its
-    row scale (`call` applies it), table and bias gradients; scratch: the
-    float32 table-gradient accumulator (a 16-bit table), the step's hidden states
-    times the row scale (matmul dtype), two slope buffers `[row_tile, piece
-    cols]` (matmul dtype), the loss terms `[row_tile, 128]`, the rows' ids
-    in the tile as bits `[row_tile, 128]` and `[128, row_tile]`
-    (`_fill_hit_bits`), the row scale as a column `[row_tile, 128]` (with a
-    bias or a `[rows, D]` layout), the step's hidden states as `[row_tile,
-    D]` (`[D, V]` view), and two float32 logits buffers `[row_tile, piece
-    cols]`.
-    `interpreted`: traced for the interpreter (XLA), not Mosaic
-    (`logit_terms.Exps`).
+    Refs in the order `call._pass` builds them, scratch as `scratch_shapes`;
+    `interpreted`: traced for the interpreter (`logit_terms.Exps`).
     """
     refs = list(refs)
     in_tile_ref, hidden_ref = refs.pop(0), refs.pop(0)
@@ -238,10 +188,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         logits_refs[buffer][...] = _logits(hidden, table, bias, cfg)
 
     def elementwise(c, buffer, edge, lo, part):
-        """Returns column `c`'s slopes of rows `part` (a slice), or None; adds their loss terms.
-
-        Their logits are read from `logits_refs[buffer]` (`logits_column`).
-        """
+        """Returns column `c`'s slopes of rows `part`, or None; adds their loss terms."""
         cols_ds = columns(c)
         c0 = cols_ds.start
         valid = None
@@ -286,10 +233,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         return jnp.concatenate(slopes, axis=0) if slopes else None
 
     def softmax_piece(z, local, valid):
-        """Adds a piece's logits to the lanes' running (max, sum exp); returns its slopes or None.
-
-        The slopes are `exp(z - lse) - a / V` (`lse` from the statistics pass).
-        """
+        """Adds a piece to the lanes' running (max, sum exp); returns `exp(z - lse) - a / V` or None."""
         if ps.with_loss:
             zm = z if valid is None else jnp.where(valid, z, LOWEST)
             m_old = terms_ref[local, :]
@@ -324,15 +268,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
             acc_table[cols_ds, :] += grad
 
     def pieces(edge, lo):
-        """The step's tile, piece column by piece column (unrolled).
-
-        Software-pipelined over two logits and two slope buffers: while the
-        VPU works on piece column `c` (its logits in one buffer), the MXU
-        writes column `c + 1`'s logits to the other and takes column
-        `c - 1`'s gradient matmuls from the other slope buffer. The last
-        column's gradients go in row halves, the first half's while the VPU
-        works on the second.
-        """
+        """The step's tile, piece column by piece column (unrolled, double-buffered logits and slopes)."""
         count = cfg.tile // piece_cols
         whole = slice(0, row_tile)
         logits_column(0, 0, edge, lo)

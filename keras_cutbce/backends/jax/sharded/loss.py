@@ -1,30 +1,9 @@
-"""CutBCE with the item table split along V: each device runs a single-device kernel on its shard.
+"""Both loss families with the item table split along V (`registry`'s contract, `sharding=`).
 
-Ids are rebased to the shard (`id - offset`; ids of other shards become
-padding), each device computes the sum of its shard's terms, and one `psum`
-over the vocabulary axes adds them; the mean uses the global V. The
-backward pass (`keras_cutbce.backends.jax.vjp.per_row_loss`) adds one
-`psum` for the hidden-state gradient, while the table and bias gradients
-stay sharded: no device ever holds the full table or its full gradient.
-
-Per-shard kernel (`kernel="auto"`): chosen by the platform the program is
-compiled for, not the host (`jax.lax.platform_dependent`): a TPU program
-runs the Pallas kernel (compiled by Mosaic, never the interpreter), any
-other runs the chunked XLA loop. So an ahead-of-time compile for a TPU pod
-from a CPU host builds the program a TPU host runs; only the chosen branch
-is lowered. `kernel="chunked"` forces the XLA loop everywhere;
-`kernel="pallas"` forces the Pallas kernel (in the Pallas TPU interpreter
-when compiled for a non-TPU platform: slow but exact, for tests).
-
-A padded table row (V not divisible by the shard count) is a zero row with
-zero bias: its logit is exactly 0, so its loss term is the constant
-`neg_scale * log(2)`, subtracted once, and it adds nothing to the
-hidden-state gradient.
-
-Keras and JAX cannot create a variable split unevenly, so under
-`ModelParallel` choose V (e.g. `num_items + 1`) divisible by the shard
-count; a table passed as an array with an explicit `VocabSharding` may have
-any V.
+BCE: one `psum` of the shards' sums. Softmax: a global log-sum-exp (`pmax`,
+`psum` of rescaled sums). Table gradients stay sharded. Per-shard kernel
+`"auto"`: Pallas when compiled for a TPU, else chunked. A padded table row
+is a zero row (BCE: its constant term subtracted; softmax: bias `-inf`).
 """
 
 import functools
@@ -81,38 +60,7 @@ def cut_bce(
     chunk_size=None,
     kernel="auto",
 ):
-    """Computes the per-row CutBCE with the table split along V over `sharding.vocab_axes`.
-
-    Same contract and result as `chunked.cut_bce` on one device (up to the
-    float summation order); jit-, grad- and vmap-compatible. The
-    `shard_map`/`custom_vjp` program is built once per configuration
-    (cached) and jitted, so eager calls reuse it.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]` (any placement; resharded to `P(vocab_axes,
-            None)` if it is not already).
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding.
-        bias: optional float `[V]`.
-        sharding: a `VocabSharding`.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width per shard; `None`: the default
-            rule on the per-device rows and shard width (the Pallas kernel
-            then uses its own tile rule).
-        kernel: per-shard kernel: `"auto"` (Pallas when compiled for a TPU,
-            else chunked), `"chunked"` or `"pallas"` (interpreted off TPU).
-
-    Returns:
-        Float32 `[M]`.
-
-    Example:
-
-    ```python
-    spec = VocabSharding(jax.make_mesh((8,), ("model",)), ("model",))
-    loss = cut_bce(hidden, table, ids, sharding=spec, chunk_size=256)
-    ```
-    """
+    """Per-row CutBCE `[M]` over the shards; `kernel`: `"auto"`, `"chunked"` or `"pallas"`."""
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
     program = _loss_program(
@@ -131,11 +79,7 @@ def cut_bce(
 @functools.lru_cache(maxsize=64)
 def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size,
                   kernel="auto"):
-    """Returns the jitted `(hidden, table, ids, bias) -> [M]` sharded loss of one configuration.
-
-    Cached: an eager call with the same mesh, shapes and settings reuses the
-    same `shard_map`/`custom_vjp` closures, so JAX's compilation cache hits.
-    """
+    """Returns the jitted, cached `(hidden, table, ids, bias) -> [M]` sharded BCE."""
     mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
     local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
     pallas_tile = chunk_size  # None: the Pallas kernel's own tile rule
@@ -204,11 +148,7 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
 
 
 def _softmax_shard_kernels(kernel, tile, pallas_tile):
-    """Returns one shard's `statistics(h, t, b) -> (max, sum exp)` and `gradients(h, t, b, lse, s)`.
-
-    The gradients are those of `sum_m s_m sum_v exp(z_mv - lse_m)` (the dense
-    slopes with the global log-sum-exp), float32.
-    """
+    """Returns one shard's `statistics(h, t, b)` and `gradients(h, t, b, lse, row_scale)`."""
     family = math.Softmax(0.0, 1)  # no smoothing: its linear term is the program's own
 
     def xla_statistics(h, t, b):
@@ -234,15 +174,7 @@ def _softmax_shard_kernels(kernel, tile, pallas_tile):
 
 def cut_softmax(hidden, table, ids, bias=None, *, sharding, label_smoothing=0.0, chunk_size=None,
                 kernel="auto"):
-    """`cut_bce` for the softmax cross-entropy: a global log-sum-exp across the shards.
-
-    Each shard reduces its logits to the rows' `(max, sum exp)`; one `pmax`
-    and one `psum` of the rescaled sums give the log-sum-exp (no table
-    all-gather); the backward pass recomputes it, then each shard's slopes
-    `exp(z - lse)`. The positives' term is summed per shard (`psum`), label
-    smoothing's `-(a / V) (h . sum_v E_v + sum_v b_v)` is plain JAX. A
-    padded table row gets the bias `-inf`: it adds nothing.
-    """
+    """Per-row softmax cross-entropy `[M]` over the shards (a global log-sum-exp)."""
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
     program = _softmax_program(
