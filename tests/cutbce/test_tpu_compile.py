@@ -25,11 +25,14 @@ its `CompileReport` checked:
 - the fused kernel's schedule (`benchmarks/pallas_cycles.py`: the final
   bundles, a static property of the compiled kernel, not a timing) stays
   within the cycles per 1024 logits and the multiple of the MXU floor it
-  reached (v6e, (4096, 64, 876000) float32 and bfloat16, L = 8).
+  reached (v6e, (4096, 64, 876000) float32 and bfloat16, L = 8), and so do
+  softmax's statistics and gradient kernels together (float32);
+- softmax (`cutsoftmax_*` kernels): the reduced `CutSoftmaxLoss` on v5p and
+  v5e and the per-position op on v6e (generation unknown), the same checks.
 
 The matrix spreads v4, v5e, v5p and v6e, D in {32, 64, 96, 128, 192, 256},
 float32 and bfloat16, aligned and unaligned V, and a known or unknown
-generation (`mesh`) over 12 programs rather than their full cross product,
+generation (`mesh`) over 15 programs rather than their full cross product,
 to fit CI's time (on 2 shared cores about 4.5 minutes with the cycles
 compiles, and 3.5 more for the five resident-row programs).
 """

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_cutbce.backends.jax import chunked, math, pallas, vjp
+from keras_cutbce.backends.jax import chunked, pallas, vjp
+from keras_cutbce.backends.jax.math import Softmax
 from keras_cutbce.backends.jax.sharded import mesh as mesh_lib
 from keras_cutbce.backends.jax.sharded.discovery import VocabSharding
 from keras_cutbce.math.coefficients import bce_coefficients
@@ -149,7 +150,7 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
 
 def _softmax_shard_kernels(kernel, tile, pallas_tile):
     """Returns one shard's `statistics(h, t, b)` and `gradients(h, t, b, lse, row_scale)`."""
-    family = math.Softmax(0.0, 1)  # no smoothing: its linear term is the program's own
+    family = Softmax(0.0, 1)  # no smoothing: its linear term is the program's own
 
     def xla_statistics(h, t, b):
         return chunked._dense_pass(h, t, b, None, tile, family, loss=True)[0][:2]
