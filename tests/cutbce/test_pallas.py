@@ -674,13 +674,13 @@ def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight):
 
 
 @pytest.mark.parametrize("cores,block_rows,scale,label_smoothing", [
-    (1, None, 1.0, 0.0), (2, 128, 1.0, 0.1), (1, 128, 40.0, 0.1)])
+    (1, None, 40.0, 0.0), (2, 128, 1.0, 0.1)])
 @pytest.mark.slow
 def test_softmax_matches_the_chunked_loop(rng, monkeypatch, cores, block_rows, scale,
                                           label_smoothing):
     """Softmax (statistics pass, then gradients with the log-sum-exp) against `chunked`.
 
-    V = 1100 over 256-wide tiles (a partial last tile), bias, padding,
+    V = 700 over 256-wide tiles (a partial last tile), bias, padding,
     duplicates, a row without a valid id; one or two TensorCores, one or
     three resident row blocks (M = 300), logits x40 (saturated).
     """
@@ -691,7 +691,7 @@ def test_softmax_matches_the_chunked_loop(rng, monkeypatch, cores, block_rows, s
     monkeypatch.setattr(pallas.tiling, "tensorcores", lambda: cores)
     if block_rows:
         monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
-    h, t, b, ids, g = _inputs(rng, 300, 1100, 8, 3, bias=True)
+    h, t, b, ids, g = _inputs(rng, 300, 700, 8, 3, bias=True)
     h = h * scale
     ids[5] = -1
     w = np.abs(g)
