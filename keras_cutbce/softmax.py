@@ -2,9 +2,10 @@
 
 The op and the Keras loss of the softmax family; they run the loss ops'
 path (`keras_cutbce.ops`, `keras_cutbce.loss.CutLoss`) with
-`family="softmax"`. Implementations: `"chunked"` on every backend (what
-`"auto"` runs) and `"reference"`; the Pallas and Triton kernels and the
-vocab-sharded path are BCE only so far (docs/cutbce.md).
+`family="softmax"`. Implementations: `"chunked"` on every backend,
+`"pallas"` on JAX (what `"auto"` runs on TPU), the vocab-sharded path for a
+table split over a JAX mesh, and `"reference"`; the Triton kernel is BCE
+only so far (docs/cutbce.md).
 """
 
 from typing import Optional
@@ -49,8 +50,9 @@ def cut_categorical_crossentropy(
         bias: optional float `[V]`, for a table without its own bias.
         label_smoothing: float in `[0, 1]`.
         chunk_size: vocabulary tile width; `None` uses the default rule.
-        implementation: `"auto"`, `"chunked"` or `"reference"` (dense);
-            `"pallas"` and `"triton"` raise `NotImplementedError` (not yet).
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX) or
+            `"reference"` (dense); `"triton"` raises `NotImplementedError`
+            (not yet).
 
     Returns:
         Float32 loss of shape `hidden.shape[:-1]`.
@@ -88,7 +90,7 @@ class CutSoftmaxLoss(CutLoss):
         bias: optional bias `[V]`, for a table without its own.
         label_smoothing: float in `[0, 1]`.
         chunk_size: vocabulary tile width, `None` for the default rule.
-        implementation: `"auto"`, `"chunked"` or `"reference"`.
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX) or `"reference"`.
         reduction: any Keras reduction.
         name: loss name.
         dtype: dtype of the reduced loss (default: Keras's float dtype).
