@@ -16,8 +16,7 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   gradient in one pass over the vocabulary; an implementation without it
   reduces its `cut_bce`;
 - `cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size)` and
-  `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy
-  (`chunked`, `reference` and `triton`);
+  `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy;
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
   -> (scores [M, k] float32, ids [M, k] int32)`, sorted descending, ties to
   the lower id; a slot no item can fill gets `-inf` and `EMPTY_ID`; exclusions
@@ -121,6 +120,8 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.chunked:cut_softmax",
         },
         "triton": {"torch": f"{_TORCH}.triton.launch:cut_softmax"},
+        "pallas": {"jax": f"{_JAX}.pallas:cut_softmax"},
+        "sharded": {"jax": f"{_JAX}.sharded:cut_softmax"},
     },
     "cut_softmax_weighted_sum": {
         "chunked": {
@@ -129,6 +130,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.chunked:cut_softmax_weighted_sum",
         },
         "triton": {"torch": f"{_TORCH}.triton.launch:cut_softmax_weighted_sum"},
+        "pallas": {"jax": f"{_JAX}.pallas:cut_softmax_weighted_sum"},
     },
     "top_k": {
         "chunked": {
@@ -308,7 +310,7 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         return kernel(hidden, table.value, *args, **kwargs)
     if route == "sharded":
         kwargs["sharding"] = table.sharding
-        if op == "cut_bce" and implementation == "chunked":
+        if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
             kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
     elif route == "chunked" and chunk_size is None:
         chunk_size = _default_chunk_size(hidden, table.value)

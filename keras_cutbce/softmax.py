@@ -36,7 +36,8 @@ def cut_categorical_crossentropy(
         bias: optional float `[V]`, for a table without its own bias.
         label_smoothing: float in `[0, 1]`.
         chunk_size: vocabulary tile width; `None`: the default rule.
-        implementation: `"auto"`, `"chunked"`, `"triton"` (torch) or `"reference"`.
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX), `"triton"` (torch) or
+            `"reference"`.
 
     Returns:
         Float32 loss of shape `hidden.shape[:-1]`.
@@ -69,7 +70,7 @@ class CutSoftmaxLoss(CutLoss):
         bias: optional bias `[V]`, for a table without its own.
         label_smoothing: float in `[0, 1]`.
         chunk_size: vocabulary tile width, `None` for the default rule.
-        implementation: `"auto"`, `"chunked"`, `"triton"` or `"reference"`.
+        implementation: `"auto"`, `"chunked"`, `"pallas"` (JAX), `"triton"` (torch) or `"reference"`.
         reduction: any Keras reduction.
         name: loss name.
         dtype: dtype of the reduced loss (default: Keras's float dtype).

@@ -100,6 +100,8 @@ CHIPS = {
 }
 SHAPES = ((4096, 64, 876_000), (16384, 64, 100_000))  # (rows M, dim D, vocabulary V)
 PATHS = ("fused", "per_row")  # weighted_loss_sum's one pass; per-row loss, then its gradients
+# `--paths softmax`: the softmax weighted sum (its statistics pass, then its gradient pass).
+FORWARD_KERNELS = ("cutbce_forward", "cutsoftmax_stats")
 
 _BUNDLE = re.compile(r"^\s*0x([0-9a-f]+)\s+([A-Z]*):\s*(>*)\s*\{(.*)", re.S)
 _OP = re.compile(r"= ([a-z][\w.]*)")
@@ -400,7 +402,8 @@ def kernel_dumps(directory):
     """`{kernel name: final-bundles path}` of the CutBCE kernels in a dump directory."""
     found = {}
     for path in glob.glob(os.path.join(directory, "*-01-final_bundles.txt")):
-        name = re.search(r"(cutbce_(?:fused|grads|forward))", os.path.basename(path))
+        name = re.search(r"(cutbce_(?:fused|grads|forward)|cutsoftmax_(?:stats|grads))",
+                         os.path.basename(path))
         if name:
             found[name.group(1)] = path
     return found
@@ -441,7 +444,12 @@ def compile_case(case, dump_dir):
 
     args = (spec((m, d), dtype), spec((aligned, d), dtype), spec((m, num_ids), jnp.int32),
             spec((m,), jnp.float32))
-    if case["path"] == "fused":
+    if case["path"] == "softmax":
+        def fn(h, t, ids, w):
+            return jax.value_and_grad(
+                lambda h, t: pallas.cut_softmax_weighted_sum(h, t, ids, None, w),
+                argnums=(0, 1))(h, t)
+    elif case["path"] == "fused":
         def fn(h, t, ids, w):
             return jax.value_and_grad(
                 lambda h, t: pallas.cut_bce_weighted_sum(h, t, ids, None, w), argnums=(0, 1))(h, t)
@@ -534,7 +542,7 @@ def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
         return round(cycles_per_step * steps / chip.clock_hz * 1e3, 2)
 
     d = case["dim"]
-    matmuls = 1 if name == "cutbce_forward" else 3
+    matmuls = 1 if name in FORWARD_KERNELS else 3
     mxu_step = (matmuls * 2 * d * logits_per_step * max(1, chip.mxu_depth / d)
                 / (chip.bf16_flops / chip.clock_hz))
     itemsize = 2 if case["dtype"] == "bfloat16" else 4
@@ -564,7 +572,7 @@ def case_row(case, result):
     kernels = []
     for name, path in sorted(result["dumps"].items()):
         schedule = read_bundles(path)
-        fact = result["facts"]["forward" if name == "cutbce_forward" else "grads"]
+        fact = result["facts"]["forward" if name in FORWARD_KERNELS else "grads"]
         kernels.append(kernel_row(case, name, schedule, fact, result["facts"]["fast_picks"],
                                   chip, slot_widths(schedule[0])))
     total = {k: round(sum(x[k] for x in kernels), 2)

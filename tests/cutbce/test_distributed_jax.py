@@ -166,7 +166,7 @@ def _check_public_ops(mesh, rng, calls):
 
 
 def _check_uneven_vocab(mesh, rng, bf16=False):
-    """`sharded.cut_bce`/`top_k` with V = 37 over 2, 4 or 8 shards (padded and masked)."""
+    """`sharded.cut_bce`/`cut_softmax`/`top_k` with V = 37 over 2, 4 or 8 shards (padded, masked)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -186,22 +186,32 @@ def _check_uneven_vocab(mesh, rng, bf16=False):
         dict(bias=bias, ids=np.zeros((rows, 0), np.int32), label_smoothing=0.0, pos_weight=1.0),
         dict(bias=None, ids=np.full((rows, 1), 36, np.int32), label_smoothing=0.0, pos_weight=1.0),
     ]
+    # Softmax: a global log-sum-exp across the shards (a row without a valid id: loss 0).
+    softmax_ids = _ids(rng, rows, 3, vocab)
+    softmax_ids[1] = -1
+    cases += [
+        dict(family="softmax", bias=bias, ids=softmax_ids, label_smoothing=0.0),
+        dict(family="softmax", bias=None, ids=_ids(rng, rows, 3, vocab), label_smoothing=0.1),
+        dict(family="softmax", bias=bias, ids=np.full((rows, 1), 36, np.int32),
+             label_smoothing=0.1),
+    ]
     for case in cases:
         ids, b = case.pop("ids"), case.pop("bias")
+        op = "cut_" + case.pop("family", "bce")
         argnums = (0, 1) if b is None else (0, 1, 2)
 
         def objective(kernel, h, t, b=None, **extra):
             return jnp.sum(cotangent * kernel(h, t, ids, b, **case, **extra))
 
         got = jax.jit(jax.value_and_grad(
-            lambda *a: objective(sharded.cut_bce, *a, sharding=spec, chunk_size=3),
+            lambda *a: objective(getattr(sharded, op), *a, sharding=spec, chunk_size=3),
             argnums=argnums,
         ))(hidden, table, *([] if b is None else [b]))
         single = jax.value_and_grad(
-            lambda *a: objective(chunked.cut_bce, *a, chunk_size=3), argnums=argnums
+            lambda *a: objective(getattr(chunked, op), *a, chunk_size=3), argnums=argnums
         )(hidden, table, *([] if b is None else [b]))
         dense = jax.value_and_grad(
-            lambda *a: objective(reference.cut_bce, *a), argnums=argnums
+            lambda *a: objective(getattr(reference, op), *a), argnums=argnums
         )(hidden, table, *([] if b is None else [b]))
         for want in (single, dense):
             _close(got[0], want[0], f"loss {case}")

@@ -671,3 +671,51 @@ def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight):
             np.testing.assert_allclose(np.asarray(got, np.float64), np.array(want),
                                        rtol=8 * 2.0**-24, atol=2.0**-126,
                                        err_msg=f"{what} positive={positive}")
+
+
+@pytest.mark.parametrize("cores,block_rows,scale,label_smoothing", [
+    (1, None, 40.0, 0.0), (2, 128, 1.0, 0.1)])
+@pytest.mark.slow
+def test_softmax_matches_the_chunked_loop(rng, monkeypatch, cores, block_rows, scale,
+                                          label_smoothing):
+    """Softmax (statistics pass, then gradients with the log-sum-exp) against `chunked`.
+
+    V = 700 over 256-wide tiles (a partial last tile), bias, padding,
+    duplicates, a row without a valid id; one or two TensorCores, one or
+    three resident row blocks (M = 300), logits x40 (saturated).
+    """
+    import jax
+
+    from keras_cutbce.backends.jax import chunked, pallas
+
+    monkeypatch.setattr(pallas.tiling, "tensorcores", lambda: cores)
+    if block_rows:
+        monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
+    h, t, b, ids, g = _inputs(rng, 300, 700, 8, 3, bias=True)
+    h = h * scale
+    ids[5] = -1
+    w = np.abs(g)
+    kwargs = dict(label_smoothing=label_smoothing)
+    settings = dict(chunk_size=256, block_rows=block_rows)
+    programs = {
+        "per_row": (lambda h, t, b: (pallas.cut_softmax(h, t, ids, b, **kwargs, **settings)
+                                     * g).sum(),
+                    lambda h, t, b: (chunked.cut_softmax(h, t, ids, b, **kwargs, chunk_size=128)
+                                     * g).sum()),
+        "fused": (lambda h, t, b: pallas.cut_softmax_weighted_sum(h, t, ids, b, w, **kwargs,
+                                                                  **settings),
+                  lambda h, t, b: chunked.cut_softmax_weighted_sum(h, t, ids, b, w, **kwargs,
+                                                                   chunk_size=128)),
+    }
+    for name, (got_fn, want_fn) in programs.items():
+        got_fn = jax.value_and_grad(got_fn, argnums=(0, 1, 2))
+        if name == "fused":
+            blocks = 3 if block_rows else 1
+            assert _count_pallas_calls(jax.make_jaxpr(got_fn)(h, t, b).jaxpr) == 2 * blocks
+        value, grads = got_fn(h, t, b)
+        want_value, want_grads = jax.value_and_grad(want_fn, argnums=(0, 1, 2))(h, t, b)
+        _assert_close(value, want_value, 2e-5, f"{name} value")
+        for arg, got, want in zip("htb", grads, want_grads):
+            _assert_close(got, want, 2e-5, f"{name} grad_{arg}")
+    loss = pallas.cut_softmax(h, t, ids, b, **kwargs, **settings)
+    assert loss[5] == 0.0 and np.all(np.isfinite(np.asarray(loss)))

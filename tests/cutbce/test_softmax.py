@@ -19,6 +19,9 @@ from keras_cutbce.math import spec
 from tests.backend_utils import BACKEND, to_numpy, value_and_grads, worst_row_error
 
 V, D, TILE = 37, 6, 8
+# The kernels of each backend beside the chunked loop (Pallas: interpreted off TPU, V = 37
+# inside one 128-wide tile).
+KERNELS = ["chunked"] + ["pallas"] * (BACKEND == "jax")
 IDS = {
     # one id a position: sparse_categorical_crossentropy
     "single": np.array([[3], [0], [36], [17], [8]]),
@@ -71,10 +74,11 @@ def _check(got, keras_value, want, what, floor=1e-5):
     return error
 
 
-@pytest.mark.parametrize("case", sorted(IDS))
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-@pytest.mark.parametrize("path", ["op", "loss"])
-def test_loss_and_gradients_match_keras_and_float64(case, label_smoothing, path):
+@pytest.mark.parametrize("case,label_smoothing,path,implementation", [
+    (case, a, path, "chunked") for case in sorted(IDS) for a in (0.0, 0.1) for path in ("op", "loss")
+] + [pytest.param("multi", a, "loss", kernel, marks=pytest.mark.slow)
+     for kernel in KERNELS[1:] for a in (0.0, 0.1)])
+def test_loss_and_gradients_match_keras_and_float64(case, label_smoothing, path, implementation):
     ids = IDS[case]
     hidden, table, bias = _inputs(scale=2.0)
     weights = np.array([1.0, 0.5, 2.0, 0.25, 1.5], np.float32)
@@ -82,10 +86,10 @@ def test_loss_and_gradients_match_keras_and_float64(case, label_smoothing, path)
     def cut(h, e, b):
         if path == "op":
             per_row = cut_categorical_crossentropy(h, e, ids, b, label_smoothing=label_smoothing,
-                                                   chunk_size=TILE)
+                                                   chunk_size=TILE, implementation=implementation)
             return ops.sum(ops.convert_to_tensor(weights) * per_row)
         loss = CutSoftmaxLoss(e, b, label_smoothing=label_smoothing, chunk_size=TILE,
-                              reduction="sum")
+                              implementation=implementation, reduction="sum")
         return loss(ids, h, sample_weight=weights)
 
     def dense(h, e, b):
@@ -98,7 +102,8 @@ def test_loss_and_gradients_match_keras_and_float64(case, label_smoothing, path)
     for name, got, k, want in zip(("hidden", "table", "bias"), grads, keras_grads, grads64):
         _check(got, k, want, f"d{name}")
     per_row = to_numpy(cut_categorical_crossentropy(hidden, table, ids, bias,
-                                                    label_smoothing=label_smoothing, chunk_size=TILE))
+                                                    label_smoothing=label_smoothing, chunk_size=TILE,
+                                                    implementation=implementation))
     np.testing.assert_allclose(per_row, loss64, rtol=1e-5, atol=1e-5)
     if case == "multi":  # the position without a valid id: loss 0, no gradient
         assert per_row[2] == 0.0 and np.all(grads[0][2] == 0.0)
@@ -113,8 +118,10 @@ def test_one_id_a_position_is_sparse_categorical_crossentropy():
     np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", [pytest.param(k, marks=pytest.mark.slow)
+                                            if k != "chunked" else k for k in KERNELS])
 @pytest.mark.parametrize("label_smoothing", spec.SOFTMAX_SMOOTHING)
-def test_spec_rows_through_the_identity_table(label_smoothing):
+def test_spec_rows_through_the_identity_table(label_smoothing, implementation):
     """Saturated logits (|z| up to 1e3): the loss and slopes of each float64 spec row."""
     z = np.array([row for row, _ in spec.SOFTMAX_ROWS], np.float32)
     width = max(len(t) for _, t in spec.SOFTMAX_ROWS) or 1
@@ -123,10 +130,10 @@ def test_spec_rows_through_the_identity_table(label_smoothing):
 
     def total(h):
         return ops.sum(cut_categorical_crossentropy(h, eye, ids, label_smoothing=label_smoothing,
-                                                    chunk_size=3))
+                                                    chunk_size=3, implementation=implementation))
 
     loss = to_numpy(cut_categorical_crossentropy(z, eye, ids, label_smoothing=label_smoothing,
-                                                 chunk_size=3))
+                                                 chunk_size=3, implementation=implementation))
     _, (slopes,) = value_and_grads(total, z)
     for row, (logits, targets) in enumerate(spec.SOFTMAX_ROWS):
         want_loss, want_slopes = spec.softmax_row(logits, targets, label_smoothing)
@@ -157,7 +164,7 @@ def test_reductions_and_sample_weights_match_keras(reduction, weight_shape):
     np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=2e-6, atol=1e-6)
 
 
-def test_config_round_trip_and_unimplemented_kernels():
+def test_config_round_trip_and_kernels():
     _, table, _ = _inputs()
     loss = CutSoftmaxLoss(table, label_smoothing=0.2, chunk_size=16, reduction="sum", name="sm")
     config = loss.get_config()
@@ -166,15 +173,9 @@ def test_config_round_trip_and_unimplemented_kernels():
     assert (again.label_smoothing, again.chunk_size, again.reduction, again.name) == (
         0.2, 16, "sum", "sm")
     assert keras.saving.get_registered_object("keras_cutbce>CutSoftmaxLoss") is CutSoftmaxLoss
-    kernel = {"jax": "pallas"}.get(BACKEND)
-    if BACKEND == "torch":  # the Triton kernels take it (tests/cutbce/test_triton_parity.py)
-        assert CutSoftmaxLoss(table, implementation="triton").implementation == "triton"
-    if kernel is not None:
-        with pytest.raises(NotImplementedError, match="softmax"):
-            CutSoftmaxLoss(table, implementation=kernel)
-        with pytest.raises(NotImplementedError, match="softmax"):
-            cut_categorical_crossentropy(np.ones((2, D), "float32"), table, [[1], [2]],
-                                         implementation=kernel)
+    kernel = {"jax": "pallas", "torch": "triton"}.get(BACKEND)
+    if kernel is not None:  # the kernels take it (test_pallas.py, test_triton_parity.py)
+        assert CutSoftmaxLoss(table, implementation=kernel).implementation == kernel
 
 
 def test_reference_implementation_matches_chunked():
@@ -210,9 +211,12 @@ def test_fit_trains_the_table_through_the_loss():
     np.testing.assert_allclose(to_numpy(items.embeddings), table - 0.5 * grad_table, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", [pytest.param(k, marks=pytest.mark.slow)
+                                            if k != "chunked" else k for k in KERNELS])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_low_precision_inputs_are_as_exact_as_the_dense_low_precision_loss(dtype, label_smoothing):
+def test_low_precision_inputs_are_as_exact_as_the_dense_low_precision_loss(dtype, label_smoothing,
+                                                                           implementation):
     """bfloat16 / float16 hidden, table and bias (the mixed policies'): float32 accumulation inside."""
     from tests.backend_utils import assert_within_low_precision
 
@@ -223,7 +227,8 @@ def test_low_precision_inputs_are_as_exact_as_the_dense_low_precision_loss(dtype
 
     def cut(h, e, b):
         return ops.sum(w * cut_categorical_crossentropy(h, e, ids, b, label_smoothing=label_smoothing,
-                                                        chunk_size=TILE))
+                                                        chunk_size=TILE,
+                                                        implementation=implementation))
 
     def dense(h, e, b):  # Keras's loss on the low-precision logits
         return ops.sum(ops.cast(_keras_loss(h, e, b, ids, label_smoothing), "float32") * w)

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 
-from keras_cutbce import CutBCELoss  # noqa: E402
+from keras_cutbce import CutBCELoss, CutSoftmaxLoss, cut_categorical_crossentropy  # noqa: E402
 from keras_cutbce import ops as kc  # noqa: E402
 from tools import tpu_aot  # noqa: E402
 
@@ -53,6 +53,16 @@ def _op_program(case, device):
         def fn(h, t, ids, w):
             def total(h, t):
                 return kc.weighted_loss_sum(h, t, ids, w)
+            return jax.value_and_grad(total, argnums=(0, 1))(h, t)
+    elif op == "softmax_loss":  # the statistics pass, then the gradient pass under a cotangent
+        def fn(h, t, ids, w):
+            def total(h, t):
+                return jnp.vdot(w, cut_categorical_crossentropy(h, t, ids, label_smoothing=0.1))
+            return jax.value_and_grad(total, argnums=(0, 1))(h, t)
+    elif op == "softmax_weighted_sum":
+        def fn(h, t, ids, w):
+            def total(h, t):
+                return CutSoftmaxLoss(t, reduction="sum")(ids, h, sample_weight=w)
             return jax.value_and_grad(total, argnums=(0, 1))(h, t)
     elif op == "top_k":
         def fn(h, t, ids, w):

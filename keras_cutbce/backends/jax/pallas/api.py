@@ -1,16 +1,7 @@
-"""The Pallas CutBCE functions: settings, the `custom_vjp` and the public entry points.
+"""The Pallas entry points: settings, the `custom_vjp`, BCE and softmax (contract: `registry`).
 
-Dispatch (`keras_cutbce.backends.jax.compile_platform`): the kernel compiles with
-Mosaic when the program is compiled for a TPU and runs in the Pallas
-interpreter otherwise (or whenever `interpret=True`); when the target is
-only known at lowering (a CPU host with libtpu, no mesh), both are traced
-and `jax.lax.platform_dependent` keeps the target's.
-
-Matmuls run in the hidden states' dtype when it is 16-bit (Keras mixed
-precision: bfloat16 activations, float32 table; the table tile is cast in
-VMEM), else in the promoted dtype, with float32 accumulation; float32
-matmuls at `precision="default"` (what Keras's dense BCE gets on a TPU) or
-`"highest"`.
+Mosaic when compiled for a TPU, the interpreter otherwise (`compile_platform`);
+16-bit hidden states keep their dtype in the matmuls, float32 accumulation.
 """
 
 import functools
@@ -18,12 +9,13 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from keras_cutbce.backends.jax import compile_platform, vjp
+from keras_cutbce.backends.jax import chunked, compile_platform, math, vjp
 from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.call import passes
 from keras_cutbce.backends.jax.pallas.config import Config
 from keras_cutbce.common import EMPTY_ID, round_up
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
 
 _PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST}
 
@@ -44,15 +36,8 @@ def _resolve_interpret(interpret):
 
 
 def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
-            interpret, precision="default"):
-    """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays.
-
-    `chunk_size` (the vocabulary tile, at most `tiling.MAX_TILE`) and
-    `block_rows` (the row tile; None: `tiling.choose_tiles`) are rounded up
-    to 128. Ids of any integer width;
-    the kernel reads each row's positives
-    (`keras_cutbce.backends.jax.math.sorted_positives`).
-    """
+            interpret, precision="default", family="bce"):
+    """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays."""
     hidden = jnp.asarray(hidden)
     table = jnp.asarray(table)
     bias = None if bias is None else jnp.asarray(bias)
@@ -79,7 +64,8 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
                         round_up(max(num_rows, 1), tiling.LANES))
     cfg = Config(
         vocab_size=int(vocab_size),
-        coef=bce_coefficients(label_smoothing, pos_weight),
+        coef=(math.Softmax(float(label_smoothing), int(vocab_size)) if family == "softmax"
+              else bce_coefficients(label_smoothing, pos_weight)),
         row_tile=int(rows_tile),
         tile=int(tile),
         num_ids=int(ids.shape[1]),
@@ -90,6 +76,7 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
         table_dtype=jnp.dtype(table.dtype).name,
         dv_view=dim % tiling.LANES != 0,
         cores=int(tiling.tensorcores()),
+        family=family,
     )
     return cfg, hidden, table, bias, ids
 
@@ -126,35 +113,14 @@ def cut_bce(
     interpret=None,
     precision="default",
 ):
-    """Computes the per-row CutBCE `[M]` float32 with the Pallas TPU kernel.
+    """Per-row CutBCE `[M]` float32 (`registry`'s contract); Pallas options below.
 
-    Gradients are exact for any cotangent.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates
-            count once.
-        bias: optional float `[V]`.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width (rounded up to 128, at most 4096); None:
-            `tiling.choose_tiles`.
-        block_rows: rows of one kernel step (rounded up to 128); None:
-            `tiling.choose_tiles`.
-        interpret: run the kernel in the Pallas TPU interpreter; None: when
-            the program is not compiled for a TPU (`compile_platform`).
-        precision: `"default"` (float32 matmuls at the TPU's default
-            precision, as Keras's dense BCE computes them) or `"highest"`.
-
-    Returns:
-        Float32 `[M]`: `mean_v[scale_v softplus(z_v) - target_v z_v]`.
-
-    Example:
+    `chunk_size`/`block_rows`: vocabulary/row tile (rounded up to 128; None: the
+    tile rule); `interpret`: None follows the target; `precision`: `"default"`
+    or `"highest"` float32 matmuls.
 
     >>> import numpy as np
-    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
-    >>> loss = cut_bce(h, table, np.array([[1], [2], [-1]]), None)
+    >>> loss = cut_bce(np.zeros((3, 4), "float32"), np.zeros((10, 4), "float32"), np.array([[1], [2], [-1]]))
     >>> bool(np.allclose(loss, np.log(2.0)))
     True
     """
@@ -181,40 +147,7 @@ def cut_bce_weighted_sum(
     interpret=None,
     precision="default",
 ):
-    """Computes `sum_m row_weights[m] * cut_bce(...)[m]` and its gradients in one pass.
-
-    The training path of a reduced loss (`keras_cutbce.ops`): when a
-    gradient is asked for, one kernel pass per resident row block (one in
-    all when the rows fit VMEM) computes the loss and the gradients of
-    `hidden`, `table` and `bias` at cotangent 1; the backward pass only
-    scales them. Plain evaluation runs the forward pass alone.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding, duplicates count once.
-        bias: float `[V]` or None.
-        row_weights: float `[M]` row weights (constants: their gradient is 0).
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width (rounded up to 128, at most 4096); None: the tile rule.
-        block_rows: rows of one kernel step (rounded up to 128); None: the tile rule.
-        interpret: run the kernel in the Pallas TPU interpreter; None: when
-            the program is not compiled for a TPU.
-        precision: `"default"` or `"highest"` (float32 matmuls).
-
-    Returns:
-        A float32 scalar, differentiable w.r.t. `hidden`, `table` and `bias`.
-
-    Example:
-
-    >>> import numpy as np
-    >>> h = np.zeros((3, 4), "float32"); table = np.zeros((10, 4), "float32")
-    >>> w = np.array([1.0, 0.5, 0.0], "float32")
-    >>> total = cut_bce_weighted_sum(h, table, np.array([[1], [2], [-1]]), None, w)
-    >>> bool(np.isclose(total, 1.5 * np.log(2.0)))
-    True
-    """
+    """`sum_m row_weights[m] * cut_bce(...)[m]`; loss and gradients in one kernel pass."""
     cfg, hidden, table, bias, ids = prepare(
         hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
         precision,
@@ -223,3 +156,90 @@ def cut_bce_weighted_sum(
     if hidden.shape[0] == 0:
         return jnp.zeros((), jnp.float32)
     return _functions(cfg)[1](hidden, table, ids, bias, row_weights)
+
+
+def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=None):
+    """Softmax's loss `[M]` (or None) and gradients (or None), as `chunked`'s loop does.
+
+    A statistics pass gives the log-sum-exp, the gradient pass takes it; the
+    linear rest (positives, label smoothing) is exact outside the kernel.
+    """
+    family = cfg.coef
+    index, keep = distinct_targets(ids, cfg.vocab_size)
+    (m, s), _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True)
+    grads = row_scale = None
+    if row_weights is not None:
+        row_scale = family.row_scale(row_weights, keep, cfg.vocab_size)
+        _, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
+                          lse=family.statistics((m, s)))
+        grads = (grads[0], grads[1].astype(jnp.float32), grads[2])
+    positive_rows, grads = chunked._add_positives(hidden, table, bias, index, keep, family, grads,
+                                                  loss=loss, row_scale=row_scale)
+    if not loss:
+        return None, grads
+    total = jnp.zeros_like(m)
+    if family.label_smoothing:
+        total = jnp.matmul(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
+                           precision=lax.Precision.HIGHEST)
+        total = total if bias is None else total + jnp.sum(bias.astype(jnp.float32))
+    return family.finish((m, s, total), positive_rows, keep, cfg.vocab_size), grads
+
+
+@functools.lru_cache(maxsize=128)
+def _softmax_functions(cfg):
+    """Returns the differentiable `(per_row_loss, weighted_sum)` of one softmax configuration."""
+
+    def loss_fn(hidden, table, ids, bias):
+        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=True)[0]
+
+    def grads_fn(hidden, table, ids, bias, row_weights):
+        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=False,
+                                       row_weights=row_weights)[1]
+
+    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
+        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=True,
+                                       row_weights=row_weights)
+
+    return (vjp.per_row_loss(loss_fn, grads_fn),
+            vjp.weighted_sum(loss_fn, loss_and_grads_fn))
+
+
+def softmax_statistics(hidden, table, bias, *, chunk_size=None, interpret=None):
+    """Returns the rows' `(max, sum_v exp(z_v - max))`, float32 `[M]` each (no gradient)."""
+    cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
+                                            0.0, 1.0, chunk_size, None, interpret,
+                                            family="softmax")
+    return passes(hidden, table, bias, ids, None, cfg, with_loss=True)[0]
+
+
+def softmax_gradients(hidden, table, bias, lse, row_scale, *, chunk_size=None, interpret=None):
+    """Returns the float32 gradients of `sum_m row_scale_m sum_v exp(z_mv - lse_m)` (no smoothing)."""
+    cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
+                                            0.0, 1.0, chunk_size, None, interpret,
+                                            family="softmax")
+    grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False, lse=lse)[1]
+    return grads[0], grads[1].astype(jnp.float32), grads[2]
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None,
+                block_rows=None, interpret=None, precision="default"):
+    """`cut_bce` for the softmax cross-entropy (`math.Softmax`), float32 `[M]`."""
+    cfg, hidden, table, bias, ids = prepare(
+        hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
+        precision, family="softmax")
+    if hidden.shape[0] == 0:
+        return jnp.zeros((0,), jnp.float32)
+    return _softmax_functions(cfg)[0](hidden, table, ids, bias)
+
+
+def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
+                             chunk_size=None, block_rows=None, interpret=None,
+                             precision="default"):
+    """`cut_bce_weighted_sum` for softmax: a statistics pass, then the gradient pass."""
+    cfg, hidden, table, bias, ids = prepare(
+        hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
+        precision, family="softmax")
+    row_weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
+    if hidden.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    return _softmax_functions(cfg)[1](hidden, table, ids, bias, row_weights)

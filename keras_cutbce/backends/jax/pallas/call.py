@@ -1,18 +1,8 @@
 """The `pallas_call` plumbing: rows padded and laid out, one call per resident row block.
 
-Only the rows (hidden states, ids, `row_scale`: `O(M (D + L))`) are padded to
-the row tile (padded rows have a zero `row_scale` and only `EMPTY_ID` ids);
-the table is never padded, copied or relaid out: the grid covers
-`cdiv(V, tile)` tiles and the kernel masks the last, partial one. The table
-gradient of row block k is an input of block k + 1, aliased to its output,
-so it accumulates in place (in the table's dtype: a bfloat16 table's
-gradient is rounded once per block; a float32 copy would be a table-sized
-temporary). The bias travels as a `[1, V]` float32 row.
-
-JAX-version shims (JAX 0.10.2 and later): `pltpu.CompilerParams` was once
-`pltpu.TPUCompilerParams`, `pltpu.InterpretParams` and `pl.Squeezed` are
-recent; each is looked up with `getattr` and has a fallback. Grid semantics
-are the strings `"parallel"` / `"arbitrary"`, accepted by every version.
+Only the rows are padded (zero `row_scale`, `EMPTY_ID` ids); the table never
+is. The table gradient of a block is aliased into the next block's. JAX
+version shims use `getattr` with a fallback.
 """
 
 import functools
@@ -46,14 +36,7 @@ def _traced_over_several_devices():
 
 
 def interpret_arg(interpret):
-    """Returns the `interpret=` value for `pl.pallas_call` (None: by the compilation target).
-
-    The TPU interpreter (`pltpu.InterpretParams`, JAX >= 0.6), except over
-    several devices: it synchronises their programs at barriers run from
-    host callbacks, which deadlocks when the host has fewer threads free than
-    devices (4 simulated devices on 2 cores); the generic interpreter runs
-    each shard's kernel on its own.
-    """
+    """Returns `pallas_call`'s `interpret=` (the TPU interpreter; the generic one over several devices)."""
     if interpret is None:
         interpret = compile_platform.compiled_platform() != "tpu"
     if not interpret:
@@ -88,27 +71,18 @@ def _pad_rows(x, rows, value=0):
 
 
 def row_inputs(hidden, ids, row_scale, rows, cfg):
-    """Returns the rows padded to `rows` in the kernel's layout.
-
-    Hidden states `[D, rows]` (`[D, V]` table view) or `[rows, D]`; each
-    row's positives sorted after `EMPTY_ID` padding, `[L, rows]`; `row_scale`
-    `[1, rows]` float32 (or None).
-    """
+    """Returns the padded rows in the kernel's layout: hidden, sorted positives `[L, rows]`, `row_scale`."""
     hidden = _pad_rows(hidden, rows)
     hidden = hidden.T if cfg.dv_view else hidden
-    ids = _pad_rows(math.sorted_positives(ids, cfg.vocab_size), rows, EMPTY_ID).T
+    if ids is not None:
+        ids = _pad_rows(math.sorted_positives(ids, cfg.vocab_size), rows, EMPTY_ID).T
     if row_scale is not None:
         row_scale = _pad_rows(row_scale.astype(jnp.float32), rows)[None, :]
     return hidden, ids, row_scale
 
 
 def in_tile_counts(ids_t, cfg):
-    """Returns `[tiles, row tiles]` int32: the most positives one row of a row tile has in a tile.
-
-    `ids_t`: sorted positives `[L, rows]` (`row_inputs`). O(rows L): a row's
-    positives in one tile are consecutive, so one's rank among them is its
-    slot minus the slot where its tile starts.
-    """
+    """Returns `[tiles, row tiles]` int32: the most positives one row of a row tile has in a tile."""
     ids = ids_t.T
     rows, length = ids.shape
     tiles = num_tiles(cfg)
@@ -146,13 +120,11 @@ def _cost(cfg, rows, dim, itemsize, ps):
     )
 
 
-def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
-    """Runs one `pallas_call`: row block `block` of the padded rows against the whole table.
+def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None):
+    """Runs one `pallas_call`: row block `block` against the whole table.
 
-    Returns `(loss [rows] | None, grad_hidden (rows' layout) | None,
-    grad_table (view) | None, grad_bias [1, V] | None)`; `counts` are the
-    block's in-tile id counts (prefetched to SMEM, flat); `carried` the
-    table and bias gradients of earlier blocks to add to, or None.
+    Returns `(loss | None, grad_hidden | None, grad_table | None, grad_bias |
+    None)`; softmax's loss is the rows' `(max, sum exp)`, its slopes take `lse`.
     """
     dim = table.shape[1]
     tile, block_rows, per_core = cfg.tile, ps.block_rows, ps.tiles_per_core
@@ -172,12 +144,18 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
     in_specs = [
         pl.BlockSpec(hidden_block, (lambda c, j, i, *_: (0, block)) if cfg.dv_view
                      else (lambda c, j, i, *_: (block, 0))),
-        pl.BlockSpec((ids.shape[0], block_rows), lambda c, j, i, *_: (0, block)),
     ]
-    inputs = [hidden, ids]
+    inputs = [hidden]
+    if not cfg.softmax:
+        in_specs.append(pl.BlockSpec((ids.shape[0], block_rows), lambda c, j, i, *_: (0, block)))
+        inputs.append(ids)
+    row_spec = pl.BlockSpec((1, block_rows), lambda c, j, i, *_: (0, block))
     if ps.with_grads:
-        in_specs.append(pl.BlockSpec((1, block_rows), lambda c, j, i, *_: (0, block)))
+        in_specs.append(row_spec)
         inputs.append(row_scale)
+        if cfg.softmax:
+            in_specs.append(row_spec)
+            inputs.append(lse)
     in_specs.append(table_spec())
     inputs.append(table_view(table, cfg))
     if ps.has_bias:
@@ -188,8 +166,10 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
         inputs += list(carried)
     out_specs, out_shapes, scratch = [], [], []
     if ps.with_loss:
-        out_specs.append(pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0)))
-        out_shapes.append(jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32))
+        stats = 2 if cfg.softmax else 1  # softmax: the rows' max and sum exp
+        out_specs += [pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0))
+                      ] * stats
+        out_shapes += [jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32)] * stats
     aliases = {}
     if ps.with_grads:
         view = (dim, cfg.vocab_size) if cfg.dv_view else (cfg.vocab_size, dim)
@@ -204,11 +184,13 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
             out_shapes.append(jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32))
     scratch += scratch_shapes(cfg, ps, dim, jnp.dtype(cfg.mm_dtype))
     if ps.with_grads and ps.carry:  # accumulate in place: the carried buffers are the outputs
-        first_out = 1 if ps.with_loss else 0
+        first_out = len(out_shapes) - 2 - ps.has_bias
         carry_in = 1 + len(inputs) - len(carried)  # operand 0: the prefetched counts
         aliases = {carry_in + k: first_out + 1 + k for k in range(len(carried))}
     name = "cutbce_fused" if ps.with_loss and ps.with_grads else (
         "cutbce_grads" if ps.with_grads else "cutbce_forward")
+    if cfg.softmax:
+        name = "cutsoftmax_grads" if ps.with_grads else "cutsoftmax_stats"
 
     def build(interpret, plain=False):
         grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -237,7 +219,10 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
     else:
         outs = build(cfg.interpret)(counts, *inputs)
     outs = list(outs)
-    loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
+    if ps.with_loss and cfg.softmax:
+        loss = _merge_cores(outs.pop(0)[:, 0], outs.pop(0)[:, 0])
+    else:
+        loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
     if not ps.with_grads:
         return loss, None, None, None
     # The kernel's hidden gradient is before the row scale (`kernel`).
@@ -247,19 +232,30 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg):
     return loss, grad_hidden, grad_table, (outs[2] if ps.has_bias else None)
 
 
-def passes(hidden, table, bias, ids, row_scale, cfg, with_loss):
-    """Returns the rows' loss sums `[M]` (or None) and the gradients (or None).
+def _merge_cores(maxes, sums):
+    """Returns the rows' `(max, sum exp)` `[rows]` of the TensorCores' `[cores, rows]` partials."""
+    m = jnp.max(maxes, axis=0)
+    return m, jnp.sum(sums * jnp.exp(maxes - m), axis=0)
 
-    The gradients `(grad_hidden [M, D], grad_table [V, D], grad_bias [V] |
-    None)` are those of `sum_m row_scale_m * loss_sum_m` when `row_scale`
-    is given; one pass over the table per resident row block.
+
+def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None):
+    """Returns the rows' loss sums `[M]` (softmax: `(max, sum exp)`) or None, and the gradients or None.
+
+    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its dense
+    slopes with `lse`); one pass over the table per resident row block.
     """
     with_grads = row_scale is not None
     count, block_rows = row_blocks(hidden.shape[0], hidden.shape[1], hidden.dtype.itemsize, cfg,
                                    with_grads)
-    hidden_p, ids_p, row_scale_p = row_inputs(hidden, ids, row_scale, count * block_rows, cfg)
+    hidden_p, ids_p, row_scale_p = row_inputs(hidden, None if cfg.softmax else ids, row_scale,
+                                              count * block_rows, cfg)
     per_core = pl.cdiv(num_tiles(cfg), cores_used(cfg))
-    counts = in_tile_counts(ids_p, cfg)
+    if cfg.softmax:  # no positives in the tiles: the prefetched counts are a placeholder
+        counts = jnp.zeros((num_tiles(cfg), count * block_rows // cfg.row_tile), jnp.int32)
+        if lse is not None:  # padded rows: +inf, their slopes exp(z - inf) = 0
+            lse = _pad_rows(lse.astype(jnp.float32), count * block_rows, jnp.inf)[None, :]
+    else:
+        counts = in_tile_counts(ids_p, cfg)
     row_tiles = block_rows // cfg.row_tile
     per_row_tile = counts.shape[0] * row_tiles <= MAX_PREFETCHED_COUNTS
     losses, hidden_grads, carried = [], [], None
@@ -269,13 +265,16 @@ def passes(hidden, table, bias, ids, row_scale, cfg, with_loss):
         block_counts = counts[:, block * row_tiles : (block + 1) * row_tiles]
         block_counts = block_counts.reshape(-1) if per_row_tile else block_counts.max(axis=1)
         loss, grad_hidden, grad_table, grad_bias = _pass(
-            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg)
+            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg, lse)
         losses.append(loss)
         hidden_grads.append(grad_hidden)
         if with_grads:
             carried = (grad_table,) + (() if bias is None else (grad_bias,))
     num_rows = hidden.shape[0]
-    loss = jnp.concatenate(losses)[:num_rows] if with_loss else None
+    if with_loss and cfg.softmax:
+        loss = tuple(jnp.concatenate(parts)[:num_rows] for parts in zip(*losses))
+    else:
+        loss = jnp.concatenate(losses)[:num_rows] if with_loss else None
     if not with_grads:
         return loss, None
     if cfg.dv_view:

@@ -1,38 +1,9 @@
-"""The Pallas TPU kernel of CutBCE: one pass over the table for a block of resident rows.
+"""The Pallas TPU kernel: one pass over the table for a block of resident rows.
 
-One kernel, three uses (`config.Pass`): the rows' loss sums, the gradients
-under a row cotangent (`row_scale`), or both in one pass. Its grid is
-`(core, vocabulary tile, row tile)`:
-
-- the rows are resident: hidden states, ids `[L, rows]` and `row_scale`
-  `[1, rows]` are fetched once per pass, and the loss `[1, rows]` and hidden
-  gradient stay in VMEM for the whole pass, written back once. Per-row
-  values travel lane-dense; the kernel moves them to and from the sublanes
-  with one 128-aligned transpose per tile.
-- the table tile and its gradient accumulator stay in VMEM across the inner
-  row axis, so a pass reads the table once and writes its gradient once.
-- on megacore chips the leading axis is "parallel": each TensorCore takes a
-  contiguous half of the vocabulary tiles and writes its own loss and
-  hidden-gradient partials (on one-core chips the axis has size 1).
-
-What is Pallas-specific lives here: the layouts (the table read as its
-`[D, V]` view when `D % 128 != 0`, a bitcast of XLA:TPU's layout, else as
-`[V, D]`), the lane/sublane moves, the edge masks of the last, partial
-vocabulary tile, and finding a row's positives inside a tile from its
-sorted ids (`keras_cutbce.backends.jax.math.sorted_positives`) with a
-prefetched bound on how many fall there (the passes building the hit bits).
-
-A step's `[row_tile, tile]` tile is far larger than the vector register
-file, so it runs in pieces (`tiling.PIECE_ROWS` x `tiling.PIECE_COLS`), a
-column of them at a time, the columns unrolled (one straight-line step for
-the scheduler): the loss term and slope (`logit_terms`: a positive's sign
-flipped by one xor) of one column on the VPU while the MXU writes the next
-column's logits to one of two logits buffers and takes the previous
-column's gradient matmuls from one of two slope buffers. A row's ids in the
-tile are one int32 word per lane (bit `b`: item `128 b + lane`), built once
-a step from the sorted ids; a logit's positive flag is two vector ops on
-that word, however many ids a row has in the tile. A float32 table's
-gradient accumulates in its output block.
+Grid `(core, vocabulary tile, row tile)`; the step's tile runs in
+register-sized pieces, software-pipelined between the MXU and the VPU. BCE
+finds positives from hit bits; softmax keeps a running (max, sum exp) or
+takes `lse`. The design: docs/tpu.md.
 """
 
 import jax.numpy as jnp
@@ -111,13 +82,7 @@ def _pick(ids, first, k):
 
 
 def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
-    """Writes `bits_ref` `[rows, 128]` int32: each row's ids in the tile as bits.
-
-    Bit `b` of lane `l` is set where item `lo + 128 b + l` is one of the
-    row's ids (`tile` at most `32 * 128` items). One pass per id slot of
-    the most crowded row (`count`), over `bits_t_ref` `[128, rows]` (the
-    rows on the lanes, where the sorted ids are), then one transpose.
-    """
+    """Writes `bits_ref` `[rows, 128]`: bit `b` of lane `l` set where item `lo + 128 b + l` is an id."""
     lane = lax.broadcasted_iota(jnp.int32, bits_t_ref.shape, 0)
     bits_t_ref[...] = jnp.zeros(bits_t_ref.shape, jnp.int32)
 
@@ -143,12 +108,22 @@ def _lanes(x, width):
     return x if width == LANES else jnp.concatenate([x] * (width // LANES), axis=1)
 
 
-def _fold(x):
-    """Returns `[n, k 128]` summed to `[n, 128]` (lane blocks added: no cross-lane work)."""
+def _fold(x, op=jnp.add):
+    """Returns `[n, k 128]` reduced to `[n, 128]` by `op` over lane blocks (no cross-lane work)."""
     out = x[:, :LANES]
     for k in range(1, x.shape[1] // LANES):
-        out = out + x[:, k * LANES:(k + 1) * LANES]
+        out = op(out, x[:, k * LANES:(k + 1) * LANES])
     return out
+
+
+# Softmax's running max starts here, not at `-inf`: `exp(LOWEST - LOWEST)` is 1 times a zero
+# sum, where `exp(-inf - -inf)` is NaN; a logit of `-inf` still adds exactly 0.
+LOWEST = float(jnp.finfo(jnp.float32).min)
+
+
+def _rescaled(total, m_old, m_new):
+    """`total * exp(m_old - m_new)`: a sum of `exp(z - m_old)` moved to the max `m_new`."""
+    return total * jnp.exp(m_old - m_new)
 
 
 def piece_shape(cfg):
@@ -158,34 +133,22 @@ def piece_shape(cfg):
 
 
 def kernel(*refs, cfg, ps, interpreted=False):
-    """Writes the loss sums and/or gradients of one block of resident rows.
+    """Writes the loss (softmax: max and sum exp) and/or gradients of one block of resident rows.
 
-    Grid `(core, j, i)`: TensorCore `core` ("parallel"), its vocabulary tile
-    `j`, row tile `i` of the resident block. Refs, in order: the prefetched
-    in-tile counts, hidden states (`[D, rows]` or `[rows, D]`), ids
-    `[L, rows]`, `row_scale` `[1, rows]` (with gradients), the table tile,
-    the bias tile (with a bias), the carried table and bias gradients (with
-    `ps.carry`); outputs: loss `[1, rows]`, the hidden gradient before its
-    row scale (`call` applies it), table and bias gradients; scratch: the
-    float32 table-gradient accumulator (a 16-bit table), the step's hidden states
-    times the row scale (matmul dtype), two slope buffers `[row_tile, piece
-    cols]` (matmul dtype), the loss terms `[row_tile, 128]`, the rows' ids
-    in the tile as bits `[row_tile, 128]` and `[128, row_tile]`
-    (`_fill_hit_bits`), the row scale as a column `[row_tile, 128]` (with a
-    bias or a `[rows, D]` layout), the step's hidden states as `[row_tile,
-    D]` (`[D, V]` view), and two float32 logits buffers `[row_tile, piece
-    cols]`.
-    `interpreted`: traced for the interpreter (XLA), not Mosaic
-    (`logit_terms.Exps`).
+    Refs in the order `call._pass` builds them, scratch as `scratch_shapes`;
+    `interpreted`: traced for the interpreter (`logit_terms.Exps`).
     """
     refs = list(refs)
-    in_tile_ref, hidden_ref, ids_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    in_tile_ref, hidden_ref = refs.pop(0), refs.pop(0)
+    ids_ref = None if cfg.softmax else refs.pop(0)
     row_scale_ref = refs.pop(0) if ps.with_grads else None
+    lse_ref = refs.pop(0) if ps.with_grads and cfg.softmax else None
     table_ref = refs.pop(0)
     bias_ref = refs.pop(0) if ps.has_bias else None
     carried_table = refs.pop(0) if ps.carry else None
     carried_bias = refs.pop(0) if ps.carry and ps.has_bias else None
     loss_ref = refs.pop(0) if ps.with_loss else None
+    sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None  # loss_ref: the max
     grad_hidden_ref = grad_table_ref = grad_bias_ref = acc_table = acc_bias = None
     if ps.with_grads:
         grad_hidden_ref, grad_table_ref = refs.pop(0), refs.pop(0)
@@ -196,9 +159,11 @@ def kernel(*refs, cfg, ps, interpreted=False):
         acc_bias = grad_bias_ref
     scaled_ref = refs.pop(0) if ps.with_grads else None
     slopes_refs = (refs.pop(0), refs.pop(0)) if ps.with_grads else None
-    terms_ref = refs.pop(0) if ps.with_loss else None
-    bits_ref, bits_t_ref = refs.pop(0), refs.pop(0)
+    terms_ref = refs.pop(0) if ps.with_loss else None  # softmax: the lanes' running max
+    lane_sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None
+    bits_ref, bits_t_ref = (None, None) if cfg.softmax else (refs.pop(0), refs.pop(0))
     scale_col_ref = refs.pop(0) if needs_scale_column(cfg, ps) else None
+    lse_col_ref = refs.pop(0) if lse_ref is not None else None
     hidden_t_ref = refs.pop(0) if cfg.dv_view else None
     logits_refs = (refs.pop(0), refs.pop(0))
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -206,7 +171,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
     row_tile = cfg.row_tile
     rows = pl.ds(pl.multiple_of(i * row_tile, row_tile), row_tile)
     piece_rows, piece_cols = piece_shape(cfg)
-    mask_weights = logit_terms.needs_mask(cfg.coef)
+    mask_weights = not cfg.softmax and logit_terms.needs_mask(cfg.coef)
 
     def hidden_rows(ref):
         return ref.at[:, rows] if cfg.dv_view else ref.at[rows, :]
@@ -223,10 +188,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         logits_refs[buffer][...] = _logits(hidden, table, bias, cfg)
 
     def elementwise(c, buffer, edge, lo, part):
-        """Returns column `c`'s slopes of rows `part` (a slice), or None; adds their loss terms.
-
-        Their logits are read from `logits_refs[buffer]` (`logits_column`).
-        """
+        """Returns column `c`'s slopes of rows `part`, or None; adds their loss terms."""
         cols_ds = columns(c)
         c0 = cols_ds.start
         valid = None
@@ -237,6 +199,15 @@ def kernel(*refs, cfg, ps, interpreted=False):
         for r0 in range(part.start, part.stop, piece_rows):
             local = slice(r0, r0 + piece_rows)
             z = logits_refs[buffer][local, :]
+            if cfg.softmax:
+                dz = softmax_piece(z, local, valid)
+                if dz is not None:
+                    slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
+                    if ps.has_bias:
+                        weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
+                        grad = jnp.sum(weighted, axis=0, keepdims=True)
+                        bias_grad = grad if bias_grad is None else bias_grad + grad
+                continue
             bits = bits_ref[local, :]
             hits = jnp.concatenate([_hits(bits, c * piece_cols // LANES + k)
                                     for k in range(piece_cols // LANES)], axis=1)
@@ -261,6 +232,22 @@ def kernel(*refs, cfg, ps, interpreted=False):
             acc_bias[:, cols_ds] += bias_grad
         return jnp.concatenate(slopes, axis=0) if slopes else None
 
+    def softmax_piece(z, local, valid):
+        """Adds a piece to the lanes' running (max, sum exp); returns `exp(z - lse) - a / V` or None."""
+        if ps.with_loss:
+            zm = z if valid is None else jnp.where(valid, z, LOWEST)
+            m_old = terms_ref[local, :]
+            m_new = jnp.maximum(m_old, _fold(zm, jnp.maximum))
+            terms_ref[local, :] = m_new
+            lane_sum_ref[local, :] = (_rescaled(lane_sum_ref[local, :], m_old, m_new)
+                                      + _fold(jnp.exp(zm - _lanes(m_new, piece_cols))))
+        if not ps.with_grads:
+            return None
+        dz = jnp.exp(z - _lanes(lse_col_ref[local, :], piece_cols))
+        if cfg.coef.label_smoothing:
+            dz = dz - cfg.coef.label_smoothing / cfg.vocab_size
+        return dz if valid is None else jnp.where(valid, dz, 0.0)
+
     def gradients(c, slopes_ref, edge, lo, part):
         """Adds piece column `c`'s slopes of rows `part` to the hidden and table gradients."""
         cols_ds = columns(c)
@@ -281,15 +268,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
             acc_table[cols_ds, :] += grad
 
     def pieces(edge, lo):
-        """The step's tile, piece column by piece column (unrolled).
-
-        Software-pipelined over two logits and two slope buffers: while the
-        VPU works on piece column `c` (its logits in one buffer), the MXU
-        writes column `c + 1`'s logits to the other and takes column
-        `c - 1`'s gradient matmuls from the other slope buffer. The last
-        column's gradients go in row halves, the first half's while the VPU
-        works on the second.
-        """
+        """The step's tile, piece column by piece column (unrolled, double-buffered logits and slopes)."""
         count = cfg.tile // piece_cols
         whole = slice(0, row_tile)
         logits_column(0, 0, edge, lo)
@@ -313,7 +292,10 @@ def kernel(*refs, cfg, ps, interpreted=False):
         @pl.when(j == 0)
         def _init_rows():  # this core's first visit of these rows
             if ps.with_loss:
-                loss_ref[:, rows] = jnp.zeros((1, row_tile), jnp.float32)
+                loss_ref[:, rows] = jnp.full((1, row_tile), LOWEST if cfg.softmax else 0.0,
+                                             jnp.float32)
+                if cfg.softmax:
+                    sum_ref[:, rows] = jnp.zeros((1, row_tile), jnp.float32)
             if ps.with_grads:
                 grad_hidden = hidden_rows(grad_hidden_ref)
                 grad_hidden[...] = jnp.zeros(grad_hidden.shape, jnp.float32)
@@ -329,11 +311,12 @@ def kernel(*refs, cfg, ps, interpreted=False):
 
         lo = tile_index * cfg.tile
         if ps.with_loss:
-            terms_ref[...] = jnp.zeros(terms_ref.shape, jnp.float32)
-        ids = ids_ref[:, rows]
-        first = _first_slots(ids, lo)
-        count_index = tile_index * pl.num_programs(2) + i if ps.counts_per_row_tile else tile_index
-        in_tile = in_tile_ref[count_index]
+            terms_ref[...] = jnp.full(terms_ref.shape, LOWEST if cfg.softmax else 0.0, jnp.float32)
+            if cfg.softmax:
+                lane_sum_ref[...] = jnp.zeros(lane_sum_ref.shape, jnp.float32)
+        if lse_col_ref is not None:
+            lse_col_ref[...] = jnp.broadcast_to(_as_columns(lse_ref[:, rows], 0.0),
+                                                lse_col_ref.shape)
         if scale_col_ref is not None:
             scale_col_ref[...] = jnp.broadcast_to(
                 _as_columns(row_scale_ref[:, rows], 0.0), scale_col_ref.shape)
@@ -343,13 +326,30 @@ def kernel(*refs, cfg, ps, interpreted=False):
             scale = row_scale_ref[:, rows] if cfg.dv_view else scale_col_ref[:, 0:1]
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
             scaled_ref[...] = (hidden * scale).astype(scaled_ref.dtype)
-        _fill_hit_bits(bits_ref, bits_t_ref, ids, first, in_tile, lo, cfg.tile)
+        if not cfg.softmax:
+            ids = ids_ref[:, rows]
+            first = _first_slots(ids, lo)
+            count_index = (tile_index * pl.num_programs(2) + i if ps.counts_per_row_tile
+                           else tile_index)
+            _fill_hit_bits(bits_ref, bits_t_ref, ids, first, in_tile_ref[count_index], lo,
+                           cfg.tile)
         if hidden_t_ref is not None:  # [D, rows] -> [rows, D]: row pieces on the sublanes
             hidden_t_ref[...] = jnp.transpose(
                 hidden_rows(hidden_ref)[...].astype(jnp.float32)).astype(hidden_t_ref.dtype)
         pieces(edge, lo)
 
-        if ps.with_loss:
+        if ps.with_loss and cfg.softmax:  # the step's (max, sum exp) merged into the rows'
+            m_lanes = terms_ref[...]
+            m_step = jnp.max(m_lanes, axis=1, keepdims=True)
+            s_step = _as_row(jnp.sum(_rescaled(lane_sum_ref[...], m_lanes, m_step), axis=1,
+                                     keepdims=True))
+            m_step = _as_row(m_step)
+            m_old = loss_ref[:, rows]
+            m_new = jnp.maximum(m_old, m_step)
+            sum_ref[:, rows] = (_rescaled(sum_ref[:, rows], m_old, m_new)
+                                + _rescaled(s_step, m_step, m_new))
+            loss_ref[:, rows] = m_new
+        elif ps.with_loss:
             loss_ref[:, rows] += _as_row(jnp.sum(terms_ref[...], axis=1, keepdims=True))
         if ps.with_grads:
             if not accumulates_in_place(cfg):
@@ -384,16 +384,20 @@ def scratch_shapes(cfg, ps, dim, mm_dtype):
     from jax.experimental.pallas import tpu as pltpu
 
     shapes = []
+    column = pltpu.VMEM((cfg.row_tile, LANES), jnp.float32)
     if ps.with_grads:
         shapes.append(pltpu.VMEM((dim, cfg.row_tile) if cfg.dv_view else (cfg.row_tile, dim),
                                  mm_dtype))
         shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), mm_dtype)] * 2
     if ps.with_loss:
-        shapes.append(pltpu.VMEM((cfg.row_tile, LANES), jnp.float32))
-    shapes += [pltpu.VMEM((cfg.row_tile, LANES), jnp.int32),
-               pltpu.VMEM((LANES, cfg.row_tile), jnp.int32)]
+        shapes += [column] * (2 if cfg.softmax else 1)
+    if not cfg.softmax:
+        shapes += [pltpu.VMEM((cfg.row_tile, LANES), jnp.int32),
+                   pltpu.VMEM((LANES, cfg.row_tile), jnp.int32)]
     if needs_scale_column(cfg, ps):
-        shapes.append(pltpu.VMEM((cfg.row_tile, LANES), jnp.float32))
+        shapes.append(column)
+    if ps.with_grads and cfg.softmax:
+        shapes.append(column)
     if cfg.dv_view:
         shapes.append(pltpu.VMEM((cfg.row_tile, dim), mm_dtype))
     shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), jnp.float32)] * 2

@@ -1,21 +1,7 @@
-"""The per-logit loss and slope of the Pallas kernel, in few vector ops.
+"""BCE's per-logit loss and slope in few vector ops (the spec table checks them).
 
-The same function as `keras_cutbce.backends.jax.math` (the float64 spec
-table checks both), written for the TPU's vector unit:
-
-- a positive's sign is flipped with one xor (`hits`: the sign bit at the
-  positives, else 0): with `f = +-z` (`-z` at a positive),
-  `loss = A softplus(f) + B softplus(-f)` and `d loss / d f =
-  A sigmoid(f) - B sigmoid(-f)`, where `(A, B)` is `(plus, minus)` of a
-  negative and `(minus, plus)` of a positive
-  (`keras_cutbce.math.coefficients`); by default `A = 1, B = 0` for both,
-  so no per-logit weight is selected. Every part is non-negative: no
-  cancellation at any `|z|`, and `d loss / d z` is the slope xor `hits`.
-- one `exp`, one `log`, one reciprocal a logit: with `e = exp(-|z|)`,
-  `u = 1 + e` (rounded), `log1p(e) = log(u) + (e - (u - 1))`: the second
-  part is the rounding error of `u` (exact, `u - 1` being exact), which
-  keeps `log1p(e) ~ e` for tiny `e`; the first-order correction's own error
-  is below `e` ulps of the result.
+A positive flips its logit's sign by one xor; one `exp`, `log` and
+reciprocal a logit, `log1p(e) = log(u) + (e - (u - 1))` with `u = 1 + e`.
 """
 
 import jax.numpy as jnp
@@ -46,12 +32,7 @@ def _per_logit(pair, positive):
 
 
 class Exps:
-    """`e = exp(-|f|)`, `u = 1 + e` and `r = 1 / u` of sign-flipped logits `f`.
-
-    `barrier`: keep XLA from folding `(1 + e) - 1` to `e` (its algebraic
-    simplifier does, which would drop `log1p`'s rounding correction); for
-    the interpreter. Mosaic keeps the two roundings (and has no barrier).
-    """
+    """`e = exp(-|f|)`, `u = 1 + e` and `r = 1 / u`; `barrier` keeps XLA from folding `(1 + e) - 1`."""
 
     def __init__(self, f, barrier=False):
         negative_abs = lax.bitcast_convert_type(  # -|f|: one or (the sign bit set)
@@ -64,15 +45,7 @@ class Exps:
 
 
 def term(f, ex, coef, positive):
-    """Returns each logit's loss term `A softplus(f) + B softplus(-f)`.
-
-    Args:
-        f: sign-flipped float32 logits (`flip`).
-        ex: their `Exps`.
-        coef: `keras_cutbce.math.coefficients.BCECoefficients`.
-        positive: bool array of `f`'s shape, or None when every weight is
-            the same for negatives and positives (`needs_mask`).
-    """
+    """Returns each logit's loss term `A softplus(f) + B softplus(-f)` (`f`: `flip`ped logits)."""
     a, b = (_per_logit(w, positive) for w in _weights(coef))
     # log1p(e) = log(u) + the rounding error of u = 1 + e (u - 1 is exact).
     log1p_e = jnp.log(ex.u) + (ex.e - (ex.u - 1.0))
@@ -101,17 +74,7 @@ def needs_mask(coef):
 
 
 def term_and_slope(z, positive, coef):
-    """Returns the loss term and `d loss / d z` of logits `z` (for tests; float32).
-
-    Example:
-
-    >>> import numpy as np
-    >>> from keras_cutbce.math.coefficients import bce_coefficients
-    >>> z = jnp.array([-100.0, 0.0, 100.0])
-    >>> loss, _ = term_and_slope(z, jnp.array([True] * 3), bce_coefficients())
-    >>> [round(float(x), 4) for x in loss]
-    [100.0, 0.6931, 0.0]
-    """
+    """Returns the loss term and `d loss / d z` of logits `z` (for tests; float32)."""
     positive = jnp.broadcast_to(jnp.asarray(positive), z.shape)
     hits = jnp.where(positive, SIGN_BIT, 0).astype(jnp.int32)
     f = flip(z, hits)

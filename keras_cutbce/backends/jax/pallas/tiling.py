@@ -1,27 +1,8 @@
-"""The tile and VMEM rule of the Pallas kernels.
+"""The tile and VMEM rule of the Pallas kernels (docs/tpu.md, "Scoped VMEM").
 
-The chunked kernels take their tile from `keras_cutbce.math.tiling` (a
-budget for a few `[rows, tile]` float32 intermediates in cache or memory).
-Pallas needs its own rule, because its tiles must fit VMEM, not a cache,
-and Mosaic adds constraints XLA does not have:
-
-- both tiles are multiples of 128 (MXU- and lane-aligned, and a multiple of
-  the 8/16 sublanes of float32/bfloat16);
-- a pass compiles under a scoped VMEM limit: the one it asks for, at most
-  three quarters of the target TPU's VMEM per TensorCore
-  (`compile_platform.chip_info`; the rest stays XLA's), or, for an unknown
-  generation, the compiler's default, 16 MiB on v4, v5e and v5p
-  (`vmem_limit_bytes`). Its estimated VMEM (`footprint_bytes` plus the
-  resident rows) totals at most 7/8 of that limit (`vmem_budget_bytes`), and
-  it asks for its estimate with headroom (`vmem_request_bytes`);
-- the tiles take at most three quarters of the budget (`tile_budget_bytes`):
-  the largest step (`row_tile x tile`), ties to the wider tile, with
-  `row_tile` `M` rounded up to 128 (at most 512), 256 or 128, and `tile`
-  a multiple of 256 (pieces at least 256 wide) up to 4096 and `V` rounded up
-  to 128, or that width itself (`choose_tiles`); nothing fits: 128 x 128;
-- the resident rows of one pass (hidden states, ids, weights, loss and
-  hidden gradient, one buffer each) take the rest, at most a quarter of the
-  budget; more rows run one pass per row block (`row_blocks`).
+Tiles are multiples of 128; a pass's estimate fits 7/8 of the scoped VMEM it
+asks for (at most 3/4 of the chip's, else 16 MiB); the tiles take 3/4 of
+that budget, resident rows the rest (at most a quarter).
 """
 
 import jax.numpy as jnp
@@ -68,18 +49,7 @@ def tile_budget_bytes(capacity=None):
 
 
 def footprint_bytes(row_tile, tile, dim, itemsize, table_itemsize=None):
-    """Returns the estimated VMEM bytes of one kernel step with these tiles.
-
-    Double-buffered, in the table's dtype (`table_itemsize`, default
-    `itemsize`): the table and bias tiles, their gradients, and the carried
-    gradients of a pass after the first; a float32 accumulator of a 16-bit
-    table's gradient; the step's scratch: two slope buffers (`itemsize`, the
-    matmul dtype) and two float32 logits buffers of one piece column, the
-    `[row_tile, 128]` loss, hit-bit and scale columns (and the pass building
-    the hit bits), the hidden states transposed and scaled; and what Mosaic
-    spills of the unrolled step, counted as one float32 `[row_tile, tile]`
-    (libtpu 0.0.42's VMEM report: 0.1 to 1.06 of it).
-    """
+    """Returns the estimated VMEM bytes of one kernel step (windows, scratch, one `[row_tile, tile]` of spills)."""
     table_itemsize = itemsize if table_itemsize is None else table_itemsize
     windows = 3 * 2 * tile * (dim * table_itemsize + 4)  # tiles, gradients, carried
     accumulator = 0 if table_itemsize == 4 else tile * dim * 4
@@ -90,22 +60,12 @@ def footprint_bytes(row_tile, tile, dim, itemsize, table_itemsize=None):
 
 
 def vmem_request_bytes(capacity, footprint, resident):
-    """Returns the `vmem_limit_bytes` a kernel asks for: its estimate with headroom, capped.
-
-    1.5 x (`footprint` + `resident` rows) + 4 MiB for Mosaic's own scratch,
-    at most `vmem_limit_bytes(capacity)`.
-    """
+    """Returns the `vmem_limit_bytes` a kernel asks for: 1.5 x its estimate + 4 MiB, capped."""
     return int(min(vmem_limit_bytes(capacity), 3 * (footprint + resident) // 2 + 4 * 2**20))
 
 
 def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None, table_dtype=None):
-    """Returns `(row_tile, tile)` for the kernels (the module's rule).
-
-    `dtype`: the matmul dtype; `table_dtype`: the table's (default `dtype`);
-    `budget_bytes`: the tiles' budget (default: `tile_budget_bytes` of the
-    target).
-
-    Example:
+    """Returns `(row_tile, tile)`: the largest step within the budget, ties to the wider tile.
 
     >>> choose_tiles(130, 1000, 64, "float32", budget_bytes=16 * 2**20)
     (256, 1024)
@@ -138,11 +98,7 @@ def cores_used(cfg):
 
 
 def resident_bytes_per_row(dim, num_ids, hidden_itemsize, with_grads):
-    """Returns the VMEM bytes a resident row costs a pass (sublane-padded).
-
-    One buffer: a resident block's index is the same at every grid step, and
-    the compiler keeps a single buffer of it (libtpu's VMEM report).
-    """
+    """Returns the VMEM bytes a resident row costs a pass (one buffer, sublane-padded)."""
     per_row = round_up(dim, 16) * hidden_itemsize + round_up(num_ids, 8) * 4 + 8 * 4
     if with_grads:
         per_row += 8 * 4 + round_up(dim, 8) * 4  # row_scale, hidden gradient
@@ -169,11 +125,7 @@ def rows_per_pass(cfg, dim, hidden_itemsize, with_grads=True):
 
 
 def row_blocks(num_rows, dim, hidden_itemsize, cfg, with_grads=True):
-    """Returns `(count, block_rows)`: the resident row blocks `num_rows` rows split into.
-
-    Each block is one pass over the table (one `pallas_call`); the table and
-    bias gradients accumulate across blocks.
-    """
+    """Returns `(count, block_rows)`: the resident row blocks, one pass over the table each."""
     padded = round_up(max(num_rows, 1), cfg.row_tile)
     count = pl.cdiv(padded, rows_per_pass(cfg, dim, hidden_itemsize, with_grads))
     return count, round_up(pl.cdiv(padded, count), cfg.row_tile)

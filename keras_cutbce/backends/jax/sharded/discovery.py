@@ -1,22 +1,7 @@
-"""Where an item table is split along V over a JAX mesh (`VocabSharding`, `vocab_sharding_of`).
+"""Where an item table is split along V (`VocabSharding`, `vocab_sharding_of`).
 
-`vocab_sharding_of` is what `keras_cutbce.ops` reads on the JAX backend, so
-`cut_binary_crossentropy`, `CutBCELoss` and `cut_top_k` take the sharded
-path by themselves. It looks at:
-
-- a Keras variable (or Embedding layer) laid out by the current
-  `keras.distribution` (e.g. `ModelParallel` with
-  `layout_map["items/embeddings"] = ("model", None)`): works inside the
-  traced Keras train step, because the layout belongs to the variable;
-- a concrete jax array with a `NamedSharding` that splits dimension 0;
-- a traced array on a mesh with explicit axes (`jax.make_mesh`'s default,
-  sharding-in-types), under `jit` too.
-
-A traced array on a mesh with automatic axes carries no sharding, so inside
-your own `jax.jit` with such a mesh, pass an explicit
-`VocabSharding(mesh, ("model",))`. Without the sharded path the result is
-still right (XLA partitions the single-device kernel), but each device then
-gathers the full table gradient (`benchmarks/results/sharded_memory.md`).
+A traced array on a mesh with automatic axes carries no sharding: inside your
+own `jax.jit` there, pass `VocabSharding(mesh, ("model",))` explicitly.
 """
 
 import math
@@ -27,13 +12,7 @@ from jax.sharding import NamedSharding
 
 
 class VocabSharding(NamedTuple):
-    """Where the vocabulary dimension of the item table is split.
-
-    Attributes:
-        mesh: the `jax.sharding.Mesh`.
-        vocab_axes: tuple of mesh axis names dimension 0 of the table is
-            split over (their sizes multiply to the shard count).
-    """
+    """The mesh and the axes dimension 0 of the table is split over."""
 
     mesh: object
     vocab_axes: tuple
@@ -68,17 +47,7 @@ def _keras_layout(variable):
 
 
 def vocab_sharding_of(embeddings):
-    """Returns the `VocabSharding` of an item table, or None when it is not split on V.
-
-    `embeddings` is a `keras.Variable` or an array (`ItemTable` has read a
-    layer's table variable). Looks, in order, at: a Keras variable's layout
-    (from the current `keras.distribution` or the one it was created under),
-    then a concrete jax array's
-    `NamedSharding`, then a traced array's sharding type (JAX explicit
-    sharding). Returns None unless dimension 0 is split over more than one
-    device.
-
-    Example:
+    """Returns the `VocabSharding` of a table (Keras layout, `NamedSharding`, traced type), or None.
 
     >>> import numpy as np
     >>> vocab_sharding_of(np.zeros((10, 4), "float32")) is None

@@ -1,30 +1,9 @@
-"""CutBCE with the item table split along V: each device runs a single-device kernel on its shard.
+"""Both loss families with the item table split along V (`registry`'s contract, `sharding=`).
 
-Ids are rebased to the shard (`id - offset`; ids of other shards become
-padding), each device computes the sum of its shard's terms, and one `psum`
-over the vocabulary axes adds them; the mean uses the global V. The
-backward pass (`keras_cutbce.backends.jax.vjp.per_row_loss`) adds one
-`psum` for the hidden-state gradient, while the table and bias gradients
-stay sharded: no device ever holds the full table or its full gradient.
-
-Per-shard kernel (`kernel="auto"`): chosen by the platform the program is
-compiled for, not the host (`jax.lax.platform_dependent`): a TPU program
-runs the Pallas kernel (compiled by Mosaic, never the interpreter), any
-other runs the chunked XLA loop. So an ahead-of-time compile for a TPU pod
-from a CPU host builds the program a TPU host runs; only the chosen branch
-is lowered. `kernel="chunked"` forces the XLA loop everywhere;
-`kernel="pallas"` forces the Pallas kernel (in the Pallas TPU interpreter
-when compiled for a non-TPU platform: slow but exact, for tests).
-
-A padded table row (V not divisible by the shard count) is a zero row with
-zero bias: its logit is exactly 0, so its loss term is the constant
-`neg_scale * log(2)`, subtracted once, and it adds nothing to the
-hidden-state gradient.
-
-Keras and JAX cannot create a variable split unevenly, so under
-`ModelParallel` choose V (e.g. `num_items + 1`) divisible by the shard
-count; a table passed as an array with an explicit `VocabSharding` may have
-any V.
+BCE: one `psum` of the shards' sums. Softmax: a global log-sum-exp (`pmax`,
+`psum` of rescaled sums). Table gradients stay sharded. Per-shard kernel
+`"auto"`: Pallas when compiled for a TPU, else chunked. A padded table row
+is a zero row (BCE: its constant term subtracted; softmax: bias `-inf`).
 """
 
 import functools
@@ -36,9 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from keras_cutbce.backends.jax import chunked, pallas, vjp
+from keras_cutbce.backends.jax.math import Softmax
 from keras_cutbce.backends.jax.sharded import mesh as mesh_lib
 from keras_cutbce.backends.jax.sharded.discovery import VocabSharding
 from keras_cutbce.math.coefficients import bce_coefficients
+from keras_cutbce.math.positives import distinct_targets
 from keras_cutbce.math.tiling import default_chunk_size
 
 KERNELS = ("auto", "chunked", "pallas")
@@ -80,38 +61,7 @@ def cut_bce(
     chunk_size=None,
     kernel="auto",
 ):
-    """Computes the per-row CutBCE with the table split along V over `sharding.vocab_axes`.
-
-    Same contract and result as `chunked.cut_bce` on one device (up to the
-    float summation order); jit-, grad- and vmap-compatible. The
-    `shard_map`/`custom_vjp` program is built once per configuration
-    (cached) and jitted, so eager calls reuse it.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]` (any placement; resharded to `P(vocab_axes,
-            None)` if it is not already).
-        ids: integer `[M, L]`; ids outside `[0, V)` are padding.
-        bias: optional float `[V]`.
-        sharding: a `VocabSharding`.
-        label_smoothing: float in `[0, 1]`.
-        pos_weight: positive float.
-        chunk_size: vocabulary tile width per shard; `None`: the default
-            rule on the per-device rows and shard width (the Pallas kernel
-            then uses its own tile rule).
-        kernel: per-shard kernel: `"auto"` (Pallas when compiled for a TPU,
-            else chunked), `"chunked"` or `"pallas"` (interpreted off TPU).
-
-    Returns:
-        Float32 `[M]`.
-
-    Example:
-
-    ```python
-    spec = VocabSharding(jax.make_mesh((8,), ("model",)), ("model",))
-    loss = cut_bce(hidden, table, ids, sharding=spec, chunk_size=256)
-    ```
-    """
+    """Per-row CutBCE `[M]` over the shards; `kernel`: `"auto"`, `"chunked"` or `"pallas"`."""
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
     program = _loss_program(
@@ -130,11 +80,7 @@ def cut_bce(
 @functools.lru_cache(maxsize=64)
 def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size,
                   kernel="auto"):
-    """Returns the jitted `(hidden, table, ids, bias) -> [M]` sharded loss of one configuration.
-
-    Cached: an eager call with the same mesh, shapes and settings reuses the
-    same `shard_map`/`custom_vjp` closures, so JAX's compilation cache hits.
-    """
+    """Returns the jitted, cached `(hidden, table, ids, bias) -> [M]` sharded BCE."""
     mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
     local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
     pallas_tile = chunk_size  # None: the Pallas kernel's own tile rule
@@ -198,5 +144,136 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
             # A zero row with zero bias has logit 0: a constant term per padded row.
             total = total - pad * neg_scale * math.log(2.0)
         return total / vocab
+
+    return program
+
+
+def _softmax_shard_kernels(kernel, tile, pallas_tile):
+    """Returns one shard's `statistics(h, t, b)` and `gradients(h, t, b, lse, row_scale)`."""
+    family = Softmax(0.0, 1)  # no smoothing: its linear term is the program's own
+
+    def xla_statistics(h, t, b):
+        return chunked._dense_pass(h, t, b, None, tile, family, loss=True)[0][:2]
+
+    def xla_gradients(h, t, b, lse, row_scale):
+        return chunked._dense_pass(h, t, b, None, tile, family, lse, loss=False,
+                                   row_scale=row_scale)[1]
+
+    def pallas_kernels(interpret):
+        settings = dict(chunk_size=pallas_tile, interpret=interpret)
+        return (lambda h, t, b: pallas.softmax_statistics(h, t, b, **settings),
+                lambda h, t, b, lse, s: pallas.softmax_gradients(h, t, b, lse, s, **settings))
+
+    if kernel == "chunked":
+        return xla_statistics, xla_gradients
+    default = pallas_kernels(True) if kernel == "pallas" else (xla_statistics, xla_gradients)
+    tpu = pallas_kernels(False)
+    return tuple(
+        functools.partial(lambda k, *args: jax.lax.platform_dependent(
+            *args, tpu=tpu[k], default=default[k]), k) for k in range(2))
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, sharding, label_smoothing=0.0, chunk_size=None,
+                kernel="auto"):
+    """Per-row softmax cross-entropy `[M]` over the shards (a global log-sum-exp)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
+    program = _softmax_program(
+        VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)), int(table.shape[0]),
+        int(hidden.shape[0]), bias is not None, float(label_smoothing),
+        None if chunk_size is None else int(chunk_size), kernel)
+    return program(hidden, table, jnp.asarray(ids), bias)
+
+
+@functools.lru_cache(maxsize=64)
+def _softmax_program(sharding, vocab, num_rows, has_bias, label_smoothing, chunk_size, kernel):
+    """Returns the jitted `(hidden, table, ids, bias) -> [M]` sharded softmax loss (cached)."""
+    mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
+    local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
+    pallas_tile = chunk_size
+    if chunk_size is None:
+        chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
+    statistics, gradients = _softmax_shard_kernels(kernel, max(1, min(chunk_size, local)),
+                                                   pallas_tile)
+    positive_weight = -(1.0 - label_smoothing)
+    with_bias = has_bias or pad > 0  # a padded row needs its -inf bias
+
+    def lse_of(h, t, b):
+        m, s = statistics(h, t, b)
+        top = jax.lax.pmax(m, vocab_axes)
+        return top + jnp.log(jax.lax.psum(s * jnp.exp(m - top), vocab_axes))
+
+    def positives(h, t, b, i):
+        """This shard's part of `-(1 - a) / |P| sum_p z_p` `[rows]`; `|P|` over every shard."""
+        _, keep_all = distinct_targets(i, vocab)
+        count = jnp.maximum(jnp.sum(keep_all, axis=1), 1).astype(jnp.float32)
+        local_ids = mesh_lib.rebase(i, mesh_lib.shard_offset(vocab_axes, local), local, vocab)
+        index, keep = distinct_targets(local_ids, local)
+        z = jnp.sum(h.astype(jnp.float32)[:, None, :]
+                    * jnp.take(t, index, axis=0).astype(jnp.float32), axis=-1)
+        if b is not None:
+            z = z + jnp.take(b, index, axis=0).astype(jnp.float32)
+        return positive_weight * jnp.sum(jnp.where(keep, z, 0.0), axis=1) / count
+
+    def has_target(i):
+        return jnp.any(distinct_targets(i, vocab)[1], axis=1)
+
+    row_spec, vocab_spec = mesh_lib.spec(rows, None), P(vocab_axes, None)
+    bias_spec = P(vocab_axes) if with_bias else None
+    in_specs = [row_spec, vocab_spec, row_spec, bias_spec]
+
+    def forward(h, t, i, b):
+        total = lse_of(h, t, b) + jax.lax.psum(positives(h, t, b, i), vocab_axes)
+        return jnp.where(has_target(i), total, 0.0)
+
+    def backward(h, t, i, b, row_scale):
+        row_scale = jnp.where(has_target(i), row_scale, 0.0)
+        grad_h, grad_t, grad_b = gradients(h, t, b, lse_of(h, t, b), row_scale)
+        _, pullback = jax.vjp(lambda h, t, b: positives(h, t, b, i), h, t, b)
+        more_h, more_t, more_b = pullback(row_scale)
+        grad_h = jax.lax.psum(grad_h + more_h, vocab_axes)
+        grad_t = grad_t + more_t
+        grad_b = None if b is None else grad_b + more_b
+        if rows:
+            grad_t = jax.lax.psum(grad_t, rows)
+            grad_b = None if b is None else jax.lax.psum(grad_b, rows)
+        return grad_h, grad_t, grad_b
+
+    def padded(t, b):
+        if with_bias and b is None:
+            b = jnp.zeros((vocab,), jnp.float32)
+        b = None if b is None else mesh_lib.pad_rows(b, pad, -jnp.inf)
+        return mesh_lib.pad_rows(t, pad), b
+
+    def unpadded(x):
+        if not pad or x is None:
+            return x
+        if mesh_lib.explicit(mesh):
+            x = jax.reshard(x, NamedSharding(mesh, P()))
+        return x[:vocab]
+
+    def loss_fn(h, t, i, b):
+        t, b = padded(t, b)
+        return mesh_lib.shard_mapped(forward, mesh, in_specs, mesh_lib.spec(rows), [h, t, i, b])
+
+    def grads_fn(h, t, i, b, row_scale):
+        t, b_padded = padded(t, b)
+        grads = mesh_lib.shard_mapped(
+            backward, mesh, in_specs + [mesh_lib.spec(rows)], (row_spec, vocab_spec, bias_spec),
+            [h, t, i, b_padded, row_scale])
+        return grads[0], unpadded(grads[1]), None if b is None else unpadded(grads[2])
+
+    loss_of = vjp.per_row_loss(loss_fn, grads_fn)
+
+    @jax.jit
+    def program(hidden, table, ids, bias):
+        loss = loss_of(hidden, table, ids, bias)
+        if label_smoothing:
+            total = jnp.dot(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
+                            precision=jax.lax.Precision.HIGHEST)
+            if bias is not None:
+                total = total + jnp.sum(bias.astype(jnp.float32))
+            loss = loss - jnp.where(has_target(ids), (label_smoothing / vocab) * total, 0.0)
+        return loss
 
     return program

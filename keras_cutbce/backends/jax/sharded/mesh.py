@@ -1,10 +1,4 @@
-"""`shard_map` plumbing shared by the sharded loss and retrieval.
-
-Rows are split over the mesh axes that do not split V (data parallelism)
-when their number divides the row count, otherwise replicated. V not
-divisible by the shard count is handled by padding the table with zero rows
-to a multiple (each caller says what a padded row contributes).
-"""
+"""`shard_map` plumbing shared by the sharded loss and retrieval."""
 
 import math
 
@@ -17,13 +11,7 @@ from keras_cutbce.common import EMPTY_ID
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
-    """Returns `jax.shard_map` (jax >= 0.7), or `jax.experimental.shard_map` before it.
-
-    Replication checking is off: the single-device kernels start their loop
-    carries from constants, and every collective here is explicit (the
-    gradients come from our own `custom_vjp`, not from JAX transposing
-    collectives), so the out specs are right by construction.
-    """
+    """`jax.shard_map` (or the experimental one); every collective is explicit, so no checks."""
     if hasattr(jax, "shard_map"):
         return jax.shard_map(
             fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
@@ -36,12 +24,7 @@ def _shard_map(fn, mesh, in_specs, out_specs):
 
 
 def shard_layout(sharding, vocab, num_rows):
-    """Returns `(local, pad, row_axes, rows_per_device)` of a table split along V.
-
-    `local`: items per shard; `pad`: zero rows added to the table;
-    `row_axes`: the mesh axes (not on V) the rows are split over, () when
-    they do not divide `num_rows`.
-    """
+    """Returns `(local, pad, row_axes, rows_per_device)` of a table split along V."""
     mesh = sharding.mesh
     local = -(-vocab // sharding.num_shards)
     pad = local * sharding.num_shards - vocab
@@ -74,11 +57,7 @@ def explicit(mesh):
 
 
 def shard_mapped(fn, mesh, in_specs, out_specs, args):
-    """Runs `fn` under shard_map; on a mesh with explicit axes, reshards the inputs first.
-
-    (On automatic axes shard_map reshards its inputs itself; with explicit
-    sharding-in-types it requires them to match the specs already.)
-    """
+    """Runs `fn` under shard_map, resharding the inputs first on an explicit mesh."""
     if explicit(mesh):
         args = [
             x if x is None else jax.reshard(x, NamedSharding(mesh, s))
@@ -93,10 +72,7 @@ def shard_offset(vocab_axes, local):
 
 
 def rebase(ids, offset, local, vocab):
-    """Returns the ids of this shard moved to `[0, local)`; every other id becomes `EMPTY_ID`.
-
-    The padded rows of the last shard (ids `>= vocab`) are never items.
-    """
+    """Returns this shard's ids moved to `[0, local)`, every other id `EMPTY_ID`."""
     ids = ids.astype(jnp.int32) if ids.dtype.itemsize < 8 else ids
     inside = (ids >= offset) & (ids < offset + local) & (ids < vocab)
     return jnp.where(inside, ids - offset, EMPTY_ID)

@@ -1,15 +1,4 @@
-"""Top-k and rank counts with the item table split along V.
-
-- top-k: each device takes its shard's top-k with global ids, one
-  `all_gather` of the `[rows, k]` candidates over the vocabulary axes, and a
-  merge (ties: the lower id, as on one device);
-- `count_above` (the metrics' false positives and ranks): each device counts
-  its shard against global ids, one `psum` of the `[rows]` counts.
-
-Padded table rows (V not divisible by the shard count) get a bias of `-inf`
-and ids `>= V`: never a candidate, never counted. A row with a NaN logit on
-any shard has no ranking, as on one device.
-"""
+"""Top-k (one `all_gather` of candidates) and rank counts (one `psum`) with the table split along V."""
 
 import functools
 
@@ -33,32 +22,7 @@ def _merge(scores, ids, k):
 
 
 def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size=None):
-    """Returns the exact top-k logits per row with the table split along V.
-
-    Each device takes its shard's top `min(k, V / shards)` with global ids,
-    one `all_gather` brings the candidates together and a merge keeps the
-    best k (ties: lower id), as `retrieval.top_k` does on one device. The
-    program is built once per configuration (cached, jitted).
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        k: int in `[1, V]`.
-        bias: optional float `[V]`.
-        exclude_ids: optional int32 `[M, X]` ids never returned for that row
-            (ids outside `[0, V)` already `EMPTY_ID`).
-        sharding: a `VocabSharding`.
-        chunk_size: vocabulary tile width per shard (`None`: default rule).
-
-    Returns:
-        `(scores, ids)`: float32 `[M, k]` and int32 `[M, k]`.
-
-    Example:
-
-    ```python
-    scores, ids = top_k(hidden, table, 10, sharding=vocab_sharding_of(table))
-    ```
-    """
+    """Returns the exact top-k `(scores, ids)` per row over the shards (`registry`'s contract)."""
     program = _retrieval_program(
         "top_k", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
         int(table.shape[0]), int(hidden.shape[0]), bias is not None,
@@ -69,33 +33,7 @@ def top_k(hidden, table, k, bias=None, exclude_ids=None, *, sharding, chunk_size
 
 def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, sharding,
                 chunk_size=None):
-    """Counts, per row, the items ranked above `(scores, ids)` with the table split along V.
-
-    Each device counts its own shard (`retrieval.count_above_parts`, against
-    the global ids) and one `psum` over the vocabulary axes adds the counts:
-    the table is never gathered.
-
-    Args:
-        hidden: float `[M, D]`.
-        table: float `[V, D]`.
-        bias: optional float `[V]`.
-        scores: float32 `[M]`.
-        ids: int32 `[M]`.
-        exclude_ids: optional int32 `[M, X]` (ids outside `[0, V)` already
-            `EMPTY_ID`).
-        sharding: a `VocabSharding`.
-        chunk_size: vocabulary tile width per shard (`None`: default rule).
-
-    Returns:
-        Int32 `[M]`, the same as `retrieval.count_above` on one device (-1
-        for a row with a NaN logit).
-
-    Example:
-
-    ```python
-    counts = count_above(hidden, table, None, scores, ids, sharding=vocab_sharding_of(table))
-    ```
-    """
+    """Counts per row the items ranked above `(scores, ids)` over the shards (`registry`'s contract)."""
     program = _retrieval_program(
         "count_above", VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
         int(table.shape[0]), int(hidden.shape[0]), bias is not None,
@@ -108,10 +46,7 @@ def count_above(hidden, table, bias, scores, ids, exclude_ids=None, *, sharding,
 
 @functools.lru_cache(maxsize=64)
 def _retrieval_program(kind, sharding, vocab, num_rows, has_bias, has_exclude, arg, chunk_size):
-    """Returns the jitted sharded `top_k` (`arg` = k) or `count_above`.
-
-    Cached per configuration, like the loss program.
-    """
+    """Returns the jitted, cached sharded `top_k` (`arg` = k) or `count_above`."""
     mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
     local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
     if chunk_size is None:
