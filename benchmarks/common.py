@@ -21,8 +21,7 @@ per-rank percentiles are never summed. `QPS_NOTE` says this in one line for tabl
 Example:
 
 ```python
-stats = throughput_stats([0.010, 0.011, 0.012], batch_size=512)
-print(markdown_table([{"mode": "standard", **stats}], ["mode", "p50", "p90"]))
+print(markdown_table([{"mode": "standard", "p50": 5.1e4, "p90": 5.3e4}], ["mode", "p50", "p90"]))
 print(spread([0.3, 0.1, 0.2]))
 ```
 """
@@ -66,44 +65,6 @@ def reset_peak_rss():
 def percentile(samples, q):
     """The `q`-th percentile (0-100) of `samples` (linear interpolation)."""
     return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
-
-
-def throughput_stats(step_seconds, batch_size):
-    """p50/p90 of per-step examples/s (`keras_erase.throughput`) and step-time percentiles.
-
-    Returns a dict with `steps`, `p50`, `p90` (examples/s; p90 = the fast end) and
-    `step_ms_p50`, `step_ms_p90` (milliseconds; p90 = the slow end).
-    """
-    from keras_erase.throughput import throughput_percentiles  # (imports keras: only here)
-
-    step_seconds = [float(s) for s in step_seconds]
-    rates = throughput_percentiles(step_seconds, batch_size, percentiles=(50, 90))
-    return {
-        "steps": rates["steps"],
-        "step_ms_p50": 1e3 * percentile(step_seconds, 50),
-        "step_ms_p90": 1e3 * percentile(step_seconds, 90),
-        "p50": rates["p50"],
-        "p90": rates["p90"],
-    }
-
-
-def time_steps(step, warmup, steps, sync=None):
-    """Calls `step()` `warmup` times, then returns the seconds of each of `steps` calls.
-
-    `sync` (e.g. `torch.cuda.synchronize`) is called before each clock read.
-    """
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
-        step()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _fmt(value):

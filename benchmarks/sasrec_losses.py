@@ -46,14 +46,13 @@ if REPO not in sys.path:
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
-
-LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
-          ("cutsoftmax", 1)]
-
-
-def loss_name(loss, num_negatives):
-    return f"sampled ({num_negatives} neg.)" if loss == "sampled" else loss
-
+from tools.sasrec_study import load_runs  # noqa: E402
+from tools.sasrec_study import loss_name  # noqa: E402
+from tools.sasrec_study import parse_losses  # noqa: E402
+from tools.sasrec_study import plot_curves  # noqa: E402
+from tools.sasrec_study import run_missing  # noqa: E402
+from tools.sasrec_study import study_table  # noqa: E402
+from tools.sasrec_study import summarize  # noqa: E402
 
 def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
     """One example run (one seed) in a capped subprocess; returns its results row."""
@@ -118,147 +117,6 @@ def failure(stderr, returncode, cap_gib):
             "error": (lines[-1] if lines else f"exit code {returncode}")[-300:].strip()}
 
 
-def _number(value, fmt):
-    return "" if value is None else format(value, fmt)
-
-
-QUALITY = ("hit@8", "ndcg@10", "recall@10")
-
-
-def _mean_sd(values):
-    """`(mean, sample sd)` of a list (sd None for one value)."""
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-
-
-def _median(values):
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _order(dataset, loss):
-    """Sort key: real data first, then synthetic catalogues by size; losses as in `LOSSES`."""
-    names = [loss_name(n, k) for n, k in LOSSES]
-    digits = "".join(c for c in dataset if c.isdigit())
-    size = int(digits) if dataset.startswith("synthetic") and digits else -1
-    return (size, dataset, names.index(loss) if loss in names else len(names), loss)
-
-
-def summarize(rows):
-    """One summary per (dataset, loss) over the seeds that trained (real data first, then
-    synthetic catalogues by size; losses in `LOSSES` order).
-
-    Quality metrics and the per-epoch ndcg@10 curve: mean and sample sd over seeds.
-    Cost (steps/s, peak RSS, wall time): median over seeds.
-    """
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["dataset"], r["loss"]), []).append(r)
-    out = []
-    for (dataset, loss), runs in sorted(groups.items(), key=lambda item: _order(*item[0])):
-        trained = [r for r in runs if r.get("status") == "trained"]
-        summary = {"dataset": dataset, "loss": loss, "seeds": sorted(r.get("seed", 0) for r in trained),
-                   "status": "trained" if trained else runs[-1]["status"]}
-        for key in QUALITY:
-            values = [r[key] for r in trained if r.get(key) is not None]
-            if values:
-                summary[key], summary[key + "_sd"] = _mean_sd(values)
-        for key in ("steps_per_second", "peak_memory_mb", "wall_seconds"):
-            values = [r[key] for r in (trained or runs) if r.get(key) is not None]
-            if values:
-                summary[key] = _median(values)
-        curves = [r["ndcg@10_per_epoch"] for r in trained if r.get("ndcg@10_per_epoch")]
-        if curves and len({len(c) for c in curves}) == 1:
-            columns = list(zip(*curves))
-            summary["ndcg@10_per_epoch"] = [_mean_sd(list(c))[0] for c in columns]
-            summary["ndcg@10_per_epoch_sd"] = [_mean_sd(list(c))[1] for c in columns]
-        for key in ("popularity_hit@8", "popularity_ndcg@10", "popularity_recall@10"):
-            if trained and trained[0].get(key) is not None:
-                summary[key] = trained[0][key]
-        if not trained and runs[-1].get("error"):
-            summary["error"] = runs[-1]["error"]
-        out.append(summary)
-    return out
-
-
-def _quality(summary, key):
-    mean, sd = summary.get(key), summary.get(key + "_sd")
-    if mean is None:
-        return ""
-    return f"{mean:.4f}" if sd is None else f"{mean:.4f} +- {sd:.4f}"
-
-
-def study_table(summaries):
-    """Markdown table: one row per (dataset, loss), plus each dataset's most-popular row."""
-    lines = [
-        "| data | loss | status | seeds | hit@8 | ndcg@10 | recall@10 | train steps/s "
-        "| peak RSS (MiB) | wall time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    popular = {}
-    for r in summaries:
-        lines.append(
-            f"| {r['dataset']} | {r['loss']} | {r['status']} | {len(r['seeds']) or ''} "
-            f"| {_quality(r, 'hit@8')} | {_quality(r, 'ndcg@10')} | {_quality(r, 'recall@10')} "
-            f"| {_number(r.get('steps_per_second'), '.3g')} "
-            f"| {_number(r.get('peak_memory_mb'), ',.0f')} "
-            f"| {_number(r.get('wall_seconds'), '.0f')} |"
-        )
-        if r.get("popularity_hit@8") is not None:
-            popular.setdefault(r["dataset"], r)
-    for dataset, r in popular.items():
-        lines.append(
-            f"| {dataset} | most popular | - | - | {r['popularity_hit@8']:.4f} "
-            f"| {r['popularity_ndcg@10']:.4f} | {r['popularity_recall@10']:.4f} | - | - | - |"
-        )
-    return "\n".join(lines)
-
-
-def plot_curves(summaries, path, dataset):
-    """PNG of mean ndcg@10 after every epoch (+- sd band over seeds), one line per loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7.5, 4.5))
-    popular = None
-    styles = {"cutbce": {"linewidth": 4, "alpha": 0.5}, "dense": {"linestyle": ":"}}
-    epochs = 1
-    for r in summaries:
-        curve = r.get("ndcg@10_per_epoch")
-        if r["dataset"] != dataset or not curve:
-            continue
-        epochs = max(epochs, len(curve))
-        x = list(range(1, len(curve) + 1))
-        label = f"{r['loss']} ({len(r['seeds'])} seed{'s' if len(r['seeds']) != 1 else ''})"
-        (line,) = axis.plot(x, curve, marker="o", markersize=3, label=label,
-                            **styles.get(r["loss"], {}))
-        sd = r.get("ndcg@10_per_epoch_sd") or []
-        if sd and all(v is not None for v in sd):
-            axis.fill_between(x, [m - v for m, v in zip(curve, sd)],
-                              [m + v for m, v in zip(curve, sd)], color=line.get_color(), alpha=0.15)
-        popular = r.get("popularity_ndcg@10", popular)
-    axis.set_xticks(range(1, epochs + 1, max(1, epochs // 10)))
-    if popular is not None:
-        axis.axhline(popular, color="grey", linestyle="--", label="most popular")
-    axis.set_xlabel("epoch")
-    axis.set_ylabel("ndcg@10 (leave-last-8-out)")
-    axis.set_title(f"SASRec on {dataset}: ndcg@10 after each epoch, per loss\n"
-                   "(mean over seeds, band = +- 1 sd; cutbce and dense compute the same loss)",
-                   fontsize=10)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
-
-
 def datasets(args):
     """`[(name, example arguments)]` of the study."""
     common = ["--batch-size", str(args.batch_size)]
@@ -275,38 +133,6 @@ def datasets(args):
                 "--max-len", "30", "--epochs", "1", "--steps-per-epoch", str(steps),
                 "--eval-users", str(args.eval_users), *common]))
     return out
-
-
-def parse_losses(text):
-    """`"cutbce,sampled:256"` -> `[("cutbce", 1), ("sampled", 256)]`, in the given order."""
-    out = []
-    for item in text.split(","):
-        name, _, negatives = item.strip().partition(":")
-        if (name, int(negatives or 1)) not in LOSSES:
-            raise argparse.ArgumentTypeError(
-                f"unknown loss {item!r}; expected some of "
-                + ",".join(n if n != "sampled" else f"sampled:{k}" for n, k in LOSSES))
-        out.append((name, int(negatives or 1)))
-    return out
-
-
-def run_path(runs_dir, dataset, loss, seed):
-    """The cached row of one run: `<runs_dir>/<dataset>__<loss>__seed<seed>.json`."""
-    slug = "__".join("".join(c if c.isalnum() else "-" for c in part).strip("-")
-                     for part in (dataset, loss))
-    return os.path.join(runs_dir, f"{slug}__seed{seed}.json")
-
-
-def load_runs(runs_dir):
-    """Every cached run row in `runs_dir` (sorted by file name)."""
-    if not os.path.isdir(runs_dir):
-        return []
-    rows = []
-    for name in sorted(os.listdir(runs_dir)):
-        if name.endswith(".json"):
-            with open(os.path.join(runs_dir, name)) as f:
-                rows.append(json.load(f))
-    return rows
 
 
 def main(argv=None):
@@ -353,18 +179,9 @@ def main(argv=None):
     runs_dir = args.runs_dir or args.out + "_runs"
     start = time.perf_counter()
     if not args.report_only:
-        for seed in range(args.seeds):
-            for dataset, example_args in cases:
-                for loss, negatives in args.losses:
-                    path = run_path(runs_dir, dataset, loss_name(loss, negatives), seed)
-                    if os.path.exists(path):
-                        print(f"cached: {path}", flush=True)
-                        continue
-                    row = run_case(dataset, loss, negatives, example_args, args, backend, seed)
-                    row["load_average_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
-                    write_json(path, row)
-                    print(json.dumps({k: v for k, v in row.items()
-                                      if not k.endswith("_per_epoch")}), flush=True)
+        run_missing(runs_dir, args.seeds, cases, args.losses,
+                    lambda dataset, loss, negatives, example_args, seed:
+                    run_case(dataset, loss, negatives, example_args, args, backend, seed))
     rows = load_runs(runs_dir)
     summaries = summarize(rows)
     info = machine_info(

@@ -110,3 +110,18 @@ def test_benchmarks_and_tools_are_in_the_layout_and_out_of_the_packages():
     for path in _modules(("keras_cutbce", "keras_erase")):
         with open(os.path.join(REPO, path), encoding="utf-8") as f:
             assert not imports.search(f.read()), f"{path} imports benchmarks/ or tools/"
+
+
+def test_no_test_imports_benchmarks():
+    """Tests import what they check from the packages or tools/; a benchmark runs as a script."""
+    import re
+
+    imports = re.compile(r"^\s*(?:from|import) benchmarks\b", re.M)
+    found = 0
+    for folder, _, files in os.walk(os.path.join(REPO, "tests")):
+        for name in files:
+            if name.endswith(".py"):
+                found += 1
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    assert not imports.search(f.read()), f"{name} imports benchmarks/"
+    assert found > 20  # the walk finds the tests

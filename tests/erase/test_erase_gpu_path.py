@@ -1,8 +1,8 @@
-"""The GPU check's CPU-checkable parts: `benchmarks/erase_gpu.py` (argument handling, the middle
-batch, the budget's plan, a tiny CPU dry run through the graph code path),
-`tools/gpu_trace.py` (block ranges, overlap and step measures on synthetic CUDA traces),
-`scripts/gpu_check.sh`, `benchmarks/common.py`'s QPS convention, and
-`EraseModel(cuda_graphs=True)` in every mode with the CPU stand-in capture."""
+"""The GPU check's CPU-checkable parts: `tools/erase_gpu_plan.py` (argument handling, the middle
+batch, the budget's plan), `benchmarks/erase_gpu.py` (a tiny CPU dry run through the graph code
+path, as a subprocess), `tools/gpu_trace.py` (block ranges, overlap and step measures on synthetic
+CUDA traces), `scripts/gpu_check.sh`, and `EraseModel(cuda_graphs=True)` in every mode with the
+CPU stand-in capture."""
 
 import os
 import re
@@ -20,16 +20,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 torch_only = pytest.mark.skipif(BACKEND != "torch", reason="the ERASE GPU path is torch's")
 
 
-def test_benchmark_qps_is_the_fast_end_of_per_step_rates():
-    from benchmarks.common import throughput_stats
-    from keras_erase.throughput import throughput_percentiles
-
-    steps = [0.1] * 9 + [0.01]
-    stats = throughput_stats(steps, batch_size=10)
-    assert stats["p90"] == throughput_percentiles(steps, 10)["p90"] > stats["p50"]
-    assert stats["step_ms_p90"] == pytest.approx(100.0)  # the latency view: slow end
-
-
 def test_gpu_check_script_parses_and_names_existing_files():
     script = os.path.join(REPO, "scripts", "gpu_check.sh")
     subprocess.run(["bash", "-n", script], check=True)
@@ -38,37 +28,49 @@ def test_gpu_check_script_parses_and_names_existing_files():
         assert os.path.exists(os.path.join(REPO, path)), path
 
 
+def _dry_run(argv):
+    """`benchmarks/erase_gpu.py argv` in a subprocess (it must exit 0); its summary rows."""
+    import json
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "erase_gpu.py"), *argv],
+                          env=env, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = argv[argv.index("--out") + 1]
+    with open(out + ".json") as f:
+        return json.load(f)["rows"]
+
+
 @torch_only
 def test_benchmark_arguments():
-    from benchmarks import erase_gpu
+    from tools import erase_gpu_plan as plan
 
-    assert erase_gpu.parse_mode("threaded+graphs") == ("threaded", True)
-    assert erase_gpu.parse_mode("standard") == ("standard", False)
-    assert erase_gpu.parse_mode("auto+graphs") == ("auto", True)
+    assert plan.parse_mode("threaded+graphs") == ("threaded", True)
+    assert plan.parse_mode("standard") == ("standard", False)
+    assert plan.parse_mode("auto+graphs") == ("auto", True)
     for bad in ("standard+graphs", "undetached+graphs", "fast", "threaded+compile"):
         with pytest.raises(ValueError):
-            erase_gpu.parse_mode(bad)
-    args = erase_gpu.build_parser().parse_args([])
+            plan.parse_mode(bad)
+    args = plan.build_parser().parse_args([])
     with pytest.raises(SystemExit, match="needs CUDA"):
-        erase_gpu.resolve(args, cuda=False)
-    args = erase_gpu.resolve(erase_gpu.build_parser().parse_args(["--cpu-dry-run"]), cuda=False)
+        plan.resolve(args, cuda=False)
+    args = plan.resolve(plan.build_parser().parse_args(["--cpu-dry-run"]), cuda=False)
     assert "streams" not in args.modes and "threaded+graphs" in args.modes
     assert args.out.startswith("/tmp/")
-    args = erase_gpu.resolve(erase_gpu.build_parser().parse_args([]), cuda=True)
+    args = plan.resolve(plan.build_parser().parse_args([]), cuda=True)
     assert {"streams+graphs", "threaded+graphs", "blocking+graphs", "streams"} <= set(args.modes)
     rows = [{"model": "ctr", "batch": 8, "mode": "threaded+graphs", "graphs_captured": 0,
              "graph_replays": 0, "graphs_disabled": False},
             {"model": "ctr", "batch": 8, "mode": "threaded", }]
-    assert len(erase_gpu.graph_problems(rows)) == 1
+    assert len(plan.graph_problems(rows)) == 1
 
 
 @torch_only
 @pytest.mark.slow
 def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
-    from benchmarks import erase_gpu
-
     out = str(tmp_path / "erase_gpu")
-    rows = erase_gpu.main([
+    rows = _dry_run([
         "--cpu-dry-run", "--strict", "--models", "ctr", "mlp30", "--batches", "8",
         "--modes", "standard", "threaded+graphs", "auto", "--steps", "2", "--warmup", "4",
         "--out", out,
@@ -98,12 +100,10 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
 @torch_only
 @pytest.mark.slow
 def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
-    from benchmarks import erase_gpu
-
     out = str(tmp_path / "erase_gpu")
-    rows = erase_gpu.main(["--cpu-dry-run", "--strict", "--models", "mlp30", "--batches", "8",
-                           "--modes", "standard", "blocking", "--steps", "2", "--warmup", "1",
-                           "--budget", "0.001", "--out", out])
+    rows = _dry_run(["--cpu-dry-run", "--strict", "--models", "mlp30", "--batches", "8",
+                     "--modes", "standard", "blocking", "--steps", "2", "--warmup", "1",
+                     "--budget", "0.001", "--out", out])
     assert rows == []  # the trace used the budget up: no group started
     for suffix in (".md", ".json", "_trace_8.json", "_timeline_8.png"):
         assert os.path.getsize(out + suffix) > 0
@@ -114,9 +114,9 @@ def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
 
 @torch_only
 def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window():
-    from benchmarks import erase_gpu
-    from tools import gpu_trace
     from keras_erase.auto import ScheduleSelector
+    from tools import erase_gpu_plan as plan
+    from tools import gpu_trace
 
     ranges = [  # (row, block, phase, start, duration)
         ("stream 1", "a", "forward", 0.0, 10.0),
@@ -129,13 +129,13 @@ def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window(
     assert gpu_trace.overlaps([r for r in ranges if r[1] != "b"]) == []
     selector = ScheduleSelector([("standard", 1), ("threaded", 1)], timed_rounds=1,
                                 warmup_rounds=1)
-    assert erase_gpu.auto_window(None, 10, 20) == (0, 0)
-    assert erase_gpu.auto_window(selector, 10, 20) == (30, 20)  # undecided: all timed
+    assert plan.auto_window(None, 10, 20) == (0, 0)
+    assert plan.auto_window(selector, 10, 20) == (30, 20)  # undecided: all timed
     while not selector.done:
         schedule = selector.next_schedule()
         selector.record(schedule, 0.1 if schedule[0] == "standard" else 0.2)
-    assert erase_gpu.auto_window(selector, 1, 20) == (selector.steps, selector.steps - 1)
-    assert erase_gpu.auto_window(selector, 10, 20) == (selector.steps, 0)
+    assert plan.auto_window(selector, 1, 20) == (selector.steps, selector.steps - 1)
+    assert plan.auto_window(selector, 10, 20) == (selector.steps, 0)
 
 
 def _synthetic_cuda_trace():
@@ -222,7 +222,7 @@ def test_step_measures_from_a_synthetic_cuda_trace():
 
 
 def test_the_middle_batch_is_where_gpu_time_meets_host_time():
-    from benchmarks.erase_gpu import choose_middle
+    from tools.erase_gpu_plan import choose_middle
 
     # host 30 ms at both ends; GPU 3 ms at 2048, 60 ms at 65536: equal near 33 000
     assert choose_middle((2048, 30.0, 3.0), (65536, 30.0, 60.0)) == 32768
@@ -233,24 +233,22 @@ def test_the_middle_batch_is_where_gpu_time_meets_host_time():
 
 def test_the_budget_runs_whole_groups_most_informative_first(monkeypatch):
     """Every cell of a group that starts gets its repeats; a group that does not fit is skipped."""
-    from benchmarks import erase_gpu
+    from tools import erase_gpu_plan as plan
 
     clock = [0.0]
-    monkeypatch.setattr(erase_gpu.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(plan.time, "monotonic", lambda: clock[0])
     cost = {2048: 2.0, 16384: 3.0, 65536: 5.0}
 
-    def fake_cell(model_name, mode, batch, args, cuda, profile_path=None):
+    def fake_cell(model_name, mode, batch, profile_path=None):
         clock[0] += cost[batch] * (0.5 if model_name == "mlp30" else 1.0)
         return {"model": model_name, "batch": batch, "mode": mode, "profiled": bool(profile_path),
                 "p50": 1.0, "p90": 1.0, "host_ms_p50": 1.0}
 
-    monkeypatch.setattr(erase_gpu, "run_cell", fake_cell)
-    monkeypatch.setattr(erase_gpu, "_release_memory", lambda cuda: None)
-    args = erase_gpu.resolve(erase_gpu.build_parser().parse_args(["--repeats", "3"]), cuda=True)
+    args = plan.resolve(plan.build_parser().parse_args(["--repeats", "3"]), cuda=True)
     args.batches, args.middle = [2048, 16384, 65536], 16384
     traces = {b: {"build_s": 0.0, "step_s": cost[b] / (args.warmup + args.steps)} for b in cost}
-    budget = erase_gpu.Budget(230.0)
-    rows, skipped, errors = erase_gpu.run_cells(args, True, budget, traces)
+    budget = plan.Budget(230.0)
+    rows, skipped, errors = plan.run_cells(args, budget, traces, fake_cell, lambda: None)
     done = {}
     for r in rows:
         done.setdefault((r["model"], r["batch"]), []).append(r["mode"])

@@ -874,9 +874,9 @@ def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
 
 def test_loss_study_table_and_plot(tmp_path):
     sys.path.insert(0, ROOT)
-    from benchmarks.sasrec_losses import LOSSES, plot_curves, study_table, summarize
+    from tools.sasrec_study import LOSSES, plot_curves, study_table, summarize
 
-    assert ("sampled", 1) in LOSSES and ("sampled", 256) in LOSSES and len(LOSSES) == 5
+    assert ("sampled", 1) in LOSSES and ("sampled", 256) in LOSSES and len(LOSSES) == 6
     popular = {"popularity_hit@8": 0.19, "popularity_ndcg@10": 0.04, "popularity_recall@10": 0.04}
     rows = [
         {"dataset": "ml", "loss": "cutbce", "seed": 0, "status": "trained", "hit@8": 0.3,
@@ -905,25 +905,34 @@ def test_loss_study_table_and_plot(tmp_path):
     assert open(path, "rb").read(4) == b"\x89PNG"
 
 
-def test_loss_study_caches_runs_and_resumes(tmp_path, monkeypatch):
+def test_loss_study_caches_runs_and_resumes(tmp_path):
     sys.path.insert(0, ROOT)
-    from benchmarks import sasrec_losses
+    from tools import sasrec_study
 
     calls = []
 
-    def fake_run(dataset, loss, negatives, example_args, args, backend, seed=0):
+    def fake_run(dataset, loss, negatives, example_args, seed):
         calls.append((loss, negatives, seed))
-        return {"dataset": dataset, "loss": sasrec_losses.loss_name(loss, negatives),
+        return {"dataset": dataset, "loss": sasrec_study.loss_name(loss, negatives),
                 "seed": seed, "status": "trained", "hit@8": 0.1 * (seed + 1),
                 "ndcg@10": 0.05, "recall@10": 0.05}
 
-    monkeypatch.setattr(sasrec_losses, "run_case", fake_run)
-    argv = ["--quick", "--seeds", "2", "--losses", "sampled:256,cutbce",
-            "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "study")]
-    summaries = sasrec_losses.main(argv)
+    runs = str(tmp_path / "runs")
+    cases = [("synthetic 300 items", ["--num-items", "300"])]
+    losses = sasrec_study.parse_losses("sampled:256,cutbce")
+    sasrec_study.run_missing(runs, 2, cases, losses, fake_run)
     assert calls == [("sampled", 256, 0), ("cutbce", 1, 0), ("sampled", 256, 1), ("cutbce", 1, 1)]
+    summaries = sasrec_study.summarize(sasrec_study.load_runs(runs))
     assert {s["loss"]: s["hit@8"] for s in summaries} == pytest.approx(
         {"sampled (256 neg.)": 0.15, "cutbce": 0.15})
-    assert sasrec_losses.main(argv + ["--seeds", "3"]) and len(calls) == 6  # resumes: seed 2 only
-    with pytest.raises(SystemExit):
-        sasrec_losses.main(["--losses", "sampled:7"])
+    sasrec_study.run_missing(runs, 3, cases, losses, fake_run)
+    assert len(calls) == 6 and {c[2] for c in calls[4:]} == {2}  # resumes: seed 2 only
+    with pytest.raises(argparse.ArgumentTypeError):
+        sasrec_study.parse_losses("sampled:7")
+    script = [sys.executable, os.path.join(ROOT, "benchmarks", "sasrec_losses.py")]
+    out = str(tmp_path / "study")  # the benchmark reports the cached runs, running none
+    done = subprocess.run(script + ["--report-only", "--runs-dir", runs, "--out", out],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "| synthetic 300 items | cutbce | trained | 3 |" in open(out + ".md").read()
+    assert subprocess.run(script + ["--losses", "sampled:7"], capture_output=True).returncode == 2
