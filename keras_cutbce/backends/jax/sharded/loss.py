@@ -114,6 +114,27 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
     def padded(t, b):
         return mesh_lib.pad_rows(t, pad), None if b is None else mesh_lib.pad_rows(b, pad)
 
+    total_of = _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded)
+    neg_scale = bce_coefficients(label_smoothing, pos_weight).neg_scale
+
+    @jax.jit
+    def program(hidden, table, ids, bias):
+        total = total_of(hidden, table, ids, bias)
+        if pad:
+            # A zero row with zero bias has logit 0: a constant term per padded row.
+            total = total - pad * neg_scale * math.log(2.0)
+        return total / vocab
+
+    return program
+
+
+def _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded):
+    """The shard-mapped `forward` / `backward` of a sharded program as one per-row loss (`vjp.per_row_loss`).
+
+    `padded(t, b)` pads the table (and bias) to the shards; the gradients drop the padded rows.
+    """
+    row_spec, vocab_spec, _, bias_spec = in_specs
+
     def unpadded(x):
         """Drops the padded rows of a V-sharded gradient."""
         if not pad or x is None:
@@ -127,25 +148,13 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
         return mesh_lib.shard_mapped(forward, mesh, in_specs, mesh_lib.spec(rows), [h, t, i, b])
 
     def grads_fn(h, t, i, b, row_scale):
-        t, b = padded(t, b)
+        t, b_padded = padded(t, b)
         grads = mesh_lib.shard_mapped(
             backward, mesh, in_specs + [mesh_lib.spec(rows)], (row_spec, vocab_spec, bias_spec),
-            [h, t, i, b, row_scale],
-        )
-        return grads[0], unpadded(grads[1]), unpadded(grads[2])
+            [h, t, i, b_padded, row_scale])
+        return grads[0], unpadded(grads[1]), None if b is None else unpadded(grads[2])
 
-    total_of = vjp.per_row_loss(loss_fn, grads_fn)
-    neg_scale = bce_coefficients(label_smoothing, pos_weight).neg_scale
-
-    @jax.jit
-    def program(hidden, table, ids, bias):
-        total = total_of(hidden, table, ids, bias)
-        if pad:
-            # A zero row with zero bias has logit 0: a constant term per padded row.
-            total = total - pad * neg_scale * math.log(2.0)
-        return total / vocab
-
-    return program
+    return vjp.per_row_loss(loss_fn, grads_fn)
 
 
 def _softmax_shard_kernels(kernel, tile, pallas_tile):
@@ -245,25 +254,7 @@ def _softmax_program(sharding, vocab, num_rows, has_bias, label_smoothing, chunk
         b = None if b is None else mesh_lib.pad_rows(b, pad, -jnp.inf)
         return mesh_lib.pad_rows(t, pad), b
 
-    def unpadded(x):
-        if not pad or x is None:
-            return x
-        if mesh_lib.explicit(mesh):
-            x = jax.reshard(x, NamedSharding(mesh, P()))
-        return x[:vocab]
-
-    def loss_fn(h, t, i, b):
-        t, b = padded(t, b)
-        return mesh_lib.shard_mapped(forward, mesh, in_specs, mesh_lib.spec(rows), [h, t, i, b])
-
-    def grads_fn(h, t, i, b, row_scale):
-        t, b_padded = padded(t, b)
-        grads = mesh_lib.shard_mapped(
-            backward, mesh, in_specs + [mesh_lib.spec(rows)], (row_spec, vocab_spec, bias_spec),
-            [h, t, i, b_padded, row_scale])
-        return grads[0], unpadded(grads[1]), None if b is None else unpadded(grads[2])
-
-    loss_of = vjp.per_row_loss(loss_fn, grads_fn)
+    loss_of = _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded)
 
     @jax.jit
     def program(hidden, table, ids, bias):
