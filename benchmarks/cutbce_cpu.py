@@ -569,32 +569,37 @@ SIDE_BY_SIDE_LABELS = {
 
 
 def memory(args):
-    """Per backend and checkout, a fresh process: the extra peak RSS of the loss path (`weighted_loss_sum`)."""
+    """Per backend, `--rounds` rounds of a fresh process per checkout: the extra peak RSS of the loss path."""
     shape = _shapes(args, [MEMORY_SHAPE])[0]
     threads = args.threads or "default"
     roots, checkouts = _checkouts(args)
     info = machine_info(threads=threads, checkouts=checkouts)
-    rows = []
+    rows, lines = [], []
     for backend in args.backends.split(","):
-        for label, root in roots.items():
-            row = _run(args, backend, threads, shape, ["--cell", "alone", "--variants", "loss",
-                                                       "--repeats", str(args.repeats)], root)
-            rows.append({"backend": backend, "checkout": label, **row})
+        for round_ in range(args.rounds):  # the checkouts alternate, round by round
+            for label, root in roots.items():
+                row = _run(args, backend, threads, shape, ["--cell", "alone", "--variants", "loss",
+                                                           "--repeats", str(args.repeats)], root)
+                rows.append({"backend": backend, "checkout": label, "round": round_, **row})
+        for label in roots:
+            done = [r for r in rows if (r["backend"], r["checkout"]) == (backend, label) and "error" not in r]
+            mb = {key: fmt_spread(spread([r[key] for r in done])) if done else "-"
+                  for key in ("peak_extra_mb", "first_call_peak_extra_mb")}
+            lines.append({"backend": backend, "checkout": label, "runs": f"{len(done)} of {args.rounds}",
+                          "target": f"< {MEMORY_TARGET_MB}", **mb})
     info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    lines = [{"backend": r["backend"], "checkout": r["checkout"], "target": f"< {MEMORY_TARGET_MB}",
-              "mb": r.get("error") or _fmt(r["peak_extra_mb"], ".0f"),
-              "first": _fmt(r.get("first_call_peak_extra_mb"), ".0f")} for r in rows]
     what = (
         f"Extra peak RSS (MB) of one forward + backward (gradients of h, E, b) of `weighted_loss_sum` "
         f"(what `CutBCELoss` runs in `fit`), `implementation=\"chunked\"`, at (M, D, V) = {shape}, float32, "
-        "each backend and checkout in a fresh process: the peak RSS of the timed calls "
-        f"(max over {args.repeats}) above the RSS once the inputs exist (`/proc/self/clear_refs` resets the peak "
-        "after the warm-up call); first call: the warm-up's, with tracing and compilation. The `[V, D]` "
-        f"table gradient alone is {shape[1] * shape[2] * 4 / 2**20:.0f} MB.")
+        f"in a fresh process per backend, checkout and round ({args.rounds} rounds, the checkouts alternating): "
+        f"the peak RSS of the timed calls (max over {args.repeats}) above the RSS once the inputs exist "
+        "(`/proc/self/clear_refs` resets the peak after the warm-up call), median (min-max) over the "
+        "processes; first call: the warm-up's, with tracing and compilation. The `[V, D]` table gradient "
+        f"alone is {shape[1] * shape[2] * 4 / 2**20:.0f} MB.")
+    columns = ["backend", "checkout", "runs", "peak_extra_mb", "first_call_peak_extra_mb", "target"]
     write_results(args.out + "_memory", "CutBCE loss path memory, float32, CPU", what, None, info,
-                  markdown_table(lines, ["backend", "checkout", "mb", "first", "target"],
-                                 ["backend", "checkout", "extra peak MB", "first call MB", "target"]),
-                  {"shape": shape, "repeats": args.repeats, "rows": rows})
+                  markdown_table(lines, columns, columns[:3] + ["extra peak MB", "first call MB", "target"]),
+                  {"shape": shape, "repeats": args.repeats, "rounds": args.rounds, "rows": rows})
 
 
 SOFTMAX_LABELS = {
@@ -670,6 +675,7 @@ def main():
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: the section's)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="--memory: fresh processes per backend and checkout")
     parser.add_argument("--threads", default=None,
                         help='intra-op threads: an int or "default" (the backends\' own); with '
                              '--side-by-side a comma list (default "default,1"), with --softmax default 1')
