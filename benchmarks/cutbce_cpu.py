@@ -1,87 +1,82 @@
-"""CutBCE vs dense Keras BCE on CPU: forward+backward time and peak extra memory.
+"""CutBCE and CutSoftmax vs dense Keras on CPU: forward+backward time and peak extra memory.
 
-For every backend (jax, torch, tensorflow) and shape (M, D, V), times, side by
-side in one run, each in its own subprocess:
+Every cell runs in a subprocess of this script (`--cell`), importing the
+package of this checkout or of `--before DIR`'s (the same script, the other
+checkout's package: the before/after comparison, from two checkouts).
 
-- `dense`: `keras.losses.binary_crossentropy(multi_hot, h @ E.T + b,
-  from_logits=True)` and its gradients for h, E, b (jit / tf.function);
-- `cutbce`: `sum(cut_binary_crossentropy(..., implementation="chunked"))`,
-  same gradients (the per-position op: exact for any cotangent, so its
-  backward recomputes the logits);
-- `cutbce_loss`: what `CutBCELoss` runs, `weighted_loss_sum` (the reduced
-  loss; backends with a fused kernel compute the gradients in the same pass
-  over the vocabulary as the loss);
-- the floor: `matmuls` (the three products `h @ E.T`, `dZ @ E`, `dZ.T @ h` of
-  the same shapes, on the backend) plus `elementwise` (softplus and sigmoid of
-  M x V values in one jit-compiled XLA pass, measured once on JAX);
-- `topk_dense` / `topk_cut`: dense `top_k` of the logits vs `cut_top_k`.
+Sections (each writes `--out`'s prefix plus its suffix, `.md` and `.json`,
+through `benchmarks.common.write_results`):
 
-Peak extra memory is the process's peak RSS during the timed runs above its
+- the full table (no flag, `cutbce_cpu`): per backend and shape (M, D, V),
+  each variant alone in a fresh process, its times and extra peak RSS:
+  `dense` (`keras.losses.binary_crossentropy(multi_hot, h @ E.T + b,
+  from_logits=True)` and its gradients for h, E, b; jit / tf.function),
+  `loss` (`weighted_loss_sum`, what `CutBCELoss` runs), `op`
+  (`sum(cut_binary_crossentropy)`, exact for any cotangent), the floor
+  `matmuls` (`h @ E.T`, `dZ @ E`, `dZ.T @ h` on the backend) plus
+  `elementwise` (softplus and sigmoid of M x V values, one XLA pass, on
+  JAX), and `topk_dense` / `topk_cut` (`top_k` of the logits vs
+  `cut_top_k`);
+- `--side-by-side` (`_side_by_side`): per backend, thread setting (`--threads`,
+  a comma list, default "default,1") and checkout, dense, loss and op (and
+  on JAX a pure-JAX scan-and-checkpoint operator) alternating in one
+  process, wall and CPU time over dense;
+- `--memory` (`_memory`): the extra peak RSS of the loss path at
+  (1024, 128, 262144), each backend and checkout in a fresh process;
+- `--softmax` (`_softmax`): `CutSoftmaxLoss` and `cut_categorical_crossentropy`
+  against dense Keras softmax cross-entropy (and `F.linear_cross_entropy`
+  on torch), alternating per backend and shape, plus each one's extra peak
+  RSS in a fresh process.
+
+Extra peak memory is the process's peak RSS during the timed runs above its
 RSS once the inputs exist (Linux `/proc/self/clear_refs` resets the peak
-after the warm-up, so what tracing and compilation alone needed is left out;
-memory the warm-up left allocated, e.g. allocator pools, still counts). The
-JSON also keeps `first_call_peak_extra_mb`, the warm-up call's peak with
-tracing and compilation. A run whose RSS passes
-`--memory-cap-gb` is killed and reported as out of memory. `--threads`
-sets torch's, TensorFlow's and (at 1) XLA's thread counts; "default" (the
-default) leaves each backend at its own, as users run it.
-
-`--side-by-side` instead times, per backend and thread setting (`--threads`,
-a comma list, default "default,1") in one process, dense BCE, the loss path
-and the op (and on JAX a pure-JAX scan-and-checkpoint operator) alternating,
-one of each per round, and writes `..._side_by_side.{md,json}` with each
-one's wall and CPU ratio over dense: wall time at the default threads is
-what users see; CPU time at 1 thread has no waits at thread barriers.
-
-`--memory` writes the memory table `..._memory.{md,json}`: the extra peak
-RSS of one forward + backward of the loss path at (1024, 128, 262144), each
-backend in its own process.
-
-`--softmax` writes `..._softmax.{md,json}`: `CutSoftmaxLoss` and
-`cut_categorical_crossentropy` against dense Keras softmax cross-entropy
-(and `F.linear_cross_entropy` on torch), alternating in one process per
-backend and shape, plus each one's extra peak RSS in a fresh process.
-
-`--before DIR` (with `--side-by-side` or `--memory`) runs the same worker
-processes with the package of the checkout at DIR too, alternating with
-this checkout's: the before/after comparison, from two checkouts.
+after the warm-up, so tracing and compilation are left out; the JSON also
+keeps the warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes
+`--memory-cap-gb` stops itself and is reported as out of memory.
+`--threads` sets torch's, TensorFlow's and (at 1) XLA's thread counts;
+"default" leaves each backend at its own, as users run it.
 
 Usage:
-    python benchmarks/cutbce_cpu.py            # full table (takes ~15 min)
-    python benchmarks/cutbce_cpu.py --side-by-side --before /tmp/cpu-old
+    python benchmarks/cutbce_cpu.py            # full table (about 25 min)
+    python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
+    python benchmarks/cutbce_cpu.py --side-by-side --before /tmp/cpu-old --threads 1
     python benchmarks/cutbce_cpu.py --memory --before /tmp/cpu-old --backends torch,tensorflow
     python benchmarks/cutbce_cpu.py --softmax --threads 1 --repeats 3
-    python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
-
-Writes `benchmarks/results/cutbce_cpu.{md,json}` (or `--out PREFIX`).
 """
 
 import argparse
 import gc
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.abspath(__file__)
+BACKENDS = ["jax", "torch", "tensorflow"]
 SHAPES = [(4096, 64, 32768), (4096, 64, 131072), (1024, 128, 262144)]
 QUICK_SHAPES = [(512, 32, 4096)]
-BACKENDS = ["jax", "torch", "tensorflow"]
+FULL_VARIANTS = ("dense", "loss", "op", "matmuls", "topk_dense", "topk_cut")
 TOP_K = 10
-TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}
+TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}  # loss / dense time, full table
+SIDE_BY_SIDE_SHAPE = (4096, 64, 32768)
+SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
+MEMORY_SHAPE = (1024, 128, 262144)
+MEMORY_TARGET_MB = 300
+SOFTMAX_SHAPES = [(4096, 64, 32768), MEMORY_SHAPE]
+SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.linear_cross_entropy"
 
+sys.path.insert(0, ROOT)  # this checkout's harness, even in a cell importing `--before`'s package
+from benchmarks.common import alternate, commit, emit_row, fmt_spread, machine_info  # noqa: E402
+from benchmarks.common import markdown_table, reset_peak_rss, rss_bytes, run_cell, spread  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
 
-sys.path.insert(0, ROOT)  # this checkout's harness, even in a `--before` worker
-from benchmarks.common import alternate, commit, emit_row, fmt_spread  # noqa: E402
-from benchmarks.common import reset_peak_rss as _reset_peak  # noqa: E402
-from benchmarks.common import rss_bytes as _status  # noqa: E402
-
-sys.path.remove(ROOT)  # the timed `keras_cutbce`: PYTHONPATH's (`--before`'s checkout) first
+sys.path.remove(ROOT)  # the timed `keras_cutbce`: PYTHONPATH's (the cell's checkout) first
 sys.path.append(ROOT)
+
+
+# ------------------------------------------------------------------ cells ---
+# What a `--cell` subprocess runs: the inputs, the timed functions, the measures.
 
 
 def _inputs(shape, seed=0):
@@ -103,6 +98,19 @@ def _multi_hot_numpy(ids, vocab):
     targets = np.zeros((ids.shape[0], vocab), "float32")
     targets[np.arange(ids.shape[0])[:, None], ids] = 1.0
     return targets
+
+
+def _compiled(backend, fn):
+    """`fn` under `jax.jit` / `tf.function`; eager on torch."""
+    if backend == "jax":
+        import jax
+
+        return jax.jit(fn)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn)
+    return fn
 
 
 def _value_and_grad_fn(backend, loss_fn):
@@ -170,168 +178,13 @@ def _block(result):
             keras.ops.convert_to_numpy(x)
 
 
-def _variant_fn(backend, variant, shape):
-    """Returns `(run, inputs)` for one variant; `run(*inputs)` does the timed work."""
-    import keras
-    from keras import ops
+def _tile(backend, shape):
+    """The vocabulary tile the public API picks for `shape` on CPU (`chunk_size=None`)."""
+    from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes
 
-    from keras_cutbce import cut_binary_crossentropy
-    from keras_cutbce.ops import cut_top_k
-
-    hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
     rows, dim, vocab = shape
-    if variant == "dense":
-        targets = ops.convert_to_tensor(_multi_hot_numpy(_inputs(shape)[3], vocab))
-
-        def loss(h, t, b, targets):
-            logits = ops.matmul(h, ops.transpose(t)) + b
-            return ops.sum(keras.losses.binary_crossentropy(targets, logits, from_logits=True))
-
-        return _value_and_grad_fn(backend, loss), (hidden, table, bias, targets)
-    if variant == "cutbce":
-
-        def loss(h, t, b):
-            return ops.sum(cut_binary_crossentropy(h, t, ids, b, implementation="chunked"))
-
-        return _value_and_grad_fn(backend, loss), (hidden, table, bias)
-    if variant == "cutbce_loss":
-        from keras_cutbce.ops import weighted_loss_sum
-
-        weights = ops.ones((rows,), "float32")
-
-        def loss(h, t, b):
-            return weighted_loss_sum(h, t, ids, weights, b, implementation="chunked")
-
-        return _value_and_grad_fn(backend, loss), (hidden, table, bias)
-    if variant == "matmuls":
-        grad_logits = ops.convert_to_tensor(
-            __import__("numpy").random.default_rng(1).normal(size=(rows, vocab)).astype("float32")
-        )
-
-        def three(h, t, dz):
-            return (ops.matmul(h, ops.transpose(t)), ops.matmul(dz, t), ops.matmul(ops.transpose(dz), h))
-
-        if backend == "jax":
-            import jax
-
-            three = jax.jit(three)
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            three = tf.function(three)
-        return three, (hidden, table, grad_logits)
-    if variant == "elementwise":
-        import jax
-        import jax.numpy as jnp
-
-        z = jnp.asarray(__import__("numpy").random.default_rng(1).normal(size=(rows, vocab)).astype("float32"))
-
-        @jax.jit
-        def softplus_and_sigmoid(z):
-            e = jnp.exp(-jnp.abs(z))
-            return jnp.maximum(z, 0) + jnp.log1p(e), jnp.where(z >= 0, 1.0, e) / (1.0 + e)
-
-        return softplus_and_sigmoid, (z,)
-    if variant == "topk_dense":
-
-        def dense_top_k(h, t, b):
-            return ops.top_k(ops.matmul(h, ops.transpose(t)) + b, TOP_K)
-
-        if backend == "jax":
-            import jax
-
-            dense_top_k = jax.jit(dense_top_k)
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            dense_top_k = tf.function(dense_top_k)
-        return dense_top_k, (hidden, table, bias)
-    if variant == "topk_cut":
-        run = lambda h, t, b: cut_top_k(h, t, TOP_K, bias=b)  # noqa: E731
-        if backend == "jax":
-            import jax
-
-            run = jax.jit(run)
-        elif backend == "tensorflow":
-            import tensorflow as tf
-
-            run = tf.function(run)
-        return run, (hidden, table, bias)
-    raise ValueError(f"unknown variant {variant!r}")
-
-
-def _threads(value):
-    """`--threads` as an int, or None for the backend's own default ("default")."""
-    return None if value in (None, "default") else int(value)
-
-
-def _set_threads(backend, threads):
-    """Sets the backend's thread counts in this process (None: leave the defaults).
-
-    Returns the intra-op thread count the backend uses (None where it
-    cannot tell).
-    """
-    if backend == "torch":
-        import torch
-
-        if threads is not None:
-            torch.set_num_threads(threads)
-        return torch.get_num_threads()
-    if backend == "tensorflow" and threads is not None:
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-    return threads
-
-
-def _thread_env(env, threads):
-    """`env` with XLA's CPU client pinned to one thread when `threads` is 1 (it reads the flags)."""
-    env = dict(env)
-    if threads == 1:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                            " intra_op_parallelism_threads=1").strip()
-    return env
-
-
-def worker(args):
-    """Runs one (backend, variant, shape) in this process and prints a JSON line."""
-    backend = os.environ["KERAS_BACKEND"]
-    threads_used = _set_threads(backend, _threads(args.threads))
-    shape = tuple(int(x) for x in args.shape.split(","))
-    run, inputs = _variant_fn(backend, args.variant, shape)
-    before = _status("VmRSS")
-    _reset_peak()
-    start = time.perf_counter()
-    if backend == "torch" and args.variant.startswith("topk"):
-        import torch
-
-        with torch.no_grad():
-            _block(run(*inputs))
-    else:
-        _block(run(*inputs))  # warm-up (compiles)
-    first = time.perf_counter() - start
-    first_peak = _status("VmHWM")
-    gc.collect()
-    _reset_peak()  # the timed runs' own peak (tracing/compilation excluded)
-    times = []
-    for _ in range(args.repeats):
-        gc.collect()  # untimed: the previous result is gone before the next run
-        start = time.perf_counter()
-        _block(run(*inputs))
-        times.append(time.perf_counter() - start)
-    peak = _status("VmHWM")
-    emit_row(({
-        "median_s": statistics.median(times), "times_s": times, "first_s": first,
-        "peak_extra_mb": (peak - before) / 2**20,
-        "first_call_peak_extra_mb": (first_peak - before) / 2**20,
-        "threads": threads_used,
-    }))
-
-
-# ------------------------------------------------------------ side by side ---
-
-SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
+    budget = tile_budget_bytes(backend, "cpu", table_bytes=4 * vocab * dim)
+    return default_chunk_size(rows, vocab, budget, max_tile(backend, "cpu"))
 
 
 def _pure_jax_operator(ids, tile):
@@ -364,258 +217,70 @@ def _pure_jax_operator(ids, tile):
     return loss
 
 
-def _side_by_side_fns(backend, shape):
-    """`name -> (run, inputs)`: dense, the loss and op, on JAX the pure-JAX op; and the tile."""
+def _bce_cells(backend, shape, names):
+    """name -> `(run, inputs)` for the BCE variants in `names`; `run(*inputs)` is the timed call."""
+    import numpy as np
+    import keras
     from keras import ops
 
     from keras_cutbce import cut_binary_crossentropy
-    from keras_cutbce.ops import weighted_loss_sum
-    from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes
+    from keras_cutbce.ops import cut_top_k, weighted_loss_sum
 
-    fns = {"dense": _variant_fn(backend, "dense", shape)}
     hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
-    rows, _, vocab = shape
-    weights = ops.ones((rows,), "float32")
-    # The tile the public API picks for these shapes (`chunk_size=None`).
-    budget = tile_budget_bytes(backend, "cpu", table_bytes=4 * vocab * shape[1])
-    tile = default_chunk_size(rows, vocab, budget, max_tile(backend, "cpu"))
-
-    def loss(h, t, b):
-        return weighted_loss_sum(h, t, ids, weights, b, implementation="chunked")
-
-    def op(h, t, b):
-        return ops.sum(cut_binary_crossentropy(h, t, ids, b, implementation="chunked"))
-
-    inputs = (hidden, table, bias)
-    fns["loss"] = (_value_and_grad_fn(backend, loss), inputs)
-    fns["op"] = (_value_and_grad_fn(backend, op), inputs)
-    if backend == "jax" and vocab % tile == 0:
-        fns["pure_jax"] = (_value_and_grad_fn(backend, _pure_jax_operator(ids, tile)), inputs)
-    return fns, tile
-
-
-def side_by_side_worker(args):
-    """Times every side-by-side variant in this one process, alternating; prints a `ROW` line."""
-    backend = os.environ["KERAS_BACKEND"]
-    threads_used = _set_threads(backend, _threads(args.threads))
-    shape = tuple(int(x) for x in args.shape.split(","))
-    fns, tile = _side_by_side_fns(backend, shape)
-    timed = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in fns.items()},
-                      args.repeats, block=_block)
-    emit_row({
-        "tile": tile, "cells": timed, "commit": commit(),
-        "median_s": {name: cell["wall"]["median"] for name, cell in timed.items()},
-        "median_cpu_s": {name: cell["cpu"]["median"] for name, cell in timed.items()},
-        "loadavg": os.getloadavg(), "threads": threads_used,
-    })
-
-
-def _roots(args):
-    """`label -> checkout`: this one ("after"), and `--before`'s first when given."""
-    return {"before": os.path.abspath(args.before), "after": ROOT} if args.before else {"after": ROOT}
-
-
-def _thread_settings(value):
-    """`--threads` of `--side-by-side`: a comma list of counts and/or "default"."""
-    return [item.strip() for item in str(value).split(",") if item.strip()]
-
-
-def side_by_side(args):
-    """One process per backend, thread setting and checkout: dense, loss, op, alternating."""
-    shape = tuple(int(x) for x in (args.shapes or "4096,64,32768").split(";")[0].split(","))
-    settings = _thread_settings(args.threads)
-    roots = _roots(args)
-    results = {"shape": shape, "repeats": args.repeats, "threads": settings, "roots": roots,
-               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "backends": {}}
-    for backend in args.backends.split(","):
-        for threads in settings:
-            for label, root in roots.items():  # the checkouts alternate, backend by backend
-                name = backend if label == "after" else f"{backend} ({label})"
-                entry = run_variant(backend, "side_by_side", shape, args.repeats, threads,
-                                    args.memory_cap_gb * 2**30, root)
-                results["backends"].setdefault(name, {})[threads] = entry
-                print(name, threads, entry.get("median_s", entry), flush=True)
-    results["loadavg_end"] = os.getloadavg()
-    lines = _side_by_side_table(results)
-    print("\n".join(lines))
-    out = args.out + "_side_by_side"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write(_side_by_side_header(results, args) + "\n".join(lines) + "\n")
-
-
-SIDE_BY_SIDE_LABELS = {
-    "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
-    "pure_jax": "pure-JAX op (reference)",
-}
-
-
-def _threads_label(threads):
-    return "default threads" if threads == "default" else f"{threads} thread" + ("s" if threads != "1" else "")
-
-
-def _side_by_side_table(results):
-    """Markdown rows: per variant, for each thread setting, wall s, wall / dense and CPU / dense."""
-    settings = results["threads"]
-    head = "| backend | tile | variant |"
-    rule = "|---|---|---|"
-    for threads in settings:
-        label = _threads_label(threads)
-        head += f" wall s, {label} | wall / dense, {label} | CPU / dense, {label} |"
-        rule += "---|---|---|"
-    lines = [head + " target |", rule + "---|"]
-    for backend, by_threads in results["backends"].items():
-        entries = [by_threads.get(threads, {"error": "not run"}) for threads in settings]
-        ok = [e for e in entries if "error" not in e]
-        if not ok:
-            lines.append(f"| {backend} | - | {entries[0]['error']} |" + " |" * (3 * len(settings) + 1))
-            continue
-        tile = ok[0]["tile"]
-        for key in ["dense"] + list(SIDE_BY_SIDE_LABELS):
-            if key not in ok[0]["median_s"]:
-                continue
-            label = "dense Keras BCE" if key == "dense" else SIDE_BY_SIDE_LABELS[key]
-            row = f"| {backend} | {tile} | {label} |"
-            for entry in entries:
-                if "error" in entry:
-                    row += f" {entry['error'][:60]} | | |"
-                    continue
-                wall, cpu = entry["median_s"], entry["median_cpu_s"]
-                row += (f" {wall[key]:.3f} | {wall[key] / wall['dense']:.3f} | "
-                        f"{cpu[key] / cpu['dense']:.3f} |")
-            target = SIDE_BY_SIDE_TARGETS.get(key)
-            lines.append(row + f" {'' if target is None else f'<= {target}'} |")
-    return lines
-
-
-def _side_by_side_header(results, args):
-    shape = ", ".join(map(str, results["shape"]))
-    load = lambda v: ", ".join(f"{x:.1f}" for x in v)  # noqa: E731
-    commits = ", ".join(f"{label} = `{root}` ({commit(root)})" for label, root in results["roots"].items())
-    return (
-        f"# CutBCE side by side with dense Keras BCE, (M, D, V) = ({shape}), float32, CPU\n\n"
-        f"Forward + gradients of h, E, b. Each backend in one process: every variant once per "
-        f"round, {results['repeats']} rounds after a warm-up round, medians; ratios over the same "
-        f"process's dense BCE, in wall time and in the process's CPU time (all its threads; "
-        "steadier than wall time on a loaded machine). loss = `weighted_loss_sum` (what `CutBCELoss` runs), op = "
-        f"`sum(cut_binary_crossentropy)` (exact for any cotangent); pure-JAX op = "
-        "`lax.scan` over tiles under `jax.checkpoint` with autodiff (a reference written here, "
-        f"not exact at saturated positives). {results['cpus']} cores; one process per thread "
-        f"setting ({', '.join(results['threads'])}): \"default\" leaves torch, TensorFlow and "
-        "XLA at their own thread counts, as users run them (wall time is what they see); "
-        "1 pins all three to one thread (CPU-time ratios without waits at thread barriers). "
-        "Load average (1, 5, 15 min) at start "
-        f"{load(results['loadavg_start'])}, at end {load(results['loadavg_end'])} (a shared, "
-        f"loaded machine: ratios are the stable figures, absolute seconds are not). Checkouts: {commits}.\n\n"
-        "Command: `python benchmarks/cutbce_cpu.py --side-by-side"
-        + (f" --backends {args.backends}" if args.backends != ",".join(BACKENDS) else "")
-        + (f" --before {args.before}" if args.before else "")
-        + f" --repeats {args.repeats} --threads {','.join(results['threads'])}`\n\n"
-    )
-
-
-def run_variant(backend, variant, shape, repeats, threads, cap_bytes, root=ROOT):
-    """Runs `worker` in a subprocess importing the checkout at `root`, killing it if its RSS passes `cap_bytes`."""
-    env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"),
-                      _threads(threads))
-    env["PYTHONPATH"] = root
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant,
-           "--shape", ",".join(map(str, shape)), "--repeats", str(repeats), "--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    killed = {"oom": False}
-
-    def watch():
-        while proc.poll() is None:
-            try:
-                with open(f"/proc/{proc.pid}/status") as f:
-                    rss = next((int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:")), 0)
-            except OSError:
-                return
-            if rss > cap_bytes:
-                killed["oom"] = True
-                proc.kill()
-                return
-            time.sleep(0.05)
-
-    threading.Thread(target=watch, daemon=True).start()
-    out, err = proc.communicate()
-    if killed["oom"]:
-        return {"error": f"out of memory (RSS > {cap_bytes / 2**30:.0f} GiB, killed)"}
-    if proc.returncode != 0:
-        last = (err.strip().splitlines() or ["?"])[-1]
-        return {"error": f"failed: {last[:200]}"}
-    return json.loads([line for line in out.splitlines() if line.startswith("ROW ")][-1][4:])
-
-
-MEMORY_SHAPE = (1024, 128, 262144)
-MEMORY_TARGET_MB = 300
-
-
-def memory(args):
-    """The memory table: extra peak RSS of one forward + backward of the loss path.
-
-    Per backend, `weighted_loss_sum` (what `fit` runs) at `MEMORY_SHAPE` in a
-    fresh process (`worker`, variant `cutbce_loss`): the peak RSS of the
-    timed runs above the RSS once the inputs exist, compilation excluded
-    (and the first call's, compilation included). With `--before`, the
-    same for that checkout's package, in its own processes.
-    """
-    shape = tuple(int(x) for x in args.shapes.split(",")) if args.shapes else MEMORY_SHAPE
-    threads = args.threads or "default"
-    roots = _roots(args)
-    cap = args.memory_cap_gb * 2**30
-    results = {"shape": shape, "repeats": args.repeats, "threads": threads, "roots": roots,
-               "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "backends": {}}
-    for backend in args.backends.split(","):
-        results["backends"][backend] = {}
-        for label, root in roots.items():
-            entry = run_variant(backend, "cutbce_loss", shape, args.repeats, threads, cap,
-                                root)
-            results["backends"][backend][label] = entry
-            print(backend, label, entry, flush=True)
-    results["loadavg_end"] = os.getloadavg()
-    head = "| backend |" + "".join(f" {label} MB | {label} first call MB |" for label in roots)
-    lines = [head + " target |", "|---|" + "---|---|" * len(roots) + "---|"]
-    for backend, by_root in results["backends"].items():
-        row = f"| {backend} |"
-        for label in roots:
-            row += f" {_fmt(by_root[label], 'peak_extra_mb', 0)} |"
-            row += f" {_fmt(by_root[label], 'first_call_peak_extra_mb', 0)} |"
-        lines.append(row + f" < {MEMORY_TARGET_MB} |")
-    print("\n".join(lines))
-    out = args.out + "_memory"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
     rows, dim, vocab = shape
-    commits = ", ".join(f"{label} = `{root}` ({commit(root)})" for label, root in roots.items())
-    with open(out + ".md", "w") as f:
-        f.write(
-            f"# CutBCE loss path memory, (M, D, V) = ({rows}, {dim}, {vocab}), float32, CPU\n\n"
-            "Extra peak RSS of one forward + backward (gradients of h, E, b) of "
-            "`weighted_loss_sum` (what `CutBCELoss` runs in `fit`), `implementation=\"chunked\"`, "
-            "each in a fresh process: the peak RSS of the timed runs above the RSS once the "
-            "inputs exist (`/proc/self/clear_refs` resets the peak after the warm-up call); "
-            "\"first call\" includes tracing and compilation. The `[V, D]` table gradient alone "
-            f"is {vocab * dim * 4 / 2**20:.0f} MB. Checkouts: {commits}. Threads: {threads}; max of {args.repeats} timed runs. Load average "
-            f"(1, 5, 15 min) at the end: {', '.join(f'{v:.1f}' for v in results['loadavg_end'])} "
-            "(a shared machine).\n\n"
-            f"Command: `python benchmarks/cutbce_cpu.py --memory"
-            + (f" --before {args.before}" if args.before else "")
-            + f" --backends {args.backends} --repeats {args.repeats}`\n\n"
-        )
-        f.write("\n".join(lines) + "\n")
+    weights = ops.ones((rows,), "float32")
+    inputs = (hidden, table, bias)
+
+    def dense():
+        targets = ops.convert_to_tensor(_multi_hot_numpy(_inputs(shape)[3], vocab))
+
+        def loss(h, t, b, targets):
+            logits = ops.matmul(h, ops.transpose(t)) + b
+            return ops.sum(keras.losses.binary_crossentropy(targets, logits, from_logits=True))
+
+        return _value_and_grad_fn(backend, loss), (*inputs, targets)
+
+    def loss():
+        return _value_and_grad_fn(backend, lambda h, t, b: weighted_loss_sum(
+            h, t, ids, weights, b, implementation="chunked")), inputs
+
+    def op():
+        return _value_and_grad_fn(backend, lambda h, t, b: ops.sum(cut_binary_crossentropy(
+            h, t, ids, b, implementation="chunked"))), inputs
+
+    def pure_jax():
+        return _value_and_grad_fn(backend, _pure_jax_operator(ids, _tile(backend, shape))), inputs
+
+    def matmuls():
+        grad_logits = ops.convert_to_tensor(np.random.default_rng(1).normal(size=(rows, vocab)).astype("float32"))
+
+        def three(h, t, dz):
+            return (ops.matmul(h, ops.transpose(t)), ops.matmul(dz, t), ops.matmul(ops.transpose(dz), h))
+
+        return _compiled(backend, three), (hidden, table, grad_logits)
+
+    def elementwise():  # on JAX whatever the backend: the floor's one XLA pass
+        import jax.numpy as jnp
+
+        def softplus_and_sigmoid(z):
+            e = jnp.exp(-jnp.abs(z))
+            return jnp.maximum(z, 0) + jnp.log1p(e), jnp.where(z >= 0, 1.0, e) / (1.0 + e)
+
+        z = jnp.asarray(np.random.default_rng(1).normal(size=(rows, vocab)).astype("float32"))
+        return _compiled("jax", softplus_and_sigmoid), (z,)
+
+    def topk_dense():
+        return _compiled(backend, lambda h, t, b: ops.top_k(ops.matmul(h, ops.transpose(t)) + b, TOP_K)), inputs
+
+    def topk_cut():
+        return _compiled(backend, lambda h, t, b: cut_top_k(h, t, TOP_K, bias=b)), inputs
+
+    builders = dict(dense=dense, loss=loss, op=op, pure_jax=pure_jax, matmuls=matmuls,
+                    elementwise=elementwise, topk_dense=topk_dense, topk_cut=topk_cut)
+    return {name: builders[name]() for name in names}
 
 
-# ----------------------------------------------------------------- softmax ---
-
-SOFTMAX_SHAPES = [(4096, 64, 32768), (1024, 128, 262144)]
-SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.linear_cross_entropy"
-
-
-def _softmax_cells(backend, shape, variants):
+def _softmax_cells(backend, shape, names):
     """name -> `(run, inputs)`: loss + gradients of h, E, b, one target a position."""
     import keras
     from keras import ops
@@ -661,36 +326,280 @@ def _softmax_cells(backend, shape, variants):
 
         cells["torch_lce_chunked"] = torch_lce(True)
         cells["torch_lce"] = torch_lce(False)
-    return {name: cell for name, cell in cells.items() if not variants or name in variants}
+    return {name: cells[name] for name in names if name in cells}
 
 
-def softmax_cell(args):
-    """In this process: the softmax cells of one backend, alternating (`--softmax-cell time`) or
-    one cell's extra peak RSS (`--softmax-cell memory --variant NAME`); prints a `ROW` line."""
-    from benchmarks.common import alternate, emit_row
+def _alone(run, inputs, repeats):
+    """One variant alone in this process: its times and its extra peak RSS (MB), after a warm-up call."""
+    before = rss_bytes("VmRSS")
+    reset_peak_rss()
+    start = time.perf_counter()
+    _block(run(*inputs))  # warm-up: tracing and compilation
+    first = time.perf_counter() - start
+    first_peak = rss_bytes("VmHWM")
+    gc.collect()
+    reset_peak_rss()  # the timed runs' own peak
+    times = []
+    for _ in range(repeats):
+        gc.collect()  # untimed: the previous result is gone before the next run
+        start = time.perf_counter()
+        _block(run(*inputs))
+        times.append(time.perf_counter() - start)
+    return {"wall": spread(times), "times_s": times, "first_s": first,
+            "peak_extra_mb": (rss_bytes("VmHWM") - before) / 2**20,
+            "first_call_peak_extra_mb": (first_peak - before) / 2**20}
+
+
+def _stop_above(cap_bytes):
+    """Ends this process (exit 3, "out of memory" on stderr) once its RSS passes `cap_bytes`."""
+    def watch():
+        while rss_bytes("VmRSS") <= cap_bytes:
+            time.sleep(0.05)
+        print(f"out of memory (RSS > {cap_bytes / 2**30:.0f} GiB, stopped)", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def cell(args):
+    """In this process: `--variants` of one backend and shape, `alone` or `alternating`; prints a `ROW`."""
+    import keras_cutbce
 
     backend = os.environ["KERAS_BACKEND"]
-    threads = _set_threads(backend, _threads(args.threads))
-    shape = tuple(int(x) for x in args.shape.split(","))
-    if args.softmax_cell == "time":
-        cells = _softmax_cells(backend, shape, args.variants and args.variants.split(","))
-        timed = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in cells.items()},
-                          args.repeats, block=_block)
-        return emit_row({"threads": threads, "loadavg": os.getloadavg(), "cells": timed})
-    run, inputs = _softmax_cells(backend, shape, [args.variant])[args.variant]
-    before = _status("VmRSS")
-    _reset_peak()
-    _block(run(*inputs))  # warm-up: tracing and compilation
-    first = _status("VmHWM")
-    gc.collect()
-    _reset_peak()
-    peaks = []
-    for _ in range(args.repeats):
-        gc.collect()
-        _block(run(*inputs))
-        peaks.append((_status("VmHWM") - before) / 2**20)
-    emit_row({"threads": threads, "peak_extra_mb": max(peaks),
-              "first_call_peak_extra_mb": (first - before) / 2**20})
+    row = {"threads": _set_threads(backend, _threads(args.threads)),
+           "package": os.path.dirname(keras_cutbce.__file__)}
+    _stop_above(args.memory_cap_gb * 2**30)
+    shape = _shape(args.shape)
+    names = args.variants.split(",")
+    if args.family == "bce":
+        row["tile"] = _tile(backend, shape)
+        if "pure_jax" in names and (backend != "jax" or shape[2] % row["tile"]):
+            names.remove("pure_jax")  # its scan needs whole tiles
+    cells = (_softmax_cells if args.family == "softmax" else _bce_cells)(backend, shape, names)
+    if args.cell == "alone":
+        row.update(_alone(*cells[names[0]], args.repeats))
+    else:
+        row["cells"] = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in cells.items()},
+                                 args.repeats, block=_block)
+    row["loadavg"] = os.getloadavg()
+    emit_row(row)
+
+
+def _threads(value):
+    """`--threads` as an int, or None for the backend's own default ("default")."""
+    return None if value in (None, "default") else int(value)
+
+
+def _set_threads(backend, threads):
+    """Sets the backend's thread counts in this process (None: leave the defaults).
+
+    Returns the intra-op thread count the backend uses (None where it
+    cannot tell).
+    """
+    if backend == "torch":
+        import torch
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return torch.get_num_threads()
+    if backend == "tensorflow" and threads is not None:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return threads
+
+
+def _thread_env(env, threads):
+    """`env` with XLA's CPU client pinned to one thread when `threads` is 1 (it reads the flags)."""
+    env = dict(env)
+    if threads == 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                            " intra_op_parallelism_threads=1").strip()
+    return env
+
+
+# --------------------------------------------------------------- sections ---
+# The parent process: which cells run where, and their tables.
+
+
+def _shape(text):
+    return tuple(int(x) for x in text.split(","))
+
+
+def _shapes(args, default):
+    return [_shape(s) for s in args.shapes.split(";")] if args.shapes else default
+
+
+def _run(args, backend, threads, shape, argv, root=ROOT):
+    """One `--cell` subprocess importing the package of the checkout at `root`: its `ROW`, or `{"error"}`."""
+    env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
+    try:
+        row = run_cell([SCRIPT, "--threads", str(threads), "--shape", ",".join(map(str, shape)),
+                        "--memory-cap-gb", str(args.memory_cap_gb), *argv], root, env)
+    except RuntimeError as error:
+        row = {"error": str(error).strip().splitlines()[-1][:200]}
+    print(backend, threads, shape, " ".join(argv), root, row.get("error", "ok"), flush=True)
+    return row
+
+
+def _checkouts(args):
+    """`label -> checkout` (`--before`'s first) and the machine line's description of them."""
+    roots = {"before": os.path.abspath(args.before), "after": ROOT} if args.before else {"after": ROOT}
+    return roots, ", ".join(f"{label} {root} ({commit(root) or 'not a git checkout'})"
+                            for label, root in roots.items())
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _median(entry, key="wall"):
+    return entry[key]["median"] if entry and key in entry else None
+
+
+def _seconds(entry):
+    """A cell's wall seconds, median (min-max); its error; or "-" when it did not run."""
+    return fmt_spread(entry["wall"]) if entry and "wall" in entry else (entry or {}).get("error", "-")
+
+
+def full_table(args):
+    """Per backend and shape, each variant alone in a fresh process: times and extra peak RSS."""
+    shapes = _shapes(args, QUICK_SHAPES if args.quick else SHAPES)
+    repeats = 2 if args.quick else args.repeats
+    threads = args.threads or "default"
+    variants = [v for v in FULL_VARIANTS if not args.variants or v in args.variants.split(",")]
+    info = machine_info(threads=threads)
+
+    def alone(backend, variant, shape, reps):
+        return _run(args, backend, threads, shape, ["--cell", "alone", "--variants", variant,
+                                                    "--repeats", str(reps)])
+
+    floors = {shape: alone("jax", "elementwise", shape, repeats) if "matmuls" in variants else {}
+              for shape in shapes}
+    rows = []
+    for backend in args.backends.split(","):
+        for shape in shapes:
+            cells = {v: alone(backend, v, shape, max(2, repeats // 2) if v == "dense" else repeats)
+                     for v in variants}
+            rows.append({"backend": backend, "shape": shape, "cells": dict(cells, elementwise=floors[shape])})
+    lines = []
+    for row in rows:
+        c = row["cells"]
+        dense, loss, matmuls, elementwise = (_median(c.get(k)) for k in ("dense", "loss", "matmuls", "elementwise"))
+        floor = matmuls + elementwise if matmuls and elementwise else None
+        mb = lambda name: (c.get(name) or {}).get("peak_extra_mb")  # noqa: E731
+        lines.append({
+            "backend": row["backend"], "shape": ", ".join(map(str, row["shape"])),
+            **{name: _seconds(c.get(name)) for name in (*FULL_VARIANTS, "elementwise")},
+            "loss_dense": _fmt(_ratio(loss, dense), ".2f"), "target": f"<= {TARGETS[row['shape'][2]]}" if row["shape"][2] in TARGETS else "",
+            "op_dense": _fmt(_ratio(_median(c.get("op")), dense), ".2f"), "loss_floor": _fmt(_ratio(loss, floor), ".2f"),
+            **{f"{name}_mb": _fmt(mb(name), ".0f") for name in ("dense", "loss", "topk_dense", "topk_cut")},
+            "mem_ratio": _fmt(_ratio(mb("loss"), mb("dense")), ".2f"),
+        })
+    columns = ["backend", "shape", "dense", "loss", "loss_dense", "target", "op", "op_dense", "matmuls",
+               "elementwise", "loss_floor", "dense_mb", "loss_mb", "mem_ratio", "topk_dense", "topk_cut",
+               "topk_dense_mb", "topk_cut_mb"]
+    headers = ["backend", "M, D, V", "dense s", "CutBCELoss s", "loss/dense", "target", "op s", "op/dense",
+               "matmuls s", "elementwise s", "loss/floor", "dense extra MB", "loss extra MB",
+               "loss/dense mem", "top-k dense s", "cut_top_k s", "top-k dense MB", "cut_top_k MB"]
+    what = (
+        "Forward + gradients of h, E, b (top-k: forward only), float32. Each variant alone in a fresh "
+        f"process: {repeats} timed calls after a warm-up call (dense: {max(2, repeats // 2)}), wall seconds, "
+        "median (min-max). CutBCELoss = `weighted_loss_sum` (what `CutBCELoss` runs), op = "
+        "`sum(cut_binary_crossentropy)`, both `implementation=\"chunked\"`; dense = Keras BCE on the "
+        "logits; floor = matmuls (`h @ E.T`, `dZ @ E`, `dZ.T @ h`) + elementwise (softplus and sigmoid of "
+        "M x V values, one jit-compiled pass on JAX). Extra MB: peak RSS of the timed calls above the RSS "
+        "once the inputs exist (the JSON also has the warm-up's, with tracing and compilation).")
+    write_results(args.out, "CutBCE vs dense Keras BCE, forward+backward, float32, CPU", what, None, info,
+                  markdown_table(lines, columns, headers), {"repeats": repeats, "rows": rows})
+
+
+def side_by_side(args):
+    """Per backend, thread setting and checkout, one process: dense, loss, op (pure-JAX op) alternating."""
+    shape = _shapes(args, [SIDE_BY_SIDE_SHAPE])[0]
+    settings = [t.strip() for t in (args.threads or "default,1").split(",")]
+    roots, checkouts = _checkouts(args)
+    info = machine_info(threads=",".join(settings), checkouts=checkouts)
+    rows, lines = [], []
+    for backend in args.backends.split(","):
+        for threads in settings:
+            for label, root in roots.items():  # the checkouts alternate, backend by backend
+                row = _run(args, backend, threads, shape, ["--cell", "alternating", "--repeats", str(args.repeats),
+                                                          "--variants", "dense,loss,op,pure_jax"], root)
+                rows.append({"backend": backend, "checkout": label, "threads_setting": threads, **row})
+                where = {"backend": backend, "checkout": label, "threads": threads, "tile": row.get("tile", "-")}
+                if "error" in row:
+                    lines.append(dict(where, variant=row["error"]))
+                for name, entry in row.get("cells", {}).items():
+                    dense = row["cells"]["dense"]
+                    lines.append(dict(
+                        where, variant=SIDE_BY_SIDE_LABELS[name], wall=fmt_spread(entry["wall"]),
+                        cpu=fmt_spread(entry["cpu"]), wall_dense=_fmt(_ratio(_median(entry), _median(dense))),
+                        cpu_dense=_fmt(_ratio(_median(entry, "cpu"), _median(dense, "cpu"))),
+                        target=f"<= {SIDE_BY_SIDE_TARGETS[name]}" if name in SIDE_BY_SIDE_TARGETS else ""))
+    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    what = (
+        f"Forward + gradients of h, E, b at (M, D, V) = {shape}, float32. Each backend, thread setting and "
+        f"checkout in one process: every variant once per round, {args.repeats} rounds after a warm-up round; "
+        "wall and CPU seconds of a call (CPU: all the process's threads; steadier than wall time on a loaded "
+        "machine), median (min-max), and their medians over the same process's dense BCE. loss = "
+        "`weighted_loss_sum` (what `CutBCELoss` runs), op = `sum(cut_binary_crossentropy)` (exact for any "
+        "cotangent), both `implementation=\"chunked\"` at the tile the API picks; pure-JAX op = `lax.scan` "
+        "over tiles under `jax.checkpoint` with autodiff (a reference written here, not exact at saturated "
+        "positives). Threads \"default\" leaves torch, TensorFlow and XLA at their own counts (wall time is "
+        "what users see); 1 pins all three to one thread.")
+    columns = ["backend", "checkout", "threads", "tile", "variant", "wall", "cpu", "wall_dense", "cpu_dense",
+               "target"]
+    headers = columns[:5] + ["wall s, median (min-max)", "CPU s, median (min-max)", "wall / dense",
+                             "CPU / dense", "target"]
+    write_results(args.out + "_side_by_side",
+                  "CutBCE side by side with dense Keras BCE, float32, CPU", what, None, info,
+                  markdown_table(lines, columns, headers), {"shape": shape, "repeats": args.repeats, "rows": rows})
+
+
+SIDE_BY_SIDE_LABELS = {
+    "dense": "dense Keras BCE", "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
+    "pure_jax": "pure-JAX op (reference)",
+}
+
+
+def memory(args):
+    """Per backend, `--rounds` rounds of a fresh process per checkout: the extra peak RSS of the loss path."""
+    shape = _shapes(args, [MEMORY_SHAPE])[0]
+    threads = args.threads or "default"
+    roots, checkouts = _checkouts(args)
+    info = machine_info(threads=threads, checkouts=checkouts)
+    rows, lines = [], []
+    for backend in args.backends.split(","):
+        for round_ in range(args.rounds):  # the checkouts alternate, round by round
+            for label, root in roots.items():
+                row = _run(args, backend, threads, shape, ["--cell", "alone", "--variants", "loss",
+                                                           "--repeats", str(args.repeats)], root)
+                rows.append({"backend": backend, "checkout": label, "round": round_, **row})
+        for label in roots:
+            done = [r for r in rows if (r["backend"], r["checkout"]) == (backend, label) and "error" not in r]
+            mb = {key: fmt_spread(spread([r[key] for r in done])) if done else "-"
+                  for key in ("peak_extra_mb", "first_call_peak_extra_mb")}
+            lines.append({"backend": backend, "checkout": label, "runs": f"{len(done)} of {args.rounds}",
+                          "target": f"< {MEMORY_TARGET_MB}", **mb})
+    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    what = (
+        f"Extra peak RSS (MB) of one forward + backward (gradients of h, E, b) of `weighted_loss_sum` "
+        f"(what `CutBCELoss` runs in `fit`), `implementation=\"chunked\"`, at (M, D, V) = {shape}, float32, "
+        f"in a fresh process per backend, checkout and round ({args.rounds} rounds, the checkouts alternating): "
+        f"the peak RSS of the timed calls (max over {args.repeats}) above the RSS once the inputs exist "
+        "(`/proc/self/clear_refs` resets the peak after the warm-up call), median (min-max) over the "
+        "processes; first call: the warm-up's, with tracing and compilation. The `[V, D]` table gradient "
+        f"alone is {shape[1] * shape[2] * 4 / 2**20:.0f} MB.")
+    columns = ["backend", "checkout", "runs", "peak_extra_mb", "first_call_peak_extra_mb", "target"]
+    write_results(args.out + "_memory", "CutBCE loss path memory, float32, CPU", what, None, info,
+                  markdown_table(lines, columns, columns[:3] + ["extra peak MB", "first call MB", "target"]),
+                  {"shape": shape, "repeats": args.repeats, "rounds": args.rounds, "rows": rows})
 
 
 SOFTMAX_LABELS = {
@@ -705,17 +614,15 @@ def _softmax_lines(rows):
     lines = ["| backend | M, D, V | implementation | wall s, median (min-max) | CPU s, median (min-max) | "
              "wall / dense | CPU / dense | CPU / F.lce chunked | extra peak MB | first call MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
     for row in rows:
         same = {r["implementation"]: r for r in rows if (r["backend"], r["shape"]) == (row["backend"], row["shape"])}
-        over = lambda other, key: (row[key]["median"] / same[other][key]["median"]  # noqa: E731
-                                   if key in row and key in same.get(other, {}) else None)
+        over = lambda other, key: _ratio(_median(row, key), _median(same.get(other), key))  # noqa: E731
         spreads = [fmt_spread(row[key]) if key in row else "-" for key in ("wall", "cpu")]
         lines.append(
             f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {SOFTMAX_LABELS[row['implementation']]} | "
-            f"{spreads[0]} | {spreads[1]} | {fmt(over('dense', 'wall'))} | "
-            f"{fmt(over('dense', 'cpu'))} | {fmt(over('torch_lce_chunked', 'cpu'))} | "
-            f"{fmt(row.get('peak_extra_mb'), '.0f')} | {fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
+            f"{spreads[0]} | {spreads[1]} | {_fmt(over('dense', 'wall'), '.2f')} | "
+            f"{_fmt(over('dense', 'cpu'), '.2f')} | {_fmt(over('torch_lce_chunked', 'cpu'), '.2f')} | "
+            f"{_fmt(row.get('peak_extra_mb'), '.0f')} | {_fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
     return lines
 
 
@@ -736,146 +643,60 @@ SOFTMAX_WHAT = (
 
 
 def softmax(args):
-    """The softmax table: per backend and shape, one process timing every cell alternating, then one
-    fresh process per cell for its extra peak RSS (at `MEMORY_SHAPE`)."""
-    from benchmarks.common import machine_info, run_cell, write_results
-
-    shapes = SOFTMAX_SHAPES
-    if args.shapes:
-        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
+    """Per backend and shape, one process timing every implementation alternating, then one fresh
+    process per implementation for its extra peak RSS (at `MEMORY_SHAPE`)."""
+    shapes = _shapes(args, SOFTMAX_SHAPES)
     threads = args.threads or "1"
     info = machine_info(threads=threads)
+    variants = args.variants or ",".join(SOFTMAX_LABELS)
     rows = []
-    script = os.path.relpath(os.path.abspath(__file__), ROOT)
     for backend in args.backends.split(","):
-        env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
         for shape in shapes:
-            common = [script, "--shape", ",".join(map(str, shape)), "--threads", threads]
-            try:
-                timed = run_cell(common + ["--softmax-cell", "time", "--repeats", str(args.repeats)]
-                                 + (["--variants", args.variants] if args.variants else []), ROOT, env)
-            except RuntimeError as error:
-                print(backend, shape, str(error)[-300:], flush=True)
-                continue
-            for name, cell in timed["cells"].items():
-                if shape == MEMORY_SHAPE:
-                    try:
-                        cell.update(run_cell(common + ["--softmax-cell", "memory", "--variant", name,
-                                                       "--repeats", "1"], ROOT, env))
-                    except RuntimeError as error:
-                        cell["memory_error"] = str(error)[-300:]
-                rows.append({"backend": backend, "shape": shape, "implementation": name, **cell})
-            print("\n".join(_softmax_lines(rows)[-len(timed["cells"]):]), flush=True)
+            common = ["--family", "softmax"]
+            timed = _run(args, backend, threads, shape, common + ["--cell", "alternating", "--variants", variants,
+                                                                  "--repeats", str(args.repeats)])
+            for name, entry in timed.get("cells", {}).items():
+                if shape == MEMORY_SHAPE:  # a fresh process: one call's peak (its time is the timed cell's)
+                    alone = _run(args, backend, threads, shape, common + ["--cell", "alone", "--variants", name,
+                                                                          "--repeats", "1"])
+                    entry.update({("memory_error" if key == "error" else key): alone[key] for key in alone
+                                  if key in ("peak_extra_mb", "first_call_peak_extra_mb", "error")})
+                rows.append({"backend": backend, "shape": shape, "implementation": name, **entry})
+            print("\n".join(_softmax_lines(rows)[-len(timed.get("cells", {})):]), flush=True)
     info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU",
                   SOFTMAX_WHAT.format(repeats=args.repeats, threads=threads), None, info,
                   "\n".join(_softmax_lines(rows)), {"repeats": args.repeats, "rows": rows})
 
 
-def _fmt(entry, key="median_s", digits=3):
-    if entry is None:
-        return "-"
-    if "error" in entry:
-        return entry["error"]
-    return f"{entry[key]:.{digits}f}"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape, 2 repeats")
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: all three)")
+    parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: the section's)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="--memory: fresh processes per backend and checkout")
     parser.add_argument("--threads", default=None,
                         help='intra-op threads: an int or "default" (the backends\' own); with '
-                             '--side-by-side a comma list (default "default,1")')
+                             '--side-by-side a comma list (default "default,1"), with --softmax default 1')
     parser.add_argument("--variants", help="comma list of the table's variants (default: all)")
-    parser.add_argument("--memory", action="store_true",
-                        help="the memory table: extra peak RSS of the loss path (and --before's)")
-    parser.add_argument("--memory-cap-gb", type=float, default=16.0)
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
     parser.add_argument("--side-by-side", action="store_true",
                         help="dense, loss and op alternating in one process per backend (and checkout)")
-    parser.add_argument("--before", help="another checkout: --side-by-side and --memory run there too, alternating")
+    parser.add_argument("--memory", action="store_true",
+                        help="the memory table: extra peak RSS of the loss path (and --before's)")
     parser.add_argument("--softmax", action="store_true",
                         help="the softmax table: CutSoftmaxLoss / cut_categorical_crossentropy vs dense "
-                             "(and F.linear_cross_entropy on torch), alternating; --threads default 1")
-    parser.add_argument("--softmax-cell", choices=("time", "memory"), help=argparse.SUPPRESS)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
+                             "(and F.linear_cross_entropy on torch), alternating")
+    parser.add_argument("--before", help="another checkout: --side-by-side and --memory run its package too")
+    parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="a cell above this RSS stops")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
+    parser.add_argument("--cell", choices=("alone", "alternating"), help=argparse.SUPPRESS)
+    parser.add_argument("--family", choices=("bce", "softmax"), default="bce", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.softmax_cell:
-        return softmax_cell(args)
-    if args.softmax:
-        return softmax(args)
-    if args.worker:
-        return side_by_side_worker(args) if args.variant == "side_by_side" else worker(args)
-    if args.side_by_side:
-        if args.threads is None:
-            args.threads = "default,1"
-        return side_by_side(args)
-    if args.memory:
-        return memory(args)
-
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    if args.shapes:
-        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
-    repeats = 2 if args.quick else args.repeats
-    cap = args.memory_cap_gb * 2**30
-    args.threads = args.threads or "default"
-    variants = ("dense", "cutbce", "cutbce_loss", "matmuls", "topk_dense", "topk_cut")
-    if args.variants:
-        variants = tuple(v for v in variants if v in args.variants.split(","))
-    results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "threads": args.threads}, "rows": []}
-    lines = [
-        "| backend | M, D, V | dense s | CutBCELoss s | loss/dense | target | op s | op/dense | matmuls s | elementwise s | loss/floor | dense extra MB | loss extra MB | loss/dense mem | top-k dense s | cut_top_k s | top-k dense MB | cut_top_k MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    elementwise = {
-        shape: run_variant("jax", "elementwise", shape, repeats, args.threads, cap)
-        if "matmuls" in variants else None for shape in shapes
-    }
-    for backend in args.backends.split(","):
-        for shape in shapes:
-            row = {"backend": backend, "shape": shape, "elementwise": elementwise[shape]}
-            for variant in variants:
-                reps = max(2, repeats // 2) if variant == "dense" else repeats
-                row[variant] = run_variant(backend, variant, shape, reps, args.threads, cap)
-                print(backend, shape, variant, row[variant], flush=True)
-            dense, op, mm, ew = (row.get(k) for k in ("dense", "cutbce", "matmuls", "elementwise"))
-            cut = row.get("cutbce_loss")
-            ok = lambda e: e is not None and "error" not in e  # noqa: E731
-            row["time_ratio"] = cut["median_s"] / dense["median_s"] if ok(dense) and ok(cut) else None
-            row["op_time_ratio"] = op["median_s"] / dense["median_s"] if ok(dense) and ok(op) else None
-            row["floor_s"] = mm["median_s"] + ew["median_s"] if ok(mm) and ok(ew) else None
-            row["floor_ratio"] = cut["median_s"] / row["floor_s"] if ok(cut) and row["floor_s"] else None
-            row["memory_ratio"] = (cut["peak_extra_mb"] / dense["peak_extra_mb"]
-                                   if ok(dense) and ok(cut) and dense["peak_extra_mb"] > 0 else None)
-            results["rows"].append(row)
-            r = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-            lines.append(
-                f"| {backend} | {shape[0]}, {shape[1]}, {shape[2]} | {_fmt(dense)} | {_fmt(cut)} | "
-                f"{r(row['time_ratio'])} | <= {TARGETS.get(shape[2], '-')} | {_fmt(op)} | "
-                f"{r(row['op_time_ratio'])} | {_fmt(mm)} | {_fmt(ew)} | "
-                f"{r(row['floor_ratio'])} | {_fmt(dense, 'peak_extra_mb', 0)} | {_fmt(cut, 'peak_extra_mb', 0)} | "
-                f"{r(row['memory_ratio'])} | {_fmt(row.get('topk_dense'))} | {_fmt(row.get('topk_cut'))} | "
-                f"{_fmt(row.get('topk_dense'), 'peak_extra_mb', 0)} | {_fmt(row.get('topk_cut'), 'peak_extra_mb', 0)} |"
-            )
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write("# CutBCE vs dense Keras BCE, forward+backward, float32, CPU\n\n")
-        f.write(f"{os.cpu_count()} cores; threads {args.threads}; medians of {repeats} runs "
-                "(dense: half as many) after one warm-up; floor = matmuls + elementwise; "
-                "memory = peak RSS of the timed runs above the inputs (the JSON also has the "
-                "warm-up's, with tracing and compilation). Load average at the end (1, 5, 15 min): "
-                f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}.\n\n")
-        f.write(table + "\n")
+    section = (cell if args.cell else side_by_side if args.side_by_side else memory if args.memory
+               else softmax if args.softmax else full_table)
+    section(args)
 
 
 if __name__ == "__main__":

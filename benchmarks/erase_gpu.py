@@ -79,8 +79,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import QPS_NOTE  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
-from benchmarks.common import write_text  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
 from keras_erase.throughput import throughput_percentiles  # noqa: E402
 from tools import gpu_trace  # noqa: E402
 from tools.erase_gpu_plan import MIDDLE  # noqa: E402
@@ -462,111 +461,71 @@ def run_all(args, cuda):
     return summary
 
 
+TRACE_COLUMNS = ["batch", "mode", "trace", "step_ms", "gpu_busy_fraction", "overlapped_fraction", "kernels",
+                 "streams", "host_main_ms", "host_worker_ms", "host_autograd_ms", "overlaps", "error"]
+CELL_COLUMNS = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread", "p90_vs_standard",
+                "step_ms_p50", "step_ms_p90", "host_ms_p50", "host_share", "gpu_busy_fraction",
+                "overlapped_fraction", "host_main_ms", "host_worker_ms", "host_autograd_ms", "max_memory_mib",
+                "graph_pool_mib", "repeats", "upstream_backwards_per_step", "graphs_captured", "graph_replays",
+                "auto_choice", "auto_timed_measuring_steps"]
+WHAT = (
+    QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best non-blocking row is "
+    "+9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%). The columns (the module docstring says how "
+    "each is measured): step_ms, the step's wall time; gpu_busy_fraction, the union of its kernels over "
+    "it; overlapped_fraction, the time kernels of two or more streams ran at once over the GPU-busy time; "
+    "host_*_ms, each thread role's host work in a step (main thread, backward worker, autograd's device "
+    "thread); overlaps, block backward > later block forward on another stream; p50/p90 the median over "
+    "the repeats, *_spread (max - min) / median; host_share = host_ms_p50 / step_ms_p50 (near 1: "
+    "host-bound); max_memory_mib, `torch.cuda.max_memory_allocated`; graph_pool_mib, what the graphs' "
+    "memory pools hold; graphs_captured / graph_replays (a graph mode with 0 did not use graphs); "
+    "upstream_backwards_per_step (ctr), backwards of the shared table per step (1 with the hand-off); "
+    "auto_timed_measuring_steps, `auto`'s measuring steps inside the timed window."
+)
+
+
+def _trace_row(trace):
+    m = trace.get("metrics", {})
+    return {**{k: trace.get(k) for k in ("batch", "mode", "trace")}, **{k: m.get(k) for k in TRACE_COLUMNS[3:8]},
+            **{f"host_{k}_ms": v for k, v in m.get("host_ms", {}).items()},
+            "overlaps": ", ".join(f"{b}>{f}" for b, f in trace.get("overlaps", [])) or "none",
+            "error": trace.get("error", "")}
+
+
 def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, exact=()):
     import torch
 
     info = machine_info(
-        torch=torch.__version__,
-        keras=keras.__version__,
+        torch=torch.__version__, keras=keras.__version__,
         device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run: not a measurement)",
-        width=args.width,
-        num_streams=args.num_streams,
-        warmup=args.warmup,
-        steps=args.steps,
-        repeats=args.repeats,
-        budget_s=args.budget,
-        wall_s=round(seconds, 1),
-    )
-    trace_rows = []
-    for t in traces.values():
-        m = t.get("metrics", {})
-        trace_rows.append({
-            "batch": t["batch"], "mode": t["mode"], "trace": t["trace"],
-            "step_ms": m.get("step_ms"), "gpu_busy_fraction": m.get("gpu_busy_fraction"),
-            "overlapped_fraction": m.get("overlapped_fraction"), "kernels": m.get("kernels"),
-            "streams": m.get("streams"),
-            **{f"host_{k}_ms": v for k, v in m.get("host_ms", {}).items()},
-            "overlaps": ", ".join(f"{b}>{f}" for b, f in t.get("overlaps", [])) or "none",
-            "error": t.get("error", ""),
-        })
-    columns = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread",
-               "p90_vs_standard", "step_ms_p50", "step_ms_p90", "host_ms_p50", "host_share",
-               "gpu_busy_fraction", "overlapped_fraction", "host_main_ms", "host_worker_ms",
-               "host_autograd_ms", "max_memory_mib", "graph_pool_mib", "repeats",
-               "upstream_backwards_per_step", "graphs_captured", "graph_replays", "auto_choice",
-               "auto_timed_measuring_steps"]
-    auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
-    auto_note = (
-        "auto_timed_measuring_steps: how many of `auto`'s measuring steps (trial schedules, "
-        "graph warm-up and capture) fell inside the timed window: "
-        + ("none (on a CPU `auto` is the standard step and measures nothing; on CUDA every "
-           "measuring step was in the untimed warm-up)." if not auto_rows else
-           "; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: "
-                     f"{r['auto_timed_measuring_steps']} of {args.steps} timed steps "
-                     f"(measuring steps: {r['auto_measuring_steps']}; use --warmup "
-                     f">= {r['auto_measuring_steps']} to leave them out)" for r in auto_rows))
-    )
-    stopped = (f"Budget: {args.budget:.0f} s; not run: " + "; ".join(skipped)) if skipped \
-        else "Every planned cell ran with its repeats."
+        width=args.width, num_streams=args.num_streams, warmup=args.warmup, steps=args.steps,
+        repeats=args.repeats, budget_s=args.budget, wall_s=round(seconds, 1))
     middle = getattr(args, "middle", None)
-    report = "\n".join(
-        [
-            "# ERASE on GPU: the early-backward schedules, with and without CUDA Graphs (torch)",
-            "",
-            QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best "
-            "non-blocking row is +9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%).",
-            "",
-            "Traces: one profiled step per batch of the first model in the trace mode "
-            "(`tools/gpu_trace.py`). step_ms: the step's wall time (host clock, until the "
-            "device finished); gpu_busy_fraction: the union of its kernels over it; "
-            "overlapped_fraction: time kernels of two or more streams ran at once over the "
-            "GPU-busy time; host_*_ms: each thread role's host work in the step (main thread, "
-            "backward worker, autograd's device thread; waits left out); overlaps: block "
-            "backward > later block forward on another stream (device times of their kernels)."
-            + (f" Middle batch {middle}: where the GPU time per step (linear in the batch "
-               "through the end traces) meets the main thread's host time." if middle else ""),
-            "",
-            markdown_table(trace_rows, ["batch", "mode", "trace", "step_ms", "gpu_busy_fraction",
-                                        "overlapped_fraction", "kernels", "streams",
-                                        "host_main_ms", "host_worker_ms", "host_autograd_ms",
-                                        "overlaps", "error"])
-            if trace_rows else "(no trace)",
-            "",
-            f"Each cell: a fresh model, {args.warmup} untimed steps, {args.steps} timed steps; "
-            f"{args.repeats} repeats, the modes of a group alternating; p50/p90: the median over "
-            "the repeats, *_spread: (max - min) / median. host_ms_p50: the host's time per step "
-            "(until `train_on_batch` returned); host_share = host_ms_p50 / step_ms_p50 (near 1: "
-            "host-bound). gpu_busy_fraction, overlapped_fraction, host_*_ms: one profiled step "
-            "after the first repeat's timed steps. max_memory_mib: torch.cuda."
-            "max_memory_allocated over the cell; graph_pool_mib: what the graphs' memory pools "
-            "hold. graphs_captured / graph_replays: block graphs captured and forward replays "
-            "(a graph mode with 0 did not use graphs). upstream_backwards_per_step (ctr): "
-            "backwards of the shared embedding table per step (1 with the hand-off).",
-            "",
-            auto_note,
-            "",
-            stopped,
-            "",
-            "Exactness (TF32 off): every early mode's weights after a few SGD steps from the same "
-            "weights and batch, against the standard step's; max |w - w_standard| / (1 + "
-            f"|w_standard|), tolerance {EXACTNESS_TOLERANCE:g}.",
-            "",
-            markdown_table(list(exact), ["model", "batch", "mode", "steps",
-                                         "max_rel_diff_vs_standard", "exact"])
-            if exact else "(not run)",
-            "",
-            "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
-            "",
-            markdown_table(summary, columns) if summary else "(no cell ran)",
-        ]
-        + (["", "Errors:", *[f"- {e}" for e in errors]] if errors else [])
-    )
-    print(report)
-    write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "rows": summary, "repeats": rows,
-                                    "traces": list(traces.values()), "exactness": list(exact),
-                                    "skipped": skipped, "errors": errors, "middle_batch": middle})
-    print(f"wrote {args.out}.md, .json and the traces")
+    auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
+    sections = [
+        "Traces: one profiled step per batch of the first model in the trace mode (`tools/gpu_trace.py`)."
+        + (f" Middle batch {middle}: where the GPU time per step meets the main thread's host time."
+           if middle else ""),
+        markdown_table([_trace_row(t) for t in traces.values()], TRACE_COLUMNS) if traces else "(no trace)",
+        "Exactness (TF32 off): every early mode's weights after a few SGD steps from the same weights and "
+        f"batch, against the standard step's; max |w - w_standard| / (1 + |w_standard|), tolerance "
+        f"{EXACTNESS_TOLERANCE:g}.",
+        markdown_table(list(exact), ["model", "batch", "mode", "steps", "max_rel_diff_vs_standard", "exact"])
+        if exact else "(not run)",
+        f"Cells: a fresh model, {args.warmup} untimed steps, {args.steps} timed steps, {args.repeats} repeats "
+        "with the modes of a group alternating. auto_timed_measuring_steps: "
+        + ("; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: {r['auto_timed_measuring_steps']} of "
+                     f"{args.steps} (use --warmup >= {r['auto_measuring_steps']} to leave them out)"
+                     for r in auto_rows) or "none in a timed window.")
+        + (" Budget: {:.0f} s; not run: {}".format(args.budget, "; ".join(skipped)) if skipped
+           else " Every planned cell ran with its repeats."),
+        markdown_table(summary, CELL_COLUMNS) if summary else "(no cell ran)",
+    ] + (["Errors:\n" + "\n".join(f"- {e}" for e in errors)] if errors else [])
+    write_results(args.out, "ERASE on GPU: the early-backward schedules, with and without CUDA Graphs (torch)",
+                  WHAT, None, info, "\n\n".join(sections),
+                  {"rows": summary, "repeats": rows, "traces": list(traces.values()), "exactness": list(exact),
+                   "skipped": skipped, "errors": errors, "middle_batch": middle})
+    with open(args.out + ".md") as f:
+        print(f.read(), f"wrote {args.out}.md, .json and the traces", sep="\n")
 
 
 def main(argv=None):
