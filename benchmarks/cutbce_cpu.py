@@ -26,7 +26,8 @@ through `benchmarks.common.write_results`):
 - `--softmax` (`_softmax`): `CutSoftmaxLoss` and `cut_categorical_crossentropy`
   against dense Keras softmax cross-entropy (and `F.linear_cross_entropy`
   on torch), alternating per backend and shape, plus each one's extra peak
-  RSS in a fresh process.
+  RSS in a fresh process (with `--before DIR`, `--rounds` processes per
+  checkout, alternating);
 
 Extra peak memory is the process's peak RSS during the timed runs above its
 RSS once the inputs exist (Linux `/proc/self/clear_refs` resets the peak
@@ -42,6 +43,7 @@ Usage:
     python benchmarks/cutbce_cpu.py --side-by-side --before /tmp/cpu-old --threads 1
     python benchmarks/cutbce_cpu.py --memory --before /tmp/cpu-old --backends torch,tensorflow
     python benchmarks/cutbce_cpu.py --softmax --threads 1 --repeats 3
+    python benchmarks/cutbce_cpu.py --softmax --before /tmp/cpu-old --rounds 3 --variants dense,cut_loss
 """
 
 import argparse
@@ -611,15 +613,17 @@ SOFTMAX_LABELS = {
 
 def _softmax_lines(rows):
     """The softmax table's markdown lines; ratios over the same process's dense and F.lce cells."""
-    lines = ["| backend | M, D, V | implementation | wall s, median (min-max) | CPU s, median (min-max) | "
+    lines = ["| backend | M, D, V | checkout | implementation | wall s, median (min-max) | CPU s, median (min-max) | "
              "wall / dense | CPU / dense | CPU / F.lce chunked | extra peak MB | first call MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (r["backend"], r["shape"], r["checkout"], r["round"])  # noqa: E731
     for row in rows:
-        same = {r["implementation"]: r for r in rows if (r["backend"], r["shape"]) == (row["backend"], row["shape"])}
+        same = {r["implementation"]: r for r in rows if key(r) == key(row)}
         over = lambda other, key: _ratio(_median(row, key), _median(same.get(other), key))  # noqa: E731
         spreads = [fmt_spread(row[key]) if key in row else "-" for key in ("wall", "cpu")]
         lines.append(
-            f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {SOFTMAX_LABELS[row['implementation']]} | "
+            f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {row['checkout']} | "
+            f"{SOFTMAX_LABELS[row['implementation']]} | "
             f"{spreads[0]} | {spreads[1]} | {_fmt(over('dense', 'wall'), '.2f')} | "
             f"{_fmt(over('dense', 'cpu'), '.2f')} | {_fmt(over('torch_lce_chunked', 'cpu'), '.2f')} | "
             f"{_fmt(row.get('peak_extra_mb'), '.0f')} | {_fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
@@ -638,7 +642,8 @@ SOFTMAX_WHAT = (
     "the chunked implementation on CPU. Threads: {threads} (torch `set_num_threads`, TensorFlow "
     "intra/inter-op, XLA's CPU client single-threaded at 1), on a 2-core machine shared with other jobs "
     "(load average in the machine line: on a loaded machine wall time includes waiting for a core, CPU "
-    "time does not). Goals: " + SOFTMAX_GOALS + "."
+    "time does not). With `--before DIR`, `--rounds` processes per checkout, the checkouts alternating, one line "
+    "per process. Goals: " + SOFTMAX_GOALS + "."
 )
 
 
@@ -647,22 +652,27 @@ def softmax(args):
     process per implementation for its extra peak RSS (at `MEMORY_SHAPE`)."""
     shapes = _shapes(args, SOFTMAX_SHAPES)
     threads = args.threads or "1"
-    info = machine_info(threads=threads)
+    roots, checkouts = _checkouts(args)
+    info = machine_info(threads=threads, checkouts=checkouts)
     variants = args.variants or ",".join(SOFTMAX_LABELS)
     rows = []
     for backend in args.backends.split(","):
         for shape in shapes:
-            common = ["--family", "softmax"]
-            timed = _run(args, backend, threads, shape, common + ["--cell", "alternating", "--variants", variants,
-                                                                  "--repeats", str(args.repeats)])
-            for name, entry in timed.get("cells", {}).items():
-                if shape == MEMORY_SHAPE:  # a fresh process: one call's peak (its time is the timed cell's)
-                    alone = _run(args, backend, threads, shape, common + ["--cell", "alone", "--variants", name,
-                                                                          "--repeats", "1"])
-                    entry.update({("memory_error" if key == "error" else key): alone[key] for key in alone
-                                  if key in ("peak_extra_mb", "first_call_peak_extra_mb", "error")})
-                rows.append({"backend": backend, "shape": shape, "implementation": name, **entry})
-            print("\n".join(_softmax_lines(rows)[-len(timed.get("cells", {})):]), flush=True)
+            for round_ in range(args.rounds):  # the checkouts alternate, round by round
+                for label, root in roots.items():
+                    common = ["--family", "softmax"]
+                    timed = _run(args, backend, threads, shape, common + [
+                        "--cell", "alternating", "--variants", variants, "--repeats", str(args.repeats)], root)
+                    for name, entry in timed.get("cells", {}).items():
+                        if shape == MEMORY_SHAPE:  # a fresh process: one call's peak (the time is the timed cell's)
+                            alone = _run(args, backend, threads, shape, common + [
+                                "--cell", "alone", "--variants", name, "--repeats", "1"], root)
+                            entry.update({("memory_error" if key == "error" else key): alone[key] for key in alone
+                                          if key in ("peak_extra_mb", "first_call_peak_extra_mb", "error")})
+                        rows.append({"backend": backend, "shape": shape, "checkout": label, "round": round_,
+                                     "implementation": name,
+                                     **entry})
+                    print("\n".join(_softmax_lines(rows)[-len(timed.get("cells", {})):]), flush=True)
     info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU",
                   SOFTMAX_WHAT.format(repeats=args.repeats, threads=threads), None, info,
@@ -675,7 +685,7 @@ def main():
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: the section's)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=1, help="--memory: fresh processes per backend and checkout")
+    parser.add_argument("--rounds", type=int, default=1, help="--memory, --softmax: fresh processes per backend and checkout")
     parser.add_argument("--threads", default=None,
                         help='intra-op threads: an int or "default" (the backends\' own); with '
                              '--side-by-side a comma list (default "default,1"), with --softmax default 1')
@@ -687,7 +697,7 @@ def main():
     parser.add_argument("--softmax", action="store_true",
                         help="the softmax table: CutSoftmaxLoss / cut_categorical_crossentropy vs dense "
                              "(and F.linear_cross_entropy on torch), alternating")
-    parser.add_argument("--before", help="another checkout: --side-by-side and --memory run its package too")
+    parser.add_argument("--before", help="another checkout: --side-by-side, --memory and --softmax run its package too")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="a cell above this RSS stops")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
     parser.add_argument("--cell", choices=("alone", "alternating"), help=argparse.SUPPRESS)

@@ -254,13 +254,13 @@ def _platform(tensor):
     return "cpu"
 
 
-def _default_chunk_size(hidden, table):
+def _default_chunk_size(hidden, table, family="bce"):
     lead = static_dims(hidden)[:-1]
     rows = None if None in lead else int(math.prod(lead))
     vocab, dim = static_dims(table)
     vocab = vocab or 2**20
     backend, platform = keras.backend.backend(), _platform(hidden)
-    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0))
+    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0), family=family)
     return default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
 
 
@@ -313,5 +313,6 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
             kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
     elif route == "chunked" and chunk_size is None:
-        chunk_size = _default_chunk_size(hidden, table.value)
+        family = "softmax" if op.startswith("cut_softmax") else "bce"
+        chunk_size = _default_chunk_size(hidden, table.value, family)
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, **kwargs)

@@ -13,9 +13,9 @@ MAX_TILE = 8192
 TORCH_CPU_MAX_TILE = 65536
 
 
-def tile_budget_bytes(backend, platform, table_bytes=0):
-    """The width rule's budget for a Keras backend on a platform (torch CPU: `table_bytes`, clamped)."""
-    if platform == "cpu" and backend in ("jax", "tensorflow"):
+def tile_budget_bytes(backend, platform, table_bytes=0, family="bce"):
+    """The width rule's budget for a Keras backend on a platform (torch CPU: `table_bytes`, clamped; softmax: the cache's)."""
+    if platform == "cpu" and (backend in ("jax", "tensorflow") or family == "softmax"):
         return CPU_CACHE_TILE_BUDGET_BYTES
     if platform == "cpu" and backend == "torch":
         low, high = TORCH_CPU_TILE_BUDGET_BYTES
