@@ -27,6 +27,13 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   lower id), the item itself and the exclusions not counted (with `ids = V`:
   the logits `>= score`).
 
+A logit of `-inf` (an item masked by a `-inf` bias) in `cut_softmax`: the item
+has probability 0 and, without label smoothing, no gradient; a valid target at
+`-inf` gives the loss `+inf`, and so does any label smoothing (`a / V` on every
+item), as Keras's dense loss does; a padding id adds nothing, whatever the
+logit of the item it falls on. A row whose every logit is `-inf` is not
+defined.
+
 Retrieval has no ranking for a row any of whose V logits is NaN: `top_k`
 gives it NaN scores and ids `EMPTY_ID`, `count_above` -1.
 

@@ -49,5 +49,6 @@ def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0):
     y = y / ops.expand_dims(ops.maximum(count, 1.0), -1)
     a = float(label_smoothing)
     y = y * (1.0 - a) + a / ops.shape(table)[0]
-    loss = ops.logsumexp(z, axis=-1) - ops.sum(y * z, axis=-1)
+    # An item without target weight adds nothing, even at a logit of -inf (not `0 * -inf`).
+    loss = ops.logsumexp(z, axis=-1) - ops.sum(ops.where(y > 0, y * z, 0.0), axis=-1)
     return ops.where(count > 0, loss, 0.0)
