@@ -32,7 +32,10 @@ has probability 0 and, without label smoothing, no gradient; a valid target at
 `-inf` gives the loss `+inf`, and so does any label smoothing (`a / V` on every
 item), as Keras's dense loss does; a padding id adds nothing, whatever the
 logit of the item it falls on. A row whose every logit is `-inf` is not
-defined.
+defined. In `cut_bce` without label smoothing: the item's term is 0, a target
+at `-inf` gives `+inf` (the dense reference gives NaN, as Keras's dense BCE
+does at any `-inf` logit); with label smoothing the loss at `-inf` is not
+defined (the true value is `+inf`; the implementations differ).
 
 Retrieval has no ranking for a row any of whose V logits is NaN: `top_k`
 gives it NaN scores and ids `EMPTY_ID`, `count_above` -1.
