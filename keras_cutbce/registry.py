@@ -10,7 +10,9 @@ The kernel contract (every implementation, on 2-D inputs the public ops have
 checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
 
 - `cut_bce(hidden [M, D], table [V, D], ids [M, L], bias [V] | None, *,
-  label_smoothing, pos_weight, chunk_size) -> loss [M] float32`;
+  label_smoothing, pos_weight, chunk_size) -> loss [M] float32` (torch's
+  chunked loop: float64 when an input is float64, for `gradcheck`; the public
+  ops return float32 on every backend);
 - `cut_bce_weighted_sum(hidden, table, ids, bias, row_weights [M], *,
   label_smoothing, pos_weight, chunk_size) -> scalar`: the loss and its
   gradient in one pass over the vocabulary; an implementation without it

@@ -1,4 +1,7 @@
-"""Dense reference formulas in `keras.ops`: the oracle of the tests and `implementation="reference"` (small shapes)."""
+"""The dense reference: each loss on the dense float32 logits in `keras.ops` (`implementation="reference"`, small shapes).
+
+Float32 as Keras's dense losses, not a float64 oracle: that is `keras_cutbce.math.spec`.
+"""
 
 from keras import ops
 

@@ -176,6 +176,25 @@ def test_huge_logits_are_finite_and_exact(impl):
     assert all(np.all(np.isfinite(g)) for g in grads)
 
 
+@pytest.mark.parametrize("op", ["bce", "softmax"])
+def test_float64_inputs_give_a_float32_loss(op):
+    """The public ops and losses return float32 for float64 inputs on every backend (on JAX
+    without x64, the default, the inputs are float32 already); torch's chunked kernel computes
+    and returns float64 (the registry's contract, `test_torch_chunked.py`)."""
+    from keras_cutbce import CutSoftmaxLoss, cut_categorical_crossentropy
+
+    rng = np.random.default_rng(10)
+    hidden, table, ids, bias, _ = make_case(rng, (4,), 3, 7, 2)
+    hidden, table, bias = (ops.convert_to_tensor(x, "float64") for x in (hidden, table, bias))
+    fn, loss = ((cut_binary_crossentropy, CutBCELoss) if op == "bce"
+                else (cut_categorical_crossentropy, CutSoftmaxLoss))
+    for implementation in ("chunked", "reference"):
+        per_row = fn(hidden, table, ids, bias, implementation=implementation)
+        assert dtype_name(per_row) == "float32", implementation
+    reduced = loss(table, bias, reduction="none")(ids, hidden)
+    assert dtype_name(reduced) == "float32"
+
+
 def test_items_with_a_bias_of_minus_inf_without_label_smoothing():
     """A `-inf` bias masks an item (term 0, no gradient), a masked target gives `+inf`, and a
     padding id that falls on a masked item adds nothing. (Keras's dense BCE, and the dense
