@@ -10,7 +10,9 @@ The kernel contract (every implementation, on 2-D inputs the public ops have
 checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
 
 - `cut_bce(hidden [M, D], table [V, D], ids [M, L], bias [V] | None, *,
-  label_smoothing, pos_weight, chunk_size) -> loss [M] float32`;
+  label_smoothing, pos_weight, chunk_size) -> loss [M] float32` (torch's
+  chunked loop: float64 when an input is float64, for `gradcheck`; the public
+  ops return float32 on every backend);
 - `cut_bce_weighted_sum(hidden, table, ids, bias, row_weights [M], *,
   label_smoothing, pos_weight, chunk_size) -> scalar`: the loss and its
   gradient in one pass over the vocabulary; an implementation without it
@@ -26,6 +28,16 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   `(score, id)` in `top_k`'s order (a higher logit, or an equal one and a
   lower id), the item itself and the exclusions not counted (with `ids = V`:
   the logits `>= score`).
+
+A logit of `-inf` (an item masked by a `-inf` bias) in `cut_softmax`: the item
+has probability 0 and, without label smoothing, no gradient; a valid target at
+`-inf` gives the loss `+inf`, and so does any label smoothing (`a / V` on every
+item), as Keras's dense loss does; a padding id adds nothing, whatever the
+logit of the item it falls on. A row whose every logit is `-inf` is not
+defined. In `cut_bce` without label smoothing: the item's term is 0, a target
+at `-inf` gives `+inf` (the dense reference gives NaN, as Keras's dense BCE
+does at any `-inf` logit); with label smoothing the loss at `-inf` is not
+defined (the true value is `+inf`; the implementations differ).
 
 Retrieval has no ranking for a row any of whose V logits is NaN: `top_k`
 gives it NaN scores and ids `EMPTY_ID`, `count_above` -1.

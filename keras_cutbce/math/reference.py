@@ -1,4 +1,7 @@
-"""Dense reference formulas in `keras.ops`: the oracle of the tests and `implementation="reference"` (small shapes)."""
+"""The dense reference: each loss on the dense float32 logits in `keras.ops` (`implementation="reference"`, small shapes).
+
+Float32 as Keras's dense losses, not a float64 oracle: that is `keras_cutbce.math.spec`.
+"""
 
 from keras import ops
 
@@ -49,5 +52,6 @@ def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0):
     y = y / ops.expand_dims(ops.maximum(count, 1.0), -1)
     a = float(label_smoothing)
     y = y * (1.0 - a) + a / ops.shape(table)[0]
-    loss = ops.logsumexp(z, axis=-1) - ops.sum(y * z, axis=-1)
+    # An item without target weight adds nothing, even at a logit of -inf (not `0 * -inf`).
+    loss = ops.logsumexp(z, axis=-1) - ops.sum(ops.where(y > 0, y * z, 0.0), axis=-1)
     return ops.where(count > 0, loss, 0.0)

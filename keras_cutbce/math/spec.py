@@ -112,4 +112,5 @@ def softmax_row(z, targets, label_smoothing=0.0):
     y[targets] += (1.0 - a) / len(targets)
     top = np.max(z)
     lse = top + np.log(np.sum(np.exp(z - top)))
-    return float(lse - np.sum(y * z)), np.exp(z - lse) - y
+    weighted = y > 0  # an item without target weight adds nothing, even at z = -inf
+    return float(lse - np.sum(y[weighted] * z[weighted])), np.exp(z - lse) - y

@@ -176,6 +176,50 @@ def test_huge_logits_are_finite_and_exact(impl):
     assert all(np.all(np.isfinite(g)) for g in grads)
 
 
+@pytest.mark.parametrize("op", ["bce", "softmax"])
+def test_float64_inputs_give_a_float32_loss(op):
+    """The public ops and losses return float32 for float64 inputs on every backend (on JAX
+    without x64, the default, the inputs are float32 already); torch's chunked kernel computes
+    and returns float64 (the registry's contract, `test_torch_chunked.py`)."""
+    from keras_cutbce import CutSoftmaxLoss, cut_categorical_crossentropy
+
+    rng = np.random.default_rng(10)
+    hidden, table, ids, bias, _ = make_case(rng, (4,), 3, 7, 2)
+    hidden, table, bias = (ops.convert_to_tensor(x, "float64") for x in (hidden, table, bias))
+    fn, loss = ((cut_binary_crossentropy, CutBCELoss) if op == "bce"
+                else (cut_categorical_crossentropy, CutSoftmaxLoss))
+    for implementation in ("chunked", "reference"):
+        per_row = fn(hidden, table, ids, bias, implementation=implementation)
+        assert dtype_name(per_row) == "float32", implementation
+    reduced = loss(table, bias, reduction="none")(ids, hidden)
+    assert dtype_name(reduced) == "float32"
+
+
+def test_items_with_a_bias_of_minus_inf_without_label_smoothing():
+    """A `-inf` bias masks an item (term 0, no gradient), a masked target gives `+inf`, and a
+    padding id that falls on a masked item adds nothing. (Keras's dense BCE, and the dense
+    reference, give NaN at any `-inf` logit; with label smoothing the contract leaves it open.)"""
+    rng = np.random.default_rng(9)
+    hidden, table, _, bias, cot = make_case(rng, (5,), 8, 40, 1)
+    bias[:8] = -np.inf
+    ids = np.array([[9, -1], [0, -1], [-1, -1], [12, 12], [20, 50]], "int32")  # row 1: masked target
+
+    def fn(h, t, b):
+        return cut_binary_crossentropy(h, t, ids, b, chunk_size=16, implementation="chunked")
+
+    z = hidden.astype(np.float64) @ table.astype(np.float64).T + bias
+    y = to_numpy(multi_hot(ids, 40)).astype(bool)
+    want = np.mean(np.logaddexp(0.0, z) - np.where(y, z, 0.0), axis=-1)
+    assert np.isposinf(want[1]) and np.isfinite(np.delete(want, 1)).all()
+    np.testing.assert_allclose(to_numpy(fn(hidden, table, bias)), want, rtol=1e-5)
+    cot[1] = 0.0
+    _, grads = value_and_grads(weighted_sum(fn, cot), hidden, table, bias)
+    slopes = (1.0 / (1.0 + np.exp(-z)) - y) * cot[:, None] / 40
+    for name, got, w in zip(("hidden", "table", "bias"),
+                            grads, (slopes @ table, slopes.T @ hidden, slopes.sum(0))):
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.slow

@@ -195,6 +195,13 @@ def _check_uneven_vocab(mesh, rng, bf16=False):
         dict(family="softmax", bias=bias, ids=np.full((rows, 1), 36, np.int32),
              label_smoothing=0.1),
     ]
+    # Items masked by a -inf bias (item 0, where padding falls, and the first shards): no
+    # probability, no gradient; a masked target (row 0) gives +inf.
+    masked = bias.copy()
+    masked[:19] = -np.inf
+    masked_ids = np.where((softmax_ids >= 0) & (softmax_ids < 19), 30, softmax_ids)
+    masked_ids[0, 0], masked_ids[2, 1] = 5, -1
+    cases.append(dict(family="softmax", bias=masked, ids=masked_ids, label_smoothing=0.0))
     for case in cases:
         ids, b = case.pop("ids"), case.pop("bias")
         op = "cut_" + case.pop("family", "bce")

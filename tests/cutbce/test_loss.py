@@ -1,5 +1,7 @@
 """`CutBCELoss` as a Keras loss: reductions, weights, masks, ids, serialization, fit."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -120,13 +122,69 @@ class DenseLogits(keras.layers.Layer):
         return ops.matmul(hidden, ops.transpose(self.embedding.embeddings))
 
 
-def build_model(vocab, dim, dense=False, seed=0):
+def build_model(vocab, dim, dense=False, seed=0, users=False):
+    """An `Embedding`, a projection and the logits (`dense`) or the hidden states; with
+    `users`, `users_model` (its blocks' local losses: the model's loss, `local_loss`)."""
     keras.utils.set_random_seed(seed)
+    if users:
+        return users_model(vocab, dim, dense)
     inputs = keras.Input((None,), dtype="int32")
     items = keras.layers.Embedding(vocab, dim, name="items")
     hidden = keras.layers.Dense(dim, name="proj")(items(inputs))
     outputs = DenseLogits(items)(hidden) if dense else hidden
     return keras.Model(inputs, outputs), items
+
+
+def users_model(vocab, dim, dense):
+    """The models users have: an `ItemEmbedding` shared by two towers (`DetachBlock`s whose
+    local loss also trains it) and the main path; the layer `both` inside `tower_a` and outside
+    any block; `tower_b` with an L2-regularized kernel and `BatchNormalization`; the block
+    `reused` met twice; `Dropout` before the projection. The local loss: `local_loss(items)`."""
+    from keras_cutbce import ItemEmbedding
+    from keras_erase import DetachBlock, EraseModel
+
+    inputs = keras.Input((None,), dtype="int32")
+    items = ItemEmbedding(vocab, dim, name="items")
+    features = items(inputs)
+    both = keras.layers.Dense(dim, activation="tanh", name="both")
+
+    def block(name, layers, detach_input=False):
+        head = [keras.layers.Dense(dim, name=f"{name}_head")] + [DenseLogits(items)] * dense
+        return DetachBlock(keras.Sequential(layers, name=f"{name}_mlp"), head=keras.Sequential(head),
+                           loss=local_loss(items, dense), loss_weight=0.5,
+                           detach_input=detach_input, name=name)
+
+    regularized = keras.layers.Dense(dim, activation="tanh", name="l2", use_bias=False,
+                                     kernel_regularizer=keras.regularizers.L2(0.05))
+    reused = block("reused", [keras.layers.Dense(dim, activation="tanh")], detach_input=True)
+    sides = [keras.layers.Dense(dim, name=side)(features) for side in ("left", "right")]
+    outs = [block("tower_a", [both, keras.layers.Dense(dim, activation="tanh")])(features),
+            block("tower_b", [regularized, keras.layers.BatchNormalization()])(features),
+            both(features)] + sides + [reused(side) for side in sides]
+    hidden = keras.layers.Dropout(0.25, seed=3)(keras.layers.Concatenate()(outs))
+    hidden = keras.layers.Dense(dim, name="proj")(hidden)
+    outputs = DenseLogits(items)(hidden) if dense else hidden
+    return EraseModel(inputs, outputs, dispatch="standard", intra_op_threads=None), items
+
+
+def local_loss(items, dense):
+    from keras_cutbce import CutSoftmaxLoss
+
+    if dense:
+        return keras.losses.CategoricalCrossentropy(from_logits=True)
+    return CutSoftmaxLoss(items, chunk_size=16)
+
+
+@contextlib.contextmanager
+def _floatx(policy):
+    """`floatx` float64 under the float64 policy: Keras casts the compiled loss to `floatx` and
+    TensorFlow then refuses to add the float64 regularizer's loss to it."""
+    previous = keras.config.floatx()
+    keras.config.set_floatx("float64" if policy == "float64" else previous)
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(previous)
 
 
 def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
@@ -137,7 +195,7 @@ def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
     return x, y.astype("int32")
 
 
-def first_step(vocab, dim, x, y, policy, dense=False, softmax=False):
+def first_step(vocab, dim, x, y, policy, dense=False, softmax=False, users=False):
     """The loss and the weight change of one SGD(1) step of `build_model` under `policy`.
 
     BCE (`CutBCELoss` or Keras's dense loss), or with `softmax` the softmax
@@ -147,18 +205,21 @@ def first_step(vocab, dim, x, y, policy, dense=False, softmax=False):
     from tests.backend_utils import dtype_policy
 
     with dtype_policy("float32"):
-        initial = build_model(vocab, dim)[0].get_weights()  # float64 draws other values
-    with dtype_policy(policy):
-        model, items = build_model(vocab, dim, dense=dense)
+        initial = build_model(vocab, dim, users=users)[0].get_weights()  # float64 draws others
+    with dtype_policy(policy), _floatx(policy if users else None):
+        model, items = build_model(vocab, dim, dense=dense, users=users)
         model.set_weights(initial)
         if dense:
             hot = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
             if softmax:
                 hot = hot / np.maximum(hot.sum(-1, keepdims=True), 1.0)
-                loss = keras.losses.CategoricalCrossentropy(from_logits=True)
+                loss = local_loss(items, dense=True) if users else keras.losses.CategoricalCrossentropy(
+                    from_logits=True)
             else:
                 loss = keras.losses.BinaryCrossentropy(from_logits=True)
             y = hot
+        elif users:
+            loss = local_loss(items, dense=False)
         else:
             loss = (CutSoftmaxLoss if softmax else CutBCELoss)(items, chunk_size=16)
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)

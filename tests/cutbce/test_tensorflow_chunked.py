@@ -141,13 +141,26 @@ def test_eager_function_and_xla_agree():
     assert_same(eager, loss_and_grads(reference_fn(0.1, 2.0), h, t, ids, b, cot))
 
 
+def _softmax_fns(label_smoothing=0.1):
+    """The chunked and reference `cut_softmax`, as `chunked_fn()` and `reference_fn()`."""
+    def fn(h, t, ids, b):
+        return chunked.cut_softmax(h, t, ids, b, label_smoothing=label_smoothing, chunk_size=64)
+
+    def ref(h, t, ids, b):
+        return reference.cut_softmax(h, t, ids, b, label_smoothing=label_smoothing)
+
+    return fn, ref
+
+
+@pytest.mark.parametrize("family", ["bce", "softmax"])
 @pytest.mark.parametrize("static_vocab", [True, False])
-def test_unknown_batch_dimension(static_vocab):
-    """`M` (and `L`) unknown at trace time; also `V` when `static_vocab` is False."""
+def test_unknown_batch_dimension(static_vocab, family):
+    """`M` (and `L`) unknown at trace time; also `V` when `static_vocab` is False (softmax:
+    its smoothing's `a / V` read from the table inside the program)."""
     rng = np.random.default_rng(9)
     dim = 8
     traced = 200 if static_vocab else None
-    fn = chunked_fn(chunk_size=64)
+    fn, ref = (chunked_fn(chunk_size=64), reference_fn()) if family == "bce" else _softmax_fns()
 
     @tf.function(
         input_signature=[
@@ -164,7 +177,31 @@ def test_unknown_batch_dimension(static_vocab):
     cases = [(5, 3, 200), (11, 1, 200)] + ([] if static_vocab else [(4, 2, 128), (3, 3, 50)])
     for rows, labels, vocab in cases:
         h, t, ids, b, cot = make_case(rng, rows, dim, vocab, labels)
-        assert_same(run(h, t, ids, b, cot), loss_and_grads(reference_fn(), h, t, ids, b, cot))
+        assert_same(run(h, t, ids, b, cot), loss_and_grads(ref, h, t, ids, b, cot))
+
+
+@pytest.mark.parametrize("chunk_size", [16, None])
+@pytest.mark.parametrize("family", ["bce", "softmax"])
+def test_the_loss_with_a_vocabulary_unknown_at_trace_time(family, chunk_size):
+    """The Keras loss (its fused weighted-sum pass) and its gradients in a `tf.function` whose
+    table has an unknown V (`None`: the default tile, wider than V): as in eager mode."""
+    from keras_cutbce import CutBCELoss, CutSoftmaxLoss
+
+    loss_class = CutBCELoss if family == "bce" else CutSoftmaxLoss
+    rng = np.random.default_rng(12)
+    h, t, ids, b, _ = make_case(rng, 6, 8, 50, 3)
+    h, ids = h.reshape(2, 3, 8), ids.reshape(2, 3, 3)
+
+    def step(h, t, ids, b):
+        with tf.GradientTape() as tape:
+            tape.watch([h, t, b])
+            loss = loss_class(t, b, label_smoothing=0.1, chunk_size=chunk_size)(ids, h)
+        return loss, tape.gradient(loss, [h, t, b])
+
+    traced = tf.function(step, input_signature=[
+        tf.TensorSpec([None, None, 8]), tf.TensorSpec([None, 8]),
+        tf.TensorSpec([None, None, None], tf.int32), tf.TensorSpec([None])])
+    assert_same(traced(h, t, ids, b), step(*(tf.convert_to_tensor(x) for x in (h, t, ids, b))))
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

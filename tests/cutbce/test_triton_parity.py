@@ -366,6 +366,40 @@ def test_softmax_items_with_a_bias_of_minus_inf_drop_out(rng):
         np.testing.assert_allclose(as_numpy(g[cut:]), as_numpy(w), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_softmax_masked_items_and_targets_match_the_chunked_loop(label_smoothing, rng):
+    """The public kernel with `-inf` biases where targets and padding ids fall (the contract:
+    `keras_cutbce.registry`): the chunked loop's loss (`+inf` at a masked target, or any
+    smoothing) and the gradients of the finite rows."""
+    import torch
+
+    from keras_cutbce.backends.torch import chunked
+    from keras_cutbce.backends.torch.triton import launch
+
+    h, e, b, ids, _ = _problem("odd_shapes_bias", rng, "softmax")
+    b = b.clone()
+    b[:8], b[64:] = float("-inf"), float("-inf")  # item 0 (where padding falls) and whole tiles
+    valid = (ids >= 0) & (ids < 8) | (ids >= 64) & (ids < len(e))
+    ids = torch.where(valid, 50, ids)
+    ids[:2, 0] = torch.tensor([0, 70])  # two masked targets
+    got_loss = launch.cut_softmax(h, e, ids, b, label_smoothing=label_smoothing)
+    want_loss = chunked.cut_softmax(h, e, ids, b, label_smoothing=label_smoothing, chunk_size=16)
+    np.testing.assert_allclose(as_numpy(got_loss), as_numpy(want_loss), rtol=1e-5, atol=1e-5)
+    assert torch.isposinf(got_loss[:2]).all() and not torch.isnan(got_loss).any()
+    weights = torch.isfinite(want_loss).to(h.dtype)
+    assert weights.sum() > 10 or label_smoothing
+
+    def objective(fn):
+        return lambda h, e, b: (weights * torch.nan_to_num(fn(h, e, ids, b), posinf=0.0)).sum()
+
+    got = scaled_value_and_grads(objective(functools.partial(
+        launch.cut_softmax, label_smoothing=label_smoothing)), (h, e, b))
+    want = scaled_value_and_grads(objective(functools.partial(
+        chunked.cut_softmax, label_smoothing=label_smoothing, chunk_size=16)), (h, e, b))
+    _assert_grads_close(got[1], want[1], "float32")
+    assert not any(torch.isnan(g).any() for g in got[1])
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, rng):
     """The mixed precision matrix of the kernels (as `tests/cutbce/test_cut_bce.py`'s).

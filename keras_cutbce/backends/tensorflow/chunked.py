@@ -145,6 +145,7 @@ def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, ro
 def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=None):
     """The per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m` (when given)."""
     tiles = _tiles_of(table, tile)
+    family = family.sized(tiles.vocab_size)
     inv_v = family.scale(tiles.vocab_size)
     hidden = tf.cast(hidden, tf.float32)
     safe, keep = distinct_targets(ids, tiles.vocab_size)
@@ -343,10 +344,11 @@ def _per_row_programs(family, tile, specs, static_vocab):
 
 @functools.lru_cache(maxsize=64)
 def _fused_program(family, tile, specs):
-    """The fused pass `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`, always XLA (in-place tiles)."""
+    """The fused pass `(hidden, table, ids, row_weights[, bias]) -> (total, *grads)`, XLA (in-place tiles) where V is known."""
     hidden, table, ids, *bias = specs
     return _program(
-        functools.partial(_fused_body, family, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias), True
+        functools.partial(_fused_body, family, tile), (hidden, table, ids, _ROW_WEIGHTS, *bias),
+        table.shape[0] is not None,
     )
 
 
@@ -378,13 +380,11 @@ def _weighted_sum(family, hidden, table, ids, bias, row_weights, chunk_size):
 
 def _softmax(table, label_smoothing):
     vocab = table.shape[0]
-    if vocab is None:
-        raise NotImplementedError("The softmax loss needs the vocabulary size known at trace time.")
-    return math.Softmax(float(label_smoothing), int(vocab))
+    return math.Softmax(float(label_smoothing), None if vocab is None else int(vocab))
 
 
 def cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size):
-    """The chunked `cut_softmax`: `cut_bce`'s loop with `math.Softmax` (V static)."""
+    """The chunked `cut_softmax`: `cut_bce`'s loop with `math.Softmax`."""
     family = _softmax(tf.convert_to_tensor(table), label_smoothing)
     return _per_row(family, hidden, table, ids, bias, chunk_size)
 

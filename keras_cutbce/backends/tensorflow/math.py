@@ -1,6 +1,6 @@
 """TensorFlow's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers (as `backends/jax/math.py`)."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -74,6 +74,9 @@ class BCE(NamedTuple):
         weights = self.coef.positive_weights
         return (terms(z, *weights, e=e) if loss else None), (slopes(z, *weights, e=e) if grad else None)
 
+    def sized(self, vocab_size):
+        return self
+
     def scale(self, vocab_size):
         return 1.0 / tf.cast(vocab_size, tf.float32)
 
@@ -85,10 +88,10 @@ class BCE(NamedTuple):
 
 
 class Softmax(NamedTuple):
-    """JAX's `math.Softmax` on TensorFlow (`scale` 1; `keep` is a float32 mask)."""
+    """JAX's `math.Softmax` on TensorFlow (`scale` 1; `keep` is a float32 mask; `vocab` None: unknown when traced)."""
 
     label_smoothing: float
-    vocab: int
+    vocab: Optional[int]
 
     masks_positives = False
     two_pass = True
@@ -122,6 +125,10 @@ class Softmax(NamedTuple):
         weight = -(1.0 - self.label_smoothing) / tf.maximum(
             tf.reduce_sum(keep, axis=1, keepdims=True), 1.0)
         return (weight * z if loss else None), (weight * tf.ones_like(z) if grad else None)
+
+    def sized(self, vocab_size):
+        """The family inside a program: `vocab` read from the table where unknown at trace time."""
+        return self if self.vocab is not None else self._replace(vocab=tf.cast(vocab_size, tf.float32))
 
     def scale(self, vocab_size):
         return 1.0

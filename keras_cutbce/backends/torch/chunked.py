@@ -156,7 +156,7 @@ def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, gra
         rows, zp = positives.logits(h, table, bias, dtype)
         pos_terms, dz = family.positives(zp, keep, loss=loss, grad=any_grad)
         if loss:
-            terms += (pos_terms * keep).sum(1)
+            terms += torch.where(keep, pos_terms, 0.0).sum(1)  # a padding slot's logit may be -inf
         if any_grad:
             dz = dz * keep * row_scale[:, None]
             flat = safe.reshape(-1)

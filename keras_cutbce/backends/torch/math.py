@@ -123,7 +123,9 @@ class Softmax(NamedTuple):
         top = torch.maximum(acc[0], z.amax(1))
         # `exp(old max - new max)`; the first tile's `-inf - finite` gives 0.
         acc[1].mul_(torch.exp(acc[0] - top).nan_to_num_(nan=0.0))
-        acc[1].addmv_(torch.exp(torch.sub(z, top[:, None], out=out), out=out), ones)
+        # A row still all `-inf` (items masked by their bias) shifts by 0: its `exp` is 0, not NaN.
+        shift = top.masked_fill(top == float("-inf"), 0.0)
+        acc[1].addmv_(torch.exp(torch.sub(z, shift[:, None], out=out), out=out), ones)
         acc[0] = top
 
     def statistics(self, acc):
