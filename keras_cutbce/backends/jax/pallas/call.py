@@ -120,11 +120,13 @@ def _cost(cfg, rows, dim, itemsize, ps):
     )
 
 
-def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None):
+def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None,
+          weights=None):
     """Runs one `pallas_call`: row block `block` against the whole table.
 
     Returns `(loss | None, grad_hidden | None, grad_table | None, grad_bias |
-    None)`; softmax's loss is the rows' `(max, sum exp)`, its slopes take `lse`.
+    None)`; softmax's loss is the rows' `(max, sum exp[, sum z_p])`, its slopes
+    take `lse` and the positives' `weights`.
     """
     dim = table.shape[1]
     tile, block_rows, per_core = cfg.tile, ps.block_rows, ps.tiles_per_core
@@ -146,7 +148,7 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
                      else (lambda c, j, i, *_: (block, 0))),
     ]
     inputs = [hidden]
-    if not cfg.softmax:
+    if cfg.hit_bits:
         in_specs.append(pl.BlockSpec((ids.shape[0], block_rows), lambda c, j, i, *_: (0, block)))
         inputs.append(ids)
     row_spec = pl.BlockSpec((1, block_rows), lambda c, j, i, *_: (0, block))
@@ -156,6 +158,9 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
         if cfg.softmax:
             in_specs.append(row_spec)
             inputs.append(lse)
+        if cfg.softmax and cfg.positives:
+            in_specs.append(row_spec)
+            inputs.append(weights)
     in_specs.append(table_spec())
     inputs.append(table_view(table, cfg))
     if ps.has_bias:
@@ -166,7 +171,7 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
         inputs += list(carried)
     out_specs, out_shapes, scratch = [], [], []
     if ps.with_loss:
-        stats = 2 if cfg.softmax else 1  # softmax: the rows' max and sum exp
+        stats = 2 + cfg.positives if cfg.softmax else 1  # softmax: max, sum exp[, sum z_p]
         out_specs += [pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0))
                       ] * stats
         out_shapes += [jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32)] * stats
@@ -221,6 +226,8 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
     outs = list(outs)
     if ps.with_loss and cfg.softmax:
         loss = _merge_cores(outs.pop(0)[:, 0], outs.pop(0)[:, 0])
+        if cfg.positives:
+            loss += (outs.pop(0).sum(axis=0)[0],)
     else:
         loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
     if not ps.with_grads:
@@ -238,24 +245,28 @@ def _merge_cores(maxes, sums):
     return m, jnp.sum(sums * jnp.exp(maxes - m), axis=0)
 
 
-def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None):
-    """Returns the rows' loss sums `[M]` (softmax: `(max, sum exp)`) or None, and the gradients or None.
+def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None, weights=None):
+    """Returns the rows' loss sums `[M]` (softmax: `(max, sum exp[, sum z_p])`) or None, and the gradients or None.
 
-    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its dense
-    slopes with `lse`); one pass over the table per resident row block.
+    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its
+    slopes with `lse`, plus `weights_m` at the row's positives); one pass over
+    the table per resident row block.
     """
     with_grads = row_scale is not None
     count, block_rows = row_blocks(hidden.shape[0], hidden.shape[1], hidden.dtype.itemsize, cfg,
                                    with_grads)
-    hidden_p, ids_p, row_scale_p = row_inputs(hidden, None if cfg.softmax else ids, row_scale,
-                                              count * block_rows, cfg)
+    padded = count * block_rows
+    hidden_p, ids_p, row_scale_p = row_inputs(hidden, ids if cfg.hit_bits else None, row_scale,
+                                              padded, cfg)
     per_core = pl.cdiv(num_tiles(cfg), cores_used(cfg))
-    if cfg.softmax:  # no positives in the tiles: the prefetched counts are a placeholder
-        counts = jnp.zeros((num_tiles(cfg), count * block_rows // cfg.row_tile), jnp.int32)
-        if lse is not None:  # padded rows: +inf, their slopes exp(z - inf) = 0
-            lse = _pad_rows(lse.astype(jnp.float32), count * block_rows, jnp.inf)[None, :]
-    else:
+    if lse is not None:  # padded rows: +inf, their slopes exp(z - inf) = 0
+        lse = _pad_rows(lse.astype(jnp.float32), padded, jnp.inf)[None, :]
+    if weights is not None:
+        weights = _pad_rows(weights.astype(jnp.float32), padded)[None, :]
+    if cfg.hit_bits:
         counts = in_tile_counts(ids_p, cfg)
+    else:  # no ids in the tiles: the prefetched counts are a placeholder
+        counts = jnp.zeros((num_tiles(cfg), padded // cfg.row_tile), jnp.int32)
     row_tiles = block_rows // cfg.row_tile
     per_row_tile = counts.shape[0] * row_tiles <= MAX_PREFETCHED_COUNTS
     losses, hidden_grads, carried = [], [], None
@@ -265,7 +276,8 @@ def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None):
         block_counts = counts[:, block * row_tiles : (block + 1) * row_tiles]
         block_counts = block_counts.reshape(-1) if per_row_tile else block_counts.max(axis=1)
         loss, grad_hidden, grad_table, grad_bias = _pass(
-            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg, lse)
+            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg, lse,
+            weights)
         losses.append(loss)
         hidden_grads.append(grad_hidden)
         if with_grads:

@@ -19,6 +19,11 @@ class Config(NamedTuple):
     dv_view: bool  # the table read as its `[D, V]` view (D % 128 != 0)
     cores: int = 1  # TensorCores the vocabulary is split across
     family: str = "bce"  # the loss family: "bce" or "softmax"
+    positives: bool = True  # the kernels find the rows' ids (hit bits); False: softmax without ids
+
+    @property
+    def hit_bits(self):
+        return self.positives or not self.softmax
 
     @property
     def softmax(self):
