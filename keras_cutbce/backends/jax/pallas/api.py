@@ -161,23 +161,30 @@ def cut_bce_weighted_sum(
 def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=None):
     """Softmax's loss `[M]` (or None) and gradients (or None), as `chunked`'s loop does.
 
-    A statistics pass gives the log-sum-exp and the positives' logit sums, the
-    gradient pass takes it and adds each row's positive weight at its hit bits
-    (no gather or scatter over the table); label smoothing's sum is exact outside.
+    A statistics pass gives the log-sum-exp, the gradient pass takes it and adds
+    each row's positive weight at its hit bits; the positives' logit sums come
+    from the last pass (no gather or scatter over the table); label smoothing's
+    sum is exact outside.
     """
     family = cfg.coef
     _, keep = distinct_targets(ids, cfg.vocab_size)
-    (m, s, positive_sums), _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True)
-    weights = family.positives(positive_sums[:, None], keep, loss=True, grad=True)
+    grads_pass = row_weights is not None
+    stats, _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True,
+                      positive_sums=loss and not grads_pass)
+    # Each row's positive slope, -(1 - a) / |P|: its positives' loss is `weight * sum z_p`.
+    weight = family.positives(stats[0][:, None], keep, loss=False, grad=True)[1][:, 0]
     grads = None
-    if row_weights is not None:
+    if grads_pass:
         row_scale = family.row_scale(row_weights, keep, cfg.vocab_size)
-        _, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
-                          lse=family.statistics((m, s)), weights=weights[1][:, 0])
+        sums, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
+                             lse=family.statistics(stats[:2]), weights=weight,
+                             positive_sums=loss)
+        stats += sums
         grads = (grads[0], grads[1].astype(jnp.float32), grads[2])
     if not loss:
         return None, grads
-    positive_rows = weights[0][:, 0]
+    m, s, positive_sums = stats
+    positive_rows = weight * positive_sums
     total = jnp.zeros_like(m)
     if family.label_smoothing:
         total = jnp.matmul(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
