@@ -443,20 +443,16 @@ def compile_case(case, dump_dir):
         return jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.SingleDeviceSharding(device))
 
     args = (spec((m, d), dtype), spec((aligned, d), dtype), spec((m, num_ids), jnp.int32),
-            spec((m,), jnp.float32))
-    if case["path"] == "softmax":
-        def fn(h, t, ids, w):
-            return jax.value_and_grad(
-                lambda h, t: pallas.cut_softmax_weighted_sum(h, t, ids, None, w),
-                argnums=(0, 1))(h, t)
-    elif case["path"] == "fused":
-        def fn(h, t, ids, w):
-            return jax.value_and_grad(
-                lambda h, t: pallas.cut_bce_weighted_sum(h, t, ids, None, w), argnums=(0, 1))(h, t)
-    else:
-        def fn(h, t, ids, w):
-            return jax.value_and_grad(
-                lambda h, t: jnp.vdot(w, pallas.cut_bce(h, t, ids, None)), argnums=(0, 1))(h, t)
+            spec((m,), jnp.float32), spec((aligned,), jnp.float32))
+    loss = {"softmax": lambda h, t, ids, b, w: pallas.cut_softmax_weighted_sum(h, t, ids, b, w),
+            "fused": lambda h, t, ids, b, w: pallas.cut_bce_weighted_sum(h, t, ids, b, w),
+            "per_row": lambda h, t, ids, b, w: jnp.vdot(w, pallas.cut_bce(h, t, ids, b))
+            }[case["path"]]
+
+    def fn(h, t, ids, w, b):  # with `bias`: the gradient wrt the bias too
+        if not case.get("bias"):
+            return jax.value_and_grad(lambda h, t: loss(h, t, ids, None, w), argnums=(0, 1))(h, t)
+        return jax.value_and_grad(lambda h, t, b: loss(h, t, ids, b, w), argnums=(0, 1, 2))(h, t, b)
     if known:  # the trace knows the generation; else it is decided at lowering
         with jax.set_mesh(jax.sharding.Mesh([device], ("cutbce_target",))):
             jax.jit(fn).lower(*args).compile()
@@ -603,6 +599,11 @@ HEADER = ("| chip | dtype | L | M | D | V | path | kernel | cycles / step | cycl
           "| ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
+def path_label(case):
+    """The path, and "+ bias" when compiled with a bias."""
+    return case["path"] + (" + bias" if case.get("bias") else "")
+
+
 def chip_label(case):
     """The chip, and "(unknown)" when compiled with its generation unknown."""
     return case["chip"] + (" (unknown)" if case.get("target", "known") != "known" else "")
@@ -613,7 +614,7 @@ def _line(r):
     for k in r["kernels"]:
         out.append(
             f"| {chip_label(r)} | {r['dtype']} | {r['ids']} | {r['rows']} | {r['dim']} | "
-            f"{r['vocab']:,} | {r['path']} | {k['kernel']} | {k['step_cycles']:,} "
+            f"{r['vocab']:,} | {path_label(r)} | {k['kernel']} | {k['step_cycles']:,} "
             f"| {k['cycles_per_1024']} | {k.get('cycles_per_1024_every', '-')} | {k['est_ms']} "
             f"| {k['mxu_ms']} | {k['vpu_ms']} | {k['eup_ms']} | {k['load_ms']} / {k['store_ms']} "
             f"| {k['hbm_ms']} | {round(k['est_ms'] / k['mxu_ms'], 2)} "
@@ -637,8 +638,8 @@ def markdown(rows, commit):
 def compare_markdown(before, after):
     """A before/after table of two runs' JSON (cases in both; the kernels of a path summed)."""
     def key(r):
-        return (chip_label(r),) + tuple(r[k] for k in ("dtype", "ids", "rows", "dim", "vocab",
-                                                       "path"))
+        return (chip_label(r), path_label(r)) + tuple(r[k] for k in ("dtype", "ids", "rows",
+                                                                     "dim", "vocab"))
 
     def per_1024(r):
         return round(sum(k["cycles_per_1024"] for k in r["kernels"]), 2)
@@ -660,7 +661,7 @@ def compare_markdown(before, after):
                   "load": r["load_ms"], "store": r["store_ms"], "HBM": r["hbm_ms"]}
         lines.append(
             f"| {chip_label(r)} | {r['dtype']} | {r['ids']} "
-            f"| ({r['rows']}, {r['dim']}, {r['vocab']:,}) | {r['path']} | {per_1024(b)} "
+            f"| ({r['rows']}, {r['dim']}, {r['vocab']:,}) | {path_label(r)} | {per_1024(b)} "
             f"| {per_1024(r)} | {b['est_ms']} | {r['est_ms']} "
             f"| {b['x_mxu']} | {r['x_mxu']} | {r['mxu_ms']} | {max(bounds, key=bounds.get)} |")
     return "\n".join(lines) + "\n"
@@ -683,6 +684,7 @@ def parse_shapes(text):
 def cases_of(args):
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     target = {} if args.target == "known" else {"target": args.target}
+    target.update({"bias": True} if args.bias else {})
     cases = [dict(chip=chip, dtype=dtype, ids=ids, rows=m, dim=d, vocab=v, path=path, **target)
              for chip in args.chips.split(",") for dtype in args.dtypes.split(",")
              for ids in map(int, args.ids.split(",")) for (m, d, v) in shapes
@@ -704,6 +706,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default="", help='"M,D,V;..." instead of SHAPES')
     parser.add_argument("--target", default="known", choices=("known", "unknown"),
                         help="the trace knows the chip's generation, or not (tiled for any)")
+    parser.add_argument("--bias", action="store_true", help="with a bias (and its gradient)")
     parser.add_argument("--trim", action="store_true",
                         help="v6e: all but L = 1 per row; v5e / v5p: float32, L = 8, fused")
     parser.add_argument("--repo", default=ROOT, help="checkout whose keras_cutbce is measured")

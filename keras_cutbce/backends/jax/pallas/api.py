@@ -9,7 +9,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from keras_cutbce.backends.jax import chunked, compile_platform, math, vjp
+from keras_cutbce.backends.jax import compile_platform, math, vjp
 from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.call import passes
 from keras_cutbce.backends.jax.pallas.config import Config
@@ -161,22 +161,30 @@ def cut_bce_weighted_sum(
 def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=None):
     """Softmax's loss `[M]` (or None) and gradients (or None), as `chunked`'s loop does.
 
-    A statistics pass gives the log-sum-exp, the gradient pass takes it; the
-    linear rest (positives, label smoothing) is exact outside the kernel.
+    A statistics pass gives the log-sum-exp, the gradient pass takes it and adds
+    each row's positive weight at its hit bits; the positives' logit sums come
+    from the last pass (no gather or scatter over the table); label smoothing's
+    sum is exact outside.
     """
     family = cfg.coef
-    index, keep = distinct_targets(ids, cfg.vocab_size)
-    (m, s), _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True)
-    grads = row_scale = None
-    if row_weights is not None:
+    _, keep = distinct_targets(ids, cfg.vocab_size)
+    grads_pass = row_weights is not None
+    stats, _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True,
+                      positive_sums=loss and not grads_pass)
+    # Each row's positive slope, -(1 - a) / |P|: its positives' loss is `weight * sum z_p`.
+    weight = family.positives(stats[0][:, None], keep, loss=False, grad=True)[1][:, 0]
+    grads = None
+    if grads_pass:
         row_scale = family.row_scale(row_weights, keep, cfg.vocab_size)
-        _, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
-                          lse=family.statistics((m, s)))
+        sums, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
+                             lse=family.statistics(stats[:2]), weights=weight,
+                             positive_sums=loss)
+        stats += sums
         grads = (grads[0], grads[1].astype(jnp.float32), grads[2])
-    positive_rows, grads = chunked._add_positives(hidden, table, bias, index, keep, family, grads,
-                                                  loss=loss, row_scale=row_scale)
     if not loss:
         return None, grads
+    m, s, positive_sums = stats
+    positive_rows = weight * positive_sums
     total = jnp.zeros_like(m)
     if family.label_smoothing:
         total = jnp.matmul(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
@@ -209,7 +217,7 @@ def softmax_statistics(hidden, table, bias, *, chunk_size=None, interpret=None):
     cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
                                             0.0, 1.0, chunk_size, None, interpret,
                                             family="softmax")
-    return passes(hidden, table, bias, ids, None, cfg, with_loss=True)[0]
+    return passes(hidden, table, bias, ids, None, cfg._replace(positives=False), with_loss=True)[0]
 
 
 def softmax_gradients(hidden, table, bias, lse, row_scale, *, chunk_size=None, interpret=None):
@@ -217,7 +225,8 @@ def softmax_gradients(hidden, table, bias, lse, row_scale, *, chunk_size=None, i
     cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
                                             0.0, 1.0, chunk_size, None, interpret,
                                             family="softmax")
-    grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False, lse=lse)[1]
+    grads = passes(hidden, table, bias, ids, row_scale, cfg._replace(positives=False),
+                   with_loss=False, lse=lse)[1]
     return grads[0], grads[1].astype(jnp.float32), grads[2]
 
 

@@ -15,7 +15,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from keras_cutbce.backends.jax import math, compile_platform
 from keras_cutbce.backends.jax.pallas.config import Pass
-from keras_cutbce.backends.jax.pallas.kernel import accumulates_in_place, kernel, scratch_shapes
+from keras_cutbce.backends.jax.pallas.kernel import (accumulates_in_place, kernel, scratch_shapes,
+                                                     uses_hit_bits)
 from keras_cutbce.backends.jax.pallas import tiling
 from keras_cutbce.backends.jax.pallas.tiling import cores_used, num_tiles, row_blocks
 from keras_cutbce.common import EMPTY_ID
@@ -120,11 +121,13 @@ def _cost(cfg, rows, dim, itemsize, ps):
     )
 
 
-def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None):
+def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None,
+          weights=None):
     """Runs one `pallas_call`: row block `block` against the whole table.
 
     Returns `(loss | None, grad_hidden | None, grad_table | None, grad_bias |
-    None)`; softmax's loss is the rows' `(max, sum exp)`, its slopes take `lse`.
+    None)`; softmax's loss is the rows' statistics (`passes`), its
+    slopes take `lse` and the positives' `weights`.
     """
     dim = table.shape[1]
     tile, block_rows, per_core = cfg.tile, ps.block_rows, ps.tiles_per_core
@@ -146,7 +149,7 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
                      else (lambda c, j, i, *_: (block, 0))),
     ]
     inputs = [hidden]
-    if not cfg.softmax:
+    if uses_hit_bits(cfg, ps.with_grads, ps.positive_sums):
         in_specs.append(pl.BlockSpec((ids.shape[0], block_rows), lambda c, j, i, *_: (0, block)))
         inputs.append(ids)
     row_spec = pl.BlockSpec((1, block_rows), lambda c, j, i, *_: (0, block))
@@ -156,6 +159,9 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
         if cfg.softmax:
             in_specs.append(row_spec)
             inputs.append(lse)
+        if cfg.softmax and cfg.positives:
+            in_specs.append(row_spec)
+            inputs.append(weights)
     in_specs.append(table_spec())
     inputs.append(table_view(table, cfg))
     if ps.has_bias:
@@ -165,11 +171,9 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
         in_specs += [table_spec()] + ([bias_spec] if ps.has_bias else [])
         inputs += list(carried)
     out_specs, out_shapes, scratch = [], [], []
-    if ps.with_loss:
-        stats = 2 if cfg.softmax else 1  # softmax: the rows' max and sum exp
-        out_specs += [pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0))
-                      ] * stats
-        out_shapes += [jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32)] * stats
+    stats = (2 if cfg.softmax else 1) * ps.with_loss + ps.positive_sums
+    out_specs += [pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0))] * stats
+    out_shapes += [jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32)] * stats
     aliases = {}
     if ps.with_grads:
         view = (dim, cfg.vocab_size) if cfg.dv_view else (cfg.vocab_size, dim)
@@ -219,8 +223,9 @@ def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, 
     else:
         outs = build(cfg.interpret)(counts, *inputs)
     outs = list(outs)
-    if ps.with_loss and cfg.softmax:
-        loss = _merge_cores(outs.pop(0)[:, 0], outs.pop(0)[:, 0])
+    if cfg.softmax:
+        loss = _merge_cores(outs.pop(0)[:, 0], outs.pop(0)[:, 0]) if ps.with_loss else ()
+        loss += (outs.pop(0).sum(axis=0)[0],) if ps.positive_sums else ()
     else:
         loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
     if not ps.with_grads:
@@ -238,40 +243,49 @@ def _merge_cores(maxes, sums):
     return m, jnp.sum(sums * jnp.exp(maxes - m), axis=0)
 
 
-def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None):
-    """Returns the rows' loss sums `[M]` (softmax: `(max, sum exp)`) or None, and the gradients or None.
+def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None, weights=None,
+           positive_sums=False):
+    """Returns the rows' loss sums `[M]` or None, and the gradients or None.
 
-    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its dense
-    slopes with `lse`); one pass over the table per resident row block.
+    Softmax's "loss" is a tuple of row statistics: `(max, sum exp)` with
+    `with_loss`, then the sums of the positives' logits with `positive_sums`.
+    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its
+    slopes with `lse`, plus `weights_m` at the row's positives); one pass over
+    the table per resident row block.
     """
     with_grads = row_scale is not None
     count, block_rows = row_blocks(hidden.shape[0], hidden.shape[1], hidden.dtype.itemsize, cfg,
                                    with_grads)
-    hidden_p, ids_p, row_scale_p = row_inputs(hidden, None if cfg.softmax else ids, row_scale,
-                                              count * block_rows, cfg)
+    padded = count * block_rows
+    hit_bits = uses_hit_bits(cfg, with_grads, positive_sums)
+    hidden_p, ids_p, row_scale_p = row_inputs(hidden, ids if hit_bits else None, row_scale,
+                                              padded, cfg)
     per_core = pl.cdiv(num_tiles(cfg), cores_used(cfg))
-    if cfg.softmax:  # no positives in the tiles: the prefetched counts are a placeholder
-        counts = jnp.zeros((num_tiles(cfg), count * block_rows // cfg.row_tile), jnp.int32)
-        if lse is not None:  # padded rows: +inf, their slopes exp(z - inf) = 0
-            lse = _pad_rows(lse.astype(jnp.float32), count * block_rows, jnp.inf)[None, :]
-    else:
+    if lse is not None:  # padded rows: +inf, their slopes exp(z - inf) = 0
+        lse = _pad_rows(lse.astype(jnp.float32), padded, jnp.inf)[None, :]
+    if weights is not None:
+        weights = _pad_rows(weights.astype(jnp.float32), padded)[None, :]
+    if hit_bits:
         counts = in_tile_counts(ids_p, cfg)
+    else:  # no ids in the tiles: the prefetched counts are a placeholder
+        counts = jnp.zeros((num_tiles(cfg), padded // cfg.row_tile), jnp.int32)
     row_tiles = block_rows // cfg.row_tile
     per_row_tile = counts.shape[0] * row_tiles <= MAX_PREFETCHED_COUNTS
     losses, hidden_grads, carried = [], [], None
     for block in range(count):
         ps = Pass(bias is not None, with_loss, with_grads, carried is not None, block_rows,
-                  per_core, per_row_tile)
+                  per_core, per_row_tile, positive_sums)
         block_counts = counts[:, block * row_tiles : (block + 1) * row_tiles]
         block_counts = block_counts.reshape(-1) if per_row_tile else block_counts.max(axis=1)
         loss, grad_hidden, grad_table, grad_bias = _pass(
-            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg, lse)
+            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg, lse,
+            weights)
         losses.append(loss)
         hidden_grads.append(grad_hidden)
         if with_grads:
             carried = (grad_table,) + (() if bias is None else (grad_bias,))
     num_rows = hidden.shape[0]
-    if with_loss and cfg.softmax:
+    if cfg.softmax:
         loss = tuple(jnp.concatenate(parts)[:num_rows] for parts in zip(*losses))
     else:
         loss = jnp.concatenate(losses)[:num_rows] if with_loss else None

@@ -19,6 +19,7 @@ class Config(NamedTuple):
     dv_view: bool  # the table read as its `[D, V]` view (D % 128 != 0)
     cores: int = 1  # TensorCores the vocabulary is split across
     family: str = "bce"  # the loss family: "bce" or "softmax"
+    positives: bool = True  # softmax: the kernels find the rows' ids (hit bits); False: no ids
 
     @property
     def softmax(self):
@@ -35,3 +36,4 @@ class Pass(NamedTuple):
     block_rows: int  # resident rows of this pass
     tiles_per_core: int
     counts_per_row_tile: bool  # in-tile id counts per (tile, row tile), else per tile
+    positive_sums: bool = False  # softmax: writes the sums of the rows' positives' logits

@@ -1,9 +1,9 @@
 """The Pallas TPU kernel: one pass over the table for a block of resident rows.
 
 Grid `(core, vocabulary tile, row tile)`; the step's tile runs in
-register-sized pieces, software-pipelined between the MXU and the VPU. BCE
-finds positives from hit bits; softmax keeps a running (max, sum exp) or
-takes `lse`. The design: docs/tpu.md.
+register-sized pieces, software-pipelined between the MXU and the VPU. Both
+families find positives from hit bits; softmax keeps a running (max, sum exp)
+or takes `lse`, and may sum its positives' logits. The design: docs/tpu.md.
 """
 
 import jax.numpy as jnp
@@ -103,6 +103,16 @@ def _hits(bits, block):
     return jnp.left_shift(bits, 31 - block) & logit_terms.SIGN_BIT
 
 
+def _hit_mask(bits, block):
+    """Returns all ones where bit `block` of `bits` is set, else 0 (an and-mask for `_masked`)."""
+    return lax.shift_right_arithmetic(jnp.left_shift(bits, 31 - block), 31)
+
+
+def _masked(x, mask):
+    """Returns float32 `x` where `mask` (int32, `_hit_mask`) is all ones, else 0."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) & mask, jnp.float32)
+
+
 def _lanes(x, width):
     """Returns `[n, 128]` repeated to `[n, width]` along the lanes (the same vregs)."""
     return x if width == LANES else jnp.concatenate([x] * (width // LANES), axis=1)
@@ -140,15 +150,19 @@ def kernel(*refs, cfg, ps, interpreted=False):
     """
     refs = list(refs)
     in_tile_ref, hidden_ref = refs.pop(0), refs.pop(0)
-    ids_ref = None if cfg.softmax else refs.pop(0)
+    hit_bits = uses_hit_bits(cfg, ps.with_grads, ps.positive_sums)
+    ids_ref = refs.pop(0) if hit_bits else None
     row_scale_ref = refs.pop(0) if ps.with_grads else None
     lse_ref = refs.pop(0) if ps.with_grads and cfg.softmax else None
+    softmax_positives = cfg.softmax and cfg.positives
+    weight_ref = refs.pop(0) if ps.with_grads and softmax_positives else None
     table_ref = refs.pop(0)
     bias_ref = refs.pop(0) if ps.has_bias else None
     carried_table = refs.pop(0) if ps.carry else None
     carried_bias = refs.pop(0) if ps.carry and ps.has_bias else None
     loss_ref = refs.pop(0) if ps.with_loss else None
     sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None  # loss_ref: the max
+    positive_ref = refs.pop(0) if ps.positive_sums else None
     grad_hidden_ref = grad_table_ref = grad_bias_ref = acc_table = acc_bias = None
     if ps.with_grads:
         grad_hidden_ref, grad_table_ref = refs.pop(0), refs.pop(0)
@@ -161,9 +175,11 @@ def kernel(*refs, cfg, ps, interpreted=False):
     slopes_refs = (refs.pop(0), refs.pop(0)) if ps.with_grads else None
     terms_ref = refs.pop(0) if ps.with_loss else None  # softmax: the lanes' running max
     lane_sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None
-    bits_ref, bits_t_ref = (None, None) if cfg.softmax else (refs.pop(0), refs.pop(0))
+    lane_positive_ref = refs.pop(0) if positive_ref is not None else None
+    bits_ref, bits_t_ref = (refs.pop(0), refs.pop(0)) if hit_bits else (None, None)
     scale_col_ref = refs.pop(0) if needs_scale_column(cfg, ps) else None
     lse_col_ref = refs.pop(0) if lse_ref is not None else None
+    weight_col_ref = refs.pop(0) if weight_ref is not None else None
     hidden_t_ref = refs.pop(0) if cfg.dv_view else None
     logits_refs = (refs.pop(0), refs.pop(0))
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -199,8 +215,14 @@ def kernel(*refs, cfg, ps, interpreted=False):
         for r0 in range(part.start, part.stop, piece_rows):
             local = slice(r0, r0 + piece_rows)
             z = logits_refs[buffer][local, :]
+            hits = None
+            if hit_bits:
+                bits = bits_ref[local, :]
+                hit = _hit_mask if cfg.softmax else _hits
+                hits = jnp.concatenate([hit(bits, c * piece_cols // LANES + k)
+                                        for k in range(piece_cols // LANES)], axis=1)
             if cfg.softmax:
-                dz = softmax_piece(z, local, valid)
+                dz = softmax_piece(z, local, valid, hits)
                 if dz is not None:
                     slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
                     if ps.has_bias:
@@ -208,9 +230,6 @@ def kernel(*refs, cfg, ps, interpreted=False):
                         grad = jnp.sum(weighted, axis=0, keepdims=True)
                         bias_grad = grad if bias_grad is None else bias_grad + grad
                 continue
-            bits = bits_ref[local, :]
-            hits = jnp.concatenate([_hits(bits, c * piece_cols // LANES + k)
-                                    for k in range(piece_cols // LANES)], axis=1)
             f = logit_terms.flip(z, hits)
             ex = logit_terms.Exps(f, barrier=interpreted)
             positive = hits != 0 if mask_weights else None
@@ -232,8 +251,14 @@ def kernel(*refs, cfg, ps, interpreted=False):
             acc_bias[:, cols_ds] += bias_grad
         return jnp.concatenate(slopes, axis=0) if slopes else None
 
-    def softmax_piece(z, local, valid):
-        """Adds a piece to the lanes' running (max, sum exp); returns `exp(z - lse) - a / V` or None."""
+    def softmax_piece(z, local, valid, hits):
+        """Adds a piece to the lanes' running (max, sum exp, sum z_p); returns its slopes or None.
+
+        The slopes: `exp(z - lse) - a / V`, plus the row's weight at its positives
+        (`hits`: `_hit_mask`).
+        """
+        if lane_positive_ref is not None:
+            lane_positive_ref[local, :] += _fold(_masked(z, hits))
         if ps.with_loss:
             zm = z if valid is None else jnp.where(valid, z, LOWEST)
             m_old = terms_ref[local, :]
@@ -246,6 +271,8 @@ def kernel(*refs, cfg, ps, interpreted=False):
         dz = jnp.exp(z - _lanes(lse_col_ref[local, :], piece_cols))
         if cfg.coef.label_smoothing:
             dz = dz - cfg.coef.label_smoothing / cfg.vocab_size
+        if hits is not None:
+            dz = dz + _masked(_lanes(weight_col_ref[local, :], piece_cols), hits)
         return dz if valid is None else jnp.where(valid, dz, 0.0)
 
     def gradients(c, slopes_ref, edge, lo, part):
@@ -296,6 +323,8 @@ def kernel(*refs, cfg, ps, interpreted=False):
                                              jnp.float32)
                 if cfg.softmax:
                     sum_ref[:, rows] = jnp.zeros((1, row_tile), jnp.float32)
+            if positive_ref is not None:
+                positive_ref[:, rows] = jnp.zeros((1, row_tile), jnp.float32)
             if ps.with_grads:
                 grad_hidden = hidden_rows(grad_hidden_ref)
                 grad_hidden[...] = jnp.zeros(grad_hidden.shape, jnp.float32)
@@ -314,9 +343,14 @@ def kernel(*refs, cfg, ps, interpreted=False):
             terms_ref[...] = jnp.full(terms_ref.shape, LOWEST if cfg.softmax else 0.0, jnp.float32)
             if cfg.softmax:
                 lane_sum_ref[...] = jnp.zeros(lane_sum_ref.shape, jnp.float32)
+        if lane_positive_ref is not None:
+            lane_positive_ref[...] = jnp.zeros(lane_positive_ref.shape, jnp.float32)
         if lse_col_ref is not None:
             lse_col_ref[...] = jnp.broadcast_to(_as_columns(lse_ref[:, rows], 0.0),
                                                 lse_col_ref.shape)
+        if weight_col_ref is not None:
+            weight_col_ref[...] = jnp.broadcast_to(_as_columns(weight_ref[:, rows], 0.0),
+                                                   weight_col_ref.shape)
         if scale_col_ref is not None:
             scale_col_ref[...] = jnp.broadcast_to(
                 _as_columns(row_scale_ref[:, rows], 0.0), scale_col_ref.shape)
@@ -326,7 +360,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
             scale = row_scale_ref[:, rows] if cfg.dv_view else scale_col_ref[:, 0:1]
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
             scaled_ref[...] = (hidden * scale).astype(scaled_ref.dtype)
-        if not cfg.softmax:
+        if hit_bits:
             ids = ids_ref[:, rows]
             first = _first_slots(ids, lo)
             count_index = (tile_index * pl.num_programs(2) + i if ps.counts_per_row_tile
@@ -351,6 +385,9 @@ def kernel(*refs, cfg, ps, interpreted=False):
             loss_ref[:, rows] = m_new
         elif ps.with_loss:
             loss_ref[:, rows] += _as_row(jnp.sum(terms_ref[...], axis=1, keepdims=True))
+        if positive_ref is not None:
+            positive_ref[:, rows] += _as_row(jnp.sum(lane_positive_ref[...], axis=1,
+                                                     keepdims=True))
         if ps.with_grads:
             if not accumulates_in_place(cfg):
                 @pl.when(i == pl.num_programs(2) - 1)
@@ -374,6 +411,11 @@ def accumulates_in_place(cfg):
     return jnp.dtype(cfg.table_dtype) == jnp.float32
 
 
+def uses_hit_bits(cfg, with_grads, positive_sums):
+    """Whether a pass finds the rows' ids in its tiles (BCE; softmax's gradients and positive sums)."""
+    return not cfg.softmax or (cfg.positives and (with_grads or positive_sums))
+
+
 def needs_scale_column(cfg, ps):
     """Whether the kernel needs the row scale as a column (a bias gradient or `[rows, D]` rows)."""
     return ps.with_grads and (ps.has_bias or not cfg.dv_view)
@@ -389,15 +431,18 @@ def scratch_shapes(cfg, ps, dim, mm_dtype):
         shapes.append(pltpu.VMEM((dim, cfg.row_tile) if cfg.dv_view else (cfg.row_tile, dim),
                                  mm_dtype))
         shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), mm_dtype)] * 2
+    softmax_positives = cfg.softmax and cfg.positives
     if ps.with_loss:
-        shapes += [column] * (2 if cfg.softmax else 1)
-    if not cfg.softmax:
+        shapes += [column] * (1 + cfg.softmax)
+    if ps.positive_sums:
+        shapes.append(column)
+    if uses_hit_bits(cfg, ps.with_grads, ps.positive_sums):
         shapes += [pltpu.VMEM((cfg.row_tile, LANES), jnp.int32),
                    pltpu.VMEM((LANES, cfg.row_tile), jnp.int32)]
     if needs_scale_column(cfg, ps):
         shapes.append(column)
     if ps.with_grads and cfg.softmax:
-        shapes.append(column)
+        shapes += [column] * (1 + softmax_positives)
     if cfg.dv_view:
         shapes.append(pltpu.VMEM((cfg.row_tile, dim), mm_dtype))
     shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), jnp.float32)] * 2
