@@ -51,11 +51,9 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
 from benchmarks.common import command_line, markdown_table  # noqa: E402
+from tools.triton_deviceless import GPUS  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
-# (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
-GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
-        90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
 ARCHS = (80, 90)
 DIMS = (32, 64, 128, 256)
 # (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), and bf16.

@@ -58,3 +58,32 @@ def test_every_configuration_compiles_without_spills_within_shared_memory(tmp_pa
         assert report["spill_bytes"] <= SPILL_ALLOWANCE.get(key, 0), (where, report)
         assert 0 < report["shared_bytes"] <= report["shared_limit"], (where, report)
         assert report["registers"] <= 255 and report["loop_instructions"] > 0, (where, report)
+
+
+# Lane instructions per logit of a BCE training step (both kernels) at the target shape, L = 8, sm_90,
+# D = 64 (`tools/triton_sass.py`; 151 / 149 before the tiles without a positive skipped the masking).
+STEP_INSTRUCTIONS = {"bfloat16": 113, "float32": 110}
+
+
+def test_instructions_per_logit_at_the_target_shape():
+    from tools import triton_sass
+
+    table = triton_sass.measure(arch=90, dtypes=tuple(STEP_INSTRUCTIONS), targets=(8,))
+    for row in table:
+        dtype = row["dtype"].split()[0]
+        if row["kernel"] == "step":
+            assert row["total"] <= STEP_INSTRUCTIONS[dtype], row
+            assert row["issue_ms"] > max(row["mufu_ms"], row["mma_ms"], row["hbm_ms"]), row
+        else:
+            assert 0 < row["fraction"] < 0.1 and row["mma"] > 0 and row["mufu"] >= 2, row
+
+
+def test_programs_per_sm_of_the_compiled_rows_kernel():
+    """The 8-warp BCE rows tile fits one program an SM by its registers (the grid was sized for two)."""
+    from keras_cutbce.backends.torch.triton import config
+    from tools.triton_deviceless import compile_kernel
+
+    for arch, dim, dtype, programs in ((90, 64, "bfloat16", 1), (90, 256, "bfloat16", 2)):
+        report = compile_kernel("rows", arch, dim, dtype)
+        assert config.programs_per_sm(report["registers"], report["num_warps"],
+                                      report["shared_bytes"], arch) == programs, report
