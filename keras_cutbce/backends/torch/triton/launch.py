@@ -101,6 +101,7 @@ def kernels(device):
     return module
 
 
+@torch.compiler.assume_constant_result  # a string Dynamo cannot trace; its global-state guard re-traces
 def triton_precision():
     """fp32 operands' `tl.dot` precision: `"ieee"` under torch's `"highest"` matmul precision, else `"tf32"`."""
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
