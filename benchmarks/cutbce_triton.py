@@ -8,7 +8,7 @@ no CUDA driver):
 compiles both kernels (their heaviest variants) of both loss families (BCE,
 softmax) with the static table's configuration for sm_80 and sm_90 at D in
 {32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at
-TF32) and bfloat16, and prints registers, spill bytes, shared memory, the SASS
+TF32), bfloat16 and float16, and prints registers, spill bytes, shared memory, the SASS
 instructions of the tile loop per logit (warp instructions of one iteration
 / logits of the tile; the positives' inner loop counted once) and three
 lower bounds of one training step (loss + all gradients: both kernels) at
@@ -56,8 +56,8 @@ from tools.triton_deviceless import GPUS  # noqa: E402
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
 ARCHS = (80, 90)
 DIMS = (32, 64, 128, 256)
-# (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), and bf16.
-OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"))
+# (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), bf16 and fp16.
+OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee"))
 FAMILIES = ("bce", "softmax")
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use
 

@@ -53,13 +53,22 @@ _BEFORE_SM90 = {
 _FULL_FP32 = {
     (80, 32): KernelConfig((128, 32, 8, 2), (128, 64, 8, 2)),
     (80, 64): KernelConfig((64, 64, 8, 2), (128, 64, 8, 2)),
-    (80, 128): KernelConfig((128, 32, 8, 2), (64, 32, 4, 2)),
+    (80, 128): KernelConfig((32, 32, 4, 2), (64, 32, 4, 2)),
     (90, 128): KernelConfig((32, 32, 4, 2), (128, 32, 8, 2)),
 }
 _FULL_FP32_MAX_BLOCK_D = 128
+# float16 operands: the columns kernel's `RESCALE` (the table gradient's per-item scale) holds more
+# registers than bfloat16's tiles have: (generation, BLOCK_D) -> its tiles where bfloat16's spill.
+_FLOAT16_COLUMNS = {
+    (80, 32): (64, 64, 4, 2),
+    (80, 64): (128, 32, 8, 2),
+    (80, 128): (128, 64, 8, 2),
+    (80, 256): (32, 32, 4, 1),
+    (90, 128): (32, 64, 4, 2),
+    (90, 256): (32, 32, 4, 1),
+}
 # (family, generation, BLOCK_D, operands) -> {kernel: tiles} replacing the above where they spill:
-# softmax's kernels (no positives loop) schedule differently, and float16's `RESCALE` holds more
-# registers than bfloat16 in the columns kernel.
+# softmax's kernels (no positives loop) schedule differently.
 _SMALL = (32, 32, 4, 2)
 _REPLACE = {
     ("softmax", 80, 32, "float32-ieee"): {"columns": _SMALL},
@@ -71,6 +80,8 @@ _REPLACE = {
     ("softmax", 90, 32, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
     ("softmax", 90, 64, "float32-ieee"): {"rows": (32, 32, 4, 1), "columns": _SMALL},
     ("softmax", 90, 128, "float32-ieee"): {"columns": _SMALL},
+    ("softmax", 80, 128, "float16"): {"columns": (64, 64, 8, 2)},
+    ("softmax", 90, 128, "float16"): {"columns": (64, 64, 4, 2)},
 }
 
 # Spills the compile test accepts (bytes per thread): sm_80 fp32 D=64 `columns_kernel` spills 12 bytes
@@ -144,6 +155,8 @@ def choose(dim, dtype, interpret, arch=90, precision="tf32", family="bce"):
         settings = _BEFORE_SM90[key]
     else:
         settings = _TABLE[key]
+    if dtype == torch.float16 and (generation, key[0]) in _FLOAT16_COLUMNS:
+        settings = settings._replace(columns_block=_FLOAT16_COLUMNS[(generation, key[0])])
     replace = _REPLACE.get((family, generation, key[0], _operands(dtype, precision)), {})
     return settings._replace(**{f"{kernel}_block": tiles for kernel, tiles in replace.items()})
 

@@ -72,10 +72,10 @@ def _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile,
         z += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     z = tl.where(col_ok[None, :], z, float("-inf"))
     if FAMILY == "bce":
-        if tl.load(tile_flags_ptr + block * tl.cdiv(vocab_size, BLOCK_N) + tile) != 0:
-            for target in range(num_targets):
-                ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
-                z = tl.where(cols[None, :] == ids[:, None], float("-inf"), z)
+        flag = tl.load(tile_flags_ptr + block * tl.cdiv(vocab_size, BLOCK_N) + tile).to(tl.int32)
+        for target in range(num_targets * flag):  # no trip in a tile without a positive
+            ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
+            z = tl.where(cols[None, :] == ids[:, None], float("-inf"), z)
     return z
 
 
