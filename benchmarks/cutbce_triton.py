@@ -8,7 +8,7 @@ no CUDA driver):
 compiles both kernels (their heaviest variants) of both loss families (BCE,
 softmax) with the static table's configuration for sm_80 and sm_90 at D in
 {32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at
-TF32) and bfloat16, and prints registers, spill bytes, shared memory, the SASS
+TF32), bfloat16 and float16, and prints registers, spill bytes, shared memory, the SASS
 instructions of the tile loop per logit (warp instructions of one iteration
 / logits of the tile; the positives' inner loop counted once) and three
 lower bounds of one training step (loss + all gradients: both kernels) at
@@ -51,15 +51,13 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
 from benchmarks.common import command_line, markdown_table  # noqa: E402
+from tools.triton_deviceless import GPUS  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
-# (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
-GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
-        90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
 ARCHS = (80, 90)
 DIMS = (32, 64, 128, 256)
-# (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), and bf16.
-OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"))
+# (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), bf16 and fp16.
+OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee"))
 FAMILIES = ("bce", "softmax")
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use
 

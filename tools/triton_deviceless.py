@@ -24,7 +24,11 @@ import tempfile
 
 from keras_cutbce.backends.torch.triton import config
 
-__all__ = ["KERNEL_VARIANTS", "compile_kernel", "tool"]
+__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "tool"]
+
+# (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
+GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
+        90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
 
 # The heaviest variant of each kernel (the others compute a subset of it).
 KERNEL_VARIANTS = {
@@ -32,10 +36,10 @@ KERNEL_VARIANTS = {
     "columns": dict(GRAD_E=True, GRAD_B=True),
 }
 _POINTERS = {
-    "rows": ("hidden_ptr", "table_ptr", "bias_ptr", "positives_ptr", "softplus_parts_ptr",
-             "grad_h_parts_ptr"),
-    "columns": ("hidden_ptr", "table_ptr", "bias_ptr", "positives_ptr", "row_scale_ptr",
-                "grad_table_ptr", "grad_bias_ptr"),
+    "rows": ("hidden_ptr", "table_ptr", "bias_ptr", "positives_ptr", "tile_flags_ptr",
+             "softplus_parts_ptr", "grad_h_parts_ptr"),
+    "columns": ("hidden_ptr", "table_ptr", "bias_ptr", "positives_ptr", "tile_flags_ptr",
+                "row_scale_ptr", "grad_table_ptr", "grad_bias_ptr"),
 }
 _SCALARS = {
     "rows": ("num_rows", "vocab_size", "dim", "num_targets", "tiles_per_split"),
@@ -59,7 +63,8 @@ def tool(name):
 
 def _signature(kernel, dtype):
     operand = _TRITON_TYPES[dtype]
-    types = {"hidden_ptr": f"*{operand}", "table_ptr": f"*{operand}", "positives_ptr": "*i32"}
+    types = {"hidden_ptr": f"*{operand}", "table_ptr": f"*{operand}", "positives_ptr": "*i32",
+             "tile_flags_ptr": "*i8"}
     signature = {name: types.get(name, "*fp32") for name in _POINTERS[kernel]}
     signature.update({name: "i32" for name in _SCALARS[kernel]})
     return signature
@@ -98,7 +103,8 @@ def _loop_instructions(cubin):
     return longest, len(lines)
 
 
-def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True, family="bce"):
+def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True, family="bce",
+                   keep_cubin=False):
     """Compiles one kernel for `sm_<arch>` and returns what the compiler reports.
 
     Args:
@@ -110,12 +116,14 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         precision: `tl.dot` input precision of fp32 operands.
         has_bias: compile the bias variant.
         family: the loss family (`"bce"` or `"softmax"`).
+        keep_cubin: also return the `cubin` (bytes).
 
     Returns:
         A dict: the settings, `registers`, `spill_bytes`, `shared_bytes`,
         `loop_instructions` (SASS of the tile loop, per thread), `instructions`
-        (the whole kernel) and `instructions_per_logit` (warp instructions of
-        one tile loop iteration per logit of the tile).
+        (the whole kernel), `instructions_per_logit` (warp instructions of
+        one tile loop iteration per logit of the tile) and `skips_empty_tiles`
+        (whether the kernel skips the positives' loop in tiles without one).
     """
     import torch
     import triton
@@ -150,9 +158,13 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
     )
     registers, spills = _ptxas_resources(compiled.asm["ptx"], arch)
     loop, total = _loop_instructions(compiled.asm["cubin"])
-    return dict(
+    report = dict(
         kernel=kernel, family=family, arch=arch, dim=dim, dtype=dtype, block_m=block_m, block_n=block_n,
         num_warps=warps, num_stages=stages, registers=registers, spill_bytes=spills,
         shared_bytes=int(compiled.metadata.shared), loop_instructions=loop, instructions=total,
         instructions_per_logit=loop * warps / (block_m * block_n),
+        skips_empty_tiles="tile_flags_ptr" in fn.arg_names,
     )
+    if keep_cubin:
+        report["cubin"] = compiled.asm["cubin"]
+    return report

@@ -101,6 +101,39 @@ def test_compiles_without_graph_break(name, rng):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
 
 
+def test_triton_host_side_compiles_without_graph_break(rng):
+    """The Triton path's host code before a launch (fits, operand dtype, fp32 precision, tiles, tile flags)."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import config
+    from keras_cutbce.backends.torch.triton import launch
+
+    def host_side(h, e, targets):
+        operands = launch.operand_dtype(h)
+        settings = config.choose(h.shape[1], operands, False, 90, launch.triton_precision())
+        flags = launch._tile_flags(targets, *settings.rows_block[:2], e.shape[0], softmax=False)
+        return flags, launch.fits(h, e, None)
+
+    h, e, _, ids, _ = _inputs(rng, v=300)
+    targets = torch.where(ids < 300, ids, -1).to(torch.int32)
+    torch._dynamo.reset()
+    got = torch.compile(host_side, fullgraph=True, backend="aot_eager")(h.detach(), e.detach(), targets)
+    want = host_side(h.detach(), e.detach(), targets)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1] and int(want[0].sum()) > 1
+
+    # The precision is read at trace time: changing it re-traces (Dynamo's global-state guard).
+    precision = torch.compile(lambda x: x * (launch.triton_precision() == "ieee"), fullgraph=True,
+                              backend="aot_eager")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert float(precision(torch.ones(()))) == 1.0
+        torch.set_float32_matmul_precision("high")
+        assert float(precision(torch.ones(()))) == 0.0
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 @pytest.mark.parametrize("k", [1, 5, 37])
 def test_top_k_and_rank_counts_make_no_host_read(k, rng, monkeypatch):
     """Retrieval with ties (integer logits) and exclusions reads nothing on the host

@@ -7,10 +7,10 @@ and on backends other than torch. One child process runs
 variants: loss and hidden gradient; table and bias gradients, with a bias)
 of both loss families (BCE, softmax) with the static table's configuration (`keras_cutbce/backends/torch/triton/
 config.py`), for sm_80 and sm_90, at D in {32, 64, 128, 256}, float32 (full
-fp32, torch's default, and TF32) and bfloat16. Each must compile with no register spill (ptxas -v; one justified
+fp32, torch's default, and TF32), bfloat16 and float16. Each must compile with no register spill (ptxas -v; one justified
 exception, `config.SPILL_ALLOWANCE`: 12 bytes on sm_80) and ask for
 no more shared memory than one block may have on that SM (163 KiB on sm_80,
-227 KiB on sm_90). About 4 minutes on 2 cores.
+227 KiB on sm_90). About 5 minutes on 2 cores.
 """
 
 import importlib.util
@@ -49,12 +49,41 @@ def test_every_configuration_compiles_without_spills_within_shared_memory(tmp_pa
     table = json.loads((tmp_path / "cutbce_triton_deviceless.json").read_text())
     configurations = {(r["family"], r["arch"], r["dim"], r["dtype"], r["precision"], r["kernel"])
                       for r in table}
-    # 2 families x 2 archs x (4 D x 3 operands, less fp32 at full precision with D = 256, which
+    # 2 families x 2 archs x (4 D x 4 operands, less fp32 at full precision with D = 256, which
     # runs the chunked loop) x 2 kernels.
-    assert len(configurations) == len(table) == 2 * 2 * (4 * 3 - 1) * 2
+    assert len(configurations) == len(table) == 2 * 2 * (4 * 4 - 1) * 2
     for report in table:
         key = (report["arch"], report["dim"], report["dtype"], report["precision"], report["kernel"])
         where = "{} {} sm_{} D={} {} {}".format(report["family"], key[4], *key[:4])
         assert report["spill_bytes"] <= SPILL_ALLOWANCE.get(key, 0), (where, report)
         assert 0 < report["shared_bytes"] <= report["shared_limit"], (where, report)
         assert report["registers"] <= 255 and report["loop_instructions"] > 0, (where, report)
+
+
+# Lane instructions per logit of a BCE training step (both kernels) at the target shape, L = 8, sm_90,
+# D = 64 (`tools/triton_sass.py`; 151 / 149 before the tiles without a positive skipped the masking).
+STEP_INSTRUCTIONS = {"bfloat16": 114, "float32": 112}
+
+
+def test_instructions_per_logit_at_the_target_shape():
+    from tools import triton_sass
+
+    table = triton_sass.measure(arch=90, dtypes=tuple(STEP_INSTRUCTIONS), targets=(8,))
+    for row in table:
+        dtype = row["dtype"].split()[0]
+        if row["kernel"] == "step":
+            assert row["total"] <= STEP_INSTRUCTIONS[dtype], row
+            assert row["issue_ms"] > max(row["mufu_ms"], row["mma_ms"], row["hbm_ms"]), row
+        else:
+            assert 0 < row["fraction"] < 0.1 and row["mma"] > 0 and row["mufu"] >= 2, row
+
+
+def test_programs_per_sm_of_the_compiled_rows_kernel():
+    """The 8-warp BCE rows tile fits one program an SM by its registers (the grid was sized for two)."""
+    from keras_cutbce.backends.torch.triton import config
+    from tools.triton_deviceless import compile_kernel
+
+    for arch, dim, dtype, programs in ((90, 64, "bfloat16", 1), (90, 256, "bfloat16", 2)):
+        report = compile_kernel("rows", arch, dim, dtype)
+        assert config.programs_per_sm(report["registers"], report["num_warps"],
+                                      report["shared_bytes"], arch) == programs, report

@@ -139,3 +139,20 @@ def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(family, dtype, dim,
     loss_class(table, implementation="triton")(ids, hidden)  # the weighted sum
     route = "triton" if fits else "chunked"
     assert ran == [(route, op), (route, op + "_weighted_sum")]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch kernels' inputs")
+def test_tile_flags_mark_exactly_the_tiles_holding_a_positive():
+    """BCE's kernels mask positives only in flagged tiles: a tile missed here would leave a positive in."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import launch
+
+    targets = torch.tensor([[5, -1], [70, 5], [-1, -1], [129, 0], [64, -1]], dtype=torch.int32)
+    flags = launch._tile_flags(targets, block_m=2, block_n=32, vocab_size=130, softmax=False)
+    # 3 row blocks x 5 tiles (+ the padding slot): block 0 rows 0-1, tiles 0 and 2; block 1 rows 2-3,
+    # tiles 4 and 0; block 2 row 4, tile 2.
+    want = torch.zeros(16, dtype=torch.int8)
+    want[[0 * 5 + 0, 0 * 5 + 2, 1 * 5 + 4, 1 * 5 + 0, 2 * 5 + 2, 15]] = 1
+    assert torch.equal(flags, want)
+    assert launch._tile_flags(targets, 2, 32, 130, softmax=True) is targets  # softmax masks none

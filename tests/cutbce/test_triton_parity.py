@@ -77,6 +77,7 @@ CASES = {
     "smoothing_and_pos_weight": (17, 6, 59, "dups", False, 0.1, 3.5, "float32"),
     "bfloat16": (29, 12, 77, "mixed", True, 0.05, 2.0, "bfloat16"),
     "float16": (26, 10, 61, "dups", True, 0.0, 1.0, "float16"),
+    "sparse_tiles": (40, 8, 700, "single", True, 0.0, 1.0, "float32"),  # most tiles hold no positive
 }
 SOFTMAX_CASES = {
     # name: (M, D, V, ids kind, bias, label_smoothing, logit scale, dtype)

@@ -12,7 +12,7 @@ import torch
 
 __all__ = [
     "KernelConfig", "INTERPRET", "MAX_BLOCK_D", "SPILL_ALLOWANCE", "block_dim", "choose",
-    "device_arch", "num_splits", "overridden", "supports",
+    "device_arch", "num_splits", "overridden", "programs_per_sm", "supports",
 ]
 
 
@@ -53,13 +53,22 @@ _BEFORE_SM90 = {
 _FULL_FP32 = {
     (80, 32): KernelConfig((128, 32, 8, 2), (128, 64, 8, 2)),
     (80, 64): KernelConfig((64, 64, 8, 2), (128, 64, 8, 2)),
-    (80, 128): KernelConfig((128, 32, 8, 2), (64, 32, 4, 2)),
+    (80, 128): KernelConfig((32, 32, 4, 2), (64, 32, 4, 2)),
     (90, 128): KernelConfig((32, 32, 4, 2), (128, 32, 8, 2)),
 }
 _FULL_FP32_MAX_BLOCK_D = 128
+# float16 operands: the columns kernel's `RESCALE` (the table gradient's per-item scale) holds more
+# registers than bfloat16's tiles have: (generation, BLOCK_D) -> its tiles where bfloat16's spill.
+_FLOAT16_COLUMNS = {
+    (80, 32): (64, 64, 4, 2),
+    (80, 64): (128, 32, 8, 2),
+    (80, 128): (128, 64, 8, 2),
+    (80, 256): (32, 32, 4, 1),
+    (90, 128): (32, 64, 4, 2),
+    (90, 256): (32, 32, 4, 1),
+}
 # (family, generation, BLOCK_D, operands) -> {kernel: tiles} replacing the above where they spill:
-# softmax's kernels (no positives loop) schedule differently, and float16's `RESCALE` holds more
-# registers than bfloat16 in the columns kernel.
+# softmax's kernels (no positives loop) schedule differently.
 _SMALL = (32, 32, 4, 2)
 _REPLACE = {
     ("softmax", 80, 32, "float32-ieee"): {"columns": _SMALL},
@@ -71,6 +80,8 @@ _REPLACE = {
     ("softmax", 90, 32, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
     ("softmax", 90, 64, "float32-ieee"): {"rows": (32, 32, 4, 1), "columns": _SMALL},
     ("softmax", 90, 128, "float32-ieee"): {"columns": _SMALL},
+    ("softmax", 80, 128, "float16"): {"columns": (64, 64, 8, 2)},
+    ("softmax", 90, 128, "float16"): {"columns": (64, 64, 4, 2)},
 }
 
 # Spills the compile test accepts (bytes per thread): sm_80 fp32 D=64 `columns_kernel` spills 12 bytes
@@ -80,10 +91,12 @@ SPILL_ALLOWANCE = {(80, 64, "float32", "tf32", "columns"): 12}
 
 INTERPRET = KernelConfig((16, 32, 1, 1), (16, 32, 1, 1))
 
-# Programs of `rows_kernel` aimed at per streaming multiprocessor.
-_PROGRAMS_PER_SM = 2
 # The interpreter's stand-in for the SM count (so small tests split V).
-_INTERPRET_SMS = 2
+_INTERPRET_SMS = 6
+# Per SM on sm_80 and sm_90: registers, warps, programs; shared memory (bytes) by arch, 1 KiB of it
+# reserved per program.
+_SM_REGISTERS, _SM_WARPS, _SM_PROGRAMS = 65536, 64, 32
+_SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 
 
 _OVERRIDE = []
@@ -142,6 +155,8 @@ def choose(dim, dtype, interpret, arch=90, precision="tf32", family="bce"):
         settings = _BEFORE_SM90[key]
     else:
         settings = _TABLE[key]
+    if dtype == torch.float16 and (generation, key[0]) in _FLOAT16_COLUMNS:
+        settings = settings._replace(columns_block=_FLOAT16_COLUMNS[(generation, key[0])])
     replace = _REPLACE.get((family, generation, key[0], _operands(dtype, precision)), {})
     return settings._replace(**{f"{kernel}_block": tiles for kernel, tiles in replace.items()})
 
@@ -154,12 +169,29 @@ def device_arch(device):
     return 10 * major + minor
 
 
-def num_splits(num_rows, num_tiles, block_rows, device):
-    """How many vocabulary splits `rows_kernel` runs, so the grid fills the GPU (2 programs an SM)."""
+def programs_per_sm(registers, num_warps, shared_bytes, arch):
+    """How many programs of a compiled kernel one SM holds at once, by its registers, warps and shared memory.
+
+    Registers are allocated per warp in units of 256.
+
+    >>> programs_per_sm(241, 8, 32768, 90), programs_per_sm(227, 4, 40960, 80)
+    (1, 2)
+    """
+    per_warp = -(-registers * 32 // 256) * 256
+    by_shared = _SM_SHARED.get(arch, _SM_SHARED[80]) // (shared_bytes + 1024)
+    return max(1, min(_SM_REGISTERS // (per_warp * num_warps), _SM_WARPS // num_warps, by_shared,
+                      _SM_PROGRAMS))
+
+
+def num_splits(num_rows, num_tiles, block_rows, device, programs=1):
+    """How many vocabulary splits `rows_kernel` runs: the most whose grid fits one wave (`programs` an SM), >= 1.
+
+    >>> num_splits(4096, 13688, 128, torch.device("cpu"), programs=1)  # 32 row blocks, 6 SMs: 1 split
+    1
+    """
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = _INTERPRET_SMS
     row_blocks = -(-num_rows // block_rows)
-    wanted = -(-_PROGRAMS_PER_SM * sms // row_blocks)
-    return max(1, min(num_tiles, wanted))
+    return max(1, min(num_tiles, programs * sms // row_blocks))

@@ -60,17 +60,20 @@ def _load_rows(ptr, index, index_ok, dim, dims, dim_ok):
 
 
 @triton.jit
-def _logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok, num_targets,
-            FAMILY: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The fp32 logits, `-inf` past `V` (and, for BCE, at the rows' positives: int32 `[M, L]`, -1 unused)."""
+def _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size, rows,
+            row_ok, cols, col_ok, num_targets, FAMILY: tl.constexpr, HAS_BIAS: tl.constexpr,
+            INTERPRET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """The fp32 logits, `-inf` past `V` and, for BCE, at the rows' positives (int32 `[M, L]`, -1 unused):
+    only in the tiles whose flag (int8 `[row blocks, tiles]`) says the row block holds one there."""
     z = _dot(h, tl.trans(table_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET,
              PRECISION)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     z = tl.where(col_ok[None, :], z, float("-inf"))
     if FAMILY == "bce":
-        for target in range(num_targets):
+        flag = tl.load(tile_flags_ptr + block * tl.cdiv(vocab_size, BLOCK_N) + tile).to(tl.int32)
+        for target in range(num_targets * flag):  # no trip in a tile without a positive
             ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
             z = tl.where(cols[None, :] == ids[:, None], float("-inf"), z)
     return z
@@ -92,8 +95,8 @@ def _softplus_sigmoid(z, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_ptr, grad_h_parts_ptr,
-                num_rows, vocab_size, dim, num_targets, tiles_per_split,
+def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, softplus_parts_ptr,
+                grad_h_parts_ptr, num_rows, vocab_size, dim, num_targets, tiles_per_split,
                 HAS_BIAS: tl.constexpr, LOSS: tl.constexpr, GRAD_H: tl.constexpr,
                 SPLIT_DOT: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -116,8 +119,9 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_p
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < vocab_size
         table_tile = _load_rows(table_ptr, cols, col_ok, dim, dims, dim_ok)
-        z = _logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok, num_targets,
-                    FAMILY, HAS_BIAS, INTERPRET, PRECISION, BLOCK_M, BLOCK_N)
+        z = _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size,
+                    rows, row_ok, cols, col_ok, num_targets, FAMILY, HAS_BIAS, INTERPRET, PRECISION,
+                    BLOCK_M, BLOCK_N)
         if FAMILY == "softmax":
             # `top` is -inf only while every logit so far is (a bias of -inf): 0 stands in for it.
             top = tl.maximum(row_max, tl.max(z, axis=1))
@@ -152,8 +156,8 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, softplus_parts_p
 
 
 @triton.jit
-def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, row_scale_ptr, grad_table_ptr,
-                   grad_bias_ptr, num_rows, vocab_size, dim, num_targets,
+def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, row_scale_ptr,
+                   grad_table_ptr, grad_bias_ptr, num_rows, vocab_size, dim, num_targets,
                    HAS_BIAS: tl.constexpr, GRAD_E: tl.constexpr, GRAD_B: tl.constexpr,
                    SPLIT_DOT: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -162,7 +166,8 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, row_scale_ptr
 
     The slopes: `r_m sigmoid(z)` (BCE) or `r_m exp(z - lse_m)` (softmax), `r` the row scales.
     """
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < vocab_size
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < dim
@@ -174,8 +179,9 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, row_scale_ptr
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
         h = _load_rows(hidden_ptr, rows, row_ok, dim, dims, dim_ok)
-        z = _logits(h, table_tile, bias_ptr, positives_ptr, rows, row_ok, cols, col_ok, num_targets,
-                    FAMILY, HAS_BIAS, INTERPRET, PRECISION, BLOCK_M, BLOCK_N)
+        z = _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size,
+                    rows, row_ok, cols, col_ok, num_targets, FAMILY, HAS_BIAS, INTERPRET, PRECISION,
+                    BLOCK_M, BLOCK_N)
         if FAMILY == "softmax":
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
             slope = tl.exp(z - lse[:, None])

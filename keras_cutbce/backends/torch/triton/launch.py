@@ -70,6 +70,11 @@ def _dense(hidden):
     return functools.partial(dense_pass, operands=operand_dtype(hidden))
 
 
+# The rows kernel's programs per SM, read from its compiled registers and shared memory once launched
+# (before: 1, what the table's 8-warp tiles fit).
+_RESIDENT = {}
+
+
 def interpreting():
     """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -96,6 +101,7 @@ def kernels(device):
     return module
 
 
+@torch.compiler.assume_constant_result  # a string Dynamo cannot trace; its global-state guard re-traces
 def triton_precision():
     """fp32 operands' `tl.dot` precision: `"ieee"` under torch's `"highest"` matmul precision, else `"tf32"`."""
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
@@ -149,17 +155,22 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     if rows_loss or need_h:
         block_m, block_n, warps, stages = settings.rows_block
         num_tiles = -(-vocab_size // block_n)
-        splits = config.num_splits(num_rows, num_tiles, block_m, h.device)
+        resident = (h.device.index, settings.rows_block, rows_loss, need_h, *flags.values())
+        splits = config.num_splits(num_rows, num_tiles, block_m, h.device, _RESIDENT.get(resident, 1))
         tiles_per_split = -(-num_tiles // splits)
         splits = -(-num_tiles // tiles_per_split)
         parts = torch.empty(2 if softmax else 1, splits, num_rows, **f32) if rows_loss else hidden
         grad_h_parts = torch.empty(splits, num_rows, dim, **f32) if need_h else hidden
-        module.rows_kernel[(-(-num_rows // block_m), splits)](
-            hidden, table, bias, targets, parts, grad_h_parts,
+        tile_flags = _tile_flags(targets, block_m, block_n, vocab_size, softmax)
+        compiled = module.rows_kernel[(-(-num_rows // block_m), splits)](
+            hidden, table, bias, targets, tile_flags, parts, grad_h_parts,
             num_rows, vocab_size, dim, targets.shape[1], tiles_per_split,
             LOSS=rows_loss, GRAD_H=need_h, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             num_stages=stages, **flags,
         )
+        if resident not in _RESIDENT and hasattr(compiled, "n_regs"):  # launched on a GPU
+            _RESIDENT[resident] = config.programs_per_sm(compiled.n_regs, warps, compiled.metadata.shared,
+                                                         config.device_arch(h.device))
         if softmax:  # the splits' `(max, sum exp)` merged; their gradients to the common max
             sums, maxima = parts
             top = maxima.amax(0)
@@ -179,8 +190,10 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         block_m, block_n, warps, stages = settings.columns_block
         grad_e = torch.empty(vocab_size, dim, **f32) if need_e else hidden
         grad_b = torch.empty(vocab_size, **f32) if need_b else hidden
+        if not (rows_loss or need_h) or settings.rows_block[:2] != (block_m, block_n):
+            tile_flags = _tile_flags(targets, block_m, block_n, vocab_size, softmax)
         module.columns_kernel[(-(-vocab_size // block_n),)](
-            hidden, table, bias, targets, row_scale.float().contiguous(), grad_e, grad_b,
+            hidden, table, bias, targets, tile_flags, row_scale.float().contiguous(), grad_e, grad_b,
             num_rows, vocab_size, dim, targets.shape[1],
             GRAD_E=need_e, GRAD_B=need_b, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             num_stages=stages, lse_ptr=lse, **flags,
@@ -188,6 +201,24 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         grad_e = grad_e if need_e else None
         grad_b = grad_b if need_b else None
     return (row_sums if loss else None), grad_h, grad_e, grad_b
+
+
+def _tile_flags(targets, block_m, block_n, vocab_size, softmax):
+    """int8 `[row blocks, tiles]` (+ 1 slot for padding ids): 1 where the row block has a positive in the tile.
+
+    BCE's kernels mask positives only there (at L = 8, 128 x 64 tiles and V = 876000: about 7% of tiles,
+    for uniform ids); `M V / (BLOCK_M BLOCK_N)` bytes (int32 offsets in the kernels). Softmax masks none:
+    `targets` stands in.
+    """
+    if softmax:
+        return targets
+    num_rows = targets.shape[0]
+    num_tiles = -(-vocab_size // block_n)
+    size = -(-num_rows // block_m) * num_tiles
+    flags = torch.zeros(size + 1, dtype=torch.int8, device=targets.device)
+    blocks = torch.arange(num_rows, device=targets.device)[:, None] // block_m
+    index = torch.where(targets >= 0, blocks * num_tiles + targets.long() // block_n, size)
+    return flags.index_fill_(0, index.reshape(-1), 1)
 
 
 def _target_ids(positives, num_rows, device):
