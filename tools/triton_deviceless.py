@@ -86,15 +86,19 @@ def _ptxas_resources(ptx, arch):
     return registers, int(spills.group(1)) if spills else 0
 
 
-def _loop_instructions(cubin):
-    """Returns the SASS instructions of the longest loop (a backward branch) and of the kernel."""
+def disassemble(cubin):
+    """Returns the `cuobjdump -sass` text of a cubin."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        sass = subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True,
-                              text=True, check=True).stdout
-    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+        return subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _loop_instructions(cubin):
+    """Returns the SASS instructions of the longest loop (a backward branch) and of the kernel."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", disassemble(cubin))
     longest = 0
     for address, text in lines:
         branch = re.search(r"\bBRA\b.*0x([0-9a-f]+)", text)

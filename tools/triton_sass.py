@@ -52,7 +52,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -60,7 +59,7 @@ if ROOT not in sys.path:
 
 from tools.triton_deviceless import GPUS  # noqa: E402
 from tools.triton_deviceless import compile_kernel  # noqa: E402
-from tools.triton_deviceless import tool  # noqa: E402
+from tools.triton_deviceless import disassemble  # noqa: E402
 
 __all__ = ["CLASSES", "SHAPE", "classify", "count", "floors", "loop_regions", "per_logit"]
 
@@ -181,15 +180,6 @@ def floors(kernels, arch, dtype, rows, dim, vocab):
                 hbm_ms=1e3 * traffic / (hbm * 1e12))
 
 
-def _disassemble(cubin):
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
-
-
 def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE, family="bce"):
     """One row per (dtype, L, kernel) and one "step" row with the floors."""
     rows, dim, vocab = shape
@@ -198,7 +188,7 @@ def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE
         reports = {}
         for kernel in ("rows", "columns"):
             report = compile_kernel(kernel, arch, dim, dtype, family=family, keep_cubin=True)
-            report["parts"] = count(_disassemble(report.pop("cubin")))
+            report["parts"] = count(disassemble(report.pop("cubin")))
             reports[kernel] = report
         for number in targets:
             pair = []

@@ -121,10 +121,10 @@ class Softmax(NamedTuple):
     def tile(self, z, acc, stats, *, out, ones):
         """Merges the tile into the running `(max, sum exp)` `acc`, in place."""
         top = torch.maximum(acc[0], z.amax(1))
-        # `exp(old max - new max)`; the first tile's `-inf - finite` gives 0.
-        acc[1].mul_(torch.exp(acc[0] - top).nan_to_num_(nan=0.0))
-        # A row still all `-inf` (items masked by their bias) shifts by 0: its `exp` is 0, not NaN.
+        # The shift is the new max; 0 stands in for it while a row is all `-inf` (items masked by
+        # their bias), so `exp(-inf - shift)` is 0, not NaN, in both products.
         shift = top.masked_fill(top == float("-inf"), 0.0)
+        acc[1].mul_(torch.exp(acc[0] - shift))
         acc[1].addmv_(torch.exp(torch.sub(z, shift[:, None], out=out), out=out), ones)
         acc[0] = top
 
