@@ -24,7 +24,7 @@ import tempfile
 
 from keras_cutbce.backends.torch.triton import config
 
-__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "tool"]
+__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "disassemble", "tool"]
 
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
 GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
