@@ -6,7 +6,8 @@ no CUDA driver):
     python benchmarks/cutbce_triton.py --deviceless
 
 compiles both kernels (their heaviest variants) of both loss families (BCE,
-softmax) with the static table's configuration for sm_80 and sm_90 at D in
+softmax) with the static table's configuration for the compute capabilities
+the kernels run on (`config.COMPILED_ARCHS`: sm_80 and sm_90) at D in
 {32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at
 TF32), bfloat16 and float16, and prints registers, spill bytes, shared memory, the SASS
 instructions of the tile loop per logit (warp instructions of one iteration
@@ -54,7 +55,6 @@ from benchmarks.common import command_line, markdown_table  # noqa: E402
 from tools.triton_deviceless import GPUS  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
-ARCHS = (80, 90)
 DIMS = (32, 64, 128, 256)
 # (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), bf16 and fp16.
 OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee"))
@@ -96,7 +96,9 @@ def deviceless():
     from tools.triton_deviceless import compile_kernel
 
     table = []
-    for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, ARCHS, DIMS, OPERANDS):
+    # the compute capabilities the kernels run on (`auto` routes the others to the chunked loop)
+    archs = config.COMPILED_ARCHS
+    for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, archs, DIMS, OPERANDS):
         if not config.supports(dim, getattr(torch, dtype), precision):
             continue  # the chunked loop runs these
         pair = {}

@@ -58,6 +58,10 @@ The routing (`dispatch`):
 - an implementation with a `FITS` entry runs only the inputs that entry
   accepts; the others run `"chunked"` (the Triton kernels: not float64, not
   `D > 256`, not fp32 products at full precision with `D > 128`);
+- an implementation with a `DEVICES` entry runs only on the devices that
+  entry accepts (the Triton kernels: CUDA GPUs whose compute capability the
+  compile suite tests, sm_80 and sm_90, or CPU in the interpreter): elsewhere
+  `"auto"` runs `"chunked"` and naming it raises a `ValueError` saying why;
 - `chunk_size=None` resolves with `math.tiling.default_chunk_size` for the
   chunked kernels (Pallas, Triton and the sharded path choose their own tiles).
 """
@@ -78,6 +82,7 @@ __all__ = [
     "ANY_BACKEND",
     "AUTO_ORDER",
     "BACKENDS",
+    "DEVICES",
     "FITS",
     "IMPLEMENTATIONS",
     "NAMES",
@@ -174,6 +179,10 @@ REQUIRES = {"triton": "triton"}
 
 # An implementation's check `fits(hidden, table, bias) -> bool`; inputs it refuses run "chunked".
 FITS = {"triton": f"{_TORCH}.triton.launch:fits"}
+
+# An implementation's check of the tensors' device `problem(device) -> str | None`: a device it
+# refuses runs "chunked" under "auto", and raises a ValueError with its message when named.
+DEVICES = {"triton": f"{_TORCH}.triton.launch:device_problem"}
 
 
 def _path(op, implementation, backend):
@@ -313,7 +322,11 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         route = other
     else:
         route = implementation
-    if route in FITS and not _load(FITS[route])(hidden, table.value, args[1]):  # args: ids, bias, ...
+    problem = _load(DEVICES[route])(hidden.device) if route in DEVICES else None
+    if problem and implementation == route:
+        raise ValueError(problem)
+    fits = route not in FITS or _load(FITS[route])(hidden, table.value, args[1])  # args: ids, bias, ...
+    if problem or not fits:
         route = "chunked"
     if not has(op, route, backend):
         return None

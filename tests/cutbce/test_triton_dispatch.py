@@ -1,7 +1,8 @@
 """Which kernel runs under `implementation="auto"` and `"triton"` (no kernel is launched here).
 
-CUDA tensors on torch run the Triton kernels when Triton is installed, the
-chunked loop otherwise; CPU tensors run the chunked loop under `"auto"`;
+CUDA tensors on torch run the Triton kernels when Triton is installed and the
+GPU's compute capability is one the compile suite tests (sm_80, sm_90; faked
+here), the chunked loop otherwise; CPU tensors run the chunked loop under `"auto"`;
 `"triton"` is torch only and, on CPU tensors outside the interpreter, says
 how to run it.
 """
@@ -39,6 +40,14 @@ def test_triton_is_torch_only():
                                 np.zeros((2, 1), "int32"), implementation="triton")
 
 
+@pytest.fixture
+def any_device(monkeypatch):
+    """The kernels' device check passes on CPU tensors (their entry points are replaced: nothing runs)."""
+    from keras_cutbce.backends.torch.triton import launch
+
+    monkeypatch.setattr(launch, "device_problem", lambda device: None)
+
+
 # Each family's public op and its kernels' entry points.
 FAMILIES = {"bce": (cut_binary_crossentropy, "cut_bce"),
             "softmax": (cut_categorical_crossentropy, "cut_softmax")}
@@ -72,7 +81,8 @@ def test_triton_on_cpu_outside_the_interpreter_says_how(family, monkeypatch):
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16", "autocast"])
-def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, policy, monkeypatch):
+def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, policy, monkeypatch,
+                                                                   any_device):
     """The products' operand dtype is the policy's compute dtype (the float32 table cast to
     it; float32 accumulation), and `torch.autocast`'s dtype under autocast."""
     import contextlib
@@ -114,18 +124,32 @@ def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, polic
     ("float32", 8, True), ("bfloat16", 200, True), ("float64", 8, False),
     ("float32", 200, False), ("bfloat16", 300, False),
 ])
-def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(family, dtype, dim, fits, monkeypatch):
+def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(family, dtype, dim, fits, monkeypatch,
+                                                            any_device):
     """The registry's `FITS` entry: float64, `D > 256` and fp32 products at full precision
     with `D > 128` run the chunked loop under `"triton"`; the others the kernels."""
+    ran = _routes(monkeypatch, family, dtype, dim, "triton")
+    route = "triton" if fits else "chunked"
+    assert ran == [(route, op) for op in _ops(family)]
+
+
+def _ops(family):
+    return FAMILIES[family][1], FAMILIES[family][1] + "_weighted_sum"
+
+
+def _routes(monkeypatch, family, dtype, dim, implementation):
+    """`[(route, kernel op)]` of the public op and its Keras loss (the weighted sum) under `implementation`.
+
+    The Triton entry points are recorded, not run; the chunked loop runs.
+    """
     import torch
 
     from keras_cutbce.backends.torch import chunked
     from keras_cutbce.backends.torch.triton import launch
 
-    public_op, op = FAMILIES[family]
     ran = []
-    for name in (op, op + "_weighted_sum"):
-        zeros = torch.zeros(2) if name == op else torch.zeros(())
+    for name in _ops(family):
+        zeros = torch.zeros(2) if name == FAMILIES[family][1] else torch.zeros(())
         monkeypatch.setattr(launch, name, lambda *a, name=name, zeros=zeros, **k: (
             ran.append(("triton", name)), zeros)[1])
         real = getattr(chunked, name)
@@ -134,11 +158,44 @@ def test_inputs_the_kernels_do_not_take_run_the_chunked_loop(family, dtype, dim,
     hidden = torch.ones((2, dim), dtype=getattr(torch, dtype))
     table = torch.ones((5, dim), dtype=getattr(torch, dtype))
     ids = np.zeros((2, 1), "int32")
-    public_op(hidden, table, ids, implementation="triton")
+    FAMILIES[family][0](hidden, table, ids, implementation=implementation)
     loss_class = keras_cutbce.CutBCELoss if family == "bce" else keras_cutbce.CutSoftmaxLoss
-    loss_class(table, implementation="triton")(ids, hidden)  # the weighted sum
-    route = "triton" if fits else "chunked"
-    assert ran == [(route, op), (route, op + "_weighted_sum")]
+    loss_class(table, implementation=implementation)(ids, hidden)  # the weighted sum
+    return ran
+
+
+# (major, minor) -> whether the kernels run there: the compile suite's compute capabilities only.
+CAPABILITIES = {(7, 0): False, (7, 5): False, (8, 0): True, (8, 6): False, (8, 9): False,
+                (9, 0): True, (10, 0): False, (12, 0): False}
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch" or not TRITON, reason="torch with Triton")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("capability", sorted(CAPABILITIES))
+def test_the_kernels_run_only_on_the_compute_capabilities_the_compile_suite_tests(
+        family, capability, monkeypatch):
+    """A faked CUDA device: `"auto"` runs the kernels on sm_80 and sm_90 only, the chunked loop
+    elsewhere; `"triton"` there raises a ValueError naming the capability and the way out."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import config, launch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    real = launch.device_problem  # the real check, of a CUDA device of that capability
+    monkeypatch.setattr(launch, "device_problem", lambda device: real(torch.device("cuda", 0)))
+    monkeypatch.setattr(registry, "_platform", lambda tensor: "gpu")
+    arch = 10 * capability[0] + capability[1]
+    assert config.device_arch(torch.device("cuda", 0)) == arch
+    runs = CAPABILITIES[capability]
+    assert (arch in config.COMPILED_ARCHS) == runs
+    route = "triton" if runs else "chunked"
+    assert _routes(monkeypatch, family, "float32", 8, "auto") == [(route, op) for op in _ops(family)]
+    if runs:
+        assert _routes(monkeypatch, family, "float32", 8, "triton") == [
+            ("triton", op) for op in _ops(family)]
+    else:
+        with pytest.raises(ValueError, match=rf"sm_80 or sm_90.* is sm_{arch}\..*\"chunked\""):
+            _routes(monkeypatch, family, "float32", 8, "triton")
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch kernels' inputs")

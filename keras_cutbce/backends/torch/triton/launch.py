@@ -18,7 +18,7 @@ from keras_cutbce.backends.torch.triton import config
 
 __all__ = [
     "cut_bce", "cut_bce_weighted_sum", "cut_softmax", "cut_softmax_weighted_sum", "dense_pass",
-    "fits", "interpreting", "kernels", "operand_dtype", "triton_precision",
+    "device_problem", "fits", "interpreting", "kernels", "operand_dtype", "triton_precision",
 ]
 
 
@@ -80,14 +80,32 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def device_problem(device):
+    """The registry's `DEVICES` entry: why the kernels cannot run on torch `device`, or None.
+
+    They run on CUDA GPUs of a compute capability in `config.COMPILED_ARCHS`,
+    and on CPU in the Triton interpreter.
+    """
+    if device.type != "cuda":
+        if interpreting():
+            return None
+        return (f'`implementation="triton"` runs CUDA tensors, or CPU tensors in the Triton '
+                f"interpreter (TRITON_INTERPRET=1 set before Triton is imported). Received "
+                f"tensors on {device}.")
+    arch = config.device_arch(device)
+    if arch in config.COMPILED_ARCHS:
+        return None
+    compiled = " or ".join(f"sm_{a}" for a in config.COMPILED_ARCHS)
+    return (f'`implementation="triton"` runs on GPUs of compute capability {compiled}, the ones its '
+            f"kernels are compiled and tested for without register spills; {device} is sm_{arch}. "
+            f'Use implementation="auto" or "chunked" (the chunked loop) there.')
+
+
 def kernels(device):
-    """The `kernels` module (imports Triton); a ValueError off CUDA outside the interpreter."""
-    if device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f'`implementation="triton"` runs CUDA tensors, or CPU tensors in the Triton '
-            f"interpreter (TRITON_INTERPRET=1 set before Triton is imported). Received "
-            f"tensors on {device}."
-        )
+    """The `kernels` module (imports Triton); a ValueError where `device_problem` says why not."""
+    problem = device_problem(device)
+    if problem:
+        raise ValueError(problem)
     try:
         from keras_cutbce.backends.torch.triton import kernels as module
     except ModuleNotFoundError as error:
