@@ -96,7 +96,7 @@ def test_no_gradient_work_under_no_grad(rng):
         )
     assert loss.grad_fn is None and not loss.requires_grad
     assert "sigmoid" not in recorder.ops and "sigmoid_" not in recorder.ops
-    assert "index_add" not in recorder.ops and "index_add_" not in recorder.ops
+    assert "index_put_" not in recorder.ops
 
 
 def _count_matmuls(ops):
@@ -135,7 +135,7 @@ def test_only_needed_gradients_are_computed(rng):
     # Per tile: logits + one product per needed gradient (hidden, table, bias).
     assert _count_matmuls(h_ops) < _count_matmuls(all_ops)
     assert _count_matmuls(e_ops) < _count_matmuls(all_ops)
-    assert "index_add" not in h_ops and "index_add_" not in h_ops
+    assert "index_put_" not in h_ops and "index_put_" in all_ops
 
     _, ref_grads = loss_and_grads(
         lambda h, e, b: reference.cut_bce(h, e, ids, b), h, e, b, cotangent
@@ -208,3 +208,52 @@ def test_cuda_matches_cpu(rng):
     for got, want in zip(gpu_grads, cpu_grads):
         assert got.device.type == "cuda"
         np.testing.assert_allclose(as_numpy(got.cpu()), as_numpy(want), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["rows", "transposed", "bias"])
+def test_positives_gradients_sum_repeats_as_index_add_did(layout, rng):
+    """`add_rows`: `index_put_` with accumulate (sorted, no atomics on CUDA), equal to `index_add_` bit for bit
+    on CPU, into a `[V, D]` gradient, the loop's transposed `[D, V]` buffer (in place) and a bias."""
+    import torch
+
+    from keras_cutbce.backends.torch.chunked import add_rows
+
+    v, d, n = 37, 5, 300  # every id repeated about 8 times
+    index = torch.tensor(rng.integers(0, v, size=n))
+    values = torch.tensor(rng.normal(size=(n, d)), dtype=torch.float32)
+    if layout == "bias":
+        values = values[:, 0].contiguous()
+    start = torch.tensor(rng.normal(size=(v, d)), dtype=torch.float32)
+    out = {"rows": start.clone(), "transposed": start.T.contiguous().T, "bias": start[:, 0].clone()}[layout]
+    buffer = out.data_ptr()
+    want = out.clone().index_add_(0, index, values)
+    add_rows(out, index, values)
+    assert out.data_ptr() == buffer and torch.equal(out, want)
+
+
+def test_a_training_step_is_deterministic_and_unchanged_under_torchs_deterministic_mode(rng):
+    """The positives' table and bias gradients never go through `index_add_` (atomic on CUDA); under
+    `torch.use_deterministic_algorithms(True)` the step runs (no op refuses it) to the same bits."""
+    import torch
+
+    m, d, v = 24, 6, 70
+    h, e, b = tensors(rng, m, d, v, True)
+    ids = torch.tensor(rng.integers(0, v // 4, size=(m, 5)))  # ids repeated across rows
+
+    def step():
+        args = [x.detach().clone().requires_grad_(True) for x in (h, e, b)]
+        recorder = TorchOpRecorder()
+        with recorder:
+            chunked().cut_bce(*args[:2], ids, args[2], label_smoothing=0.1, pos_weight=2.0,
+                              chunk_size=16).sum().backward()
+        return [x.grad for x in args], recorder.ops
+
+    grads, ops = step()
+    assert "index_put_" in ops and "index_add" not in ops and "index_add_" not in ops
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        again, _ = step()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(g, a) for g, a in zip(grads, again))

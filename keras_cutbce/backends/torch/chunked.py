@@ -163,10 +163,24 @@ def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, gra
             if grad_h is not None:
                 grad_h += torch.bmm(dz.unsqueeze(1), rows).squeeze(1)
             if grad_e is not None:
-                grad_e.index_add_(0, flat, (dz.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, dim))
+                add_rows(grad_e, flat, (dz.unsqueeze(-1) * h.unsqueeze(1)).reshape(-1, dim))
             if grad_b is not None:
-                grad_b.index_add_(0, flat, dz.reshape(-1))
+                add_rows(grad_b, flat, dz.reshape(-1))
     return terms
+
+
+def add_rows(out, index, values):
+    """`out[index] += values` along dim 0, repeated indices summed in a fixed order (deterministic).
+
+    `index_put_` with `accumulate`: on CUDA it sorts the indices and sums each
+    one's values in turn (`index_add_` adds with atomics there, in any order).
+    A transposed `out` (the loop's `[D, V]` buffer) is indexed along its last
+    dim: the CUDA kernel would otherwise copy it to a contiguous one and back.
+    """
+    if out.ndim == 2 and not out.is_contiguous() and out.T.is_contiguous():
+        torch.ops.aten.index_put_(out.T, [None, index], values.T, True)
+    else:
+        out.index_put_((index,), values, accumulate=True)
 
 
 def row_losses(h, table, bias, ids, family, tile, row_scale=None, need=(False,) * 3, *,
