@@ -131,7 +131,7 @@ def test_a_dependency_the_machine_lacks_stops_the_install_naming_it(wheels, tmp_
 @once
 @pytest.mark.slow
 def test_the_cutbce_part_runs_every_section_in_the_interpreter(tmp_path):
-    """`cutbce_triton.py --gpu --cpu-dry-run`: each section's code runs (numbers mean nothing)."""
+    """`cutbce_triton.py --gpu --cpu-dry-run`: each section's code runs, both loss families (numbers mean nothing)."""
     if subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight.py"),
                        "--triton-interpreter"], capture_output=True).returncode != 0:
         pytest.skip("Triton's interpreter cannot run the kernels here (gpu_preflight.py says why)")
@@ -148,6 +148,9 @@ def test_the_cutbce_part_runs_every_section_in_the_interpreter(tmp_path):
     assert list(sections) == ["jit", "parity", "timings", "float16_zeros", "mixed_bfloat16",
                               "graph_breaks", "sweep", "ncu"]
     assert all(r["within_limit"] for r in sections["parity"])
+    for name in ("jit", "parity", "timings", "graph_breaks"):  # both loss families
+        assert {r["family"] for r in sections[name]} == {"bce", "softmax"}, name
+    assert {r["implementation"] for r in sections["parity"]} == {"dense", "chunked", "triton"}
     assert {r["implementation"] for r in sections["timings"]} == {"dense", "chunked", "triton"}
     assert sections["ncu"] == [{"ran": False, "why": "dry run"}]
 

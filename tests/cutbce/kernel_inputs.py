@@ -101,12 +101,13 @@ def policy_inputs(rng, rows=15, dim=16, vocab=300, length=4):
     return hidden, table, bias, ids, weights
 
 
-def dense_under_policy(compute_dtype):
+def dense_under_policy(compute_dtype, family="bce"):
     """The per-row loss a dense Keras model under a policy computes: the dense low-precision reference.
 
     The logits `h @ E.T + b` in the policy's compute dtype (what a Keras
     `Dense` layer computes: its float32 weights cast to it), then Keras's
-    binary cross-entropy on them in float32 (a Keras loss's dtype).
+    binary cross-entropy (`family="softmax"`: categorical, on `multi_hot / |P|`)
+    on them in float32 (a Keras loss's dtype).
     """
     import keras
     from keras import ops
@@ -116,6 +117,10 @@ def dense_under_policy(compute_dtype):
     def loss(h, t, ids, b):
         z = ops.matmul(ops.cast(h, compute_dtype), ops.transpose(ops.cast(t, compute_dtype)))
         z = ops.cast(z + ops.cast(b, compute_dtype), "float32")
-        return keras.losses.binary_crossentropy(multi_hot(ids, t.shape[0]), z, from_logits=True)
+        y = multi_hot(ids, t.shape[0])
+        if family == "softmax":  # a row without a valid id: y = 0, loss 0
+            y = y / ops.maximum(ops.sum(y, axis=-1, keepdims=True), 1.0)
+            return keras.losses.categorical_crossentropy(y, z, from_logits=True)
+        return keras.losses.binary_crossentropy(y, z, from_logits=True)
 
     return loss

@@ -64,16 +64,17 @@ def test_cpu_tensors_run_the_chunked_loop_under_auto(family, monkeypatch):
     public_op, op = FAMILIES[family]
     monkeypatch.setattr(launch, op, refuse)
     monkeypatch.setattr(launch, op + "_weighted_sum", refuse)
-    loss = public_op(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
-                     np.zeros((2, 1), "int32"))
-    assert tuple(loss.shape) == (2,)
+    with keras.device("cpu"):  # on a GPU machine Keras would put the inputs on CUDA
+        loss = public_op(np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
+                         np.zeros((2, 1), "int32"))
+    assert tuple(loss.shape) == (2,) and loss.device.type == "cpu"
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch" or not TRITON, reason="torch with Triton")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_triton_on_cpu_outside_the_interpreter_says_how(family, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+    with keras.device("cpu"), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         FAMILIES[family][0](np.ones((2, 3), "float32"), np.ones((5, 3), "float32"),
                             np.zeros((2, 1), "int32"), implementation="triton")
 

@@ -401,18 +401,19 @@ def test_softmax_masked_items_and_targets_match_the_chunked_loop(label_smoothing
     assert not any(torch.isnan(g).any() for g in got[1])
 
 
+@pytest.mark.parametrize("family", ["bce", "softmax"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
-def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, rng):
-    """The mixed precision matrix of the kernels (as `tests/cutbce/test_cut_bce.py`'s).
+def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, family, rng):
+    """The mixed precision matrix of the kernels (as `tests/cutbce/test_cut_bce.py`'s), both families.
 
     Hidden states in the policy's compute dtype (the kernels' operand dtype),
     the float32 table and bias; the per-row loss under a loss-scaled cotangent
     and the fused weighted sum scaled after it; against float64, each row no
-    worse than twice the dense Keras model under the policy.
+    worse than twice the dense Keras model under the policy (binary or
+    categorical cross-entropy on its logits).
     """
     import torch
 
-    from keras_cutbce.backends.torch.triton import launch as kernels
     from tests.backend_utils import assert_within_low_precision, dtype_policy, loss_scale
     from tests.cutbce.kernel_inputs import dense_under_policy, policy_inputs
     from tests.cutbce.test_chunked import truth
@@ -420,28 +421,36 @@ def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, rng):
     h, e, b, ids, w = policy_inputs(rng, rows=37, dim=12, vocab=101)
     w = w / len(w)  # a mean over the rows, as `CutBCELoss`'s
     scale = loss_scale(policy)
+    per_row, options = _op(family)
+    weighted_sum, _ = _op(family, weighted=True)
+    options = options(0.0, 1.0)
     with dtype_policy(policy) as compute:
         hidden = torch.tensor(h, device=_device()).to(getattr(torch, compute))
         table, bias = (torch.tensor(x, device=_device()) for x in (e, b))
         ids_t, weights = torch.tensor(ids, device=_device()), torch.tensor(w, device=_device())
         exact = as_numpy(hidden)
-        dense = dense_under_policy(compute)
+        dense = dense_under_policy(compute, family)
         cases = (
-            ("per-row", lambda h, e, b: (kernels.cut_bce(h, e, ids_t, b) * weights * scale).sum(),
+            ("per-row", lambda h, e, b: (per_row(h, e, ids_t, b, **options) * weights * scale).sum(),
              lambda h, e, b: (dense(h, e, ids_t, b) * weights * scale).sum(), w * scale),
-            ("fused", lambda h, e, b: kernels.cut_bce_weighted_sum(
-                h, e, ids_t, b, weights, label_smoothing=0.0, pos_weight=1.0) * scale,
+            ("fused", lambda h, e, b: weighted_sum(h, e, ids_t, b, weights, **options) * scale,
              lambda h, e, b: (dense(h, e, ids_t, b) * weights).sum() * scale, w * scale),
         )
         for name, ours, theirs, rows in cases:
             got = scaled_value_and_grads(ours, (hidden, table, bias))
             low = scaled_value_and_grads(theirs, (hidden, table, bias))
-            want_losses, want_grads = truth(exact, e, ids, b, rows)
             # `scaled_value_and_grads`: the value, and the gradients of UPSTREAM times it
-            want = [np.sum(rows * want_losses)] + [UPSTREAM * g for g in want_grads]
+            if family == "bce":
+                want_losses, want_grads = truth(exact, e, ids, b, rows)
+                want_grads = [UPSTREAM * g for g in want_grads]
+            else:
+                want_losses, want_grads = _softmax_float64(hidden, table, bias, ids_t, 0.0,
+                                                             torch.tensor(rows))
+            want = [np.sum(rows * want_losses)] + want_grads
             for what, g, lo, wa in zip(("value", "d hidden", "d table", "d bias"),
                                        [got[0]] + got[1], [low[0]] + low[1], want):
-                assert_within_low_precision(as_numpy(g), as_numpy(lo), wa, f"{policy} {name} {what}")
+                assert_within_low_precision(as_numpy(g), as_numpy(lo), wa,
+                                            f"{family} {policy} {name} {what}")
 
 
 def test_float16_table_gradient_under_a_loss_scale(rng):

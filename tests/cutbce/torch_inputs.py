@@ -17,8 +17,8 @@ def chunked():
 
 
 def as_numpy(x):
-    """A torch tensor as a float64 NumPy array."""
-    return x.detach().float().double().numpy()
+    """A torch tensor (any device) as a float64 NumPy array."""
+    return x.detach().cpu().double().numpy()
 
 
 def tensors(rng, m, d, v, with_bias, dtype="float32", scale=0.5):
