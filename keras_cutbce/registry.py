@@ -69,6 +69,7 @@ The routing (`dispatch`):
 import importlib
 import importlib.util
 import math
+import sys
 
 import keras
 
@@ -219,7 +220,9 @@ def get(op, implementation, backend):
 
 def _load(path):
     module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+    # An imported module from `sys.modules` (what `torch.compile` traces; `import_module` breaks its graph).
+    loaded = sys.modules.get(module)
+    return getattr(loaded if loaded is not None else importlib.import_module(module), name)
 
 
 def _installed(implementation):

@@ -198,3 +198,58 @@ def test_sync_free_top_k_matches_a_stable_sort(dtype, rng):
             values, columns = top_k(x, k)
             np.testing.assert_array_equal(columns.numpy(), want_columns[:, :k].numpy())
             np.testing.assert_array_equal(values.double().numpy(), want_values[:, :k].double().numpy())
+
+
+class _NoOpLaunch:
+    """The Triton kernels' stand-in: `kernel[grid](...)` launches nothing (what Dynamo traces is the host code)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+    rows_kernel = columns_kernel = property(lambda self: self)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation, family", [("chunked", "bce"), ("triton", "bce"),
+                                                    ("triton", "softmax")])
+def test_a_training_step_of_the_public_op_compiles_without_graph_break(family, implementation, rng,
+                                                                       monkeypatch):
+    """The public op (checks, the registry's dispatch, the kernel's host code) and its backward in one
+    graph (`fullgraph=True`), once the implementation's module is imported (an eager call imports it;
+    `import_module` would break the graph). Triton: its launches are no-ops (`_NoOpLaunch`)."""
+    import torch
+
+    import keras_cutbce
+    from keras_cutbce.backends.torch.triton import launch
+
+    op = keras_cutbce.cut_binary_crossentropy if family == "bce" else keras_cutbce.cut_categorical_crossentropy
+    if implementation == "triton":
+        monkeypatch.setattr(launch, "kernels", lambda device: _NoOpLaunch())
+        monkeypatch.setattr(launch, "device_problem", lambda device: None)
+    h, e, b, ids, _ = _inputs(rng)
+
+    def step(h, e, b, ids):
+        return op(h, e, ids, b, implementation=implementation).sum()
+
+    step(h, e, b, ids)  # imports the implementation's module
+    torch._dynamo.reset()
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(h, e, b, ids)
+    loss.backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in (h, e, b))
+
+
+def test_the_compute_capability_is_a_constant_under_torch_compile(monkeypatch):
+    """`config.device_arch` is read once at trace time: Dynamo does not trace the capability query."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import config
+
+    @torch._dynamo.disable  # a call Dynamo cannot trace: `fullgraph=True` fails if it is traced
+    def capability(device=None):
+        return (9, 0)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    torch._dynamo.reset()
+    arch = torch.compile(lambda x: x * config.device_arch(torch.device("cuda", 0)), fullgraph=True,
+                         backend="aot_eager")
+    assert float(arch(torch.ones(()))) == 90.0

@@ -161,6 +161,8 @@ def choose(dim, dtype, interpret, arch=90, precision="tf32", family="bce"):
     return settings._replace(**{f"{kernel}_block": tiles for kernel, tiles in replace.items()})
 
 
+# `torch.compile` reads it once when it traces (Dynamo folds `get_device_properties`, not this).
+@torch.compiler.assume_constant_result
 def device_arch(device):
     """The compute capability of a CUDA `device` as an int (90 for 9.0); 90 elsewhere."""
     if device.type != "cuda":
