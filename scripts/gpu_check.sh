@@ -31,8 +31,8 @@
 #     two gloo ranks, the CutBCE op, loss, metrics, top-k)
 #   3 benchmarks/erase_gpu.py: traces at 3 batches, exactness,      the rest: ~110 s    227 s (budget 253)
 #     the cell groups by priority, each with its 3 repeats
-#   4 CutBCE, BCE and softmax: Triton parity tests compiled, then   CUTBCE_GPU_SECONDS  215 s (Triton 3.7.1's
-#     benchmarks/cutbce_triton.py --gpu in what is left              (210 s)             interpreter: 68 s tests)
+#   4 CutBCE, BCE and softmax: Triton parity tests compiled, then   CUTBCE_GPU_SECONDS  211 s (Triton 3.7.1's
+#     benchmarks/cutbce_triton.py --gpu in what is left              (210 s)             interpreter: 78 s tests)
 #   results, slack                                                  ~15 s
 #   total                                                           <= 480 s            479 s
 # (the machine's start-up is extra). Phases 3 and 4 stop starting work when their budget is spent.
