@@ -31,7 +31,8 @@ ml-latest-small and at 10^5 synthetic items. Every cell is a fresh process
 seconds per training step (all threads), with wall seconds per step and the load
 average beside it. The losses alternate within each round (`run_repos`), so load
 from other jobs hits each alike; CPU time is less sensitive to that load than wall
-time. `--before DIR` runs every cell in a second checkout too, alternating. Results:
+time. `--steps-1e5 0` leaves out the synthetic catalogue, no `--movielens-dir` MovieLens.
+`--before DIR` runs every cell in a second checkout too, alternating. Results:
 `benchmarks/results/sasrec_losses_speed.{md,json}`.
 
 Usage (hold the benchmark lock; the 20-epoch seeded study takes hours on 2 cores):
