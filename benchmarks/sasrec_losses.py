@@ -23,11 +23,25 @@ mean +- sd over the seeds that trained; each run's row is cached as JSON in
 `--runs-dir` (default: the output path + `_runs/`), so an interrupted study resumes
 where it stopped and the cached runs are the study's raw record.
 
+With `--speed` it runs no study: the training step of dense `softmax` against
+`cutsoftmax` (and any `--losses`), side by side, at the study's settings on
+ml-latest-small and at 10^5 synthetic items. Every cell is a fresh process
+(`run_cell`) training `--speed-steps` steps after `--warmup` warm-up steps
+(compilation), at `--threads` intra-op threads; its figure is the process CPU
+seconds per training step (all threads), with wall seconds per step and the load
+average beside it. The losses alternate within each round (`run_repos`), so load
+from other jobs hits each alike; CPU time is less sensitive to that load than wall
+time. `--steps-1e5 0` leaves out the synthetic catalogue, no `--movielens-dir` MovieLens.
+`--before DIR` runs every cell in a second checkout too, alternating. Results:
+`benchmarks/results/sasrec_losses_speed.{md,json}`.
+
 Usage (hold the benchmark lock; the 20-epoch seeded study takes hours on 2 cores):
 
     flock /tmp/bench.lock env KERAS_BACKEND=jax python benchmarks/sasrec_losses.py \\
         --movielens-dir ../shared/data/ml-latest-small --epochs 20 --seeds 3
     python benchmarks/sasrec_losses.py --quick     # smoke run, tiny data, results in /tmp
+    KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --speed \\
+        --movielens-dir ../shared/data/ml-latest-small --rounds 3 --before ../main
 """
 
 import argparse
@@ -43,8 +57,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.common import emit_row  # noqa: E402
+from benchmarks.common import fmt_spread  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
+from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import run_cell  # noqa: E402
+from benchmarks.common import run_repos  # noqa: E402
+from benchmarks.common import spread  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
 from tools.sasrec_study import load_runs  # noqa: E402
 from tools.sasrec_study import loss_name  # noqa: E402
@@ -135,7 +156,142 @@ def datasets(args):
     return out
 
 
+# ------------------------------------------------------------------ speed ---
+# `--speed`: the parent runs cells; `--speed-cell` (one fresh process) trains and times one.
+
+
+def speed_cell(argv):
+    """One timed example run (`--speed-cell [--checkout DIR] ... -- EXAMPLE ARGS`): prints its `ROW`."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkout", default=REPO, help="the checkout whose code is imported")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("example_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.threads:  # before the backend starts: XLA reads its flags once
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + (
+            f" --xla_cpu_multi_thread_eigen={'false' if args.threads == 1 else 'true'}"
+            f" intra_op_parallelism_threads={args.threads}")).strip()
+    sys.path.insert(0, os.path.abspath(args.checkout))
+    import keras
+
+    import keras_cutbce
+    from examples.sasrec.train import parse_args, run
+
+    if args.threads and keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.threads and keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+
+    class Clock(keras.callbacks.Callback):
+        """Process CPU and wall seconds from the end of the warm-up steps to the last step's end."""
+
+        def __init__(self):
+            super().__init__()
+            self.marks = []
+
+        def on_train_batch_end(self, batch, logs=None):  # logs arrive as numbers: the step is done
+            self.marks.append((time.process_time(), time.perf_counter()))
+
+    clock = Clock()
+    load = os.getloadavg()[0]
+    example = [a for a in args.example_args if a != "--"]
+    result = run(parse_args(example + ["--verbose", "0"]), callbacks=[clock])
+    (cpu0, wall0), (cpu1, wall1) = clock.marks[args.warmup - 1], clock.marks[-1]
+    steps = len(clock.marks) - args.warmup
+    emit_row({"loss": result["loss"], "steps": steps, "cpu_s_per_step": (cpu1 - cpu0) / steps,
+              "wall_s_per_step": (wall1 - wall0) / steps, "threads": args.threads,
+              "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
+              "train_loss": result["train_loss"], "keras_cutbce": keras_cutbce.__file__})
+
+
+def speed_cases(args):
+    """`[(name, example arguments)]` of `--speed`: the study's settings, a fixed step count."""
+    steps = ["--epochs", "1", "--steps-per-epoch", str(args.warmup + args.speed_steps),
+             "--batch-size", str(args.batch_size), "--eval-users", "8"]
+    if args.quick:
+        return [("synthetic 300 items", ["--num-items", "300", "--num-users", "60",
+                                         "--max-len", "12", "--dim", "16", "--blocks", "1",
+                                         *steps[:-2], "--eval-users", "4"])]
+    out = []
+    if args.movielens_dir:
+        out.append(("ml-latest-small", ["--data", "movielens", "--data-dir",
+                                        os.path.abspath(args.movielens_dir),
+                                        "--max-len", str(args.max_len), *steps]))
+    if args.steps_1e5:
+        out.append(("synthetic 100,000 items", ["--num-items", "100000", "--num-users",
+                                                str(args.num_users), "--max-len", "30", *steps]))
+    return out
+
+
+def speed(args, backend):
+    """`--speed`: every (dataset, loss) cell in fresh processes, alternating; writes the tables."""
+    cases = dict(speed_cases(args))
+    cells = [(dataset, loss) for dataset in cases for loss, _ in args.losses]
+    repos = {"after": REPO} if args.before is None else {"before": args.before, "after": REPO}
+    script = os.path.abspath(__file__)
+
+    def run(root, cell):
+        dataset, loss = cell
+        argv = [script, "--speed-cell", "--checkout", root, "--warmup", str(args.warmup),
+                "--threads", str(args.threads), "--", "--loss", loss, *cases[dataset]]
+        return dict(run_cell(argv, root, dict(os.environ, KERAS_BACKEND=backend)),
+                    dataset=dataset)
+
+    rows = run_repos(repos, cells, args.rounds, run)
+    summaries = speed_summaries(rows, [loss for loss, _ in args.losses])
+    columns = ["data", "loss", "checkout", "CPU s / step", "wall s / step", "load (1 min)",
+               "CPU / first loss", "wall / first loss", "rounds"]
+    threads = (f"{args.threads} intra-op thread(s)" if args.threads
+               else "the backend's default intra-op threads")
+    info = machine_info(backend=backend, threads=args.threads or "default", warmup_steps=args.warmup,
+                        timed_steps=args.speed_steps, batch_size=args.batch_size,
+                        rounds=args.rounds, before=args.before)
+    write_results(
+        args.out, "SASRec training step: dense softmax vs cutsoftmax, side by side",
+        f"Each cell a fresh process (`python -m examples.sasrec`'s training, {threads}) "
+        f"timing {args.speed_steps} training steps after {args.warmup} "
+        "warm-up steps (compilation excluded). CPU s / step: the process's CPU seconds (all "
+        "threads) per step, median (min-max) over the rounds; wall s / step likewise; load: "
+        "the 1-minute load average at each cell's start, median (min-max). The losses (and "
+        "checkouts) alternate within every round, so other jobs' load hits each alike; CPU time "
+        "is the fair figure on the shared machine. X / first loss: the median over rounds of "
+        f"each round's ratio to `{args.losses[0][0]}` in the same checkout.",
+        None, info, markdown_table(summaries, columns), {"summaries": summaries, "rows": rows})
+    print(open(args.out + ".md").read())
+    return summaries
+
+
+def speed_summaries(rows, losses):
+    """One row per (dataset, loss, checkout): the spreads, and the per-round ratios to `losses[0]`."""
+    out = []
+    keys = sorted({(r["dataset"], r["repo"]) for r in rows}, key=lambda k: (k[0], k[1] != "before"))
+    for dataset, repo in keys:
+        mine = [r for r in rows if r["dataset"] == dataset and r["repo"] == repo]
+        first = {r["rep"]: r for r in mine if r["loss"] == losses[0]}
+        for loss in losses:
+            runs = [r for r in mine if r["loss"] == loss]
+            if not runs:
+                continue
+            row = {"data": dataset, "loss": loss, "checkout": repo, "rounds": len(runs)}
+            for key, name in (("cpu_s_per_step", "CPU"), ("wall_s_per_step", "wall")):
+                row[f"{name} s / step"] = fmt_spread(spread([r[key] for r in runs]))
+                ratios = [r[key] / first[r["rep"]][key] for r in runs if r["rep"] in first]
+                row[f"{name} / first loss"] = fmt_spread(spread(ratios)) if ratios else ""
+                row[key] = spread([r[key] for r in runs])
+            row["load (1 min)"] = fmt_spread(spread([r["load_1min"][0] for r in runs]), digits=2)
+            out.append(row)
+    return out
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--speed-cell"]:
+        return speed_cell(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--movielens-dir", default=None,
@@ -163,11 +319,29 @@ def main(argv=None):
                         help="address-space cap of every run")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run, results in /tmp")
+    parser.add_argument("--speed", action="store_true",
+                        help="no study: the training step's CPU time per loss, fresh processes, "
+                             "alternating (--losses default softmax,cutsoftmax)")
+    parser.add_argument("--rounds", type=int, default=3, help="--speed: rounds of every cell")
+    parser.add_argument("--speed-steps", type=int, default=10,
+                        help="--speed: timed training steps per cell")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="--speed: untimed steps first (compilation)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="--speed: intra-op threads of every cell (0: the backend's default)")
+    parser.add_argument("--before", default=None,
+                        help="--speed: a second checkout, every cell run in it too, alternating")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results",
                                                       "sasrec_losses"),
                         help="output path without extension (.md, .json, .png)")
     args = parser.parse_args(argv)
     backend = os.environ.get("KERAS_BACKEND", "jax")
+    if args.speed:
+        if args.losses == parser.get_default("losses"):
+            args.losses = parse_losses("softmax,cutsoftmax")
+        if args.out == parser.get_default("out"):
+            args.out = "/tmp/sasrec_losses_speed_quick" if args.quick else args.out + "_speed"
+        return speed(args, backend)
     cases = datasets(args)
     if args.quick:
         cases = [("synthetic 300 items", ["--num-items", "300", "--num-users", "60",

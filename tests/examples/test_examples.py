@@ -936,3 +936,37 @@ def test_loss_study_caches_runs_and_resumes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "| synthetic 300 items | cutbce | trained | 3 |" in open(out + ".md").read()
     assert subprocess.run(script + ["--losses", "sampled:7"], capture_output=True).returncode == 2
+
+
+def test_loss_speed_summaries_pair_each_round():
+    sys.path.insert(0, ROOT)
+    from benchmarks.sasrec_losses import speed_summaries
+
+    rows = [{"dataset": "ml", "repo": repo, "rep": rep, "loss": loss, "load_1min": [1.0, 1.0],
+             "cpu_s_per_step": cpu, "wall_s_per_step": 2 * cpu}
+            for repo, rep, loss, cpu in [("after", 0, "softmax", 1.0), ("after", 0, "cutsoftmax", 0.5),
+                                         ("after", 1, "softmax", 2.0), ("after", 1, "cutsoftmax", 0.4),
+                                         ("before", 0, "softmax", 1.0), ("before", 0, "cutsoftmax", 3.0)]]
+    table = speed_summaries(rows, ["softmax", "cutsoftmax"])
+    assert [(r["checkout"], r["loss"]) for r in table] == [
+        ("before", "softmax"), ("before", "cutsoftmax"), ("after", "softmax"), ("after", "cutsoftmax")]
+    # Ratios are taken within a round (0.5 and 0.2), not across rounds' medians (0.45 / 1.5).
+    assert table[3]["CPU / first loss"] == "0.35 (0.2-0.5)"
+    assert table[3]["cpu_s_per_step"]["median"] == pytest.approx(0.45)
+    assert table[1]["wall / first loss"] == "3 (3-3)"
+
+
+@pytest.mark.slow
+def test_loss_speed_cell_times_the_training_steps(tmp_path):
+    out = str(tmp_path / "speed")
+    script = [sys.executable, os.path.join(ROOT, "benchmarks", "sasrec_losses.py")]
+    done = subprocess.run(script + ["--speed", "--quick", "--losses", "cutsoftmax", "--rounds", "1",
+                                    "--speed-steps", "2", "--warmup", "1", "--out", out],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.load(open(out + ".json"))
+    (row,) = result["rows"]
+    assert row["loss"] == "cutsoftmax" and row["steps"] == 2 and row["threads"] == 1
+    assert row["cpu_s_per_step"] > 0 and row["wall_s_per_step"] > 0
+    assert row["keras_cutbce"].startswith(os.path.join(ROOT, "keras_cutbce"))
+    assert "| synthetic 300 items | cutsoftmax | after |" in open(out + ".md").read()
