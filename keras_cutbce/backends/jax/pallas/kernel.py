@@ -467,7 +467,7 @@ def uses_hit_bits(cfg, with_grads, positive_sums):
 
 
 def needs_scale_column(cfg, ps):
-    """Whether the kernel needs the row scale as a column (a VPU bias gradient or `[rows, D]` rows)."""
+    """Whether the kernel needs the row scale as a column (the `[V, D]` view: rows, VPU bias gradient)."""
     return ps.with_grads and not cfg.dv_view
 
 
