@@ -153,6 +153,25 @@ def test_bfloat16_inputs(rng):
     )
 
 
+def test_bias_parts_are_exact_in_bfloat16():
+    """The bias (and row scale) the MXU takes: bfloat16-exact parts summing to the float32 exactly
+    (down to about 1e-33, where the last part would be subnormal; an infinity is its first part)."""
+    import jax.numpy as jnp
+
+    from keras_cutbce.backends.jax.pallas.kernel import BIAS_PARTS, _parts
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=250) * 10.0 ** rng.integers(-29, 30, size=250),
+                        [-np.inf, np.inf, 0.0, 1e-30, 3e38, -1.0]]).astype(np.float32)[None, :]
+    parts = np.asarray(_parts(jnp.asarray(x), 8))
+    assert parts.shape == (8, x.shape[1]) and not parts[BIAS_PARTS:].any()
+    np.testing.assert_array_equal(parts, parts.astype(jnp.bfloat16).astype(np.float32))
+    total = parts[0].astype(np.float64) + parts[1] + parts[2]
+    np.testing.assert_array_equal(total, x[0].astype(np.float64))  # -inf: one part, no NaN
+    z = parts[0] + parts[1] + parts[2]  # summed in float32
+    np.testing.assert_array_equal(z, x[0])
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.slow
 def test_randomized(seed):

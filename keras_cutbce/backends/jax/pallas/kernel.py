@@ -40,6 +40,32 @@ def _table_piece(table_ref, cols, cfg, edge, item):
     return table
 
 
+def bias_rows(cfg, ps):
+    """Returns the rows the bias adds to the `[D, V]` view's matmuls (0: added on the VPU).
+
+    In the `[D, V]` view the bias rides the MXU: `BIAS_PARTS` rows of the
+    table piece (its bfloat16-exact parts) against ones columns of the hidden
+    states, and the row scale's parts as rows of the scaled hidden states give
+    the bias gradient; a whole packed sublane tile of rows (8 float32, 16 bfloat16).
+    """
+    return 32 // jnp.dtype(cfg.mm_dtype).itemsize if ps.has_bias and cfg.dv_view else 0
+
+
+BIAS_PARTS = 3  # bfloat16 parts that sum to a float32 exactly: the MXU's pass precision drops none
+
+
+def _parts(x, rows):
+    """Returns `[1, n]` float32 `x` as `[rows, n]`: its `BIAS_PARTS` bfloat16-exact parts, then zeros."""
+    rest = jnp.broadcast_to(x, (rows, x.shape[1]))
+    row = lax.broadcasted_iota(jnp.int32, rest.shape, 0)
+    out = jnp.zeros_like(rest)
+    for k in range(BIAS_PARTS):
+        part = rest.astype(jnp.bfloat16).astype(jnp.float32)
+        out = jnp.where(row == k, part, out)
+        rest = jnp.where(jnp.abs(part) < jnp.inf, rest - part, 0.0)  # -inf: one part, no NaN
+    return out
+
+
 def _logits(hidden, table, bias, cfg):
     """Returns the float32 logits `[rows, n]` of `[rows, D]` hidden states: `hidden @ table(.T)`."""
     z = _matmul(hidden, table, _NN if cfg.dv_view else _NT, cfg)
@@ -181,6 +207,8 @@ def kernel(*refs, cfg, ps, interpreted=False):
     lse_col_ref = refs.pop(0) if lse_ref is not None else None
     weight_col_ref = refs.pop(0) if weight_ref is not None else None
     hidden_t_ref = refs.pop(0) if cfg.dv_view else None
+    extra = bias_rows(cfg, ps)  # the bias on the MXU
+    bias_parts_ref = refs.pop(0) if extra else None
     logits_refs = (refs.pop(0), refs.pop(0))
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile_index = core * ps.tiles_per_core + j
@@ -199,7 +227,10 @@ def kernel(*refs, cfg, ps, interpreted=False):
         """Writes piece column `c`'s logits `[row_tile, cols]` to `logits_refs[buffer]` (MXU)."""
         cols_ds = columns(c)
         table = _table_piece(table_ref, cols_ds, cfg, edge, lo + cols_ds.start)
-        bias = bias_ref[:, cols_ds] if ps.has_bias else None
+        bias = bias_ref[:, cols_ds] if ps.has_bias and not extra else None
+        if extra:
+            table = jnp.concatenate([table.astype(bias_parts_ref.dtype),
+                                     bias_parts_ref[:, cols_ds]], axis=0)
         hidden = hidden_t_ref[...] if cfg.dv_view else hidden_rows(hidden_ref)[...]
         logits_refs[buffer][...] = _logits(hidden, table, bias, cfg)
 
@@ -225,7 +256,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 dz = softmax_piece(z, local, valid, hits)
                 if dz is not None:
                     slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
-                    if ps.has_bias:
+                    if ps.has_bias and not extra:
                         weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
                         grad = jnp.sum(weighted, axis=0, keepdims=True)
                         bias_grad = grad if bias_grad is None else bias_grad + grad
@@ -243,7 +274,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 if valid is not None:
                     dz = jnp.where(valid, dz, 0.0)
                 slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
-                if ps.has_bias:
+                if ps.has_bias and not extra:
                     weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
                     grad = jnp.sum(weighted, axis=0, keepdims=True)
                     bias_grad = grad if bias_grad is None else bias_grad + grad
@@ -289,6 +320,10 @@ def kernel(*refs, cfg, ps, interpreted=False):
             scaled = scaled_ref[part, :]
         grad_hidden[...] += _grad_hidden_tile(dz, table, cfg)
         grad = _grad_table_tile(scaled, dz, cfg)
+        if extra:  # the row scale's parts' rows: the bias gradient
+            dim = acc_table.shape[0]
+            acc_bias[:, cols_ds] += jnp.sum(grad[dim:], axis=0, keepdims=True)
+            grad = grad[:dim]
         if cfg.dv_view:
             acc_table[:, cols_ds] += grad
         else:
@@ -338,6 +373,15 @@ def kernel(*refs, cfg, ps, interpreted=False):
                     start_bias = carried_bias[...] if ps.carry else 0.0
                     acc_bias[...] = jnp.zeros_like(acc_bias) + start_bias
 
+        if extra:
+            @pl.when(i == 0)
+            def _bias_parts():  # the tile's bias as bfloat16-exact rows, once a vocabulary tile
+                bias = bias_ref[...]
+                if edge:
+                    items = lax.broadcasted_iota(jnp.int32, bias.shape, 1) + tile_index * cfg.tile
+                    bias = jnp.where(items < cfg.vocab_size, bias, 0.0)
+                bias_parts_ref[...] = _parts(bias, extra).astype(bias_parts_ref.dtype)
+
         lo = tile_index * cfg.tile
         if ps.with_loss:
             terms_ref[...] = jnp.full(terms_ref.shape, LOWEST if cfg.softmax else 0.0, jnp.float32)
@@ -359,7 +403,10 @@ def kernel(*refs, cfg, ps, interpreted=False):
             # here (table gradient) and the hidden gradient in `call`.
             scale = row_scale_ref[:, rows] if cfg.dv_view else scale_col_ref[:, 0:1]
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
-            scaled_ref[...] = (hidden * scale).astype(scaled_ref.dtype)
+            scaled = hidden * scale
+            if extra:
+                scaled = jnp.concatenate([scaled, _parts(scale, extra)], axis=0)
+            scaled_ref[...] = scaled.astype(scaled_ref.dtype)
         if hit_bits:
             ids = ids_ref[:, rows]
             first = _first_slots(ids, lo)
@@ -368,8 +415,11 @@ def kernel(*refs, cfg, ps, interpreted=False):
             _fill_hit_bits(bits_ref, bits_t_ref, ids, first, in_tile_ref[count_index], lo,
                            cfg.tile)
         if hidden_t_ref is not None:  # [D, rows] -> [rows, D]: row pieces on the sublanes
-            hidden_t_ref[...] = jnp.transpose(
-                hidden_rows(hidden_ref)[...].astype(jnp.float32)).astype(hidden_t_ref.dtype)
+            hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
+            if extra:  # ones against the bias parts' rows
+                ones = lax.broadcasted_iota(jnp.int32, (extra, row_tile), 0) < BIAS_PARTS
+                hidden = jnp.concatenate([hidden, ones.astype(jnp.float32)], axis=0)
+            hidden_t_ref[...] = jnp.transpose(hidden).astype(hidden_t_ref.dtype)
         pieces(edge, lo)
 
         if ps.with_loss and cfg.softmax:  # the step's (max, sum exp) merged into the rows'
@@ -417,8 +467,8 @@ def uses_hit_bits(cfg, with_grads, positive_sums):
 
 
 def needs_scale_column(cfg, ps):
-    """Whether the kernel needs the row scale as a column (a bias gradient or `[rows, D]` rows)."""
-    return ps.with_grads and (ps.has_bias or not cfg.dv_view)
+    """Whether the kernel needs the row scale as a column (the `[V, D]` view: rows, VPU bias gradient)."""
+    return ps.with_grads and not cfg.dv_view
 
 
 def scratch_shapes(cfg, ps, dim, mm_dtype):
@@ -427,9 +477,10 @@ def scratch_shapes(cfg, ps, dim, mm_dtype):
 
     shapes = []
     column = pltpu.VMEM((cfg.row_tile, LANES), jnp.float32)
+    extra = bias_rows(cfg, ps)
     if ps.with_grads:
-        shapes.append(pltpu.VMEM((dim, cfg.row_tile) if cfg.dv_view else (cfg.row_tile, dim),
-                                 mm_dtype))
+        shapes.append(pltpu.VMEM((dim + extra, cfg.row_tile) if cfg.dv_view
+                                 else (cfg.row_tile, dim), mm_dtype))
         shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), mm_dtype)] * 2
     softmax_positives = cfg.softmax and cfg.positives
     if ps.with_loss:
@@ -444,6 +495,8 @@ def scratch_shapes(cfg, ps, dim, mm_dtype):
     if ps.with_grads and cfg.softmax:
         shapes += [column] * (1 + softmax_positives)
     if cfg.dv_view:
-        shapes.append(pltpu.VMEM((cfg.row_tile, dim), mm_dtype))
+        shapes.append(pltpu.VMEM((cfg.row_tile, dim + extra), mm_dtype))
+    if extra:
+        shapes.append(pltpu.VMEM((extra, cfg.tile), mm_dtype))
     shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), jnp.float32)] * 2
     return shapes
