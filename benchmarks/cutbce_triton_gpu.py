@@ -23,8 +23,8 @@ categorical cross-entropy on `multi_hot / L`).
    `mixed_bfloat16`, triton vs chunked (median step time, the loss finite);
 6. `graph_breaks`: `torch._dynamo.explain` of the loss (triton and chunked, both families):
    graphs and breaks;
-7. `sweep`: tile configurations at the paper's scale (64x64 with 4 warps, 128x128, ...; for full
-   fp32 the rows tile Triton 3.6 compiles without spills), per family;
+7. `sweep`: tile configurations at the paper's scale, per family: its static table's tiles, then
+   64x64 with 4 warps, 128x128, ... (for full fp32 the rows tile Triton 3.6 compiles without spills);
 8. `ncu`: Nsight Compute, where it runs, on both kernels (bf16, L = 8, the small shape):
    warp instructions executed per logit, issue-slot activity, active warps per SM and the
    top warp stall reasons (a child process: `python benchmarks/cutbce_triton_gpu.py --ncu-child`).
@@ -61,7 +61,7 @@ FAMILIES = ("bce", "softmax")
 # max |got - float64| / max |float64| per variant (loss and each gradient); above both this and
 # twice the dense implementation's own error under the variant: an error.
 PARITY_LIMITS = {"ieee": 1e-5, "tf32": 2e-2, "bf16": 2e-2}
-# (rows block, columns block) tile candidates of the sweep: the static table's first.
+# (rows block, columns block) tile candidates of the sweep, after the family's static table's tiles.
 SWEEP = (((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
          ((128, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2)))
 # full fp32: the table's tiles, and the rows tile Triton 3.6 compiles without spilling (docs/benchmarks.md)
@@ -423,14 +423,20 @@ def graph_breaks(run):
 
 
 def sweep(run):
+    import torch
+
     from keras_cutbce.backends.torch.triton import config
 
+    arch = config.device_arch(torch.device(run.device))
     rows = []
     variants = ("bf16", "tf32", "ieee") if not run.dry_run else ("ieee",)
     for variant, family in itertools.product(variants, run.families):
         with precision(variant) as dtype:
             inputs = problem(run, run.paper, dtype)
-            for rows_block, columns_block in SWEEP_IEEE if variant == "ieee" else SWEEP:
+            table = config.choose(run.paper[1], dtype, interpret=False, arch=arch,
+                                  precision="ieee" if variant == "ieee" else "tf32", family=family)
+            candidates = SWEEP_IEEE if variant == "ieee" else SWEEP
+            for rows_block, columns_block in dict.fromkeys([tuple(table), *candidates]):
                 if run.left() < 5:
                     run.report["skipped"].append(f"sweep {family} {variant} {rows_block}: budget spent")
                     continue

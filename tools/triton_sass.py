@@ -40,6 +40,7 @@ The floors of one training step (both kernels, loss and every gradient) at
 Usage (needs Triton; a few seconds a kernel):
 
     python tools/triton_sass.py                                # sm_90, bf16 and TF32, L = 8 and 1
+    python tools/triton_sass.py --dtypes float32 --precision ieee --family softmax   # full fp32 (FMA)
     python tools/triton_sass.py --json /tmp/before.json        # in another checkout: the "before"
     python tools/triton_sass.py --compare /tmp/before.json     # + a before/after table
 """
