@@ -18,13 +18,13 @@ categorical cross-entropy on `multi_hot / L`).
    (where its logits fit), alternating, median of `REPEATS`, peak memory, and the triton
    step's two kernels' device times (one profiled step); L = 8 of both families first;
 4. `float16_zeros`: the share of the table gradient that is exactly zero with float16 inputs,
-   against float32 (the 1 / (rows V) scale underflows half precision);
-5. `mixed_bfloat16`: a Keras `fit` step with `CutBCELoss` under `mixed_bfloat16`, triton vs
-   chunked (median step time, the loss finite);
+   against float32 (the 1 / (rows V) scale underflows half precision), per family;
+5. `mixed_bfloat16`: a Keras `fit` step with `CutBCELoss` and with `CutSoftmaxLoss` under
+   `mixed_bfloat16`, triton vs chunked (median step time, the loss finite);
 6. `graph_breaks`: `torch._dynamo.explain` of the loss (triton and chunked, both families):
    graphs and breaks;
-7. `sweep`: tile configurations at the paper's scale (64x64 with 4 warps, 128x128, ...; for full
-   fp32 the rows tile Triton 3.6 compiles without spills);
+7. `sweep`: tile configurations at the paper's scale, per family: its static table's tiles, then
+   64x64 with 4 warps, 128x128, ... (for full fp32 the rows tile Triton 3.6 compiles without spills);
 8. `ncu`: Nsight Compute, where it runs, on both kernels (bf16, L = 8, the small shape):
    warp instructions executed per logit, issue-slot activity, active warps per SM and the
    top warp stall reasons (a child process: `python benchmarks/cutbce_triton_gpu.py --ncu-child`).
@@ -61,7 +61,7 @@ FAMILIES = ("bce", "softmax")
 # max |got - float64| / max |float64| per variant (loss and each gradient); above both this and
 # twice the dense implementation's own error under the variant: an error.
 PARITY_LIMITS = {"ieee": 1e-5, "tf32": 2e-2, "bf16": 2e-2}
-# (rows block, columns block) tile candidates of the sweep: the static table's first.
+# (rows block, columns block) tile candidates of the sweep, after the family's static table's tiles.
 SWEEP = (((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
          ((128, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2)))
 # full fp32: the table's tiles, and the rows tile Triton 3.6 compiles without spilling (docs/benchmarks.md)
@@ -311,17 +311,17 @@ def float16_zeros(run):
 
     shape = run.small
     rows = []
-    for implementation in ("triton", "chunked"):
-        if run.dry_run and implementation == "triton":
-            continue  # the interpreter's half-precision products are not the GPU's
+    # the interpreter's half-precision products are not the GPU's
+    implementations = ("chunked",) if run.dry_run else ("triton", "chunked")
+    for family, implementation in itertools.product(run.families, implementations):
         grads = {}
         for dtype in (torch.float16, torch.float32):
             with precision("ieee"):
                 h, e, b, ids = problem(run, shape, dtype)
-                step(implementation, h, e, b, ids)
+                step(implementation, h, e, b, ids, family=family)
                 grads[dtype] = e.grad.float()
         half, full = grads[torch.float16], grads[torch.float32]
-        rows.append(dict(implementation=implementation, rows=shape[0], vocab=shape[2],
+        rows.append(dict(family=family, implementation=implementation, rows=shape[0], vocab=shape[2],
                          zero_fraction_float16=float((half == 0).float().mean()),
                          zero_fraction_float32=float((full == 0).float().mean()),
                          underflow_fraction=float(((half == 0) & (full != 0)).float().mean()),
@@ -330,7 +330,7 @@ def float16_zeros(run):
 
 
 class ItemModel(keras.Model):
-    """`hidden = Dense(features)`, with the item table `CutBCELoss` trains (`items`)."""
+    """`hidden = Dense(features)`, with the item table the loss trains (`items`)."""
 
     def __init__(self, vocab, dim):
         super().__init__()
@@ -348,8 +348,9 @@ class ItemModel(keras.Model):
 def mixed_bfloat16_fit(run):
     import numpy as np
 
-    from keras_cutbce import CutBCELoss
+    from keras_cutbce import CutBCELoss, CutSoftmaxLoss
 
+    losses_of = {"bce": CutBCELoss, "softmax": CutSoftmaxLoss}
     rows_, dim, vocab = run.small
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows_, dim)).astype("float32")
@@ -359,12 +360,12 @@ def mixed_bfloat16_fit(run):
     previous = keras.config.dtype_policy()
     try:
         keras.config.set_dtype_policy("mixed_bfloat16")
-        for implementation in implementations:
+        for family, implementation in itertools.product(run.families, implementations):
             keras.utils.set_random_seed(0)
             model = ItemModel(vocab, dim)
             model.build((None, dim))
             model.compile(keras.optimizers.Adam(1e-3),
-                          CutBCELoss(model.items, implementation=implementation))
+                          losses_of[family](model.items, implementation=implementation))
             model.train_on_batch(x, y)  # compiles
             times, losses = [], []
             for _ in range(run.repeats):
@@ -373,7 +374,7 @@ def mixed_bfloat16_fit(run):
                 losses.append(float(model.train_on_batch(x, y)))
                 run.sync()
                 times.append(1e3 * (time.perf_counter() - start))
-            results.append(dict(implementation=implementation, rows=rows_, vocab=vocab,
+            results.append(dict(family=family, implementation=implementation, rows=rows_, vocab=vocab,
                                 step_ms=statistics.median(times), last_loss=losses[-1],
                                 finite=bool(np.isfinite(losses).all())))
             del model
@@ -422,22 +423,29 @@ def graph_breaks(run):
 
 
 def sweep(run):
+    import torch
+
     from keras_cutbce.backends.torch.triton import config
 
+    arch = config.device_arch(torch.device(run.device))
     rows = []
-    for variant in ("bf16", "tf32", "ieee") if not run.dry_run else ("ieee",):
+    variants = ("bf16", "tf32", "ieee") if not run.dry_run else ("ieee",)
+    for variant, family in itertools.product(variants, run.families):
         with precision(variant) as dtype:
             inputs = problem(run, run.paper, dtype)
-            for rows_block, columns_block in SWEEP_IEEE if variant == "ieee" else SWEEP:
+            table = config.choose(run.paper[1], dtype, interpret=False, arch=arch,
+                                  precision="ieee" if variant == "ieee" else "tf32", family=family)
+            candidates = SWEEP_IEEE if variant == "ieee" else SWEEP
+            for rows_block, columns_block in dict.fromkeys([tuple(table), *candidates]):
                 if run.left() < 5:
-                    run.report["skipped"].append(f"sweep {variant} {rows_block}: budget spent")
+                    run.report["skipped"].append(f"sweep {family} {variant} {rows_block}: budget spent")
                     continue
                 try:
                     with config.overridden((rows_block, columns_block)):
-                        m = timed(run, ["triton"], inputs, 2)["triton"]
+                        m = timed(run, ["triton"], inputs, 2, family)["triton"]
                 except Exception as error:  # a configuration that does not compile or fit
                     m = dict(error=repr(error)[:200])
-                rows.append(dict(variant=variant, rows_block=rows_block,
+                rows.append(dict(family=family, variant=variant, rows_block=rows_block,
                                  columns_block=columns_block, **m))
         del inputs
         run.release()
@@ -483,10 +491,10 @@ def measure(budget, dry_run=False):
     run.section("jit", small, lambda: jit_latency(run))
     run.section("parity", 10 * len(run.families), lambda: parity(run))
     run.section("timings", 30, lambda: timings(run))
-    run.section("float16_zeros", 8, lambda: float16_zeros(run))
-    run.section("mixed_bfloat16", 12, lambda: mixed_bfloat16_fit(run))
+    run.section("float16_zeros", 4 * len(run.families), lambda: float16_zeros(run))
+    run.section("mixed_bfloat16", 6 * len(run.families), lambda: mixed_bfloat16_fit(run))
     run.section("graph_breaks", 15, lambda: graph_breaks(run))
-    run.section("sweep", 20, lambda: sweep(run))
+    run.section("sweep", 10 * len(run.families), lambda: sweep(run))
     run.section("ncu", 30, lambda: nsight(run))
     run.report["wall_s"] = time.perf_counter() - run.start
     return run.report

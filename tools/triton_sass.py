@@ -40,6 +40,7 @@ The floors of one training step (both kernels, loss and every gradient) at
 Usage (needs Triton; a few seconds a kernel):
 
     python tools/triton_sass.py                                # sm_90, bf16 and TF32, L = 8 and 1
+    python tools/triton_sass.py --dtypes float32 --precision ieee --family softmax   # full fp32 (FMA)
     python tools/triton_sass.py --json /tmp/before.json        # in another checkout: the "before"
     python tools/triton_sass.py --compare /tmp/before.json     # + a before/after table
 """
@@ -162,14 +163,17 @@ def per_logit(parts, block_m, block_n, warps, targets, fraction):
     return out
 
 
-def floors(kernels, arch, dtype, rows, dim, vocab):
-    """The step's floors (ms) of `kernels` (the rows and columns reports, with `per_logit`)."""
-    _, sms, ghz, bf16, tf32, _, hbm = GPUS[arch]
+def floors(kernels, arch, dtype, rows, dim, vocab, precision="tf32"):
+    """The step's floors (ms) of `kernels` (the rows and columns reports, with `per_logit`).
+
+    Full fp32 (`precision="ieee"`): the `mma_ms` column is the FMA units' fp32 peak instead.
+    """
+    _, sms, ghz, bf16, tf32, fp32, hbm = GPUS[arch]
     logits = rows * vocab
     issue = sum(k["per_logit"]["total"] for k in kernels) / 32
     mufu = sum(k["per_logit"]["mufu"] for k in kernels)
     products = 2 * (1 + (2 if dtype != "float32" else 1))
-    peak = bf16 if dtype != "float32" else tf32
+    peak = bf16 if dtype != "float32" else (fp32 if precision == "ieee" else tf32)
     size = 2 if dtype != "float32" else 4
     rows_report, columns_report = kernels
     traffic = (-(-rows // rows_report["block_m"]) * vocab * dim
@@ -180,14 +184,16 @@ def floors(kernels, arch, dtype, rows, dim, vocab):
                 hbm_ms=1e3 * traffic / (hbm * 1e12))
 
 
-def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE, family="bce"):
-    """One row per (dtype, L, kernel) and one "step" row with the floors."""
+def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE, family="bce",
+            precision="tf32"):
+    """One row per (dtype, L, kernel) and one "step" row with the floors (`precision`: fp32's)."""
     rows, dim, vocab = shape
     table = []
     for dtype in dtypes:
         reports = {}
         for kernel in ("rows", "columns"):
-            report = compile_kernel(kernel, arch, dim, dtype, family=family, keep_cubin=True)
+            report = compile_kernel(kernel, arch, dim, dtype, precision=precision, family=family,
+                                    keep_cubin=True)
             report["parts"] = count(disassemble(report.pop("cubin")))
             reports[kernel] = report
         for number in targets:
@@ -198,17 +204,18 @@ def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE
                 values = per_logit(report["parts"], report["block_m"], report["block_n"],
                                    report["num_warps"], number, fraction)
                 pair.append(dict(report, per_logit=values, targets=number, fraction=fraction))
-            step = floors(pair, arch, dtype, rows, dim, vocab)
+            step = floors(pair, arch, dtype, rows, dim, vocab, precision)
+            label = f"{dtype} ({precision.upper()})" if dtype == "float32" else dtype
             for row in pair:
-                table.append(_row(row, dtype))
-            table.append(dict(_row(dict(pair[0], kernel="step"), dtype, pair), **step))
+                table.append(_row(row, label))
+            table.append(dict(_row(dict(pair[0], kernel="step"), label, pair), **step))
     return table
 
 
 def _row(report, dtype, pair=None):
     values = ({name: sum(r["per_logit"][name] for r in pair) for name in (*CLASSES, "total")}
               if pair else report["per_logit"])
-    return dict(arch=report["arch"], dtype=dtype if dtype != "float32" else "float32 (TF32)",
+    return dict(arch=report["arch"], dtype=dtype,
                 L=report["targets"], kernel=report["kernel"],
                 tile=f"{report['block_m']}x{report['block_n']}/{report['num_warps']}w",
                 fraction=round(report["fraction"], 3) if not pair else "",
@@ -217,17 +224,18 @@ def _row(report, dtype, pair=None):
                 **{name: round(v, 1) for name, v in values.items()})
 
 
-def markdown(table, label):
+def markdown(table, label, family="bce"):
     from benchmarks.common import markdown_table  # the shared table writer (a script, never a test)
 
     columns = ["arch", "dtype", "L", "kernel", "tile", "fraction", "registers", "spill_bytes",
                *CLASSES, "total", "issue_ms", "mufu_ms", "mma_ms", "hbm_ms"]
     return (f"SASS lane instructions per logit by class of the fused Triton kernels' tile loops "
-            f"({label}; Triton 3.7.1 + ptxas deviceless, nothing ran), BCE at (M, D, V) = "
+            f"({label}; Triton 3.7.1 + ptxas deviceless, nothing ran), {family.upper()} at (M, D, V) = "
             f"{SHAPE}; fraction: the tiles that run the positives' loop (1: every tile; else the "
             f"expected fraction for uniform ids). The floors (ms) of one training step (both "
             f"kernels) on an H200 SXM (sm_90, 132 SMs, 1.98 GHz): issue at 4 warp instructions "
-            f"a clock an SM, MUFU at 16 lanes a clock an SM, MMA at the dense tensor-core peak, "
+            f"a clock an SM, MUFU at 16 lanes a clock an SM, MMA at the dense tensor-core peak "
+            f"(full fp32: the FMA units' 67 TFLOPS), "
             f"HBM at 4.8 TB/s: estimates, see tools/triton_sass.py.\n\n"
             + markdown_table(table, columns) + "\n")
 
@@ -254,18 +262,21 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--ids", default="8,1")
+    parser.add_argument("--precision", default="tf32", choices=("tf32", "ieee"), help="fp32 products'")
+    parser.add_argument("--family", default="bce", choices=("bce", "softmax"))
     parser.add_argument("--json", default=os.path.join(RESULTS, "cutbce_triton_sass.json"))
     parser.add_argument("--label", default=None, help="what the table names the code")
     parser.add_argument("--compare", default=None, metavar="BEFORE_JSON")
     args = parser.parse_args(argv)
     label = args.label or subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                                          capture_output=True, text=True).stdout.strip()
-    table = measure(args.arch, tuple(args.dtypes.split(",")), tuple(map(int, args.ids.split(","))))
+    table = measure(args.arch, tuple(args.dtypes.split(",")), tuple(map(int, args.ids.split(","))),
+                    family=args.family, precision=args.precision)
     payload = {"label": label, "rows": table}
     with open(args.json, "w") as f:
         json.dump(payload, f, indent=1)
     text = f"Command: `python tools/triton_sass.py {shlex.join(argv or sys.argv[1:])}`\n\n"
-    text += markdown(table, label)
+    text += markdown(table, label, args.family)
     if args.compare:
         with open(args.compare) as f:
             text += "\n" + compare_markdown(json.load(f), payload)
