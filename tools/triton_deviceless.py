@@ -155,8 +155,13 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
             constants["lse_ptr"] = None
     signature.update({name: "constexpr" for name in constants})
     fn = kernels.rows_kernel if kernel == "rows" else kernels.columns_kernel
+    # As a launch specializes them: 16-byte aligned tensors (torch's allocations), and `dim` when a
+    # multiple of 16.
+    aligned = [name for name, kind in signature.items()
+               if kind.startswith("*") or (name == "dim" and dim % 16 == 0)]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": warps, "num_stages": stages},
     )
