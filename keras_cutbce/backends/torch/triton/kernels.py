@@ -34,14 +34,13 @@ def _rescaled(largest, acc, scale):
 @triton.jit
 def _dot_f32_left(a, b, acc, SPLIT_DOT: tl.constexpr, INTERPRET: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """`acc + a @ b` for a float32 `a`; with `SPLIT_DOT`, `a = hi + lo` in `b`'s dtype, two products."""
+    """`acc + a @ b` for a float32 `a` rounded to `b`'s dtype; with `SPLIT_DOT`, `a = hi + lo` there, two
+    products (without: one rounding of `a`, for a gradient stored in that dtype anyway)."""
+    hi = a.to(b.dtype, fp_downcast_rounding="rtne")
+    acc = _dot(hi, b, acc, INTERPRET, PRECISION)
     if SPLIT_DOT:
-        hi = a.to(b.dtype, fp_downcast_rounding="rtne")
         lo = (a - hi.to(tl.float32)).to(b.dtype, fp_downcast_rounding="rtne")
-        acc = _dot(hi, b, acc, INTERPRET, PRECISION)
         acc = _dot(lo, b, acc, INTERPRET, PRECISION)
-    else:
-        acc = _dot(a, b, acc, INTERPRET, PRECISION)
     return acc
 
 
