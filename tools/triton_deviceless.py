@@ -108,7 +108,7 @@ def _loop_instructions(cubin):
 
 
 def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True, family="bce",
-                   keep_cubin=False):
+                   keep_cubin=False, split_dot=None):
     """Compiles one kernel for `sm_<arch>` and returns what the compiler reports.
 
     Args:
@@ -121,6 +121,8 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         has_bias: compile the bias variant.
         family: the loss family (`"bce"` or `"softmax"`).
         keep_cubin: also return the `cubin` (bytes).
+        split_dot: the gradient product's hi/lo split (`SPLIT_DOT`); None: for 16-bit operands (a
+            float32 gradient).
 
     Returns:
         A dict: the settings, `registers`, `spill_bytes`, `shared_bytes`,
@@ -142,7 +144,8 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         block = settings.rows_block if kernel == "rows" else settings.columns_block
     block_m, block_n, warps, stages = block
     constants = dict(
-        HAS_BIAS=has_bias, SPLIT_DOT=dtype != "float32", RESCALE=dtype == "float16",
+        HAS_BIAS=has_bias, RESCALE=dtype == "float16",
+        SPLIT_DOT=dtype != "float32" if split_dot is None else split_dot,
         INTERPRET=False, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=config.block_dim(dim), **KERNEL_VARIANTS[kernel],
         FAMILY=family,
@@ -155,8 +158,13 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
             constants["lse_ptr"] = None
     signature.update({name: "constexpr" for name in constants})
     fn = kernels.rows_kernel if kernel == "rows" else kernels.columns_kernel
+    # As a launch specializes them: 16-byte aligned tensors (torch's allocations), and `dim` when a
+    # multiple of 16.
+    aligned = [name for name, kind in signature.items()
+               if kind.startswith("*") or (name == "dim" and dim % 16 == 0)]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": warps, "num_stages": stages},
     )
@@ -167,7 +175,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         num_warps=warps, num_stages=stages, registers=registers, spill_bytes=spills,
         shared_bytes=int(compiled.metadata.shared), loop_instructions=loop, instructions=total,
         instructions_per_logit=loop * warps / (block_m * block_n),
-        skips_empty_tiles="tile_flags_ptr" in fn.arg_names,
+        skips_empty_tiles="tile_flags_ptr" in fn.arg_names, split_dot=constants["SPLIT_DOT"],
     )
     if keep_cubin:
         report["cubin"] = compiled.asm["cubin"]

@@ -32,14 +32,14 @@ The floors of one training step (both kernels, loss and every gradient) at
 - issue: warp instructions / (4 per clock per SM x SMs x boost clock);
 - special functions: lane MUFU ops / (16 per clock per SM x SMs x clock);
 - MMA: `2 M V D` FLOP per product (the logits in each kernel; the two
-  gradient products, twice with the hi/lo split of bf16/fp16 operands) at
+  gradient products, each twice where it splits bf16/fp16 slopes in hi and lo) at
   the tensor cores' dense peak;
 - HBM: each kernel reads the other operand once per block (the same count as
   `benchmarks/cutbce_triton.py`), an upper bound as L2 keeps part of it.
 
 Usage (needs Triton; a few seconds a kernel):
 
-    python tools/triton_sass.py                                # sm_90, bf16 and TF32, L = 8 and 1
+    python tools/triton_sass.py                                # sm_90, bf16 (both tables), TF32; L = 8, 1
     python tools/triton_sass.py --dtypes float32 --precision ieee --family softmax   # full fp32 (FMA)
     python tools/triton_sass.py --json /tmp/before.json        # in another checkout: the "before"
     python tools/triton_sass.py --compare /tmp/before.json     # + a before/after table
@@ -172,7 +172,7 @@ def floors(kernels, arch, dtype, rows, dim, vocab, precision="tf32"):
     logits = rows * vocab
     issue = sum(k["per_logit"]["total"] for k in kernels) / 32
     mufu = sum(k["per_logit"]["mufu"] for k in kernels)
-    products = 2 * (1 + (2 if dtype != "float32" else 1))
+    products = 2 + sum(2 if k["split_dot"] else 1 for k in kernels)  # the logits', the gradients'
     peak = bf16 if dtype != "float32" else (fp32 if precision == "ieee" else tf32)
     size = 2 if dtype != "float32" else 4
     rows_report, columns_report = kernels
@@ -184,16 +184,28 @@ def floors(kernels, arch, dtype, rows, dim, vocab, precision="tf32"):
                 hbm_ms=1e3 * traffic / (hbm * 1e12))
 
 
-def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE, family="bce",
-            precision="tf32"):
-    """One row per (dtype, L, kernel) and one "step" row with the floors (`precision`: fp32's)."""
+# dtype name -> (operands, the stored gradients' dtypes (hidden, table), its label): "bfloat16" is
+# Keras's `mixed_bfloat16` (bf16 hidden states, a float32 table), "bfloat16-table" a bf16 table too.
+# A gradient stored in the operands' dtype skips the hi/lo split (`launch.dense_pass`).
+VARIANTS = {
+    "bfloat16": ("bfloat16", ("bfloat16", "float32"), "bfloat16"),
+    "bfloat16-table": ("bfloat16", ("bfloat16", "bfloat16"), "bfloat16 (bf16 table)"),
+    "float32": ("float32", ("float32", "float32"), "float32 (TF32)"),
+}
+
+
+def measure(arch=90, dtypes=("bfloat16", "bfloat16-table", "float32"), targets=(8, 1), shape=SHAPE,
+            family="bce", precision="tf32"):
+    """One row per (dtype, L, kernel) and one "step" row with the floors (dtypes: `VARIANTS`' keys;
+    `precision`: fp32's products)."""
     rows, dim, vocab = shape
     table = []
-    for dtype in dtypes:
+    for name in dtypes:
+        dtype, stored, label = VARIANTS[name]
         reports = {}
-        for kernel in ("rows", "columns"):
+        for kernel, gradient in zip(("rows", "columns"), stored):
             report = compile_kernel(kernel, arch, dim, dtype, precision=precision, family=family,
-                                    keep_cubin=True)
+                                    keep_cubin=True, split_dot=dtype != "float32" and gradient != dtype)
             report["parts"] = count(disassemble(report.pop("cubin")))
             reports[kernel] = report
         for number in targets:
@@ -205,17 +217,17 @@ def measure(arch=90, dtypes=("bfloat16", "float32"), targets=(8, 1), shape=SHAPE
                                    report["num_warps"], number, fraction)
                 pair.append(dict(report, per_logit=values, targets=number, fraction=fraction))
             step = floors(pair, arch, dtype, rows, dim, vocab, precision)
-            label = f"{dtype} ({precision.upper()})" if dtype == "float32" else dtype
+            shown = f"float32 ({precision.upper()})" if dtype == "float32" else label
             for row in pair:
-                table.append(_row(row, label))
-            table.append(dict(_row(dict(pair[0], kernel="step"), label, pair), **step))
+                table.append(_row(row, shown))
+            table.append(dict(_row(dict(pair[0], kernel="step"), shown, pair), **step))
     return table
 
 
-def _row(report, dtype, pair=None):
+def _row(report, label, pair=None):
     values = ({name: sum(r["per_logit"][name] for r in pair) for name in (*CLASSES, "total")}
               if pair else report["per_logit"])
-    return dict(arch=report["arch"], dtype=dtype,
+    return dict(arch=report["arch"], dtype=label,
                 L=report["targets"], kernel=report["kernel"],
                 tile=f"{report['block_m']}x{report['block_n']}/{report['num_warps']}w",
                 fraction=round(report["fraction"], 3) if not pair else "",
@@ -260,7 +272,7 @@ def compare_markdown(before, after):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default="bfloat16,bfloat16-table,float32", help="`VARIANTS` keys")
     parser.add_argument("--ids", default="8,1")
     parser.add_argument("--precision", default="tf32", choices=("tf32", "ieee"), help="fp32 products'")
     parser.add_argument("--family", default="bce", choices=("bce", "softmax"))

@@ -60,8 +60,10 @@ def test_every_configuration_compiles_without_spills_within_shared_memory(tmp_pa
 
 
 # Lane instructions per logit of a BCE training step (both kernels) at the target shape, L = 8, sm_90,
-# D = 64 (`tools/triton_sass.py`; 151 / 149 before the tiles without a positive skipped the masking).
-STEP_INSTRUCTIONS = {"bfloat16": 114, "float32": 112}
+# D = 64 (`tools/triton_sass.py`; "bfloat16": `mixed_bfloat16`). 151 / 149 before the tiles without a
+# positive skipped the masking; 95 / 97 (compiled for aligned tensors) before the polynomial `log1p`,
+# `ex2`/`rcp`, the columns kernel items first and no hi/lo split of a bf16-stored gradient: 48 / 53 since.
+STEP_INSTRUCTIONS = {"bfloat16": 50, "float32": 55}
 
 
 def test_instructions_per_logit_at_the_target_shape():
@@ -82,7 +84,7 @@ def test_programs_per_sm_of_the_compiled_rows_kernel():
     from keras_cutbce.backends.torch.triton import config
     from tools.triton_deviceless import compile_kernel
 
-    for arch, dim, dtype, programs in ((90, 64, "bfloat16", 1), (90, 256, "bfloat16", 2)):
+    for arch, dim, dtype, programs in ((90, 64, "bfloat16", 1), (90, 256, "bfloat16", 3)):
         report = compile_kernel("rows", arch, dim, dtype)
         assert config.programs_per_sm(report["registers"], report["num_warps"],
                                       report["shared_bytes"], arch) == programs, report

@@ -85,7 +85,8 @@ def test_triton_on_cpu_outside_the_interpreter_says_how(family, monkeypatch):
 def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, policy, monkeypatch,
                                                                    any_device):
     """The products' operand dtype is the policy's compute dtype (the float32 table cast to
-    it; float32 accumulation), and `torch.autocast`'s dtype under autocast."""
+    it; float32 accumulation), and `torch.autocast`'s dtype under autocast; the gradients'
+    stored dtypes (which decide the hi/lo split) are the hidden states' and the table's."""
     import contextlib
 
     import torch
@@ -97,8 +98,8 @@ def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, polic
 
     seen = []
 
-    def tile_loop(*args, operands, family, **kwargs):  # records what the kernels would take
-        seen.append(operands)
+    def tile_loop(*args, operands, stored, family, **kwargs):  # records what the kernels would take
+        seen.append((operands, stored))
         if family.two_pass is False and hasattr(family, "statistics"):  # softmax in one pass
             kwargs["stats"] = family.statistics(kernel.dense_pass(*args, loss=True, family=family)[0])
         return kernel.dense_pass(*args, family=family, **kwargs)
@@ -116,7 +117,8 @@ def test_the_kernels_multiply_in_the_compute_dtype_of_every_policy(family, polic
             FAMILIES[family][0](hidden, items, ids, implementation="triton")
             loss_class(items, implementation="triton")(ids, hidden)
     want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[compute]
-    assert seen == [torch.bfloat16 if autocast else want] * 2
+    stored = (want, torch.float32)
+    assert seen == [(torch.bfloat16, stored) if autocast else (want, stored)] * 2
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch routing")

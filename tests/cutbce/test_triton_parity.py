@@ -402,15 +402,20 @@ def test_softmax_masked_items_and_targets_match_the_chunked_loop(label_smoothing
 
 
 @pytest.mark.parametrize("family", ["bce", "softmax"])
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
-def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, family, rng):
+@pytest.mark.parametrize("policy, table_dtype", [
+    ("float32", "float32"), ("mixed_bfloat16", "float32"), ("mixed_float16", "float32"),
+    ("mixed_bfloat16", "compute"), ("mixed_float16", "compute"),
+])
+def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, table_dtype, family, rng):
     """The mixed precision matrix of the kernels (as `tests/cutbce/test_cut_bce.py`'s), both families.
 
     Hidden states in the policy's compute dtype (the kernels' operand dtype),
-    the float32 table and bias; the per-row loss under a loss-scaled cotangent
-    and the fused weighted sum scaled after it; against float64, each row no
-    worse than twice the dense Keras model under the policy (binary or
-    categorical cross-entropy on its logits).
+    the float32 table (or, `"compute"`, one in the compute dtype: its gradient
+    stored there, the table gradient's product unsplit as the hidden one's)
+    and bias; the per-row loss under a loss-scaled cotangent and the fused
+    weighted sum scaled after it; against float64, each row no worse than
+    twice the dense Keras model under the policy (binary or categorical
+    cross-entropy on its logits).
     """
     import torch
 
@@ -427,6 +432,9 @@ def test_every_policy_is_as_exact_as_the_dense_model_under_it(policy, family, rn
     with dtype_policy(policy) as compute:
         hidden = torch.tensor(h, device=_device()).to(getattr(torch, compute))
         table, bias = (torch.tensor(x, device=_device()) for x in (e, b))
+        if table_dtype == "compute":
+            table = table.to(getattr(torch, compute))
+            e = as_numpy(table)
         ids_t, weights = torch.tensor(ids, device=_device()), torch.tensor(w, device=_device())
         exact = as_numpy(hidden)
         dense = dense_under_policy(compute, family)

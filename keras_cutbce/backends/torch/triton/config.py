@@ -27,7 +27,7 @@ class KernelConfig(NamedTuple):
 # tiles with the fewest SASS instructions per logit that compile without a register spill (ptxas -v),
 # then on sm_80 (`_BEFORE_SM90`); tests/cutbce/test_triton_compile.py checks both. [128 x 128] tiles
 # spill at every D.
-_WIDE = KernelConfig((128, 64, 8, 2), (128, 64, 8, 2))
+_WIDE = KernelConfig((128, 64, 8, 2), (64, 128, 8, 2))
 _TABLE = {
     (16, True): _WIDE,
     (32, True): _WIDE,
@@ -51,31 +51,39 @@ _BEFORE_SM90 = {
 # At D > 128 no tile compiles without spills (32 x 32 spills 24 bytes at 23 warp instructions per logit):
 # those run the chunked loop (`supports`), whose cuBLAS products are the better FMA kernels there.
 _FULL_FP32 = {
-    (80, 32): KernelConfig((128, 32, 8, 2), (128, 64, 8, 2)),
+    (80, 32): KernelConfig((128, 32, 8, 2), (64, 64, 4, 2)),
     (80, 64): KernelConfig((64, 64, 8, 2), (128, 64, 8, 2)),
-    (80, 128): KernelConfig((32, 32, 4, 2), (64, 32, 4, 2)),
+    (80, 128): KernelConfig((32, 32, 4, 2), (32, 64, 4, 2)),
     (90, 128): KernelConfig((32, 32, 4, 2), (128, 32, 8, 2)),
 }
 _FULL_FP32_MAX_BLOCK_D = 128
 # float16 operands: the columns kernel's `RESCALE` (the table gradient's per-item scale) holds more
 # registers than bfloat16's tiles have: (generation, BLOCK_D) -> its tiles where bfloat16's spill.
 _FLOAT16_COLUMNS = {
-    (80, 32): (64, 64, 4, 2),
     (80, 64): (128, 32, 8, 2),
     (80, 128): (128, 64, 8, 2),
     (80, 256): (32, 32, 4, 1),
     (90, 128): (32, 64, 4, 2),
     (90, 256): (32, 32, 4, 1),
 }
-# (family, generation, BLOCK_D, operands) -> {kernel: tiles} replacing the above where they spill:
-# softmax's kernels (no positives loop) schedule differently.
+# (family, generation, BLOCK_D, operands) -> {kernel: tiles} replacing the above where they spill
+# (the least instructions per logit of those that do not): the families schedule differently.
 _SMALL = (32, 32, 4, 2)
 _REPLACE = {
+    ("bce", 80, 128, "float32-ieee"): {"rows": (64, 64, 8, 2)},
+    ("bce", 80, 128, "float32-tf32"): {"columns": (128, 64, 8, 2)},
+    ("bce", 80, 256, "float16"): {"rows": (32, 64, 4, 2)},
+    ("bce", 90, 32, "float32-ieee"): {"rows": (128, 32, 8, 2)},
+    ("bce", 90, 64, "float32-ieee"): {"rows": (128, 32, 8, 2)},
+    ("bce", 90, 128, "float32-ieee"): {"rows": (32, 64, 8, 2)},
+    ("bce", 90, 256, "float32-tf32"): {"rows": (64, 64, 8, 2)},
+    ("softmax", 80, 32, "bfloat16"): {"rows": (64, 64, 4, 2)},
+    ("softmax", 80, 128, "bfloat16"): {"columns": (128, 64, 8, 2)},
     ("softmax", 80, 32, "float32-ieee"): {"columns": _SMALL},
     ("softmax", 80, 64, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
-    ("softmax", 80, 128, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
+    ("softmax", 80, 128, "float32-ieee"): {"rows": _SMALL, "columns": (16, 32, 4, 2)},
     ("softmax", 80, 64, "float32-tf32"): {"columns": _SMALL},
-    ("softmax", 80, 128, "float32-tf32"): {"columns": _SMALL},
+    ("softmax", 80, 128, "float32-tf32"): {"rows": (64, 64, 4, 2), "columns": _SMALL},
     ("softmax", 80, 256, "float32-tf32"): {"columns": (32, 32, 4, 1)},
     ("softmax", 90, 32, "float32-ieee"): {"rows": _SMALL, "columns": _SMALL},
     ("softmax", 90, 64, "float32-ieee"): {"rows": (32, 32, 4, 1), "columns": _SMALL},

@@ -6,7 +6,6 @@
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -35,14 +34,13 @@ def _rescaled(largest, acc, scale):
 @triton.jit
 def _dot_f32_left(a, b, acc, SPLIT_DOT: tl.constexpr, INTERPRET: tl.constexpr,
                   PRECISION: tl.constexpr):
-    """`acc + a @ b` for a float32 `a`; with `SPLIT_DOT`, `a = hi + lo` in `b`'s dtype, two products."""
+    """`acc + a @ b` for a float32 `a` rounded to `b`'s dtype; with `SPLIT_DOT`, `a = hi + lo` there, two
+    products (without: one rounding of `a`, for a gradient stored in that dtype anyway)."""
+    hi = a.to(b.dtype, fp_downcast_rounding="rtne")
+    acc = _dot(hi, b, acc, INTERPRET, PRECISION)
     if SPLIT_DOT:
-        hi = a.to(b.dtype, fp_downcast_rounding="rtne")
         lo = (a - hi.to(tl.float32)).to(b.dtype, fp_downcast_rounding="rtne")
-        acc = _dot(hi, b, acc, INTERPRET, PRECISION)
         acc = _dot(lo, b, acc, INTERPRET, PRECISION)
-    else:
-        acc = _dot(a, b, acc, INTERPRET, PRECISION)
     return acc
 
 
@@ -60,36 +58,104 @@ def _load_rows(ptr, index, index_ok, dim, dims, dim_ok):
 
 
 @triton.jit
+def _per_row(x, ITEMS_FIRST: tl.constexpr):
+    """A per-row vector across a logits tile: `[M, 1]`, or `[1, M]` when items come first."""
+    if ITEMS_FIRST:
+        out = x[None, :]
+    else:
+        out = x[:, None]
+    return out
+
+
+@triton.jit
+def _per_item(x, ITEMS_FIRST: tl.constexpr):
+    """A per-item vector across a logits tile: `[1, N]`, or `[N, 1]` when items come first."""
+    if ITEMS_FIRST:
+        out = x[:, None]
+    else:
+        out = x[None, :]
+    return out
+
+
+@triton.jit
 def _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size, rows,
             row_ok, cols, col_ok, num_targets, FAMILY: tl.constexpr, HAS_BIAS: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """The fp32 logits, `-inf` past `V` and, for BCE, at the rows' positives (int32 `[M, L]`, -1 unused):
-    only in the tiles whose flag (int8 `[row blocks, tiles]`) says the row block holds one there."""
-    z = _dot(h, tl.trans(table_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET,
-             PRECISION)
+            BLOCK_N: tl.constexpr, ITEMS_FIRST: tl.constexpr = False):
+    """The fp32 logits `[M, N]` (`[N, M]`, `E h^T`, with `ITEMS_FIRST`), `-inf` past `V` and, for BCE, at
+    the rows' positives (int32 `[M, L]`, -1 unused): only in the tiles whose flag (int8 `[row blocks,
+    tiles]`) says the row block holds one there."""
+    if ITEMS_FIRST:
+        z = _dot(table_tile, tl.trans(h), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET,
+                 PRECISION)
+    else:
+        z = _dot(h, tl.trans(table_tile), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET,
+                 PRECISION)
+    offset = tl.where(col_ok, 0.0, float("-inf"))  # per item, then one add per logit
     if HAS_BIAS:
-        z += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z = tl.where(col_ok[None, :], z, float("-inf"))
+        offset += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    z += _per_item(offset, ITEMS_FIRST)
     if FAMILY == "bce":
         flag = tl.load(tile_flags_ptr + block * tl.cdiv(vocab_size, BLOCK_N) + tile).to(tl.int32)
         for target in range(num_targets * flag):  # no trip in a tile without a positive
             ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
-            z = tl.where(cols[None, :] == ids[:, None], float("-inf"), z)
+            hit = _per_item(cols, ITEMS_FIRST) == _per_row(ids, ITEMS_FIRST)
+            z = tl.where(hit, float("-inf"), z)
     return z
+
+
+# `log1p(x) / x` on [0, 1] (`x = exp(-|z|)`), degree 9, a near-minimax fit of relative error: with
+# `x *` and float32 Horner steps, log1p within 1.7 ulp (libdevice's `log1p`: about 25 instructions and
+# a branch). Checked against float64 by `tests/cutbce/test_triton_math.py`.
+LOG1P = tl.constexpr((1.0, -0.4999990165233612, 0.33329957723617554, -0.2495407611131668,
+                      0.19675642251968384, -0.1530473679304123, 0.10602205246686935,
+                      -0.05694521591067314, 0.01984383352100849, -0.0032423315569758415))
+
+
+@triton.jit
+def _log1p_unit(x):
+    """`log1p(x)` for `x` in [0, 1], by `LOG1P`: 10 fused multiply-adds."""
+    p = tl.full(x.shape, LOG1P[9], tl.float32)
+    for k in tl.static_range(8, -1, -1):
+        p = p * x + LOG1P[k]
+    return x * p
+
+
+@triton.jit
+def _exp2(x, INTERPRET: tl.constexpr):
+    """`2^x` by `ex2.approx.ftz` (results below 2^-126 flush to 0: at a logit past -87)."""
+    if INTERPRET:
+        return tl.exp2(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _reciprocal(x, INTERPRET: tl.constexpr):
+    """`1 / x` by `rcp.approx.ftz` (1 ulp; 0 past 2^126) for `x >= 1`."""
+    if INTERPRET:
+        return 1.0 / x
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    return _exp2(x * 1.4426950408889634, INTERPRET)
+
+
+@triton.jit
+def _sigmoid(z, INTERPRET: tl.constexpr):
+    """`1 / (1 + exp(-z))`: 0 past `z = -87` (`exp(-z)` past 2^126), 1 at `+inf`."""
+    return _reciprocal(1.0 + _exp(-z, INTERPRET), INTERPRET)
 
 
 @triton.jit
 def _softplus_sigmoid(z, INTERPRET: tl.constexpr):
-    """`(softplus(z), sigmoid(z))` from one `exp(-|z|)`, both 0 at `-inf` (interpreted: no libdevice)."""
-    e = tl.exp(-tl.abs(z))
-    u = 1.0 + e
-    r = 1.0 / u
-    if INTERPRET:
-        log1p = tl.log(u) + (e - (u - 1.0)) * r
-    else:
-        log1p = libdevice.log1p(e)
-    softplus = tl.maximum(z, 0.0) + log1p
+    """`(softplus(z), sigmoid(z))` from one `exp(-|z|)`, both 0 at `-inf`."""
+    e = _exp(-tl.abs(z), INTERPRET)
+    r = _reciprocal(1.0 + e, INTERPRET)
+    softplus = tl.maximum(z, 0.0) + _log1p_unit(e)
     sigmoid = tl.where(z >= 0, r, e * r)
     return softplus, sigmoid
 
@@ -126,8 +192,8 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, 
             # `top` is -inf only while every logit so far is (a bias of -inf): 0 stands in for it.
             top = tl.maximum(row_max, tl.max(z, axis=1))
             shift = tl.where(top == float("-inf"), 0.0, top)
-            shrink = tl.exp(row_max - shift)
-            slope = tl.exp(z - shift[:, None])
+            shrink = _exp(row_max - shift, INTERPRET)
+            slope = _exp(z - shift[:, None], INTERPRET)
             row_sum = row_sum * shrink + tl.sum(slope, axis=1)
             row_max = top
             if GRAD_H:
@@ -164,8 +230,12 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_pt
                    BLOCK_D: tl.constexpr, FAMILY: tl.constexpr = "bce", lse_ptr=None):
     """Per vocabulary tile, over all rows: `grad_table` `[V, D]` and `grad_bias` `[V]`, float32.
 
-    The slopes: `r_m sigmoid(z)` (BCE) or `r_m exp(z - lse_m)` (softmax), `r` the row scales.
+    The slopes: `r_m sigmoid(z)` (BCE) or `r_m exp(z - lse_m)` (softmax), `r` the row scales. On the
+    tensor cores the logits come items first (`[N, M]`, `E h^T`): the slopes are the left operand of
+    `slopes @ h` as the logits' product leaves them (no transpose through shared memory) and an item's
+    sums stay within a warp; full fp32 (`"ieee"`, FMA) keeps rows first, which holds fewer registers.
     """
+    ITEMS_FIRST: tl.constexpr = PRECISION == "tf32" or hidden_ptr.dtype.element_ty != tl.float32
     tile = tl.program_id(0)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < vocab_size
@@ -181,23 +251,25 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_pt
         h = _load_rows(hidden_ptr, rows, row_ok, dim, dims, dim_ok)
         z = _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size,
                     rows, row_ok, cols, col_ok, num_targets, FAMILY, HAS_BIAS, INTERPRET, PRECISION,
-                    BLOCK_M, BLOCK_N)
+                    BLOCK_M, BLOCK_N, ITEMS_FIRST)
         if FAMILY == "softmax":
             lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-            slope = tl.exp(z - lse[:, None])
+            slope = _exp(z - _per_row(lse, ITEMS_FIRST), INTERPRET)
         else:
-            _, slope = _softplus_sigmoid(z, INTERPRET)
-        slope = slope * tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+            slope = _sigmoid(z, INTERPRET)
+        row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)
+        slope = slope * _per_row(row_scale, ITEMS_FIRST)
         if GRAD_E:
             scaled = slope
             if RESCALE:
                 grad_table, grad_table_scale, factor = _rescaled(
-                    tl.max(tl.abs(slope), axis=0), grad_table, grad_table_scale)
-                scaled = slope * factor[None, :]
-            grad_table = _dot_f32_left(tl.trans(scaled), h, grad_table, SPLIT_DOT, INTERPRET,
-                                       PRECISION)
+                    tl.max(tl.abs(slope), axis=1 if ITEMS_FIRST else 0), grad_table, grad_table_scale)
+                scaled = slope * _per_item(factor, ITEMS_FIRST)
+            if not ITEMS_FIRST:
+                scaled = tl.trans(scaled)
+            grad_table = _dot_f32_left(scaled, h, grad_table, SPLIT_DOT, INTERPRET, PRECISION)
         if GRAD_B:
-            grad_bias += tl.sum(slope, axis=0)
+            grad_bias += tl.sum(slope, axis=1 if ITEMS_FIRST else 0)
     if GRAD_E:
         grad_table = _unscaled(grad_table, grad_table_scale, RESCALE)
         tl.store(grad_table_ptr + cols[:, None].to(tl.int64) * dim + dims[None, :], grad_table,

@@ -34,14 +34,14 @@ def fits(hidden, table, bias):
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None):
-    return chunked.run_cut_bce(_dense(hidden), hidden, table, ids, bias,
+    return chunked.run_cut_bce(_dense(hidden, table), hidden, table, ids, bias,
                                label_smoothing=label_smoothing, pos_weight=pos_weight,
                                tile=max(1, table.shape[0]))
 
 
 def cut_bce_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
                          chunk_size=None):
-    return chunked.run_weighted_sum(_dense(hidden), hidden, table, ids, bias, row_weights,
+    return chunked.run_weighted_sum(_dense(hidden, table), hidden, table, ids, bias, row_weights,
                                     label_smoothing=label_smoothing, pos_weight=pos_weight,
                                     tile=max(1, table.shape[0]))
 
@@ -55,19 +55,20 @@ class _FusedSoftmax(Softmax):
 
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None):
     family = _FusedSoftmax(float(label_smoothing), table.shape[0])
-    return chunked._per_row(_dense(hidden), hidden, table, ids, bias, family, max(1, table.shape[0]))
+    return chunked._per_row(_dense(hidden, table), hidden, table, ids, bias, family, max(1, table.shape[0]))
 
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
                              chunk_size=None):
     family = _FusedSoftmax(float(label_smoothing), table.shape[0])
-    return chunked._weighted_sum(_dense(hidden), hidden, table, ids, bias, row_weights, family,
+    return chunked._weighted_sum(_dense(hidden, table), hidden, table, ids, bias, row_weights, family,
                                  max(1, table.shape[0]))
 
 
-def _dense(hidden):
+def _dense(hidden, table):
     """The torch passes' `dense`: these kernels, over one tile of all of V (they tile it themselves)."""
-    return functools.partial(dense_pass, operands=operand_dtype(hidden))
+    return functools.partial(dense_pass, operands=operand_dtype(hidden),
+                             stored=(hidden.dtype, table.dtype))
 
 
 # The rows kernel's programs per SM, read from its compiled registers and shared memory once launched
@@ -139,8 +140,12 @@ def operand_dtype(hidden):
 
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
-               family, stats=None, operands=torch.float32):
+               family, stats=None, operands=torch.float32, stored=(torch.float32,) * 2):
     """`chunked.dense_pass` by the kernels (`tiles` gives `V` only; `operands`: the products' dtype).
+
+    `stored`: the dtypes the hidden and table gradients are returned in. A gradient product splits its
+    float32 slopes into a high and a low half of `operands` (`SPLIT_DOT`) unless that gradient is stored
+    in `operands` anyway (one rounding of the slopes, then the gradient's own).
 
     Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass.
     """
@@ -160,8 +165,9 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     precision = triton_precision()
     settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision,
                              family="softmax" if softmax else "bce")
+    split_h, split_e = (operands not in (torch.float32, dtype) for dtype in stored)
     flags = dict(
-        SPLIT_DOT=operands != torch.float32, RESCALE=operands == torch.float16,
+        RESCALE=operands == torch.float16,
         INTERPRET=interpret, PRECISION=precision, BLOCK_D=config.block_dim(dim),
         FAMILY="softmax" if softmax else "bce", HAS_BIAS=bias is not hidden,
     )
@@ -173,7 +179,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     if rows_loss or need_h:
         block_m, block_n, warps, stages = settings.rows_block
         num_tiles = -(-vocab_size // block_n)
-        resident = (h.device.index, settings.rows_block, rows_loss, need_h, *flags.values())
+        resident = (h.device.index, settings.rows_block, rows_loss, need_h, split_h, *flags.values())
         splits = config.num_splits(num_rows, num_tiles, block_m, h.device, _RESIDENT.get(resident, 1))
         tiles_per_split = -(-num_tiles // splits)
         splits = -(-num_tiles // tiles_per_split)
@@ -183,8 +189,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         compiled = module.rows_kernel[(-(-num_rows // block_m), splits)](
             hidden, table, bias, targets, tile_flags, parts, grad_h_parts,
             num_rows, vocab_size, dim, targets.shape[1], tiles_per_split,
-            LOSS=rows_loss, GRAD_H=need_h, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, **flags,
+            LOSS=rows_loss, GRAD_H=need_h, SPLIT_DOT=split_h, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=warps, num_stages=stages, **flags,
         )
         if resident not in _RESIDENT and hasattr(compiled, "n_regs"):  # launched on a GPU
             _RESIDENT[resident] = config.programs_per_sm(compiled.n_regs, warps, compiled.metadata.shared,
@@ -213,8 +219,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         module.columns_kernel[(-(-vocab_size // block_n),)](
             hidden, table, bias, targets, tile_flags, row_scale.float().contiguous(), grad_e, grad_b,
             num_rows, vocab_size, dim, targets.shape[1],
-            GRAD_E=need_e, GRAD_B=need_b, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, lse_ptr=lse, **flags,
+            GRAD_E=need_e, GRAD_B=need_b, SPLIT_DOT=split_e, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=warps, num_stages=stages, lse_ptr=lse, **flags,
         )
         grad_e = grad_e if need_e else None
         grad_b = grad_b if need_b else None
