@@ -34,11 +34,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
+
+from tools.spread import fmt_spread, spread  # noqa: E402,F401 - every script's, from here
 
 
 QPS_NOTE = (
@@ -118,18 +118,6 @@ def machine_line(info):
     return "Machine: " + "; ".join(
         f"{k} {', '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in info.items()
     ) + "."
-
-
-def spread(samples):
-    """`{"median", "min", "max", "n"}` of `samples` (seconds, bytes, ...)."""
-    samples = [float(x) for x in samples]
-    return {"median": float(np.median(samples)), "min": min(samples), "max": max(samples), "n": len(samples)}
-
-
-def fmt_spread(stats, scale=1.0, digits=3):
-    """`median (min-max)` of a `spread` dict, each value times `scale`."""
-    m, lo, hi = (stats[k] * scale for k in ("median", "min", "max"))
-    return f"{m:.{digits}g} ({lo:.{digits}g}-{hi:.{digits}g})"
 
 
 def alternate(cells, repeats, block=lambda result: result):

@@ -58,12 +58,10 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.common import emit_row  # noqa: E402
-from benchmarks.common import fmt_spread  # noqa: E402
 from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
 from benchmarks.common import run_cell  # noqa: E402
 from benchmarks.common import run_repos  # noqa: E402
-from benchmarks.common import spread  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
@@ -72,6 +70,7 @@ from tools.sasrec_study import loss_name  # noqa: E402
 from tools.sasrec_study import parse_losses  # noqa: E402
 from tools.sasrec_study import plot_curves  # noqa: E402
 from tools.sasrec_study import run_missing  # noqa: E402
+from tools.sasrec_study import speed_summaries  # noqa: E402
 from tools.sasrec_study import study_table  # noqa: E402
 from tools.sasrec_study import summarize  # noqa: E402
 
@@ -264,28 +263,6 @@ def speed(args, backend):
         None, info, markdown_table(summaries, columns), {"summaries": summaries, "rows": rows})
     print(open(args.out + ".md").read())
     return summaries
-
-
-def speed_summaries(rows, losses):
-    """One row per (dataset, loss, checkout): the spreads, and the per-round ratios to `losses[0]`."""
-    out = []
-    keys = sorted({(r["dataset"], r["repo"]) for r in rows}, key=lambda k: (k[0], k[1] != "before"))
-    for dataset, repo in keys:
-        mine = [r for r in rows if r["dataset"] == dataset and r["repo"] == repo]
-        first = {r["rep"]: r for r in mine if r["loss"] == losses[0]}
-        for loss in losses:
-            runs = [r for r in mine if r["loss"] == loss]
-            if not runs:
-                continue
-            row = {"data": dataset, "loss": loss, "checkout": repo, "rounds": len(runs)}
-            for key, name in (("cpu_s_per_step", "CPU"), ("wall_s_per_step", "wall")):
-                row[f"{name} s / step"] = fmt_spread(spread([r[key] for r in runs]))
-                ratios = [r[key] / first[r["rep"]][key] for r in runs if r["rep"] in first]
-                row[f"{name} / first loss"] = fmt_spread(spread(ratios)) if ratios else ""
-                row[key] = spread([r[key] for r in runs])
-            row["load (1 min)"] = fmt_spread(spread([r["load_1min"][0] for r in runs]), digits=2)
-            out.append(row)
-    return out
 
 
 def main(argv=None):

@@ -1,5 +1,5 @@
 """The SASRec loss study's record (`benchmarks/sasrec_losses.py`): which runs it has, their
-cached rows, the summary over seeds, its table and its curves.
+cached rows, the summary over seeds, its table and its curves; `--speed`'s per-round ratios.
 
 `run_missing` runs, in study order, every (seed, dataset, loss) without a cached
 row, through the `run` it is given (the benchmark's capped subprocess).
@@ -8,6 +8,8 @@ row, through the `run` it is given (the benchmark's capped subprocess).
 import argparse
 import json
 import os
+
+from tools.spread import fmt_spread, spread
 
 LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
           ("cutsoftmax", 1)]
@@ -211,3 +213,25 @@ def run_missing(runs_dir, seeds, cases, losses, run):
                     f.write("\n")
                 print(json.dumps({k: v for k, v in row.items()
                                   if not k.endswith("_per_epoch")}), flush=True)
+
+
+def speed_summaries(rows, losses):
+    """One row per (dataset, loss, checkout): the spreads, and the per-round ratios to `losses[0]`."""
+    out = []
+    keys = sorted({(r["dataset"], r["repo"]) for r in rows}, key=lambda k: (k[0], k[1] != "before"))
+    for dataset, repo in keys:
+        mine = [r for r in rows if r["dataset"] == dataset and r["repo"] == repo]
+        first = {r["rep"]: r for r in mine if r["loss"] == losses[0]}
+        for loss in losses:
+            runs = [r for r in mine if r["loss"] == loss]
+            if not runs:
+                continue
+            row = {"data": dataset, "loss": loss, "checkout": repo, "rounds": len(runs)}
+            for key, name in (("cpu_s_per_step", "CPU"), ("wall_s_per_step", "wall")):
+                row[f"{name} s / step"] = fmt_spread(spread([r[key] for r in runs]))
+                ratios = [r[key] / first[r["rep"]][key] for r in runs if r["rep"] in first]
+                row[f"{name} / first loss"] = fmt_spread(spread(ratios)) if ratios else ""
+                row[key] = spread([r[key] for r in runs])
+            row["load (1 min)"] = fmt_spread(spread([r["load_1min"][0] for r in runs]), digits=2)
+            out.append(row)
+    return out

@@ -940,7 +940,7 @@ def test_loss_study_caches_runs_and_resumes(tmp_path):
 
 def test_loss_speed_summaries_pair_each_round():
     sys.path.insert(0, ROOT)
-    from benchmarks.sasrec_losses import speed_summaries
+    from tools.sasrec_study import speed_summaries
 
     rows = [{"dataset": "ml", "repo": repo, "rep": rep, "loss": loss, "load_1min": [1.0, 1.0],
              "cpu_s_per_step": cpu, "wall_s_per_step": 2 * cpu}
