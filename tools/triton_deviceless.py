@@ -108,7 +108,7 @@ def _loop_instructions(cubin):
 
 
 def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True, family="bce",
-                   keep_cubin=False, split_dot=None):
+                   keep_cubin=False, stored="float32"):
     """Compiles one kernel for `sm_<arch>` and returns what the compiler reports.
 
     Args:
@@ -121,8 +121,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         has_bias: compile the bias variant.
         family: the loss family (`"bce"` or `"softmax"`).
         keep_cubin: also return the `cubin` (bytes).
-        split_dot: the gradient product's hi/lo split (`SPLIT_DOT`); None: for 16-bit operands (a
-            float32 gradient).
+        stored: the dtype the kernel's gradient is stored in (its hi/lo split, `config.split_dot`).
 
     Returns:
         A dict: the settings, `registers`, `spill_bytes`, `shared_bytes`,
@@ -145,7 +144,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
     block_m, block_n, warps, stages = block
     constants = dict(
         HAS_BIAS=has_bias, RESCALE=dtype == "float16",
-        SPLIT_DOT=dtype != "float32" if split_dot is None else split_dot,
+        SPLIT_DOT=config.split_dot(getattr(torch, dtype), getattr(torch, stored)),
         INTERPRET=False, PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=config.block_dim(dim), **KERNEL_VARIANTS[kernel],
         FAMILY=family,

@@ -184,13 +184,14 @@ def floors(kernels, arch, dtype, rows, dim, vocab, precision="tf32"):
                 hbm_ms=1e3 * traffic / (hbm * 1e12))
 
 
-# dtype name -> (operands, the stored gradients' dtypes (hidden, table), its label): "bfloat16" is
-# Keras's `mixed_bfloat16` (bf16 hidden states, a float32 table), "bfloat16-table" a bf16 table too.
-# A gradient stored in the operands' dtype skips the hi/lo split (`launch.dense_pass`).
+# dtype name -> (operands, the stored gradients' dtypes (hidden, table), its label; `{precision}`: fp32's
+# products): "bfloat16" is Keras's `mixed_bfloat16` (bf16 hidden states, a float32 table),
+# "bfloat16-table" a bf16 table too.
+# A gradient stored in the operands' dtype skips the hi/lo split (`config.split_dot`).
 VARIANTS = {
     "bfloat16": ("bfloat16", ("bfloat16", "float32"), "bfloat16"),
     "bfloat16-table": ("bfloat16", ("bfloat16", "bfloat16"), "bfloat16 (bf16 table)"),
-    "float32": ("float32", ("float32", "float32"), "float32 (TF32)"),
+    "float32": ("float32", ("float32", "float32"), "float32 ({precision})"),
 }
 
 
@@ -202,10 +203,11 @@ def measure(arch=90, dtypes=("bfloat16", "bfloat16-table", "float32"), targets=(
     table = []
     for name in dtypes:
         dtype, stored, label = VARIANTS[name]
+        label = label.format(precision=precision.upper())
         reports = {}
         for kernel, gradient in zip(("rows", "columns"), stored):
             report = compile_kernel(kernel, arch, dim, dtype, precision=precision, family=family,
-                                    keep_cubin=True, split_dot=dtype != "float32" and gradient != dtype)
+                                    keep_cubin=True, stored=gradient)
             report["parts"] = count(disassemble(report.pop("cubin")))
             reports[kernel] = report
         for number in targets:
@@ -217,10 +219,9 @@ def measure(arch=90, dtypes=("bfloat16", "bfloat16-table", "float32"), targets=(
                                    report["num_warps"], number, fraction)
                 pair.append(dict(report, per_logit=values, targets=number, fraction=fraction))
             step = floors(pair, arch, dtype, rows, dim, vocab, precision)
-            shown = f"float32 ({precision.upper()})" if dtype == "float32" else label
             for row in pair:
-                table.append(_row(row, shown))
-            table.append(dict(_row(dict(pair[0], kernel="step"), shown, pair), **step))
+                table.append(_row(row, label))
+            table.append(dict(_row(dict(pair[0], kernel="step"), label, pair), **step))
     return table
 
 

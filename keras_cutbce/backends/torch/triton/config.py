@@ -12,7 +12,7 @@ import torch
 
 __all__ = [
     "KernelConfig", "COMPILED_ARCHS", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose",
-    "device_arch", "num_splits", "overridden", "programs_per_sm", "supports",
+    "device_arch", "num_splits", "overridden", "programs_per_sm", "split_dot", "supports",
 ]
 
 
@@ -130,6 +130,12 @@ def block_dim(dim):
 
 
 MAX_BLOCK_D = 256
+
+
+def split_dot(operands, stored):
+    """Whether a gradient product splits its float32 slopes into a high and a low half of `operands`
+    (`SPLIT_DOT`): for 16-bit operands, unless the gradient is stored in `operands` anyway."""
+    return operands not in (torch.float32, stored)
 
 
 def supports(dim, dtype=torch.bfloat16, precision="tf32"):

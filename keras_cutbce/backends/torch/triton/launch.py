@@ -143,9 +143,8 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
                family, stats=None, operands=torch.float32, stored=(torch.float32,) * 2):
     """`chunked.dense_pass` by the kernels (`tiles` gives `V` only; `operands`: the products' dtype).
 
-    `stored`: the dtypes the hidden and table gradients are returned in. A gradient product splits its
-    float32 slopes into a high and a low half of `operands` (`SPLIT_DOT`) unless that gradient is stored
-    in `operands` anyway (one rounding of the slopes, then the gradient's own).
+    `stored`: the dtypes the hidden and table gradients are returned in (`config.split_dot`: a gradient
+    stored in `operands` anyway takes one rounding of the slopes, then its own).
 
     Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass.
     """
@@ -165,7 +164,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     precision = triton_precision()
     settings = config.choose(dim, operands, interpret, config.device_arch(h.device), precision,
                              family="softmax" if softmax else "bce")
-    split_h, split_e = (operands not in (torch.float32, dtype) for dtype in stored)
+    split_h, split_e = (config.split_dot(operands, dtype) for dtype in stored)
     flags = dict(
         RESCALE=operands == torch.float16,
         INTERPRET=interpret, PRECISION=precision, BLOCK_D=config.block_dim(dim),
