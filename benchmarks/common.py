@@ -120,6 +120,36 @@ def machine_line(info):
     ) + "."
 
 
+def set_threads(backend, threads):
+    """Sets the backend's thread counts in this process (None: leave the defaults).
+
+    Returns the intra-op thread count the backend uses (None where it
+    cannot tell).
+    """
+    if backend == "torch":
+        import torch
+
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return torch.get_num_threads()
+    if backend == "tensorflow" and threads is not None:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return threads
+
+
+def thread_env(env, threads):
+    """`env` with XLA's CPU client pinned to `threads` (it reads the flags once; None: its default)."""
+    env = dict(env)
+    if threads:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + f" --xla_cpu_multi_thread_eigen={'false' if threads == 1 else 'true'}"
+                            f" intra_op_parallelism_threads={threads}").strip()
+    return env
+
+
 def alternate(cells, repeats, block=lambda result: result):
     """Times `cells` (name -> zero-argument callable) alternating: one call of each per round.
 

@@ -71,7 +71,7 @@ SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144);
 sys.path.insert(0, ROOT)  # this checkout's harness, even in a cell importing `--before`'s package
 from benchmarks.common import alternate, commit, emit_row, fmt_spread, machine_info  # noqa: E402
 from benchmarks.common import markdown_table, reset_peak_rss, rss_bytes, run_cell, spread  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import set_threads, thread_env, write_results  # noqa: E402
 
 sys.path.remove(ROOT)  # the timed `keras_cutbce`: PYTHONPATH's (the cell's checkout) first
 sys.path.append(ROOT)
@@ -368,7 +368,7 @@ def cell(args):
     import keras_cutbce
 
     backend = os.environ["KERAS_BACKEND"]
-    row = {"threads": _set_threads(backend, _threads(args.threads)),
+    row = {"threads": set_threads(backend, _threads(args.threads)),
            "package": os.path.dirname(keras_cutbce.__file__)}
     _stop_above(args.memory_cap_gb * 2**30)
     shape = _shape(args.shape)
@@ -392,35 +392,6 @@ def _threads(value):
     return None if value in (None, "default") else int(value)
 
 
-def _set_threads(backend, threads):
-    """Sets the backend's thread counts in this process (None: leave the defaults).
-
-    Returns the intra-op thread count the backend uses (None where it
-    cannot tell).
-    """
-    if backend == "torch":
-        import torch
-
-        if threads is not None:
-            torch.set_num_threads(threads)
-        return torch.get_num_threads()
-    if backend == "tensorflow" and threads is not None:
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-    return threads
-
-
-def _thread_env(env, threads):
-    """`env` with XLA's CPU client pinned to one thread when `threads` is 1 (it reads the flags)."""
-    env = dict(env)
-    if threads == 1:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                            " intra_op_parallelism_threads=1").strip()
-    return env
-
-
 # --------------------------------------------------------------- sections ---
 # The parent process: which cells run where, and their tables.
 
@@ -435,7 +406,7 @@ def _shapes(args, default):
 
 def _run(args, backend, threads, shape, argv, root=ROOT):
     """One `--cell` subprocess importing the package of the checkout at `root`: its `ROW`, or `{"error"}`."""
-    env = _thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
+    env = thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
     try:
         row = run_cell([SCRIPT, "--threads", str(threads), "--shape", ",".join(map(str, shape)),
                         "--memory-cap-gb", str(args.memory_cap_gb), *argv], root, env)

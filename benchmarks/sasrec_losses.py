@@ -62,6 +62,8 @@ from benchmarks.common import machine_info  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
 from benchmarks.common import run_cell  # noqa: E402
 from benchmarks.common import run_repos  # noqa: E402
+from benchmarks.common import set_threads  # noqa: E402
+from benchmarks.common import thread_env  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from benchmarks.common import write_text  # noqa: E402
@@ -167,24 +169,15 @@ def speed_cell(argv):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("example_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.threads:  # before the backend starts: XLA reads its flags once
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + (
-            f" --xla_cpu_multi_thread_eigen={'false' if args.threads == 1 else 'true'}"
-            f" intra_op_parallelism_threads={args.threads}")).strip()
+    threads = args.threads or None  # 0: the backend's default
+    os.environ.update(thread_env(os.environ, threads))  # before the backend starts
     sys.path.insert(0, os.path.abspath(args.checkout))
     import keras
 
     import keras_cutbce
     from examples.sasrec.train import parse_args, run
 
-    if args.threads and keras.backend.backend() == "torch":
-        import torch
-
-        torch.set_num_threads(args.threads)
-    if args.threads and keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    set_threads(keras.backend.backend(), threads)
 
     class Clock(keras.callbacks.Callback):
         """Process CPU and wall seconds from the end of the warm-up steps to the last step's end."""
