@@ -27,6 +27,12 @@ def vmem_capacity_bytes():
     return None if chip is None else chip.vmem_bytes
 
 
+def newton_reciprocal():
+    """Whether the target divides by a reciprocal op and a Newton step (`logit_terms.Exps`): v4, v5e, v5p."""
+    chip = compile_platform.compiled_chip()
+    return chip is not None and not chip.reciprocal_divides
+
+
 def tensorcores():
     """Returns the TensorCores one device of the target TPU drives (2 on v4 and v5p), else 1."""
     chip = compile_platform.compiled_chip()
