@@ -11,8 +11,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from keras_cutbce.backends.jax.pallas import logit_terms
-from keras_cutbce.backends.jax.pallas.tiling import (LANES, PIECE_COLS, PIECE_ROWS, cores_used,
-                                                     num_tiles)
+from keras_cutbce.backends.jax.pallas.tiling import (BCE_PIECE_COLS, LANES, PIECE_COLS,
+                                                     PIECE_ROWS, cores_used, num_tiles)
 from keras_cutbce.common import EMPTY_ID, round_up
 
 # `x @ y.T` ("NT"), `x @ y` ("NN") and `x.T @ y` ("TN") without materialising a transpose.
@@ -173,7 +173,8 @@ def _rescaled(total, m_old, m_new):
 
 def piece_shape(cfg):
     """Returns `(rows, cols)` of one piece of a grid step's tile (a few vector registers each)."""
-    cols = next(c for c in (PIECE_COLS, 256, LANES) if cfg.tile % c == 0)
+    widest = PIECE_COLS if cfg.softmax else BCE_PIECE_COLS
+    cols = next(c for c in (widest, 256, LANES) if cfg.tile % c == 0)
     return min(PIECE_ROWS, cfg.row_tile), cols
 
 

@@ -17,7 +17,8 @@ MIN_ROW_TILE = 128
 MAX_TILE = 4096  # 32 hit bits x 128 lanes (`kernel._fill_hit_bits`)
 TILE_STEP = 256  # tile widths below the widest: whole 256-wide piece columns
 PIECE_ROWS = 64  # a piece of a step's tile: [64, 512] float32, 32 vector registers
-PIECE_COLS = 512
+PIECE_COLS = 512  # the widest piece (softmax's: its statistics rescale their sums once a piece)
+BCE_PIECE_COLS = 256  # BCE's pieces: libtpu packs its schedule tighter (docs/tpu.md)
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20  # the compiler's limit when a kernel asks for none
 
 
