@@ -51,7 +51,6 @@ class Exps:
     def __init__(self, f, barrier=False, base2=False, newton=False):
         negative_abs = lax.bitcast_convert_type(  # -|f|: one or (the sign bit set)
             lax.bitcast_convert_type(f, jnp.int32) | SIGN_BIT, f.dtype)
-        self.base2 = base2
         # `pow(2, x)`: Mosaic lowers it to exp2 (one transcendental op), and the
         # CPU (the interpreter) computes it exactly where its `exp2` is `exp(x ln 2)`.
         self.e = lax.pow(2.0, negative_abs) if base2 else jnp.exp(negative_abs)
@@ -68,8 +67,8 @@ class Exps:
 def term(f, ex, coef, positive):
     """Returns `(relus, logs)`: each logit's loss term `A softplus(f) + B softplus(-f)` in two parts.
 
-    `f`: `flip`ped logits. The term is `relus + logs`, or in base 2
-    (`ex.base2`, `relus` then in base-2 units) `relus * LN2 + logs`.
+    `f`: `flip`ped logits. The term is `relus + logs`, or in base 2 (`f`
+    times `LOG2E`, `relus` then in base-2 units) `relus * LN2 + logs`.
     """
     a, b = (_per_logit(w, positive) for w in _weights(coef))
     # log1p(e) = log(u) + the rounding error of u = 1 + e (u - 1 is exact).
