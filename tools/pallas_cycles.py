@@ -338,8 +338,10 @@ def forward_regions(bundles, starts):
     return regions
 
 
-def step_cost(bundles, starts, bounds, weights, in_tile, fast_picks):
+def step_cost(bundles, starts, bounds, weights, in_tile, fast_picks, classify=op_class):
     """Returns `(bundles, ops by class)` of one grid step whose in-tile count is `in_tile`.
+
+    `classify`: an op's class (`op_class`; the identity counts opcodes).
 
     Depth-1 bundles count when every forward-branch region holding them runs,
     times the share of the grid steps that run them (`weights`: what
@@ -386,14 +388,14 @@ def step_cost(bundles, starts, bounds, weights, in_tile, fast_picks):
                 share *= weights.get(lo, 1.0) if runs else 0.0
         if share:
             total += share
-            for cls in map(op_class, b.ops):
+            for cls in map(classify, b.ops):
                 ops[cls] += share
     for x in loops:
         n = trips(x)
         total += n * x.size
         for b in bundles:
             if x.first <= b.addr <= x.last and b.depth >= 2:
-                for cls in map(op_class, b.ops):
+                for cls in map(classify, b.ops):
                     ops[cls] += n
     return total, ops
 
@@ -524,13 +526,16 @@ def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
     logits_per_step = fact["row_tile"] * fact["tile"]
     bundles, starts, bounds, defs = schedule
     weights = grid_weights(bundles, defs)  # the same for every in-tile count
-    step, every, ops = 0.0, 0.0, collections.Counter()
+    step, every, ops, opcodes = 0.0, 0.0, collections.Counter(), collections.Counter()
     for in_tile, share in fact["in_tile"].items():
         cycles, counts = step_cost(bundles, starts, bounds, weights, int(in_tile), fast_picks)
         step += share * cycles
         every += share * step_cost(bundles, starts, bounds, {}, int(in_tile), fast_picks)[0]
         for cls, n in counts.items():
             ops[cls] += share * n
+        named = step_cost(bundles, starts, bounds, weights, int(in_tile), fast_picks, str)[1]
+        for op, n in named.items():
+            opcodes[op] += share * n
     steps = fact["steps_per_core"]  # every row block's steps
     per_vreg = 1024 / logits_per_step
 
@@ -554,6 +559,8 @@ def kernel_row(case, name, schedule, fact, fast_picks, chip, slots):
         mxu_ms=ms(mxu_step), hbm_ms=round(hbm / chip.hbm_bytes_s * 1e3, 2),  # the chip's HBM
         ops_per_1024={cls: round(ops[cls] * per_vreg, 2)
                       for cls in ("valu", "eup", "load", "store", "mxu", "xlu")},
+        opcodes_per_1024={op: round(n * per_vreg, 3) for op, n in opcodes.most_common()
+                          if n * per_vreg >= 0.005},
     )
     for cls, label in (("valu", "vpu_ms"), ("eup", "eup_ms"), ("load", "load_ms"),
                        ("store", "store_ms")):

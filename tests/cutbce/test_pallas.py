@@ -582,6 +582,21 @@ def test_target_known_only_at_lowering(rng, monkeypatch):
     _assert_close(got_auto, want_auto, 1e-6, "auto")
 
 
+@pytest.mark.parametrize("kind,newton", [("TPU v4", True), ("TPU v5e", True), ("TPU v5p", True),
+                                         ("TPU v6e", False), (None, False)])
+def test_reciprocal_follows_the_target_division(monkeypatch, kind, newton):
+    """BCE's `1 / u` is a reciprocal and a Newton step where the target divides so (not v6e)."""
+    from keras_cutbce.backends.jax import compile_platform
+    from keras_cutbce.backends.jax.pallas import api
+
+    chip = None if kind is None else compile_platform.chip_info(kind)
+    monkeypatch.setattr(compile_platform, "compiled_chip", lambda: chip)
+    zeros = np.zeros((8, 64), np.float32)
+    cfg = api.prepare(zeros, np.zeros((300, 64), np.float32), np.zeros((8, 1), np.int32), None,
+                      0.0, 1.0, None, None, True)[0]
+    assert cfg.newton_reciprocal == newton
+
+
 @pytest.mark.slow
 def test_in_tile_counts_match_a_brute_force_count(rng):
     """The prefetched counts bound every row's ids in every (vocab, row) tile."""
@@ -667,13 +682,17 @@ def test_table_gradient_carried_in_place_across_row_blocks(rng, monkeypatch):
         _assert_close(got, want, 2e-5, f"grad_{arg}")
 
 
+@pytest.mark.parametrize("base2", [False, True])
 @pytest.mark.parametrize("label_smoothing,pos_weight", [(0.0, 1.0), (0.1, 1.0), (0.0, 3.0),
                                                         (0.2, 2.5)])
-def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight):
+def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight, base2):
     """The kernel's few-op loss and slope (`logit_terms`) against the float64 spec table.
 
     Within 8 float32 ulps (below the smallest normal number, its absolute
-    size) at every logit from -inf to +inf, negatives and positives.
+    size) at every logit from -inf to +inf, negatives and positives. In
+    base 2 the kernel gets the logit times `LOG2E` rounded to float32 (the
+    hidden states' copy), so the table is evaluated at the logit that
+    rounded product stands for.
     """
     from keras_cutbce.backends.jax.pallas import logit_terms
     from keras_cutbce.math import spec
@@ -684,9 +703,13 @@ def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight):
         rows = [r for r in spec.table() if (r.label_smoothing, r.pos_weight, r.positive)
                 == (label_smoothing, pos_weight, positive)]
         z = np.array([r.logit for r in rows], np.float32)
-        loss, slope = logit_terms.term_and_slope(z, positive, coef)
-        for what, got, want in (("loss", loss, [r.loss for r in rows]),
-                                ("slope", slope, [r.slope for r in rows])):
+        loss, slope = logit_terms.term_and_slope(z, positive, coef, base2=base2)
+        if base2:  # the logits the kernel's base-2 products stand for
+            seen = (np.float32(logit_terms.LOG2E) * z).astype(np.float64) / np.log2(np.e)
+            want_loss, want_slope = spec.per_logit(seen, positive, label_smoothing, pos_weight)
+        else:
+            want_loss, want_slope = [r.loss for r in rows], [r.slope for r in rows]
+        for what, got, want in (("loss", loss, want_loss), ("slope", slope, want_slope)):
             np.testing.assert_allclose(np.asarray(got, np.float64), np.array(want),
                                        rtol=8 * 2.0**-24, atol=2.0**-126,
                                        err_msg=f"{what} positive={positive}")

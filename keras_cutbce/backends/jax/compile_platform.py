@@ -15,18 +15,21 @@ MiB = 2**20
 # within it compiles for any generation.
 SAFE_VMEM_BYTES = 16 * MiB
 
-# device_kind -> (VMEM bytes per TensorCore, TensorCores a device uses).
-# Values as in `jax._src.pallas.mosaic.tpu_info` (JAX 0.10) and the TPU docs;
-# v4 and v5p are megacore chips: one device drives two TensorCores.
+# device_kind -> (VMEM bytes per TensorCore, TensorCores a device uses, whether
+# float32 division is the reciprocal op alone). Values as in
+# `jax._src.pallas.mosaic.tpu_info` (JAX 0.10) and the TPU docs; v4 and v5p are
+# megacore chips: one device drives two TensorCores. Division as libtpu compiles
+# it (docs/tpu.md): on v6e one `vrcp`; before, `vrcp`, one Newton step and the
+# IEEE special cases.
 _CHIPS = {
-    "TPU v4": (16 * MiB, 2),
-    "TPU v4 lite": (16 * MiB, 1),
-    "TPU v5 lite": (128 * MiB, 1),
-    "TPU v5e": (128 * MiB, 1),
-    "TPU v5": (64 * MiB, 2),
-    "TPU v5p": (64 * MiB, 2),
-    "TPU v6 lite": (128 * MiB, 1),
-    "TPU v6e": (128 * MiB, 1),
+    "TPU v4": (16 * MiB, 2, False),
+    "TPU v4 lite": (16 * MiB, 1, False),
+    "TPU v5 lite": (128 * MiB, 1, False),
+    "TPU v5e": (128 * MiB, 1, False),
+    "TPU v5": (64 * MiB, 2, False),
+    "TPU v5p": (64 * MiB, 2, False),
+    "TPU v6 lite": (128 * MiB, 1, True),
+    "TPU v6e": (128 * MiB, 1, True),
 }
 
 
@@ -36,6 +39,7 @@ class ChipInfo(NamedTuple):
     device_kind: str
     vmem_bytes: int
     cores: int
+    reciprocal_divides: bool  # float32 division compiles to the reciprocal op alone
 
 
 def chip_info(device_kind):

@@ -77,6 +77,7 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
         dv_view=dim % tiling.LANES != 0,
         cores=int(tiling.tensorcores()),
         family=family,
+        newton_reciprocal=tiling.newton_reciprocal(),
     )
     return cfg, hidden, table, bias, ids
 

@@ -20,6 +20,7 @@ class Config(NamedTuple):
     cores: int = 1  # TensorCores the vocabulary is split across
     family: str = "bce"  # the loss family: "bce" or "softmax"
     positives: bool = True  # softmax: the kernels find the rows' ids (hit bits); False: no ids
+    newton_reciprocal: bool = False  # BCE's `1 / u` as the approximate reciprocal and one Newton step
 
     @property
     def softmax(self):

@@ -11,8 +11,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from keras_cutbce.backends.jax.pallas import logit_terms
-from keras_cutbce.backends.jax.pallas.tiling import (LANES, PIECE_COLS, PIECE_ROWS, cores_used,
-                                                     num_tiles)
+from keras_cutbce.backends.jax.pallas.tiling import (BCE_PIECE_COLS, LANES, PIECE_COLS,
+                                                     PIECE_ROWS, cores_used, num_tiles)
 from keras_cutbce.common import EMPTY_ID, round_up
 
 # `x @ y.T` ("NT"), `x @ y` ("NN") and `x.T @ y` ("TN") without materialising a transpose.
@@ -49,6 +49,15 @@ def bias_rows(cfg, ps):
     the bias gradient; a whole packed sublane tile of rows (8 float32, 16 bfloat16).
     """
     return 32 // jnp.dtype(cfg.mm_dtype).itemsize if ps.has_bias and cfg.dv_view else 0
+
+
+def in_base2(cfg):
+    """Whether BCE's logits come in base 2 (`logit_terms.LOG2E` folded into the hidden states).
+
+    Float32 matmuls in the `[D, V]` view, whose hidden states are copied
+    anyway: a 16-bit copy scaled by `LOG2E` would change the products.
+    """
+    return not cfg.softmax and cfg.dv_view and jnp.dtype(cfg.mm_dtype) == jnp.float32
 
 
 BIAS_PARTS = 3  # bfloat16 parts that sum to a float32 exactly: the MXU's pass precision drops none
@@ -164,7 +173,8 @@ def _rescaled(total, m_old, m_new):
 
 def piece_shape(cfg):
     """Returns `(rows, cols)` of one piece of a grid step's tile (a few vector registers each)."""
-    cols = next(c for c in (PIECE_COLS, 256, LANES) if cfg.tile % c == 0)
+    widest = PIECE_COLS if cfg.softmax else BCE_PIECE_COLS
+    cols = next(c for c in (widest, 256, LANES) if cfg.tile % c == 0)
     return min(PIECE_ROWS, cfg.row_tile), cols
 
 
@@ -202,12 +212,15 @@ def kernel(*refs, cfg, ps, interpreted=False):
     terms_ref = refs.pop(0) if ps.with_loss else None  # softmax: the lanes' running max
     lane_sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None
     lane_positive_ref = refs.pop(0) if positive_ref is not None else None
+    base2 = in_base2(cfg)
+    relus_ref = refs.pop(0) if ps.with_loss and base2 else None  # the relu parts, base-2 units
     bits_ref, bits_t_ref = (refs.pop(0), refs.pop(0)) if hit_bits else (None, None)
     scale_col_ref = refs.pop(0) if needs_scale_column(cfg, ps) else None
     lse_col_ref = refs.pop(0) if lse_ref is not None else None
     weight_col_ref = refs.pop(0) if weight_ref is not None else None
     hidden_t_ref = refs.pop(0) if cfg.dv_view else None
     extra = bias_rows(cfg, ps)  # the bias on the MXU
+    vpu_bias = ps.has_bias and not extra  # the bias added and its gradient summed on the VPU
     bias_parts_ref = refs.pop(0) if extra else None
     logits_refs = (refs.pop(0), refs.pop(0))
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -227,7 +240,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         """Writes piece column `c`'s logits `[row_tile, cols]` to `logits_refs[buffer]` (MXU)."""
         cols_ds = columns(c)
         table = _table_piece(table_ref, cols_ds, cfg, edge, lo + cols_ds.start)
-        bias = bias_ref[:, cols_ds] if ps.has_bias and not extra else None
+        bias = bias_ref[:, cols_ds] if vpu_bias else None
         if extra:
             table = jnp.concatenate([table.astype(bias_parts_ref.dtype),
                                      bias_parts_ref[:, cols_ds]], axis=0)
@@ -256,25 +269,27 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 dz = softmax_piece(z, local, valid, hits)
                 if dz is not None:
                     slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
-                    if ps.has_bias and not extra:
+                    if vpu_bias:
                         weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
                         grad = jnp.sum(weighted, axis=0, keepdims=True)
                         bias_grad = grad if bias_grad is None else bias_grad + grad
                 continue
             f = logit_terms.flip(z, hits)
-            ex = logit_terms.Exps(f, barrier=interpreted)
+            ex = logit_terms.Exps(f, barrier=interpreted, base2=base2,
+                                  newton=cfg.newton_reciprocal)
             positive = hits != 0 if mask_weights else None
             if ps.with_loss:
-                term = logit_terms.term(f, ex, cfg.coef, positive)
-                if valid is not None:
-                    term = jnp.where(valid, term, 0.0)
-                terms_ref[local, :] += _fold(term)
+                relus, logs = logit_terms.term(f, ex, cfg.coef, positive)
+                parts = ((relus_ref, relus), (terms_ref, logs)) if base2 else (
+                    (terms_ref, relus + logs),)
+                for ref, x in parts:
+                    ref[local, :] += _fold(x if valid is None else jnp.where(valid, x, 0.0))
             if ps.with_grads:
                 dz = logit_terms.flip(logit_terms.slope(f, ex, cfg.coef, positive), hits)
                 if valid is not None:
                     dz = jnp.where(valid, dz, 0.0)
                 slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
-                if ps.has_bias and not extra:
+                if vpu_bias:
                     weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
                     grad = jnp.sum(weighted, axis=0, keepdims=True)
                     bias_grad = grad if bias_grad is None else bias_grad + grad
@@ -380,11 +395,15 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 if edge:
                     items = lax.broadcasted_iota(jnp.int32, bias.shape, 1) + tile_index * cfg.tile
                     bias = jnp.where(items < cfg.vocab_size, bias, 0.0)
+                if base2:
+                    bias = bias * logit_terms.LOG2E
                 bias_parts_ref[...] = _parts(bias, extra).astype(bias_parts_ref.dtype)
 
         lo = tile_index * cfg.tile
         if ps.with_loss:
             terms_ref[...] = jnp.full(terms_ref.shape, LOWEST if cfg.softmax else 0.0, jnp.float32)
+            if relus_ref is not None:
+                relus_ref[...] = jnp.zeros(relus_ref.shape, jnp.float32)
             if cfg.softmax:
                 lane_sum_ref[...] = jnp.zeros(lane_sum_ref.shape, jnp.float32)
         if lane_positive_ref is not None:
@@ -416,6 +435,8 @@ def kernel(*refs, cfg, ps, interpreted=False):
                            cfg.tile)
         if hidden_t_ref is not None:  # [D, rows] -> [rows, D]: row pieces on the sublanes
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
+            if base2:
+                hidden = hidden * logit_terms.LOG2E
             if extra:  # ones against the bias parts' rows
                 ones = lax.broadcasted_iota(jnp.int32, (extra, row_tile), 0) < BIAS_PARTS
                 hidden = jnp.concatenate([hidden, ones.astype(jnp.float32)], axis=0)
@@ -434,7 +455,10 @@ def kernel(*refs, cfg, ps, interpreted=False):
                                 + _rescaled(s_step, m_step, m_new))
             loss_ref[:, rows] = m_new
         elif ps.with_loss:
-            loss_ref[:, rows] += _as_row(jnp.sum(terms_ref[...], axis=1, keepdims=True))
+            terms = terms_ref[...]
+            if relus_ref is not None:
+                terms = relus_ref[...] * logit_terms.LN2 + terms
+            loss_ref[:, rows] += _as_row(jnp.sum(terms, axis=1, keepdims=True))
         if positive_ref is not None:
             positive_ref[:, rows] += _as_row(jnp.sum(lane_positive_ref[...], axis=1,
                                                      keepdims=True))
@@ -486,6 +510,8 @@ def scratch_shapes(cfg, ps, dim, mm_dtype):
     if ps.with_loss:
         shapes += [column] * (1 + cfg.softmax)
     if ps.positive_sums:
+        shapes.append(column)
+    if ps.with_loss and in_base2(cfg):
         shapes.append(column)
     if uses_hit_bits(cfg, ps.with_grads, ps.positive_sums):
         shapes += [pltpu.VMEM((cfg.row_tile, LANES), jnp.int32),

@@ -2,12 +2,20 @@
 
 A positive flips its logit's sign by one xor; one `exp`, `log` and
 reciprocal a logit, `log1p(e) = log(u) + (e - (u - 1))` with `u = 1 + e`.
+In base 2 the logits come scaled by `log2(e)` (`LOG2E`, folded into the
+hidden states before the matmul): `exp2` needs no scaling, and the relu
+parts are summed apart, `LN2` applied to their row sums (`term`).
 """
+
+import math
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 SIGN_BIT = -(2**31)  # int32 with only the sign bit set
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 def flip(z, hits):
@@ -32,20 +40,36 @@ def _per_logit(pair, positive):
 
 
 class Exps:
-    """`e = exp(-|f|)`, `u = 1 + e` and `r = 1 / u`; `barrier` keeps XLA from folding `(1 + e) - 1`."""
+    """`e = exp(-|f|)`, `u = 1 + e` and `r = 1 / u`; `barrier` keeps XLA from folding `(1 + e) - 1`.
 
-    def __init__(self, f, barrier=False):
+    `base2`: `f` is the logit times `LOG2E`. `newton`: `r` as the approximate
+    reciprocal and one Newton step, the float32 division libtpu compiles for
+    v4, v5e and v5p without its branches for infinite, zero and huge
+    divisors (`u` is in [1, 2]); in a kernel only.
+    """
+
+    def __init__(self, f, barrier=False, base2=False, newton=False):
         negative_abs = lax.bitcast_convert_type(  # -|f|: one or (the sign bit set)
             lax.bitcast_convert_type(f, jnp.int32) | SIGN_BIT, f.dtype)
-        self.e = jnp.exp(negative_abs)
+        # `pow(2, x)`: Mosaic lowers it to exp2 (one transcendental op), and the
+        # CPU (the interpreter) computes it exactly where its `exp2` is `exp(x ln 2)`.
+        self.e = lax.pow(2.0, negative_abs) if base2 else jnp.exp(negative_abs)
         self.u = 1.0 + self.e
         if barrier:
             self.u = lax.optimization_barrier(self.u)
-        self.r = 1.0 / self.u
+        if newton:
+            r = pl.reciprocal(self.u, approx=True)
+            self.r = r + r * (1.0 - r * self.u)
+        else:
+            self.r = 1.0 / self.u
 
 
 def term(f, ex, coef, positive):
-    """Returns each logit's loss term `A softplus(f) + B softplus(-f)` (`f`: `flip`ped logits)."""
+    """Returns `(relus, logs)`: each logit's loss term `A softplus(f) + B softplus(-f)` in two parts.
+
+    `f`: `flip`ped logits. The term is `relus + logs`, or in base 2 (`f`
+    times `LOG2E`, `relus` then in base-2 units) `relus * LN2 + logs`.
+    """
     a, b = (_per_logit(w, positive) for w in _weights(coef))
     # log1p(e) = log(u) + the rounding error of u = 1 + e (u - 1 is exact).
     log1p_e = jnp.log(ex.u) + (ex.e - (ex.u - 1.0))
@@ -54,7 +78,7 @@ def term(f, ex, coef, positive):
     if not _is(b, 0.0):
         out = out + b * jnp.maximum(-f, 0.0)
     ab = a + b
-    return out + (log1p_e if _is(ab, 1.0) else ab * log1p_e)
+    return out, (log1p_e if _is(ab, 1.0) else ab * log1p_e)
 
 
 def slope(f, ex, coef, positive):
@@ -73,11 +97,15 @@ def needs_mask(coef):
     return any(neg != pos for neg, pos in _weights(coef))
 
 
-def term_and_slope(z, positive, coef):
-    """Returns the loss term and `d loss / d z` of logits `z` (for tests; float32)."""
+def term_and_slope(z, positive, coef, base2=False):
+    """Returns the loss term and `d loss / d z` of logits `z` (for tests; float32).
+
+    `base2`: of the logits `z * LOG2E` rounded to float32, as the kernel gets them.
+    """
     positive = jnp.broadcast_to(jnp.asarray(positive), z.shape)
     hits = jnp.where(positive, SIGN_BIT, 0).astype(jnp.int32)
-    f = flip(z, hits)
-    ex = Exps(f, barrier=True)
+    f = flip(jnp.float32(LOG2E) * z if base2 else z, hits)
+    ex = Exps(f, barrier=True, base2=base2)
     mask = positive if needs_mask(coef) else None
-    return term(f, ex, coef, mask), flip(slope(f, ex, coef, mask), hits)
+    relus, logs = term(f, ex, coef, mask)
+    return (relus * LN2 if base2 else relus) + logs, flip(slope(f, ex, coef, mask), hits)

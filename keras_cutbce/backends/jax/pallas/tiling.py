@@ -16,8 +16,9 @@ MAX_ROW_TILE = 512
 MIN_ROW_TILE = 128
 MAX_TILE = 4096  # 32 hit bits x 128 lanes (`kernel._fill_hit_bits`)
 TILE_STEP = 256  # tile widths below the widest: whole 256-wide piece columns
-PIECE_ROWS = 64  # a piece of a step's tile: [64, 512] float32, 32 vector registers
-PIECE_COLS = 512
+PIECE_ROWS = 64  # a piece of a step's tile: 64 rows (float32 [64, 256]: 16 vector registers)
+PIECE_COLS = 512  # the widest piece (softmax's: its statistics rescale their sums once a piece)
+BCE_PIECE_COLS = 256  # BCE's pieces: libtpu packs its schedule tighter (docs/tpu.md)
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20  # the compiler's limit when a kernel asks for none
 
 
@@ -25,6 +26,12 @@ def vmem_capacity_bytes():
     """Returns the VMEM bytes of one TensorCore of the target TPU, or None when unknown."""
     chip = compile_platform.compiled_chip()
     return None if chip is None else chip.vmem_bytes
+
+
+def newton_reciprocal():
+    """Whether the target divides by a reciprocal op and a Newton step (`logit_terms.Exps`): v4, v5e, v5p."""
+    chip = compile_platform.compiled_chip()
+    return chip is not None and not chip.reciprocal_divides
 
 
 def tensorcores():
