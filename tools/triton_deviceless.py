@@ -146,6 +146,7 @@ def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_b
         HAS_BIAS=has_bias, RESCALE=dtype == "float16",
         SPLIT_DOT=config.split_dot(getattr(torch, dtype), getattr(torch, stored)),
         INTERPRET=False, PRECISION=precision,
+        K_INTERLEAVED=config.k_interleaved(dim, getattr(torch, dtype), arch, precision),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=config.block_dim(dim), **KERNEL_VARIANTS[kernel],
         FAMILY=family,
     )

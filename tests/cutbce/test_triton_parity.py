@@ -24,6 +24,7 @@ results in the interpreter (triton#11584, unsupported upstream); the bf16
 hi/lo split of the gradient products is checked there on its fp32 result.
 """
 
+import contextlib
 import functools
 import importlib.util
 
@@ -194,10 +195,33 @@ def _keras_objective(ids, a, v, cotangent):
     return objective
 
 
-@pytest.mark.parametrize("family, name", FAMILY_CASES)
-def test_per_row_loss_and_gradients_under_any_cotangent(family, name, rng):
+# Also run under torch's "high" matmul precision: the TF32 kernels (the gradient products' k reordered,
+# the columns kernel items first). The interpreter's products stay fp32, so the tolerances are float32's;
+# on a GPU TF32 rounds the operands (the GPU check's TF32 parity covers it there).
+TF32_CASES = [("bce", "odd_shapes_bias"), ("bce", "sparse_tiles"), ("softmax", "saturated_x40")]
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision):
     import torch
 
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("family, name, precision", [(f, n, "highest") for f, n in FAMILY_CASES]
+                         + [(f, n, "high") for f, n in TF32_CASES])
+def test_per_row_loss_and_gradients_under_any_cotangent(family, name, precision, rng):
+    import torch
+
+    from keras_cutbce.backends.torch.triton.launch import interpreting
+
+    if precision == "high" and not interpreting():
+        pytest.skip("TF32 on a GPU rounds the operands: the GPU check's TF32 parity covers it")
     problem = _problem(name, rng, family)
     h, e, b, ids, (a, p, dtype) = problem
     cotangent = torch.tensor(rng.normal(size=h.shape[0]), dtype=torch.float32, device=h.device)
@@ -210,7 +234,8 @@ def test_per_row_loss_and_gradients_under_any_cotangent(family, name, rng):
         losses.append(loss.detach())
         return (cotangent * loss).sum()
 
-    got = scaled_value_and_grads(triton_objective, (h, e, b))
+    with _matmul_precision(precision):
+        got = scaled_value_and_grads(triton_objective, (h, e, b))
     for grad, x in zip(got[1], (h, e, b)):
         assert grad is None or (grad.dtype == x.dtype and grad.shape == x.shape)
     if family == "softmax":

@@ -12,7 +12,7 @@ import torch
 
 __all__ = [
     "KernelConfig", "COMPILED_ARCHS", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose",
-    "device_arch", "num_splits", "overridden", "programs_per_sm", "split_dot", "supports",
+    "device_arch", "k_interleaved", "num_splits", "overridden", "programs_per_sm", "split_dot", "supports",
 ]
 
 
@@ -136,6 +136,23 @@ def split_dot(operands, stored):
     """Whether a gradient product splits its float32 slopes into a high and a low half of `operands`
     (`SPLIT_DOT`): for 16-bit operands, unless the gradient is stored in `operands` anyway."""
     return operands not in (torch.float32, stored)
+
+
+# TF32 gradient products take the slopes in the accumulator's own order (`K_INTERLEAVED`) up to this
+# `BLOCK_D`, by generation: wider, reordering the other operand holds registers that spill or cost more
+# instructions than the shuffles it saves (tools/triton_sass.py, docs/cutbce.md).
+_K_INTERLEAVED_MAX_BLOCK_D = {80: 32, 90: 64}
+
+
+def k_interleaved(dim, dtype, arch=90, precision="tf32"):
+    """Whether the kernels' gradient products reorder their shared index (`K_INTERLEAVED`): fp32 at TF32.
+
+    >>> k_interleaved(64, torch.float32), k_interleaved(64, torch.float32, arch=80)
+    (True, False)
+    """
+    generation = 90 if arch >= 90 else 80
+    return (dtype == torch.float32 and precision == "tf32"
+            and block_dim(dim) <= _K_INTERLEAVED_MAX_BLOCK_D[generation])
 
 
 def supports(dim, dtype=torch.bfloat16, precision="tf32"):

@@ -32,10 +32,26 @@ def _rescaled(largest, acc, scale):
 
 
 @triton.jit
+def _k_interleaved(a, b):
+    """`(a', b')` with `a' @ b' == a @ b`: the shared index k reordered within each group of 8, position
+    `4r + q` taking `2q + r`. A TF32 accumulator's thread holds the columns `2q, 2q + 1` of a group and
+    the A operand's takes `q, q + 4`: so reordered, `a` is the A operand without shuffles."""
+    M: tl.constexpr = a.shape[0]
+    K: tl.constexpr = a.shape[1]
+    N: tl.constexpr = b.shape[1]
+    a = tl.reshape(tl.permute(tl.reshape(a, (M, K // 8, 4, 2)), (0, 1, 3, 2)), (M, K))
+    b = tl.reshape(tl.permute(tl.reshape(b, (K // 8, 4, 2, N)), (0, 2, 1, 3)), (K, N))
+    return a, b
+
+
+@triton.jit
 def _dot_f32_left(a, b, acc, SPLIT_DOT: tl.constexpr, INTERPRET: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, K_INTERLEAVED: tl.constexpr):
     """`acc + a @ b` for a float32 `a` rounded to `b`'s dtype; with `SPLIT_DOT`, `a = hi + lo` there, two
-    products (without: one rounding of `a`, for a gradient stored in that dtype anyway)."""
+    products (without: one rounding of `a`, for a gradient stored in that dtype anyway). With
+    `K_INTERLEAVED` (TF32), the shared index reordered (`_k_interleaved`)."""
+    if K_INTERLEAVED:
+        a, b = _k_interleaved(a, b)
     hi = a.to(b.dtype, fp_downcast_rounding="rtne")
     acc = _dot(hi, b, acc, INTERPRET, PRECISION)
     if SPLIT_DOT:
@@ -166,7 +182,8 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, 
                 HAS_BIAS: tl.constexpr, LOSS: tl.constexpr, GRAD_H: tl.constexpr,
                 SPLIT_DOT: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, FAMILY: tl.constexpr = "bce"):
+                BLOCK_D: tl.constexpr, FAMILY: tl.constexpr = "bce",
+                K_INTERLEAVED: tl.constexpr = False):
     """Per row block x split: BCE's `sum_v softplus(z)` `[S, M]` and `sum_v sigmoid(z) E_v` `[S, M, D]`;
     softmax's (`LOSS` always) `(sum exp(z - max), max)` `[2, S, M]` and `sum_v exp(z - max) E_v`."""
     block, split = tl.program_id(0), tl.program_id(1)
@@ -198,7 +215,7 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, 
             row_max = top
             if GRAD_H:
                 grad_h = _dot_f32_left(slope, table_tile, grad_h * shrink[:, None], SPLIT_DOT,
-                                       INTERPRET, PRECISION)
+                                       INTERPRET, PRECISION, K_INTERLEAVED)
         else:
             softplus, sigmoid = _softplus_sigmoid(z, INTERPRET)
             if LOSS:
@@ -208,7 +225,8 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, 
                     grad_h, grad_h_scale, factor = _rescaled(tl.max(sigmoid, axis=1), grad_h,
                                                              grad_h_scale)
                     sigmoid = sigmoid * factor[:, None]
-                grad_h = _dot_f32_left(sigmoid, table_tile, grad_h, SPLIT_DOT, INTERPRET, PRECISION)
+                grad_h = _dot_f32_left(sigmoid, table_tile, grad_h, SPLIT_DOT, INTERPRET, PRECISION,
+                                       K_INTERLEAVED)
     if LOSS:
         tl.store(softplus_parts_ptr + split * num_rows + rows, row_sum, mask=row_ok)
         if FAMILY == "softmax":
@@ -227,7 +245,8 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_pt
                    HAS_BIAS: tl.constexpr, GRAD_E: tl.constexpr, GRAD_B: tl.constexpr,
                    SPLIT_DOT: tl.constexpr, RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, FAMILY: tl.constexpr = "bce", lse_ptr=None):
+                   BLOCK_D: tl.constexpr, FAMILY: tl.constexpr = "bce", lse_ptr=None,
+                   K_INTERLEAVED: tl.constexpr = False):
     """Per vocabulary tile, over all rows: `grad_table` `[V, D]` and `grad_bias` `[V]`, float32.
 
     The slopes: `r_m sigmoid(z)` (BCE) or `r_m exp(z - lse_m)` (softmax), `r` the row scales. On the
@@ -267,7 +286,8 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_pt
                 scaled = slope * _per_item(factor, ITEMS_FIRST)
             if not ITEMS_FIRST:
                 scaled = tl.trans(scaled)
-            grad_table = _dot_f32_left(scaled, h, grad_table, SPLIT_DOT, INTERPRET, PRECISION)
+            grad_table = _dot_f32_left(scaled, h, grad_table, SPLIT_DOT, INTERPRET, PRECISION,
+                                       K_INTERLEAVED)
         if GRAD_B:
             grad_bias += tl.sum(slope, axis=1 if ITEMS_FIRST else 0)
     if GRAD_E:

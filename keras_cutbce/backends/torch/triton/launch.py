@@ -169,6 +169,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         RESCALE=operands == torch.float16,
         INTERPRET=interpret, PRECISION=precision, BLOCK_D=config.block_dim(dim),
         FAMILY="softmax" if softmax else "bce", HAS_BIAS=bias is not hidden,
+        K_INTERLEAVED=config.k_interleaved(dim, operands, config.device_arch(h.device), precision),
     )
     row_sums = grad_h = grad_e = grad_b = lse = None
     f32 = dict(dtype=torch.float32, device=h.device)
