@@ -37,7 +37,8 @@
 #     the cell groups by priority, each with its 3 repeats
 #   4 CutBCE, BCE and softmax: Triton parity tests compiled, then   CUTBCE_GPU_SECONDS  211 s / skipped (Triton
 #     benchmarks/cutbce_triton.py --gpu in what is left              (210 s)             3.6's interpreter fails
-#                                                                                         on NumPy >= 2.4)
+#                                                                                         on NumPy >= 2.4;
+#                                                                                         with 2.3: 155 s)
 #   results, slack                                                  ~15 s
 #   total                                                           <= 480 s            479 s / 212 s
 # (the machine's start-up is extra). Phases 3 and 4 stop starting work when their budget is spent.
