@@ -141,7 +141,8 @@ def against(table, path):
     rows = []
     for row in table:
         ref = reference.get(tuple(row[k] for k in _KEY), {})
-        rows.append({**row, **{f"ref_{k}": ref.get(k, "missing") for k in _COMPARED + ("block_m", "block_n")}})
+        beside = {f"ref_{k}": ref.get(k, "missing") for k in _COMPARED + ("block_m", "block_n")}
+        rows.append({**row, **beside})
     return rows
 
 

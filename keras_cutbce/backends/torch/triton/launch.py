@@ -228,8 +228,9 @@ def _rows_programs_per_sm(device, dtypes, options):
     """How many programs of the rows kernel an SM holds (`config.programs_per_sm`); 1 in the interpreter.
 
     Read from the kernel compiled before its first launch (`JITFunction.warmup`, nothing runs) for
-    tensors of `dtypes` (aligned) and every integer argument 16, whatever the shapes, so each call with these options, the
-    first too, splits the vocabulary alike. `options`: the launch's keyword arguments, as items.
+    aligned tensors of `dtypes` and every integer argument 16, whatever the shapes: each call with
+    these options, the first too, splits the vocabulary alike. `options`: the launch's keyword
+    arguments, as items.
     """
     key = (device, dtypes, options)
     if key not in _PROGRAMS:
