@@ -127,6 +127,38 @@ def _deviceless_markdown(table):
             + "(bf16, TF32) or FMA units (fp32 at ieee, torch's default).\n")
 
 
+_KEY = ("family", "arch", "dim", "dtype", "precision", "kernel")
+_COMPARED = ("registers", "spill_bytes", "instructions_per_logit")
+
+
+def against(table, path):
+    """`table`'s rows with another compiler's figures of the same configuration beside them (`ref_*`).
+
+    `path`: a `--deviceless` JSON, e.g. the committed Triton 3.7.1 table.
+    """
+    with open(path) as f:
+        reference = {tuple(r[k] for k in _KEY): r for r in json.load(f)}
+    rows = []
+    for row in table:
+        ref = reference.get(tuple(row[k] for k in _KEY), {})
+        beside = {f"ref_{k}": ref.get(k, "missing") for k in _COMPARED + ("block_m", "block_n")}
+        rows.append({**row, **beside})
+    return rows
+
+
+def _against_markdown(table, path):
+    import triton
+
+    columns = list(_KEY) + ["block_m", "block_n", "num_warps"] + [
+        c for k in _COMPARED for c in (k, f"ref_{k}")] + ["issue_ms"]
+    moved = [r for r in table if (r["block_m"], r["block_n"]) != (r["ref_block_m"], r["ref_block_n"])]
+    spills = [r for r in table if r["spill_bytes"] != r["ref_spill_bytes"]]
+    return (f"Triton {triton.__version__} (columns without `ref_`) against `{os.path.relpath(path, _REPO)}` "
+            f"(`ref_`): {len(table)} configurations compiled, {len(spills)} whose spills differ, "
+            f"{len(moved)} whose tiles differ.\n\n" + markdown_table(table, columns)
+            + "\n\nissue_ms: this compiler's issue floor of one training step (see the reference's notes).\n")
+
+
 def _gpu_markdown(report):
     parts = [f"Device: {report['device']}; budget {report['budget_s']:.0f} s, "
              f"{report['wall_s']:.0f} s used. (Each section: `benchmarks/cutbce_triton_gpu.py`.)"]
@@ -148,13 +180,24 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=120.0, help="seconds for --gpu")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="with --gpu: tiny CPU shapes, the Triton interpreter")
+    parser.add_argument("--against", metavar="JSON",
+                        help="with --deviceless: beside another compiler's table (e.g. Triton 3.7.1's "
+                             "benchmarks/results/cutbce_triton_deviceless.json); writes "
+                             "cutbce_triton_deviceless_triton<major><minor>.md/.json")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.deviceless:
         payload = deviceless()
-        text = f"Command: `{command_line()}`\n\n" + _deviceless_markdown(payload)
         stem = "cutbce_triton_deviceless"
+        if args.against:
+            import triton
+
+            payload = against(payload, args.against)
+            text = f"Command: `{command_line()}`\n\n" + _against_markdown(payload, args.against)
+            stem += "_triton" + "".join(triton.__version__.split(".")[:2])
+        else:
+            text = f"Command: `{command_line()}`\n\n" + _deviceless_markdown(payload)
     else:
         import torch
 

@@ -8,7 +8,8 @@ cross-entropy on the logits) and softmax (`cut_categorical_crossentropy`, dense:
 categorical cross-entropy on `multi_hot / L`).
 
 1. `jit`: first-call latency (Triton's compile, cold cache: a fresh `TRITON_CACHE_DIR`) of
-   one training step (forward + backward) per family and variant, against the second call;
+   one training step (forward + backward) per family and variant, against the second call, and
+   whether the two give the same bits (`same_bits`: the first launch splits as later ones);
 2. `parity`: loss and every gradient of the triton, chunked and dense implementations against
    the family's formula in float64, per family and variant (bf16 inputs; fp32 at TF32; fp32
    at full IEEE precision), the logits spread to |z| up to 80; above its limit (the larger of
@@ -183,20 +184,25 @@ def float64_reference(h, e, b, ids, family="bce"):
 
 
 def jit_latency(run):
+    """The first call's compile time, and whether the first (cold) and second steps give the same bits."""
+    import torch
+
     rows = []
     for family in run.families:
         for variant in run.variants:
             with precision(variant) as dtype:
                 inputs = problem(run, run.small, dtype)
-                times = []
+                times, outputs = [], []
                 for _ in range(2):
                     run.sync()
                     start = time.perf_counter()
-                    step("triton", *inputs, family=family)
+                    loss = step("triton", *inputs, family=family)
                     run.sync()
                     times.append(1e3 * (time.perf_counter() - start))
+                    outputs.append([loss] + [x.grad for x in inputs[:3]])
             rows.append(dict(family=family, variant=variant, first_call_ms=times[0],
-                             second_call_ms=times[1], jit_ms=times[0] - times[1]))
+                             second_call_ms=times[1], jit_ms=times[0] - times[1],
+                             same_bits=all(map(torch.equal, *outputs))))
     return rows
 
 

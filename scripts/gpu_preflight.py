@@ -97,7 +97,7 @@ def interpreter_problem():
 
     It runs a kernel that loops over bounds made from `tl.program_id`, as the kernels do.
     Triton 3.6's interpreter converts such a bound with `int()` of a one-element array,
-    which NumPy 2.5 refuses (TypeError); Triton 3.7 does not. Only a dry run uses the
+    which NumPy >= 2.4 refuses (TypeError; 2.3 runs it); Triton 3.7 does not. Only a dry run uses the
     interpreter; a GPU runs the compiled kernels.
     """
     os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is imported

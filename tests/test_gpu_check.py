@@ -120,6 +120,15 @@ def test_the_offline_install_imports_the_wheel_over_the_machines_torch(wheels, t
 
 
 @once
+def test_a_host_python_without_wheels_is_refused_not_ignored():
+    """`GPU_CHECK_HOST_PYTHON` is what `--wheels` installs over; without it the check would run .venv's."""
+    env = dict(os.environ, GPU_CHECK_HOST_PYTHON=sys.executable)
+    done = subprocess.run(["bash", SCRIPT, "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "add --wheels DIR" in done.stderr, done.stdout + done.stderr
+
+
+@once
 @pytest.mark.slow
 def test_a_dependency_the_machine_lacks_stops_the_install_naming_it(wheels, tmp_path):
     machine = _stand_in(tmp_path, leave_out=("rich",))

@@ -11,6 +11,7 @@ fp32, torch's default, and TF32), bfloat16 and float16. Each must compile with n
 (ptxas -v) and ask for no more shared memory than one block may have on that SM (163 KiB on sm_80,
 227 KiB on sm_90): what lets `implementation="auto"` run the kernels on those compute capabilities
 (`config.COMPILED_ARCHS`, the archs compiled here) and nowhere else. About 5 minutes on 2 cores.
+The launch code also runs through Triton's own JIT with a stand-in sm_90 driver (compiles, no launch).
 """
 
 import importlib.util
@@ -89,3 +90,78 @@ def test_programs_per_sm_of_the_compiled_rows_kernel():
         report = compile_kernel("rows", arch, dim, dtype)
         assert config.programs_per_sm(report["registers"], report["num_warps"],
                                       report["shared_bytes"], arch) == programs, report
+
+
+class _SM90WithoutGPU:
+    """Triton's active driver for an sm_90 GPU that is not there: Triton compiles for real; loading a
+    kernel reads its registers from the cubin (`cuobjdump`); a launch records its grid, runs nothing."""
+
+    def __init__(self):
+        self.utils, self.grids, self.loaded = self, [], []
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448}
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args: self.grids.append((src.fn.__name__, args[:3]))
+
+    def load_binary(self, name, cubin, shared, device):
+        import re
+        import subprocess
+        import tempfile
+
+        from tools.triton_deviceless import tool
+
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        registers = int(re.search(r"REG:(\d+)", usage).group(1))
+        self.loaded.append((name, registers, shared))
+        return None, None, registers, 0, 1024
+
+
+def test_the_first_launch_splits_by_the_kernel_compiled_before_it(monkeypatch):
+    """The launch code against Triton's own JIT (`JITFunction.warmup`, then `kernel[grid]`), compiled
+    for sm_90 with no GPU: the rows kernel's programs an SM are read from its registers and shared
+    memory before its first launch, and the first call's grid is the second's."""
+    import collections
+
+    import torch
+    from triton.runtime import driver
+
+    from keras_cutbce import cut_categorical_crossentropy
+    from keras_cutbce.backends.torch.triton import config, kernels, launch
+
+    for kernel in (kernels.rows_kernel, kernels.columns_kernel):  # this test's compiles stay here
+        monkeypatch.setattr(kernel, "device_caches", collections.defaultdict(kernel.create_binder))
+    monkeypatch.setattr(launch, "_PROGRAMS", {}, raising=False)  # read by other tests
+    monkeypatch.setattr(launch, "device_problem", lambda device: None)  # CPU tensors: nothing runs
+    stand_in = _SM90WithoutGPU()
+    monkeypatch.setattr(driver, "_active", stand_in)  # `reset_active` would look for a GPU
+    hidden, table = torch.ones(40, 64), torch.ones(5000, 64)  # full fp32 (torch's default precision)
+    ids = torch.zeros(40, 1, dtype=torch.int32)
+    for _ in range(2):
+        cut_categorical_crossentropy(hidden, table, ids, implementation="triton")
+    rows = [grid for name, grid in stand_in.grids if name == "rows_kernel"]
+    assert len(rows) == 2 and rows[0] == rows[1], stand_in.grids
+    name, registers, shared = stand_in.loaded[0]  # the kernel compiled before the first launch
+    assert name == "rows_kernel"
+    block_m, block_n, warps, _ = config.choose(64, torch.float32, False, 90, "ieee", family="softmax").rows_block
+    programs = config.programs_per_sm(registers, warps, shared, 90)
+    assert programs > 1, (registers, warps, shared)  # where the first launch used to split otherwise
+    tiles = -(-5000 // block_n)
+    per_split = -(-tiles // config.num_splits(40, tiles, block_m, torch.device("cpu"), programs))
+    assert rows[0] == (-(-40 // block_m), -(-tiles // per_split), 1)

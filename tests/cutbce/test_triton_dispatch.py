@@ -216,3 +216,55 @@ def test_tile_flags_mark_exactly_the_tiles_holding_a_positive():
     want[[0 * 5 + 0, 0 * 5 + 2, 1 * 5 + 4, 1 * 5 + 0, 2 * 5 + 2, 15]] = 1
     assert torch.equal(flags, want)
     assert launch._tile_flags(targets, 2, 32, 130, softmax=True) is targets  # softmax masks none
+
+
+class _Compiled:
+    """What Triton returns for a compiled kernel: registers and shared memory (here 2 programs an SM)."""
+
+    n_regs, run, metadata = 96, None, type("Metadata", (), {"shared": 32768})
+
+
+class _FakeKernels:
+    """The kernels' stand-in: compiling gives `_Compiled`; a launch records its grid, runs nothing and
+    returns the compiled kernel, as Triton's launch does."""
+
+    def __init__(self):
+        self.grids, self.rows_kernel, self.columns_kernel = [], self, self
+
+    def warmup(self, *args, grid, **options):
+        return _Compiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.grids.append(grid)
+            return _Compiled()
+        return launch
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch kernels' launches")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_first_launch_already_splits_the_vocabulary_as_every_later_one(family, any_device,
+                                                                            monkeypatch):
+    """The rows kernel's splits follow the programs an SM holds, read from the kernel compiled before
+    its first launch: the first call's grid is every later call's (bitwise reproducible steps)."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import config, launch
+
+    fake = _FakeKernels()
+    monkeypatch.setattr(launch, "kernels", lambda device: fake)
+    monkeypatch.setattr(launch, "_PROGRAMS", {}, raising=False)  # compiled by other tests' fakes
+    op = FAMILIES[family][0]
+    hidden, table = torch.ones(8, 32), torch.ones(4000, 32)
+    ids = torch.zeros(8, 1, dtype=torch.int32)
+    for _ in range(2):
+        op(hidden, table, ids, implementation="triton")
+    first, second = fake.grids[0], fake.grids[-1]
+    assert first == second
+    block_m, block_n, warps, _ = config.choose(32, torch.float32, False, 90, launch.triton_precision(),
+                                               family=family).rows_block
+    programs = config.programs_per_sm(_Compiled.n_regs, warps, _Compiled.metadata.shared, 90)
+    assert programs > 1
+    tiles = -(-4000 // block_n)
+    per_split = -(-tiles // config.num_splits(8, tiles, block_m, torch.device("cpu"), programs))
+    assert first == (1, -(-tiles // per_split))

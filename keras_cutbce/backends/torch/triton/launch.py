@@ -71,11 +71,6 @@ def _dense(hidden, table):
                              stored=(hidden.dtype, table.dtype))
 
 
-# The rows kernel's programs per SM, read from its compiled registers and shared memory once launched
-# (before: 1, what the table's 8-warp tiles fit).
-_RESIDENT = {}
-
-
 def interpreting():
     """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -179,22 +174,20 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     if rows_loss or need_h:
         block_m, block_n, warps, stages = settings.rows_block
         num_tiles = -(-vocab_size // block_n)
-        resident = (h.device.index, settings.rows_block, rows_loss, need_h, split_h, *flags.values())
-        splits = config.num_splits(num_rows, num_tiles, block_m, h.device, _RESIDENT.get(resident, 1))
-        tiles_per_split = -(-num_tiles // splits)
+        tile_flags = _tile_flags(targets, block_m, block_n, vocab_size, softmax)
+        options = dict(LOSS=rows_loss, GRAD_H=need_h, SPLIT_DOT=split_h, BLOCK_M=block_m, BLOCK_N=block_n,
+                       num_warps=warps, num_stages=stages, **flags)
+        dtypes = (hidden.dtype, table.dtype, bias.dtype, targets.dtype, tile_flags.dtype,
+                  torch.float32 if rows_loss else hidden.dtype, torch.float32 if need_h else hidden.dtype)
+        programs = _rows_programs_per_sm(h.device, dtypes, tuple(options.items()))
+        tiles_per_split = -(-num_tiles // config.num_splits(num_rows, num_tiles, block_m, h.device, programs))
         splits = -(-num_tiles // tiles_per_split)
         parts = torch.empty(2 if softmax else 1, splits, num_rows, **f32) if rows_loss else hidden
         grad_h_parts = torch.empty(splits, num_rows, dim, **f32) if need_h else hidden
-        tile_flags = _tile_flags(targets, block_m, block_n, vocab_size, softmax)
-        compiled = module.rows_kernel[(-(-num_rows // block_m), splits)](
+        module.rows_kernel[(-(-num_rows // block_m), splits)](
             hidden, table, bias, targets, tile_flags, parts, grad_h_parts,
-            num_rows, vocab_size, dim, targets.shape[1], tiles_per_split,
-            LOSS=rows_loss, GRAD_H=need_h, SPLIT_DOT=split_h, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=warps, num_stages=stages, **flags,
+            num_rows, vocab_size, dim, targets.shape[1], tiles_per_split, **options,
         )
-        if resident not in _RESIDENT and hasattr(compiled, "n_regs"):  # launched on a GPU
-            _RESIDENT[resident] = config.programs_per_sm(compiled.n_regs, warps, compiled.metadata.shared,
-                                                         config.device_arch(h.device))
         if softmax:  # the splits' `(max, sum exp)` merged; their gradients to the common max
             sums, maxima = parts
             top = maxima.amax(0)
@@ -225,6 +218,31 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         grad_e = grad_e if need_e else None
         grad_b = grad_b if need_b else None
     return (row_sums if loss else None), grad_h, grad_e, grad_b
+
+
+# The rows kernel's programs per SM by device, tensor dtypes and compile options (`_rows_programs_per_sm`).
+_PROGRAMS = {}
+
+
+@torch.compiler.assume_constant_result  # computed when traced: Dynamo does not trace Triton's compiler
+def _rows_programs_per_sm(device, dtypes, options):
+    """How many programs of the rows kernel an SM holds (`config.programs_per_sm`); 1 in the interpreter.
+
+    Read from the kernel compiled before its first launch (`JITFunction.warmup`, nothing runs) for
+    aligned tensors of `dtypes` and every integer argument 16, whatever the shapes: each call with
+    these options, the first too, splits the vocabulary alike. `options`: the launch's keyword
+    arguments, as items.
+    """
+    key = (device, dtypes, options)
+    if key not in _PROGRAMS:
+        compiled = kernels(device).rows_kernel.warmup(*dtypes, *(16,) * 5, grid=(1,), **dict(options))
+        programs = 1
+        if compiled is not None:  # None in the interpreter
+            compiled.run  # noqa: B018 - loads the kernel on the GPU, which reads its registers
+            programs = config.programs_per_sm(compiled.n_regs, dict(options)["num_warps"],
+                                              compiled.metadata.shared, config.device_arch(device))
+        _PROGRAMS[key] = programs
+    return _PROGRAMS[key]
 
 
 def _tile_flags(targets, block_m, block_n, vocab_size, softmax):
