@@ -4,8 +4,9 @@
 
 1. Python and the minimum version of each package the check imports (`MINIMUMS`: the version and
    the reason); a missing or older one ends the check with one line per problem;
-2. that `keras_cutbce` and `keras_erase` import (with `--installed`: from the installed wheel, not
-   the checkout, at the checkout's version) and print where every package came from;
+2. that torch, Keras, `keras_cutbce` and `keras_erase` import (one line naming the first that does not,
+   not a traceback; with `--installed`: from the installed wheel, not the checkout, at the checkout's
+   version) and print where every package came from;
 3. unless `--dry-run`: that torch sees a CUDA device and that Triton compiles and runs a kernel
    on it (the driver, `ptxas` and the launcher, before any test needs them).
 
@@ -64,6 +65,19 @@ def version_problems(versions, python=sys.version_info[:2], dry_run=False):
             problems.append(f"{name} >= {minimum} is needed and not installed: {why}")
         elif found is not None and version_tuple(found) < version_tuple(minimum):
             problems.append(f"{name} >= {minimum} is needed, {found} is installed: {why}")
+    return problems
+
+
+def import_problems(modules=("torch", "keras", "keras_cutbce", "keras_erase")):
+    """One line per module that is installed but does not import (e.g. torch against the wrong CUDA)."""
+    problems = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - the message is the answer
+            last = str(error).strip().splitlines()[-1:] or [""]
+            problems.append(f"{module} does not import: {type(error).__name__}: {last[0]}")
+            break  # the later ones import it
     return problems
 
 
@@ -140,9 +154,11 @@ def main(argv=None):
         for line in problems:
             print(f"gpu_preflight: STOP: {line}", file=sys.stderr)
         return 1
-    import keras_cutbce  # noqa: F401 - the imports are the check
-    import keras_erase  # noqa: F401
-
+    problems = import_problems()
+    if problems:
+        for line in problems:
+            print(f"gpu_preflight: STOP: {line}", file=sys.stderr)
+        return 1
     for name, module in (("keras", "keras"), ("torch", "torch"), ("triton", "triton"),
                          ("numpy", "numpy"), ("keras-cutbce-erase", "keras_cutbce")):
         if versions[name] is not None:

@@ -54,6 +54,21 @@ def test_the_preflight_names_each_version_too_old_and_why():
     assert gpu_preflight.version_problems(dict(ok, triton="3.5.1"), (3, 12), dry_run=True)
 
 
+def test_the_preflight_names_a_package_that_does_not_import_without_a_traceback(tmp_path):
+    """torch installed but broken (say, built for another CUDA): one STOP line, exit 1."""
+    broken = tmp_path / "torch"
+    broken.mkdir()
+    (broken / "__init__.py").write_text(
+        "raise OSError('loading the CUDA runtime\\nlibcudart.so.13: cannot open shared object file')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]), KERAS_BACKEND="torch")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_preflight.py"), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "gpu_preflight: STOP: torch does not import: OSError: libcudart.so.13: cannot open shared object file"]
+    assert "Traceback" not in out.stdout + out.stderr
+
+
 def _stand_in(folder, leave_out=()):
     """A 'GPU machine' python3: a virtualenv seeing this environment's packages, minus some."""
     here = sysconfig.get_path("purelib")
