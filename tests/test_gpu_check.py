@@ -181,6 +181,9 @@ def test_the_cutbce_part_runs_every_section_in_the_interpreter(tmp_path):
              for r in sections["timings"] if r["targets"] == 8}
     assert {(f, "ieee", i) for f in ("bce", "softmax") for i in ("chunked", "triton")} <= timed
     assert sections["ncu"] == [{"ran": False, "why": "dry run"}]
+    # softmax's columns kernel at 1 stage beside the table's 2 (Triton 3.6's narrow copies)
+    stages = {tuple(r["columns_block"])[3] for r in sections["sweep"] if r["family"] == "softmax"}
+    assert stages == {1, 2}
 
 
 NCU_RAW = '''==PROF== Connected to process 4242
