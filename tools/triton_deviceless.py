@@ -24,7 +24,7 @@ import tempfile
 
 from keras_cutbce.backends.torch.triton import config
 
-__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "disassemble", "tool"]
+__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "disassemble", "loop_regions", "parse_sass", "tool"]
 
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
 GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
@@ -96,15 +96,50 @@ def disassemble(cubin):
                               check=True).stdout
 
 
+# One SASS instruction of `cuobjdump -sass`: address, optional predicate, opcode, modifiers, operands.
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\.[^ ]*)?\s*([^;]*);")
+
+
+def parse_sass(sass):
+    """`[(address, opcode, operands)]` of `cuobjdump -sass` text."""
+    return [(int(a, 16), op, rest) for a, op, _, rest in _LINE.findall(sass)]
+
+
+def _branch_target(op, operands):
+    target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+    return int(target.group(1), 16) if target else None
+
+
+def loop_regions(instructions):
+    """`(tile loop, nested loop, skipped region)` address ranges `[first, last]` (None where absent).
+
+    The tile loop is the longest backward branch; the nested loop the longest backward branch inside it;
+    the skipped region the largest one a forward branch of the tile loop jumps over around the nested loop.
+    """
+    loops = [(target, address) for address, op, rest in instructions
+             if (target := _branch_target(op, rest)) is not None and target < address]
+    if not loops:
+        return None, None, None
+    outer = max(loops, key=lambda span: span[1] - span[0])
+    inner = [s for s in loops if outer[0] <= s[0] and s[1] < outer[1] and s != outer]
+    if not inner:
+        return outer, None, None
+    nested = max(inner, key=lambda span: span[1] - span[0])
+    region = None
+    for address, op, rest in instructions:
+        target = _branch_target(op, rest)
+        if target is None or not outer[0] <= address < nested[0]:
+            continue
+        if nested[1] < target <= outer[1] + 16 and (region is None or address < region[0]):
+            region = (address + 16, target - 16)
+    return outer, nested, region
+
+
 def _loop_instructions(cubin):
-    """Returns the SASS instructions of the longest loop (a backward branch) and of the kernel."""
-    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", disassemble(cubin))
-    longest = 0
-    for address, text in lines:
-        branch = re.search(r"\bBRA\b.*0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < int(address, 16):
-            longest = max(longest, (int(address, 16) - int(branch.group(1), 16)) // 16 + 1)
-    return longest, len(lines)
+    """Returns the SASS instructions of the tile loop (`loop_regions`) and of the kernel."""
+    instructions = parse_sass(disassemble(cubin))
+    outer = loop_regions(instructions)[0]
+    return (0 if outer is None else (outer[1] - outer[0]) // 16 + 1), len(instructions)
 
 
 def compile_kernel(kernel, arch, dim, dtype, block=None, precision="tf32", has_bias=True, family="bce",

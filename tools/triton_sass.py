@@ -49,7 +49,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -61,8 +60,10 @@ if ROOT not in sys.path:
 from tools.triton_deviceless import GPUS  # noqa: E402
 from tools.triton_deviceless import compile_kernel  # noqa: E402
 from tools.triton_deviceless import disassemble  # noqa: E402
+from tools.triton_deviceless import loop_regions  # noqa: E402
+from tools.triton_deviceless import parse_sass  # noqa: E402
 
-__all__ = ["CLASSES", "SHAPE", "classify", "count", "floors", "loop_regions", "per_logit"]
+__all__ = ["CLASSES", "SHAPE", "classify", "count", "floors", "per_logit"]
 
 CLASSES = ("float", "mufu", "mma", "integer", "memory", "barrier", "other")
 SHAPE = (16384, 64, 876_000)
@@ -74,9 +75,6 @@ _MEMORY = {"LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LD", "ST", "LDL", "STL",
            "ATOM", "ATOMS", "ATOMG", "RED", "UTMALDG", "UTMASTG", "UBLKCP", "LDGDEPBAR"}
 _BARRIER = {"BAR", "WARPGROUP", "DEPBAR", "MEMBAR", "FENCE", "SYNCS", "ARRIVES", "WARPSYNC", "ERRBAR"}
 _OTHER = {"BRA", "BSSY", "BSYNC", "NOP", "EXIT", "RET", "CALL", "JMP", "BREAK", "YIELD", "WARPGROUP_SYNC"}
-_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\.[^ ]*)?\s*([^;]*);")
-
-
 def classify(opcode):
     """The class of a SASS opcode (its name before the first dot; uniform-datapath `U` ops by their base).
 
@@ -93,40 +91,9 @@ def classify(opcode):
     return "integer"
 
 
-def _parse(sass):
-    """`[(address, opcode, operands)]` of `cuobjdump -sass` text."""
-    return [(int(a, 16), op, rest) for a, op, _, rest in _LINE.findall(sass)]
-
-
-def loop_regions(instructions):
-    """`(tile loop, nested loop, skipped region)` address ranges `[first, last]` (the last two None if absent).
-
-    The tile loop is the longest backward branch; the nested loop the longest backward branch inside it;
-    the skipped region the largest one a forward branch of the tile loop jumps over around the nested loop.
-    """
-    loops = [(int(re.search(r"0x([0-9a-f]+)", rest).group(1), 16), address)
-             for address, op, rest in instructions
-             if op == "BRA" and re.search(r"0x([0-9a-f]+)", rest)
-             and int(re.search(r"0x([0-9a-f]+)", rest).group(1), 16) < address]
-    outer = max(loops, key=lambda span: span[1] - span[0])
-    inner = [s for s in loops if outer[0] <= s[0] and s[1] < outer[1] and s != outer]
-    if not inner:
-        return outer, None, None
-    nested = max(inner, key=lambda span: span[1] - span[0])
-    region = None
-    for address, op, rest in instructions:
-        target = re.search(r"0x([0-9a-f]+)", rest)
-        if op != "BRA" or not target or not outer[0] <= address < nested[0]:
-            continue
-        target = int(target.group(1), 16)
-        if nested[1] < target <= outer[1] + 16 and (region is None or address < region[0]):
-            region = (address + 16, target - 16)
-    return outer, nested, region
-
-
 def count(sass):
     """Lane instructions by class: `{"base", "preamble", "per_target"}` -> `Counter` (see the module doc)."""
-    instructions = _parse(sass)
+    instructions = parse_sass(sass)
     outer, nested, region = loop_regions(instructions)
     parts = {name: collections.Counter() for name in ("base", "preamble", "per_target")}
     for address, op, _ in instructions:
