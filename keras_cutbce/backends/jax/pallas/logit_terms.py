@@ -53,7 +53,8 @@ class Exps:
             lax.bitcast_convert_type(f, jnp.int32) | SIGN_BIT, f.dtype)
         # `pow(2, x)`: Mosaic lowers it to exp2 (one transcendental op), and the
         # CPU (the interpreter) computes it exactly where its `exp2` is `exp(x ln 2)`.
-        self.e = lax.pow(2.0, negative_abs) if base2 else jnp.exp(negative_abs)
+        # The base a literal of `f`'s dtype (a Python 2.0 is float64 under x64).
+        self.e = lax.pow(f.dtype.type(2.0), negative_abs) if base2 else jnp.exp(negative_abs)
         self.u = 1.0 + self.e
         if barrier:
             self.u = lax.optimization_barrier(self.u)
