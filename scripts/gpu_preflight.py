@@ -69,16 +69,15 @@ def version_problems(versions, python=sys.version_info[:2], dry_run=False):
 
 
 def import_problems(modules=("torch", "keras", "keras_cutbce", "keras_erase")):
-    """One line per module that is installed but does not import (e.g. torch against the wrong CUDA)."""
-    problems = []
+    """A line naming the first of `modules` that does not import (e.g. torch against the wrong CUDA),
+    and its error's last line; [] if all import. The later ones import the earlier, so one line is all."""
     for module in modules:
         try:
             importlib.import_module(module)
         except Exception as error:  # noqa: BLE001 - the message is the answer
             last = str(error).strip().splitlines()[-1:] or [""]
-            problems.append(f"{module} does not import: {type(error).__name__}: {last[0]}")
-            break  # the later ones import it
-    return problems
+            return [f"{module} does not import: {type(error).__name__}: {last[0]}"]
+    return []
 
 
 def _origin(module):
@@ -149,12 +148,7 @@ def main(argv=None):
         return 1 if problem else 0
     versions = {name: installed_version(name) for name in REPORTED}
     print(f"gpu_preflight: Python {sys.version.split()[0]} at {sys.executable}")
-    problems = version_problems(versions, dry_run=args.dry_run)
-    if problems:
-        for line in problems:
-            print(f"gpu_preflight: STOP: {line}", file=sys.stderr)
-        return 1
-    problems = import_problems()
+    problems = version_problems(versions, dry_run=args.dry_run) or import_problems()
     if problems:
         for line in problems:
             print(f"gpu_preflight: STOP: {line}", file=sys.stderr)

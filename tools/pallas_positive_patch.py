@@ -6,7 +6,12 @@ positive's `(8, 128)` vector register from a VMEM tile, flips that one logit's s
 Prints the loop body's bundles with signed (`//`, `%`) and unsigned (shift, mask) index arithmetic.
 Run from the repository root: `.venv/bin/python tools/pallas_positive_patch.py` (jax[tpu]).
 """
-import glob, os, re, subprocess, sys, tempfile
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
 
 CHILD = r'''
 import os, sys
@@ -55,5 +60,6 @@ for variant in ("signed", "unsigned"):
                    "--xla_jf_dump_llo_pass_label_regex=final_bundles")
         subprocess.run([sys.executable, "-c", CHILD, variant], env=env, check=True, capture_output=True)
         (path,) = glob.glob(os.path.join(dump, "*-f.1-01-final_bundles.txt"))
-        addresses = [int(m.group(1), 16) for m in re.finditer(r"^\s+0x([0-9a-f]+) +(?:LB)?: >>", open(path).read(), re.M)]
+        with open(path) as f:  # the loop body's bundles: nesting depth 2 (`>>`)
+            addresses = [int(a, 16) for a in re.findall(r"^\s+0x([0-9a-f]+) +(?:LB)?: >>", f.read(), re.M)]
         print(f"{variant} index arithmetic: {max(addresses) - min(addresses) + 1} bundles per positive (loop body)")

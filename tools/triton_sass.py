@@ -75,6 +75,8 @@ _MEMORY = {"LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LD", "ST", "LDL", "STL",
            "ATOM", "ATOMS", "ATOMG", "RED", "UTMALDG", "UTMASTG", "UBLKCP", "LDGDEPBAR"}
 _BARRIER = {"BAR", "WARPGROUP", "DEPBAR", "MEMBAR", "FENCE", "SYNCS", "ARRIVES", "WARPSYNC", "ERRBAR"}
 _OTHER = {"BRA", "BSSY", "BSYNC", "NOP", "EXIT", "RET", "CALL", "JMP", "BREAK", "YIELD", "WARPGROUP_SYNC"}
+
+
 def classify(opcode):
     """The class of a SASS opcode (its name before the first dot; uniform-datapath `U` ops by their base).
 

@@ -235,11 +235,12 @@ def _rows_programs_per_sm(device, dtypes, options):
     """
     key = (device, dtypes, options)
     if key not in _PROGRAMS:
-        compiled = kernels(device).rows_kernel.warmup(*dtypes, *(16,) * 5, grid=(1,), **dict(options))
+        launch = dict(options)
+        compiled = kernels(device).rows_kernel.warmup(*dtypes, *(16,) * 5, grid=(1,), **launch)
         programs = 1
         if compiled is not None:  # None in the interpreter
             compiled.run  # noqa: B018 - loads the kernel on the GPU, which reads its registers
-            programs = config.programs_per_sm(compiled.n_regs, dict(options)["num_warps"],
+            programs = config.programs_per_sm(compiled.n_regs, launch["num_warps"],
                                               compiled.metadata.shared, config.device_arch(device))
         _PROGRAMS[key] = programs
     return _PROGRAMS[key]
