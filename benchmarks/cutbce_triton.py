@@ -184,6 +184,9 @@ def main(argv=None):
                         help="with --deviceless: beside another compiler's table (e.g. Triton 3.7.1's "
                              "benchmarks/results/cutbce_triton_deviceless.json); writes "
                              "cutbce_triton_deviceless_triton<major><minor>.md/.json")
+    parser.add_argument("--sections", help="with --gpu: a comma-separated subset of the sections "
+                                           "(benchmarks/cutbce_triton_gpu.py), e.g. to rerun those "
+                                           "a budget left out; written as cutbce_triton_gpu_sections")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -201,14 +204,18 @@ def main(argv=None):
     else:
         import torch
 
-        from benchmarks.cutbce_triton_gpu import measure
+        from benchmarks.cutbce_triton_gpu import SECTIONS, measure
 
         if not (args.cpu_dry_run or torch.cuda.is_available()):
             print("No CUDA device: run with --deviceless, or on a GPU.")
             return 2
-        payload = measure(args.budget, dry_run=args.cpu_dry_run)
+        sections = SECTIONS if args.sections is None else tuple(args.sections.split(","))
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            parser.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+        payload = measure(args.budget, dry_run=args.cpu_dry_run, sections=sections)
         text = _gpu_markdown(payload)
-        stem = "cutbce_triton_gpu"
+        stem = "cutbce_triton_gpu" if args.sections is None else "cutbce_triton_gpu_sections"
     print(text)
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
         f.write(text)

@@ -225,18 +225,19 @@ class _Compiled:
 
 
 class _FakeKernels:
-    """The kernels' stand-in: compiling gives `_Compiled`; a launch records its grid, runs nothing and
-    returns the compiled kernel, as Triton's launch does."""
+    """The kernels' stand-in: compiling gives `_Compiled`; a launch records its grid and its tensors'
+    device, runs nothing and returns the compiled kernel, as Triton's launch does."""
 
     def __init__(self):
-        self.grids, self.rows_kernel, self.columns_kernel = [], self, self
+        self.grids, self.devices, self.rows_kernel, self.columns_kernel = [], [], self, self
 
     def warmup(self, *args, grid, **options):
         return _Compiled()
 
     def __getitem__(self, grid):
-        def launch(*args, **options):
+        def launch(first, *args, **options):
             self.grids.append(grid)
+            self.devices.append(first.device)
             return _Compiled()
         return launch
 
@@ -266,5 +267,6 @@ def test_the_first_launch_already_splits_the_vocabulary_as_every_later_one(famil
     programs = config.programs_per_sm(_Compiled.n_regs, warps, _Compiled.metadata.shared, 90)
     assert programs > 1
     tiles = -(-4000 // block_n)
-    per_split = -(-tiles // config.num_splits(8, tiles, block_m, torch.device("cpu"), programs))
+    # Keras puts the inputs on its device: a GPU's SM count where there is one.
+    per_split = -(-tiles // config.num_splits(8, tiles, block_m, fake.devices[0], programs))
     assert first == (1, -(-tiles // per_split))

@@ -229,8 +229,11 @@ class FakeStreams:
         return scope()
 
 
-def make_dispatcher(mode, graphs):
+def make_dispatcher(mode, graphs, device_capture=False):
+    """`mode`'s dispatcher; with `graphs`, a runner over the stand-in capture (`device_capture`:
+    real CUDA Graphs, on a GPU only)."""
     from keras_erase.torch import schedules
+    from keras_erase.torch.cuda_graphs.capture import CudaGraphCapture
     from keras_erase.torch.cuda_graphs.capture import RecordingCapture
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
     schedule = Schedule.from_label(mode)
@@ -242,7 +245,7 @@ def make_dispatcher(mode, graphs):
     )
     capture = None
     if graphs:
-        capture = RecordingCapture()
+        capture = CudaGraphCapture() if device_capture else RecordingCapture()
         dispatcher.graphs = CudaGraphRunner(capture=capture, warmup=1)
     return dispatcher, capture
 
@@ -597,15 +600,16 @@ def test_a_block_with_weight_regularizers_is_graphed_like_eager(mode):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def train_block_with(layer, mode, graphs, steps=4, torch_seed=None):
+def train_block_with(layer, mode, graphs, steps=4, torch_seed=None, device_capture=False):
     """Trains `make_block(layer=layer)` by hand; returns its weights and the graph runner.
 
-    `torch_seed`: torch's generator seeded once the block is built (the same draws follow).
+    `torch_seed`: torch's generators seeded once the block is built (the same draws follow).
+    `device_capture`: real CUDA Graphs (a GPU), else the stand-in capture.
     """
     import torch
 
     block = make_block(layer=layer)
-    dispatcher, _ = make_dispatcher(mode, graphs)
+    dispatcher, _ = make_dispatcher(mode, graphs, device_capture)
     if torch_seed is not None:
         torch.manual_seed(torch_seed)
     for x, y, sw in batches(steps):

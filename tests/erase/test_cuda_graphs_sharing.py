@@ -110,14 +110,19 @@ def test_a_weight_held_at_the_capture_is_refused_before_any_capture(caplog):
     assert not runner.disabled  # the other blocks would keep their graphs
 
 
+@pytest.mark.parametrize("capture", ["stand_in", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
-def test_unseeded_dropout_replays_as_eager(mode):
+def test_unseeded_dropout_replays_as_eager(mode, capture):
+    """Unseeded Dropout draws from torch's global generator: a capture leaves it as it was and each
+    replay draws where the eager step would have (real CUDA Graphs: torch's graph-safe generator; the
+    stand-in: its generators forked around the recorded region, the GPU's too on a GPU machine)."""
     def train(graphs):
         keras.utils.set_random_seed(6)
         layer = keras.Sequential([keras.layers.Dense(16, "relu"), keras.layers.Dropout(0.3),
                                   keras.layers.Dense(4)])
         # the same draws from the block's first step on, with and without graphs
-        return train_block_with(layer, mode, graphs, steps=6, torch_seed=11)
+        return train_block_with(layer, mode, graphs, steps=6, torch_seed=11,
+                                device_capture=capture == "cuda")
 
     eager, _ = train(False)
     graphed, runner = train(True)

@@ -209,9 +209,12 @@ class RecordingCapture:
             raise CaptureRefused("injected capture failure (RecordingCapture.fail_after)")
         tape = OpTape()
         # A CUDA capture runs nothing: leave no side effect, neither on tensors (batch-norm
-        # statistics: `undo`) nor on the random generator, as torch's graph-safe CUDA generator
-        # (a replay draws where eager would have, so unseeded Dropout replays match eager).
-        with torch.random.fork_rng(devices=[]):
+        # statistics: `undo`) nor on the random generators (the CPU one and, on a GPU machine
+        # where the recorded region runs on CUDA tensors, the current device's), as torch's
+        # graph-safe CUDA generator: a replay draws where eager would have, so unseeded Dropout
+        # replays match eager.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
             with tape:
                 outputs = fn()
         tape.undo()
