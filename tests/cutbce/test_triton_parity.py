@@ -304,6 +304,49 @@ def test_public_op_routes_triton(family, rng):
     assert float(loss.detach()) == pytest.approx(float(want), rel=1e-5)
 
 
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _RUNS or not _cuda(), reason="needs CUDA (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("family", ["bce", "softmax"])
+def test_auto_runs_the_kernels_on_a_gpu_and_torchs_deterministic_mode_keeps_the_bits(family, rng,
+                                                                                     monkeypatch):
+    """On CUDA tensors of a tested capability `"auto"` launches the Triton kernels (not the chunked
+    loop), and under `torch.use_deterministic_algorithms(True)` a training step runs (no op refuses
+    it) to the same bits as without it. With torch's condition for cuBLAS in that mode (softmax merges
+    its splits' hidden gradients with an `einsum`)."""
+    import torch
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    import keras_cutbce
+
+    op = {"bce": keras_cutbce.cut_binary_crossentropy,
+          "softmax": keras_cutbce.cut_categorical_crossentropy}[family]
+    h, e, b, ids, _ = _problem("odd_shapes_bias", rng)
+
+    def step():
+        args = [x.detach().clone().requires_grad_(True) for x in (h, e, b)]
+        op(args[0], args[1], ids, args[2], implementation="auto").sum().backward()
+        return [x.grad for x in args]
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        grads = step()
+        torch.cuda.synchronize()
+    kernels = {event.key for event in profile.key_averages()}
+    assert any("rows_kernel" in k for k in kernels) and any("columns_kernel" in k for k in kernels), kernels
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        again = step()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(g, a) for g, a in zip(grads, again))
+
+
 @pytest.mark.parametrize("family", ["bce", "softmax"])
 def test_bf16_split_products_keep_fp32_accuracy(family, rng):
     """The gradient products of bf16 inputs: the hi/lo split gives ~1e-5, one rounding ~3e-3."""
