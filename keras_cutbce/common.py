@@ -4,13 +4,24 @@ import numbers
 
 import numpy as np
 
-__all__ = ["EMPTY_ID", "concrete_values", "ids_as_int32", "is_host_array", "on_tpu", "round_up", "static_dims"]
+__all__ = [
+    "EMPTY_ID", "concrete_values", "filled_like", "ids_as_int32", "is_host_array", "on_tpu", "round_up",
+    "static_dims",
+]
 
 EMPTY_ID = -1
 
 
 def round_up(value, multiple):
     return -(-int(value) // multiple) * multiple
+
+
+def filled_like(x, value):
+    """`x`'s shape and dtype, every element `value`, made where `x` is. On torch `ops.full_like` and a
+    Python number in `ops.where` copy the number from the host first: a sync on CUDA."""
+    from keras import ops
+
+    return ops.zeros_like(x) + value
 
 
 def on_tpu():
@@ -82,7 +93,7 @@ def ids_as_int32(ids, vocab_size):
         inside = ops.logical_and(inside, ids < ops.cast(vocab_size, dtype))
     elif int(vocab_size) <= int(np.iinfo(dtype).max):  # else no id of this dtype reaches V
         inside = ops.logical_and(inside, ids < int(vocab_size))
-    return ops.cast(ops.where(inside, ids, ops.full_like(ids, EMPTY_ID)), "int32")
+    return ops.cast(ops.where(inside, ids, filled_like(ids, EMPTY_ID)), "int32")
 
 
 def static_dims(x):

@@ -1,5 +1,6 @@
 """`CutBCELoss`, the Keras loss around `cut_binary_crossentropy`, and what Keras losses of this package share (`CutLoss`)."""
 
+import math
 import weakref
 from typing import Optional
 
@@ -142,6 +143,8 @@ class CutLoss(keras.losses.Loss):
             return values
         if self.reduction == "mean_with_sample_weight" and weights is not None:
             divisor = ops.sum(ops.cast(weights, self.dtype))
+        elif None not in checks.static_dims(ones):  # made on the device (`ops.size` copies from the host)
+            divisor = ops.zeros((), self.dtype) + math.prod(checks.static_dims(ones))
         else:
             divisor = ops.cast(ops.size(ones), self.dtype)
         return ops.divide_no_nan(values, divisor)

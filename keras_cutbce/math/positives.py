@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from keras_cutbce.common import filled_like
+
 
 def distinct_targets(ids, vocab_size):
     """`(safe, keep)`: int32 `[M, L]` ids sorted per row (0 where not kept) and the mask of the valid first ones.
@@ -13,7 +15,7 @@ def distinct_targets(ids, vocab_size):
     wide = keras.backend.standardize_dtype(ids.dtype) in ("int64", "uint32", "uint64")
     ids = ops.cast(ids, "int64" if wide else "int32")  # signed: -1 marks padding
     valid = ops.logical_and(ids >= 0, ids < vocab_size)
-    key = ops.sort(ops.where(valid, ids, -1), axis=-1)  # (full_like reads a host scalar on torch)
+    key = ops.sort(ops.where(valid, ids, filled_like(ids, -1)), axis=-1)
     length = ids.shape[-1]
     if length is not None and length <= 1:
         keep = key >= 0
@@ -28,7 +30,7 @@ def distinct_targets(ids, vocab_size):
 def item_logits(hidden, table, bias, ids):
     """The float32 logits `[M, L]` of each row's items `h . E_id + b_id` (ids outside `[0, V)` read item 0)."""
     ids = ops.convert_to_tensor(ids)
-    safe = ops.where(ops.logical_and(ids >= 0, ids < ops.shape(table)[0]), ids, 0)
+    safe = ops.where(ops.logical_and(ids >= 0, ids < ops.shape(table)[0]), ids, ops.zeros_like(ids))
     rows = ops.cast(ops.take(table, safe, axis=0), "float32")  # [M, L, D]
     logits = ops.sum(ops.expand_dims(ops.cast(hidden, "float32"), 1) * rows, axis=-1)
     if bias is not None:

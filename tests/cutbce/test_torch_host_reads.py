@@ -82,6 +82,45 @@ def test_forward_and_backward_make_no_host_read(name, cotangent, rng):
     assert not [op for op in ops if op in HOST_READS]
 
 
+@pytest.mark.parametrize("implementation", ["chunked", "triton"])
+@pytest.mark.parametrize("family", ["bce", "softmax"])
+def test_the_public_losses_make_no_host_read_and_no_tensor_of_host_data(family, implementation, rng,
+                                                                       monkeypatch):
+    """The Keras losses and the per-position ops, forward and backward, from device ids: no host read and
+    no tensor made of host data (a Python number as a Keras op's operand is copied from the host, which
+    syncs on CUDA). The Triton kernels are stood in for (their launches record nothing here)."""
+    import torch
+
+    import keras_cutbce
+    from keras_cutbce.backends.torch.triton import launch
+
+    if implementation == "triton":
+        from tests.cutbce.test_triton_dispatch import _FakeKernels
+
+        monkeypatch.setattr(launch, "device_problem", lambda device: None)
+        fake = _FakeKernels()
+        monkeypatch.setattr(launch, "kernels", lambda device: fake)
+    loss_class, op = {
+        "bce": (keras_cutbce.CutBCELoss, keras_cutbce.cut_binary_crossentropy),
+        "softmax": (keras_cutbce.CutSoftmaxLoss, keras_cutbce.cut_categorical_crossentropy),
+    }[family]
+    h, e, b, ids, weights = _inputs(rng, length=4)
+    table = keras.Variable(e.detach().numpy())
+    losses = {"mean": loss_class(table, implementation=implementation),
+              "sum": loss_class(table, implementation=implementation, reduction="sum")}
+
+    def step():
+        total = losses["mean"](ids, h) + losses["sum"](ids, h, sample_weight=weights)
+        total = total + op(h, e, ids, b, implementation=implementation).sum()
+        if implementation == "chunked":  # the stand-in kernels have no backward
+            torch.autograd.grad(total, (h,))
+
+    step()  # builds the losses
+    ops = _recorded_ops(step)
+    assert "sort" in ops  # the recorder sees the ops
+    assert not [op for op in ops if op in HOST_READS + ("lift_fresh",)]
+
+
 @pytest.mark.parametrize("name", ["cut_bce", "cut_bce_weighted_sum"])
 def test_compiles_without_graph_break(name, rng):
     import torch

@@ -115,7 +115,7 @@ class Softmax(NamedTuple):
 
     def init(self, rows, dtype, device):
         acc = torch.zeros(2, rows, dtype=dtype, device=device)
-        acc[0] = float("-inf")
+        acc[0].fill_(float("-inf"))  # (item assignment makes a tensor of the number first)
         return acc
 
     def tile(self, z, acc, stats, *, out, ones):
