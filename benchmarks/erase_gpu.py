@@ -14,7 +14,8 @@ Models (`--models`):
 Modes (`--modes`): `standard`, `blocking`, `threaded`, `streams`, the last three also
 as `<mode>+graphs` (`cuda_graphs=True`); `undetached` (the same network without
 DetachBlocks, standard step), `auto` and `auto+graphs` run last, on the CTR model at
-the middle batch, when the budget leaves time. Every cell builds a fresh model, runs
+the middle batch, when the budget leaves time (their cells first run untimed steps until
+`auto` has chosen, so that its choice is what is timed). Every cell builds a fresh model, runs
 `--warmup` untimed steps (more than the graph warm-up and capture steps), then `--steps`
 timed steps (the clock read after `torch.cuda.synchronize()`; the host time per step
 until `train_on_batch` returned), `--repeats` times (default 3) with the modes of its
@@ -85,6 +86,7 @@ from tools import gpu_trace  # noqa: E402
 from tools.erase_gpu_plan import MIDDLE  # noqa: E402
 from tools.erase_gpu_plan import Budget  # noqa: E402
 from tools.erase_gpu_plan import auto_window  # noqa: E402
+from tools.erase_gpu_plan import steps_until_chosen  # noqa: E402
 from tools.erase_gpu_plan import build_parser  # noqa: E402
 from tools.erase_gpu_plan import choose_middle  # noqa: E402
 from tools.erase_gpu_plan import graph_problems  # noqa: E402
@@ -257,6 +259,8 @@ def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
         torch.cuda.reset_peak_memory_stats()
     model, x, y = prepared(model_name, mode, batch, args)
     counts, hook = upstream_counter(model_name, model)
+    # `auto`'s chosen schedule is what is timed: untimed steps until it has chosen, then the warm-up.
+    warmup = args.warmup + steps_until_chosen(model, lambda: model.train_on_batch(x, y))
     seconds, host = timed_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps,
                                 torch.cuda.synchronize if cuda else None)
     row = {"model": model_name, "batch": batch, "mode": mode,
@@ -266,10 +270,10 @@ def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
            "host_ms_p50": 1e3 * float(np.median(host))}
     if hook is not None:  # the hand-off: one backward of the shared table per step
         hook.remove()
-        row["upstream_backwards_per_step"] = len(counts) / (args.warmup + args.steps)
+        row["upstream_backwards_per_step"] = len(counts) / (warmup + args.steps)
     if parse_mode(mode)[0] == "auto":
         row["auto_choice"] = model.dispatch_choice
-        measuring, timed = auto_window(model._erase.selector, args.warmup, args.steps)
+        measuring, timed = auto_window(model._erase.selector, warmup, args.steps)
         row["auto_measuring_steps"], row["auto_timed_measuring_steps"] = measuring, timed
     if cuda:
         row["max_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20

@@ -33,6 +33,19 @@ def parse_mode(mode):
     return base, suffix == "graphs"
 
 
+AUTO_MEASURING_ESTIMATE = 30  # steps `"auto"` measures before it chooses, for the budget (26 on the H200)
+
+
+def steps_until_chosen(model, step, limit=2 * AUTO_MEASURING_ESTIMATE):
+    """Runs `step()` while `model.dispatch_choice` is None (`"auto"` measuring), at most `limit` times;
+    returns how many ran (0 for any other dispatch, and for `"auto"` on CPU, which never measures)."""
+    ran = 0
+    while model.dispatch_choice is None and ran < limit:
+        step()
+        ran += 1
+    return ran
+
+
 def auto_window(selector, warmup, steps):
     """`(measuring steps, how many of them were timed)` of an `"auto"` cell.
 
@@ -133,6 +146,9 @@ def run_cells(args, budget, traces, run_cell, release):
     for model_name, batch, modes in priority_groups(args):
         each = cell_estimate(model_name, batch, args, costs, traces)
         needed = each * len(modes) * args.repeats
+        # `auto`'s cells also run its measuring steps untimed (26 on the H200) before their warm-up.
+        needed += (AUTO_MEASURING_ESTIMATE * traces.get(batch, {}).get("step_s", 0.0) * args.repeats
+                   * sum(parse_mode(m)[0] == "auto" for m in modes))
         label = f"{model_name} batch={batch} ({', '.join(modes)})"
         if not budget.fits(needed):
             skipped.append(f"{label}: needs ~{needed:.0f} s, {max(budget.left(), 0):.0f} s left")

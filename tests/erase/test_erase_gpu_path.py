@@ -42,6 +42,27 @@ def _dry_run(argv):
         return json.load(f)["rows"]
 
 
+def test_auto_cells_run_untimed_until_auto_has_chosen():
+    """`"auto"` measures its first steps (26 on the H200, all inside the timed window there): its cells
+    run untimed steps until it has chosen, bounded, so that the timed steps are its choice's."""
+    from tools import erase_gpu_plan as plan
+
+    class Measuring:  # chooses after `steps` steps
+        def __init__(self, steps):
+            self.steps, self.ran = steps, 0
+
+        @property
+        def dispatch_choice(self):
+            return "threaded" if self.ran >= self.steps else None
+
+        def step(self):
+            self.ran += 1
+
+    for steps, want in ((0, 0), (26, 26), (1000, 2 * plan.AUTO_MEASURING_ESTIMATE)):
+        model = Measuring(steps)
+        assert plan.steps_until_chosen(model, model.step) == want == model.ran
+
+
 @torch_only
 def test_benchmark_arguments():
     from tools import erase_gpu_plan as plan
