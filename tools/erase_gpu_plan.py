@@ -38,9 +38,10 @@ AUTO_MEASURING_ESTIMATE = 30  # steps `"auto"` measures before it chooses, for t
 
 def steps_until_chosen(model, step, limit=2 * AUTO_MEASURING_ESTIMATE):
     """Runs `step()` while `model.dispatch_choice` is None (`"auto"` measuring), at most `limit` times;
-    returns how many ran (0 for any other dispatch, and for `"auto"` on CPU, which never measures)."""
+    returns how many ran (0 for any other dispatch, for `"auto"` on CPU, which never measures, and for a
+    model that is not an `EraseModel`: the `undetached` cells)."""
     ran = 0
-    while model.dispatch_choice is None and ran < limit:
+    while getattr(model, "dispatch_choice", "standard") is None and ran < limit:
         step()
         ran += 1
     return ran

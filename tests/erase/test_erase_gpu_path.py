@@ -61,6 +61,8 @@ def test_auto_cells_run_untimed_until_auto_has_chosen():
     for steps, want in ((0, 0), (26, 26), (1000, 2 * plan.AUTO_MEASURING_ESTIMATE)):
         model = Measuring(steps)
         assert plan.steps_until_chosen(model, model.step) == want == model.ran
+    plain = Measuring(5)  # an `undetached` cell's plain Keras model has no dispatch to wait for
+    assert plan.steps_until_chosen(object(), plain.step) == 0 == plain.ran
 
 
 @torch_only
@@ -93,7 +95,7 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     out = str(tmp_path / "erase_gpu")
     rows = _dry_run([
         "--cpu-dry-run", "--strict", "--models", "ctr", "mlp30", "--batches", "8",
-        "--modes", "standard", "threaded+graphs", "auto", "--steps", "2", "--warmup", "4",
+        "--modes", "standard", "threaded+graphs", "auto", "undetached", "--steps", "2", "--warmup", "4",
         "--out", out,
     ])
     graphed = [r for r in rows if r["mode"] == "threaded+graphs"]
@@ -101,7 +103,7 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     for row in rows:  # one profiled step per cell: host time on the threads that ran it
         assert row["host_main_ms"] > 0 and row["gpu_busy_fraction"] is None  # no GPU here
         if row["mode"] != "auto":  # (auto's profiled step may be one of its trials)
-            assert (row["host_worker_ms"] > 0) == (row["mode"] != "standard")
+            assert (row["host_worker_ms"] > 0) == (row["mode"] not in ("standard", "undetached"))
     for row in graphed:  # the CTR towers (detach_input=False) and the MLP chain both capture
         assert row["graphs_captured"] == 6, row  # six blocks in both models
         assert row["graph_replays"] > 0 and not row["graphs_disabled"]
