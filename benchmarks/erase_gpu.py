@@ -259,11 +259,10 @@ def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
         torch.cuda.reset_peak_memory_stats()
     model, x, y = prepared(model_name, mode, batch, args)
     counts, hook = upstream_counter(model_name, model)
-    warmup = args.warmup
-    if parse_mode(mode)[0] == "auto":  # its choice is what is timed: untimed until it has chosen
-        warmup += steps_until_chosen(model, lambda: model.train_on_batch(x, y))
-    seconds, host = timed_steps(lambda: model.train_on_batch(x, y), args.warmup, args.steps,
-                                torch.cuda.synchronize if cuda else None)
+    step = lambda: model.train_on_batch(x, y)  # noqa: E731
+    # `auto`'s choice is what is timed: untimed steps until it has chosen (none for the other modes).
+    warmup = args.warmup + steps_until_chosen(model, step)
+    seconds, host = timed_steps(step, args.warmup, args.steps, torch.cuda.synchronize if cuda else None)
     row = {"model": model_name, "batch": batch, "mode": mode,
            **throughput_percentiles(seconds, batch),
            "step_ms_p50": 1e3 * float(np.percentile(seconds, 50)),

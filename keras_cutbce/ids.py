@@ -7,6 +7,7 @@ from keras import ops
 
 from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.common import concrete_values
+from keras_cutbce.common import filled_like
 from keras_cutbce.common import is_host_array
 from keras_cutbce.item_table import ItemTable
 
@@ -96,7 +97,7 @@ def seen_items(sequences, causal=True):
     if not causal:
         return ids
     keep = ops.arange(steps)[None, :] <= ops.arange(steps)[:, None]
-    return ops.where(keep, ids, ops.full_like(ids, EMPTY_ID))
+    return ops.where(keep, ids, filled_like(ids, EMPTY_ID))
 
 
 def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):

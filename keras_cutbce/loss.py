@@ -141,10 +141,11 @@ class CutLoss(keras.losses.Loss):
             values = ones * ops.cast(weights, self.dtype)
         if self.reduction == "sum":
             return values
+        dims = checks.static_dims(ones)
         if self.reduction == "mean_with_sample_weight" and weights is not None:
             divisor = ops.sum(ops.cast(weights, self.dtype))
-        elif None not in checks.static_dims(ones):  # made on the device (`ops.size` copies from the host)
-            divisor = ops.zeros((), self.dtype) + math.prod(checks.static_dims(ones))
+        elif None not in dims:  # the size made on the device (`ops.size` copies it from the host)
+            divisor = ops.zeros((), self.dtype) + math.prod(dims)
         else:
             divisor = ops.cast(ops.size(ones), self.dtype)
         return ops.divide_no_nan(values, divisor)

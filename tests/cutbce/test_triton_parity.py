@@ -304,13 +304,7 @@ def test_public_op_routes_triton(family, rng):
     assert float(loss.detach()) == pytest.approx(float(want), rel=1e-5)
 
 
-def _cuda():
-    import torch
-
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _RUNS or not _cuda(), reason="needs CUDA (scripts/gpu_check.sh)")
+@pytest.mark.skipif(not _RUNS or _device() != "cuda", reason="needs CUDA (scripts/gpu_check.sh)")
 @pytest.mark.parametrize("family", ["bce", "softmax"])
 def test_auto_runs_the_kernels_on_a_gpu_and_torchs_deterministic_mode_keeps_the_bits(family, rng,
                                                                                      monkeypatch):
