@@ -19,7 +19,9 @@ import torch
 from keras import tree
 
 from keras_erase import _keras_private
+from keras_erase.block_weights import block_owned_weights
 from keras_erase.block_weights import shared_weights
+from keras_erase.block_weights import weights_outside_blocks
 from keras_erase.config import label_of
 from keras_erase.config import schedule_of
 from keras_erase.step_protocol import step_handler
@@ -116,6 +118,18 @@ def next_schedule(runtime):
     return schedule_of(runtime.selector.next_schedule())
 
 
+def order_shared_gradients(dispatcher, model, blocks):
+    """Tells the placement which weights' `.grad` several streams write (blocks', the main path's)."""
+    owned = block_owned_weights(model, blocks)
+    outside = weights_outside_blocks(model)
+    shared = {}
+    for block in blocks:
+        mine = {id(w) for w in owned.get(id(block), ())}
+        shared[id(block)] = [id(w) for w in block.trainable_weights if id(w) not in mine]
+    on_main = {key for ids in shared.values() for key in ids if key in outside}
+    dispatcher.placement.share(shared, on_main)
+
+
 def dispatcher_for(runtime, schedule, model):
     """The runtime's dispatcher for `schedule`, built at first use (shared-weight blocks: no graphs)."""
     dispatcher = runtime.dispatchers.get(schedule)
@@ -126,8 +140,9 @@ def dispatcher_for(runtime, schedule, model):
             num_streams=config.num_streams,
             worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
         )
+        blocks = model.detach_blocks()
+        order_shared_gradients(dispatcher, model, blocks)
         if dispatcher.graphs is not None:
-            blocks = model.detach_blocks()
             shared = shared_weights(model, blocks)
             for block in blocks:
                 if id(block) in shared:

@@ -475,11 +475,10 @@ def test_the_models_users_have_train_as_the_standard_step_under_every_policy(
     want, truth = standard_run(policy), standard_run("float64")
     with dtype_policy(policy):
         model = early(users_model(), combination)
-        # The numbers only: the stream order of a weight shared by a block and the main
-        # path (`both`) is not this test's (the stream checker reports the main stream's
-        # accumulation into its gradient racing the block's stream).
         fake_streams = combination[1] == "block_streams" and not torch.cuda.is_available()
-        got, _ = fit_watched(model, fit_users, fake_streams)
+        got, streams = fit_watched(model, fit_users, fake_streams)
+    if streams is not None:  # the shared weights' gradients too (`both`, `shared_l2`)
+        assert streams.problems() == [], streams.problems()[:5]
     error, own = assert_like_the_standard_step(got, want, truth, f"{policy} {_ids(combination)}",
                                                logs_floor=log_floor(policy))
     print(f"{policy} {_ids(combination)}: worst weight off float64 by {error:.3g} of its move "
@@ -493,3 +492,39 @@ def test_the_models_users_have_train_as_the_standard_step_under_every_policy(
         assert set(runner.refused) == refused, runner.refused
         if "reused" not in refused:
             assert runner.captures == 2 and runner.replays > 0  # the reused tower: once per occurrence
+
+
+# A weight in a block and on the main path (`both`), one in two blocks (`shared_l2`): with a
+# stream per block, the block streams and the main stream all accumulate into their `.grad`.
+SHARED_WEIGHT_CASES = [
+    pytest.param(policy, launcher, id=f"{policy}-{launcher}",
+                 marks=() if launcher == "worker" else pytest.mark.slow)
+    for policy in ("float32", "mixed_bfloat16") for launcher in ("worker", "inline")
+]
+
+
+@pytest.mark.parametrize("policy,launcher", SHARED_WEIGHT_CASES)
+def test_a_weight_shared_by_blocks_and_the_main_path_has_no_stream_race(policy, launcher):
+    """Every accumulation into a shared weight's `.grad` is ordered after the other streams' (events).
+
+    On CPU `CheckedStreams` reports any unordered write (before the fix: the main
+    stream's accumulation into `both`'s gradient raced `tower_a`'s stream, and
+    `tower_c`'s into `shared_l2`'s raced `tower_b`'s); on a GPU the streams are real
+    and the numbers are checked.
+    """
+    import torch
+
+    from tests.backend_utils import dtype_policy
+
+    want, truth = standard_run(policy), standard_run("float64")
+    combination = (launcher, "block_streams", False)
+    with dtype_policy(policy):
+        model = early(users_model(), combination)
+        got, streams = fit_watched(model, fit_users, not torch.cuda.is_available())
+    if streams is not None:
+        assert streams.problems() == [], streams.problems()[:5]
+        assert streams.unprotected == [], streams.unprotected[:5]
+        waits = [e for e in streams.log if e[0] == "wait_event"]
+        assert waits  # the ordering is by events, not by a join of every stream
+    assert_like_the_standard_step(got, want, truth, f"{policy} {_ids(combination)}",
+                                  logs_floor=log_floor(policy))

@@ -4,8 +4,8 @@ Per step: `run_block(block, inputs, y_true, sample_weight, scale_loss)` runs
 the block's forward and local objective (through `graphs` when set) and has
 the launcher launch the backward of `scale_loss(objective)`, which ends at
 the block's input (`keras_erase.torch.handoff`); `final_backward(main_loss)`
-runs the main loss's backward, joins the blocks and runs the shared
-upstream once; `finish()` re-raises the first block error (the worker keeps
+runs the main loss's backward (after the block backwards that write a
+`.grad` it writes too), joins the blocks and runs the shared upstream once; `finish()` re-raises the first block error (the worker keeps
 serving); `abort()` swallows it; `close()` ends the worker and the graphs.
 """
 
@@ -138,6 +138,9 @@ class Dispatcher:
         graph allows (`main_backward_to_handoff`).
         """
         runs = loss is not None and loss.requires_grad
+        if runs and self.placement.orders_main:  # a `.grad` a block's stream writes too
+            self.launcher.wait()
+            self.placement.before_main_backward()
         if not self.handoff.pending:
             if runs:
                 loss.backward()

@@ -6,7 +6,11 @@ for the main one), `forward_scope`, `forward_done` (the forward's event),
 the launching thread, whose current stream it sets: streams are per thread),
 `protect_gradients` (`record_stream(main)` on the `.grad`s and handed-over
 gradients, so the allocator never reuses them while the main stream reads);
-`join()` after the launcher drained. `DefaultStream` has a worker launch onto
+`before_main_backward()` (the main stream waits for the block backwards that
+write a `.grad` the main loss's backward writes too); `join()` after the
+launcher drained. A weight whose `.grad` several streams write (`share`: a
+block's weight also on the main path or in another block) is accumulated in
+event order: a backward's stream waits for the last other stream that wrote it. `DefaultStream` has a worker launch onto
 the forward's stream too. The stream API is pluggable (`api=`;
 `set_default_streams` for the CPU tests' fake).
 """
@@ -89,6 +93,7 @@ class DefaultStream:
 
     name = "default_stream"
     one_stream = True  # every block backward runs in order on one stream
+    orders_main = False
 
     def __init__(self, api=None):
         self.api = api
@@ -120,6 +125,12 @@ class DefaultStream:
     def protect_gradients(self, block, cuts):
         pass
 
+    def share(self, shared, on_main):
+        pass
+
+    def before_main_backward(self):
+        pass
+
     def join(self):
         pass
 
@@ -144,6 +155,14 @@ class BlockStreams:
         self._block_stream = {}
         self._used = []
         self.main = None
+        self._shared = {}  # id(block) -> ids of its weights whose `.grad` another stream writes
+        self._on_main = set()  # ids of those the main loss's backward writes too
+        self._last_write = {}  # weight id -> (stream, event after its last backward), this step
+
+    def share(self, shared, on_main):
+        """`shared`: `{id(block): weight ids}` not owned by the block; `on_main`: those the main path uses."""
+        self._shared = {key: frozenset(ids) for key, ids in shared.items() if ids}
+        self._on_main = set(on_main)
 
     def stream_for(self, block):
         key = id(block)
@@ -183,21 +202,47 @@ class BlockStreams:
     @contextlib.contextmanager
     def backward_scope(self, block, ready):
         stream = self.stream_for(block)
+        shared = self._shared.get(id(block), ())
         with self.api.use(stream):
             stream.wait_event(ready)  # ordered after the forward whatever thread launches
+            writes = (self._last_write.get(key) for key in shared)
+            for other, event in {id(w[1]): w for w in writes if w is not None}.values():
+                if other is not stream:  # another stream accumulated into a shared `.grad`
+                    stream.wait_event(event)
             yield
+            if shared:
+                done = self.api.new_event()
+                done.record(stream)
+                self._last_write.update((key, (stream, done)) for key in shared)
 
     def protect_gradients(self, block, cuts):
         protect(_gradients(block, cuts), self.main, self.api)
+
+    def before_main_backward(self):
+        """The main stream waits for the backwards of the blocks that share a weight with the main path.
+
+        Called after the launcher launched every block backward.
+        """
+        main = self.api.current_stream()
+        events = {id(e): e for key, (_, e) in self._last_write.items() if key in self._on_main}
+        for event in events.values():
+            main.wait_event(event)
+
+    @property
+    def orders_main(self):
+        """Whether the main loss's backward writes a `.grad` that a block's stream writes too."""
+        return bool(self._on_main)
 
     def join(self):
         main = self.api.current_stream()
         for stream in self._used:
             main.wait_stream(stream)
         self._used = []
+        self._last_write = {}
 
     def close(self):
         self._used = []
+        self._last_write = {}
 
 
 def make_placement(name, num_streams=None, api=None):
