@@ -19,7 +19,7 @@ Sections (the first argument; none: `epoch`):
   hook, any thread) over `--count-steps` steps, then p50/p90 of a `fit`; the last checkout over
   the first.
 - `host-time`: the examples' CTR model per checkout and schedule label (`standard`, `blocking`,
-  `threaded`, `streams`, `inline+block_streams`, each optionally `+graphs`): median and p90 step
+  `threaded`, `streams`, `inline_streams`, each optionally `+graphs`): median and p90 step
   time of a `fit` (on a CPU the whole step is host time). Block streams run on the stand-in
   `tests/erase/fake_streams.py`, graphs on the stand-in capture `RecordingCapture` (its Python
   replay, not a CUDA Graph's launch); a checkout without a schedule is skipped for it.
@@ -519,8 +519,8 @@ def handoff_main(argv):
 
 
 HOST_SCHEDULES = [
-    "standard", "blocking", "threaded", "streams", "inline+block_streams",
-    "blocking+graphs", "threaded+graphs", "streams+graphs", "inline+block_streams+graphs",
+    "standard", "blocking", "threaded", "streams", "inline_streams",
+    "blocking+graphs", "threaded+graphs", "streams+graphs", "inline_streams+graphs",
 ]
 HOST_PRESETS = ("standard", "blocking", "threaded", "streams")
 
@@ -548,7 +548,7 @@ def host_time_model(label, buckets):
     from keras_erase.config import EraseConfig
     from keras_erase.runtime import EraseRuntime
 
-    launcher, _, placement = name.partition("+")
+    launcher, placement = "inline", "block_streams"  # "inline_streams", as "early" in every checkout
     model = build_ctr_model(buckets=buckets, dispatch="standard")
     config = EraseConfig(dispatch="early", launcher=launcher, placement=placement,
                          cuda_graphs=graphs)

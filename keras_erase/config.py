@@ -1,27 +1,38 @@
-"""`EraseConfig` (the checked arguments of `EraseModel`) and `Schedule` (one early-backward schedule)."""
+"""`EraseConfig` (the checked arguments of `EraseModel`), `Schedule` (one early-backward schedule) and
+`SCHEDULES`, the one table of schedule names: the `dispatch` values."""
 
 import dataclasses
+import warnings
 
 __all__ = [
-    "AUTO_STEPS", "DISPATCH_VALUES", "LAUNCHERS", "PLACEMENTS", "PRESETS", "STANDARD", "EraseConfig",
-    "Schedule", "label_of", "schedule_of",
+    "AUTO_STEPS", "DEPRECATED_NAMES", "DISPATCH_VALUES", "LAUNCHERS", "PLACEMENTS", "SCHEDULES",
+    "STANDARD", "EraseConfig", "Schedule", "name_of", "schedule_of",
 ]
 
-DISPATCH_VALUES = ("auto", "standard", "early", "blocking", "threaded", "streams")
 LAUNCHERS = ("inline", "worker")
 PLACEMENTS = ("default_stream", "block_streams")
-# preset name -> (launcher, placement)
-PRESETS = {
+# The one table: schedule name (a `dispatch` value) -> (launcher, placement).
+SCHEDULES = {
     "blocking": ("inline", "default_stream"),
     "threaded": ("worker", "default_stream"),
     "streams": ("worker", "block_streams"),
+    "inline_streams": ("inline", "block_streams"),
 }
+# Old names still accepted as `dispatch` values, with a DeprecationWarning: old -> name.
+DEPRECATED_NAMES = {"inline+block_streams": "inline_streams"}
 GRAPHS_SUFFIX = "+graphs"
-# The label of Keras's own train step (no `Schedule`; "auto"'s baseline).
+# The name of Keras's own train step (no `Schedule`; "auto"'s baseline).
 STANDARD = "standard"
+# `dispatch`: these, or a schedule name (with GRAPHS_SUFFIX: `cuda_graphs=True`).
+DISPATCH_VALUES = ("auto", STANDARD, "early") + tuple(SCHEDULES)
 
-# Timed rounds per candidate for dispatch="auto" (see `keras_erase.auto`).
+# Timed rounds per candidate for dispatch="auto" (see `keras_erase.torch.auto`).
 AUTO_STEPS = 8
+
+
+def _split_graphs(name):
+    graphs = name.endswith(GRAPHS_SUFFIX)
+    return (name[: -len(GRAPHS_SUFFIX)] if graphs else name), graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +42,15 @@ class Schedule:
     `launcher`: `"inline"` (the main thread, right after the block's forward) or
     `"worker"` (a backward worker thread: the main thread goes on at once);
     `placement`: `"default_stream"` or `"block_streams"` (CUDA: a stream per
-    block); `graphs`: each block captured as CUDA Graphs. `label` is the name
-    users read: a preset's (`PRESETS`) or `"<launcher>+<placement>"`, plus
-    `"+graphs"`; Keras's own step is `None`, labelled `"standard"`.
+    block); `graphs`: each block captured as CUDA Graphs. `name` is its
+    `dispatch` value (`SCHEDULES`), plus `"+graphs"`; Keras's own step is
+    `None`, named `"standard"`.
 
     Example:
 
-    >>> Schedule("worker", "block_streams", graphs=True).label
+    >>> Schedule("worker", "block_streams", graphs=True).name
     'streams+graphs'
-    >>> Schedule.from_label("inline+block_streams+graphs")
+    >>> Schedule.from_name("inline_streams+graphs")
     Schedule(launcher='inline', placement='block_streams', graphs=True)
     """
 
@@ -56,39 +67,52 @@ class Schedule:
         object.__setattr__(self, "graphs", bool(self.graphs))
 
     @property
-    def label(self):
+    def name(self):
         pair = (self.launcher, self.placement)
-        name = next((n for n, p in PRESETS.items() if p == pair), f"{self.launcher}+{self.placement}")
-        return name + (GRAPHS_SUFFIX if self.graphs else "")
+        return next(n for n, p in SCHEDULES.items() if p == pair) + (GRAPHS_SUFFIX if self.graphs else "")
 
     @property
     def needs_cuda(self):
         return self.placement == "block_streams" or self.graphs
 
     @classmethod
-    def from_label(cls, label):
-        graphs = label.endswith(GRAPHS_SUFFIX)
-        name = label[: -len(GRAPHS_SUFFIX)] if graphs else label
-        if name in PRESETS:
-            return cls(*PRESETS[name], graphs=graphs)
-        launcher, _, placement = name.partition("+")
-        return cls(launcher, placement, graphs=graphs)
+    def from_name(cls, name):
+        base, graphs = _split_graphs(name)
+        base = DEPRECATED_NAMES.get(base, base)
+        if base not in SCHEDULES:
+            raise ValueError(f"Schedule: unknown name {name!r}; expected one of {tuple(SCHEDULES)}"
+                             f" (optionally with {GRAPHS_SUFFIX!r})")
+        return cls(*SCHEDULES[base], graphs=graphs)
 
     @classmethod
     def every(cls, graphs=False):
-        """Every launcher x placement (graphed as `graphs` says), presets first."""
-        pairs = list(PRESETS.values()) + [
-            (l, p) for l in LAUNCHERS for p in PLACEMENTS if (l, p) not in PRESETS.values()
-        ]
-        return [cls(l, p, graphs) for l, p in pairs]
+        """Every launcher x placement (graphed as `graphs` says), in `SCHEDULES`'s order."""
+        return [cls(l, p, graphs) for l, p in SCHEDULES.values()]
 
 
-def schedule_of(label):
-    return None if label == STANDARD else Schedule.from_label(label)
+def schedule_of(name):
+    return None if name == STANDARD else Schedule.from_name(name)
 
 
-def label_of(schedule):
-    return STANDARD if schedule is None else schedule.label
+def name_of(schedule):
+    return STANDARD if schedule is None else schedule.name
+
+
+def _normalized_dispatch(dispatch, cuda_graphs):
+    """`(dispatch, cuda_graphs)` with a `"+graphs"` suffix and a deprecated name resolved."""
+    if not isinstance(dispatch, str):
+        return dispatch, cuda_graphs
+    base, graphs = _split_graphs(dispatch)
+    if base in DEPRECATED_NAMES:
+        warnings.warn(
+            f"EraseModel: dispatch={dispatch!r} is deprecated; use "
+            f"dispatch={DEPRECATED_NAMES[base] + (GRAPHS_SUFFIX if graphs else '')!r} (the same "
+            "schedule)", DeprecationWarning, stacklevel=5,
+        )
+        dispatch = base = DEPRECATED_NAMES[base]
+    if graphs and base != STANDARD:
+        return base, True
+    return dispatch, cuda_graphs
 
 
 def _check_choice(name, value, allowed):
@@ -116,10 +140,13 @@ class EraseConfig:
     placement: object = None
 
     def __post_init__(self):
+        dispatch, graphs = _normalized_dispatch(self.dispatch, self.cuda_graphs)
+        object.__setattr__(self, "dispatch", dispatch)
+        object.__setattr__(self, "cuda_graphs", graphs)
         if self.dispatch not in DISPATCH_VALUES:
             raise ValueError(
-                f"EraseModel: `dispatch` must be one of {DISPATCH_VALUES}. "
-                f"Received: dispatch={self.dispatch!r}"
+                f"EraseModel: `dispatch` must be one of {DISPATCH_VALUES}, a schedule name with "
+                f"{GRAPHS_SUFFIX!r} (cuda_graphs=True). Received: dispatch={self.dispatch!r}"
             )
         if self.num_streams is not None and int(self.num_streams) < 1:
             raise ValueError(
@@ -146,8 +173,8 @@ class EraseConfig:
 
     def _check_against_dispatch(self):
         given = {"launcher": self.launcher, "placement": self.placement}
-        if self.dispatch in PRESETS:
-            preset = dict(zip(("launcher", "placement"), PRESETS[self.dispatch]))
+        if self.dispatch in SCHEDULES:
+            preset = dict(zip(("launcher", "placement"), SCHEDULES[self.dispatch]))
             for name, value in given.items():
                 if value is not None and value != preset[name]:
                     raise ValueError(
@@ -158,14 +185,14 @@ class EraseConfig:
         elif self.dispatch != "early" and any(v is not None for v in given.values()):
             raise ValueError(
                 "EraseModel: `launcher` and `placement` choose the early-backward schedule of "
-                f"dispatch='early' (or agree with a preset). Received: dispatch={self.dispatch!r}, "
+                f"dispatch='early' (or agree with the schedule named). Received: dispatch={self.dispatch!r}, "
                 f"launcher={self.launcher!r}, placement={self.placement!r}"
             )
 
     def schedule(self, cuda=False):
         """The `Schedule` of a fixed early-backward `dispatch`, else `None`; `cuda`: `"early"`'s placement."""
-        if self.dispatch in PRESETS:
-            return Schedule(*PRESETS[self.dispatch], graphs=self.cuda_graphs)
+        if self.dispatch in SCHEDULES:
+            return Schedule(*SCHEDULES[self.dispatch], graphs=self.cuda_graphs)
         if self.dispatch != "early":
             return None
         placement = self.placement or ("block_streams" if cuda else "default_stream")

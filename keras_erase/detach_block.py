@@ -151,7 +151,7 @@ class DetachBlock(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)
 
-    # -- forward pieces (also used by the torch ERASE dispatchers) -----------
+    # -- forward pieces (also used by the torch `ScheduleRun`) -----------
 
     def forward_layer(self, inputs: Any, training: bool | None = None) -> Any:
         """Calls the wrapped layer on the (optionally detached) inputs; the output is not detached.

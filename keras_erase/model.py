@@ -61,8 +61,9 @@ class EraseModel(keras.Model):
 
     Args:
         dispatch: `"auto"`, `"standard"`, `"early"` (with `launcher` and
-            `placement`) or a preset: `"blocking"`, `"threaded"`, `"streams"`
-            (CUDA). Used on torch only; elsewhere the early-backward ones warn
+            `placement`) or a schedule's name: `"blocking"`, `"threaded"`,
+            `"streams"` (CUDA), `"inline_streams"` (CUDA), each also with
+            `"+graphs"` (= `cuda_graphs=True`). Used on torch only; elsewhere the early-backward ones warn
             at construction. `"auto"`: the standard step on a CPU; on CUDA the
             fastest schedule of its first steps.
         num_streams: CUDA streams of the `"block_streams"` placement: `None`
@@ -75,9 +76,9 @@ class EraseModel(keras.Model):
             (see `keras_erase.torch.threads`).
         auto_steps: timed rounds per candidate of `dispatch="auto"` on CUDA.
         launcher: `"inline"` or `"worker"`: who launches each block's
-            backward (`None`: the preset's; `"worker"` for `"early"`).
+            backward (`None`: the named schedule's; `"worker"` for `"early"`).
         placement: `"default_stream"` or `"block_streams"` (CUDA): where each
-            block's forward and backward run (`None`: the preset's; for
+            block's forward and backward run (`None`: the named schedule's; for
             `"early"`, one stream per block on CUDA).
         *args, **kwargs: as for `keras.Model`.
 
@@ -149,17 +150,17 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch(self) -> str:
-        """The schedule asked for: `"auto"`, `"standard"`, `"early"`, `"blocking"`, `"threaded"` or `"streams"`."""
+        """The schedule asked for: `"auto"`, `"standard"`, `"early"` or a schedule's name (`"streams"`, ...)."""
         return self._erase.config.dispatch
 
     @property
     def launcher(self) -> str | None:
-        """Who launches a block's backward as asked: `"inline"`, `"worker"` or `None` (the preset's)."""
+        """Who launches a block's backward as asked: `"inline"`, `"worker"` or `None` (the schedule's)."""
         return self._erase.config.launcher
 
     @property
     def placement(self) -> str | None:
-        """Where blocks run as asked: `"default_stream"`, `"block_streams"` or `None` (the preset's)."""
+        """Where blocks run as asked: `"default_stream"`, `"block_streams"` or `None` (the schedule's)."""
         return self._erase.config.placement
 
     @property
@@ -184,7 +185,7 @@ class EraseModel(keras.Model):
 
     @property
     def dispatch_choice(self) -> str | None:
-        """The schedule in use, by label (`"standard"`, `"threaded"`, `"streams+graphs"`, ...).
+        """The schedule in use, by name, a `dispatch` value (`"standard"`, `"threaded"`, `"streams+graphs"`, ...).
 
         `"standard"` on JAX, TensorFlow and a CPU; `None` while `"auto"` measures.
         """
@@ -296,15 +297,15 @@ class EraseModel(keras.Model):
         `start`, `end` (`time.perf_counter()`) and `thread`.
         """
         self._erase.trace = []
-        for dispatcher in self._erase.dispatchers.values():
-            dispatcher.trace = self._erase.trace
+        for schedule_run in self._erase.schedule_runs.values():
+            schedule_run.trace = self._erase.trace
         return self._erase.trace
 
     def stop_trace(self) -> list[dict[str, Any]] | None:
         """Stops recording; returns the events."""
         events, self._erase.trace = self._erase.trace, None
-        for dispatcher in self._erase.dispatchers.values():
-            dispatcher.trace = None
+        for schedule_run in self._erase.schedule_runs.values():
+            schedule_run.trace = None
         return events
 
     # -- torch ERASE train step -----------------------------------------------------

@@ -16,7 +16,7 @@ def torch_runtime():
 class EraseRuntime:
     """What an `EraseModel` changes while it trains: `model._erase`, outside Keras's and torch's tracking.
 
-    `dispatch_choice` is the label of the schedule in use (`None` while `"auto"`
+    `dispatch_choice` is the name of the schedule in use (`None` while `"auto"`
     measures); `blocks_own_losses`, while set, leaves the blocks' own losses out
     of `model.losses` (the torch ERASE step back-propagates them early).
     """
@@ -28,7 +28,7 @@ class EraseRuntime:
         )
         self.selector = None
         self.trackers = LocalLossTrackers()
-        self.dispatchers = {}
+        self.schedule_runs = {}
         self.trace = None
         self.grad_sync = None
         self.needs_broadcast = True

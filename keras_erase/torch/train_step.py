@@ -3,7 +3,7 @@
 `erase_step` follows Keras's torch `train_step` (zero the gradients, forward,
 `compute_loss`, loss tracker, backward, `optimizer.apply`, `compute_metrics`)
 and owns it because the blocks' backwards start inside the forward: each
-block is handed to the dispatcher (`BlockRunner`), and the dispatcher's
+block is handed to the `ScheduleRun` (`BlockRunner`), and its
 `final_backward` runs the main loss's backward, joins the blocks, then runs
 the shared upstream's one backward (`keras_erase.torch.handoff`).
 """
@@ -22,19 +22,19 @@ from keras_erase import _keras_private
 from keras_erase.block_weights import block_owned_weights
 from keras_erase.block_weights import shared_weights
 from keras_erase.block_weights import weights_outside_blocks
-from keras_erase.config import label_of
+from keras_erase.config import name_of
 from keras_erase.config import schedule_of
 from keras_erase.step_protocol import step_handler
 from keras_erase.local_losses import LocalLossValue
 from keras_erase.local_losses import batch_weight
 from keras_erase.targets import select_target
-from keras_erase.torch.auto_schedule import CPU_EXPLANATION
-from keras_erase.torch.auto_schedule import explain
-from keras_erase.torch.auto_schedule import explain_fixed
-from keras_erase.torch.auto_schedule import new_selector
+from keras_erase.torch.auto import CPU_EXPLANATION
+from keras_erase.torch.auto import explain
+from keras_erase.torch.auto import explain_fixed
+from keras_erase.torch.auto import new_selector
 from keras_erase.torch import distributed
 from keras_erase.torch.cuda_graphs.capture import require_capture
-from keras_erase.torch.schedules import make_dispatcher
+from keras_erase.torch.schedules import make_schedule_run
 from keras_erase.torch.schedules.placements import require_streams
 from keras_erase.torch.tensors import to_device
 from keras_erase.torch.threads import main_thread_count
@@ -43,7 +43,7 @@ from keras_erase.torch.threads import set_intra_op_threads
 from keras_erase.torch.threads import worker_thread_count
 
 __all__ = [
-    "close_dispatchers", "dispatch_choice", "erase_step", "explanation", "train_step",
+    "close_schedule_runs", "dispatch_choice", "erase_step", "explanation", "train_step",
     "training_scope",
 ]
 
@@ -55,11 +55,11 @@ def cuda_available():
 
 
 class BlockRunner:
-    """The step handler (`keras_erase.step_protocol`) of one ERASE step: hands each block to the dispatcher."""
+    """The step handler (`keras_erase.step_protocol`) of one ERASE step: hands each block to the `ScheduleRun`."""
 
-    def __init__(self, model, dispatcher, y, sample_weight, scale_loss):
+    def __init__(self, model, schedule_run, y, sample_weight, scale_loss):
         self.model = model
-        self.dispatcher = dispatcher
+        self.schedule_run = schedule_run
         self.y = y
         self.sample_weight = sample_weight
         self.scale_loss = scale_loss
@@ -68,7 +68,7 @@ class BlockRunner:
         y_true, sample_weight = select_target(
             block, self.y, self.sample_weight, getattr(self.model, "output_names", None)
         )
-        outputs, loss = self.dispatcher.run_block(
+        outputs, loss = self.schedule_run.run_block(
             block, inputs, y_true, sample_weight, self.scale_loss
         )
         block._pending_predictions.append(LocalLossValue(loss))
@@ -118,7 +118,7 @@ def next_schedule(runtime):
     return schedule_of(runtime.selector.next_schedule())
 
 
-def order_shared_gradients(dispatcher, model, blocks):
+def order_shared_gradients(schedule_run, model, blocks):
     """Tells the placement which weights' `.grad` several streams write (blocks', the main path's)."""
     owned = block_owned_weights(model, blocks)
     outside = weights_outside_blocks(model)
@@ -127,31 +127,31 @@ def order_shared_gradients(dispatcher, model, blocks):
         mine = {id(w) for w in owned.get(id(block), ())}
         shared[id(block)] = [id(w) for w in block.trainable_weights if id(w) not in mine]
     on_main = {key for ids in shared.values() for key in ids if key in outside}
-    dispatcher.placement.share(shared, on_main)
+    schedule_run.placement.share(shared, on_main)
 
 
-def dispatcher_for(runtime, schedule, model):
-    """The runtime's dispatcher for `schedule`, built at first use (shared-weight blocks: no graphs)."""
-    dispatcher = runtime.dispatchers.get(schedule)
-    if dispatcher is None:
+def schedule_run_for(runtime, schedule, model):
+    """The runtime's `ScheduleRun` for `schedule`, built at first use (shared-weight blocks: no graphs)."""
+    schedule_run = runtime.schedule_runs.get(schedule)
+    if schedule_run is None:
         config = runtime.config
-        dispatcher = make_dispatcher(
+        schedule_run = make_schedule_run(
             schedule,
             num_streams=config.num_streams,
             worker_threads=worker_thread_count(config.intra_op_threads, cuda_available()),
         )
         blocks = model.detach_blocks()
-        order_shared_gradients(dispatcher, model, blocks)
-        if dispatcher.graphs is not None:
+        order_shared_gradients(schedule_run, model, blocks)
+        if schedule_run.graphs is not None:
             shared = shared_weights(model, blocks)
             for block in blocks:
                 if id(block) in shared:
-                    dispatcher.graphs.refuse(block, f"its weights {shared[id(block)]} are also "
+                    schedule_run.graphs.refuse(block, f"its weights {shared[id(block)]} are also "
                                                     "used outside it (another block or the main "
                                                     "path), whose autograd graphs hold them")
-        runtime.dispatchers[schedule] = dispatcher
-    dispatcher.trace = runtime.trace
-    return dispatcher
+        runtime.schedule_runs[schedule] = schedule_run
+    schedule_run.trace = runtime.trace
+    return schedule_run
 
 
 def train_step(model, runtime, data, standard_step):
@@ -165,7 +165,7 @@ def train_step(model, runtime, data, standard_step):
             require_capture()
     schedule = next_schedule(runtime)
     if config.dispatch == "early" and runtime.dispatch_choice == "early":  # the resolved one
-        runtime.dispatch_choice = dataclasses.replace(schedule, graphs=False).label
+        runtime.dispatch_choice = dataclasses.replace(schedule, graphs=False).name
     cuda = cuda_available()
     set_intra_op_threads(main_thread_count(schedule, config.intra_op_threads, cuda))
     selector = runtime.selector
@@ -179,16 +179,16 @@ def train_step(model, runtime, data, standard_step):
         runtime.needs_broadcast = False
     if schedule is None and sync is None:
         logs = standard_step(data)
-    else:  # the standard step under a process group: no dispatcher, one backward
-        dispatcher = None if schedule is None else dispatcher_for(runtime, schedule, model)
-        logs = erase_step(model, runtime, data, dispatcher, sync)
+    else:  # the standard step under a process group: no `ScheduleRun`, one backward
+        schedule_run = None if schedule is None else schedule_run_for(runtime, schedule, model)
+        logs = erase_step(model, runtime, data, schedule_run, sync)
     if timing:
         if cuda:
             torch.cuda.synchronize()
-        selector.record(label_of(schedule), time.perf_counter() - start)
+        selector.record(name_of(schedule), time.perf_counter() - start)
         if selector.done:
             runtime.dispatch_choice = selector.choice
-            close_dispatchers(runtime, keep=schedule_of(selector.choice))  # the trials' workers
+            close_schedule_runs(runtime, keep=schedule_of(selector.choice))  # the trials' workers
             _log_choice(runtime)
     return logs
 
@@ -198,7 +198,7 @@ def training_scope(runtime, whole_fit):
     """Wraps one `fit` (`whole_fit=True`) or `train_on_batch` call on torch.
 
     Restores the thread count on exit; for a whole `fit`, broadcasts rank 0's
-    weights at its first step and closes every dispatcher at its end.
+    weights at its first step and closes every `ScheduleRun` at its end.
     """
     if whole_fit:
         runtime.needs_broadcast = True  # rank 0's weights at the start of training
@@ -207,7 +207,7 @@ def training_scope(runtime, whole_fit):
             yield
     finally:
         if whole_fit:
-            close_dispatchers(runtime)  # training ended: no idle worker thread
+            close_schedule_runs(runtime)  # training ended: no idle worker thread
             _warn_if_still_measuring(runtime)
 
 
@@ -220,20 +220,20 @@ def _warn_if_still_measuring(runtime):
     warnings.warn(message, UserWarning, stacklevel=4)
 
 
-def close_dispatchers(runtime, keep=None):
-    for schedule, dispatcher in list(runtime.dispatchers.items()):
+def close_schedule_runs(runtime, keep=None):
+    for schedule, schedule_run in list(runtime.schedule_runs.items()):
         if schedule != keep:
-            dispatcher.close()
+            schedule_run.close()
 
 
 def _log_choice(runtime):
     LOGGER.info("keras_erase: %s", explain(runtime))
 
 
-def erase_step(model, runtime, data, dispatcher, sync=None):
-    """One ERASE step; without a dispatcher, one backward (the standard step under a process group)."""
+def erase_step(model, runtime, data, schedule_run, sync=None):
+    """One ERASE step; without a `ScheduleRun`, one backward (the standard step under a process group)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if dispatcher is not None:  # targets on the weights' device once per step, not per block
+    if schedule_run is not None:  # targets on the weights' device once per step, not per block
         weights = model.trainable_weights
         if weights:
             device = _keras_private.uncast_value(weights[0]).device
@@ -242,9 +242,9 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
     model.zero_grad(set_to_none=True)
     optimizer = model.optimizer
     scale = optimizer.scale_loss if optimizer is not None else (lambda loss: loss)
-    runner = None if dispatcher is None else BlockRunner(model, dispatcher, y, sample_weight, scale)
-    if dispatcher is not None:
-        dispatcher.after_backward = None if sync is None else sync.block_done
+    runner = None if schedule_run is None else BlockRunner(model, schedule_run, y, sample_weight, scale)
+    if schedule_run is not None:
+        schedule_run.after_backward = None if sync is None else sync.block_done
     if sync is not None:
         sync.start_step(model)
     try:
@@ -265,19 +265,19 @@ def erase_step(model, runtime, data, dispatcher, sync=None):
             loss, sample_weight=batch_weight(loss, batch)
         )
         scaled = scale(loss)
-        if dispatcher is None:
+        if schedule_run is None:
             if scaled.requires_grad:
                 scaled.backward()
         else:  # the main loss's part, then joins the blocks; one backward of the upstream
             # (under a process group the blocks are joined first: their all-reduce
             # must read only the block's part of a weight the main path uses too)
-            dispatcher.final_backward(scaled, early_main=sync is None)
+            schedule_run.final_backward(scaled, early_main=sync is None)
         if sync is not None:  # after the worker drained: one thread issues at a time
             sync.reduce_rest()
             sync.finish()
     except BaseException:
-        if dispatcher is not None:
-            dispatcher.abort()
+        if schedule_run is not None:
+            schedule_run.abort()
         if sync is not None:
             sync.abort()
         raise

@@ -197,7 +197,7 @@ class CheckedStreams:
                 if write is not None and write[0] != stream.name:
                     if stream.clock.get(write[0], 0) < write[1]:
                         self.races.append((func.__name__, stream.name, write[:2]))
-            lifted = func.__name__.startswith("lift_fresh")  # host data: made outside the dispatcher
+            lifted = func.__name__.startswith("lift_fresh")  # host data: made outside the schedule_run
             for index, t in enumerate(outputs):
                 key = _ptr(t)
                 fresh = lifted or (index < len(returns) and returns[index].alias_info is None)

@@ -1,6 +1,6 @@
 """The ERASE GPU path, proven on CPU: capture-safe local losses, CUDA-Graph capture logic
 (through the pluggable `RecordingCapture`), graphs in every early-backward mode, the
-stream dispatcher (fake stream API), capture failures, and CUDA-only checks (skipped
+stream schedule_run (fake stream API), capture failures, and CUDA-only checks (skipped
 without CUDA)."""
 
 import contextlib
@@ -190,7 +190,7 @@ class FakeEvent:
 
 
 class FakeStreams:
-    """The stream API of `StreamDispatcher` on CPU: records every wait and event."""
+    """The stream API of `BlockStreams` on CPU: records every wait and event."""
 
     def __init__(self, device=None):
         import contextlib
@@ -229,31 +229,31 @@ class FakeStreams:
         return scope()
 
 
-def make_dispatcher(mode, graphs, device_capture=False):
-    """`mode`'s dispatcher; with `graphs`, a runner over the stand-in capture (`device_capture`:
+def make_schedule_run(mode, graphs, device_capture=False):
+    """`mode`'s schedule_run; with `graphs`, a runner over the stand-in capture (`device_capture`:
     real CUDA Graphs, on a GPU only)."""
     from keras_erase.torch import schedules
     from keras_erase.torch.cuda_graphs.capture import CudaGraphCapture
     from keras_erase.torch.cuda_graphs.capture import RecordingCapture
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
-    schedule = Schedule.from_label(mode)
-    dispatcher = (
-        schedules.make_dispatcher(Schedule("inline", "block_streams"), num_streams=2,
+    schedule = Schedule.from_name(mode)
+    schedule_run = (
+        schedules.make_schedule_run(Schedule("inline", "block_streams"), num_streams=2,
                                   streams=FakeStreams())
         if mode == "streams"
-        else schedules.make_dispatcher(schedule)
+        else schedules.make_schedule_run(schedule)
     )
     capture = None
     if graphs:
         capture = CudaGraphCapture() if device_capture else RecordingCapture()
-        dispatcher.graphs = CudaGraphRunner(capture=capture, warmup=1)
-    return dispatcher, capture
+        schedule_run.graphs = CudaGraphRunner(capture=capture, warmup=1)
+    return schedule_run, capture
 
 
 def train_block(mode, graphs, data=None, detach_input=True, close=True):
     """Trains one block (or, with detach_input=False, an upstream Dense + block) by hand.
 
-    `close`: close the dispatcher at the end (which drops its graphs)."""
+    `close`: close the schedule_run at the end (which drops its graphs)."""
     block = make_block(detach_input=detach_input)
     upstream = None
     if not detach_input:
@@ -261,18 +261,18 @@ def train_block(mode, graphs, data=None, detach_input=True, close=True):
         upstream = keras.layers.Dense(5)
         upstream.build((None, 5))
     weights = block.trainable_weights + (upstream.trainable_weights if upstream else [])
-    dispatcher, capture = make_dispatcher(mode, graphs)
+    schedule_run, capture = make_schedule_run(mode, graphs)
     losses = []
     for x, y, sw in data or batches():
         zero_(weights)
         inputs = upstream(x) if upstream is not None else x
-        _, loss = dispatcher.run_block(block, inputs, y, sw, lambda value: value)
-        dispatcher.final_backward(None)  # the upstream's backward (hand-off)
+        _, loss = schedule_run.run_block(block, inputs, y, sw, lambda value: value)
+        schedule_run.final_backward(None)  # the upstream's backward (hand-off)
         losses.append(float(loss))
         sgd_(weights)
     if close:
-        dispatcher.close()
-    return [to_numpy(v) for v in weights], losses, dispatcher, capture
+        schedule_run.close()
+    return [to_numpy(v) for v in weights], losses, schedule_run, capture
 
 
 # -- no host data and no host sync in the captured region -------------------------------
@@ -353,8 +353,8 @@ def test_recording_capture_refuses_host_data_and_syncs():
 def test_graphs_give_eager_weights_in_every_mode(mode, detach_input):
     data = batches()
     eager, eager_losses, _, _ = train_block(mode, False, data, detach_input)
-    graphed, graphed_losses, dispatcher, capture = train_block(mode, True, data, detach_input)
-    runner = dispatcher.graphs
+    graphed, graphed_losses, schedule_run, capture = train_block(mode, True, data, detach_input)
+    runner = schedule_run.graphs
     assert not runner.disabled, runner.disabled_reason
     assert (runner.captures, runner.replays, runner.backward_replays) == (1, 4, 4)
     assert len(capture.captured) == 2  # the forward and the backward graph
@@ -378,18 +378,18 @@ def test_graphs_add_no_batch_norm_update(mode):
             [keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(4)]
         )
         block = make_block(layer=layer)
-        dispatcher, _ = make_dispatcher(mode, graphs)
+        schedule_run, _ = make_schedule_run(mode, graphs)
         for x, y, sw in batches(4):
             zero_(block.trainable_weights)
-            dispatcher.run_block(block, x, y, sw, lambda v: v)
-            dispatcher.finish()
+            schedule_run.run_block(block, x, y, sw, lambda v: v)
+            schedule_run.finish()
             sgd_(block.trainable_weights)
-        dispatcher.close()
-        return block, dispatcher
+        schedule_run.close()
+        return block, schedule_run
 
     eager, _ = train(False)
-    graphed, dispatcher = train(True)
-    assert dispatcher.graphs.captures == 1 and dispatcher.graphs.replays == 3
+    graphed, schedule_run = train(True)
+    assert schedule_run.graphs.captures == 1 and schedule_run.graphs.replays == 3
     moving = [v for v in graphed.weights if "moving" in v.path]
     assert len(moving) == 2
     for a, b in zip(graphed.weights, eager.weights):
@@ -402,15 +402,15 @@ def test_each_block_has_its_own_memory_pool_shared_only_with_its_backward():
     from keras_erase.torch.cuda_graphs.capture import RecordingCapture
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
-    dispatcher, _ = make_dispatcher("threaded", graphs=False)
+    schedule_run, _ = make_schedule_run("threaded", graphs=False)
     capture = RecordingCapture()
-    dispatcher.graphs = CudaGraphRunner(capture=capture, warmup=0)
+    schedule_run.graphs = CudaGraphRunner(capture=capture, warmup=0)
     blocks = [make_block(), make_block(seed=2, name="other")]
     x, y, sw = batches(1)[0]
     for block in blocks:
-        dispatcher.run_block(block, x, y, sw, lambda v: v)
-    dispatcher.finish()
-    dispatcher.close()
+        schedule_run.run_block(block, x, y, sw, lambda v: v)
+    schedule_run.finish()
+    schedule_run.close()
     forward_a, backward_a, forward_b, backward_b = capture.pools
     assert backward_a is forward_a and backward_b is forward_b and forward_a is not forward_b
 
@@ -421,18 +421,18 @@ def test_freezing_a_layer_after_capture_captures_again():
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
     block = make_block()
-    dispatcher, _ = make_dispatcher("blocking", graphs=False)
-    dispatcher.graphs = runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
+    schedule_run, _ = make_schedule_run("blocking", graphs=False)
+    schedule_run.graphs = runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
     data = batches(4)
     for x, y, sw in data[:2]:
-        dispatcher.run_block(block, x, y, sw, lambda v: v)
-        dispatcher.finish()  # one step each
+        schedule_run.run_block(block, x, y, sw, lambda v: v)
+        schedule_run.finish()  # one step each
     assert runner.captures == 1
     block.head.trainable = False
     for x, y, sw in data[2:]:
         zero_(block.weights)
-        dispatcher.run_block(block, x, y, sw, lambda v: v)
-        dispatcher.finish()
+        schedule_run.run_block(block, x, y, sw, lambda v: v)
+        schedule_run.finish()
     assert runner.captures == 2 and not runner.disabled
     assert block.head.kernel.value.grad is None  # frozen: no gradient from the new graph
     assert block.layer.weights[0].value.grad is not None
@@ -443,18 +443,18 @@ def test_graph_capture_keeps_the_inputs_requires_grad():
     """A detach_input=False block's static inputs require grad like the real ones."""
     import torch
 
-    _, _, dispatcher, _ = train_block(
+    _, _, schedule_run, _ = train_block(
         "blocking", True, batches(3), detach_input=False, close=False
     )
-    (graph,) = dispatcher.graphs._graphs.values()
+    (graph,) = schedule_run.graphs._graphs.values()
     assert graph.static_inputs[0].requires_grad
     assert graph.grad_slots[0] == 0 and graph.grad_slots[1:] == [None, None]
     assert isinstance(graph.backward.outputs[0], torch.Tensor)
 
 
 @torch_only
-def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
-    """Batches are moved to the dispatcher's device; record_stream only on CUDA tensors."""
+def test_block_streams_orders_streams_and_moves_cpu_batches(monkeypatch):
+    """Batches are moved to the schedule_run's device; record_stream only on CUDA tensors."""
     import torch
 
     from keras_erase.torch import tensors
@@ -468,14 +468,14 @@ def test_stream_dispatcher_orders_streams_and_moves_cpu_batches(monkeypatch):
         return real_to_device(structure, device)
 
     monkeypatch.setattr(placements, "to_device", spy)
-    dispatcher, _ = make_dispatcher("streams", graphs=False)
+    schedule_run, _ = make_schedule_run("streams", graphs=False)
     block = make_block()
     x, y, sw = batches(1)[0]
-    outputs, loss = dispatcher.run_block(block, x, y, sw, lambda v: v)
-    dispatcher.finish()
+    outputs, loss = schedule_run.run_block(block, x, y, sw, lambda v: v)
+    schedule_run.finish()
     assert moved == [torch.device(keras_device())]
-    log = [entry for entry in dispatcher.placement.api.log]
-    s = dispatcher.placement.streams[0].name
+    log = [entry for entry in schedule_run.placement.api.log]
+    s = schedule_run.placement.streams[0].name
     assert log[0] == ("wait_stream", s, "main")  # the block stream waits for its inputs
     record = next(i for i, e in enumerate(log) if e[0] == "record")
     wait = next(i for i, e in enumerate(log) if e[0] == "wait_event")
@@ -499,15 +499,15 @@ def test_a_capture_failure_disables_graphs_for_the_run_logged_once(caplog):
 
     data = batches()
     eager, _, _, _ = train_block("blocking", False, data)
-    dispatcher, _ = make_dispatcher("blocking", graphs=False)
-    dispatcher.graphs = runner = CudaGraphRunner(capture=RecordingCapture(fail_after=1), warmup=1)
+    schedule_run, _ = make_schedule_run("blocking", graphs=False)
+    schedule_run.graphs = runner = CudaGraphRunner(capture=RecordingCapture(fail_after=1), warmup=1)
     blocks = [make_block(), make_block(seed=2, name="other")]
     with caplog.at_level(logging.WARNING, logger="keras_erase"):
         for x, y, sw in data:
             for block in blocks:
                 zero_(block.trainable_weights)
-                dispatcher.run_block(block, x, y, sw, lambda v: v)
-                dispatcher.finish()
+                schedule_run.run_block(block, x, y, sw, lambda v: v)
+                schedule_run.finish()
                 sgd_(block.trainable_weights)
     assert runner.disabled and runner.failures == 1 and runner.captures == 0
     assert "injected capture failure" in runner.disabled_reason
@@ -521,14 +521,14 @@ def test_a_failure_after_other_captures_sends_every_block_back_to_eager():
     from keras_erase.torch.cuda_graphs.capture import RecordingCapture
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
 
-    dispatcher, _ = make_dispatcher("blocking", graphs=False)
+    schedule_run, _ = make_schedule_run("blocking", graphs=False)
     capture = RecordingCapture(fail_after=3)  # block A's two graphs succeed, block B's fails
-    dispatcher.graphs = runner = CudaGraphRunner(capture=capture, warmup=0)
+    schedule_run.graphs = runner = CudaGraphRunner(capture=capture, warmup=0)
     blocks = [make_block(), make_block(seed=2, name="other")]
     replays = []
     for x, y, sw in batches(3):
         for block in blocks:
-            dispatcher.run_block(block, x, y, sw, lambda v: v)
+            schedule_run.run_block(block, x, y, sw, lambda v: v)
         replays.append(runner.replays)
     assert runner.captures == 1 and runner.failures == 1 and runner.disabled
     assert replays == [1, 1, 1]  # block A's graph is not used after the failure
@@ -554,10 +554,10 @@ def test_a_block_with_a_host_sync_is_refused_and_trains_eagerly():
             return (*shape[:-1], 3)
 
     block = make_block(layer=Syncing())
-    dispatcher, _ = make_dispatcher("blocking", graphs=False)
-    dispatcher.graphs = runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
+    schedule_run, _ = make_schedule_run("blocking", graphs=False)
+    schedule_run.graphs = runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
     x, y, sw = batches(1)[0]
-    _, loss = dispatcher.run_block(block, x, y, sw, lambda v: v)
+    _, loss = schedule_run.run_block(block, x, y, sw, lambda v: v)
     assert runner.disabled and "_local_scalar_dense" in runner.disabled_reason
     assert np.isfinite(float(loss)) and block.trainable_weights[0].value.grad is not None
 
@@ -570,12 +570,12 @@ def test_host_data_in_a_block_is_refused_before_any_capture(caplog):
 
     layer = keras.Sequential([keras.layers.Dense(4, activity_regularizer="l2")])
     block = make_block(layer=layer)
-    dispatcher, _ = make_dispatcher("blocking", graphs=False)
+    schedule_run, _ = make_schedule_run("blocking", graphs=False)
     capture = RecordingCapture()
-    dispatcher.graphs = runner = CudaGraphRunner(capture=capture, warmup=1)
+    schedule_run.graphs = runner = CudaGraphRunner(capture=capture, warmup=1)
     with caplog.at_level(logging.WARNING, logger="keras_erase"):
         for x, y, sw in batches(3):
-            dispatcher.run_block(block, x, y, sw, lambda v: v)
+            schedule_run.run_block(block, x, y, sw, lambda v: v)
     assert runner.disabled and "aten.lift_fresh" in runner.disabled_reason
     assert "'block'" in runner.disabled_reason and capture.captured == []  # never tried
     assert sum("CUDA Graphs disabled" in r.getMessage() for r in caplog.records) == 1
@@ -609,16 +609,16 @@ def train_block_with(layer, mode, graphs, steps=4, torch_seed=None, device_captu
     import torch
 
     block = make_block(layer=layer)
-    dispatcher, _ = make_dispatcher(mode, graphs, device_capture)
+    schedule_run, _ = make_schedule_run(mode, graphs, device_capture)
     if torch_seed is not None:
         torch.manual_seed(torch_seed)
     for x, y, sw in batches(steps):
         zero_(block.trainable_weights)
-        dispatcher.run_block(block, x, y, sw, lambda v: v)
-        dispatcher.finish()
+        schedule_run.run_block(block, x, y, sw, lambda v: v)
+        schedule_run.finish()
         sgd_(block.trainable_weights)
-    dispatcher.close()
-    return [to_numpy(v) for v in block.weights], dispatcher.graphs
+    schedule_run.close()
+    return [to_numpy(v) for v in block.weights], schedule_run.graphs
 
 
 class _FakeCudaGraph:
@@ -740,8 +740,8 @@ def test_gradient_sync_builds_no_tensor_from_host_data_per_block(tmp_path):
     try:
         block = make_block()
         x, y, sw = batches(1)[0]
-        dispatcher, _ = make_dispatcher("blocking", graphs=False)
-        dispatcher.run_block(block, x, y, sw, lambda v: v)
+        schedule_run, _ = make_schedule_run("blocking", graphs=False)
+        schedule_run.run_block(block, x, y, sw, lambda v: v)
         model = _FakeModel([block])
         sync = GradientSync()
         sync.start_step(model)
@@ -798,7 +798,7 @@ def test_cuda_graphs_capture_and_replay_on_gpu(mode):
 
     def run(graphs):
         block = make_block()
-        d = schedules.make_dispatcher(Schedule.from_label(mode), num_streams=2)
+        d = schedules.make_schedule_run(Schedule.from_name(mode), num_streams=2)
         if graphs:
             d.graphs = CudaGraphRunner(warmup=2)
         for x, y, sw in batches(6):
@@ -913,7 +913,7 @@ def test_graphed_blocks_train_like_eager_under_mixed_bfloat16(mode):
             model.fit(x, y, batch_size=handoff.BATCH, epochs=2, shuffle=False, verbose=0,
                       callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=record)])
         runs[graphs] = [to_numpy(w) for w in model.get_weights()], changes, model
-    runner = next(iter(runs[True][2]._erase.dispatchers.values())).graphs
+    runner = next(iter(runs[True][2]._erase.schedule_runs.values())).graphs
     assert not runner.disabled and runner.captures == handoff.TOWERS, runner.captures
     assert min(runs[True][1]) > 0, runs[True][1]  # every tower trains at every step
     for a, b in zip(runs[True][0], runs[False][0]):

@@ -98,7 +98,7 @@ def test_a_block_reading_a_value_on_the_host_trains_eagerly_not_from_a_stale_con
         graphed = losses(model)
     from keras_erase.config import Schedule
 
-    runner = model._erase.dispatchers[Schedule.from_label("blocking+graphs")].graphs
+    runner = model._erase.schedule_runs[Schedule.from_name("blocking+graphs")].graphs
     assert runner.disabled and "Tensor.__array__" in runner.disabled_reason, runner.disabled_reason
     assert all(c.captured == [] for c in captures)  # refused before any capture
     np.testing.assert_allclose(graphed, eager, rtol=1e-6)

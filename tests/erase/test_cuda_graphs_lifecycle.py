@@ -6,7 +6,7 @@
   earlier backward replay reads); with the worker launcher such a block is refused
   graphs at the first step (a real capture would reach the weights' gradient
   accumulators, alive on the main stream for the earlier call's queued backward).
-- Graphs are released when a dispatcher closes (every mode), when `fit` ends, when
+- Graphs are released when a schedule_run closes (every mode), when `fit` ends, when
   `"auto"` drops a schedule, and when the model is garbage-collected.
 - The capture lock is one per process.
 """
@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_erase.torch.train_step import close_dispatchers
+from keras_erase.torch.train_step import close_schedule_runs
 from tests.backend_utils import BACKEND, to_numpy
 from tests.erase.test_cuda_graphs import stand_in_captures, train_block
 
@@ -75,11 +75,11 @@ def stand_in():
 
 
 def runner_of(model, label):
-    """The graph runner of the model's graphed dispatcher for `label` (`"threaded"`, ...)."""
+    """The graph runner of the model's graphed schedule_run for `label` (`"threaded"`, ...)."""
     from keras_erase.config import Schedule
 
-    schedule = Schedule.from_label(label.removesuffix("+graphs") + "+graphs")
-    return model._erase.dispatchers[schedule].graphs
+    schedule = Schedule.from_name(label.removesuffix("+graphs") + "+graphs")
+    return model._erase.schedule_runs[schedule].graphs
 
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
@@ -111,12 +111,12 @@ def test_a_block_met_twice_per_step_trains_like_eager(mode, detach_input, stand_
 
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded", "streams"])
-def test_closing_a_dispatcher_releases_its_graphs(mode):
-    _, _, dispatcher, capture = train_block(mode, True, close=False)
-    assert dispatcher.graphs.captures == 1 and capture.live == 2  # forward + backward
-    dispatcher.close()
+def test_closing_a_schedule_run_releases_its_graphs(mode):
+    _, _, schedule_run, capture = train_block(mode, True, close=False)
+    assert schedule_run.graphs.captures == 1 and capture.live == 2  # forward + backward
+    schedule_run.close()
     assert capture.released == 2 and capture.live == 0
-    assert dispatcher.graphs._graphs == {}
+    assert schedule_run.graphs._graphs == {}
 
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
@@ -133,7 +133,7 @@ def test_fit_releases_the_graphs_when_training_ends(mode, stand_in):
 
 
 def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, auto_measures, monkeypatch):
-    from keras_erase.torch import auto_schedule
+    from keras_erase.torch import auto as auto_schedule
 
     # Two graphed candidates; the slower one is dropped with its graphs.
     monkeypatch.setattr(auto_schedule, "auto_candidates",
@@ -162,7 +162,7 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, auto_measur
 def test_graphs_are_freed_with_their_model(stand_in):
     x, y = data()
     model = shared_tower_model("threaded", True, twice=False)
-    for step in range(5):  # train_on_batch keeps the dispatchers (no end of training)
+    for step in range(5):  # train_on_batch keeps the schedule_runs (no end of training)
         model.train_on_batch(x[:BATCH], y[:BATCH])
     runner = weakref.ref(runner_of(model, "threaded"))
     capture = stand_in[0]
@@ -201,4 +201,4 @@ def test_gradients_are_never_a_graphs_static_buffer(mode, stand_in):
     grads = [v.value.grad for v in model.get_layer("shared_tower").trainable_weights]
     assert all(g is not None for g in grads)
     assert not static & {g.untyped_storage().data_ptr() for g in grads}
-    close_dispatchers(model._erase)  # the worker thread ends now, not at garbage collection
+    close_schedule_runs(model._erase)  # the worker thread ends now, not at garbage collection

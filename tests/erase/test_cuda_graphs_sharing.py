@@ -19,7 +19,7 @@ import pytest
 from keras_erase import DetachBlock
 from keras_erase.config import Schedule
 from tests.backend_utils import BACKEND, to_numpy
-from tests.erase.test_cuda_graphs import batches, make_block, make_dispatcher, needs_cuda, sgd_
+from tests.erase.test_cuda_graphs import batches, make_block, make_schedule_run, needs_cuda, sgd_
 from tests.erase.test_cuda_graphs import stand_in_captures, train_block_with, zero_
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="CUDA Graphs are torch's")
@@ -65,7 +65,7 @@ def test_a_block_sharing_a_weight_is_refused_at_the_first_step(mode, share):
     with stand_in_captures():
         graphed = sharing_model(mode, True, share)
         graphed.train_on_batch(x[:BATCH], y[:BATCH])  # the first step
-        runner = graphed._erase.dispatchers[Schedule.from_label(mode + "+graphs")].graphs
+        runner = graphed._erase.schedule_runs[Schedule.from_name(mode + "+graphs")].graphs
         refused = dict(runner.refused)
         graphed.fit(x[BATCH:], y[BATCH:], batch_size=BATCH, shuffle=False, verbose=0)
     expected = ["tower"] if share == "main" else ["tower", "other"]
@@ -93,16 +93,16 @@ def test_held_weights_names_a_weight_another_graph_holds():
 def test_a_weight_held_at_the_capture_is_refused_before_any_capture(caplog):
     """What the layer walk cannot see (here: a graph kept from outside) the probe refuses."""
     block = make_block()
-    dispatcher, capture = make_dispatcher("blocking", True)  # warm-up 1: captures at step 2
+    schedule_run, capture = make_schedule_run("blocking", True)  # warm-up 1: captures at step 2
     kept = []
     for step, (x, y, sw) in enumerate(batches(3)):
         zero_(block.trainable_weights)
         if step == 1:
             kept.append(block.trainable_weights[0].value.sum())
-        dispatcher.run_block(block, x, y, sw, lambda v: v)
-        dispatcher.finish()
+        schedule_run.run_block(block, x, y, sw, lambda v: v)
+        schedule_run.finish()
         sgd_(block.trainable_weights)
-    runner = dispatcher.graphs
+    runner = schedule_run.graphs
     assert capture.captured == [] and runner.captures == 0  # refused before capturing
     assert list(runner.refused) == ["block"]
     assert "held by another autograd graph" in runner.refused["block"]
@@ -143,7 +143,7 @@ def test_a_shared_weight_trains_like_eager_on_gpu(mode):
     eager.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     graphed = sharing_model(mode, True)
     graphed.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    (runner,) = [d.graphs for d in graphed._erase.dispatchers.values() if d.graphs is not None]
+    (runner,) = [d.graphs for d in graphed._erase.schedule_runs.values() if d.graphs is not None]
     assert list(runner.refused) == ["tower"] and runner.captures == 1, runner.disabled_reason
     assert not runner.disabled and runner.replays > 0
     for a, b in zip(graphed.get_weights(), eager.get_weights()):

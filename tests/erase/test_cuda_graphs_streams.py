@@ -67,27 +67,27 @@ def _accumulators(root):
     return found
 
 
-@pytest.mark.parametrize("mode", ["blocking", "threaded", "inline+block_streams", "streams"])
+@pytest.mark.parametrize("mode", ["blocking", "threaded", "inline_streams", "streams"])
 def test_replays_never_accumulate_through_the_capture_time_graph(mode):
     from keras_erase.torch import schedules
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
     from tests.erase.fake_streams import CheckedStreams
     from tests.erase.test_cuda_graphs import batches, make_block, sgd_, zero_
 
-    dispatcher = schedules.make_dispatcher(Schedule.from_label(mode), streams=CheckedStreams())
+    schedule_run = schedules.make_schedule_run(Schedule.from_name(mode), streams=CheckedStreams())
     capture = SpyingCapture()
-    dispatcher.graphs = CudaGraphRunner(capture=capture, warmup=1)
+    schedule_run.graphs = CudaGraphRunner(capture=capture, warmup=1)
     blocks = [make_block(), make_block(seed=2, name="other")]
     weights = [w for b in blocks for w in b.trainable_weights]
     for x, y, sw in batches(6):
         zero_(weights)
         for block in blocks:
-            dispatcher.run_block(block, x, y, sw, lambda v: v)
-        dispatcher.final_backward(None)
+            schedule_run.run_block(block, x, y, sw, lambda v: v)
+        schedule_run.final_backward(None)
         assert all(w.value.grad is not None for w in weights)  # replays accumulated
         sgd_(weights)
-    dispatcher.close()
-    runner = dispatcher.graphs
+    schedule_run.close()
+    runner = schedule_run.graphs
     assert runner.captures == 2 and runner.backward_replays == 2 * 5 and not runner.disabled
     assert capture.hooked == 2 * 6  # the check can fail: every weight's node was hooked
     assert capture.capture_time_accumulations == []
@@ -99,15 +99,15 @@ def test_each_block_has_its_own_capture_stream_and_warms_up_on_it():
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
     from tests.erase.test_cuda_graphs import batches, make_block
 
-    dispatcher = schedules.make_dispatcher(Schedule.from_label("threaded"))
+    schedule_run = schedules.make_schedule_run(Schedule.from_name("threaded"))
     capture = RecordingCapture()
-    dispatcher.graphs = runner = CudaGraphRunner(capture=capture, warmup=2)
+    schedule_run.graphs = runner = CudaGraphRunner(capture=capture, warmup=2)
     blocks = [make_block(), make_block(seed=2, name="other")]
     for x, y, sw in batches(4):
         for block in blocks:
-            dispatcher.run_block(block, x, y, sw, lambda v: v)
-        dispatcher.finish()
-    dispatcher.close()
+            schedule_run.run_block(block, x, y, sw, lambda v: v)
+        schedule_run.finish()
+    schedule_run.close()
     assert runner.captures == 2
     forward_a, backward_a, forward_b, backward_b = capture.streams
     assert forward_a is backward_a and forward_b is backward_b and forward_a is not forward_b
@@ -119,10 +119,10 @@ def test_each_block_has_its_own_capture_stream_and_warms_up_on_it():
 def test_the_static_outputs_hold_no_autograd_graph():
     from tests.erase.test_cuda_graphs import batches, train_block
 
-    _, _, dispatcher, _ = train_block("blocking", True, batches(3), close=False)
-    (graph,) = dispatcher.graphs._graphs.values()
+    _, _, schedule_run, _ = train_block("blocking", True, batches(3), close=False)
+    (graph,) = schedule_run.graphs._graphs.values()
     assert all(o.grad_fn is None for o in graph.forward.outputs)
-    dispatcher.close()
+    schedule_run.close()
 
 
 class _Stream:

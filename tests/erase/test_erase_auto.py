@@ -2,7 +2,7 @@
 
 import pytest
 
-from keras_erase.auto import ScheduleSelector
+from keras_erase.torch.auto import ScheduleSelector
 
 BASE = [1.0] * 7 + [1.2] * 3  # the standard step: median 1.0, p90 1.2
 

@@ -137,7 +137,7 @@ def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
 
 @torch_only
 def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window():
-    from keras_erase.auto import ScheduleSelector
+    from keras_erase.torch.auto import ScheduleSelector
     from tools import erase_gpu_plan as plan
     from tools import gpu_trace
 
@@ -339,7 +339,7 @@ def test_erase_model_with_cuda_graphs_trains_like_eager(mode, detach_input):
 def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
     """The torch step moves y/sample_weight once; every block gets that same tensor."""
     from keras_erase.torch import train_step
-    from keras_erase.torch.schedules.base import Dispatcher
+    from keras_erase.torch.schedules.base import ScheduleRun
 
     calls, seen = [], []
     real_to_device = train_step.to_device
@@ -349,14 +349,14 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
         calls.append(moved)
         return moved
 
-    real_run_block = Dispatcher.run_block
+    real_run_block = ScheduleRun.run_block
 
     def run_block(self, block, inputs, y_true, sample_weight, scale_loss):
         seen.append(y_true)
         return real_run_block(self, block, inputs, y_true, sample_weight, scale_loss)
 
     monkeypatch.setattr(train_step, "to_device", spy)
-    monkeypatch.setattr(Dispatcher, "run_block", run_block)
+    monkeypatch.setattr(ScheduleRun, "run_block", run_block)
     model = _mlp_model("blocking", False)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 6)).astype("float32")
@@ -370,7 +370,7 @@ def test_targets_move_to_the_device_once_per_step_not_per_block(monkeypatch):
 @torch_only
 def test_auto_with_graphs_never_times_warm_up_or_capture_steps(auto_measures, monkeypatch):
     """`dispatch="auto"` + graphs: the graph warm-up and capture steps are untimed."""
-    from keras_erase.torch import auto_schedule
+    from keras_erase.torch import auto as auto_schedule
     from keras_erase.torch.cuda_graphs import capture as graph_capture
     from keras_erase.torch.cuda_graphs import runner as graph_runner
 
@@ -393,5 +393,5 @@ def test_auto_with_graphs_never_times_warm_up_or_capture_steps(auto_measures, mo
         # one auto warm-up round + the graph warm-up steps + the capture step
         assert selector.warmup[candidate] == graph_runner.untimed_steps(graph_runner.DEFAULT_WARMUP)
         assert len(selector.times[candidate]) == selector.seen[candidate] - selector.warmup[candidate]
-    runner = model._erase.dispatchers[Schedule.from_label(graphed[0])].graphs
+    runner = model._erase.schedule_runs[Schedule.from_name(graphed[0])].graphs
     assert runner.captures == 3 and not runner.disabled

@@ -112,16 +112,16 @@ def _walk(node):
 
 @pytest.mark.parametrize("mode", ["blocking", "threaded"])
 def test_a_block_backward_walks_only_the_block(mode, monkeypatch):
-    from keras_erase.torch.schedules.base import Dispatcher
+    from keras_erase.torch.schedules.base import ScheduleRun
 
     walked = []
-    real = Dispatcher._timed_backward
+    real = ScheduleRun._timed_backward
 
     def spy(self, block, loss, cuts=()):
         walked.append((block, _walk(loss.grad_fn), list(cuts)))
         return real(self, block, loss, cuts)
 
-    monkeypatch.setattr(Dispatcher, "_timed_backward", spy)
+    monkeypatch.setattr(ScheduleRun, "_timed_backward", spy)
     fit(build(mode, skip=True), epochs=1)
     assert len(walked) == TOWERS * (N // BATCH)
     for block, nodes, cuts in walked:

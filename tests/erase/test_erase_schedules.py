@@ -121,10 +121,10 @@ def test_shared_upstream_gets_the_standard_weights(combination, skip, stand_ins)
     for a, b in zip(weights, reference):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     _check_streams(streams, combination, handoff.TOWERS)
-    dispatcher = next(iter(model._erase.dispatchers.values()))
-    assert dispatcher.name == f"{combination[0]}+{combination[1]}"
+    schedule_run = next(iter(model._erase.schedule_runs.values()))
+    assert schedule_run.name == f"{combination[0]}+{combination[1]}"
     if combination[2]:
-        runner = dispatcher.graphs
+        runner = schedule_run.graphs
         assert runner is not None and not runner.disabled, runner and runner.disabled_reason
         assert runner.captures == handoff.TOWERS and runner.replays > 0
 
@@ -154,7 +154,7 @@ def test_a_reused_tower_gets_the_standard_weights(combination, detach_input, sta
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     _check_streams(streams, combination, 1)  # one block, met twice: one stream
     if combination[2]:
-        runner = next(iter(model._erase.dispatchers.values())).graphs
+        runner = next(iter(model._erase.schedule_runs.values())).graphs
         assert not runner.disabled, runner.disabled_reason
         if combination[0] == "worker":  # met twice in a step: its weights' nodes live on the worker
             assert set(runner.refused) == {"shared_tower"} and runner.captures == 0, runner.refused
@@ -196,17 +196,17 @@ def test_one_stream_per_block_by_default_and_num_streams_caps_them():
 @pytest.mark.parametrize("launcher", ["inline", "worker"])
 def test_the_main_loss_backward_runs_before_the_blocks_are_joined(launcher, skip, monkeypatch):
     """`final_backward`: the main loss's part first; the join only where the hand-off needs it."""
-    from keras_erase.torch.schedules.base import Dispatcher
+    from keras_erase.torch.schedules.base import ScheduleRun
     from tests.erase import test_erase_handoff as handoff
 
     events = []
-    real_finish = Dispatcher.finish
+    real_finish = ScheduleRun.finish
 
     def finish(self):
         events.append("join")
         return real_finish(self)
 
-    monkeypatch.setattr(Dispatcher, "finish", finish)
+    monkeypatch.setattr(ScheduleRun, "finish", finish)
     model = early(handoff.build("standard", skip), (launcher, "default_stream", False))
     top = model.get_layer("top").kernel.value
     top.register_post_accumulate_grad_hook(lambda p: events.append("top"))
@@ -252,8 +252,8 @@ def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kep
     stand_ins, auto_measures, monkeypatch
 ):
     """`dispatch="auto"` on CUDA (faked here): every launcher x placement, eager and graphed."""
-    from keras_erase.auto import ScheduleSelector
-    from keras_erase.torch.auto_schedule import describe_schedule
+    from keras_erase.torch.auto import ScheduleSelector
+    from keras_erase.torch.auto import describe_schedule
     from tests.erase import test_cuda_graphs_lifecycle as lifecycle
 
     fake_seconds = {"streams+graphs": 0.5}
@@ -268,7 +268,7 @@ def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kep
     model.compile(keras.optimizers.SGD(0.2), "binary_crossentropy")
     model.fit(x, y, batch_size=lifecycle.BATCH, epochs=4, shuffle=False, verbose=0)
     selector = model._erase.selector
-    eager = ["blocking", "threaded", "streams", "inline+block_streams"]
+    eager = ["blocking", "threaded", "streams", "inline_streams"]
     assert selector.candidates == ["standard"] + eager + [f"{label}+graphs" for label in eager]
     assert all(selector.seen[c] > 0 for c in selector.candidates)
     assert selector.done and model.dispatch_choice == "streams+graphs"
@@ -283,7 +283,7 @@ def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kep
         assert (f"{describe_schedule(mode)}: {selector.seen[mode]} step"
                 f"{'' if selector.seen[mode] == 1 else 's'}, median {seconds * 1e3:.1f} ms, "
                 f"p90 {seconds * 1e3:.1f} ms over 1 timed step") in text
-    kept = model._erase.dispatchers[Schedule.from_label("streams+graphs")]
+    kept = model._erase.schedule_runs[Schedule.from_name("streams+graphs")]
     assert kept.name == "worker+block_streams" and kept.graphs.captures == 2  # two blocks
 
 
@@ -484,7 +484,7 @@ def test_the_models_users_have_train_as_the_standard_step_under_every_policy(
     print(f"{policy} {_ids(combination)}: worst weight off float64 by {error:.3g} of its move "
           f"(the standard step: {own:.3g})")
     if combination[2]:
-        runner = next(iter(model._erase.dispatchers.values())).graphs
+        runner = next(iter(model._erase.schedule_runs.values())).graphs
         assert not runner.disabled, runner.disabled_reason
         # Blocks whose weights another autograd graph holds train eagerly (a layer on the main
         # path, a layer shared by two blocks; with the worker, a block met twice in a step).

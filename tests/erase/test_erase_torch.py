@@ -82,10 +82,10 @@ def test_block_regularizers_and_add_loss_train_with_the_early_backward(hang_guar
 
 def test_auto_candidates_on_cuda_meet_what_the_gpu_check_expects():
     """The candidates `auto` measures on CUDA: the standard step first, then the schedules."""
-    from keras_erase.torch.auto_schedule import auto_candidates
+    from keras_erase.torch.auto import auto_candidates
 
     assert auto_candidates() == ["standard", "blocking", "threaded", "streams",
-                                 "inline+block_streams"]
+                                 "inline_streams"]
     graphed = auto_candidates(graphs=True)
     assert graphed[:5] == auto_candidates() and graphed[5:] == [
         f"{label}+graphs" for label in auto_candidates()[1:]]
@@ -104,7 +104,7 @@ def test_auto_on_cpu_takes_no_measuring_step(intra_op_threads, two_threads, monk
     def refuse(*_, **__):
         raise AssertionError("auto measured or ran an early-backward step on CPU")
 
-    for name in ("new_selector", "dispatcher_for", "erase_step"):
+    for name in ("new_selector", "schedule_run_for", "erase_step"):
         monkeypatch.setattr(train_step, name, refuse)
     threads = two_threads if intra_op_threads == "auto" else intra_op_threads
     seen = []
@@ -125,7 +125,7 @@ def test_auto_on_cpu_takes_no_measuring_step(intra_op_threads, two_threads, monk
     assert len(seen) == 4 and set(seen) == {threads}
     assert torch.get_num_threads() == two_threads  # restored after fit
     assert model._erase.selector is None and model.auto_timings == {}
-    assert model._erase.dispatchers == {}
+    assert model._erase.schedule_runs == {}
     assert model.dispatch_choice == "standard"
     assert model.dispatch_explanation == before
     assert not [r for r in caplog.records if "dispatch='auto'" in r.getMessage()]
@@ -210,7 +210,7 @@ def test_worker_threads_end_with_their_model_and_with_training(hang_guard):
 
 
 def test_auto_ends_the_workers_of_the_schedules_it_leaves(hang_guard, auto_measures):
-    from keras_erase.auto import ScheduleSelector
+    from keras_erase.torch.auto import ScheduleSelector
 
     assert _wait_for(lambda: not _live_workers())  # none left by earlier tests
     model = build_ctr("auto", num_towers=2)
@@ -232,20 +232,20 @@ def test_worker_sets_its_own_intra_op_team_size(two_threads):
     parallel op, whatever the main thread sets later; so the worker sets its own."""
     import torch
 
-    from keras_erase.torch.schedules import make_dispatcher
+    from keras_erase.torch.schedules import make_schedule_run
 
     threaded = Schedule("worker", "default_stream")
 
-    def count_in_worker(dispatcher):
+    def count_in_worker(schedule_run):
         seen = []
-        dispatcher._worker.submit(lambda: seen.append(torch.get_num_threads()))
-        dispatcher.finish()
+        schedule_run._worker.submit(lambda: seen.append(torch.get_num_threads()))
+        schedule_run.finish()
         return seen[0]
 
     # What the policy is built on: a plain worker started while the main thread had 1
     # thread keeps 1 after the main thread goes back to 2.
     torch.set_num_threads(1)
-    plain = make_dispatcher(threaded)
+    plain = make_schedule_run(threaded)
     assert count_in_worker(plain) == 1
     torch.set_num_threads(2)
     assert count_in_worker(plain) == 1
@@ -253,7 +253,7 @@ def test_worker_sets_its_own_intra_op_team_size(two_threads):
     # The worker with its own count: 2 although it started while the main thread had 1,
     # then 1 when asked, while the main thread stays at 2.
     torch.set_num_threads(1)
-    own = make_dispatcher(threaded, worker_threads=2)
+    own = make_schedule_run(threaded, worker_threads=2)
     assert count_in_worker(own) == 2
     torch.set_num_threads(2)
     own.launcher.worker.threads = 1
@@ -269,12 +269,12 @@ def test_threaded_model_worker_uses_the_policy_count(two_threads):
     model.compile(optimizer="sgd", loss="binary_crossentropy")
     x, y = ctr_data(16)
     model.train_on_batch(x, y)
-    dispatcher = model._erase.dispatchers[Schedule.from_label("threaded")]
+    schedule_run = model._erase.schedule_runs[Schedule.from_name("threaded")]
     seen = []
-    dispatcher._worker.submit(lambda: seen.append(torch.get_num_threads()))
-    dispatcher.finish()
+    schedule_run._worker.submit(lambda: seen.append(torch.get_num_threads()))
+    schedule_run.finish()
     assert seen == [1] and torch.get_num_threads() == two_threads
-    dispatcher.close()
+    schedule_run.close()
 
 
 def _trace_steps(events, blocks):
@@ -467,7 +467,7 @@ def test_block_weight_penalties_make_no_tensor_from_host_data():
 
 
 def test_a_fit_that_ends_while_auto_measures_says_so_and_what_ran(auto_measures, monkeypatch):
-    from keras_erase.torch import auto_schedule
+    from keras_erase.torch import auto as auto_schedule
 
     monkeypatch.setattr(auto_schedule, "auto_candidates",
                         lambda graphs=False: ["standard", "blocking", "threaded"])
@@ -497,8 +497,8 @@ def test_auto_explanation_prints_the_numbers_each_schedule_was_judged_on():
     the baseline's final median, which later steps moved (here 11.0 ms -> 21.0 ms)."""
     from types import SimpleNamespace
 
-    from keras_erase.auto import ScheduleSelector
-    from keras_erase.torch.auto_schedule import explain
+    from keras_erase.torch.auto import ScheduleSelector
+    from keras_erase.torch.auto import explain
 
     selector = ScheduleSelector(["standard", "threaded", "streams"], timed_rounds=4)
     times = {"standard": [0.5, 0.010, 0.012, 0.030, 0.030], "threaded": [0.5, 0.0115, 0.0118],

@@ -6,7 +6,7 @@ import pytest
 from types import SimpleNamespace
 
 from keras_erase import DetachBlock, EraseModel
-from keras_erase.auto import ScheduleSelector
+from keras_erase.torch.auto import ScheduleSelector
 from keras_erase.block_weights import block_owned_weights
 from keras_erase.block_weights import shared_weights
 from keras_erase.capture_safe import capture_safe_loss
@@ -31,7 +31,7 @@ def test_config():
     config = EraseConfig(dispatch="threaded", intra_op_threads=1)
     assert (config.to_dict()["dispatch"], config.needs_cuda) == ("threaded", False)
     early = EraseConfig(dispatch="early", launcher="inline", placement="block_streams")
-    assert early.schedule().label == "inline+block_streams"
+    assert early.schedule().name == "inline_streams"
     assert EraseConfig(dispatch="streams").backend_note("jax").startswith(
         "EraseModel: dispatch='streams' is a torc"
     )
@@ -142,11 +142,11 @@ def test_torch_runtime_parts():
     import torch
 
     from keras_erase.config import Schedule
-    from keras_erase.torch.auto_schedule import auto_candidates
-    from keras_erase.torch.auto_schedule import describe_schedule
+    from keras_erase.torch.auto import auto_candidates
+    from keras_erase.torch.auto import describe_schedule
     from keras_erase.torch.cuda_graphs.capture import RecordingCapture
     from keras_erase.torch.cuda_graphs.runner import CudaGraphRunner
-    from keras_erase.torch.schedules import make_dispatcher
+    from keras_erase.torch.schedules import make_schedule_run
     from keras_erase.torch.schedules.launchers import InlineLauncher
     from keras_erase.torch.tensors import flat_tensors
     from keras_erase.torch.tensors import reached
@@ -157,7 +157,7 @@ def test_torch_runtime_parts():
     )
     runner = CudaGraphRunner(capture=RecordingCapture(), warmup=0)
     assert (runner.captures, runner.disabled) == (0, False)
-    assert make_dispatcher(Schedule("worker", "default_stream")).name == "worker+default_stream"
+    assert make_schedule_run(Schedule("worker", "default_stream")).name == "worker+default_stream"
     launcher, ran = InlineLauncher(), []
     launcher.launch(lambda: ran.append(1))
     launcher.wait()

@@ -155,7 +155,7 @@ class CudaGraphRunner:
     def forward(self, block, inputs, y_true, sample_weight, eager_forward):
         """Runs `block` and returns `(outputs, local_loss)`, from its graphs once captured.
 
-        `eager_forward(block, inputs, y_true, sample_weight)`: the dispatcher's
+        `eager_forward(block, inputs, y_true, sample_weight)`: the `ScheduleRun`'s
         eager forward, which is what gets captured.
         """
         if self.disabled or id(block) in self._refused_ids:

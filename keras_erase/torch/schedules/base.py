@@ -1,4 +1,4 @@
-"""`Dispatcher`: a `Schedule` at run time, a launcher x a placement.
+"""`ScheduleRun`: a `Schedule` at run time, a launcher x a placement.
 
 Per step: `run_block(block, inputs, y_true, sample_weight, scale_loss)` runs
 the block's forward and local objective (through `graphs` when set) and has
@@ -21,7 +21,7 @@ from keras_erase.torch.schedules.placements import DefaultStream
 from keras_erase.torch.tensors import detach_tensors
 from keras_erase.torch.tensors import flat_tensors
 
-__all__ = ["Dispatcher", "forward_block"]
+__all__ = ["ScheduleRun", "forward_block"]
 
 
 def forward_block(block, inputs, y_true, sample_weight):
@@ -31,7 +31,7 @@ def forward_block(block, inputs, y_true, sample_weight):
     return outputs, loss
 
 
-class Dispatcher:
+class ScheduleRun:
     """One schedule: `launcher` x `placement`; `trace`: a list for events (`EraseModel.start_trace`)."""
 
     def __init__(self, launcher=None, placement=None):
@@ -43,7 +43,7 @@ class Dispatcher:
         # torch.distributed gradient all-reduce; see `keras_erase.torch.distributed`).
         self.after_backward = None
         # A `CudaGraphRunner` (`keras_erase.torch.cuda_graphs.runner`), set by
-        # `make_dispatcher` for a graphed schedule: every block forward goes through it.
+        # `make_schedule_run` for a graphed schedule: every block forward goes through it.
         self.graphs = None
         # One thread and one stream run every block backward in order: the hand-off
         # sums each input gradient right there; otherwise on the main stream at the end.

@@ -26,7 +26,7 @@ def _serve(jobs, errors, settings):
         except BaseException as error:  # noqa: BLE001 - re-raised by wait()
             errors.append(error)
         finally:
-            job = None  # drop the closure (it may reference the dispatcher)
+            job = None  # drop the closure (it may reference the `ScheduleRun`)
             jobs.task_done()
 
 
