@@ -74,7 +74,8 @@ class EraseModel(keras.Model):
             and `evaluate` work anywhere.
         intra_op_threads: torch CPU thread policy: `"auto"`, an int or `None`
             (see `keras_erase.torch.threads`).
-        auto_steps: timed rounds per candidate of `dispatch="auto"` on CUDA.
+        auto_steps: timed rounds per candidate of `dispatch="auto"` on CUDA
+            (at most: fewer where needed to choose within 30 steps).
         launcher: `"inline"` or `"worker"`: who launches each block's
             backward (`None`: the named schedule's; `"worker"` for `"early"`).
         placement: `"default_stream"` or `"block_streams"` (CUDA): where each

@@ -1,6 +1,8 @@
 """`dispatch="auto"` on torch: its candidates, `ScheduleSelector` (the measuring rule on CUDA) and how a
 schedule explains itself. The one module that chooses `"auto"`'s schedule."""
 
+import dataclasses
+
 import numpy as np
 
 from keras_erase.config import STANDARD
@@ -10,14 +12,18 @@ from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
 from keras_erase.torch.cuda_graphs.runner import untimed_steps
 
 __all__ = [
-    "AUTO_MARGIN", "CPU_EXPLANATION", "EARLY_STOP_ROUNDS", "ScheduleSelector", "auto_candidates",
-    "describe_schedule", "explain", "explain_fixed", "new_selector",
+    "AUTO_LAUNCHERS", "AUTO_MARGIN", "AUTO_STEP_LIMIT", "CPU_EXPLANATION", "EARLY_STOP_ROUNDS", "ScheduleSelector", "auto_candidates",
+    "describe_schedule", "explain", "explain_fixed", "new_selector", "timed_rounds",
 ]
 
 # A schedule replaces the baseline only when this much faster (median and p90).
 AUTO_MARGIN = 0.03
 # Timed steps after which a challenger not clearly faster than the baseline is dropped.
 EARLY_STOP_ROUNDS = 2
+# "auto" on CUDA settles within this many steps, graph warm-ups and captures included.
+AUTO_STEP_LIMIT = 30
+# The launchers "auto" measures (`auto_candidates`).
+AUTO_LAUNCHERS = ("worker",)
 
 
 class ScheduleSelector:
@@ -35,6 +41,8 @@ class ScheduleSelector:
         margin, early_stop_rounds: as above (`None`: no early stop).
         combine: optional `list of floats -> list of floats` applied to the
             statistics before the choice (the mean over ranks); no early stop then.
+        one_at_a_time: candidates measured one after another, never
+            interleaved (graphed ones: one holds graph pools at a time).
     """
 
     def __init__(
@@ -46,6 +54,7 @@ class ScheduleSelector:
         margin=AUTO_MARGIN,
         early_stop_rounds=EARLY_STOP_ROUNDS,
         combine=None,
+        one_at_a_time=(),
     ):
         if not candidates:
             raise ValueError(
@@ -60,6 +69,7 @@ class ScheduleSelector:
         self.margin = float(margin)
         self.early_stop_rounds = None if combine is not None else early_stop_rounds
         self.combine = combine
+        self.one_at_a_time = [c for c in self.candidates if c in set(one_at_a_time)]
         self.times = {c: [] for c in self.candidates}
         self.seen = {c: 0 for c in self.candidates}
         self.active = list(self.candidates)
@@ -77,11 +87,19 @@ class ScheduleSelector:
     def _needs(self, candidate):
         return self.seen[candidate] < self.warmup[candidate] + self.timed_rounds
 
+    def measured(self, candidate):
+        """Whether `candidate` needs no more steps to be measured (timed through, or dropped)."""
+        return candidate not in self.active or not self._needs(candidate)
+
     def next_schedule(self):
         """The schedule for the next step: a trial, or the choice once made."""
         if self.done:
             return self.choice
         waiting = [c for c in self.active if self._needs(c)]
+        serial = [c for c in waiting if c in self.one_at_a_time]
+        if serial:  # the one begun first, else the first in line
+            current = next((c for c in serial if self.seen[c] > 0), serial[0])
+            waiting = [c for c in waiting if c not in serial or c == current]
         return waiting[self._turn % len(waiting)]
 
     def record(self, schedule, seconds):
@@ -153,9 +171,23 @@ CPU_EXPLANATION = (
 
 
 def auto_candidates(graphs=False):
-    """The labels `"auto"` measures: the standard step, then every launcher x placement (+ graphed)."""
-    schedules = Schedule.every(graphs=False) + (Schedule.every(graphs=True) if graphs else [])
+    """The names `"auto"` measures: the standard step, then the worker's schedules (+ graphed).
+
+    The inline launcher is left out: on the H200 it never came within 6% of
+    the worker's schedules at any batch (docs/benchmarks.md), and two fewer
+    candidates let `"auto"` settle within `AUTO_STEP_LIMIT` steps.
+    """
+    schedules = [s for s in Schedule.every(graphs=False) if s.launcher in AUTO_LAUNCHERS]
+    if graphs:
+        schedules += [dataclasses.replace(s, graphs=True) for s in schedules]
     return [STANDARD] + [s.name for s in schedules]
+
+
+def timed_rounds(candidates, untimed, most):
+    """Timed steps per candidate: at most `most`, fewer where the untimed and timed steps of every
+    candidate would pass `AUTO_STEP_LIMIT` (`untimed`: `{candidate: untimed steps}`)."""
+    left = AUTO_STEP_LIMIT - sum(untimed.values())
+    return max(1, min(int(most), left // len(candidates)))
 
 
 def new_selector(config, combine=None):
@@ -163,12 +195,14 @@ def new_selector(config, combine=None):
     candidates = auto_candidates(config.cuda_graphs)
     # graph warm-up and capture steps are never timed
     extra_warmup = {c: untimed_steps(DEFAULT_WARMUP) - 1 for c in candidates if _graphed(c)}
+    untimed = {c: 1 + extra_warmup.get(c, 0) for c in candidates}
     return ScheduleSelector(
         candidates,
-        timed_rounds=config.auto_steps,
+        timed_rounds=timed_rounds(candidates, untimed, config.auto_steps),
         warmup_rounds=1,
         extra_warmup=extra_warmup,
         combine=combine,
+        one_at_a_time=[c for c in candidates if _graphed(c)],  # one set of graph pools at a time
     )
 
 

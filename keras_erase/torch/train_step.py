@@ -190,7 +190,17 @@ def train_step(model, runtime, data, standard_step):
             runtime.dispatch_choice = selector.choice
             close_schedule_runs(runtime, keep=schedule_of(selector.choice))  # the trials' workers
             _log_choice(runtime)
+        else:
+            release_measured_graphs(runtime)
     return logs
+
+
+def release_measured_graphs(runtime):
+    """Closes the run of each graphed candidate `"auto"` has measured: its graphs and pools go (kept,
+    it captures again), so one candidate holds graph pools at a time."""
+    for schedule in [s for s in runtime.schedule_runs if s.graphs]:
+        if runtime.selector.measured(name_of(schedule)):
+            runtime.schedule_runs.pop(schedule).close()
 
 
 @contextlib.contextmanager

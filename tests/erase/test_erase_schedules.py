@@ -251,7 +251,7 @@ def test_main_backward_to_handoff_is_exact_or_declines():
 def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kept(
     stand_ins, auto_measures, monkeypatch
 ):
-    """`dispatch="auto"` on CUDA (faked here): every launcher x placement, eager and graphed."""
+    """`dispatch="auto"` on CUDA (faked here): the worker's schedules, eager and graphed."""
     from keras_erase.torch.auto import ScheduleSelector
     from keras_erase.torch.auto import describe_schedule
     from tests.erase import test_cuda_graphs_lifecycle as lifecycle
@@ -268,7 +268,7 @@ def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kep
     model.compile(keras.optimizers.SGD(0.2), "binary_crossentropy")
     model.fit(x, y, batch_size=lifecycle.BATCH, epochs=4, shuffle=False, verbose=0)
     selector = model._erase.selector
-    eager = ["blocking", "threaded", "streams", "inline_streams"]
+    eager = ["threaded", "streams"]  # the worker's: inline launches never won on the H200
     assert selector.candidates == ["standard"] + eager + [f"{label}+graphs" for label in eager]
     assert all(selector.seen[c] > 0 for c in selector.candidates)
     assert selector.done and model.dispatch_choice == "streams+graphs"
@@ -285,6 +285,42 @@ def test_auto_on_cuda_measures_every_schedule_that_can_win_and_names_the_one_kep
                 f"p90 {seconds * 1e3:.1f} ms over 1 timed step") in text
     kept = model._erase.schedule_runs[Schedule.from_name("streams+graphs")]
     assert kept.name == "worker+block_streams" and kept.graphs.captures == 2  # two blocks
+
+
+@pytest.mark.parametrize("faster", [None, "threaded+graphs"], ids=["none-faster", "graphs-faster"])
+def test_auto_settles_within_30_steps_with_one_set_of_graph_pools_and_keeps_the_standard_step(
+    stand_ins, auto_measures, monkeypatch, faster
+):
+    """`"auto"` with graphs, its default `auto_steps`: chosen within `AUTO_STEP_LIMIT` steps (graph
+    warm-ups and captures included), at most one candidate holding graphs at any step (the pools
+    of one fixed graph schedule), and the standard step kept when no schedule beats it."""
+    from keras_erase.torch.auto import AUTO_STEP_LIMIT
+    from keras_erase.torch.auto import ScheduleSelector
+    from keras_erase.torch.cuda_graphs.runner import live_runners
+    from tests.erase import test_cuda_graphs_lifecycle as lifecycle
+
+    real_record = ScheduleSelector.record
+    monkeypatch.setattr(  # every schedule as fast as the standard step, or `faster` twice as fast
+        ScheduleSelector, "record",
+        lambda self, schedule, seconds: real_record(self, schedule, 0.5 if schedule == faster else 1.0),
+    )
+    x, y = lifecycle.data()
+    model = reconfigure(lifecycle.shared_tower_model("standard", False, False, twice=False),
+                        dispatch="auto", cuda_graphs=True)
+    model.compile(keras.optimizers.SGD(0.2), "binary_crossentropy")
+    holding = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: holding.append(
+        sum(1 for r in live_runners() if r.pools())))
+    steps = 0
+    while model.dispatch_choice is None and steps < 2 * AUTO_STEP_LIMIT:
+        model.fit(x, y, batch_size=lifecycle.BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[record])
+        steps += len(x) // lifecycle.BATCH
+    selector = model._erase.selector
+    assert selector.done and selector.steps <= AUTO_STEP_LIMIT, selector.steps
+    assert all(selector.seen[c] > 0 for c in selector.candidates)
+    assert max(holding) <= 1, holding  # one graphed candidate's pools at a time
+    assert model.dispatch_choice == (faster or "standard")
 
 
 # -- the mixed precision matrix: the models users have, under every policy ------------

@@ -151,7 +151,7 @@ def test_torch_runtime_parts():
     from keras_erase.torch.tensors import flat_tensors
     from keras_erase.torch.tensors import reached
 
-    assert auto_candidates()[:3] == ["standard", "blocking", "threaded"]
+    assert auto_candidates()[:3] == ["standard", "threaded", "streams"]
     assert describe_schedule("streams") == (
         "streams (launcher 'worker', placement 'block_streams', CUDA Graphs off)"
     )
