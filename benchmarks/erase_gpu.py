@@ -11,15 +11,24 @@ Models (`--models`):
   blocks of 5 Dense layers (a chain, each block with a logistic head and BCE), so
   each block's backward can overlap the forward of the blocks after it.
 
-Modes (`--modes`): `standard`, `blocking`, `threaded`, `streams`, the last three also
-as `<mode>+graphs` (`cuda_graphs=True`); `undetached` (the same network without
-DetachBlocks, standard step), `auto` and `auto+graphs` run last, on the CTR model at
-the middle batch, when the budget leaves time (their cells first run untimed steps until
-`auto` has chosen, so that its choice is what is timed). Every cell builds a fresh model, runs
-`--warmup` untimed steps (more than the graph warm-up and capture steps), then `--steps`
-timed steps (the clock read after `torch.cuda.synchronize()`; the host time per step
-until `train_on_batch` returned), `--repeats` times (default 3) with the modes of its
-group alternating; the table gives the medians over the repeats and their spread.
+Modes (`--modes`): the baselines a user has, in rising effort (`tools.erase_gpu_plan.BASELINES`):
+`plain` (the same network without DetachBlocks, Keras's standard step), `plain+jit`
+(`jit_compile=True`: torch.compile), `plain+reduce_overhead` (torch.compile(mode="reduce-overhead")
+on the train step), `plain+graph` (the whole standard step, forward, loss, backward and
+optimizer, as one CUDA Graph: `whole_step_graph`; a cell that does not capture is reported
+as not feasible, with the capture's error), `standard` (the detached model's standard step);
+then the ERASE schedules `blocking`, `threaded`, `streams`, each also as `<mode>+graphs`, and
+`auto` / `auto+graphs` (their cells first run untimed steps until `auto` has chosen). Each cell
+builds its model once and runs `--warmup` untimed steps; each of `--repeats` (default 5) repeats
+is then 1 untimed and `--steps` timed steps of the live model (the clock read after
+`torch.cuda.synchronize()`; the host time until `train_on_batch` returned), the modes of a group
+alternating, so the repeats are paired: every mode's ratio to the best baseline is taken per
+repeat (median and range). NE: the plain and the detached CTR model after `--ne-steps` steps.
+
+Plans (`--plan`): `full` (below), `device` (the GPU check's cells: CTR at 2048 and 32768 with
+plain, plain+graph, plain+jit, standard, auto+graphs and the best fixed schedule;
+`DEVICE_PLAN_SECONDS`, no traces), `sweep` (batch x tower width on the CTR model, the 30-layer
+MLP and a small transformer with two detachment points).
 
 Batches (`--batches`, default 2048, middle, 65536): 2048 is host-bound on an H200 (a
 few ms of GPU work per CTR step against tens of ms of host time), 65536 is GPU-bound;
@@ -32,7 +41,7 @@ exactness check, then the cell groups by how much they tell: ctr at the middle b
 ctr at 65536, mlp30 at the middle, ctr at 2048, mlp30 at 65536 and 2048, the extra
 modes. A group starts only if all its cells, with their repeats, fit in what is left of
 `--budget` (estimated from the traces and the cells run so far); one that does not is
-listed as not run, and a smaller one may still run. Between cells: `gc.collect()` (a
+listed as not run, and a smaller one may still run. Between groups: `gc.collect()` (a
 model's worker thread lives until the cyclic collector runs) and
 `torch.cuda.empty_cache()`.
 
@@ -58,6 +67,8 @@ reported, never asserted.
 Usage:
 
     KERAS_BACKEND=torch python benchmarks/erase_gpu.py --budget 200   # CUDA machine
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --plan device --budget 120  # the GPU check
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --plan sweep --budget 1800
     KERAS_BACKEND=torch python benchmarks/erase_gpu.py --quick        # one batch, fewer steps
     KERAS_BACKEND=torch python benchmarks/erase_gpu.py --cpu-dry-run  # no GPU: CPU modes,
         graphs through the CPU stand-in capture, tiny sizes, results in /tmp
@@ -83,8 +94,11 @@ from benchmarks.common import markdown_table  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from keras_erase.throughput import throughput_percentiles  # noqa: E402
 from tools import gpu_trace  # noqa: E402
+from tools.erase_gpu_plan import BASELINES  # noqa: E402
 from tools.erase_gpu_plan import MIDDLE  # noqa: E402
 from tools.erase_gpu_plan import Budget  # noqa: E402
+from tools.erase_gpu_plan import NotFeasible  # noqa: E402
+from tools.erase_gpu_plan import model_spec  # noqa: E402
 from tools.erase_gpu_plan import auto_window  # noqa: E402
 from tools.erase_gpu_plan import steps_until_chosen  # noqa: E402
 from tools.erase_gpu_plan import build_parser  # noqa: E402
@@ -120,25 +134,76 @@ def build_mlp30(width, input_dim, detached=True, **model_kwargs):
     return EraseModel(inputs, outputs, name="mlp30_erase", **model_kwargs)
 
 
+class TransformerLayer(keras.layers.Layer):
+    """A pre-norm causal transformer layer: self-attention and a 4x MLP, each with a residual."""
+
+    def __init__(self, dim, heads, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(heads, dim // heads)
+        self.norms = [keras.layers.LayerNormalization() for _ in range(2)]
+        self.mlp = [keras.layers.Dense(4 * dim, "gelu"), keras.layers.Dense(dim)]
+
+    def call(self, x):
+        h = self.norms[0](x)
+        x = x + self.attention(h, h, use_causal_mask=True)
+        return x + self.mlp[1](self.mlp[0](self.norms[1](x)))
+
+
+def build_transformer(width, detached=True, **model_kwargs):
+    """A small next-token transformer cut at two points (the paper's NanoChat trace): two detached
+    blocks of `TRANSFORMER_LAYERS` layers (the first hands its input gradient to the embedding), then
+    the top layers and the output under the main loss."""
+    from keras_erase import DetachBlock, EraseModel
+
+    ids = keras.Input((TRANSFORMER_SEQ,), dtype="int32")
+    h = keras.layers.Embedding(TRANSFORMER_VOCAB, width)(ids)
+    for b in range(3):
+        stack = keras.Sequential([TransformerLayer(width, 4) for _ in range(TRANSFORMER_LAYERS)],
+                                 name=f"layers_{b}")
+        if detached and b < 2:
+            stack = DetachBlock(stack, head=keras.layers.Dense(TRANSFORMER_VOCAB), name=f"block_{b}",
+                                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                                detach_input=b > 0)
+        h = stack(h)
+    outputs = keras.layers.Dense(TRANSFORMER_VOCAB, name="out")(h)
+    if not detached:
+        return keras.Model(ids, outputs, name="transformer_baseline")
+    return EraseModel(ids, outputs, name="transformer_erase", **model_kwargs)
+
+
+TRANSFORMER_VOCAB, TRANSFORMER_SEQ, TRANSFORMER_LAYERS = 1024, 64, 2
+
+
 def make_model(model_name, mode, args):
     base, graphs = parse_mode(mode)
-    detached = base != "undetached"
+    detached = base not in PLAIN_BASES
     kwargs = {} if not detached else {
         "dispatch": base, "cuda_graphs": graphs, "num_streams": args.num_streams
     }
     keras.utils.set_random_seed(0)
-    if model_name == "ctr":
+    kind, width = model_spec(model_name)
+    width = args.width if width is None or args.cpu_dry_run else width  # the dry run: tiny
+    if kind == "ctr":
         from examples.ctr.model import build_ctr_model
 
-        return build_ctr_model(detached, buckets=args.buckets, width=args.width, depth=3, **kwargs)
-    return build_mlp30(args.width, args.input_dim, detached, **kwargs)
+        return build_ctr_model(detached, buckets=args.buckets, width=width, depth=3, **kwargs)
+    if kind == "transformer":
+        return build_transformer(min(width, 256), detached, **kwargs)
+    return build_mlp30(width, args.input_dim, detached, **kwargs)
+
+
+PLAIN_BASES = ("plain", "plain+jit", "plain+reduce_overhead", "plain+graph")
 
 
 def make_batch(model_name, batch, args):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if model_name == "ctr":
+    kind = model_spec(model_name)[0]
+    if kind == "transformer":
+        tokens = np.random.default_rng(1).integers(0, TRANSFORMER_VOCAB, (batch, TRANSFORMER_SEQ + 1))
+        x, y = tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+    elif kind == "ctr":
         from examples.ctr.data import synthetic_ctr
 
         data = synthetic_ctr(batch, buckets=args.buckets, seed=1)
@@ -153,10 +218,65 @@ def make_batch(model_name, batch, args):
 
 
 def prepared(model_name, mode, batch, args):
+    """A compiled model of `mode` (the plain baselines: compiled or graphed as the mode says) and a batch."""
+    import torch
+
     model = make_model(model_name, mode, args)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
+    loss = ("binary_crossentropy" if model_spec(model_name)[0] != "transformer"
+            else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=mode == "plain+jit")
     x, y = make_batch(model_name, batch, args)
+    if mode == "plain+reduce_overhead":  # torch.compile's CUDA Graphs on Keras's train step
+        compiled = torch.compile(lambda data: model.train_step(data[0]), mode="reduce-overhead")
+        model.make_train_function()
+
+        def train_function(data):
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(data)
+
+        model.train_function = train_function
+    elif mode == "plain+graph":
+        model.train_function = whole_step_graph(model, x, y)
     return model, x, y
+
+
+def whole_step_graph(model, x, y, warmup=3):
+    """Keras's standard step (forward, loss, backward, optimizer update) captured as one CUDA Graph
+    (the stand-in capture on CPU); returns a `train_function` that replays it and logs the loss.
+
+    Raises `NotFeasible` with the capture's error where the step does not capture.
+    """
+    import torch
+
+    from keras_erase.torch.cuda_graphs.capture import default_capture
+
+    variables = model.trainable_weights
+    params = [v.value for v in variables]
+    optimizer = model.optimizer
+
+    def step():
+        for p in params:
+            p.grad = None
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x, y, y_pred, training=True)
+        optimizer.scale_loss(loss).backward()
+        with torch.no_grad():
+            optimizer.apply([p.grad for p in params], variables)
+        return loss.detach()
+
+    for _ in range(warmup):  # the optimizer's slots and every lazy state exist before the capture
+        step()
+    try:
+        graph = default_capture()(step)
+    except Exception as error:  # noqa: BLE001 - the reason is the result
+        raise NotFeasible(f"Keras's standard step does not capture as one graph here: "
+                          f"{type(error).__name__}: {str(error)[:300]}") from error
+
+    def train_function(data):
+        graph.replay()
+        return {"loss": graph.outputs}
+
+    return train_function
 
 
 def graph_counters(runners):
@@ -248,21 +368,57 @@ def profile_step(model, x, y, cuda, trace_path):
     return trace_path
 
 
-def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
-    """One cell: a fresh model, warm-up, timed steps; returns its row (and trace measures)."""
+# The models of the group being measured, built once: every repeat times the same live models, so
+# the repeats are paired (and a compile or capture is paid once). {"group": (model, batch), mode: cell}
+_LIVE = {}
+
+
+def live_cell(model_name, mode, batch, args, cuda):
+    """The built cell of `mode` in the current group (a new group releases the previous one's models).
+
+    Built: a fresh model, `auto`'s untimed steps until it has chosen, then `--warmup` steps. A build
+    that failed fails again at every repeat without building again.
+    """
     import torch
 
     from keras_erase.torch.cuda_graphs import runner as graph_runner
 
-    before = set(map(id, graph_runner.live_runners()))
+    if _LIVE.get("group") != (model_name, batch):
+        _LIVE.clear()
+        _release_memory(cuda)
+        _LIVE["group"] = (model_name, batch)
+    if mode not in _LIVE:
+        before = set(map(id, graph_runner.live_runners()))
+        try:
+            model, x, y = prepared(model_name, mode, batch, args)
+            step = lambda: model.train_on_batch(x, y)  # noqa: E731
+            # `auto`'s choice is what is timed: untimed steps until it has chosen (none elsewhere).
+            measuring = steps_until_chosen(model, step)
+            timed_steps(step, args.warmup, 0)
+        except Exception as error:  # noqa: BLE001 - kept: every repeat reports it
+            _LIVE[mode] = error
+            raise
+        runners = [r for r in graph_runner.live_runners() if id(r) not in before]
+        _LIVE[mode] = {"model": model, "x": x, "y": y, "step": step, "runners": runners,
+                       "warmup": measuring + args.warmup}
+        if cuda:
+            torch.cuda.synchronize()
+    cell = _LIVE[mode]
+    if isinstance(cell, Exception):
+        raise cell
+    return cell
+
+
+def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
+    """One repeat of a cell: timed steps of its live model; returns its row (and trace measures)."""
+    import torch
+
+    cell = live_cell(model_name, mode, batch, args, cuda)
+    model, step = cell["model"], cell["step"]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    model, x, y = prepared(model_name, mode, batch, args)
     counts, hook = upstream_counter(model_name, model)
-    step = lambda: model.train_on_batch(x, y)  # noqa: E731
-    # `auto`'s choice is what is timed: untimed steps until it has chosen (none for the other modes).
-    warmup = args.warmup + steps_until_chosen(model, step)
-    seconds, host = timed_steps(step, args.warmup, args.steps, torch.cuda.synchronize if cuda else None)
+    seconds, host = timed_steps(step, 1, args.steps, torch.cuda.synchronize if cuda else None)
     row = {"model": model_name, "batch": batch, "mode": mode,
            **throughput_percentiles(seconds, batch),
            "step_ms_p50": 1e3 * float(np.percentile(seconds, 50)),
@@ -270,19 +426,18 @@ def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
            "host_ms_p50": 1e3 * float(np.median(host))}
     if hook is not None:  # the hand-off: one backward of the shared table per step
         hook.remove()
-        row["upstream_backwards_per_step"] = len(counts) / (warmup + args.steps)
+        row["upstream_backwards_per_step"] = len(counts) / (1 + args.steps)
     if parse_mode(mode)[0] == "auto":
         row["auto_choice"] = model.dispatch_choice
-        measuring, timed = auto_window(model._erase.selector, warmup, args.steps)
+        measuring, timed = auto_window(model._erase.selector, cell["warmup"], args.steps)
         row["auto_measuring_steps"], row["auto_timed_measuring_steps"] = measuring, timed
     if cuda:
         row["max_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
     if parse_mode(mode)[1]:
-        runners = [r for r in graph_runner.live_runners() if id(r) not in before]
-        row.update(graph_counters(runners))
-        row["graph_pool_mib"] = graph_pool_mib(runners)
+        row.update(graph_counters(cell["runners"]))
+        row["graph_pool_mib"] = graph_pool_mib(cell["runners"])
     if profile_path is not None:  # after the timed steps: the profiler never slows them
-        profile_step(model, x, y, cuda, profile_path)
+        profile_step(model, cell["x"], cell["y"], cuda, profile_path)
         row.update(flat_metrics(gpu_trace.step_metrics(gpu_trace.load_events(profile_path))))
         os.remove(profile_path)
     return row
@@ -352,7 +507,8 @@ def run_traces(args, cuda):
 
 
 def summarize(rows):
-    """One row per (model, batch, mode): medians of the repeats' p50/p90 and their spread."""
+    """One row per (model, batch, mode): medians of the repeats' p50/p90 and their spread, and each
+    mode's paired per-repeat ratios against the group's best baseline (`paired_ratios`)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["model"], r["batch"], r["mode"]), []).append(r)
@@ -371,11 +527,62 @@ def summarize(rows):
         row["host_share"] = row["host_ms_p50"] / row["step_ms_p50"] if row["step_ms_p50"] else 0.0
         summary.append(row)
     for row in summary:
-        standard = [r for r in summary if r["mode"] == "standard" and r["model"] == row["model"]
-                    and r["batch"] == row["batch"]]
-        if standard:
-            row["p90_vs_standard"] = row["p90"] / standard[0]["p90"]
+        same = {r["mode"]: r for r in summary if (r["model"], r["batch"]) == (row["model"], row["batch"])}
+        baselines = [m for m in BASELINES if m in same]
+        if "standard" in same:
+            row["p90_vs_standard"] = row["p90"] / same["standard"]["p90"]
+        if not baselines:
+            continue
+        best = max(baselines, key=lambda m: same[m]["p90"])
+        row["best_baseline"] = best
+        mine, theirs = groups[(row["model"], row["batch"], row["mode"])], groups[(row["model"], row["batch"], best)]
+        for key in ("p50", "p90"):
+            ratios = paired_ratios(mine, theirs, key)
+            if ratios:
+                row[f"{key}_vs_best"] = float(np.median(ratios))
+                row[f"{key}_vs_best_range"] = f"{min(ratios):.3f}..{max(ratios):.3f}"
+        if "plain" in same:
+            ratios = paired_ratios(mine, groups[(row["model"], row["batch"], "plain")], "p90")
+            row["p90_vs_plain"] = float(np.median(ratios)) if ratios else None
     return summary
+
+
+def paired_ratios(rows, baseline_rows, key):
+    """`rows[i][key] / baseline_rows[i][key]` for every repeat both ran (the same repeat: paired)."""
+    base = {r["repeat"]: r[key] for r in baseline_rows if r.get(key)}
+    return [r[key] / base[r["repeat"]] for r in rows if r.get(key) is not None and r["repeat"] in base]
+
+
+def ne_check(args, cuda):
+    """NE of the plain and the detached CTR model after `--ne-steps` Adam steps on fresh batches.
+
+    Normalized entropy on a held-out split of the synthetic CTR data (`examples/ctr`), both models from
+    seed 0, the smallest CTR batch. Every ERASE schedule has the detached model's gradients (the
+    exactness check), so its NE is the detached model's.
+    """
+    from examples.ctr.data import synthetic_ctr
+    from examples.ctr.model import NormalizedEntropy
+
+    batch = min(b for b in args.batches if b != MIDDLE)
+    steps = args.ne_steps
+    data = synthetic_ctr(batch * steps + max(4 * batch, 4096), buckets=args.buckets, seed=2)
+    features = {"dense": data["dense"].astype("float32"), "sparse": data["sparse"].astype("int32")}
+    split = batch * steps
+    rows = []
+    for mode in ("plain", "standard"):
+        model = make_model("ctr", mode, args)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy",
+                      metrics=[NormalizedEntropy()])
+        model.fit({k: v[:split] for k, v in features.items()}, data["label"][:split], batch_size=batch,
+                  epochs=1, shuffle=False, verbose=0)
+        scores = model.evaluate({k: v[split:] for k, v in features.items()}, data["label"][split:],
+                                batch_size=batch, return_dict=True, verbose=0)
+        rows.append({"model": "ctr", "mode": mode, "batch": batch, "steps": steps, "ne": float(scores["ne"])})
+        del model
+        _release_memory(cuda)
+    rows[1]["ne_gap_vs_plain"] = rows[1]["ne"] / rows[0]["ne"] - 1.0
+    print("NE after", steps, "steps:", ", ".join(f"{r['mode']} {r['ne']:.4f}" for r in rows), flush=True)
+    return rows
 
 
 def exactness_check(args, cuda):
@@ -394,7 +601,7 @@ def exactness_check(args, cuda):
     model_name, batch = args.models[0], min(args.batches)
     steps = untimed_steps(DEFAULT_WARMUP) + 2
     modes = ["standard"] + [m for m in args.modes if parse_mode(m)[0] not in
-                            ("undetached", "standard", "auto")]
+                            PLAIN_BASES + ("standard", "auto")]
     flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -437,14 +644,20 @@ def run_all(args, cuda):
     """Traces, exactness, then the cell groups within `--budget`; always writes the results."""
     budget = Budget(args.budget)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    traces, rows, skipped, errors, exact = {}, [], [], [], []
+    traces, rows, skipped, errors, exact, ne = {}, [], [], [], [], []
     try:
-        traces = run_traces(args, cuda)
-        errors.extend(t["error"] for t in traces.values() if "error" in t)
-        try:
-            exact = exactness_check(args, cuda)
-        except Exception as error:  # noqa: BLE001 - reported; the cells still run
-            errors.append(f"exactness check: {type(error).__name__}: {error}")
+        if args.traces:  # (the device plan's seconds go to its cells)
+            traces = run_traces(args, cuda)
+            errors.extend(t["error"] for t in traces.values() if "error" in t)
+            try:
+                exact = exactness_check(args, cuda)
+            except Exception as error:  # noqa: BLE001 - reported; the cells still run
+                errors.append(f"exactness check: {type(error).__name__}: {error}")
+        if any(model_spec(m)[0] == "ctr" for m in args.models):
+            try:
+                ne = ne_check(args, cuda)
+            except Exception as error:  # noqa: BLE001 - reported; the cells still run
+                errors.append(f"NE check: {type(error).__name__}: {error}")
         errors.extend(f"{r['model']} batch={r['batch']} {r['mode']}: weights differ from the "
                       f"standard step's by {r['max_rel_diff_vs_standard']:.2e} (relative) after "
                       f"{r['steps']} steps" for r in exact if not r["exact"])
@@ -455,9 +668,10 @@ def run_all(args, cuda):
             lambda: _release_memory(cuda))
         errors.extend(cell_errors)
     finally:
+        _LIVE.clear()
         summary = summarize(rows)
         errors.extend(overlap_problems(traces, cuda))
-        write_report(args, cuda, summary, rows, skipped, errors, traces, budget.elapsed(), exact)
+        write_report(args, cuda, summary, rows, skipped, errors, traces, budget.elapsed(), exact, ne)
     if errors:
         print("ERRORS:", *errors, sep="\n  ", flush=True)
     if args.strict and errors:
@@ -467,14 +681,24 @@ def run_all(args, cuda):
 
 TRACE_COLUMNS = ["batch", "mode", "trace", "step_ms", "gpu_busy_fraction", "overlapped_fraction", "kernels",
                  "streams", "host_main_ms", "host_worker_ms", "host_autograd_ms", "overlaps", "error"]
-CELL_COLUMNS = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread", "p90_vs_standard",
+HEADLINE_COLUMNS = ["model", "batch", "mode", "auto_choice", "best_baseline", "p90_vs_best", "p90_vs_best_range",
+                    "p50_vs_best", "p50_vs_best_range", "p90_vs_plain", "p90_vs_standard", "graph_pool_mib"]
+CELL_COLUMNS = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_spread", "best_baseline", "p90_vs_best",
+                "p90_vs_best_range", "p50_vs_best", "p50_vs_best_range", "p90_vs_plain", "p90_vs_standard",
                 "step_ms_p50", "step_ms_p90", "host_ms_p50", "host_share", "gpu_busy_fraction",
                 "overlapped_fraction", "host_main_ms", "host_worker_ms", "host_autograd_ms", "max_memory_mib",
                 "graph_pool_mib", "repeats", "upstream_backwards_per_step", "graphs_captured", "graph_replays",
                 "auto_choice", "auto_timed_measuring_steps"]
 WHAT = (
     QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best non-blocking row is "
-    "+9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%). The columns (the module docstring says how "
+    "+9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%). Baselines, in rising effort: plain (the "
+    "undetached model, Keras's standard step), plain+jit (`jit_compile=True`: torch.compile), "
+    "plain+reduce_overhead (torch.compile(mode='reduce-overhead') on the train step), plain+graph (the "
+    "whole standard step as one CUDA Graph), standard (the detached model's standard step). *_vs_best: "
+    "the median over the repeats of each repeat's ratio to the best baseline's (the one with the highest "
+    "median p90) in the same repeat (the repeats alternate the modes on the same live models: paired), "
+    "*_vs_best_range the smallest..largest of those ratios; p90_vs_plain likewise against the plain "
+    "model. The columns (the module docstring says how "
     "each is measured): step_ms, the step's wall time; gpu_busy_fraction, the union of its kernels over "
     "it; overlapped_fraction, the time kernels of two or more streams ran at once over the GPU-busy time; "
     "host_*_ms, each thread role's host work in a step (main thread, backward worker, autograd's device "
@@ -495,14 +719,14 @@ def _trace_row(trace):
             "error": trace.get("error", "")}
 
 
-def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, exact=()):
+def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, exact=(), ne=()):
     import torch
 
     info = machine_info(
         torch=torch.__version__, keras=keras.__version__,
         device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run: not a measurement)",
         width=args.width, num_streams=args.num_streams, warmup=args.warmup, steps=args.steps,
-        repeats=args.repeats, budget_s=args.budget, wall_s=round(seconds, 1))
+        repeats=args.repeats, budget_s=args.budget, wall_s=round(seconds, 1), plan=args.plan)
     middle = getattr(args, "middle", None)
     auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
     sections = [
@@ -515,18 +739,27 @@ def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, ex
         f"{EXACTNESS_TOLERANCE:g}.",
         markdown_table(list(exact), ["model", "batch", "mode", "steps", "max_rel_diff_vs_standard", "exact"])
         if exact else "(not run)",
-        f"Cells: a fresh model, {args.warmup} untimed steps, {args.steps} timed steps, {args.repeats} repeats "
-        "with the modes of a group alternating. auto_timed_measuring_steps: "
+        f"NE (normalized entropy, held out, lower is better) of the plain and the detached CTR model after "
+        f"{args.ne_steps} Adam steps on fresh batches; every ERASE schedule has the detached model's NE.",
+        markdown_table(list(ne), ["model", "mode", "batch", "steps", "ne", "ne_gap_vs_plain"]) if ne
+        else "(not run)",
+        "Headline: `auto` (the one a user sets) against the best baseline a user has, paired per repeat.",
+        markdown_table([r for r in summary if parse_mode(r["mode"])[0] == "auto"], HEADLINE_COLUMNS)
+        if any(parse_mode(r["mode"])[0] == "auto" for r in summary) else "(no auto cell ran)",
+        f"Cells: one model per cell, built once ({args.warmup} untimed steps after `auto` chose), then "
+        f"{args.repeats} repeats of 1 untimed and {args.steps} timed steps, the modes of a group alternating "
+        "on their live models. auto_timed_measuring_steps: "
         + ("; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: {r['auto_timed_measuring_steps']} of "
                      f"{args.steps} (use --warmup >= {r['auto_measuring_steps']} to leave them out)"
                      for r in auto_rows) or "none in a timed window.")
-        + (" Budget: {:.0f} s; not run: {}".format(args.budget, "; ".join(skipped)) if skipped
+        + (" Budget: {} s; not run: {}".format(args.budget, "; ".join(skipped)) if skipped
            else " Every planned cell ran with its repeats."),
         markdown_table(summary, CELL_COLUMNS) if summary else "(no cell ran)",
     ] + (["Errors:\n" + "\n".join(f"- {e}" for e in errors)] if errors else [])
     write_results(args.out, "ERASE on GPU: the early-backward schedules, with and without CUDA Graphs (torch)",
                   WHAT, None, info, "\n\n".join(sections),
                   {"rows": summary, "repeats": rows, "traces": list(traces.values()), "exactness": list(exact),
+                   "ne": list(ne),
                    "skipped": skipped, "errors": errors, "middle_batch": middle})
     with open(args.out + ".md") as f:
         print(f.read(), f"wrote {args.out}.md, .json and the traces", sep="\n")

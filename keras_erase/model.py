@@ -294,8 +294,10 @@ class EraseModel(keras.Model):
     def start_trace(self) -> list[dict[str, Any]]:
         """Starts recording the torch early-backward schedules' intervals; returns the event list.
 
-        Each event: `block`, `phase` (`"forward"`, `"submit"`, `"backward"`),
-        `start`, `end` (`time.perf_counter()`) and `thread`.
+        Each event: `block`, `phase` (`"forward"`, `"submit"`, `"backward"`, and
+        under torch.distributed `"all_reduce"`: the launch of the block's
+        asynchronous gradient all-reduce), `start`, `end` (`time.perf_counter()`)
+        and `thread`.
         """
         self._erase.trace = []
         for schedule_run in self._erase.schedule_runs.values():

@@ -12,24 +12,62 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODELS = ("ctr", "mlp30")
-GPU_MODES = ("standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs", "streams",
-             "streams+graphs")
-CPU_MODES = ("standard", "blocking", "blocking+graphs", "threaded", "threaded+graphs")
-EXTRA_MODES = ("undetached", "auto", "auto+graphs")
+MODELS = ("ctr", "mlp30", "transformer")  # "ctr-w<width>": the CTR model with towers that wide
+# The baselines a user has, in rising effort: the plain (undetached) model with Keras's standard step,
+# `jit_compile=True` (torch.compile, default mode), torch.compile(mode="reduce-overhead") on the train
+# step, the whole standard step as one CUDA Graph; then the detached model's standard step.
+PLAIN_MODES = ("plain", "plain+jit", "plain+reduce_overhead", "plain+graph")
+BASELINES = PLAIN_MODES + ("standard",)
+SCHEDULE_MODES = ("blocking", "blocking+graphs", "threaded", "threaded+graphs", "streams",
+                  "streams+graphs")
+GPU_MODES = BASELINES + SCHEDULE_MODES
+# CPU dry run: no torch.compile (minutes on a CPU), no streams.
+CPU_MODES = ("plain", "plain+graph", "standard", "blocking", "blocking+graphs", "threaded",
+             "threaded+graphs")
+EXTRA_MODES = ("auto", "auto+graphs")
 MIDDLE = "middle"
 GPU_BATCHES = (2048, MIDDLE, 65536)
 CPU_BATCHES = (16, MIDDLE, 64)
+# --plan device: the GPU check's cells (its shared priority list gives ERASE ~120 s). The best fixed
+# schedule is the H200's at both batches (threaded+graphs); auto+graphs is the headline.
+DEVICE_MODES = ("plain", "plain+graph", "plain+jit", "standard", "auto+graphs", "threaded+graphs")
+DEVICE_GROUPS = (("ctr", 2048), ("ctr", 32768))
+# Estimated, not measured: per group ~6 s of builds and graph captures, ~15 s per torch.compile
+# (plain+jit), 5 repeats x 10 timed steps x 6 modes (2048: ~20 ms a step, 32768: ~35 ms), auto's <= 30
+# measuring steps, NE (2 x 60 steps at 2048): 2 x (6 + 15) + 6 + 11 + 2 + 3 = ~64 s; with the traces
+# and exactness off, ~120 s leaves room for a slower compile.
+DEVICE_PLAN_SECONDS = 120
+# --plan sweep: where ERASE pays. Batch x tower width on the CTR model, the 30-layer MLP and a small
+# transformer with two detachment points; each with the baselines, the worker's schedules and auto.
+SWEEP_MODES = BASELINES + ("threaded", "threaded+graphs", "streams", "streams+graphs", "auto+graphs")
+SWEEP_GROUPS = tuple(("ctr", b) for b in (2048, 8192, 32768, 65536)) + tuple(
+    (f"ctr-w{w}", b) for w in (256, 1024) for b in (2048, 32768)) + (
+    ("mlp30", 32768), ("transformer", 64))
+
+
+class NotFeasible(Exception):
+    """A cell that cannot run as asked here (the reason goes to the report, not to the errors)."""
+
+
+def model_spec(model_name):
+    """`"ctr-w256"` -> `("ctr", 256)`; `"ctr"` -> `("ctr", None)` (the `--width`)."""
+    base, _, width = model_name.partition("-w")
+    if base not in MODELS or (width and not width.isdigit()):
+        raise ValueError(f"unknown model {model_name!r}; expected one of {MODELS} or ctr-w<width>")
+    return base, int(width) if width else None
 
 
 def parse_mode(mode):
     """`"threaded+graphs"` -> `("threaded", True)`; validates the name."""
+    if mode in PLAIN_MODES:
+        return mode, False
     base, _, suffix = mode.partition("+")
-    bases = ("undetached", "standard", "blocking", "threaded", "streams", "auto")
+    bases = ("plain", "standard", "blocking", "threaded", "streams", "inline_streams", "auto")
     if base not in bases or suffix not in ("", "graphs"):
         raise ValueError(f"unknown mode {mode!r}; expected one of {GPU_MODES + EXTRA_MODES}")
-    if suffix and base in ("undetached", "standard"):
-        raise ValueError(f"{mode!r}: graphs apply to blocking, threaded, streams and auto")
+    if suffix and base in ("plain", "standard"):
+        raise ValueError(f"{mode!r}: graphs apply to the ERASE schedules and auto "
+                         "(the plain model's whole step is plain+graph)")
     return base, suffix == "graphs"
 
 
@@ -39,7 +77,7 @@ AUTO_MEASURING_ESTIMATE = 30  # steps `"auto"` measures before it chooses, for t
 def steps_until_chosen(model, step, limit=2 * AUTO_MEASURING_ESTIMATE):
     """Runs `step()` while `model.dispatch_choice` is None (`"auto"` measuring), at most `limit` times;
     returns how many ran (0 for any other dispatch, for `"auto"` on CPU, which never measures, and for a
-    model that is not an `EraseModel`: the `undetached` cells)."""
+    model that is not an `EraseModel`: the `plain` cells)."""
     ran = 0
     while getattr(model, "dispatch_choice", "standard") is None and ran < limit:
         step()
@@ -67,6 +105,7 @@ def graph_problems(rows):
         f"refused={r.get('graphs_refused')}"
         for r in rows
         if parse_mode(r["mode"])[1]
+        and (parse_mode(r["mode"])[0] != "auto" or str(r.get("auto_choice")).endswith("+graphs"))
         and (not r.get("graphs_captured") or not r.get("graph_replays") or r.get("graphs_disabled")
              or r.get("graphs_refused"))
     ]
@@ -114,6 +153,12 @@ class Budget:
 
 def priority_groups(args):
     """`(model, batch, modes)` groups, most informative first (see the module docstring)."""
+    if args.plan in ("device", "sweep"):
+        groups, modes = (DEVICE_GROUPS, DEVICE_MODES) if args.plan == "device" else (SWEEP_GROUPS, SWEEP_MODES)
+        if args.cpu_dry_run:  # the code path at tiny sizes: one batch, the CPU's modes
+            modes = [m for m in modes if m in CPU_MODES or m == "auto+graphs"]
+            return [(m, min(args.batches), list(modes)) for m in dict.fromkeys(g[0] for g in groups)]
+        return [(m, b, list(args.modes if args.modes_given else modes)) for m, b in groups]
     batches = sorted(args.batches)
     low, high = batches[0], batches[-1]
     middle = getattr(args, "middle", None) or batches[len(batches) // 2]
@@ -164,6 +209,10 @@ def run_cells(args, budget, traces, run_cell, release):
                 profile = f"{args.out}_cell.json" if repeat == 0 else None
                 try:
                     row = run_cell(model_name, mode, batch, profile)
+                except NotFeasible as why:
+                    skipped.append(f"{cell}: not feasible: {why}")
+                    release()
+                    continue
                 except Exception as error:  # noqa: BLE001 - reported, the run goes on
                     errors.append(f"{cell}: {type(error).__name__}: {error}")
                     print("CELL FAILED:", errors[-1], flush=True)
@@ -179,6 +228,11 @@ def run_cells(args, budget, traces, run_cell, release):
     return rows, skipped, errors
 
 
+def _model(text):
+    model_spec(text)
+    return text
+
+
 def _batch(text):
     return MIDDLE if text == MIDDLE else int(text)
 
@@ -190,7 +244,11 @@ def build_parser():
                         help="no GPU: CPU modes, graphs via the CPU stand-in capture, /tmp output")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 on what must hold on any GPU (see benchmarks/erase_gpu.py)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--plan", choices=("full", "device", "sweep"), default="full",
+                        help="full: the schedules at 3 batches; device: the GPU check's cells "
+                             f"(~{DEVICE_PLAN_SECONDS} s); sweep: where ERASE pays (batch x width, "
+                             "mlp30, transformer)")
+    parser.add_argument("--models", nargs="+", default=["ctr", "mlp30"], type=_model)
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--batches", nargs="+", type=_batch, default=None,
                         help=f"batch sizes, or {MIDDLE!r} (chosen from the end traces)")
@@ -201,7 +259,9 @@ def build_parser():
     parser.add_argument("--buckets", type=int, default=1000, help="ctr hashed ids per feature")
     parser.add_argument("--num-streams", type=int, default=6)
     parser.add_argument("--trace-mode", default=None)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--ne-steps", type=int, default=60,
+                        help="training steps before the NE of the plain and the detached CTR model")
+    parser.add_argument("--repeats", type=int, default=5,
                         help="alternating repeats of every cell (median and spread reported)")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                         help="start no group of cells that would end past SECONDS "
@@ -230,6 +290,14 @@ def resolve(args, cuda):
         args.batches = list(GPU_BATCHES if cuda else CPU_BATCHES)
         if args.quick:
             args.batches = [args.batches[0]]
+    args.traces = args.plan != "device"  # the device plan's seconds go to its cells
+    if args.plan != "full":
+        groups = DEVICE_GROUPS if args.plan == "device" else SWEEP_GROUPS
+        args.models = list(dict.fromkeys(m for m, _ in groups))
+        ctr = sorted({b for m, b in groups if model_spec(m)[0] == "ctr"})  # traced (the CTR model)
+        args.batches = [CPU_BATCHES[0]] if args.cpu_dry_run else ctr
+        if args.plan == "device" and not args.cpu_dry_run:
+            args.warmup, args.steps = min(args.warmup, 4), min(args.steps, 10)
     if all(b == MIDDLE for b in args.batches):
         raise SystemExit(f"--batches: {MIDDLE!r} needs two batch sizes around it")
     if args.cpu_dry_run:

@@ -412,3 +412,69 @@ def test_the_models_users_have_on_two_gloo_ranks_under_every_policy(tmp_path):
             error, own = assert_like_the_standard_step(ranks[0][key], want, truth, key, logs=False)
             print(f"{key}: worst weight off float64 by {error:.3g} of its move (one process's "
                   f"standard step: {own:.3g})")
+
+
+# -- when each block's all-reduce starts against the next block's forward -----------------------------
+
+TIMELINE_BLOCKS = 4
+
+
+def _timeline_rank(rank, world, dispatch):
+    """One traced step of a chain of detached blocks: each event's start and end, ms from the step's start."""
+    import time
+
+    import keras
+
+    from keras_erase import DetachBlock, EraseModel
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))
+    h = inputs
+    for b in range(TIMELINE_BLOCKS):
+        h = DetachBlock(keras.Sequential([keras.layers.Dense(256, "relu") for _ in range(2)]),
+                        head=keras.layers.Dense(1), loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                        name=f"block_{b}")(h)
+    model = EraseModel(inputs, keras.layers.Dense(1, "sigmoid")(h), dispatch=dispatch, intra_op_threads=None)
+    model.compile(keras.optimizers.SGD(0.01), "binary_crossentropy")
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(512, 64)).astype("float32")
+    y = (x[:, :1] > 0).astype("float32")
+    model.train_on_batch(x, y)  # the first step: the broadcast, the ownership check
+    events = model.start_trace()
+    start = time.perf_counter()
+    model.train_on_batch(x, y)
+    model.stop_trace()
+    return [{"block": e["block"], "phase": e["phase"], "start_ms": 1e3 * (e["start"] - start),
+             "end_ms": 1e3 * (e["end"] - start)} for e in events if e["phase"] != "submit"]
+
+
+def timeline_table(events):
+    """The markdown table of one rank's step: per block, its forward, backward and all-reduce launch."""
+    lines = ["| block | forward (ms) | backward (ms) | all-reduce launched (ms) |", "|---|---|---|---|"]
+    for b in range(TIMELINE_BLOCKS):
+        phase = {e["phase"]: e for e in events if e["block"] == f"block_{b}"}
+        lines.append(f"| block_{b} | " + " | ".join(
+            f"{phase[p]['start_ms']:.1f}-{phase[p]['end_ms']:.1f}" for p in ("forward", "backward", "all_reduce"))
+            + " |")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("dispatch", ["blocking", "threaded"])
+def test_each_blocks_all_reduce_starts_before_the_step_ends_on_two_gloo_ranks(dispatch):
+    """The per-block all-reduce overlaps the later blocks' work: launched (asynchronously) right after
+    the block's backward, in block order on both ranks; with the inline launcher before the next
+    block's forward starts, with the worker while later forwards run. Prints rank 0's timeline
+    (docs/erase.md shows one)."""
+    from keras_erase.torch.launch import run_local
+
+    ranks = run_local(_timeline_rank, 2, args=(dispatch,), timeout_s=300)
+    for rank, events in enumerate(ranks):
+        print(f"rank {rank}, dispatch={dispatch!r}:\n{timeline_table(events)}")
+        of = {(e["block"], e["phase"]): e for e in events}
+        launches = [e for e in events if e["phase"] == "all_reduce"]
+        assert [e["block"] for e in launches] == [f"block_{b}" for b in range(TIMELINE_BLOCKS)]
+        for b in range(TIMELINE_BLOCKS):
+            assert of[(f"block_{b}", "all_reduce")]["start_ms"] >= of[(f"block_{b}", "backward")]["end_ms"]
+        if dispatch == "blocking":  # launched before the next block's forward starts
+            for b in range(TIMELINE_BLOCKS - 1):
+                assert of[(f"block_{b}", "all_reduce")]["end_ms"] <= of[(f"block_{b + 1}", "forward")]["start_ms"]

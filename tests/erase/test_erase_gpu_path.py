@@ -61,7 +61,7 @@ def test_auto_cells_run_untimed_until_auto_has_chosen():
     for steps, want in ((0, 0), (26, 26), (1000, 2 * plan.AUTO_MEASURING_ESTIMATE)):
         model = Measuring(steps)
         assert plan.steps_until_chosen(model, model.step) == want == model.ran
-    plain = Measuring(5)  # an `undetached` cell's plain Keras model has no dispatch to wait for
+    plain = Measuring(5)  # a `plain` cell's Keras model has no dispatch to wait for
     assert plan.steps_until_chosen(object(), plain.step) == 0 == plain.ran
 
 
@@ -72,7 +72,9 @@ def test_benchmark_arguments():
     assert plan.parse_mode("threaded+graphs") == ("threaded", True)
     assert plan.parse_mode("standard") == ("standard", False)
     assert plan.parse_mode("auto+graphs") == ("auto", True)
-    for bad in ("standard+graphs", "undetached+graphs", "fast", "threaded+compile"):
+    assert plan.parse_mode("plain+jit") == ("plain+jit", False)
+    assert plan.parse_mode("inline_streams+graphs") == ("inline_streams", True)
+    for bad in ("standard+graphs", "plain+graphs", "undetached", "fast", "threaded+compile"):
         with pytest.raises(ValueError):
             plan.parse_mode(bad)
     args = plan.build_parser().parse_args([])
@@ -83,6 +85,7 @@ def test_benchmark_arguments():
     assert args.out.startswith("/tmp/")
     args = plan.resolve(plan.build_parser().parse_args([]), cuda=True)
     assert {"streams+graphs", "threaded+graphs", "blocking+graphs", "streams"} <= set(args.modes)
+    assert set(plan.BASELINES) <= set(args.modes)  # every table has the baselines a user has
     rows = [{"model": "ctr", "batch": 8, "mode": "threaded+graphs", "graphs_captured": 0,
              "graph_replays": 0, "graphs_disabled": False},
             {"model": "ctr", "batch": 8, "mode": "threaded", }]
@@ -95,7 +98,7 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     out = str(tmp_path / "erase_gpu")
     rows = _dry_run([
         "--cpu-dry-run", "--strict", "--models", "ctr", "mlp30", "--batches", "8",
-        "--modes", "standard", "threaded+graphs", "auto", "undetached", "--steps", "2", "--warmup", "4",
+        "--modes", "standard", "threaded+graphs", "auto", "plain", "--steps", "2", "--warmup", "4",
         "--out", out,
     ])
     graphed = [r for r in rows if r["mode"] == "threaded+graphs"]
@@ -103,7 +106,7 @@ def test_benchmark_cpu_dry_run_goes_through_graphs(tmp_path):
     for row in rows:  # one profiled step per cell: host time on the threads that ran it
         assert row["host_main_ms"] > 0 and row["gpu_busy_fraction"] is None  # no GPU here
         if row["mode"] != "auto":  # (auto's profiled step may be one of its trials)
-            assert (row["host_worker_ms"] > 0) == (row["mode"] not in ("standard", "undetached"))
+            assert (row["host_worker_ms"] > 0) == (row["mode"] not in ("standard", "plain"))
     for row in graphed:  # the CTR towers (detach_input=False) and the MLP chain both capture
         assert row["graphs_captured"] == 6, row  # six blocks in both models
         assert row["graph_replays"] > 0 and not row["graphs_disabled"]
@@ -133,6 +136,55 @@ def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
     report = open(out + ".md").read()
     assert "not run: mlp30 batch=8 (standard, blocking): needs ~" in report
     assert "(no cell ran)" in report
+
+
+def test_the_device_plan_is_the_gpu_checks_cells_and_the_sweep_covers_batch_width_and_models():
+    from tools import erase_gpu_plan as plan
+
+    args = plan.resolve(plan.build_parser().parse_args(["--plan", "device"]), cuda=True)
+    groups = plan.priority_groups(args)
+    assert [(m, b) for m, b, _ in groups] == [("ctr", 2048), ("ctr", 32768)] and not args.traces
+    for _, _, modes in groups:  # the plain model, its whole-step graph, jit, detached, auto, best fixed
+        assert modes == ["plain", "plain+graph", "plain+jit", "standard", "auto+graphs", "threaded+graphs"]
+    assert args.repeats >= 5 and plan.DEVICE_PLAN_SECONDS <= 120
+    sweep = plan.priority_groups(plan.resolve(plan.build_parser().parse_args(["--plan", "sweep"]),
+                                              cuda=True))
+    pairs = {(m, b) for m, b, _ in sweep}
+    assert {("ctr", b) for b in (2048, 8192, 32768, 65536)} <= pairs
+    assert {"ctr-w256", "ctr-w1024", "mlp30", "transformer"} <= {m for m, _ in pairs}
+    assert all(set(plan.BASELINES) <= set(modes) and "auto+graphs" in modes for _, _, modes in sweep)
+    assert plan.model_spec("ctr-w256") == ("ctr", 256)
+
+
+def test_paired_ratios_are_taken_per_repeat_against_the_best_baseline():
+    from benchmarks import erase_gpu
+
+    def rows(mode, p90s):
+        return [{"model": "ctr", "batch": 8, "mode": mode, "repeat": i, "p50": v, "p90": v,
+                 "step_ms_p50": 1.0, "step_ms_p90": 1.0, "host_ms_p50": 1.0} for i, v in enumerate(p90s)]
+
+    summary = erase_gpu.summarize(rows("plain", [100, 120, 110]) + rows("plain+jit", [130, 90, 140])
+                                  + rows("standard", [90, 100, 95]) + rows("auto", [143, 99, 126]))
+    auto = next(r for r in summary if r["mode"] == "auto")
+    assert auto["best_baseline"] == "plain+jit"  # the highest median p90 (130 > 110 > 95)
+    assert auto["p90_vs_best"] == pytest.approx(1.1)  # per repeat: 1.1, 1.1, 0.9
+    assert auto["p90_vs_best_range"] == "0.900..1.100"
+    assert auto["p90_vs_plain"] == pytest.approx(np.median([1.43, 99 / 120, 126 / 110]))
+
+
+@torch_only
+@pytest.mark.slow
+def test_benchmark_device_plan_dry_run_reports_the_baselines_ne_and_the_headline(tmp_path):
+    out = str(tmp_path / "erase_gpu")
+    rows = _dry_run(["--cpu-dry-run", "--strict", "--plan", "device", "--out", out])
+    modes = {r["mode"] for r in rows}
+    assert {"plain", "standard", "auto+graphs", "threaded+graphs"} <= modes
+    for row in rows:  # every cell against the best baseline, paired per repeat
+        assert row["best_baseline"] in ("plain", "standard") and row["p90_vs_best_range"].count("..") == 1
+    report = open(out + ".md").read()
+    assert "Headline: `auto`" in report and "| ctr | plain | 16 |" in report  # NE of plain and detached
+    # Keras's standard step does not capture whole on the stand-in: reported, not an error
+    assert "plain+graph repeat 1: not feasible: Keras's standard step does not capture" in report
 
 
 @torch_only
@@ -269,6 +321,7 @@ def test_the_budget_runs_whole_groups_most_informative_first(monkeypatch):
 
     args = plan.resolve(plan.build_parser().parse_args(["--repeats", "3"]), cuda=True)
     args.batches, args.middle = [2048, 16384, 65536], 16384
+    args.modes = ["standard"] + list(plan.SCHEDULE_MODES)  # 7 a group (the default order)
     traces = {b: {"build_s": 0.0, "step_s": cost[b] / (args.warmup + args.steps)} for b in cost}
     budget = plan.Budget(230.0)
     rows, skipped, errors = plan.run_cells(args, budget, traces, fake_cell, lambda: None)

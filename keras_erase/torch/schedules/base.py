@@ -94,8 +94,10 @@ class ScheduleRun:
         self.placement.protect_gradients(block, cuts)
         self._hand_over(cuts)
         self._record(block, "backward", start, time.perf_counter())
-        if self.after_backward is not None:
+        if self.after_backward is not None:  # the all-reduce's launch (torch.distributed)
+            start = time.perf_counter()
             self.after_backward(block)
+            self._record(block, "all_reduce", start, time.perf_counter())
 
     def _hand_over(self, cuts):
         self.handoff.deliver(cuts)
