@@ -396,8 +396,11 @@ def live_cell(model_name, mode, batch, args, cuda):
             measuring = steps_until_chosen(model, step)
             timed_steps(step, args.warmup, 0)
         except Exception as error:  # noqa: BLE001 - kept: every repeat reports it
+            if mode in PLAIN_BASES[1:] and not isinstance(error, NotFeasible):  # a baseline torch
+                # cannot compile or capture here is a finding about the baseline, not an ERASE error
+                error = NotFeasible(f"{mode}: {type(error).__name__}: {str(error)[:300]}")
             _LIVE[mode] = error
-            raise
+            raise error
         runners = [r for r in graph_runner.live_runners() if id(r) not in before]
         _LIVE[mode] = {"model": model, "x": x, "y": y, "step": step, "runners": runners,
                        "warmup": measuring + args.warmup}

@@ -32,10 +32,10 @@ CPU_BATCHES = (16, MIDDLE, 64)
 # schedule is the H200's at both batches (threaded+graphs); auto+graphs is the headline.
 DEVICE_MODES = ("plain", "plain+graph", "plain+jit", "standard", "auto+graphs", "threaded+graphs")
 DEVICE_GROUPS = (("ctr", 2048), ("ctr", 32768))
-# Estimated, not measured: per group ~6 s of builds and graph captures, ~15 s per torch.compile
-# (plain+jit), 5 repeats x 10 timed steps x 6 modes (2048: ~20 ms a step, 32768: ~35 ms), auto's <= 30
-# measuring steps, NE (2 x 60 steps at 2048): 2 x (6 + 15) + 6 + 11 + 2 + 3 = ~64 s; with the traces
-# and exactness off, ~120 s leaves room for a slower compile.
+# Estimated, not measured: per batch ~6 s of builds and graph captures, ~15 s for plain+jit's
+# torch.compile (a guess), 5 repeats x 6 modes x 11 steps (CTR on the H200: ~20 ms a step at 2048, ~35 ms
+# at 32768: 7 s and 12 s), auto's <= 30 measuring steps (1 s), ~3 s of gc between cells; NE: 2 x 60
+# steps at 2048 and two builds, ~5 s. About 31 + 37 + 5 = 73 s; 120 s leaves room for a slower compile.
 DEVICE_PLAN_SECONDS = 120
 # --plan sweep: where ERASE pays. Batch x tower width on the CTR model, the 30-layer MLP and a small
 # transformer with two detachment points; each with the baselines, the worker's schedules and auto.
