@@ -94,13 +94,13 @@ from benchmarks.common import markdown_table  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from keras_erase.throughput import throughput_percentiles  # noqa: E402
 from tools import gpu_trace  # noqa: E402
-from tools.erase_gpu_plan import BASELINES  # noqa: E402
 from tools.erase_gpu_plan import MIDDLE  # noqa: E402
 from tools.erase_gpu_plan import Budget  # noqa: E402
 from tools.erase_gpu_plan import NotFeasible  # noqa: E402
 from tools.erase_gpu_plan import model_spec  # noqa: E402
 from tools.erase_gpu_plan import auto_window  # noqa: E402
 from tools.erase_gpu_plan import steps_until_chosen  # noqa: E402
+from tools.erase_gpu_plan import summarize  # noqa: E402
 from tools.erase_gpu_plan import build_parser  # noqa: E402
 from tools.erase_gpu_plan import choose_middle  # noqa: E402
 from tools.erase_gpu_plan import graph_problems  # noqa: E402
@@ -507,53 +507,6 @@ def run_traces(args, cuda):
         args.middle = middle
         traces[middle] = run_trace(args, cuda, middle)
     return traces
-
-
-def summarize(rows):
-    """One row per (model, batch, mode): medians of the repeats' p50/p90 and their spread, and each
-    mode's paired per-repeat ratios against the group's best baseline (`paired_ratios`)."""
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["model"], r["batch"], r["mode"]), []).append(r)
-    summary = []
-    for (model_name, batch, mode), repeats in groups.items():
-        row = dict(repeats[0])  # the first repeat holds the profiled step's measures
-        row.pop("repeat", None)
-        row["repeats"] = len(repeats)
-        for key in ("p50", "p90", "step_ms_p50", "step_ms_p90", "host_ms_p50", "max_memory_mib"):
-            values = [r[key] for r in repeats if r.get(key) is not None]
-            if not values:
-                continue
-            row[key] = float(np.median(values))
-            if key in ("p50", "p90"):
-                row[key + "_spread"] = (max(values) - min(values)) / row[key] if row[key] else 0.0
-        row["host_share"] = row["host_ms_p50"] / row["step_ms_p50"] if row["step_ms_p50"] else 0.0
-        summary.append(row)
-    for row in summary:
-        same = {r["mode"]: r for r in summary if (r["model"], r["batch"]) == (row["model"], row["batch"])}
-        baselines = [m for m in BASELINES if m in same]
-        if "standard" in same:
-            row["p90_vs_standard"] = row["p90"] / same["standard"]["p90"]
-        if not baselines:
-            continue
-        best = max(baselines, key=lambda m: same[m]["p90"])
-        row["best_baseline"] = best
-        mine, theirs = groups[(row["model"], row["batch"], row["mode"])], groups[(row["model"], row["batch"], best)]
-        for key in ("p50", "p90"):
-            ratios = paired_ratios(mine, theirs, key)
-            if ratios:
-                row[f"{key}_vs_best"] = float(np.median(ratios))
-                row[f"{key}_vs_best_range"] = f"{min(ratios):.3f}..{max(ratios):.3f}"
-        if "plain" in same:
-            ratios = paired_ratios(mine, groups[(row["model"], row["batch"], "plain")], "p90")
-            row["p90_vs_plain"] = float(np.median(ratios)) if ratios else None
-    return summary
-
-
-def paired_ratios(rows, baseline_rows, key):
-    """`rows[i][key] / baseline_rows[i][key]` for every repeat both ran (the same repeat: paired)."""
-    base = {r["repeat"]: r[key] for r in baseline_rows if r.get(key)}
-    return [r[key] / base[r["repeat"]] for r in rows if r.get(key) is not None and r["repeat"] in base]
 
 
 def ne_check(args, cuda):

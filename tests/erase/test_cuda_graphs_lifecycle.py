@@ -143,13 +143,15 @@ def test_auto_releases_the_graphs_of_the_schedule_it_drops(stand_in, auto_measur
     model._erase.config = type(model._erase.config)(
         dispatch="auto", cuda_graphs=True, intra_op_threads=None, auto_steps=1
     )
-    seen = {}
+    seen, runners = {}, {}
 
     def check(*_, **__):
+        # a measured candidate's run leaves `schedule_runs` (closed): keep each runner seen
+        runners.update((s.name, r.graphs) for s, r in model._erase.schedule_runs.items())
         choice = model.dispatch_choice
         if choice is not None and "dropped" not in seen:
             dropped = "threaded+graphs" if choice == "blocking+graphs" else "blocking+graphs"
-            runner = runner_of(model, dropped)
+            runner = runners[dropped]
             seen["dropped"] = (runner.captures, runner._graphs, runner._capture.live)
 
     record = keras.callbacks.LambdaCallback(on_train_batch_end=check)

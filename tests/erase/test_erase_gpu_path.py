@@ -157,13 +157,13 @@ def test_the_device_plan_is_the_gpu_checks_cells_and_the_sweep_covers_batch_widt
 
 
 def test_paired_ratios_are_taken_per_repeat_against_the_best_baseline():
-    from benchmarks import erase_gpu
+    from tools import erase_gpu_plan as plan
 
     def rows(mode, p90s):
         return [{"model": "ctr", "batch": 8, "mode": mode, "repeat": i, "p50": v, "p90": v,
                  "step_ms_p50": 1.0, "step_ms_p90": 1.0, "host_ms_p50": 1.0} for i, v in enumerate(p90s)]
 
-    summary = erase_gpu.summarize(rows("plain", [100, 120, 110]) + rows("plain+jit", [130, 90, 140])
+    summary = plan.summarize(rows("plain", [100, 120, 110]) + rows("plain+jit", [130, 90, 140])
                                   + rows("standard", [90, 100, 95]) + rows("auto", [143, 99, 126]))
     auto = next(r for r in summary if r["mode"] == "auto")
     assert auto["best_baseline"] == "plain+jit"  # the highest median p90 (130 > 110 > 95)
