@@ -150,28 +150,55 @@ def thread_env(env, threads):
     return env
 
 
-def alternate(cells, repeats, block=lambda result: result):
+def alternate(cells, repeats, block=lambda result: result, warmups=1, clock=None):
     """Times `cells` (name -> zero-argument callable) alternating: one call of each per round.
 
-    Round 0 is a warm-up (compilation; its wall seconds are kept as
-    `first_s`). Returns name -> `{"wall": spread, "cpu": spread, "times_s",
-    "first_s"}`; `block(result)` waits for an asynchronous result.
+    The first `warmups` rounds warm up (compilation; round 0's seconds are
+    kept as `first_s`). Returns name -> `{"wall": spread, "cpu": spread,
+    "times_s", "first_s"}`; `block(result)` waits for an asynchronous result;
+    `clock()` starts a timer and returns its stop (default: wall seconds;
+    `cuda_clock`: CUDA events).
     """
     out = {name: {"times_s": [], "cpu_s": []} for name in cells}
-    for round_ in range(repeats + 1):
+    for round_ in range(repeats + warmups):
         for name, call in cells.items():
             gc.collect()
-            cpu, start = time.process_time(), time.perf_counter()
+            cpu, stop = time.process_time(), (clock or _wall_clock)()
             block(call())
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            wall, cpu = stop(), time.process_time() - cpu
             if round_ == 0:
                 out[name]["first_s"] = wall
-            else:
+            if round_ >= warmups:
                 out[name]["times_s"].append(wall)
                 out[name]["cpu_s"].append(cpu)
     for entry in out.values():
         entry["wall"], entry["cpu"] = spread(entry["times_s"]), spread(entry["cpu_s"])
     return out
+
+
+def _wall_clock():
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
+
+
+def cuda_clock():
+    """An `alternate` clock of CUDA events on the current stream: device seconds from start to stop."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+
+    def stop():
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return stop
+
+
+def paired(timed, name, base):
+    """`spread` of the per-round ratios `name / base` of an `alternate` result (same rounds, so paired)."""
+    return spread([a / b for a, b in zip(timed[name]["times_s"], timed[base]["times_s"])])
 
 
 def run_cell(argv, root=_REPO, env=None):

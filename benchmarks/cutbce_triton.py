@@ -187,6 +187,8 @@ def main(argv=None):
     parser.add_argument("--sections", help="with --gpu: a comma-separated subset of the sections "
                                            "(benchmarks/cutbce_triton_gpu.py), e.g. to rerun those "
                                            "a budget left out; written as cutbce_triton_gpu_sections")
+    parser.add_argument("--stem", help="with --gpu: the results' file name (default cutbce_triton_gpu, or "
+                                        "cutbce_triton_gpu_sections with --sections)")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -215,7 +217,7 @@ def main(argv=None):
             parser.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
         payload = measure(args.budget, dry_run=args.cpu_dry_run, sections=sections)
         text = _gpu_markdown(payload)
-        stem = "cutbce_triton_gpu" if args.sections is None else "cutbce_triton_gpu_sections"
+        stem = args.stem or ("cutbce_triton_gpu" if args.sections is None else "cutbce_triton_gpu_sections")
     print(text)
     with open(os.path.join(args.out, stem + ".md"), "w") as f:
         f.write(text)

@@ -37,6 +37,7 @@ no TF32, no profiler kernels, no ncu): it checks the code, the numbers mean noth
 """
 
 import contextlib
+import functools
 import itertools
 import os
 import statistics
@@ -86,6 +87,7 @@ class Run:
         self.__dict__.update(sizes)
         self.report = {"sections": {}, "skipped": [], "errors": []}
         self.reserved = 0.0  # seconds the sections after the running one are left (`measure`)
+        self.peer_errors = {}  # (family, variant) -> implementation -> its error against float64
 
     def left(self):
         return self.budget - (time.perf_counter() - self.start)
@@ -174,15 +176,15 @@ def float64_reference(h, e, b, ids, family="bce"):
     """The contract's per-row loss and its gradients for the mean, in float64 (dense; every id valid)."""
     import torch
 
-    h64, e64, b64 = (x.detach().double().requires_grad_() for x in (h, e, b))
-    z = h64 @ e64.T + b64
+    h64, e64, b64 = (None if x is None else x.detach().double().requires_grad_() for x in (h, e, b))
+    z = h64 @ e64.T + (0.0 if b is None else b64)
     hot = torch.zeros_like(z).scatter_(1, ids, 1.0)
     if family == "softmax":
         loss = torch.logsumexp(z, dim=1) - (hot / hot.sum(1, keepdim=True) * z).sum(1)
     else:
         loss = (torch.nn.functional.softplus(z) - hot * z).mean(dim=1)
     loss.mean().backward()
-    return loss.detach(), [x.grad for x in (h64, e64, b64)]
+    return loss.detach(), [None if x is None else x.grad for x in (h64, e64, b64)]
 
 
 def jit_latency(run):
@@ -311,6 +313,239 @@ def timings(run):
                                  repeats=repeats, **m, **(kernels if name == "triton" else {})))
             del inputs
             run.release()
+    return rows
+
+
+# -- `peers`: what a user would run instead, side by side ------------------------------------------------
+PEER_REPEATS = 10  # timed rounds after 2 warm-ups (the peak memory pass, then one untimed round)
+WIDE = (8192, 256, 1_000_000)  # a wide recommendation table: last, where the budget allows
+PEERS_MIN_S = 20  # its first cell; the rest run while the budget lasts
+_COMPILED = {}  # family -> its torch.compile'd dense step (one per process: shapes re-specialise)
+
+
+def _dense_loss(h, e, b, ids, softmax):
+    """The tuned dense step: bf16/TF32 logits by `F.linear`, targets `scatter_`ed into `[M, V]` (never `[M, L, V]`)."""
+    import torch
+    import torch.nn.functional as F
+
+    z = F.linear(h, e, b)
+    if softmax and ids.shape[1] == 1:
+        return F.cross_entropy(z, ids[:, 0])
+    y = torch.zeros_like(z).scatter_(1, ids, 1.0)
+    if softmax:  # soft targets over the distinct ids
+        return F.cross_entropy(z, y / y.sum(1, keepdim=True))
+    return F.binary_cross_entropy_with_logits(z, y)
+
+
+def _liger_chunk_mem_const(rows, dim, vocab, chunk_rows=2048):
+    """Liger's `chunk_mem_const` for chunks of about `chunk_rows` rows (at most 2**30 logits).
+
+    Its default sizes a chunk's logits like its input (`BT H` elements): at D = 64 a chunk is a few rows.
+    """
+    chunk_rows = max(1, min(chunk_rows, 2**30 // vocab))
+    return max(1, -(-vocab * chunk_rows // (dim * rows)))
+
+
+def side_by_side(run, family, shape, dtype, e, b, peers=True):
+    """name -> `loss(h, e, b, ids)` (the rows' mean) of each implementation, or a string saying why it does not run.
+
+    Peers (softmax, one target, no bias: CCE has none) only with `peers`; dense where `[M, V]` x 4 fits.
+    """
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+
+    from keras_cutbce import CutBCELoss, CutSoftmaxLoss, cut_binary_crossentropy, cut_categorical_crossentropy
+
+    cuda, softmax = run.device == "cuda", family == "softmax"
+    rows, dim, vocab = shape
+    free = torch.cuda.mem_get_info()[0] if cuda else 2**34
+    dense_bytes = 4 * rows * vocab * torch.empty((), dtype=dtype).element_size()
+    impls = {}
+    if dense_bytes < 0.8 * free:
+        impls["dense"] = lambda h, e, b, ids: _dense_loss(h, e, b, ids, softmax)
+        if family not in _COMPILED:  # inductor on CUDA; the CPU dry run checks the wrapper only
+            _COMPILED[family] = torch.compile(_dense_loss, backend="inductor" if cuda else "aot_eager")
+        impls["dense_compiled"] = lambda h, e, b, ids: _COMPILED[family](h, e, b, ids, softmax)
+    else:
+        impls["dense"] = f"[M, V] x 4 = {dense_bytes / 2**30:.0f} GiB does not fit ({free / 2**30:.0f} GiB free)"
+    if peers and softmax:
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+        except ImportError as error:
+            impls["cce_exact"] = f"cut-cross-entropy does not import: {error}"
+        else:  # its Triton kernels need CUDA; its torch.compile implementation runs anywhere
+            impl = "cce" if cuda else "torch_compile"
+            impls["cce_exact"] = lambda h, e, b, ids: cce(h, e, ids[:, 0], impl=impl, filter_eps=None)
+            impls["cce_filtered (approximate)"] = (
+                (lambda h, e, b, ids: cce(h, e, ids[:, 0], impl="cce")) if cuda
+                else "its gradient filter is in its CUDA kernels only")
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+        except ImportError as error:
+            impls["liger"] = f"liger-kernel does not import: {error}"
+        else:
+            impls["liger"] = lambda h, e, b, ids: liger(h, e, ids[:, 0], bias=b, accum_dtype=torch.float32)
+            if "chunk_mem_const" in inspect.signature(liger).parameters:  # `_liger_chunk_mem_const`
+                const = _liger_chunk_mem_const(*shape)
+                impls["liger_2048_row_chunks"] = lambda h, e, b, ids: liger(
+                    h, e, ids[:, 0], bias=b, accum_dtype=torch.float32, chunk_mem_const=const)
+        if hasattr(F, "linear_cross_entropy"):
+            impls["torch_linear_cross_entropy"] = lambda h, e, b, ids: F.linear_cross_entropy(
+                h, e, ids[:, 0], linear_bias=b)
+        else:
+            impls["torch_linear_cross_entropy"] = f"not in torch {torch.__version__}"
+    implementation = "auto" if cuda else "triton"
+    op = cut_categorical_crossentropy if softmax else cut_binary_crossentropy
+    impls["ours_op"] = lambda h, e, b, ids: op(h, e, ids, b, implementation=implementation).mean()
+    keras_loss = (CutSoftmaxLoss if softmax else CutBCELoss)(e, b, implementation=implementation)
+    impls["ours_keras_loss"] = lambda h, e, b, ids: keras_loss(ids, h)
+    return impls
+
+
+def _train(loss_fn, h, e, b, ids):
+    """One step: the loss and its gradients into `.grad`."""
+    for x in (h, e, b):
+        if x is not None:
+            x.grad = None
+    loss = loss_fn(h, e, b, ids)
+    loss.backward()
+    return loss
+
+
+def _sm_clock_mhz(run):
+    """The SM clock now (`nvidia-smi --query-gpu=clocks.sm`), or None."""
+    if run.device != "cuda":
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def _peer_cells(run):
+    """(family, shape, variant, peers) in priority order: bf16 with peers first, then ours and dense at TF32/fp32."""
+    first, *others = run.variants
+    shapes = (run.small,) if run.dry_run else (run.small, run.paper)  # the interpreter is slow
+    cells = [(f, s, first, True) for s in shapes for f in ("softmax", "bce")]
+    cells += [(f, s, v, False) for v in others for s in shapes for f in ("bce", "softmax")]
+    return cells + ([] if run.dry_run else [(f, WIDE, first, True) for f in ("softmax", "bce")])
+
+
+def peers(run):
+    """Each implementation's error against float64 (the parity shape), then step times, side by side."""
+    import torch
+
+    from benchmarks.common import alternate, cuda_clock, paired
+
+    rows = []
+    cuda = run.device == "cuda"
+    for family, shape, variant, with_peers in _peer_cells(run):
+        targets = 1 if family == "softmax" else 8
+        label = f"{family} {variant} {shape} L={targets}"
+        if run.left() < (30 if shape[0] * shape[2] > 10**9 else 12) + run.reserved:
+            run.report["skipped"].append(f"peers {label}: budget spent")
+            continue
+        with precision(variant) as dtype:
+            errors = {}
+            if (family, variant) not in run.peer_errors:  # once per family and variant, at the parity shape
+                h, e, b, ids = problem(run, run.parity, dtype, targets=targets)
+                b = None if family == "softmax" else b
+                want, grads = float64_reference(h, e, b, ids, family)
+                for name, fn in side_by_side(run, family, run.parity, dtype, e, b, with_peers).items():
+                    try:
+                        got = [_train(fn, h, e, b, ids).detach()] + [x.grad for x in (h, e, b) if x is not None]
+                        exact = [want.mean()] + [g for g in grads if g is not None]
+                        errors[name] = max(float((x.double() - w).abs().max() / w.abs().max())
+                                           for x, w in zip(got, exact))
+                    except Exception as error:  # noqa: BLE001 - the row says so (a string: it does not run)
+                        errors[name] = fn if isinstance(fn, str) else f"{type(error).__name__}: {str(error)[:120]}"
+                run.peer_errors[(family, variant)] = errors
+            errors = run.peer_errors[(family, variant)]
+            h, e, b, ids = problem(run, shape, dtype, targets=targets)
+            b = None if family == "softmax" else b
+            cells, found = {}, {}
+            for name, fn in side_by_side(run, family, shape, dtype, e, b, with_peers).items():
+                found[name] = dict(note=fn) if isinstance(fn, str) else {}
+                if isinstance(fn, str):
+                    continue
+                try:  # warm-up 1, and the peak memory of this implementation alone
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    _train(fn, h, e, b, ids)
+                    run.sync()
+                    found[name]["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+                    cells[name] = lambda fn=fn: _train(fn, h, e, b, ids)
+                except Exception as error:  # noqa: BLE001 - out of memory, a peer refusing: listed
+                    found[name]["note"] = f"{type(error).__name__}: {str(error)[:160]}"
+                    run.release()
+            clock = [_sm_clock_mhz(run)]
+            timed = alternate(cells, max(PEER_REPEATS, run.repeats) if cuda else run.repeats,
+                              block=lambda _: run.sync(), warmups=1, clock=cuda_clock if cuda else None)
+            clock.append(_sm_clock_mhz(run))
+        exact_peers = [n for n in timed if not n.startswith("ours") and "approximate" not in n]
+        best = min(exact_peers, key=lambda n: timed[n]["wall"]["median"], default=None)
+        for name, entry in found.items():
+            row = dict(family=family, variant=variant, rows=shape[0], dim=shape[1], vocab=shape[2],
+                       targets=targets, implementation=name, best_peer=best, sm_mhz=clock,
+                       error_vs_float64=errors.get(name), **entry)
+            if name in timed:
+                t = timed[name]["wall"]
+                row.update(median_ms=1e3 * t["median"], min_ms=1e3 * t["min"], max_ms=1e3 * t["max"],
+                           repeats=t["n"])
+                if best:
+                    ratio = paired(timed, name, best)
+                    row.update(vs_best_peer=ratio["median"], vs_best_peer_range=f"{ratio['min']:.3g}-{ratio['max']:.3g}")
+            if name == "liger_2048_row_chunks":
+                row["note"] = f"chunk_mem_const={_liger_chunk_mem_const(*shape)}"
+            rows.append(row)
+        del h, e, b, ids, cells, timed
+        run.release()
+    return rows
+
+
+CHUNK_TILES = (256, 1024, 4096, 16384, 65536)  # beside the rule's; the dry run's tiny V: (32, 64)
+
+
+def _chunked_mean(h, e, b, ids, op, chunk_size):
+    return op(h, e, ids, b, implementation="chunked", chunk_size=chunk_size).mean()
+
+
+def chunked_tiles(run):
+    """The chunked loop's tile rule on CUDA (`tiling.tile_budget_bytes`) against other tiles and tuned dense."""
+    from benchmarks.common import alternate, cuda_clock, paired
+    from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy, registry
+
+    rows, cuda = [], run.device == "cuda"
+    for shape, family in itertools.product((run.small, run.paper), run.families):
+        with precision(run.variants[0]) as dtype:
+            if run.left() < (30 if shape == run.paper else 10) + run.reserved:
+                run.report["skipped"].append(f"chunked_tiles {family} {shape}: budget spent")
+                continue
+            h, e, b, ids = problem(run, shape, dtype, targets=1 if family == "softmax" else 8)
+            rule = registry._default_chunk_size(h, e, family)
+            op = cut_categorical_crossentropy if family == "softmax" else cut_binary_crossentropy
+            cells = {}
+            for tile in dict.fromkeys((rule, *((32, 64) if run.dry_run else CHUNK_TILES))):
+                if tile < shape[2] or tile == rule:
+                    loss = functools.partial(_chunked_mean, op=op, chunk_size=tile)
+                    cells[f"chunked {tile}"] = functools.partial(_train, loss, h, e, b, ids)
+            dense = side_by_side(run, family, shape, dtype, e, b, peers=False)["dense"]
+            if callable(dense):
+                cells["dense"] = lambda: _train(dense, h, e, b, ids)
+            timed = alternate(cells, run.repeats, block=lambda _: run.sync(), warmups=1,
+                              clock=cuda_clock if cuda else None)
+        for name in timed:
+            row = dict(family=family, variant=run.variants[0], rows=shape[0], vocab=shape[2], cell=name,
+                       rule=name == f"chunked {rule}", median_ms=1e3 * timed[name]["wall"]["median"])
+            if "dense" in timed:
+                row["vs_dense"] = paired(timed, name, "dense")["median"]
+            rows.append(row)
+        del h, e, b, ids, cells, timed
+        run.release()
     return rows
 
 
@@ -495,11 +730,11 @@ def ncu_child():
             run.sync()
 
 
-SECTIONS = ("jit", "parity", "timings", "float16_zeros", "mixed_bfloat16", "graph_breaks", "sweep", "ncu")
+SECTIONS = ("peers", "chunked_tiles", "jit", "parity", "timings", "float16_zeros", "mixed_bfloat16", "graph_breaks", "sweep", "ncu")
 
 
 def measure(budget, dry_run=False, sections=SECTIONS):
-    """The `sections` (all by default, in `SECTIONS`' order) within `budget` seconds; returns the report.
+    """The `sections` (all by default, in the order given) within `budget` seconds; returns the report.
 
     `timings` leaves the sections after it their estimates (on the H200 it took the whole budget).
     """
@@ -509,12 +744,12 @@ def measure(budget, dry_run=False, sections=SECTIONS):
     run.report["device"] = torch.cuda.get_device_name() if not dry_run else "cpu (dry run)"
     run.report["budget_s"] = budget
     families = len(run.families)
-    plan = {"jit": (10 + 6 * len(run.variants) * families, jit_latency),
+    plan = {"peers": (PEERS_MIN_S, peers), "chunked_tiles": (10, chunked_tiles), "jit": (10 + 6 * len(run.variants) * families, jit_latency),
             "parity": (10 * families, parity), "timings": (30, timings),
             "float16_zeros": (4 * families, float16_zeros),
             "mixed_bfloat16": (6 * families, mixed_bfloat16_fit), "graph_breaks": (15, graph_breaks),
             "sweep": (10 * families, sweep), "ncu": (NCU_S, nsight)}
-    chosen = [name for name in SECTIONS if name in sections]
+    chosen = [name for name in sections if name in plan]  # in the order given
     for position, name in enumerate(chosen):
         estimate, fn = plan[name]
         run.reserved = sum(plan[later][0] for later in chosen[position + 1:])

@@ -65,6 +65,9 @@ while (( $# )); do
 done
 HOST_PYTHON=${GPU_CHECK_HOST_PYTHON:-python3}
 
+# The peers the side-by-side runs (pure Python; torch and Triton are all they need): installed with --no-deps.
+PEERS=(cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
+
 pins() {  # constraints.txt's pins of the named distributions
   local name
   for name in "$@"; do grep -i -m1 "^$name==" constraints.txt || { echo "no pin for $name" >&2; return 1; }; done
@@ -79,7 +82,7 @@ if [[ -n $PREPARE ]]; then  # -- on a machine that reaches the package index ---
   done
   set -e
   "$HOST_PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --dest "$PREPARE" \
-    --python-version "$PY_VERSION" --implementation cp "${platforms[@]}" $(pins keras namex optree)
+    --python-version "$PY_VERSION" --implementation cp "${platforms[@]}" $(pins keras namex optree) "${PEERS[@]}"
   isolation=(--no-build-isolation)  # pyproject.toml needs setuptools >= 77: else pip fetches it
   "$HOST_PYTHON" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' \
     2>/dev/null || isolation=()
@@ -118,12 +121,13 @@ with open(os.path.join(sys.argv[1], "gpu_check_host_site.pth"), "w") as f:
 PY
     PYTHON=$VENV/bin/python
     pip_offline "$PYTHON" -m pip install $(pins keras namex optree) || exit 1
-    pip_offline "$PYTHON" -m pip install --no-deps "$PROJECT_WHEEL" || exit 1
+    pip_offline "$PYTHON" -m pip install --no-deps "$PROJECT_WHEEL" "${PEERS[@]}" || exit 1
   else  # no virtualenv here: a folder on PYTHONPATH, every dependency already checked by the preflight
     echo "gpu_check: no virtualenv (GPU_CHECK_INSTALL=${GPU_CHECK_INSTALL:-venv}): pip install --target $VENV/site"
     PYTHON=$HOST_PYTHON
     pip_offline "$PYTHON" -m pip install --no-deps --target "$VENV/site" \
-      "$WHEELS"/keras-*.whl "$WHEELS"/namex-*.whl "$WHEELS"/optree-*.whl "$PROJECT_WHEEL" || exit 1
+      "$WHEELS"/keras-*.whl "$WHEELS"/namex-*.whl "$WHEELS"/optree-*.whl "$PROJECT_WHEEL" \
+      "$WHEELS"/cut_cross_entropy-*.whl "$WHEELS"/liger_kernel-*.whl || exit 1
     ORIGINAL_PYTHONPATH=$VENV/site${ORIGINAL_PYTHONPATH:+:$ORIGINAL_PYTHONPATH}
   fi
   INSTALLED=(--installed "$VERSION")
@@ -149,8 +153,11 @@ echo "gpu_check: install and preflight took $((SECONDS - START)) s"
 [[ $INSTALL_ONLY -eq 1 ]] && exit 0
 export PYTHONPATH="$REPO${ORIGINAL_PYTHONPATH:+:$ORIGINAL_PYTHONPATH}"
 TOTAL=${GPU_CHECK_SECONDS:-480}
-PHASES=" ${GPU_CHECK_PHASES:-tests erase cutbce} "  # a subset reruns only those (e.g. one that failed)
-FAILED=()
+# `tests` and `cutbce` name their sections too (a rerun of a phase that failed, e.g. GPU_CHECK_PHASES=cutbce).
+PHASES=" ${GPU_CHECK_PHASES:-all} "
+PHASES=${PHASES/ tests / erase_tests capture matrix }
+PHASES=${PHASES/ cutbce / peers cutbce_tests cutbce_rest }
+FAILED=() SKIPPED=()
 
 run_tests() {  # run_tests LOG pytest-arguments...: one pytest process, its output appended to LOG
   local log=$1; shift
@@ -159,8 +166,49 @@ run_tests() {  # run_tests LOG pytest-arguments...: one pytest process, its outp
   [[ $rc -eq 0 ]] || FAILED+=("pytest $* (exit $rc)")
 }
 
-# -- phases 1-2: the ERASE tests ------------------------------------------------------------------------
-# Device-agnostic (inputs on Keras's device, expectations keyed on it); CUDA-only ones skip on a dry run.
+# Triton's part (peers, cutbce_*): Triton importable; on a dry run its interpreter must run the kernels.
+TRITON_WHY=""
+if ! "$PYTHON" -c "import triton" 2>/dev/null; then
+  TRITON_WHY="triton is not importable"
+elif [[ $DRY -eq 1 ]] && ! "$PYTHON" scripts/gpu_preflight.py --triton-interpreter; then
+  TRITON_WHY="Triton's interpreter cannot run the kernels here (a GPU runs them compiled)"
+fi
+CUTBCE_DRY=(); [[ $DRY -eq 1 ]] && CUTBCE_DRY=(--cpu-dry-run)
+BENCH_ARGS=(--strict --out "$RESULTS/erase_gpu")
+[[ $DRY -eq 1 ]] && BENCH_ARGS+=(--cpu-dry-run)
+: >"$RESULTS/gpu_check_tests.txt"
+
+section() {  # section NAME SECONDS: run NAME's step if it is asked for and SECONDS fit in what is left
+  local name=$1 seconds=$2 left=$((TOTAL - (SECONDS - START) - 15))
+  [[ $PHASES == *" $name "* || $PHASES == " all " ]] || return 0
+  if [[ $name == peers || $name == cutbce_* ]] && [[ -n $TRITON_WHY ]]; then
+    SKIPPED+=("$name: $TRITON_WHY"); echo "gpu_check: SKIPPED $name: $TRITON_WHY" >&2; return 0
+  fi
+  if (( seconds > left )); then
+    SKIPPED+=("$name: needs ~$seconds s, $left s left")
+    echo "gpu_check: SKIPPED $name (needs ~$seconds s, $left s left)" >&2; return 0
+  fi
+  local begin=$SECONDS
+  echo "gpu_check: $name (planned $seconds s, $left s left)"
+  "step_$name" "$seconds" "$left"
+  echo "gpu_check: $name took $((SECONDS - begin)) s (planned $seconds s)"
+}
+
+# -- the steps, each given (its planned seconds, the seconds left) ---------------------------------------
+step_peers() {  # CutSoftmax and CutBCE beside tuned dense torch, CCE, Liger (bf16, both shapes)
+  "$PYTHON" benchmarks/cutbce_triton.py --gpu "${CUTBCE_DRY[@]}" --sections peers --budget "$1" \
+    --stem cutbce_triton_gpu_peers --out "$RESULTS" 2>&1 | tee "$RESULTS/cutbce_triton_gpu_peers.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || FAILED+=("benchmarks/cutbce_triton.py --sections peers (exit ${PIPESTATUS[0]})")
+}
+step_erase() {  # ERASE's device cells (benchmarks/erase_gpu.py, issue 49)
+  local budget=(--budget "$1")
+  case " ${BENCH_EXTRA[*]-} " in *" --budget "*) budget=() ;; esac
+  "$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" "${budget[@]}" "${BENCH_EXTRA[@]}"
+  local rc=$?
+  [[ $rc -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $rc)")
+}
+# The ERASE GPU path's tests: device-agnostic (inputs on Keras's device, expectations keyed on it);
+# CUDA-only ones skip on a dry run.
 TESTS=(tests/erase/test_cuda_graphs.py tests/erase/test_cuda_graphs_lifecycle.py
        tests/erase/test_cuda_graphs_host_reads.py tests/erase/test_cuda_graphs_sharing.py
        tests/erase/test_erase_handoff.py tests/erase/test_erase_torch.py
@@ -168,65 +216,40 @@ TESTS=(tests/erase/test_cuda_graphs.py tests/erase/test_cuda_graphs_lifecycle.py
 # A failed capture can leave torch's caching allocator in capture mode (torch < 2.12 without
 # pytorch#180395): that test runs alone, and checks empty_cache() and a new capture after it.
 CAPTURE_FAILURE=tests/erase/test_cuda_graphs.py::test_cuda_capture_failure_restores_the_stream_on_gpu
-if [[ $PHASES == *" tests "* ]]; then
-  : >"$RESULTS/gpu_check_tests.txt"
-  run_tests gpu_check_tests.txt "${TESTS[@]}" --deselect "$CAPTURE_FAILURE"
-  run_tests gpu_check_tests.txt "$CAPTURE_FAILURE"
-  # The mixed precision matrix with real bf16/fp16 kernels, autocast and CUDA Graphs (Triton's:
-  # test_triton_parity.py in the CutBCE phase).
+step_erase_tests() { run_tests gpu_check_tests.txt "${TESTS[@]}" --deselect "$CAPTURE_FAILURE"; }
+step_capture() { run_tests gpu_check_tests.txt "$CAPTURE_FAILURE"; }
+step_cutbce_tests() {  # the Triton parity tests compiled on the GPU (the interpreter on a dry run)
+  : >"$RESULTS/gpu_check_cutbce_tests.txt"
+  local parity=tests/cutbce/test_triton_parity.py
+  [[ $DRY -eq 1 ]] && parity=tests/cutbce/test_triton_interpreter.py
+  run_tests gpu_check_cutbce_tests.txt -m "" "$parity" tests/cutbce/test_triton_dispatch.py
+}
+step_matrix() {  # the mixed precision matrix with real bf16/fp16 kernels, autocast and CUDA Graphs
   run_tests gpu_check_tests.txt -m "" -k policy tests/erase/test_erase_schedules.py \
     tests/cutbce/test_cut_bce.py tests/cutbce/test_loss.py tests/cutbce/test_metrics.py tests/cutbce/test_retrieval.py
-  if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
-    FAILED+=("CUDA tests skipped although CUDA is present")
-  fi
-fi
-TESTS_S=$((SECONDS - START))
+}
+step_cutbce_rest() {  # the tile sweeps first (kernels, then the chunked loop's CUDA tile), then the rest
+  "$PYTHON" benchmarks/cutbce_triton.py --gpu "${CUTBCE_DRY[@]}" --budget "$2" --out "$RESULTS" \
+    --sections sweep,chunked_tiles,jit,parity,timings,float16_zeros,mixed_bfloat16,graph_breaks,ncu \
+    --stem cutbce_triton_gpu 2>&1 | tee "$RESULTS/cutbce_triton_gpu.log"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || FAILED+=("benchmarks/cutbce_triton.py (exit ${PIPESTATUS[0]})")
+}
 
-# -- phase 3: ERASE on the GPU (benchmarks/erase_gpu.py) ------------------------------------------------
-CUTBCE_S=0
-if [[ $PHASES != *" cutbce "* ]]; then
-  :
-elif ! "$PYTHON" -c "import triton" 2>/dev/null; then
-  echo "gpu_check: triton is not importable: the CutBCE Triton part is skipped" >&2
-elif [[ $DRY -eq 1 ]] && ! "$PYTHON" scripts/gpu_preflight.py --triton-interpreter; then
-  echo "gpu_check: the dry run's CutBCE part (Triton's interpreter) is skipped; a GPU runs the compiled kernels" >&2
-else
-  CUTBCE_S=${CUTBCE_GPU_SECONDS:-210}
+# -- the one priority list, shared with ERASE (issue 49): NAME SECONDS (the H200 estimate) ---------------
+# What does not fit in what is left of TOTAL is named and skipped (SKIPPED below, and the log).
+PLAN=(peers 90  erase 120  erase_tests 60  capture 10  cutbce_tests 50  matrix 60  cutbce_rest 30)
+if [[ -n ${GPU_CHECK_PLAN:-} ]]; then  # GPU_CHECK_PLAN=print: the list, nothing run
+  printf '%s %s\n' "${PLAN[@]}"; exit 0
 fi
-BUDGET=$((TOTAL - TESTS_S - CUTBCE_S - 15))
-(( BUDGET >= 60 )) || BUDGET=60
-BENCH_ARGS=(--strict --out "$RESULTS/erase_gpu")
-[[ $DRY -eq 1 ]] && BENCH_ARGS+=(--cpu-dry-run)
-case " ${BENCH_EXTRA[*]-} " in *" --budget "*) ;; *) BENCH_ARGS+=(--budget "$BUDGET") ;; esac
-if [[ $PHASES == *" erase "* ]]; then
-  echo "gpu_check: tests took ${TESTS_S} s; ERASE benchmark budget ${BUDGET} s"
-  "$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" "${BENCH_EXTRA[@]}"
-  BENCH_RC=$?
-  [[ $BENCH_RC -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $BENCH_RC)")
+for ((i = 0; i < ${#PLAN[@]}; i += 2)); do
+  section "${PLAN[i]}" "${PLAN[i + 1]}"
+done
+if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
+  FAILED+=("CUDA tests skipped although CUDA is present")
 fi
 
-# -- phase 4: CutBCE on CUDA, the fused Triton kernels, in CUTBCE_S seconds -----------------------------
-# The parity tests compiled on the GPU (in the Triton interpreter on a dry run), then
-# benchmarks/cutbce_triton.py --gpu in what is left of CUTBCE_S.
-if (( CUTBCE_S > 0 )); then
-  CUTBCE_START=$SECONDS
-  CUTBCE_ARGS=()
-  : >"$RESULTS/gpu_check_cutbce_tests.txt"
-  if [[ $DRY -eq 1 ]]; then
-    run_tests gpu_check_cutbce_tests.txt -m "" tests/cutbce/test_triton_interpreter.py tests/cutbce/test_triton_dispatch.py
-    CUTBCE_ARGS=(--cpu-dry-run)
-  else
-    run_tests gpu_check_cutbce_tests.txt -m "" tests/cutbce/test_triton_parity.py tests/cutbce/test_triton_dispatch.py
-  fi
-  CUTBCE_BUDGET=$((CUTBCE_S - (SECONDS - CUTBCE_START) - 5))
-  (( CUTBCE_BUDGET >= 30 )) || CUTBCE_BUDGET=30
-  "$PYTHON" benchmarks/cutbce_triton.py --gpu "${CUTBCE_ARGS[@]}" --budget "$CUTBCE_BUDGET" \
-    --out "$RESULTS" 2>&1 | tee "$RESULTS/cutbce_triton_gpu.log"
-  CUTBCE_RC=${PIPESTATUS[0]}
-  [[ $CUTBCE_RC -eq 0 ]] || FAILED+=("benchmarks/cutbce_triton.py (exit $CUTBCE_RC)")
-fi
-
-echo "gpu_check: $((SECONDS - START)) s in all (install and tests ${TESTS_S} s); results in $RESULTS/"
+echo "gpu_check: $((SECONDS - START)) s in all (budget $TOTAL s); results in $RESULTS/"
+(( ${#SKIPPED[@]} )) && printf 'gpu_check: skipped (named): %s\n' "${SKIPPED[@]}"
 if (( ${#FAILED[@]} )); then
   printf 'gpu_check: FAILED: %s\n' "${FAILED[@]}" >&2
   exit 1

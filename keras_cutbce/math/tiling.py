@@ -11,6 +11,10 @@ TILE_MULTIPLE = 128
 MIN_TILE = 128
 MAX_TILE = 8192
 TORCH_CPU_MAX_TILE = 65536
+# torch on CUDA: each tile's loop iteration is about ten kernel launches, so a 64 MiB tile (256 columns at
+# 16384 rows) is launch-bound; 1 GiB of `[M, T]` buffers gives 4096-column tiles at 16384 rows, 32768 at 2048.
+TORCH_CUDA_TILE_BUDGET_BYTES = 2**30
+TORCH_CUDA_MAX_TILE = 65536
 
 
 def tile_budget_bytes(backend, platform, table_bytes=0, family="bce"):
@@ -20,12 +24,16 @@ def tile_budget_bytes(backend, platform, table_bytes=0, family="bce"):
     if platform == "cpu" and backend == "torch":
         low, high = TORCH_CPU_TILE_BUDGET_BYTES
         return min(max(int(table_bytes), low), high)
+    if (backend, platform) == ("torch", "gpu"):
+        return TORCH_CUDA_TILE_BUDGET_BYTES
     return DEFAULT_TILE_BUDGET_BYTES
 
 
 def max_tile(backend, platform):
     """The widest tile of the width rule for a Keras backend on a platform."""
-    return TORCH_CPU_MAX_TILE if (backend, platform) == ("torch", "cpu") else MAX_TILE
+    if backend == "torch" and platform in ("cpu", "gpu"):
+        return TORCH_CUDA_MAX_TILE if platform == "gpu" else TORCH_CPU_MAX_TILE
+    return MAX_TILE
 
 
 def default_chunk_size(num_rows, vocab_size, budget_bytes=DEFAULT_TILE_BUDGET_BYTES,

@@ -397,6 +397,22 @@ def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, 
     assert registry._default_chunk_size(hidden, table, "softmax") == other_tile
 
 
+@pytest.mark.parametrize("rows, vocab, tile", [
+    (16384, 876_000, 4096), (4096, 100_000, 16384), (2048, 10**6, 32768), (128, 10**6, 65536),
+    (16384, 1000, 1024), (10**6, 10**6, 128),
+])
+def test_default_tile_on_a_cuda_gpu_is_not_launch_bound(rows, vocab, tile, monkeypatch):
+    """torch on CUDA: 1 GiB of `[M, T]` buffers (16 bytes a logit), not the 64 MiB that left 256-column tiles
+    at 16384 rows (about ten launches a tile); the other backends' GPU rule is unchanged."""
+    from keras_cutbce import registry
+
+    monkeypatch.setattr(registry, "_platform", lambda tensor: "gpu")
+    table = np.broadcast_to(np.float32(0), (vocab, 64))
+    want = tile if BACKEND == "torch" else min(max(64 * 2**20 // (16 * rows) // 128 * 128, 128), 8192,
+                                               -(-vocab // 128) * 128)
+    assert registry._default_chunk_size(ops.zeros((rows, 64)), table) == want
+
+
 def test_registry_entries_of_this_backend_resolve_to_functions():
     """Every path in the registry for the active backend names a function that exists."""
     from keras_cutbce import registry

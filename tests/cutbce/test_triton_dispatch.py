@@ -270,3 +270,27 @@ def test_the_first_launch_already_splits_the_vocabulary_as_every_later_one(famil
     # Keras puts the inputs on its device: a GPU's SM count where there is one.
     per_split = -(-tiles // config.num_splits(8, tiles, block_m, fake.devices[0], programs))
     assert first == (1, -(-tiles // per_split))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch kernels' launches")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("wrt", ["all", "table"])
+def test_the_per_position_op_trains_in_two_launches(family, wrt, monkeypatch):
+    """Forward: the rows kernel once (the loss, and the hidden gradient of a unit cotangent); backward: the
+    columns kernel alone (softmax's log-sum-exp kept from the forward pass), as the Keras loss's fused step."""
+    import torch
+
+    from keras_cutbce.backends.torch.triton import launch
+
+    fake = _FakeKernels()
+    monkeypatch.setattr(launch, "device_problem", lambda device: None)
+    monkeypatch.setattr(launch, "kernels", lambda device: fake)
+    monkeypatch.setattr(launch, "_PROGRAMS", {}, raising=False)
+    hidden = torch.ones(8, 32, requires_grad=wrt == "all")
+    table, bias = torch.ones(400, 32, requires_grad=True), torch.ones(400, requires_grad=True)
+    ids = torch.tensor([[1, 7]] * 8)
+    loss = FAMILIES[family][0](hidden, table, ids, bias, implementation="triton")
+    assert [len(grid) for grid in fake.grids] == [2]  # the rows kernel's (row blocks, splits)
+    leaves = (hidden, table, bias) if wrt == "all" else (table, bias)
+    torch.autograd.grad((loss * torch.arange(8.0)).sum(), leaves)
+    assert [len(grid) for grid in fake.grids] == [2, 1]  # then the columns kernel's (vocabulary blocks,)

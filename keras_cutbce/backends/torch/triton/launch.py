@@ -15,6 +15,7 @@ from keras_cutbce.backends.torch.math import BCE
 from keras_cutbce.backends.torch.math import Softmax
 from keras_cutbce.backends.torch.math import compute_dtype
 from keras_cutbce.backends.torch.triton import config
+from keras_cutbce.math.coefficients import bce_coefficients
 
 __all__ = [
     "cut_bce", "cut_bce_weighted_sum", "cut_softmax", "cut_softmax_weighted_sum", "dense_pass",
@@ -34,16 +35,15 @@ def fits(hidden, table, bias):
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None):
-    return chunked.run_cut_bce(_dense(hidden, table), hidden, table, ids, bias,
-                               label_smoothing=label_smoothing, pos_weight=pos_weight,
-                               tile=max(1, table.shape[0]))
+    family = BCE(bce_coefficients(label_smoothing, pos_weight))
+    return _PerRow.apply(hidden, table, bias, chunked._as_ids(ids, hidden.device), family)
 
 
 def cut_bce_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
                          chunk_size=None):
     return chunked.run_weighted_sum(_dense(hidden, table), hidden, table, ids, bias, row_weights,
                                     label_smoothing=label_smoothing, pos_weight=pos_weight,
-                                    tile=max(1, table.shape[0]))
+                                    tile=_whole(table))
 
 
 class _FusedSoftmax(Softmax):
@@ -55,14 +55,69 @@ class _FusedSoftmax(Softmax):
 
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None):
     family = _FusedSoftmax(float(label_smoothing), table.shape[0])
-    return chunked._per_row(_dense(hidden, table), hidden, table, ids, bias, family, max(1, table.shape[0]))
+    return _PerRow.apply(hidden, table, bias, chunked._as_ids(ids, hidden.device), family)
+
+
+class _PerRow(torch.autograd.Function):
+    """The per-position op in two launches: forward, the rows kernel gives the loss and the hidden gradient of
+    a unit cotangent (a row's gradient scales with its cotangent); backward, the columns kernel alone.
+
+    Softmax's column slopes take the rows' log-sum-exp from the forward pass. Rows whose cotangent is 0 add
+    exactly 0 (their hidden state may not be finite), as in the chunked loop.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, table, bias, ids, family):
+        dtype = compute_dtype(hidden, table, bias)
+        need_h = ctx.needs_input_grad[0]
+        found = []
+
+        def dense(*args, **kwargs):  # keeps the rows' statistics (softmax: `(max, sum exp)`)
+            out = _dense(hidden, table)(*args, **kwargs)
+            found.append(out[0])
+            return out
+
+        ones = torch.ones(hidden.shape[0], dtype=dtype, device=hidden.device)
+        loss, grad_h, _, _ = chunked.row_losses(hidden.to(dtype), table, bias, ids, family, _whole(table),
+                                                ones if need_h else None, (need_h, False, False), dense=dense)
+        lse = family.statistics(found[0]).float().contiguous() if isinstance(family, Softmax) else None
+        ctx.save_for_backward(hidden, table, bias, ids, grad_h, lse)
+        ctx.family = family
+        return loss
+
+    @staticmethod
+    def backward(ctx, row_scale):
+        hidden, table, bias, ids, unit_grad_h, lse = ctx.saved_tensors
+        need_h, need_e, need_b = ctx.needs_input_grad[:3]
+        dtype = compute_dtype(hidden, table, bias)
+        row_scale = row_scale.to(dtype)
+        kept = row_scale != 0
+        zero = torch.zeros((), dtype=dtype, device=row_scale.device)
+        grad_h = grad_e = grad_b = None
+        if need_h:
+            grad_h = torch.where(kept[:, None], unit_grad_h * row_scale[:, None], zero).to(hidden.dtype)
+        if need_e or need_b:
+            if lse is not None:  # a dropped row's slopes exp(z - inf) are 0, whatever its hidden state was
+                lse = torch.where(kept, lse, torch.full_like(lse, float("inf")))
+            dense = functools.partial(_dense(hidden, table), lse=lse)
+            h = chunked.mask_zero_rows(row_scale, hidden.to(dtype))
+            _, grad_e, grad_b = chunked.row_gradients(h, table, bias, ids, ctx.family, _whole(table), row_scale,
+                                                      (False, need_e, need_b), dense=dense)
+            grad_e = None if grad_e is None else grad_e.to(table.dtype)
+            grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_e, grad_b, None, None
+
+
+def _whole(table):
+    """The torch passes' tile: all of V (the kernels tile it themselves)."""
+    return max(1, table.shape[0])
 
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
                              chunk_size=None):
     family = _FusedSoftmax(float(label_smoothing), table.shape[0])
     return chunked._weighted_sum(_dense(hidden, table), hidden, table, ids, bias, row_weights, family,
-                                 max(1, table.shape[0]))
+                                 _whole(table))
 
 
 def _dense(hidden, table):
@@ -135,13 +190,14 @@ def operand_dtype(hidden):
 
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
-               family, stats=None, operands=torch.float32, stored=(torch.float32,) * 2):
+               family, stats=None, operands=torch.float32, stored=(torch.float32,) * 2, lse=None):
     """`chunked.dense_pass` by the kernels (`tiles` gives `V` only; `operands`: the products' dtype).
 
     `stored`: the dtypes the hidden and table gradients are returned in (`config.split_dot`: a gradient
     stored in `operands` anyway takes one rounding of the slopes, then its own).
 
-    Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass.
+    Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass; `lse`
+    (float32 `[M]`, from an earlier pass) lets the columns kernel run alone.
     """
     softmax = isinstance(family, Softmax)
     if not (softmax or isinstance(family, BCE)) or stats is not None:
@@ -166,10 +222,10 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         FAMILY="softmax" if softmax else "bce", HAS_BIAS=bias is not hidden,
         K_INTERLEAVED=config.k_interleaved(dim, operands, config.device_arch(h.device), precision),
     )
-    row_sums = grad_h = grad_e = grad_b = lse = None
+    row_sums = grad_h = grad_e = grad_b = None
     f32 = dict(dtype=torch.float32, device=h.device)
-    # Softmax's column slopes need each row's log-sum-exp: the rows kernel runs first.
-    rows_loss = loss or (softmax and (need_h or need_e or need_b))
+    # Softmax's column slopes need each row's log-sum-exp: the rows kernel runs first unless it is given.
+    rows_loss = loss or (softmax and lse is None and (need_h or need_e or need_b))
 
     if rows_loss or need_h:
         block_m, block_n, warps, stages = settings.rows_block
