@@ -64,6 +64,12 @@ while (( $# )); do
   esac
 done
 HOST_PYTHON=${GPU_CHECK_HOST_PYTHON:-python3}
+# The one priority list, shared with ERASE (issue 49): NAME SECONDS (the H200 estimate), in order. A section
+# that does not fit in what is left of GPU_CHECK_SECONDS is named and skipped (the log's last lines).
+PLAN=(peers 90  erase 120  erase_tests 60  capture 10  cutbce_tests 50  matrix 60  cutbce_rest 30)
+if [[ ${GPU_CHECK_PLAN:-} == print ]]; then  # the list, nothing run
+  printf '%s %s\n' "${PLAN[@]}"; exit 0
+fi
 
 # The peers the side-by-side runs (pure Python; torch and Triton are all they need): installed with --no-deps.
 PEERS=(cut-cross-entropy==25.1.1 liger-kernel==0.8.5)
@@ -235,12 +241,7 @@ step_cutbce_rest() {  # the tile sweeps first (kernels, then the chunked loop's 
   [[ ${PIPESTATUS[0]} -eq 0 ]] || FAILED+=("benchmarks/cutbce_triton.py (exit ${PIPESTATUS[0]})")
 }
 
-# -- the one priority list, shared with ERASE (issue 49): NAME SECONDS (the H200 estimate) ---------------
-# What does not fit in what is left of TOTAL is named and skipped (SKIPPED below, and the log).
-PLAN=(peers 90  erase 120  erase_tests 60  capture 10  cutbce_tests 50  matrix 60  cutbce_rest 30)
-if [[ -n ${GPU_CHECK_PLAN:-} ]]; then  # GPU_CHECK_PLAN=print: the list, nothing run
-  printf '%s %s\n' "${PLAN[@]}"; exit 0
-fi
+# -- the plan, in order: each section's step starts if its seconds fit in what is left ------------------
 for ((i = 0; i < ${#PLAN[@]}; i += 2)); do
   section "${PLAN[i]}" "${PLAN[i + 1]}"
 done

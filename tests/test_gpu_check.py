@@ -106,7 +106,8 @@ def wheels(tmp_path_factory):
         pytest.skip(f"--prepare needs the package index: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stdout + done.stderr
     names = sorted(os.listdir(folder))
-    assert [n.split("-")[0] for n in names] == ["keras", "keras_cutbce_erase", "namex", "optree"]
+    assert [n.split("-")[0] for n in names] == ["cut_cross_entropy", "keras", "keras_cutbce_erase",
+                                                 "liger_kernel", "namex", "optree"]  # the peers beside Keras
     assert sum(os.path.getsize(folder / n) for n in names) < 5 * 2**20  # a few MB
     return folder
 
@@ -169,8 +170,14 @@ def test_the_cutbce_part_runs_every_section_in_the_interpreter(tmp_path):
     report = json.loads((tmp_path / "cutbce_triton_gpu.json").read_text())
     assert report["errors"] == [] and report["skipped"] == []
     sections = report["sections"]
-    assert list(sections) == ["jit", "parity", "timings", "float16_zeros", "mixed_bfloat16",
-                              "graph_breaks", "sweep", "ncu"]
+    assert list(sections) == ["peers", "chunked_tiles", "jit", "parity", "timings", "float16_zeros",
+                              "mixed_bfloat16", "graph_breaks", "sweep", "ncu"]
+    # the side by side: ours (op and Keras loss) and tuned dense, eager and compiled, both families
+    for family in ("bce", "softmax"):
+        timed = {r["implementation"] for r in sections["peers"] if r["family"] == family and "median_ms" in r}
+        assert {"dense", "dense_compiled", "ours_op", "ours_keras_loss"} <= timed, (family, timed)
+    assert all(isinstance(r["error_vs_float64"], float) and r["error_vs_float64"] < 1e-5
+               for r in sections["peers"] if "median_ms" in r)
     assert all(r["within_limit"] for r in sections["parity"])
     for name in set(sections) - {"ncu"}:  # both loss families in every section
         assert {r["family"] for r in sections[name]} == {"bce", "softmax"}, name
@@ -193,6 +200,22 @@ NCU_RAW = '''==PROF== Connected to process 4242
 "1","4242","python3","h200","columns_kernel(float*, int)","1","7","14.1","2.50","0.20","0.11","0.90","6,144,000","40.0"
 ==PROF== Disconnected from process 4242
 '''
+
+
+@once
+def test_the_check_is_one_priority_list_that_fits_its_call():
+    """Issue 48/49: the peers and tuned dense first (~90 s), ERASE's cells (~120 s), the GPU tests, then the
+    sweeps and the rest, in <= 8 minutes with the install; a section that does not fit is named, not dropped."""
+    done = subprocess.run(["bash", SCRIPT, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, GPU_CHECK_PLAN="print"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    plan = [(name, int(seconds)) for name, seconds in map(str.split, done.stdout.strip().splitlines())]
+    assert [name for name, _ in plan] == ["peers", "erase", "erase_tests", "capture", "cutbce_tests", "matrix",
+                                          "cutbce_rest"]
+    assert dict(plan)["peers"] == 90 and dict(plan)["erase"] == 120
+    assert 20 + sum(seconds for _, seconds in plan) + 15 <= 480  # install, the list, the slack
+    script = open(SCRIPT).read()
+    assert 'SKIPPED+=("$name: needs ~$seconds s, $left s left")' in script
 
 
 def test_nsight_compute_counters_are_read_per_kernel_and_logit():
