@@ -7,6 +7,7 @@ import keras
 from keras import ops
 
 from keras_cutbce import checks
+from keras_cutbce.common import filled_like
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import resolve_bias
 from keras_cutbce.math.positives import first_item
@@ -274,8 +275,8 @@ def cut_rank(hidden, embeddings, item_ids, bias=None, exclude_ids=None, chunk_si
     above = dispatch("count_above", "chunked", flat_hidden, table, bias, score, first,
                      exclusions, chunk_size=chunk_size)
     above = ops.cast(above, "int32")
-    ranks = ops.where(first < 0, 0, above + 1)
-    ranks = ops.where(ops.logical_or(above < 0, ops.isnan(score)), -1, ranks)
+    ranks = ops.where(first < 0, ops.zeros_like(above), above + 1)
+    ranks = ops.where(ops.logical_or(above < 0, ops.isnan(score)), filled_like(ranks, -1), ranks)
     return ops.reshape(ranks, ops.shape(hidden)[:-1])
 
 

@@ -47,10 +47,10 @@ def first_item(logits, ids, keep):
         return zeros - float("inf"), ops.cast(zeros, "int32") - 1
     nan = ops.any(ops.logical_and(keep, ops.isnan(logits)), axis=1)
     masked = ops.where(ops.logical_and(keep, ops.logical_not(ops.isnan(logits))), logits,
-                       float("-inf"))
+                       filled_like(logits, float("-inf")))
     best = ops.max(masked, axis=1)
     tied = ops.logical_and(keep, masked == ops.expand_dims(best, 1))
     none = 2**31 - 1
-    first = ops.min(ops.where(tied, ids, none), axis=1)
-    first = ops.where(first == none, -1, first)
-    return ops.where(nan, float("nan"), best), first
+    first = ops.min(ops.where(tied, ids, filled_like(ids, none)), axis=1)
+    first = ops.where(first == none, filled_like(first, -1), first)
+    return ops.where(nan, filled_like(best, float("nan")), best), first

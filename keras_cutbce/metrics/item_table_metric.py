@@ -5,6 +5,7 @@ from keras import ops
 
 from keras_cutbce import _keras_private
 from keras_cutbce import checks
+from keras_cutbce.common import filled_like
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import bind
 from keras_cutbce.item_table import resolve_bias
@@ -34,7 +35,8 @@ def position_weights(sample_weight, mask, ones, dtype):
 
 def accumulate(variable, weights, values, nan_rows):
     """Adds `sum(weights * values)` to `variable`; NaN if a counted position (`nan_rows`) has no ranking."""
-    values = ops.where(nan_rows, float("nan"), weights * ops.cast(values, variable.dtype))
+    values = weights * ops.cast(values, variable.dtype)
+    values = ops.where(nan_rows, filled_like(values, float("nan")), values)
     variable.assign_add(ops.sum(ops.where(weights != 0, values, ops.zeros_like(values))))
 
 

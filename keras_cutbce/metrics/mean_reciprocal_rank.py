@@ -7,6 +7,7 @@ import keras
 from keras import ops
 
 from keras_cutbce import ops as cut_ops
+from keras_cutbce.common import filled_like
 from keras_cutbce.metrics.item_table_metric import accumulate
 from keras_cutbce.metrics.ranking_metric import RankingMetric
 
@@ -61,14 +62,14 @@ class MeanReciprocalRank(RankingMetric):
         """Accumulates one batch (`TopKRetrieval.update_state`'s arguments)."""
         inputs = self.ranking_inputs(y_true, y_pred, sample_weight, exclude_ids)
         hidden = ops.reshape(inputs.y_pred, (-1, ops.shape(inputs.y_pred)[-1]))
-        targets = ops.where(inputs.counted, inputs.targets, -1)
+        targets = ops.where(inputs.counted, inputs.targets, filled_like(inputs.targets, -1))
         exclusions = inputs.exclusions
         if exclusions is not None:
             exclusions = ops.reshape(exclusions, (ops.shape(hidden)[0], -1))
         ranks = cut_ops.cut_rank(hidden, inputs.table, targets, bias=inputs.bias,
                                  exclude_ids=exclusions, chunk_size=self.chunk_size)
         ranks = ops.cast(ranks, self.dtype)
-        reciprocal = ops.divide_no_nan(ops.ones_like(ranks), ops.maximum(ranks, 0.0))
+        reciprocal = ops.divide_no_nan(ops.ones_like(ranks), ops.maximum(ranks, ops.zeros_like(ranks)))
         accumulate(self.reciprocal_rank_sum, inputs.weights, reciprocal, ranks < 0)
         self.total_weight.assign_add(ops.sum(inputs.weights))
 

@@ -70,9 +70,8 @@ class RankingMetric(ItemTableMetric):
                 exclude_ids, y_pred, vocab_size, "exclude_ids", one_per_position=False
             )
         if never:
-            constant = ops.zeros_like(y_pred[..., :1], dtype="int32") + ops.convert_to_tensor(
-                never, dtype="int32"
-            )
+            zeros = ops.zeros_like(y_pred[..., :1], dtype="int32")  # the ids added on the device, not copied
+            constant = ops.concatenate([zeros + i for i in never], -1)
             exclusions = (
                 constant if exclusions is None else ops.concatenate([exclusions, constant], -1)
             )

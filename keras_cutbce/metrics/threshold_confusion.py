@@ -85,7 +85,7 @@ class ThresholdConfusion(ItemTableMetric):
         predicted = ops.reshape(predicted, (-1,))
         nan_rows = predicted < 0  # a NaN logit: no prediction, the counts are NaN
         predicted = ops.cast(predicted, dtype)
-        false_pos = ops.maximum(predicted - true_pos, 0.0)
+        false_pos = ops.relu(predicted - true_pos)
         weights = self.position_weights(sample_weight, mask, y_pred)
         accumulate(self.true_positives, weights, true_pos, nan_rows)
         accumulate(self.false_positives, weights, false_pos, nan_rows)

@@ -1,6 +1,5 @@
 """`TopKRetrieval`: hit@k, recall@k, ndcg@k and precision@k without logits."""
 
-import math
 from typing import Optional
 from typing import Sequence
 from typing import Union
@@ -10,6 +9,7 @@ from keras import ops
 
 from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
+from keras_cutbce.common import filled_like
 from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.metrics.item_table_metric import accumulate
 from keras_cutbce.metrics.ranking_metric import RankingMetric
@@ -106,19 +106,18 @@ class TopKRetrieval(RankingMetric):
             ops.any(ops.logical_and(match, ops.expand_dims(counted, 1)), axis=2), self.dtype
         )  # [M, depth]: the item at this rank is a target
 
-        discounts = ops.convert_to_tensor(
-            [1.0 / math.log2(rank + 2) for rank in range(depth)], dtype=self.dtype
-        )
+        # 1 / log2(rank + 2), made on the device: a tensor of host data is a copy (a sync on CUDA)
+        discounts = 1.0 / ops.log2(ops.arange(2, depth + 2, dtype=self.dtype))
         hits_cum = ops.cumsum(relevant, axis=1)
         dcg_cum = ops.cumsum(relevant * discounts, axis=1)
         ideal_cum = ops.cumsum(discounts)
 
-        safe_targets = ops.maximum(inputs.num_targets, 1.0)
+        safe_targets = ops.maximum(inputs.num_targets, ops.ones_like(inputs.num_targets))
         sums = iter(self._sums.values())
         for cut in self.k:
             last = cut - 1
             hits = hits_cum[:, last]
-            ideal_last = ops.cast(ops.minimum(safe_targets, float(cut)), "int32") - 1
+            ideal_last = ops.cast(ops.minimum(safe_targets, filled_like(safe_targets, cut)), "int32") - 1
             values = {
                 "hit": ops.cast(hits > 0, self.dtype),
                 "recall": hits / safe_targets,

@@ -295,3 +295,25 @@ def test_the_compute_capability_is_a_constant_under_torch_compile(monkeypatch):
     arch = torch.compile(lambda x: x * config.device_arch(torch.device("cuda", 0)), fullgraph=True,
                          backend="aot_eager")
     assert float(arch(torch.ones(()))) == 90.0
+
+
+@pytest.mark.parametrize("metric", ["TopKRetrieval", "MeanReciprocalRank", "ThresholdConfusion"])
+def test_the_retrieval_metrics_update_without_a_tensor_of_host_data(metric, rng, monkeypatch):
+    """An update from device inputs makes no tensor of host data (`lift_fresh`: a copy, a sync on CUDA) and
+    reads nothing on the host; the retrieval kernels take their CUDA path (no tie read on the host)."""
+    import torch
+
+    import keras_cutbce
+    from keras_cutbce.backends.torch import retrieval
+
+    monkeypatch.setattr(retrieval, "host_reads_are_free", lambda device: False)
+    h, e, _, ids, weights = _inputs(rng, length=4)
+    options = {"TopKRetrieval": dict(k=(1, 5), exclude_ids=[3]), "MeanReciprocalRank": dict(exclude_ids=[3, 7]),
+               "ThresholdConfusion": {}}[metric]
+    instance = getattr(keras_cutbce, metric)(keras.Variable(e.detach().numpy()), **options)
+    h = h.detach()
+    instance.update_state(ids, h, sample_weight=weights)  # builds
+    ops = _recorded_ops(lambda: instance.update_state(ids, h, sample_weight=weights))
+    assert "mm" in ops or "addmm" in ops
+    assert not [op for op in ops if op in HOST_READS + ("lift_fresh",)]
+    assert all(np.isfinite(float(v)) for v in instance.result().values())
