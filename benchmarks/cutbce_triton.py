@@ -59,7 +59,8 @@ DIMS = (32, 64, 128, 256)
 # (operand dtype, fp32 dot precision): torch's default "highest" (ieee), "high" (tf32), bf16 and fp16.
 OPERANDS = (("float32", "ieee"), ("float32", "tf32"), ("bfloat16", "ieee"), ("float16", "ieee"))
 FAMILIES = ("bce", "softmax")
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use
+# bytes of shared memory one block may use, by compute capability
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 
 
 def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, vocab):
@@ -88,8 +89,11 @@ def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, voca
                           key=lambda kv: kv[1])[0])
 
 
-def deviceless():
-    """Compiles every (family, arch, D, operands, kernel) of the static table; returns the table's rows."""
+def deviceless(archs=None):
+    """Compiles every (family, arch, D, operands, kernel) of the static table; returns the table's rows.
+
+    `archs`: the compute capabilities (default `config.COMPILED_ARCHS`, those `auto` runs the kernels on).
+    """
     import torch
 
     from keras_cutbce.backends.torch.triton import config
@@ -97,7 +101,7 @@ def deviceless():
 
     table = []
     # the compute capabilities the kernels run on (`auto` routes the others to the chunked loop)
-    archs = config.COMPILED_ARCHS
+    archs = archs or config.COMPILED_ARCHS
     for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, archs, DIMS, OPERANDS):
         if not config.supports(dim, getattr(torch, dtype), precision):
             continue  # the chunked loop runs these
@@ -177,6 +181,8 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--deviceless", action="store_true", help="compile for sm_80/sm_90, no GPU")
     mode.add_argument("--gpu", action="store_true", help="parity, timings and sweep on a GPU")
+    parser.add_argument("--archs", help="with --deviceless: comma-separated compute capabilities "
+                                        "(default: config.COMPILED_ARCHS)")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds for --gpu")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="with --gpu: tiny CPU shapes, the Triton interpreter")
@@ -193,7 +199,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.deviceless:
-        payload = deviceless()
+        payload = deviceless(args.archs and tuple(int(a) for a in args.archs.split(",")))
         stem = "cutbce_triton_deviceless"
         if args.against:
             import triton

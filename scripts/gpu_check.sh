@@ -13,42 +13,38 @@
 #   scripts/gpu_check.sh --wheels DIR --install-only   # install and preflight, then stop
 #
 # --prepare DIR: keras and the two of its dependencies such a machine lacks (namex, optree), at
-#   constraints.txt's pins, for CPython GPU_CHECK_PY_VERSION (default 3.12) on x86-64 Linux, and the
-#   project as a wheel (about 3 MB in all).
+#   constraints.txt's pins, the peers the side-by-side runs (cut-cross-entropy 25.1.1, liger-kernel 0.8.5:
+#   pure Python, they need only torch and Triton), for CPython GPU_CHECK_PY_VERSION (default 3.12) on
+#   x86-64 Linux, and the project as a wheel (about 4 MB in all).
 # --wheels DIR: a virtualenv (GPU_CHECK_VENV, default /tmp/gpu_check_venv) over GPU_CHECK_HOST_PYTHON
 #   (default python3) that sees its packages (--system-site-packages, and its own site folders when
 #   python3 is itself a virtualenv), then `pip install --no-index` of DIR's keras (its other
-#   dependencies must already be there: pip names any that is not) and of the project with
+#   dependencies must already be there: pip names any that is not), of the project and the peers with
 #   --no-deps. If no virtualenv can be made, `pip install --target` into GPU_CHECK_VENV/site.
 #
-# Phases, with the estimate on one H200 (its 16-core host runs the same host-bound Keras steps as the
-# dry run; the CUDA-only tests add seconds) and two dry runs on the project's shared 2-core CPU machine:
-# A, `--dry-run` with .venv (load average 10-13; the CutBCE phase in Triton 3.7.1's interpreter); B, the
-# H200's path over its stack's stand-in (docs/gpu.md: `--wheels DIR --dry-run`, Python 3.12, torch 2.11,
-# Triton 3.6, NumPy 2.5; load average 2-4; pytest's own times for the tests):
-#   phase                                                         H200 estimate       dry run A / B
-#   0 install from DIR (--wheels) + preflight (versions, CUDA,      ~15 s               32 s / 10 s
-#     a Triton kernel compiled and run)
-#   1 ERASE tests, one process (TESTS)                              ~60 s               139 s / 41 s
-#   2 the failing-capture test, its own process                     ~10 s               22 s / 7 s
-#   2b the mixed precision matrix (-k policy: ERASE schedules,       ~60 s               - / 29 s
-#     two gloo ranks, the CutBCE op, loss, metrics, top-k)
-#   3 benchmarks/erase_gpu.py: traces at 3 batches, exactness,      the rest: ~110 s    227 s / 117 s
-#     the cell groups by priority, each with its 3 repeats
-#   4 CutBCE, BCE and softmax: Triton parity tests compiled, then   CUTBCE_GPU_SECONDS  211 s / skipped (Triton
-#     benchmarks/cutbce_triton.py --gpu in what is left              (210 s)             3.6's interpreter fails
-#                                                                                         on NumPy >= 2.4;
-#                                                                                         with 2.3: 155 s)
-#   results, slack                                                  ~15 s
-#   total                                                           <= 480 s            479 s / 212 s
-# (the machine's start-up is extra). Phases 3 and 4 stop starting work when their budget is spent.
-# A phase that fails is reported and the next one still runs; the exit status is 1 if any failed.
+# After the install and the preflight (~15 s on the H200: versions, CUDA, a Triton kernel compiled and run),
+# ONE priority list (PLAN below, shared with ERASE: issues 48 and 49), each section with its seconds on one
+# H200; a section starts only if its seconds fit in what is left of GPU_CHECK_SECONDS (default 480), else
+# it is named and skipped (the log's last lines):
+#   peers         90  benchmarks/cutbce_triton.py --gpu --sections peers: CutSoftmax / CutBCE beside tuned
+#                     dense torch (eager, compiled), CCE, Liger, torch's linear_cross_entropy; bf16, both shapes
+#   erase        120  benchmarks/erase_gpu.py --strict --budget 120: ERASE's device cells
+#   erase_tests   60  the ERASE GPU path's tests, one process (TESTS)
+#   capture       10  the failing-capture test, its own process
+#   cutbce_tests  50  the Triton parity and dispatch tests, compiled (the interpreter on a dry run)
+#   matrix        60  the mixed precision matrix (-k policy: ERASE schedules, the CutBCE op, loss, metrics)
+#   cutbce_rest   30+ cutbce_triton.py --gpu in what is left: the tile sweeps (kernels, the chunked loop's
+#                     CUDA tile), then jit, parity, timings, float16_zeros, mixed_bfloat16, graph_breaks, ncu
+# (the machine's start-up is extra). A section that fails is reported and the next one still runs; the exit
+# status is 1 if any failed. GPU_CHECK_PLAN=print prints the list and stops.
 # Results under benchmarks/results/ (the dry run: GPU_CHECK_OUT, default /tmp/gpu_check_dry_run):
-# erase_gpu.md / .json, erase_gpu_trace*.json, erase_gpu_timeline.png, gpu_check_tests.txt,
-# cutbce_triton_gpu.md / .json / .log, gpu_check_cutbce_tests.txt, gpu_check_preflight.txt.
-# Environment: PYTHON, GPU_CHECK_SECONDS, CUTBCE_GPU_SECONDS, GPU_CHECK_OUT, GPU_CHECK_VENV,
-# GPU_CHECK_HOST_PYTHON, GPU_CHECK_PY_VERSION, GPU_CHECK_PHASES (default "tests erase cutbce": a subset
-# reruns only those); other arguments go to erase_gpu.py.
+# cutbce_triton_gpu_peers.md / .json / .log, erase_gpu.md / .json, erase_gpu_trace*.json,
+# erase_gpu_timeline.png, gpu_check_tests.txt, cutbce_triton_gpu.md / .json / .log,
+# gpu_check_cutbce_tests.txt, gpu_check_preflight.txt.
+# Environment: PYTHON, GPU_CHECK_SECONDS, GPU_CHECK_OUT, GPU_CHECK_VENV, GPU_CHECK_HOST_PYTHON,
+# GPU_CHECK_PY_VERSION, GPU_CHECK_PHASES (default all: a subset of the list's names, `tests` for the three
+# test sections, `cutbce` for peers and the two cutbce ones, reruns only those); other arguments go to
+# erase_gpu.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD

@@ -24,11 +24,15 @@ import tempfile
 
 from keras_cutbce.backends.torch.triton import config
 
-__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "disassemble", "loop_regions", "parse_sass", "tool"]
+__all__ = ["GPUS", "KERNEL_VARIANTS", "compile_kernel", "disassemble", "loop_regions", "parse_sass", "ptxas",
+           "tool"]
 
 # (SMs, boost clock GHz, dense bf16 / tf32 / fp32 TFLOP/s, HBM TB/s) of the GPU each arch stands for.
 GPUS = {80: ("A100 SXM", 108, 1.41, 312.0, 156.0, 19.5, 2.0),
-        90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8)}
+        86: ("A10", 72, 1.695, 125.0, 62.5, 31.2, 0.6),
+        89: ("L40S", 142, 2.52, 362.0, 183.0, 91.6, 0.864),
+        90: ("H200 SXM", 132, 1.98, 989.0, 494.0, 67.0, 4.8),
+        100: ("B200", 148, 1.965, 2250.0, 1100.0, 80.0, 8.0)}
 
 # The heaviest variant of each kernel (the others compute a subset of it).
 KERNEL_VARIANTS = {
@@ -61,6 +65,12 @@ def tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def ptxas(arch):
+    """The `ptxas` Triton runs for `arch`: its `ptxas-blackwell` (a newer CUDA) from sm_100 on, where shipped."""
+    blackwell = tool("ptxas-blackwell")
+    return blackwell if arch >= 100 and os.path.exists(blackwell) else tool("ptxas")
+
+
 def _signature(kernel, dtype):
     operand = _TRITON_TYPES[dtype]
     types = {"hidden_ptr": f"*{operand}", "table_ptr": f"*{operand}", "positives_ptr": "*i32",
@@ -77,7 +87,7 @@ def _ptxas_resources(ptx, arch):
             f.write(ptx)
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
         proc = subprocess.run(
-            [tool("ptxas"), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(folder, "k.cubin")],
+            [ptxas(arch), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(folder, "k.cubin")],
             capture_output=True, text=True, check=True,
         )
     text = proc.stdout + proc.stderr

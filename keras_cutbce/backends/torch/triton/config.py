@@ -101,10 +101,12 @@ INTERPRET = KernelConfig((16, 32, 1, 1), (16, 32, 1, 1))
 
 # The interpreter's stand-in for the SM count (so small tests split V).
 _INTERPRET_SMS = 6
-# Per SM on sm_80 and sm_90: registers, warps, programs; shared memory (bytes) by arch, 1 KiB of it
+# Per SM: registers, warps (48 on sm_86 and sm_89), programs; shared memory (bytes) by arch, 1 KiB of it
 # reserved per program.
 _SM_REGISTERS, _SM_WARPS, _SM_PROGRAMS = 65536, 64, 32
-_SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024}
+_SM_FEWER_WARPS = {86: 48, 89: 48}
+_SM_SHARED = {80: 164 * 1024, 86: 100 * 1024, 87: 164 * 1024, 89: 100 * 1024, 90: 228 * 1024,
+              100: 228 * 1024}
 
 
 _OVERRIDE = []
@@ -207,12 +209,13 @@ def programs_per_sm(registers, num_warps, shared_bytes, arch):
 
     Registers are allocated per warp in units of 256.
 
-    >>> programs_per_sm(241, 8, 32768, 90), programs_per_sm(227, 4, 40960, 80)
-    (1, 2)
+    >>> programs_per_sm(241, 8, 32768, 90), programs_per_sm(227, 4, 40960, 80), programs_per_sm(32, 8, 0, 89)
+    (1, 2, 6)
     """
     per_warp = -(-registers * 32 // 256) * 256
     by_shared = _SM_SHARED.get(arch, _SM_SHARED[80]) // (shared_bytes + 1024)
-    return max(1, min(_SM_REGISTERS // (per_warp * num_warps), _SM_WARPS // num_warps, by_shared,
+    warps = _SM_FEWER_WARPS.get(arch, _SM_WARPS)
+    return max(1, min(_SM_REGISTERS // (per_warp * num_warps), warps // num_warps, by_shared,
                       _SM_PROGRAMS))
 
 
