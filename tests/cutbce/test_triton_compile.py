@@ -48,10 +48,11 @@ def test_every_configuration_compiles_without_spills_within_shared_memory(tmp_pa
     table = json.loads((tmp_path / "cutbce_triton_deviceless.json").read_text())
     configurations = {(r["family"], r["arch"], r["dim"], r["dtype"], r["precision"], r["kernel"])
                       for r in table}
-    # 2 families x 2 archs x (4 D x 4 operands, less fp32 at full precision with D = 256, which
+    # 2 families x the archs x (4 D x 4 operands, less fp32 at full precision with D = 256, which
     # runs the chunked loop) x 2 kernels.
-    assert len(configurations) == len(table) == 2 * 2 * (4 * 4 - 1) * 2
-    assert {r["arch"] for r in table} == set(config.COMPILED_ARCHS) == {80, 90}
+    archs = config.COMPILED_ARCHS
+    assert len(configurations) == len(table) == 2 * len(archs) * (4 * 4 - 1) * 2
+    assert {r["arch"] for r in table} == set(archs) >= {80, 90}
     for report in table:
         key = (report["arch"], report["dim"], report["dtype"], report["precision"], report["kernel"])
         where = "{} {} sm_{} D={} {} {}".format(report["family"], key[4], *key[:4])
