@@ -146,7 +146,8 @@ def device_problem(device):
     arch = config.device_arch(device)
     if arch in config.COMPILED_ARCHS:
         return None
-    compiled = " or ".join(f"sm_{a}" for a in config.COMPILED_ARCHS)
+    *first, last = (f"sm_{a}" for a in config.COMPILED_ARCHS)
+    compiled = f"{', '.join(first)} or {last}" if first else last
     return (f'`implementation="triton"` runs on GPUs of compute capability {compiled}, the ones its '
             f"kernels are compiled and tested for without register spills; {device} is sm_{arch}. "
             f'Use implementation="auto" or "chunked" (the chunked loop) there.')
