@@ -251,4 +251,4 @@ if (( ${#FAILED[@]} )); then
   printf 'gpu_check: FAILED: %s\n' "${FAILED[@]}" >&2
   exit 1
 fi
-echo "gpu_check: passed"
+echo "gpu_check: passed${SKIPPED[0]+ (${#SKIPPED[@]} sections skipped, named above)}"
