@@ -7,7 +7,8 @@ no CUDA driver):
 
 compiles both kernels (their heaviest variants) of both loss families (BCE,
 softmax) with the static table's configuration for the compute capabilities
-the kernels run on (`config.COMPILED_ARCHS`: sm_80 and sm_90) at D in
+the kernels run on (`config.COMPILED_ARCHS`: sm_80, sm_86, sm_89, sm_90, sm_100; 16-bit operands only on
+`config.HALF_ONLY_ARCHS`) at D in
 {32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at
 TF32), bfloat16 and float16, and prints registers, spill bytes, shared memory, the SASS
 instructions of the tile loop per logit (warp instructions of one iteration
@@ -103,7 +104,7 @@ def deviceless(archs=None):
     # the compute capabilities the kernels run on (`auto` routes the others to the chunked loop)
     archs = archs or config.COMPILED_ARCHS
     for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, archs, DIMS, OPERANDS):
-        if not config.supports(dim, getattr(torch, dtype), precision):
+        if not config.supports(dim, getattr(torch, dtype), precision, arch):
             continue  # the chunked loop runs these
         pair = {}
         for kernel in ("rows", "columns"):
@@ -179,7 +180,7 @@ def _gpu_markdown(report):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--deviceless", action="store_true", help="compile for sm_80/sm_90, no GPU")
+    mode.add_argument("--deviceless", action="store_true", help="compile for config.COMPILED_ARCHS, no GPU")
     mode.add_argument("--gpu", action="store_true", help="parity, timings and sweep on a GPU")
     parser.add_argument("--archs", help="with --deviceless: comma-separated compute capabilities "
                                         "(default: config.COMPILED_ARCHS)")

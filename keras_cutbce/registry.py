@@ -60,7 +60,7 @@ The routing (`dispatch`):
   `D > 256`, not fp32 products at full precision with `D > 128`);
 - an implementation with a `DEVICES` entry runs only on the devices that
   entry accepts (the Triton kernels: CUDA GPUs whose compute capability the
-  compile suite tests, sm_80 and sm_90, or CPU in the interpreter): elsewhere
+  compile suite tests, sm_80, sm_86, sm_89, sm_90 and sm_100, or CPU in the interpreter): elsewhere
   `"auto"` runs `"chunked"` and naming it raises a `ValueError` saying why;
 - `chunk_size=None` resolves with `math.tiling.default_chunk_size` for the
   chunked kernels (Pallas, Triton and the sharded path choose their own tiles).

@@ -167,9 +167,11 @@ def _routes(monkeypatch, family, dtype, dim, implementation):
     return ran
 
 
-# (major, minor) -> whether the kernels run there: the compile suite's compute capabilities only.
-CAPABILITIES = {(7, 0): False, (7, 5): False, (8, 0): True, (8, 6): False, (8, 9): False,
-                (9, 0): True, (10, 0): False, (12, 0): False}
+# (major, minor) -> the operands the kernels run there: the compile suite's compute capabilities only, and on
+# sm_86, sm_89 and sm_100 16-bit operands only (fp32 spills there).
+_FULL, _HALF = ("float32", "bfloat16"), ("bfloat16",)
+CAPABILITIES = {(7, 0): (), (7, 5): (), (8, 0): _FULL, (8, 6): _HALF, (8, 9): _HALF,
+                (9, 0): _FULL, (10, 0): _HALF, (12, 0): ()}
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch" or not TRITON, reason="torch with Triton")
@@ -177,8 +179,9 @@ CAPABILITIES = {(7, 0): False, (7, 5): False, (8, 0): True, (8, 6): False, (8, 9
 @pytest.mark.parametrize("capability", sorted(CAPABILITIES))
 def test_the_kernels_run_only_on_the_compute_capabilities_the_compile_suite_tests(
         family, capability, monkeypatch):
-    """A faked CUDA device: `"auto"` runs the kernels on sm_80 and sm_90 only, the chunked loop
-    elsewhere; `"triton"` there raises a ValueError naming the capability and the way out."""
+    """A faked CUDA device: `"auto"` runs the kernels where the compile suite compiles them without spills
+    (for the operands it does), the chunked loop elsewhere; `"triton"` on an arch it does not compile raises
+    a ValueError naming the capability and the way out."""
     import torch
 
     from keras_cutbce.backends.torch.triton import config, launch
@@ -189,12 +192,14 @@ def test_the_kernels_run_only_on_the_compute_capabilities_the_compile_suite_test
     monkeypatch.setattr(registry, "_platform", lambda tensor: "gpu")
     arch = 10 * capability[0] + capability[1]
     assert config.device_arch(torch.device("cuda", 0)) == arch
+    monkeypatch.setattr(config, "device_arch", lambda device: arch)  # the CPU stand-in tensors' too
     runs = CAPABILITIES[capability]
-    assert (arch in config.COMPILED_ARCHS) == runs
-    route = "triton" if runs else "chunked"
-    assert _routes(monkeypatch, family, "float32", 8, "auto") == [(route, op) for op in _ops(family)]
+    assert (arch in config.COMPILED_ARCHS) == bool(runs)
+    for dtype in _FULL:
+        route = "triton" if dtype in runs else "chunked"
+        assert _routes(monkeypatch, family, dtype, 8, "auto") == [(route, op) for op in _ops(family)], dtype
     if runs:
-        assert _routes(monkeypatch, family, "float32", 8, "triton") == [
+        assert _routes(monkeypatch, family, "bfloat16", 8, "triton") == [
             ("triton", op) for op in _ops(family)]
     else:
         listed = ".*".join(f"sm_{a}" for a in config.COMPILED_ARCHS)

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "KernelConfig", "COMPILED_ARCHS", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose",
+    "KernelConfig", "COMPILED_ARCHS", "HALF_ONLY_ARCHS", "INTERPRET", "MAX_BLOCK_D", "block_dim", "choose",
     "device_arch", "k_interleaved", "num_splits", "overridden", "programs_per_sm", "split_dot", "supports",
 ]
 
@@ -95,7 +95,11 @@ _REPLACE = {
 # The compute capabilities the kernels run on: those whose compile the suite tests without spills
 # (tests/cutbce/test_triton_compile.py). sm_70 and sm_75 spill about 700 bytes a thread; sm_120 asks
 # for more shared memory per block than it has (fp32 TF32, D = 128); others are not compiled.
-COMPILED_ARCHS = (80, 90)
+COMPILED_ARCHS = (80, 86, 89, 90, 100)
+# Of those, the ones where only 16-bit operands compile without spills with the table's tiles (fp32: 6 of
+# 30 configurations spill on sm_86 / sm_89, 4 on sm_100; one asks for 128 KiB of shared memory): fp32 runs
+# the chunked loop there.
+HALF_ONLY_ARCHS = (86, 89, 100)
 
 INTERPRET = KernelConfig((16, 32, 1, 1), (16, 32, 1, 1))
 
@@ -157,8 +161,15 @@ def k_interleaved(dim, dtype, arch=90, precision="tf32"):
             and block_dim(dim) <= _K_INTERLEAVED_MAX_BLOCK_D[generation])
 
 
-def supports(dim, dtype=torch.bfloat16, precision="tf32"):
-    """Whether the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`."""
+def supports(dim, dtype=torch.bfloat16, precision="tf32", arch=90):
+    """Whether the kernels take feature width `dim`: `block_dim(dim) <= 256`, or 128 for fp32 at `"ieee"`;
+    16-bit operands only on `HALF_ONLY_ARCHS`.
+
+    >>> supports(64), supports(64, torch.float32, arch=89), supports(300)
+    (True, False, False)
+    """
+    if dtype == torch.float32 and arch in HALF_ONLY_ARCHS:
+        return False
     limit = MAX_BLOCK_D
     if dtype == torch.float32 and precision == "ieee":
         limit = _FULL_FP32_MAX_BLOCK_D

@@ -24,14 +24,15 @@ __all__ = [
 
 
 def fits(hidden, table, bias):
-    """The registry's `FITS` entry: not float64, and a feature width `config.supports`.
+    """The registry's `FITS` entry: not float64, a width and operands `config.supports` on the device's arch.
 
     >>> fits(torch.zeros(2, 8), torch.zeros(5, 8), None), fits(torch.zeros(2, 300), torch.zeros(5, 300), None)
     (True, False)
     """
     if compute_dtype(hidden, table, bias) == torch.float64:
         return False
-    return config.supports(hidden.shape[1], operand_dtype(hidden), triton_precision())
+    return config.supports(hidden.shape[1], operand_dtype(hidden), triton_precision(),
+                           config.device_arch(hidden.device))
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None):
