@@ -28,7 +28,7 @@
 # it is named and skipped (the log's last lines):
 #   peers         90  benchmarks/cutbce_triton.py --gpu --sections peers: CutSoftmax / CutBCE beside tuned
 #                     dense torch (eager, compiled), CCE, Liger, torch's linear_cross_entropy; bf16, both shapes
-#   erase        120  benchmarks/erase_gpu.py --strict --budget 120: ERASE's device cells
+#   erase        120  benchmarks/erase_gpu.py --plan device --strict --budget 120: ERASE's device cells
 #   erase_tests   60  the ERASE GPU path's tests, one process (TESTS)
 #   capture       10  the failing-capture test, its own process
 #   cutbce_tests  50  the Triton parity and dispatch tests, compiled (the interpreter on a dry run)
@@ -202,10 +202,11 @@ step_peers() {  # CutSoftmax and CutBCE beside tuned dense torch, CCE, Liger (bf
     --stem cutbce_triton_gpu_peers --out "$RESULTS" 2>&1 | tee "$RESULTS/cutbce_triton_gpu_peers.log"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || FAILED+=("benchmarks/cutbce_triton.py --sections peers (exit ${PIPESTATUS[0]})")
 }
-step_erase() {  # ERASE's device cells (benchmarks/erase_gpu.py, issue 49)
-  local budget=(--budget "$1")
+step_erase() {  # ERASE's device cells (benchmarks/erase_gpu.py --plan device, issue 49)
+  local budget=(--budget "$1") plan=(--plan device)
   case " ${BENCH_EXTRA[*]-} " in *" --budget "*) budget=() ;; esac
-  "$PYTHON" benchmarks/erase_gpu.py "${BENCH_ARGS[@]}" "${budget[@]}" "${BENCH_EXTRA[@]}"
+  case " ${BENCH_EXTRA[*]-} " in *" --plan "*) plan=() ;; esac
+  "$PYTHON" benchmarks/erase_gpu.py "${plan[@]}" "${BENCH_ARGS[@]}" "${budget[@]}" "${BENCH_EXTRA[@]}"
   local rc=$?
   [[ $rc -eq 0 ]] || FAILED+=("benchmarks/erase_gpu.py (exit $rc)")
 }

@@ -130,6 +130,7 @@ def test_the_offline_install_imports_the_wheel_over_the_machines_torch(wheels, t
     results = tmp_path / "results"
     done = _check(machine, wheels, venv, "--dry-run", "--models", "ctr", "--batches", "8",
                   "--modes", "standard", "threaded+graphs", "--steps", "2", "--warmup", "4", "--budget", "600",
+                  "--plan", "full",
                   GPU_CHECK_PHASES="erase", GPU_CHECK_OUT=str(results))
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "gpu_check: passed" in out, out[-3000:]
