@@ -1,11 +1,8 @@
 """CutBCE and CutSoftmax vs dense Keras on CPU: forward+backward time and peak extra memory.
 
-Every cell runs in a subprocess of this script (`--cell`), importing the
-package of this checkout or of `--before DIR`'s (the same script, the other
-checkout's package: the before/after comparison, from two checkouts).
-
-Sections (each writes `--out`'s prefix plus its suffix, `.md` and `.json`,
-through `benchmarks.common.write_results`):
+Every cell runs in a fresh subprocess of this script (`--cell`); sections
+write `--out`'s prefix plus their suffix (`.md` and `.json`, through
+`benchmarks.common.write_results`):
 
 - the full table (no flag, `cutbce_cpu`): per backend and shape (M, D, V),
   each variant alone in a fresh process, its times and extra peak RSS:
@@ -17,22 +14,21 @@ through `benchmarks.common.write_results`):
   `elementwise` (softplus and sigmoid of M x V values, one XLA pass, on
   JAX), and `topk_dense` / `topk_cut` (`top_k` of the logits vs
   `cut_top_k`);
-- `--side-by-side` (`_side_by_side`): per backend, thread setting (`--threads`,
-  a comma list, default "default,1") and checkout, dense, loss and op (and
+- `--side-by-side` (`_side_by_side`): per backend and thread setting
+  (`--threads`, a comma list, default "default,1"), dense, loss and op (and
   on JAX a pure-JAX scan-and-checkpoint operator) alternating in one
   process, wall and CPU time over dense;
 - `--memory` (`_memory`): the extra peak RSS of the loss path at
-  (1024, 128, 262144), each backend and checkout in a fresh process;
+  (1024, 128, 262144), `--rounds` fresh processes per backend;
 - `--softmax` (`_softmax`): `CutSoftmaxLoss` and `cut_categorical_crossentropy`
   against dense Keras softmax cross-entropy (and `F.linear_cross_entropy`
   on torch), alternating per backend and shape, plus each one's extra peak
-  RSS in a fresh process (with `--before DIR`, `--rounds` processes per
-  checkout, alternating);
+  RSS in a fresh process at (1024, 128, 262144).
 
 Extra peak memory is the process's peak RSS during the timed runs above its
-RSS once the inputs exist (Linux `/proc/self/clear_refs` resets the peak
-after the warm-up, so tracing and compilation are left out; the JSON also
-keeps the warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes
+RSS once the inputs exist (`benchmarks.common.peak_extra_mb`, after the
+warm-up, so tracing and compilation are left out; the JSON also keeps the
+warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes
 `--memory-cap-gb` stops itself and is reported as out of memory.
 `--threads` sets torch's, TensorFlow's and (at 1) XLA's thread counts;
 "default" leaves each backend at its own, as users run it.
@@ -40,10 +36,9 @@ keeps the warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (about 25 min)
     python benchmarks/cutbce_cpu.py --quick    # a small shape, to check it runs
-    python benchmarks/cutbce_cpu.py --side-by-side --before /tmp/cpu-old --threads 1
-    python benchmarks/cutbce_cpu.py --memory --before /tmp/cpu-old --backends torch,tensorflow
+    python benchmarks/cutbce_cpu.py --side-by-side --threads 1
+    python benchmarks/cutbce_cpu.py --memory --rounds 3 --repeats 2
     python benchmarks/cutbce_cpu.py --softmax --threads 1 --repeats 3
-    python benchmarks/cutbce_cpu.py --softmax --before /tmp/cpu-old --rounds 3 --variants dense,cut_loss
 """
 
 import argparse
@@ -62,19 +57,16 @@ FULL_VARIANTS = ("dense", "loss", "op", "matmuls", "topk_dense", "topk_cut")
 TOP_K = 10
 TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}  # loss / dense time, full table
 SIDE_BY_SIDE_SHAPE = (4096, 64, 32768)
-SIDE_BY_SIDE_TARGETS = {"loss": 0.35, "op": 0.5}
+SIDE_BY_SIDE_TARGETS = {"loss": "<= 0.35", "op": "<= 0.5"}
 MEMORY_SHAPE = (1024, 128, 262144)
 MEMORY_TARGET_MB = 300
 SOFTMAX_SHAPES = [(4096, 64, 32768), MEMORY_SHAPE]
 SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.linear_cross_entropy"
 
-sys.path.insert(0, ROOT)  # this checkout's harness, even in a cell importing `--before`'s package
-from benchmarks.common import alternate, commit, emit_row, fmt_spread, machine_info  # noqa: E402
-from benchmarks.common import markdown_table, reset_peak_rss, rss_bytes, run_cell, spread  # noqa: E402
-from benchmarks.common import set_threads, thread_env, write_results  # noqa: E402
-
-sys.path.remove(ROOT)  # the timed `keras_cutbce`: PYTHONPATH's (the cell's checkout) first
-sys.path.append(ROOT)
+sys.path.insert(0, ROOT)
+from benchmarks.common import alternate, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
+from benchmarks.common import peak_extra_mb, rss_bytes, run_cell, set_threads, spread  # noqa: E402
+from benchmarks.common import thread_env, write_results  # noqa: E402
 
 
 # ------------------------------------------------------------------ cells ---
@@ -333,23 +325,22 @@ def _softmax_cells(backend, shape, names):
 
 def _alone(run, inputs, repeats):
     """One variant alone in this process: its times and its extra peak RSS (MB), after a warm-up call."""
-    before = rss_bytes("VmRSS")
-    reset_peak_rss()
     start = time.perf_counter()
-    _block(run(*inputs))  # warm-up: tracing and compilation
-    first = time.perf_counter() - start
-    first_peak = rss_bytes("VmHWM")
+    _, first = peak_extra_mb(lambda: _block(run(*inputs)))  # the warm-up: tracing and compilation
+    first_s = time.perf_counter() - start
     gc.collect()
-    reset_peak_rss()  # the timed runs' own peak
     times = []
-    for _ in range(repeats):
-        gc.collect()  # untimed: the previous result is gone before the next run
-        start = time.perf_counter()
-        _block(run(*inputs))
-        times.append(time.perf_counter() - start)
-    return {"wall": spread(times), "times_s": times, "first_s": first,
-            "peak_extra_mb": (rss_bytes("VmHWM") - before) / 2**20,
-            "first_call_peak_extra_mb": (first_peak - before) / 2**20}
+
+    def timed():
+        for _ in range(repeats):
+            gc.collect()  # untimed: the previous result is gone before the next run
+            begin = time.perf_counter()
+            _block(run(*inputs))
+            times.append(time.perf_counter() - begin)
+
+    _, peak = peak_extra_mb(timed)
+    return {"wall": spread(times), "times_s": times, "first_s": first_s, "peak_extra_mb": peak,
+            "first_call_peak_extra_mb": first}
 
 
 def _stop_above(cap_bytes):
@@ -365,11 +356,8 @@ def _stop_above(cap_bytes):
 
 def cell(args):
     """In this process: `--variants` of one backend and shape, `alone` or `alternating`; prints a `ROW`."""
-    import keras_cutbce
-
     backend = os.environ["KERAS_BACKEND"]
-    row = {"threads": set_threads(backend, _threads(args.threads)),
-           "package": os.path.dirname(keras_cutbce.__file__)}
+    row = {"threads": set_threads(backend, _threads(args.threads))}
     _stop_above(args.memory_cap_gb * 2**30)
     shape = _shape(args.shape)
     names = args.variants.split(",")
@@ -383,7 +371,6 @@ def cell(args):
     else:
         row["cells"] = alternate({n: (lambda run=run, x=x: run(*x)) for n, (run, x) in cells.items()},
                                  args.repeats, block=_block)
-    row["loadavg"] = os.getloadavg()
     emit_row(row)
 
 
@@ -404,23 +391,16 @@ def _shapes(args, default):
     return [_shape(s) for s in args.shapes.split(";")] if args.shapes else default
 
 
-def _run(args, backend, threads, shape, argv, root=ROOT):
-    """One `--cell` subprocess importing the package of the checkout at `root`: its `ROW`, or `{"error"}`."""
+def _run(args, backend, threads, shape, argv):
+    """One `--cell` subprocess: its `ROW`, or `{"error"}`."""
     env = thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
     try:
         row = run_cell([SCRIPT, "--threads", str(threads), "--shape", ",".join(map(str, shape)),
-                        "--memory-cap-gb", str(args.memory_cap_gb), *argv], root, env)
+                        "--memory-cap-gb", str(args.memory_cap_gb), "--family", args.family, *argv], env)
     except RuntimeError as error:
         row = {"error": str(error).strip().splitlines()[-1][:200]}
-    print(backend, threads, shape, " ".join(argv), root, row.get("error", "ok"), flush=True)
+    print(backend, threads, shape, " ".join(argv), row.get("error", "ok"), flush=True)
     return row
-
-
-def _checkouts(args):
-    """`label -> checkout` (`--before`'s first) and the machine line's description of them."""
-    roots = {"before": os.path.abspath(args.before), "after": ROOT} if args.before else {"after": ROOT}
-    return roots, ", ".join(f"{label} {root} ({commit(root) or 'not a git checkout'})"
-                            for label, root in roots.items())
 
 
 def _fmt(x, spec=".3f"):
@@ -446,7 +426,6 @@ def full_table(args):
     repeats = 2 if args.quick else args.repeats
     threads = args.threads or "default"
     variants = [v for v in FULL_VARIANTS if not args.variants or v in args.variants.split(",")]
-    info = machine_info(threads=threads)
 
     def alone(backend, variant, shape, reps):
         return _run(args, backend, threads, shape, ["--cell", "alone", "--variants", variant,
@@ -488,166 +467,107 @@ def full_table(args):
         "logits; floor = matmuls (`h @ E.T`, `dZ @ E`, `dZ.T @ h`) + elementwise (softplus and sigmoid of "
         "M x V values, one jit-compiled pass on JAX). Extra MB: peak RSS of the timed calls above the RSS "
         "once the inputs exist (the JSON also has the warm-up's, with tracing and compilation).")
-    write_results(args.out, "CutBCE vs dense Keras BCE, forward+backward, float32, CPU", what, None, info,
-                  markdown_table(lines, columns, headers), {"repeats": repeats, "rows": rows})
+    write_results(args.out, "CutBCE vs dense Keras BCE, forward+backward, float32, CPU", what, None,
+                  machine_info(threads=threads), markdown_table(lines, columns, headers),
+                  {"repeats": repeats, "rows": rows})
 
 
-def side_by_side(args):
-    """Per backend, thread setting and checkout, one process: dense, loss, op (pure-JAX op) alternating."""
-    shape = _shapes(args, [SIDE_BY_SIDE_SHAPE])[0]
-    settings = [t.strip() for t in (args.threads or "default,1").split(",")]
-    roots, checkouts = _checkouts(args)
-    info = machine_info(threads=",".join(settings), checkouts=checkouts)
-    rows, lines = [], []
-    for backend in args.backends.split(","):
-        for threads in settings:
-            for label, root in roots.items():  # the checkouts alternate, backend by backend
-                row = _run(args, backend, threads, shape, ["--cell", "alternating", "--repeats", str(args.repeats),
-                                                          "--variants", "dense,loss,op,pure_jax"], root)
-                rows.append({"backend": backend, "checkout": label, "threads_setting": threads, **row})
-                where = {"backend": backend, "checkout": label, "threads": threads, "tile": row.get("tile", "-")}
-                if "error" in row:
-                    lines.append(dict(where, variant=row["error"]))
-                for name, entry in row.get("cells", {}).items():
-                    dense = row["cells"]["dense"]
-                    lines.append(dict(
-                        where, variant=SIDE_BY_SIDE_LABELS[name], wall=fmt_spread(entry["wall"]),
-                        cpu=fmt_spread(entry["cpu"]), wall_dense=_fmt(_ratio(_median(entry), _median(dense))),
-                        cpu_dense=_fmt(_ratio(_median(entry, "cpu"), _median(dense, "cpu"))),
-                        target=f"<= {SIDE_BY_SIDE_TARGETS[name]}" if name in SIDE_BY_SIDE_TARGETS else ""))
-    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    what = (
-        f"Forward + gradients of h, E, b at (M, D, V) = {shape}, float32. Each backend, thread setting and "
-        f"checkout in one process: every variant once per round, {args.repeats} rounds after a warm-up round; "
-        "wall and CPU seconds of a call (CPU: all the process's threads; steadier than wall time on a loaded "
-        "machine), median (min-max), and their medians over the same process's dense BCE. loss = "
-        "`weighted_loss_sum` (what `CutBCELoss` runs), op = `sum(cut_binary_crossentropy)` (exact for any "
-        "cotangent), both `implementation=\"chunked\"` at the tile the API picks; pure-JAX op = `lax.scan` "
-        "over tiles under `jax.checkpoint` with autodiff (a reference written here, not exact at saturated "
-        "positives). Threads \"default\" leaves torch, TensorFlow and XLA at their own counts (wall time is "
-        "what users see); 1 pins all three to one thread.")
-    columns = ["backend", "checkout", "threads", "tile", "variant", "wall", "cpu", "wall_dense", "cpu_dense",
-               "target"]
-    headers = columns[:5] + ["wall s, median (min-max)", "CPU s, median (min-max)", "wall / dense",
-                             "CPU / dense", "target"]
-    write_results(args.out + "_side_by_side",
-                  "CutBCE side by side with dense Keras BCE, float32, CPU", what, None, info,
-                  markdown_table(lines, columns, headers), {"shape": shape, "repeats": args.repeats, "rows": rows})
-
-
-SIDE_BY_SIDE_LABELS = {
-    "dense": "dense Keras BCE", "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
-    "pure_jax": "pure-JAX op (reference)",
-}
-
-
-def memory(args):
-    """Per backend, `--rounds` rounds of a fresh process per checkout: the extra peak RSS of the loss path."""
-    shape = _shapes(args, [MEMORY_SHAPE])[0]
-    threads = args.threads or "default"
-    roots, checkouts = _checkouts(args)
-    info = machine_info(threads=threads, checkouts=checkouts)
-    rows, lines = [], []
-    for backend in args.backends.split(","):
-        for round_ in range(args.rounds):  # the checkouts alternate, round by round
-            for label, root in roots.items():
-                row = _run(args, backend, threads, shape, ["--cell", "alone", "--variants", "loss",
-                                                           "--repeats", str(args.repeats)], root)
-                rows.append({"backend": backend, "checkout": label, "round": round_, **row})
-        for label in roots:
-            done = [r for r in rows if (r["backend"], r["checkout"]) == (backend, label) and "error" not in r]
-            mb = {key: fmt_spread(spread([r[key] for r in done])) if done else "-"
-                  for key in ("peak_extra_mb", "first_call_peak_extra_mb")}
-            lines.append({"backend": backend, "checkout": label, "runs": f"{len(done)} of {args.rounds}",
-                          "target": f"< {MEMORY_TARGET_MB}", **mb})
-    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    what = (
-        f"Extra peak RSS (MB) of one forward + backward (gradients of h, E, b) of `weighted_loss_sum` "
-        f"(what `CutBCELoss` runs in `fit`), `implementation=\"chunked\"`, at (M, D, V) = {shape}, float32, "
-        f"in a fresh process per backend, checkout and round ({args.rounds} rounds, the checkouts alternating): "
-        f"the peak RSS of the timed calls (max over {args.repeats}) above the RSS once the inputs exist "
-        "(`/proc/self/clear_refs` resets the peak after the warm-up call), median (min-max) over the "
-        "processes; first call: the warm-up's, with tracing and compilation. The `[V, D]` table gradient "
-        f"alone is {shape[1] * shape[2] * 4 / 2**20:.0f} MB.")
-    columns = ["backend", "checkout", "runs", "peak_extra_mb", "first_call_peak_extra_mb", "target"]
-    write_results(args.out + "_memory", "CutBCE loss path memory, float32, CPU", what, None, info,
-                  markdown_table(lines, columns, columns[:3] + ["extra peak MB", "first call MB", "target"]),
-                  {"shape": shape, "repeats": args.repeats, "rounds": args.rounds, "rows": rows})
-
-
-SOFTMAX_LABELS = {
-    "dense": "dense Keras (`sparse_categorical_crossentropy`, logits from a matmul)",
-    "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)", "cut_op": "`cut_categorical_crossentropy` (auto)",
+LABELS = {
+    "dense": "dense Keras", "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
+    "pure_jax": "pure-JAX op (reference)", "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)",
+    "cut_op": "`cut_categorical_crossentropy` (auto)",
     "torch_lce_chunked": "`F.linear_cross_entropy`, chunked options", "torch_lce": "`F.linear_cross_entropy`, reference",
 }
+SOFTMAX_VARIANTS = "dense,cut_loss,cut_op,torch_lce_chunked,torch_lce"
 
 
-def _softmax_lines(rows):
-    """The softmax table's markdown lines; ratios over the same process's dense and F.lce cells."""
-    lines = ["| backend | M, D, V | checkout | implementation | wall s, median (min-max) | CPU s, median (min-max) | "
-             "wall / dense | CPU / dense | CPU / F.lce chunked | extra peak MB | first call MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    key = lambda r: (r["backend"], r["shape"], r["checkout"], r["round"])  # noqa: E731
-    for row in rows:
-        same = {r["implementation"]: r for r in rows if key(r) == key(row)}
-        over = lambda other, key: _ratio(_median(row, key), _median(same.get(other), key))  # noqa: E731
-        spreads = [fmt_spread(row[key]) if key in row else "-" for key in ("wall", "cpu")]
-        lines.append(
-            f"| {row['backend']} | {', '.join(map(str, row['shape']))} | {row['checkout']} | "
-            f"{SOFTMAX_LABELS[row['implementation']]} | "
-            f"{spreads[0]} | {spreads[1]} | {_fmt(over('dense', 'wall'), '.2f')} | "
-            f"{_fmt(over('dense', 'cpu'), '.2f')} | {_fmt(over('torch_lce_chunked', 'cpu'), '.2f')} | "
-            f"{_fmt(row.get('peak_extra_mb'), '.0f')} | {_fmt(row.get('first_call_peak_extra_mb'), '.0f')} |")
-    return lines
-
-
-SOFTMAX_WHAT = (
-    "Softmax cross-entropy over the full vocabulary, one target id a position, float32, CPU: loss plus "
-    "gradients of hidden, table and bias. Per backend and shape one process times every implementation "
-    "alternating (one call of each per round, {repeats} rounds after a warm-up round; jit / tf.function on "
-    "JAX / TensorFlow, eager on torch): wall and CPU seconds of a call, median (min-max); ratios over the "
-    "same process's dense (and, on torch, `F.linear_cross_entropy` with chunking options) medians. Extra "
-    "peak MB (at (1024, 128, 262144)): a fresh process per implementation, the peak RSS of one call after "
-    "the warm-up above the RSS once the inputs exist (`/proc/self/clear_refs`), as the BCE memory table; "
-    "first call MB includes tracing and compilation. `CutSoftmaxLoss` runs `implementation=\"auto\"`: "
-    "the chunked implementation on CPU. Threads: {threads} (torch `set_num_threads`, TensorFlow "
-    "intra/inter-op, XLA's CPU client single-threaded at 1), on a 2-core machine shared with other jobs "
-    "(load average in the machine line: on a loaded machine wall time includes waiting for a core, CPU "
-    "time does not). With `--before DIR`, `--rounds` processes per checkout, the checkouts alternating, one line "
-    "per process. Goals: " + SOFTMAX_GOALS + "."
-)
-
-
-def softmax(args):
-    """Per backend and shape, one process timing every implementation alternating, then one fresh
-    process per implementation for its extra peak RSS (at `MEMORY_SHAPE`)."""
-    shapes = _shapes(args, SOFTMAX_SHAPES)
-    threads = args.threads or "1"
-    roots, checkouts = _checkouts(args)
-    info = machine_info(threads=threads, checkouts=checkouts)
-    variants = args.variants or ",".join(SOFTMAX_LABELS)
-    rows = []
+def _compare(args, variants, shapes, settings, memory_shapes, timed=True):
+    """Per backend, shape, thread setting and round: the variants alternating in one process (`timed`),
+    and at `memory_shapes` each alone in a fresh process for its extra peak RSS; one line per variant."""
+    rows, lines = [], []
     for backend in args.backends.split(","):
         for shape in shapes:
-            for round_ in range(args.rounds):  # the checkouts alternate, round by round
-                for label, root in roots.items():
-                    common = ["--family", "softmax"]
-                    timed = _run(args, backend, threads, shape, common + [
-                        "--cell", "alternating", "--variants", variants, "--repeats", str(args.repeats)], root)
-                    for name, entry in timed.get("cells", {}).items():
-                        if shape == MEMORY_SHAPE:  # a fresh process: one call's peak (the time is the timed cell's)
-                            alone = _run(args, backend, threads, shape, common + [
-                                "--cell", "alone", "--variants", name, "--repeats", "1"], root)
-                            entry.update({("memory_error" if key == "error" else key): alone[key] for key in alone
-                                          if key in ("peak_extra_mb", "first_call_peak_extra_mb", "error")})
-                        rows.append({"backend": backend, "shape": shape, "checkout": label, "round": round_,
-                                     "implementation": name,
-                                     **entry})
-                    print("\n".join(_softmax_lines(rows)[-len(timed.get("cells", {})):]), flush=True)
-    info["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
-    write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU",
-                  SOFTMAX_WHAT.format(repeats=args.repeats, threads=threads), None, info,
-                  "\n".join(_softmax_lines(rows)), {"repeats": args.repeats, "rows": rows})
+            for threads in settings:
+                for round_ in range(args.rounds):
+                    where = dict(backend=backend, shape=", ".join(map(str, shape)), threads=threads, round=round_)
+                    timing = _run(args, backend, threads, shape, ["--cell", "alternating", "--variants", variants,
+                                                                  "--repeats", str(args.repeats)]) if timed else {}
+                    cells = timing.get("cells") or {name: {} for name in variants.split(",")}
+                    for name, entry in cells.items():
+                        if shape in memory_shapes:
+                            alone = _run(args, backend, threads, shape, ["--cell", "alone", "--variants", name,
+                                                                         "--repeats", str(1 if timed else args.repeats)])
+                            entry.update({k: alone[k] for k in ("peak_extra_mb", "first_call_peak_extra_mb", "error")
+                                          if k in alone})
+                        rows.append(dict(where, variant=name, tile=timing.get("tile"), **entry))
+                        over = lambda other, key: _fmt(_ratio(_median(entry, key), _median(cells.get(other), key)), ".2f")  # noqa: E731,B023
+                        lines.append(dict(
+                            where, variant=LABELS[name], tile=timing.get("tile", "-"),
+                            wall=_seconds(entry), cpu=fmt_spread(entry["cpu"]) if "cpu" in entry else "-",
+                            wall_dense=over("dense", "wall"), cpu_dense=over("dense", "cpu"),
+                            cpu_lce=over("torch_lce_chunked", "cpu"),
+                            mb=_fmt(entry.get("peak_extra_mb"), ".0f"), first_mb=_fmt(entry.get("first_call_peak_extra_mb"), ".0f"),
+                            target=(SIDE_BY_SIDE_TARGETS.get(name, "") if args.family == "bce" and timed
+                                    else f"< {MEMORY_TARGET_MB} MB" if not timed else ""),
+                            error=timing.get("error") or entry.get("error", "")))
+    columns = ["backend", "shape", "threads", "round", "tile", "variant", "wall", "cpu", "wall_dense", "cpu_dense",
+               "cpu_lce", "mb", "first_mb", "target", "error"]
+    headers = ["backend", "M, D, V", "threads", "round", "tile", "variant", "wall s, median (min-max)",
+               "CPU s, median (min-max)", "wall / dense", "CPU / dense", "CPU / F.lce chunked", "extra peak MB",
+               "first call MB", "target", "error"]
+    keep = [i for i, c in enumerate(columns) if any(line[c] not in ("-", "", None) for line in lines)]
+    return rows, markdown_table(lines, [columns[i] for i in keep], [headers[i] for i in keep])
+
+
+TIMING = (
+    "Each backend, shape and thread setting in one process: every variant once per round, {repeats} rounds "
+    "after a warm-up round (jit / tf.function on JAX / TensorFlow, eager on torch); wall and CPU seconds of a "
+    "call (CPU: all the process's threads, steadier than wall time on a loaded machine), median (min-max), "
+    "and their medians over the same process's dense. Threads \"default\" leaves torch, TensorFlow and XLA at "
+    "their own counts (wall time is what users see); 1 pins all three to one thread. ")
+
+
+def _side_by_side(args):
+    """Per backend and thread setting, one process: dense, loss, op (pure-JAX op) alternating."""
+    rows, table = _compare(args, args.variants or "dense,loss,op,pure_jax", _shapes(args, [SIDE_BY_SIDE_SHAPE]),
+                           [t.strip() for t in (args.threads or "default,1").split(",")], [])
+    what = ("Forward + gradients of h, E, b, float32. " + TIMING.format(repeats=args.repeats) + "dense = Keras BCE "
+            "on the logits; loss = `weighted_loss_sum` (what `CutBCELoss` runs), op = `sum(cut_binary_crossentropy)` "
+            "(exact for any cotangent), both `implementation=\"chunked\"` at the tile the API picks; pure-JAX op = "
+            "`lax.scan` over tiles under `jax.checkpoint` with autodiff (a reference written here, not exact at "
+            "saturated positives).")
+    write_results(args.out + "_side_by_side", "CutBCE side by side with dense Keras BCE, float32, CPU", what, None,
+                  machine_info(threads=args.threads or "default,1"), table, {"repeats": args.repeats, "rows": rows})
+
+
+def _memory(args):
+    """Per backend, `--rounds` fresh processes: the extra peak RSS of the loss path."""
+    shape = _shapes(args, [MEMORY_SHAPE])[0]
+    rows, table = _compare(args, args.variants or "loss", [shape], [args.threads or "default"], [shape], timed=False)
+    what = (
+        "Extra peak RSS (MB) of a forward + backward (gradients of h, E, b) of `weighted_loss_sum` (what "
+        "`CutBCELoss` runs in `fit`), `implementation=\"chunked\"`, float32, in a fresh process per backend and "
+        f"round: the peak RSS of the timed calls (max over {args.repeats}) above the RSS once the inputs exist; "
+        "first call: the warm-up's, with tracing and compilation. The `[V, D]` table gradient alone is "
+        f"{shape[1] * shape[2] * 4 / 2**20:.0f} MB.")
+    write_results(args.out + "_memory", "CutBCE loss path memory, float32, CPU", what, None,
+                  machine_info(threads=args.threads or "default"), table, {"repeats": args.repeats, "rows": rows})
+
+
+def _softmax(args):
+    """Per backend and shape, the implementations alternating in one process; at `MEMORY_SHAPE` each
+    alone in a fresh process for its extra peak RSS."""
+    rows, table = _compare(args, args.variants or SOFTMAX_VARIANTS, _shapes(args, SOFTMAX_SHAPES),
+                           [args.threads or "1"], [MEMORY_SHAPE])
+    what = (
+        "Softmax cross-entropy over the full vocabulary, one target id a position, float32: loss plus gradients "
+        "of hidden, table and bias. " + TIMING.format(repeats=args.repeats) + "CPU / F.lce chunked: over torch's "
+        "`F.linear_cross_entropy` with chunking options. Extra peak MB (at (1024, 128, 262144)): a fresh process "
+        "per implementation, the peak RSS of the timed calls above the RSS once the inputs exist; first call MB "
+        "includes tracing and compilation. `CutSoftmaxLoss` runs `implementation=\"auto\"`: the chunked "
+        "implementation on CPU. Goals: " + SOFTMAX_GOALS + ".")
+    write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU", what, None,
+                  machine_info(threads=args.threads or "1"), table, {"repeats": args.repeats, "rows": rows})
 
 
 def main():
@@ -656,28 +576,26 @@ def main():
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--shapes", help="M,D,V shapes separated by ';' (default: the section's)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=1, help="--memory, --softmax: fresh processes per backend and checkout")
+    parser.add_argument("--rounds", type=int, default=1, help="processes per backend, shape and thread setting")
     parser.add_argument("--threads", default=None,
                         help='intra-op threads: an int or "default" (the backends\' own); with '
                              '--side-by-side a comma list (default "default,1"), with --softmax default 1')
-    parser.add_argument("--variants", help="comma list of the table's variants (default: all)")
-    parser.add_argument("--side-by-side", action="store_true",
-                        help="dense, loss and op alternating in one process per backend (and checkout)")
-    parser.add_argument("--memory", action="store_true",
-                        help="the memory table: extra peak RSS of the loss path (and --before's)")
-    parser.add_argument("--softmax", action="store_true",
-                        help="the softmax table: CutSoftmaxLoss / cut_categorical_crossentropy vs dense "
-                             "(and F.linear_cross_entropy on torch), alternating")
-    parser.add_argument("--before", help="another checkout: --side-by-side, --memory and --softmax run its package too")
+    parser.add_argument("--variants", help="comma list of the section's variants (default: all)")
+    section = parser.add_mutually_exclusive_group()
+    section.add_argument("--side-by-side", action="store_true", help="dense, loss and op alternating")
+    section.add_argument("--memory", action="store_true", help="extra peak RSS of the loss path")
+    section.add_argument("--softmax", action="store_true",
+                         help="CutSoftmaxLoss / cut_categorical_crossentropy vs dense (and F.linear_cross_entropy)")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="a cell above this RSS stops")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
     parser.add_argument("--cell", choices=("alone", "alternating"), help=argparse.SUPPRESS)
     parser.add_argument("--family", choices=("bce", "softmax"), default="bce", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    section = (cell if args.cell else side_by_side if args.side_by_side else memory if args.memory
-               else softmax if args.softmax else full_table)
-    section(args)
+    if args.softmax:
+        args.family = "softmax"
+    (cell if args.cell else _side_by_side if args.side_by_side else _memory if args.memory
+     else _softmax if args.softmax else full_table)(args)
 
 
 if __name__ == "__main__":

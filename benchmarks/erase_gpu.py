@@ -11,7 +11,7 @@ Models (`--models`):
   blocks of 5 Dense layers (a chain, each block with a logistic head and BCE), so
   each block's backward can overlap the forward of the blocks after it.
 
-Modes (`--modes`): the baselines a user has, in rising effort (`tools.erase_gpu_plan.BASELINES`):
+Modes (`--modes`): the baselines a user has, in rising effort (`benchmarks.erase_gpu_plan.BASELINES`):
 `plain` (the same network without DetachBlocks, Keras's standard step), `plain+jit`
 (`jit_compile=True`: torch.compile), `plain+reduce_overhead` (torch.compile(mode="reduce-overhead")
 on the train step), `plain+graph` (the whole standard step, forward, loss, backward and
@@ -94,19 +94,19 @@ from benchmarks.common import markdown_table  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from keras_erase.throughput import throughput_percentiles  # noqa: E402
 from tools import gpu_trace  # noqa: E402
-from tools.erase_gpu_plan import MIDDLE  # noqa: E402
-from tools.erase_gpu_plan import Budget  # noqa: E402
-from tools.erase_gpu_plan import NotFeasible  # noqa: E402
-from tools.erase_gpu_plan import model_spec  # noqa: E402
-from tools.erase_gpu_plan import auto_window  # noqa: E402
-from tools.erase_gpu_plan import steps_until_chosen  # noqa: E402
-from tools.erase_gpu_plan import summarize  # noqa: E402
-from tools.erase_gpu_plan import build_parser  # noqa: E402
-from tools.erase_gpu_plan import choose_middle  # noqa: E402
-from tools.erase_gpu_plan import graph_problems  # noqa: E402
-from tools.erase_gpu_plan import parse_mode  # noqa: E402
-from tools.erase_gpu_plan import resolve  # noqa: E402
-from tools.erase_gpu_plan import run_cells  # noqa: E402
+from benchmarks.erase_gpu_plan import MIDDLE  # noqa: E402
+from benchmarks.erase_gpu_plan import Budget  # noqa: E402
+from benchmarks.erase_gpu_plan import NotFeasible  # noqa: E402
+from benchmarks.erase_gpu_plan import model_spec  # noqa: E402
+from benchmarks.erase_gpu_plan import auto_window  # noqa: E402
+from benchmarks.erase_gpu_plan import steps_until_chosen  # noqa: E402
+from benchmarks.erase_gpu_plan import summarize  # noqa: E402
+from benchmarks.erase_gpu_plan import build_parser  # noqa: E402
+from benchmarks.erase_gpu_plan import choose_middle  # noqa: E402
+from benchmarks.erase_gpu_plan import graph_problems  # noqa: E402
+from benchmarks.erase_gpu_plan import parse_mode  # noqa: E402
+from benchmarks.erase_gpu_plan import resolve  # noqa: E402
+from benchmarks.erase_gpu_plan import run_cells  # noqa: E402
 
 MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
 DEVICE_BOUND = 0.9  # GPU-busy fraction of a trace above which the overlap is asserted (--strict)

@@ -21,8 +21,6 @@ Usage:
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 
@@ -30,66 +28,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.common import markdown_table  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
-from benchmarks.common import write_text  # noqa: E402
+from benchmarks.common import machine_info, markdown_table, run_capped, write_results  # noqa: E402
 
 CASES = [("cutbce", 64), ("dense", 64), ("cutbce", 8), ("dense", 8)]
 
 
 def run_case(loss, batch, args, backend):
     """One example run in a capped subprocess; returns its results row."""
-    cap = int(args.memory_cap_gib * 2**30)
-
-    def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "result.json")
-        command = [
-            sys.executable, "-m", "examples.sasrec",
-            "--loss", loss,
-            "--num-items", str(args.num_items),
-            "--num-users", str(args.num_users),
-            "--batch-size", str(batch),
-            "--epochs", "1",
-            "--steps-per-epoch", str(args.steps),
-            "--max-len", str(args.max_len),
-            "--json", path,
-            "--verbose", "0",
-        ]
-        env = dict(os.environ, KERAS_BACKEND=backend)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
-        done = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True,
-            preexec_fn=limit_memory, timeout=args.timeout,
-        )
-        row = {"loss": loss, "batch": batch, "num_items": args.num_items}
-        if done.returncode == 0:
+        command = [sys.executable, "-m", "examples.sasrec", "--loss", loss, "--num-items", str(args.num_items),
+                   "--num-users", str(args.num_users), "--batch-size", str(batch), "--epochs", "1",
+                   "--steps-per-epoch", str(args.steps), "--max-len", str(args.max_len), "--json", path,
+                   "--verbose", "0"]
+        row = {"loss": loss, "batch": batch, "num_items": args.num_items,
+               **run_capped(command, args.memory_cap_gib, args.timeout, dict(os.environ, KERAS_BACKEND=backend))}
+        if row["status"] == "ok":
             with open(path) as f:
                 result = json.load(f)
-            row.update(
-                status="trained",
-                steps=result["steps"],
-                steps_per_second=result["steps_per_second"],
-                peak_memory_mb=result["peak_memory_mb"],
-                hit_at_8=result["hit@8"],
-                popularity_hit_at_8=result["popularity_hit@8"],
-            )
-            return row
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        error = next(
-            (line for line in reversed(lines) if "memory" in line.lower() or "alloc" in line.lower()),
-            lines[-1] if lines else f"exit code {done.returncode}",
-        )
-        out_of_memory = "memory" in error.lower() or "alloc" in error.lower()
-        row.update(
-            status=f"out of memory (cap {args.memory_cap_gib:g} GiB)" if out_of_memory
-            else f"failed (exit {done.returncode})",
-            error=error.strip()[:300],
-        )
-        return row
+            row.update(status="trained", steps=result["steps"], steps_per_second=result["steps_per_second"],
+                       peak_memory_mb=result["peak_memory_mb"], hit_at_8=result["hit@8"],
+                       popularity_hit_at_8=result["popularity_hit@8"])
+    return row
 
 
 def main(argv=None):
@@ -120,36 +80,19 @@ def main(argv=None):
         if cut and dense and cut["status"] == dense["status"] == "trained":
             cut["speed_over_dense"] = cut["steps_per_second"] / dense["steps_per_second"]
             cut["memory_over_dense"] = cut["peak_memory_mb"] / dense["peak_memory_mb"]
-    info = machine_info(
-        backend=backend, num_items=args.num_items, num_users=args.num_users,
-        max_len=args.max_len, steps=args.steps, memory_cap_gib=args.memory_cap_gib,
-        threads="framework default (torch: one per core)",
-    )
-    report = "\n".join([
-        f"# SASRec on a synthetic catalogue of {args.num_items:,} items: CutBCELoss vs dense BCE",
-        "",
-        f"{args.steps} training steps per run (steps/s after 2 warm-up steps), sequence length "
-        f"{args.max_len}, each run in its own process capped at {args.memory_cap_gib:g} GiB of "
-        "address space; peak RSS is the whole process (model, Adam state, data, evaluation). "
-        "hit@8 after so few steps is not a quality result, only a check that the run finished.",
-        "",
-        "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
-        "",
-        markdown_table(
-            rows,
-            ["loss", "batch", "status", "steps_per_second", "peak_memory_mb",
-             "speed_over_dense", "memory_over_dense", "hit_at_8"],
-            ["loss", "batch", "status", "steps/s", "peak RSS (MiB)", "steps/s vs dense",
-             "memory vs dense", "hit@8"],
-        ),
-    ])
-    errors = [f"- {r['loss']} batch {r['batch']}: `{r['error']}`" for r in rows if "error" in r]
-    if errors:
-        report += "\n\nErrors:\n\n" + "\n".join(errors)
-    print(report)
-    write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "rows": rows})
-    print(f"wrote {args.out}.md and {args.out}.json")
+    info = machine_info(backend=backend, num_items=args.num_items, num_users=args.num_users, max_len=args.max_len,
+                        steps=args.steps, memory_cap_gib=args.memory_cap_gib,
+                        threads="framework default (torch: one per core)")
+    what = (f"{args.steps} training steps per run (steps/s after 2 warm-up steps), sequence length {args.max_len}, "
+            f"each run in its own process capped at {args.memory_cap_gib:g} GiB of address space; peak RSS is the "
+            "whole process (model, Adam state, data, evaluation). hit@8 after so few steps is not a quality result, "
+            "only a check that the run finished.")
+    table = markdown_table(rows, ["loss", "batch", "status", "steps_per_second", "peak_memory_mb", "speed_over_dense",
+                                  "memory_over_dense", "hit_at_8", "error"],
+                           ["loss", "batch", "status", "steps/s", "peak RSS (MiB)", "steps/s vs dense",
+                            "memory vs dense", "hit@8", "error"])
+    write_results(args.out, f"SASRec on a synthetic catalogue of {args.num_items:,} items: CutBCELoss vs dense BCE",
+                  what, None, info, table, {"rows": rows})
 
 
 if __name__ == "__main__":

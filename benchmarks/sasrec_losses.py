@@ -29,26 +29,23 @@ ml-latest-small and at 10^5 synthetic items. Every cell is a fresh process
 (`run_cell`) training `--speed-steps` steps after `--warmup` warm-up steps
 (compilation), at `--threads` intra-op threads; its figure is the process CPU
 seconds per training step (all threads), with wall seconds per step and the load
-average beside it. The losses alternate within each round (`run_repos`), so load
-from other jobs hits each alike; CPU time is less sensitive to that load than wall
-time. `--steps-1e5 0` leaves out the synthetic catalogue, no `--movielens-dir` MovieLens.
-`--before DIR` runs every cell in a second checkout too, alternating. Results:
-`benchmarks/results/sasrec_losses_speed.{md,json}`.
+average beside it. The losses alternate within each round, so load from other
+jobs hits each alike; CPU time is less sensitive to that load than wall time.
+`--steps-1e5 0` leaves out the synthetic catalogue, no `--movielens-dir` MovieLens.
+Results: `benchmarks/results/sasrec_losses_speed.{md,json}`.
 
 Usage (hold the benchmark lock; the 20-epoch seeded study takes hours on 2 cores):
 
-    flock /tmp/bench.lock env KERAS_BACKEND=jax python benchmarks/sasrec_losses.py \\
+    KERAS_BACKEND=jax python benchmarks/sasrec_losses.py \\
         --movielens-dir ../shared/data/ml-latest-small --epochs 20 --seeds 3
     python benchmarks/sasrec_losses.py --quick     # smoke run, tiny data, results in /tmp
     KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --speed \\
-        --movielens-dir ../shared/data/ml-latest-small --rounds 3 --before ../main
+        --movielens-dir ../shared/data/ml-latest-small --rounds 3
 """
 
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,54 +54,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import emit_row  # noqa: E402
-from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.common import markdown_table  # noqa: E402
-from benchmarks.common import run_cell  # noqa: E402
-from benchmarks.common import run_repos  # noqa: E402
-from benchmarks.common import set_threads  # noqa: E402
-from benchmarks.common import thread_env  # noqa: E402
-from benchmarks.common import write_json  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
-from benchmarks.common import write_text  # noqa: E402
-from tools.sasrec_study import load_runs  # noqa: E402
-from tools.sasrec_study import loss_name  # noqa: E402
-from tools.sasrec_study import parse_losses  # noqa: E402
-from tools.sasrec_study import plot_curves  # noqa: E402
-from tools.sasrec_study import run_missing  # noqa: E402
-from tools.sasrec_study import speed_summaries  # noqa: E402
-from tools.sasrec_study import study_table  # noqa: E402
-from tools.sasrec_study import summarize  # noqa: E402
+from benchmarks.common import emit_row, machine_info, markdown_table, run_capped, run_cell  # noqa: E402
+from benchmarks.common import set_threads, thread_env, write_json, write_results, write_text  # noqa: E402
+from benchmarks.sasrec_study import load_runs, loss_name, parse_losses, plot_curves, run_missing  # noqa: E402
+from benchmarks.sasrec_study import speed_summaries, study_table, summarize  # noqa: E402
+
 
 def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
     """One example run (one seed) in a capped subprocess; returns its results row."""
-    cap = int(args.memory_cap_gib * 2**30)
-
-    def limit_memory():
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    row = {"dataset": dataset, "loss": loss_name(loss, num_negatives), "seed": seed}
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "result.json")
         command = [sys.executable, "-m", "examples.sasrec", "--loss", loss, *example_args,
                    "--json", path, "--verbose", "2", "--seed", str(seed)]
         if loss == "sampled":
             command += ["--num-negatives", str(num_negatives)]
-        env = dict(os.environ, KERAS_BACKEND=backend)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         print("$ " + " ".join(command[1:]), flush=True)
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(
-                command, cwd=REPO, env=env, capture_output=True, text=True,
-                preexec_fn=limit_memory, timeout=args.timeout,
-            )
-        except subprocess.TimeoutExpired:
-            row.update(status=f"timed out (> {args.timeout} s)",
-                       wall_seconds=time.perf_counter() - start)
-            return row
-        row["wall_seconds"] = time.perf_counter() - start
-        if done.returncode == 0:
+        row = {"dataset": dataset, "loss": loss_name(loss, num_negatives), "seed": seed,
+               **run_capped(command, args.memory_cap_gib, args.timeout, dict(os.environ, KERAS_BACKEND=backend))}
+        if row["status"] == "ok":
             with open(path) as f:
                 result = json.load(f)
             row.update({k: result.get(k) for k in (
@@ -112,31 +79,8 @@ def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
                 "epochs", "num_items", "num_users", "eval_users", "ndcg@10_per_epoch",
                 "hit@8_per_epoch", "popularity_hit@8", "popularity_ndcg@10",
                 "popularity_recall@10", "train_loss",
-            )})
-            row["status"] = "trained"
-            return row
-    row.update(failure(done.stderr, done.returncode, args.memory_cap_gib))
+            )}, status="trained")
     return row
-
-
-MEMORY_WORDS = ("out of memory", "memory allocating", "resource_exhausted", "cannot allocate",
-                "can't allocate", "bad_alloc", "memoryerror", "failed to allocate")
-
-
-def failure(stderr, returncode, cap_gib):
-    """`{"status", "error"}` of a failed run: out of memory (cap) or failed, with the line."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    for line in reversed(lines):
-        lower = line.lower()
-        hits = [lower.find(w) for w in MEMORY_WORDS if w in lower]
-        if hits:
-            start = max(0, min(hits) - 120)
-            return {"status": f"out of memory (cap {cap_gib:g} GiB)",
-                    "error": line[start:start + 300].strip()}
-    if returncode == -9:
-        return {"status": f"out of memory (cap {cap_gib:g} GiB, killed)", "error": "SIGKILL"}
-    return {"status": f"failed (exit {returncode})",
-            "error": (lines[-1] if lines else f"exit code {returncode}")[-300:].strip()}
 
 
 def datasets(args):
@@ -162,19 +106,16 @@ def datasets(args):
 
 
 def speed_cell(argv):
-    """One timed example run (`--speed-cell [--checkout DIR] ... -- EXAMPLE ARGS`): prints its `ROW`."""
+    """One timed example run (`--speed-cell ... -- EXAMPLE ARGS`): prints its `ROW`."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkout", default=REPO, help="the checkout whose code is imported")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("example_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     threads = args.threads or None  # 0: the backend's default
     os.environ.update(thread_env(os.environ, threads))  # before the backend starts
-    sys.path.insert(0, os.path.abspath(args.checkout))
     import keras
 
-    import keras_cutbce
     from examples.sasrec.train import parse_args, run
 
     set_threads(keras.backend.backend(), threads)
@@ -198,7 +139,7 @@ def speed_cell(argv):
     emit_row({"loss": result["loss"], "steps": steps, "cpu_s_per_step": (cpu1 - cpu0) / steps,
               "wall_s_per_step": (wall1 - wall0) / steps, "threads": args.threads,
               "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
-              "train_loss": result["train_loss"], "keras_cutbce": keras_cutbce.__file__})
+              "train_loss": result["train_loss"]})
 
 
 def speed_cases(args):
@@ -221,40 +162,35 @@ def speed_cases(args):
 
 
 def speed(args, backend):
-    """`--speed`: every (dataset, loss) cell in fresh processes, alternating; writes the tables."""
+    """`--speed`: every (dataset, loss) cell in fresh processes, the losses alternating; writes the tables."""
     cases = dict(speed_cases(args))
-    cells = [(dataset, loss) for dataset in cases for loss, _ in args.losses]
-    repos = {"after": REPO} if args.before is None else {"before": args.before, "after": REPO}
-    script = os.path.abspath(__file__)
-
-    def run(root, cell):
-        dataset, loss = cell
-        argv = [script, "--speed-cell", "--checkout", root, "--warmup", str(args.warmup),
-                "--threads", str(args.threads), "--", "--loss", loss, *cases[dataset]]
-        return dict(run_cell(argv, root, dict(os.environ, KERAS_BACKEND=backend)),
-                    dataset=dataset)
-
-    rows = run_repos(repos, cells, args.rounds, run)
-    summaries = speed_summaries(rows, [loss for loss, _ in args.losses])
-    columns = ["data", "loss", "checkout", "CPU s / step", "wall s / step", "load (1 min)",
-               "CPU / first loss", "wall / first loss", "rounds"]
+    losses = [loss for loss, _ in args.losses]
+    rows = []
+    for rep in range(args.rounds):
+        for dataset in cases:
+            for loss in losses[rep % len(losses):] + losses[:rep % len(losses)]:  # the order rotates
+                argv = [os.path.abspath(__file__), "--speed-cell", "--warmup", str(args.warmup), "--threads",
+                        str(args.threads), "--", "--loss", loss, *cases[dataset]]
+                rows.append(dict(run_cell(argv, dict(os.environ, KERAS_BACKEND=backend)), dataset=dataset, rep=rep))
+                print(json.dumps(rows[-1]), flush=True)
+    summaries = speed_summaries(rows, losses)
+    columns = ["data", "loss", "CPU s / step", "wall s / step", "load (1 min)", "CPU / first loss",
+               "wall / first loss", "rounds"]
     threads = (f"{args.threads} intra-op thread(s)" if args.threads
                else "the backend's default intra-op threads")
     info = machine_info(backend=backend, threads=args.threads or "default", warmup_steps=args.warmup,
-                        timed_steps=args.speed_steps, batch_size=args.batch_size,
-                        rounds=args.rounds, before=args.before)
+                        timed_steps=args.speed_steps, batch_size=args.batch_size, rounds=args.rounds)
     write_results(
         args.out, "SASRec training step: dense softmax vs cutsoftmax, side by side",
         f"Each cell a fresh process (`python -m examples.sasrec`'s training, {threads}) "
         f"timing {args.speed_steps} training steps after {args.warmup} "
         "warm-up steps (compilation excluded). CPU s / step: the process's CPU seconds (all "
         "threads) per step, median (min-max) over the rounds; wall s / step likewise; load: "
-        "the 1-minute load average at each cell's start, median (min-max). The losses (and "
-        "checkouts) alternate within every round, so other jobs' load hits each alike; CPU time "
+        "the 1-minute load average at each cell's start, median (min-max). The losses "
+        "alternate within every round, so other jobs' load hits each alike; CPU time "
         "is the fair figure on the shared machine. X / first loss: the median over rounds of "
-        f"each round's ratio to `{args.losses[0][0]}` in the same checkout.",
+        f"each round's ratio to `{losses[0]}`.",
         None, info, markdown_table(summaries, columns), {"summaries": summaries, "rows": rows})
-    print(open(args.out + ".md").read())
     return summaries
 
 
@@ -299,8 +235,6 @@ def main(argv=None):
                         help="--speed: untimed steps first (compilation)")
     parser.add_argument("--threads", type=int, default=1,
                         help="--speed: intra-op threads of every cell (0: the backend's default)")
-    parser.add_argument("--before", default=None,
-                        help="--speed: a second checkout, every cell run in it too, alternating")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results",
                                                       "sasrec_losses"),
                         help="output path without extension (.md, .json, .png)")

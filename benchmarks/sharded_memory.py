@@ -25,12 +25,13 @@ Usage:
 """
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import RESULTS, emit_row, machine_info, markdown_table, run_cell, write_results  # noqa: E402
+
 SHAPES = [(4096, 64, 1 << 20), (8192, 128, 1 << 21)]  # (rows M, dim D, vocab V)
 QUICK_SHAPES = [(512, 32, 1 << 14)]
 VARIANTS = ("replicated", "sharded", "gspmd")
@@ -97,86 +98,45 @@ def _measure(rows, dim, vocab, variant):
     return result
 
 
-def _child(args):
-    rows, dim, vocab, variant = args
-    print(json.dumps(_measure(int(rows), int(dim), int(vocab), variant)))
-
-
 def _run_child(rows, dim, vocab, variant):
-    env = dict(os.environ)
+    env = dict(os.environ, KERAS_BACKEND="jax")
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    env.update(
-        KERAS_BACKEND="jax",
-        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child",
-         str(rows), str(dim), str(vocab), variant],
-        env=env, capture_output=True, text=True, timeout=1200,
-    )
-    if proc.returncode != 0:
+    try:
+        return run_cell([os.path.abspath(__file__), "--child", str(rows), str(dim), str(vocab), variant], env)
+    except RuntimeError as error:
         return {"rows": rows, "dim": dim, "vocab": vocab, "variant": variant,
-                "error": proc.stderr.strip().splitlines()[-1:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+                "error": str(error).strip().splitlines()[-1][:200]}
 
 
-def _mib(value):
-    return "n/a" if value is None else f"{value / MIB:,.1f}"
-
-
-def markdown(results):
-    lines = [
-        "| M | D | V | variant | table / device (MiB) | table grad / device (MiB) "
-        "| arguments (MiB) | outputs (MiB) | temporaries (MiB) | peak bound (MiB) "
-        "| XLA peak (MiB) |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['rows']} | {r['dim']} | {r['vocab']} | {r['variant']} "
-                         f"| error: {' '.join(r['error'])} |||||||")
-            continue
-        lines.append(
-            f"| {r['rows']} | {r['dim']} | {r['vocab']} | {r['variant']} "
-            f"| {_mib(r['table_bytes_per_device'])} | {_mib(r['grad_table_bytes_per_device'])} "
-            f"| {_mib(r['argument_bytes'])} | {_mib(r['output_bytes'])} "
-            f"| {_mib(r['temp_bytes'])} | {_mib(r['peak_bound_bytes'])} "
-            f"| {_mib(r['xla_peak_bytes'])} |"
-        )
-    return "\n".join(lines)
+COLUMNS = {"rows": "M", "dim": "D", "vocab": "V", "variant": "variant", "table_bytes_per_device": "table / device",
+           "grad_table_bytes_per_device": "table grad / device", "argument_bytes": "arguments",
+           "output_bytes": "outputs", "temp_bytes": "temporaries", "peak_bound_bytes": "peak bound",
+           "xla_peak_bytes": "XLA peak", "error": "error"}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "sharded_memory"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "sharded_memory"))
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return _child(args.child)
-    results = []
-    for rows, dim, vocab in QUICK_SHAPES if args.quick else SHAPES:
-        for variant in VARIANTS:
-            results.append(_run_child(rows, dim, vocab, variant))
-            print(json.dumps(results[-1]), flush=True)
-    table = markdown(results)
-    note = (
-        "Per-device memory of `jit(value_and_grad)` of CutBCE (loss, grads of hidden, "
-        "table, bias) on 8 devices, from the compiled executable's `memory_analysis()`; "
-        "peak bound = arguments + outputs + temporaries - aliased; XLA peak = "
-        "`peak_memory_in_bytes` of the same analysis. Temporaries follow the tile "
-        "rule (`keras_cutbce.math.tiling`, ~64 MiB of [rows, tile] intermediates), and "
-        "with the table split on V alone every device sees all M rows. Platform: "
-        f"{results[0].get('platform', '?')} ({results[0].get('devices', '?')} devices)."
-    )
-    print(note + "\n\n" + table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write("# CutBCE per-device memory: table sharded 8 ways vs replicated\n\n")
-        f.write(note + "\n\n" + table + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+        rows, dim, vocab, variant = args.child
+        return emit_row(_measure(int(rows), int(dim), int(vocab), variant))
+    results = [_run_child(*shape, variant) for shape in (QUICK_SHAPES if args.quick else SHAPES)
+               for variant in VARIANTS]
+    lines = [{k: (f"{v / MIB:,.1f}" if "bytes" in k and v is not None else v) for k, v in r.items()}
+             for r in results]
+    what = (
+        "Per-device memory (MiB) of `jit(value_and_grad)` of CutBCE (loss, grads of hidden, table, bias) on 8 "
+        "devices, from the compiled executable's `memory_analysis()`; peak bound = arguments + outputs + "
+        "temporaries - aliased; XLA peak = `peak_memory_in_bytes` of the same analysis. Temporaries follow the "
+        "tile rule (`keras_cutbce.math.tiling`, ~64 MiB of [rows, tile] intermediates), and with the table split "
+        f"on V alone every device sees all M rows. Platform: {results[0].get('platform', '?')} "
+        f"({results[0].get('devices', '?')} devices).")
+    columns = [c for c in COLUMNS if any(c in r for r in results)]
+    write_results(args.out, "CutBCE per-device memory: table sharded 8 ways vs replicated", what, None,
+                  machine_info(), markdown_table(lines, columns, [COLUMNS[c] for c in columns]), {"rows": results})
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -196,13 +197,12 @@ def _write(out, results, machine, rows):
         "shard (what a TPU compile gets), `chunked` = the XLA loop. Compiled on a shared "
         f"CPU host, load average {load}."
     )
-    from benchmarks.common import write_json, write_text  # (the results' writers; not for importers)
-
     table = markdown(results)
     print(note + "\n\n" + table)
-    write_text(out + ".md", "# CutBCE on TPU pods: per-chip HBM, table sharded on V\n\n"
-               + note + "\n\n" + table)
-    write_json(out + ".json", {"machine": machine, "rows": rows, "results": results})
+    with open(out + ".md", "w") as f:
+        f.write("# CutBCE on TPU pods: per-chip HBM, table sharded on V\n\n" + note + "\n\n" + table + "\n")
+    with open(out + ".json", "w") as f:
+        json.dump({"machine": machine, "rows": rows, "results": results}, f, indent=2, default=str)
 
 
 def main():
@@ -244,9 +244,10 @@ def main():
                                   kernel=kernel)
                     results.append(_run_child(config))
                     print(json.dumps(results[-1]), flush=True)
-    from benchmarks.common import machine_info
-
-    _write(args.out, results, machine_info(), args.rows)
+    machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+               "loadavg": [round(v, 2) for v in os.getloadavg()],
+               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _write(args.out, results, machine, args.rows)
     return 0
 
 

@@ -206,9 +206,13 @@ def _row(report, label, pair=None):
                 **{name: round(v, 1) for name, v in values.items()})
 
 
-def markdown(table, label, family="bce"):
-    from benchmarks.common import markdown_table  # the shared table writer (a script, never a test)
+def markdown_table(rows, columns):
+    """A markdown table of `rows` (dicts) restricted to `columns`."""
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                     + ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows])
 
+
+def markdown(table, label, family="bce"):
     columns = ["arch", "dtype", "L", "kernel", "tile", "fraction", "registers", "spill_bytes",
                *CLASSES, "total", "issue_ms", "mufu_ms", "mma_ms", "hbm_ms"]
     return (f"SASS lane instructions per logit by class of the fused Triton kernels' tile loops "
@@ -223,8 +227,6 @@ def markdown(table, label, family="bce"):
 
 
 def compare_markdown(before, after):
-    from benchmarks.common import markdown_table
-
     index = {(r["dtype"], r["L"], r["kernel"]): r for r in before["rows"]}
     rows = []
     for r in after["rows"]:

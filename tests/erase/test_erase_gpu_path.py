@@ -1,4 +1,4 @@
-"""The GPU check's CPU-checkable parts: `tools/erase_gpu_plan.py` (argument handling, the middle
+"""The GPU check's CPU-checkable parts: `benchmarks/erase_gpu_plan.py` (argument handling, the middle
 batch, the budget's plan), `benchmarks/erase_gpu.py` (a tiny CPU dry run through the graph code
 path, as a subprocess), `tools/gpu_trace.py` (block ranges, overlap and step measures on synthetic
 CUDA traces), `scripts/gpu_check.sh`, and `EraseModel(cuda_graphs=True)` in every mode with the
@@ -45,7 +45,7 @@ def _dry_run(argv):
 def test_auto_cells_run_untimed_until_auto_has_chosen():
     """`"auto"` measures its first steps (26 on the H200, all inside the timed window there): its cells
     run untimed steps until it has chosen, bounded, so that the timed steps are its choice's."""
-    from tools import erase_gpu_plan as plan
+    from benchmarks import erase_gpu_plan as plan
 
     class Measuring:  # chooses after `steps` steps
         def __init__(self, steps):
@@ -67,7 +67,7 @@ def test_auto_cells_run_untimed_until_auto_has_chosen():
 
 @torch_only
 def test_benchmark_arguments():
-    from tools import erase_gpu_plan as plan
+    from benchmarks import erase_gpu_plan as plan
 
     assert plan.parse_mode("threaded+graphs") == ("threaded", True)
     assert plan.parse_mode("standard") == ("standard", False)
@@ -139,7 +139,7 @@ def test_benchmark_budget_stops_cleanly_and_still_writes_everything(tmp_path):
 
 
 def test_the_device_plan_is_the_gpu_checks_cells_and_the_sweep_covers_batch_width_and_models():
-    from tools import erase_gpu_plan as plan
+    from benchmarks import erase_gpu_plan as plan
 
     args = plan.resolve(plan.build_parser().parse_args(["--plan", "device"]), cuda=True)
     groups = plan.priority_groups(args)
@@ -157,7 +157,7 @@ def test_the_device_plan_is_the_gpu_checks_cells_and_the_sweep_covers_batch_widt
 
 
 def test_paired_ratios_are_taken_per_repeat_against_the_best_baseline():
-    from tools import erase_gpu_plan as plan
+    from benchmarks import erase_gpu_plan as plan
 
     def rows(mode, p90s):
         return [{"model": "ctr", "batch": 8, "mode": mode, "repeat": i, "p50": v, "p90": v,
@@ -190,7 +190,7 @@ def test_benchmark_device_plan_dry_run_reports_the_baselines_ne_and_the_headline
 @torch_only
 def test_benchmark_finds_block_overlaps_in_a_trace_and_auto_steps_in_the_window():
     from keras_erase.torch.auto import ScheduleSelector
-    from tools import erase_gpu_plan as plan
+    from benchmarks import erase_gpu_plan as plan
     from tools import gpu_trace
 
     ranges = [  # (row, block, phase, start, duration)
@@ -297,7 +297,7 @@ def test_step_measures_from_a_synthetic_cuda_trace():
 
 
 def test_the_middle_batch_is_where_gpu_time_meets_host_time():
-    from tools.erase_gpu_plan import choose_middle
+    from benchmarks.erase_gpu_plan import choose_middle
 
     # host 30 ms at both ends; GPU 3 ms at 2048, 60 ms at 65536: equal near 33 000
     assert choose_middle((2048, 30.0, 3.0), (65536, 30.0, 60.0)) == 32768
@@ -308,7 +308,7 @@ def test_the_middle_batch_is_where_gpu_time_meets_host_time():
 
 def test_the_budget_runs_whole_groups_most_informative_first(monkeypatch):
     """Every cell of a group that starts gets its repeats; a group that does not fit is skipped."""
-    from tools import erase_gpu_plan as plan
+    from benchmarks import erase_gpu_plan as plan
 
     clock = [0.0]
     monkeypatch.setattr(plan.time, "monotonic", lambda: clock[0])

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from tools.spread import fmt_spread, spread
+from benchmarks.common import fmt_spread, paired_ratios, spread
 
 LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
           ("cutsoftmax", 1)]
@@ -216,21 +216,19 @@ def run_missing(runs_dir, seeds, cases, losses, run):
 
 
 def speed_summaries(rows, losses):
-    """One row per (dataset, loss, checkout): the spreads, and the per-round ratios to `losses[0]`."""
+    """One row per (dataset, loss): the spreads, and the per-round ratios to `losses[0]`."""
     out = []
-    keys = sorted({(r["dataset"], r["repo"]) for r in rows}, key=lambda k: (k[0], k[1] != "before"))
-    for dataset, repo in keys:
-        mine = [r for r in rows if r["dataset"] == dataset and r["repo"] == repo]
-        first = {r["rep"]: r for r in mine if r["loss"] == losses[0]}
+    for dataset in sorted({r["dataset"] for r in rows}):
+        mine = [r for r in rows if r["dataset"] == dataset]
         for loss in losses:
             runs = [r for r in mine if r["loss"] == loss]
             if not runs:
                 continue
-            row = {"data": dataset, "loss": loss, "checkout": repo, "rounds": len(runs)}
+            row = {"data": dataset, "loss": loss, "rounds": len(runs)}
             for key, name in (("cpu_s_per_step", "CPU"), ("wall_s_per_step", "wall")):
                 row[f"{name} s / step"] = fmt_spread(spread([r[key] for r in runs]))
-                ratios = [r[key] / first[r["rep"]][key] for r in runs if r["rep"] in first]
-                row[f"{name} / first loss"] = fmt_spread(spread(ratios)) if ratios else ""
+                ratios = paired_ratios(mine, loss, ("loss", losses[0]), key)
+                row[f"{name} / first loss"] = fmt_spread(ratios) if ratios else ""
                 row[key] = spread([r[key] for r in runs])
             row["load (1 min)"] = fmt_spread(spread([r["load_1min"][0] for r in runs]), digits=2)
             out.append(row)
