@@ -77,8 +77,8 @@ def per_position_loss(inputs, options):
                     inputs.bias, **_loss_kwargs(options))
     if loss is None:
         raise NotImplementedError(
-            f"{op!r} has no implementation for this table yet (a table split over a mesh "
-            f"runs the BCE loss only). Received: implementation={options.implementation!r}"
+            f"{op!r} has no {options.implementation!r} implementation on this backend. "
+            f"Received: implementation={options.implementation!r}"
         )
     return ops.cast(loss, "float32")
 

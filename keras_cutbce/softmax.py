@@ -43,7 +43,8 @@ def cut_categorical_crossentropy(
         Float32 loss of shape `hidden.shape[:-1]`.
 
     Raises:
-        NotImplementedError: `implementation="pallas"` or `"triton"`.
+        ValueError, TypeError: a checked argument is out of its domain (`"pallas"` runs on
+            JAX, `"triton"` on torch).
 
     Example:
 

@@ -246,6 +246,12 @@ if [[ $DRY -eq 0 ]] && grep -q "needs CUDA" "$RESULTS/gpu_check_tests.txt"; then
   FAILED+=("CUDA tests skipped although CUDA is present")
 fi
 
+# Results name no machine path: in the logs this script wrote, temporary folders (the wheels' virtualenv)
+# read as $TMPDIR (a log the caller tees this script's output into is the caller's to clean).
+for log in gpu_check_preflight.txt gpu_check_tests.txt gpu_check_cutbce_tests.txt cutbce_triton_gpu.log \
+    cutbce_triton_gpu_peers.log; do
+  [[ -f $RESULTS/$log ]] && sed -i "s#/tmp/#\$TMPDIR/#g" "$RESULTS/$log"
+done
 echo "gpu_check: $((SECONDS - START)) s in all (budget $TOTAL s); results in $RESULTS/"
 (( ${#SKIPPED[@]} )) && printf 'gpu_check: skipped (named): %s\n' "${SKIPPED[@]}"
 if (( ${#FAILED[@]} )); then

@@ -2,6 +2,7 @@
 
 import ast
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ("jax", "torch", "tensorflow")
@@ -112,16 +113,47 @@ def test_benchmarks_and_tools_are_in_the_layout_and_out_of_the_packages():
             assert not imports.search(f.read()), f"{path} imports benchmarks/ or tools/"
 
 
-def test_no_test_imports_benchmarks():
-    """Tests import what they check from the packages or tools/; a benchmark runs as a script."""
+def test_tests_import_only_the_benchmark_plans_and_tools_never_import_benchmarks():
+    """A benchmark runs as a script: tests import only its plan (`erase_gpu_plan`) or record (`sasrec_study`)
+    modules; tools/ (compiler readers) never import benchmarks/, whose harness imports them."""
     import re
 
-    imports = re.compile(r"^\s*(?:from|import) benchmarks\b", re.M)
-    found = 0
-    for folder, _, files in os.walk(os.path.join(REPO, "tests")):
-        for name in files:
-            if name.endswith(".py"):
-                found += 1
+    imports = re.compile(r"^\s*(?:from benchmarks(?:\.(\w+))? import (\w+)|import benchmarks\.?(\w*))", re.M)
+    allowed = {"erase_gpu_plan", "sasrec_study"}
+    found = {"tests": 0, "tools": 0}
+    for top in found:
+        for folder, _, files in os.walk(os.path.join(REPO, top)):
+            for name in (n for n in files if n.endswith(".py")):
+                found[top] += 1
                 with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    assert not imports.search(f.read()), f"{name} imports benchmarks/"
-    assert found > 20  # the walk finds the tests
+                    for match in imports.finditer(f.read()):
+                        module = match.group(1) or match.group(3) or match.group(2)
+                        assert top == "tests" and module in allowed, f"{top}/{name} imports benchmarks.{module}"
+    assert found["tests"] > 20 and found["tools"] > 5  # the walks find the files
+
+
+BENCHMARK_LINES = 3500  # benchmarks/*.py in all: fold what scripts share into benchmarks/common.py
+OLDER_CODE = re.compile(r"before|after|round_(?:one|two|three)|session_change|_vs_|_old\b|previous")
+MACHINE_PATH = re.compile(r"(?<![\w.$])/(?:tmp|home|root|Users|work)/")
+
+
+def test_benchmarks_describe_today():
+    """Benchmark scripts stay small; results/ holds today's tables: none named after older code (history lives
+    in git and the CHANGELOG), none naming a machine's paths, no raw profiler trace."""
+    scripts = [os.path.join(REPO, "benchmarks", n) for n in os.listdir(os.path.join(REPO, "benchmarks"))
+               if n.endswith(".py")]
+    lines = sum(sum(1 for _ in open(p, encoding="utf-8")) for p in scripts)
+    assert 1000 < lines <= BENCHMARK_LINES, f"benchmarks/*.py: {lines} lines (at most {BENCHMARK_LINES})"
+    results = os.path.join(REPO, "benchmarks", "results")
+    checked = 0
+    for folder, _, files in os.walk(results):
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), results)
+            assert not OLDER_CODE.search(path), f"results/{path} is named after older code"
+            assert "_trace_" not in name or not name.endswith(".json"), f"results/{path}: a raw trace"
+            if name.endswith((".md", ".json", ".txt", ".log")):
+                checked += 1
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    found = MACHINE_PATH.search(f.read())
+                assert not found, f"results/{path} names a machine path ({found and found.group(0)})"
+    assert checked > 20  # the walk reads the results

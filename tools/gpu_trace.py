@@ -23,7 +23,7 @@ the driver API (`cuda_driver`: Triton kernels, some library kernels).
 Example:
 
 ```python
-events = load_events("benchmarks/results/erase_gpu_trace_2048.json")
+events = load_events("benchmarks/results/erase_gpu_trace_2048.json")  # erase_gpu.py writes it (not committed)
 print(step_metrics(events)["gpu_busy_fraction"], overlaps(block_ranges(events)))
 ```
 """
