@@ -1,25 +1,22 @@
 """The benchmarks' harness: every script times, summarises and writes its table through these.
 
-- Timing: `alternate(cells, repeats)` calls each cell once per round (round 0 a
-  warm-up), so load on a shared machine hits every cell alike; `spread` is a
-  measurement's median, min and max (`fmt_spread`: `median (min-max)`);
-  `paired_ratios` takes a ratio per repeat (two cells of the same round) and
-  summarises those, never a ratio of medians.
-- Throughput (`qps`, the ERASE paper's convention, `keras_erase.throughput`):
-  p50 and p90 of per-step examples/s after warm-up; p90 is the *fast* end.
-  Step-time percentiles (`step_ms_p50/p90`, p90 the slow end) go beside them.
-  `QPS_NOTE` says this in one line for tables.
-- Memory: `peak_extra_mb(call)` is the process's peak RSS during `call()`
-  above its RSS before (Linux `/proc/self/clear_refs` resets the peak).
-- Processes: `run_cell(argv)` runs this checkout's script in a fresh process
-  and reads the `ROW <json>` line its `emit_row` printed; `run_capped` runs a
-  command under an address-space cap and names an out-of-memory end as such.
+- Timing: `alternate(cells, repeats)` calls each cell once per round (round 0 a warm-up), so load on a shared
+  machine hits every cell alike; `spread` is a measurement's median, min and max (`fmt_spread`: `median
+  (min-max)`); `paired_ratios` takes a ratio per repeat (two cells of the same round) and summarises those,
+  never a ratio of medians.
+- Throughput (`qps`, the ERASE paper's convention, `keras_erase.throughput`): p50 and p90 of per-step
+  examples/s after warm-up; p90 is the *fast* end. Step-time percentiles (`step_ms_p50/p90`, p90 the slow end)
+  go beside them. `QPS_NOTE` says this in one line for tables.
+- Memory: `peak_extra_mb(call)` is the process's peak RSS during `call()` above its RSS before (Linux
+  `/proc/self/clear_refs` resets the peak).
+- Processes: `run_cell(argv)` runs this checkout's script in a fresh process and reads the `ROW <json>` line
+  its `emit_row` printed; `run_capped` runs a command under an address-space cap and names an out-of-memory
+  end as such.
 - Threads: `set_threads` in the process, `thread_env` for a child's XLA.
-- Writing: `write_results(prefix, title, what, command, info, table, payload)` writes
-  `prefix.md` (title, what each figure is, the command that reproduces it, the
-  machine line: platform, CPUs, threads, load average, commit) and
-  `prefix.json`. Results describe today's code; history lives in git and the
-  CHANGELOG, never in a result's name.
+- Writing: `write_results(prefix, title, what, command, info, table, payload)` writes `prefix.md` (title, what
+  each figure is, the command that reproduces it, the machine line: platform, CPUs, threads, load average,
+  commit) and `prefix.json`. Results describe today's code; history lives in git and the CHANGELOG, never in a
+  result's name.
 
 Example:
 
@@ -96,13 +93,14 @@ def rss_bytes(key="VmRSS"):
     return 0
 
 
-def peak_extra_mb(call):
-    """`(call's result, MB)`: the peak RSS during `call()` above the RSS before it (the peak reset first)."""
-    before = rss_bytes("VmRSS")
+def peak_extra_mb(call, base=None):
+    """`(call's result, MB)`: the peak RSS during `call()` (the peak reset first) above `base` bytes
+    (default: the RSS before the call; e.g. the RSS once a cell's inputs exist, before its warm-up)."""
+    base = rss_bytes("VmRSS") if base is None else base
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     result = call()
-    return result, (rss_bytes("VmHWM") - before) / 2**20
+    return result, (rss_bytes("VmHWM") - base) / 2**20
 
 
 def alternate(cells, repeats, block=lambda result: result, warmups=1, clock=None):

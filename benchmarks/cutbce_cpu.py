@@ -1,37 +1,28 @@
 """CutBCE and CutSoftmax vs dense Keras on CPU: forward+backward time and peak extra memory.
 
-Every cell runs in a fresh subprocess of this script (`--cell`); sections
-write `--out`'s prefix plus their suffix (`.md` and `.json`, through
-`benchmarks.common.write_results`):
+Every cell runs in a fresh subprocess of this script (`--cell`); sections write `--out`'s prefix plus their
+suffix (`.md` and `.json`, through `benchmarks.common.write_results`):
 
-- the full table (no flag, `cutbce_cpu`): per backend and shape (M, D, V),
-  each variant alone in a fresh process, its times and extra peak RSS:
-  `dense` (`keras.losses.binary_crossentropy(multi_hot, h @ E.T + b,
-  from_logits=True)` and its gradients for h, E, b; jit / tf.function),
-  `loss` (`weighted_loss_sum`, what `CutBCELoss` runs), `op`
-  (`sum(cut_binary_crossentropy)`, exact for any cotangent), the floor
-  `matmuls` (`h @ E.T`, `dZ @ E`, `dZ.T @ h` on the backend) plus
-  `elementwise` (softplus and sigmoid of M x V values, one XLA pass, on
-  JAX), and `topk_dense` / `topk_cut` (`top_k` of the logits vs
-  `cut_top_k`);
-- `--side-by-side` (`_side_by_side`): per backend and thread setting
-  (`--threads`, a comma list, default "default,1"), dense, loss and op (and
-  on JAX a pure-JAX scan-and-checkpoint operator) alternating in one
+- the full table (no flag, `cutbce_cpu`): per backend and shape (M, D, V), each variant alone in a fresh
+  process, its times and extra peak RSS: `dense` (`keras.losses.binary_crossentropy(multi_hot, h @ E.T + b,
+  from_logits=True)` and its gradients for h, E, b; jit / tf.function), `loss` (`weighted_loss_sum`, what
+  `CutBCELoss` runs), `op` (`sum(cut_binary_crossentropy)`, exact for any cotangent), the floor `matmuls` (`h
+  @ E.T`, `dZ @ E`, `dZ.T @ h` on the backend) plus `elementwise` (softplus and sigmoid of M x V values, one
+  XLA pass, on JAX), and `topk_dense` / `topk_cut` (`top_k` of the logits vs `cut_top_k`);
+- `--side-by-side` (`_side_by_side`): per backend and thread setting (`--threads`, a comma list, default
+  "default,1"), dense, loss and op (and on JAX a pure-JAX scan-and-checkpoint operator) alternating in one
   process, wall and CPU time over dense;
-- `--memory` (`_memory`): the extra peak RSS of the loss path at
-  (1024, 128, 262144), `--rounds` fresh processes per backend;
-- `--softmax` (`_softmax`): `CutSoftmaxLoss` and `cut_categorical_crossentropy`
-  against dense Keras softmax cross-entropy (and `F.linear_cross_entropy`
-  on torch), alternating per backend and shape, plus each one's extra peak
-  RSS in a fresh process at (1024, 128, 262144).
+- `--memory` (`_memory`): the extra peak RSS of the loss path at (1024, 128, 262144), `--rounds` fresh
+  processes per backend;
+- `--softmax` (`_softmax`): `CutSoftmaxLoss` and `cut_categorical_crossentropy` against dense Keras softmax
+  cross-entropy (and `F.linear_cross_entropy` on torch), alternating per backend and shape, plus each one's
+  extra peak RSS in a fresh process at (1024, 128, 262144).
 
-Extra peak memory is the process's peak RSS during the timed runs above its
-RSS once the inputs exist (`benchmarks.common.peak_extra_mb`, after the
-warm-up, so tracing and compilation are left out; the JSON also keeps the
-warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes
-`--memory-cap-gb` stops itself and is reported as out of memory.
-`--threads` sets torch's, TensorFlow's and (at 1) XLA's thread counts;
-"default" leaves each backend at its own, as users run it.
+Extra peak memory is the process's peak RSS during the timed runs above its RSS once the inputs exist
+(`benchmarks.common.peak_extra_mb`, after the warm-up, so tracing and compilation are left out; the JSON also
+keeps the warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes `--memory-cap-gb` stops itself and
+is reported as out of memory. `--threads` sets torch's, TensorFlow's and (at 1) XLA's thread counts; "default"
+leaves each backend at its own, as users run it.
 
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (about 25 min)
@@ -53,9 +44,8 @@ SCRIPT = os.path.abspath(__file__)
 BACKENDS = ["jax", "torch", "tensorflow"]
 SHAPES = [(4096, 64, 32768), (4096, 64, 131072), (1024, 128, 262144)]
 QUICK_SHAPES = [(512, 32, 4096)]
-FULL_VARIANTS = ("dense", "loss", "op", "matmuls", "topk_dense", "topk_cut")
+FULL_VARIANTS = "dense,loss,op,matmuls,elementwise,topk_dense,topk_cut"
 TOP_K = 10
-TARGETS = {32768: 0.5, 131072: 0.25, 262144: 0.4}  # loss / dense time, full table
 SIDE_BY_SIDE_SHAPE = (4096, 64, 32768)
 SIDE_BY_SIDE_TARGETS = {"loss": "<= 0.35", "op": "<= 0.5"}
 MEMORY_SHAPE = (1024, 128, 262144)
@@ -85,15 +75,6 @@ def _inputs(shape, seed=0):
     return hidden, table, bias, ids
 
 
-def _multi_hot_numpy(ids, vocab):
-    """Float32 `[rows, V]` multi-hot built by a scatter (no `[rows, L, V]` one-hot)."""
-    import numpy as np
-
-    targets = np.zeros((ids.shape[0], vocab), "float32")
-    targets[np.arange(ids.shape[0])[:, None], ids] = 1.0
-    return targets
-
-
 def _compiled(backend, fn):
     """`fn` under `jax.jit` / `tf.function`; eager on torch."""
     if backend == "jax":
@@ -108,11 +89,8 @@ def _compiled(backend, fn):
 
 
 def _value_and_grad_fn(backend, loss_fn):
-    """A compiled function `(h, E, b, *constants) -> (loss, grads of h, E, b)`.
-
-    Large constants (the dense targets) are arguments, not closures: a jitted
-    closure would embed them in the program.
-    """
+    """A compiled `(h, E, b, *constants) -> (loss, grads of h, E, b)`; constants (the dense targets) are
+    arguments, not closures, which a jitted function would embed in its program."""
     if backend == "jax":
         import jax
 
@@ -139,24 +117,16 @@ def _value_and_grad_fn(backend, loss_fn):
 
 
 def _leaves(result):
-    """The tensors of a nested tuple/list result.
-
-    (Not `keras.tree.flatten`: on torch its recursive helper closures form a
-    reference cycle that keeps the result, e.g. a 128 MB table gradient,
-    alive until the garbage collector runs, inflating the next run's peak.)
-    """
+    """The tensors of a nested result (not `keras.tree.flatten`, whose closures keep a torch result alive
+    in a reference cycle until the garbage collector runs, inflating the next run's peak)."""
     if isinstance(result, (tuple, list)):
         return [leaf for item in result for leaf in _leaves(item)]
     return [] if result is None else [result]
 
 
 def _block(result):
-    """Waits until every tensor of `result` is computed, without copying it to the host.
-
-    (Not `.numpy()` on a TensorFlow tensor: that copies it, e.g. a 128 MB
-    table gradient, into a new NumPy array, which the memory figures would
-    count. One element is read instead.)
-    """
+    """Waits until every tensor of `result` is computed without copying it to the host (on TensorFlow
+    one element is read: `.numpy()` would copy a 128 MB gradient, which the memory figures would count)."""
     import keras
 
     for x in _leaves(result):
@@ -182,13 +152,9 @@ def _tile(backend, shape):
 
 
 def _pure_jax_operator(ids, tile):
-    """A pure-JAX chunked BCE: `lax.scan` over vocabulary tiles under `jax.checkpoint`.
-
-    The operator a JAX user writes from the CutBCE/CCE idea without custom
-    kernels: per tile the logits, the tile's multi-hot from L compares, the
-    stable `softplus(z) - y z` (not exact at saturated positives), and
-    autodiff for the backward pass (which recomputes each tile's logits).
-    """
+    """The chunked BCE a JAX user writes without custom kernels: `lax.scan` over vocabulary tiles under
+    `jax.checkpoint`, per tile the logits, the multi-hot from L compares, the stable `softplus(z) - y z`
+    (not exact at saturated positives), autodiff for the backward (recomputing each tile's logits)."""
     import jax
     import jax.numpy as jnp
 
@@ -226,7 +192,9 @@ def _bce_cells(backend, shape, names):
     inputs = (hidden, table, bias)
 
     def dense():
-        targets = ops.convert_to_tensor(_multi_hot_numpy(_inputs(shape)[3], vocab))
+        multi_hot = np.zeros((rows, vocab), "float32")
+        multi_hot[np.arange(rows)[:, None], _inputs(shape)[3]] = 1.0  # a scatter: no [rows, L, V] one-hot
+        targets = ops.convert_to_tensor(multi_hot)
 
         def loss(h, t, b, targets):
             logits = ops.matmul(h, ops.transpose(t)) + b
@@ -325,8 +293,8 @@ def _softmax_cells(backend, shape, names):
 
 def _alone(run, inputs, repeats):
     """One variant alone in this process: its times and its extra peak RSS (MB), after a warm-up call."""
-    start = time.perf_counter()
-    _, first = peak_extra_mb(lambda: _block(run(*inputs)))  # the warm-up: tracing and compilation
+    base, start = rss_bytes("VmRSS"), time.perf_counter()
+    _, first = peak_extra_mb(lambda: _block(run(*inputs)), base)  # the warm-up: tracing and compilation
     first_s = time.perf_counter() - start
     gc.collect()
     times = []
@@ -338,7 +306,7 @@ def _alone(run, inputs, repeats):
             _block(run(*inputs))
             times.append(time.perf_counter() - begin)
 
-    _, peak = peak_extra_mb(timed)
+    _, peak = peak_extra_mb(timed, base)  # the timed calls' peak above the inputs' RSS
     return {"wall": spread(times), "times_s": times, "first_s": first_s, "peak_extra_mb": peak,
             "first_call_peak_extra_mb": first}
 
@@ -421,55 +389,21 @@ def _seconds(entry):
 
 
 def full_table(args):
-    """Per backend and shape, each variant alone in a fresh process: times and extra peak RSS."""
+    """Per backend and shape, each variant alone in a fresh process: its times and extra peak RSS."""
     shapes = _shapes(args, QUICK_SHAPES if args.quick else SHAPES)
-    repeats = 2 if args.quick else args.repeats
-    threads = args.threads or "default"
-    variants = [v for v in FULL_VARIANTS if not args.variants or v in args.variants.split(",")]
-
-    def alone(backend, variant, shape, reps):
-        return _run(args, backend, threads, shape, ["--cell", "alone", "--variants", variant,
-                                                    "--repeats", str(reps)])
-
-    floors = {shape: alone("jax", "elementwise", shape, repeats) if "matmuls" in variants else {}
-              for shape in shapes}
-    rows = []
-    for backend in args.backends.split(","):
-        for shape in shapes:
-            cells = {v: alone(backend, v, shape, max(2, repeats // 2) if v == "dense" else repeats)
-                     for v in variants}
-            rows.append({"backend": backend, "shape": shape, "cells": dict(cells, elementwise=floors[shape])})
-    lines = []
-    for row in rows:
-        c = row["cells"]
-        dense, loss, matmuls, elementwise = (_median(c.get(k)) for k in ("dense", "loss", "matmuls", "elementwise"))
-        floor = matmuls + elementwise if matmuls and elementwise else None
-        mb = lambda name: (c.get(name) or {}).get("peak_extra_mb")  # noqa: E731
-        lines.append({
-            "backend": row["backend"], "shape": ", ".join(map(str, row["shape"])),
-            **{name: _seconds(c.get(name)) for name in (*FULL_VARIANTS, "elementwise")},
-            "loss_dense": _fmt(_ratio(loss, dense), ".2f"), "target": f"<= {TARGETS[row['shape'][2]]}" if row["shape"][2] in TARGETS else "",
-            "op_dense": _fmt(_ratio(_median(c.get("op")), dense), ".2f"), "loss_floor": _fmt(_ratio(loss, floor), ".2f"),
-            **{f"{name}_mb": _fmt(mb(name), ".0f") for name in ("dense", "loss", "topk_dense", "topk_cut")},
-            "mem_ratio": _fmt(_ratio(mb("loss"), mb("dense")), ".2f"),
-        })
-    columns = ["backend", "shape", "dense", "loss", "loss_dense", "target", "op", "op_dense", "matmuls",
-               "elementwise", "loss_floor", "dense_mb", "loss_mb", "mem_ratio", "topk_dense", "topk_cut",
-               "topk_dense_mb", "topk_cut_mb"]
-    headers = ["backend", "M, D, V", "dense s", "CutBCELoss s", "loss/dense", "target", "op s", "op/dense",
-               "matmuls s", "elementwise s", "loss/floor", "dense extra MB", "loss extra MB",
-               "loss/dense mem", "top-k dense s", "cut_top_k s", "top-k dense MB", "cut_top_k MB"]
+    args.repeats = 2 if args.quick else args.repeats
+    rows, table = _compare(args, args.variants or FULL_VARIANTS, shapes, [args.threads or "default"], shapes,
+                           timed=False)
     what = (
-        "Forward + gradients of h, E, b (top-k: forward only), float32. Each variant alone in a fresh "
-        f"process: {repeats} timed calls after a warm-up call (dense: {max(2, repeats // 2)}), wall seconds, "
-        "median (min-max). CutBCELoss = `weighted_loss_sum` (what `CutBCELoss` runs), op = "
-        "`sum(cut_binary_crossentropy)`, both `implementation=\"chunked\"`; dense = Keras BCE on the "
-        "logits; floor = matmuls (`h @ E.T`, `dZ @ E`, `dZ.T @ h`) + elementwise (softplus and sigmoid of "
-        "M x V values, one jit-compiled pass on JAX). Extra MB: peak RSS of the timed calls above the RSS "
-        "once the inputs exist (the JSON also has the warm-up's, with tracing and compilation).")
+        "Forward + gradients of h, E, b (top-k: forward only), float32. Each variant alone in a fresh process: "
+        f"{args.repeats} timed calls after a warm-up call, wall seconds, median (min-max), and over the same "
+        "shape's dense. dense = Keras BCE on the logits; loss = `weighted_loss_sum` (what `CutBCELoss` runs), "
+        "op = `sum(cut_binary_crossentropy)`, both `implementation=\"chunked\"`; the floor = matmuls (`h @ E.T`, "
+        "`dZ @ E`, `dZ.T @ h`) + elementwise (softplus and sigmoid of M x V values, one jit-compiled pass, JAX). "
+        "Extra MB: peak RSS of the timed calls above the RSS once the inputs exist; first call MB: the "
+        "warm-up's, with tracing and compilation.")
     write_results(args.out, "CutBCE vs dense Keras BCE, forward+backward, float32, CPU", what, None,
-                  machine_info(threads=threads), markdown_table(lines, columns, headers),
-                  {"repeats": repeats, "rows": rows})
+                  machine_info(threads=args.threads or "default"), table, {"repeats": args.repeats, "rows": rows})
 
 
 LABELS = {
@@ -477,6 +411,8 @@ LABELS = {
     "pure_jax": "pure-JAX op (reference)", "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)",
     "cut_op": "`cut_categorical_crossentropy` (auto)",
     "torch_lce_chunked": "`F.linear_cross_entropy`, chunked options", "torch_lce": "`F.linear_cross_entropy`, reference",
+    "matmuls": "matmuls (floor)", "elementwise": "elementwise (floor, JAX)", "topk_dense": "top-k of dense logits",
+    "topk_cut": "`cut_top_k`",
 }
 SOFTMAX_VARIANTS = "dense,cut_loss,cut_op,torch_lce_chunked,torch_lce"
 
@@ -497,18 +433,18 @@ def _compare(args, variants, shapes, settings, memory_shapes, timed=True):
                         if shape in memory_shapes:
                             alone = _run(args, backend, threads, shape, ["--cell", "alone", "--variants", name,
                                                                          "--repeats", str(1 if timed else args.repeats)])
-                            entry.update({k: alone[k] for k in ("peak_extra_mb", "first_call_peak_extra_mb", "error")
-                                          if k in alone})
-                        rows.append(dict(where, variant=name, tile=timing.get("tile"), **entry))
+                            entry.update({k: alone[k] for k in alone if not timed or k in (
+                                "peak_extra_mb", "first_call_peak_extra_mb", "error")})
+                        rows.append(dict(where, variant=name, **{"tile": timing.get("tile"), **entry}))
                         over = lambda other, key: _fmt(_ratio(_median(entry, key), _median(cells.get(other), key)), ".2f")  # noqa: E731,B023
                         lines.append(dict(
-                            where, variant=LABELS[name], tile=timing.get("tile", "-"),
+                            where, variant=LABELS[name], tile=timing.get("tile") or entry.get("tile", "-"),
                             wall=_seconds(entry), cpu=fmt_spread(entry["cpu"]) if "cpu" in entry else "-",
                             wall_dense=over("dense", "wall"), cpu_dense=over("dense", "cpu"),
                             cpu_lce=over("torch_lce_chunked", "cpu"),
                             mb=_fmt(entry.get("peak_extra_mb"), ".0f"), first_mb=_fmt(entry.get("first_call_peak_extra_mb"), ".0f"),
                             target=(SIDE_BY_SIDE_TARGETS.get(name, "") if args.family == "bce" and timed
-                                    else f"< {MEMORY_TARGET_MB} MB" if not timed else ""),
+                                    else f"< {MEMORY_TARGET_MB} MB" if args.memory else ""),
                             error=timing.get("error") or entry.get("error", "")))
     columns = ["backend", "shape", "threads", "round", "tile", "variant", "wall", "cpu", "wall_dense", "cpu_dense",
                "cpu_lce", "mb", "first_mb", "target", "error"]

@@ -1,22 +1,20 @@
 """The vocabulary tile of CutBCE on torch CPU: time and memory of one training step per tile.
 
-For every shape (M rows, V items; D and L fixed), one process times the loss
-path `CutBCELoss` runs (`weighted_loss_sum`, forward + the gradients of h, E
-and b) at every tile width of the sweep, alternating (`benchmarks.common.
-alternate`: every tile once per round, after a warm-up round); the table gives
-medians over the rounds with their range. Figures per tile:
+For every shape (M rows, V items; D and L fixed), one process times the loss path `CutBCELoss` runs
+(`weighted_loss_sum`, forward + the gradients of h, E and b) at every tile width of the sweep, alternating
+(`benchmarks.common. alternate`: every tile once per round, after a warm-up round); the table gives medians
+over the rounds with their range. Figures per tile:
 
 - wall s: seconds of one step (what a user waits for);
-- CPU s: the process's CPU seconds in that step, all threads together (the
-  steadier figure on a shared machine, and the unit of the tile rule's target);
-- peak MB: one step's peak RSS above the RSS once the inputs exist, in a
-  fresh process per tile: the gradients (the `[V, D]` table's among them) and
-  the tile's buffers. (In the timing process freed buffers are reused by the
-  next tile, so its peaks would not tell the tiles apart.)
+- CPU s: the process's CPU seconds in that step, all threads together (the steadier figure on a shared
+  machine, and the unit of the tile rule's target);
+- peak MB: one step's peak RSS above the RSS once the inputs exist, in a fresh process per tile: the gradients
+  (the `[V, D]` table's among them) and the tile's buffers. (In the timing process freed buffers are reused by
+  the next tile, so its peaks would not tell the tiles apart.)
 
-The tiles swept are powers of two from 1024 to 65536 (`--tiles`; none whose
-four float32 `[M, tile]` buffers would pass 2 GiB) plus `default`, the tile
-`keras_cutbce.math.tiling` picks on torch CPU; ratios are over the default's.
+The tiles swept are powers of two from 1024 to 65536 (`--tiles`; none whose four float32 `[M, tile]` buffers
+would pass 2 GiB) plus `default`, the tile `keras_cutbce.math.tiling` picks on torch CPU; ratios are over the
+default's.
 
 Usage:
     python benchmarks/cutbce_torch_tile.py --vocab 100000  # 3 M x 8 tiles (about 40 min, 2 cores)

@@ -1,37 +1,30 @@
 """CutBCE on CUDA: the fused Triton kernels, compiled without a GPU, and measured on one.
 
-Deviceless (any host with Triton, `pip install ".[triton-compile]"`; no GPU,
-no CUDA driver):
+Deviceless (any host with Triton, `pip install ".[triton-compile]"`; no GPU, no CUDA driver):
 
     python benchmarks/cutbce_triton.py --deviceless
 
-compiles both kernels (their heaviest variants) of both loss families (BCE,
-softmax) with the static table's configuration for the compute capabilities
-the kernels run on (`config.COMPILED_ARCHS`: sm_80, sm_86, sm_89, sm_90, sm_100; 16-bit operands only on
-`config.HALF_ONLY_ARCHS`) at D in
-{32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at
-TF32), bfloat16 and float16, and prints registers, spill bytes, shared memory, the SASS
-instructions of the tile loop per logit (warp instructions of one iteration
-/ logits of the tile; the positives' inner loop counted once) and three
-lower bounds of one training step (loss + all gradients: both kernels) at
-the CutBCE paper's scale (16384 rows, V = 876000): instruction issue (4 warp
-instructions per clock per SM), matmul (the tensor cores' dense peak, or the
-FMA units' for full fp32) and HBM (each kernel re-reads the other operand once per block, an upper
-bound on traffic as L2 catches part of it). Writes
-`benchmarks/results/cutbce_triton_deviceless.json`.
+compiles both kernels (their heaviest variants) of both loss families (BCE, softmax) with the static table's
+configuration for the compute capabilities the kernels run on (`config.COMPILED_ARCHS`: sm_80, sm_86, sm_89, sm_90, sm_100; 16-bit
+operands only on `config.HALF_ONLY_ARCHS`) at D in {32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at TF32), bfloat16 and float16,
+and prints registers, spill bytes, shared memory, the SASS instructions of the tile loop per logit (warp
+instructions of one iteration / logits of the tile; the positives' inner loop counted once) and three lower
+bounds of one training step (loss + all gradients: both kernels) at the CutBCE paper's scale (16384 rows, V =
+876000): instruction issue (4 warp instructions per clock per SM), matmul (the tensor cores' dense peak, or
+the FMA units' for full fp32) and HBM (each kernel re-reads the other operand once per block, an upper bound
+on traffic as L2 catches part of it). Writes `benchmarks/results/cutbce_triton_deviceless.json`.
 
 On a GPU (the one GPU check, `scripts/gpu_check.sh`):
 
     python benchmarks/cutbce_triton.py --gpu --budget 120
 
-runs the sections of `benchmarks/cutbce_triton_gpu.py` within the budget (seconds):
-first-call JIT latency, parity against float64 (bf16, TF32, IEEE fp32; |z| up to 80),
-step and per-kernel times at L in {1, 8, 40} against the chunked loop and dense at
-(4096, 64, 100000) and (16384, 64, 876000), the float16 table-gradient zero fraction,
-a `mixed_bfloat16` fit step, graph breaks under `torch.compile`, a tile sweep and, where
-it runs, Nsight Compute's counters. Writes `benchmarks/results/cutbce_triton_gpu.json`
-and `.md`. `--gpu --cpu-dry-run` runs the same steps on tiny CPU shapes, the kernels in
-the Triton interpreter (checks the script; the numbers mean nothing).
+runs the sections of `benchmarks/cutbce_triton_gpu.py` within the budget (seconds): first-call JIT latency,
+parity against float64 (bf16, TF32, IEEE fp32; |z| up to 80), step and per-kernel times at L in {1, 8, 40}
+against the chunked loop and dense at (4096, 64, 100000) and (16384, 64, 876000), the float16 table-gradient
+zero fraction, a `mixed_bfloat16` fit step, graph breaks under `torch.compile`, a tile sweep and, where it
+runs, Nsight Compute's counters. Writes `benchmarks/results/cutbce_triton_gpu.json` and `.md`. `--gpu
+--cpu-dry-run` runs the same steps on tiny CPU shapes, the kernels in the Triton interpreter (checks the
+script; the numbers mean nothing).
 """
 
 import argparse
@@ -52,7 +45,7 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
-from benchmarks.common import command_line, markdown_table  # noqa: E402
+from benchmarks.common import command_line, markdown_table, write_json, write_text  # noqa: E402
 from tools.triton_deviceless import GPUS  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
@@ -198,7 +191,6 @@ def main(argv=None):
                                         "cutbce_triton_gpu_sections with --sections)")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     if args.deviceless:
         payload = deviceless(args.archs and tuple(int(a) for a in args.archs.split(",")))
         stem = "cutbce_triton_deviceless"
@@ -226,12 +218,8 @@ def main(argv=None):
         text = _gpu_markdown(payload)
         stem = args.stem or ("cutbce_triton_gpu" if args.sections is None else "cutbce_triton_gpu_sections")
     print(text)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write(text)
-    path = os.path.join(args.out, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    print(f"\nwrote {path}")
+    write_text(os.path.join(args.out, stem + ".md"), text)
+    write_json(os.path.join(args.out, stem + ".json"), payload)
     return 1 if args.gpu and payload["errors"] else 0
 
 

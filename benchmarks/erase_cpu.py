@@ -1,28 +1,22 @@
 """ERASE on CPU (torch): examples/s and host time per schedule, one section a run.
 
-Sections (the first argument; none: `epoch`); every cell is a fresh process
-(`benchmarks.common.run_cell`), its figures `benchmarks.common.qps` (p50/p90
-of per-step examples/s after the warm-up; p90 is the fast end, as in the
-ERASE paper):
+Sections (the first argument; none: `epoch`); every cell is a fresh process (`benchmarks.common.run_cell`),
+its figures `benchmarks.common.qps` (p50/p90 of per-step examples/s after the warm-up; p90 is the fast end, as
+in the ERASE paper):
 
-- `epoch`: the CTR model of `build_ctr_model` (six detached towers of three
-  `Dense(width, relu)` layers), for each (batch, width) and mode (`standard`,
-  `blocking`, `threaded`, `auto`), `--reps` processes each train a fresh model
-  for one epoch of `--epoch-steps` steps with `fit` (torch's default intra-op
-  threads): p50, p90 after the first `--warmup` steps and `epoch` (examples/s
-  of the whole epoch); the median over the processes with the spread, and
-  `auto / standard` per repetition (`paired_ratios`: the modes rotate within
-  a repetition). On a CPU `auto` is the standard step and measures nothing.
-- `handoff`: the examples' CTR model (`examples.ctr.model`, towers with
-  `detach_input=False`) per schedule: the shared embedding table's backwards
-  per step (a post-accumulate-grad hook, any thread) over `--count-steps`
-  steps, then p50/p90 and step ms of a `fit`.
-- `host-time`: the same model per schedule label (`standard`, `blocking`,
-  `threaded`, `streams`, `inline_streams`, each optionally `+graphs`):
-  the step time of a `fit` (on a CPU the whole step is host time). Block
-  streams run on the stand-in `tests/erase/fake_streams.py`, graphs on the
-  stand-in capture `RecordingCapture` (its Python replay, not a CUDA Graph's
-  launch).
+- `epoch`: the CTR model of `build_ctr_model` (six detached towers of three `Dense(width, relu)` layers), for
+  each (batch, width) and mode (`standard`, `blocking`, `threaded`, `auto`), `--reps` processes each train a
+  fresh model for one epoch of `--epoch-steps` steps with `fit` (torch's default intra-op threads): p50, p90
+  after the first `--warmup` steps and `epoch` (examples/s of the whole epoch); the median over the processes
+  with the spread, and `auto / standard` per repetition (`paired_ratios`: the modes rotate within a
+  repetition). On a CPU `auto` is the standard step and measures nothing.
+- `handoff`: the examples' CTR model (`examples.ctr.model`, towers with `detach_input=False`) per schedule:
+  the shared embedding table's backwards per step (a post-accumulate-grad hook, any thread) over
+  `--count-steps` steps, then p50/p90 and step ms of a `fit`.
+- `host-time`: the same model per schedule label (`standard`, `blocking`, `threaded`, `streams`,
+  `inline_streams`, each optionally `+graphs`): the step time of a `fit` (on a CPU the whole step is
+  host time). Block streams run on the stand-in `tests/erase/fake_streams.py`, graphs on the stand-in capture
+  `RecordingCapture` (its Python replay, not a CUDA Graph's launch).
 
 Usage:
 
@@ -56,44 +50,20 @@ CONFIGS = [(512, 256), (1024, 256)]
 MODES = ["standard", "blocking", "threaded", "auto"]
 
 
-def build_ctr_model(
-    width=256,
-    num_towers=6,
-    depth=3,
-    input_dim=256,
-    top_width=64,
-    loss_weight=0.1,
-    seed=0,
-    **model_kwargs,
-):
+def build_ctr_model(width=256, num_towers=6, depth=3, input_dim=256, top_width=64, loss_weight=0.1, seed=0,
+                    **model_kwargs):
     """CTR ranking model: `num_towers` detached dense towers on the same input, a top MLP.
 
-    Each tower is a `DetachBlock` with a `Dense(1)` logistic head and a BCE local
-    loss (weight `loss_weight`) inside an `EraseModel` (`model_kwargs` go to it,
-    e.g. `dispatch="threaded"`).
-
-    Example:
-
-    ```python
-    model = build_ctr_model(width=64, dispatch="auto")
-    model.compile(optimizer="adam", loss="binary_crossentropy")
-    ```
+    Each tower is a `DetachBlock` with a `Dense(1)` logistic head and a BCE local loss (weight
+    `loss_weight`) inside an `EraseModel` (`model_kwargs` go to it, e.g. `dispatch="threaded"`).
     """
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((input_dim,), name="features")
     towers = []
     for i in range(num_towers):
-        mlp = keras.Sequential(
-            [keras.layers.Dense(width, activation="relu") for _ in range(depth)], name=f"mlp_{i}"
-        )
-        block = DetachBlock(
-            mlp,
-            head=keras.layers.Dense(1, name=f"head_{i}"),
-            loss=keras.losses.BinaryCrossentropy(from_logits=True),
-            loss_weight=loss_weight,
-            name=f"tower_{i}",
-        )
-        towers.append(block(inputs))
+        mlp = keras.Sequential([keras.layers.Dense(width, activation="relu") for _ in range(depth)], name=f"mlp_{i}")
+        towers.append(DetachBlock(mlp, head=keras.layers.Dense(1, name=f"head_{i}"), name=f"tower_{i}",
+                                  loss=keras.losses.BinaryCrossentropy(from_logits=True), loss_weight=loss_weight)(inputs))
     hidden = keras.layers.Concatenate()(towers)
     hidden = keras.layers.Dense(top_width, activation="relu", name="top")(hidden)
     outputs = keras.layers.Dense(1, activation="sigmoid", name="ctr")(hidden)

@@ -1,38 +1,32 @@
 """Which loss should SASRec train with, and what does it cost? Every loss, one model.
 
-Runs `python -m examples.sasrec` once per (dataset, loss), each in its own process
-(so peak memory is its own) under an address-space cap (`--memory-cap-gib`,
-default 12 GiB), with the same model, seed, batch and evaluation for every loss:
+Runs `python -m examples.sasrec` once per (dataset, loss), each in its own process (so peak memory is its own)
+under an address-space cap (`--memory-cap-gib`, default 12 GiB), with the same model, seed, batch and
+evaluation for every loss:
 
-- `cutbce` (exact full-catalogue BCE, no logits), `dense` (the same BCE through the
-  logits), `sampled` with 1 negative per target (the original SASRec / keras-rs
-  recipe) and with 256, `softmax` (full-catalogue softmax cross-entropy), `cutsoftmax`
-  (the same softmax without logits);
-- on MovieLens `ml-latest-small` (`--movielens-dir`, read in place) for
-  `--epochs` epochs, evaluated after every epoch (leave-last-8-out, whole
-  catalogue, seen items excluded): the quality comparison;
-- on synthetic catalogues of 10^5 and 10^6 items for a few training steps: the
-  cost comparison (steps/s, peak RSS, whether it runs at all under the cap).
-  Quality after so few steps is not a result.
+- `cutbce` (exact full-catalogue BCE, no logits), `dense` (the same BCE through the logits), `sampled` with 1
+  negative per target (the original SASRec / keras-rs recipe) and with 256, `softmax` (full-catalogue softmax
+  cross-entropy), `cutsoftmax` (the same softmax without logits);
+- on MovieLens `ml-latest-small` (`--movielens-dir`, read in place) for `--epochs` epochs, evaluated after
+  every epoch (leave-last-8-out, whole catalogue, seen items excluded): the quality comparison;
+- on synthetic catalogues of 10^5 and 10^6 items for a few training steps: the cost comparison (steps/s, peak
+  RSS, whether it runs at all under the cap). Quality after so few steps is not a result.
 
-Writes a markdown table and JSON to `benchmarks/results/sasrec_losses.{md,json}` and
-the ndcg@10-per-epoch curves to `benchmarks/results/sasrec_losses.png`.
+Writes a markdown table and JSON to `benchmarks/results/sasrec_losses.{md,json}` and the ndcg@10-per-epoch
+curves to `benchmarks/results/sasrec_losses.png`.
 
-With `--seeds N` every (dataset, loss) runs with seeds 0..N-1 and the table gives
-mean +- sd over the seeds that trained; each run's row is cached as JSON in
-`--runs-dir` (default: the output path + `_runs/`), so an interrupted study resumes
-where it stopped and the cached runs are the study's raw record.
+With `--seeds N` every (dataset, loss) runs with seeds 0..N-1 and the table gives mean +- sd over the seeds
+that trained; each run's row is cached as JSON in `--runs-dir` (default: the output path + `_runs/`), so an
+interrupted study resumes where it stopped and the cached runs are the study's raw record.
 
-With `--speed` it runs no study: the training step of dense `softmax` against
-`cutsoftmax` (and any `--losses`), side by side, at the study's settings on
-ml-latest-small and at 10^5 synthetic items. Every cell is a fresh process
-(`run_cell`) training `--speed-steps` steps after `--warmup` warm-up steps
-(compilation), at `--threads` intra-op threads; its figure is the process CPU
-seconds per training step (all threads), with wall seconds per step and the load
-average beside it. The losses alternate within each round, so load from other
-jobs hits each alike; CPU time is less sensitive to that load than wall time.
-`--steps-1e5 0` leaves out the synthetic catalogue, no `--movielens-dir` MovieLens.
-Results: `benchmarks/results/sasrec_losses_speed.{md,json}`.
+With `--speed` it runs no study: the training step of dense `softmax` against `cutsoftmax` (and any
+`--losses`), side by side, at the study's settings on ml-latest-small and at 10^5 synthetic items. Every cell
+is a fresh process (`run_cell`) training `--speed-steps` steps after `--warmup` warm-up steps (compilation),
+at `--threads` intra-op threads; its figure is the process CPU seconds per training step (all threads), with
+wall seconds per step and the load average beside it. The losses alternate within each round, so load from
+other jobs hits each alike; CPU time is less sensitive to that load than wall time. `--steps-1e5 0` leaves out
+the synthetic catalogue, no `--movielens-dir` MovieLens. Results:
+`benchmarks/results/sasrec_losses_speed.{md,json}`.
 
 Usage (hold the benchmark lock; the 20-epoch seeded study takes hours on 2 cores):
 
@@ -55,7 +49,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.common import emit_row, machine_info, markdown_table, run_capped, run_cell  # noqa: E402
-from benchmarks.common import set_threads, thread_env, write_json, write_results, write_text  # noqa: E402
+from benchmarks.common import set_threads, thread_env, write_results  # noqa: E402
 from benchmarks.sasrec_study import load_runs, loss_name, parse_losses, plot_curves, run_missing  # noqa: E402
 from benchmarks.sasrec_study import speed_summaries, study_table, summarize  # noqa: E402
 
@@ -267,12 +261,8 @@ def main(argv=None):
         seeds=args.seeds, steps_1e5=args.steps_1e5, steps_1e6=args.steps_1e6,
         memory_cap_gib=args.memory_cap_gib, runs=len(rows),
         total_seconds=round(time.perf_counter() - start),
-        run_seconds=round(sum(r.get("wall_seconds", 0) for r in rows)),
-        load_average_1_5_15=[round(v, 2) for v in os.getloadavg()],
-    )
-    report = "\n".join([
-        "# SASRec: every loss, same model, same data, same evaluation",
-        "",
+        run_seconds=round(sum(r.get("wall_seconds", 0) for r in rows)))
+    what = (
         "hit@8, ndcg@10, recall@10: leave-last-8-out (each user's last 8 items held out, the "
         "whole catalogue ranked, items the user has seen excluded), after the last epoch; mean "
         "+- sample sd over the seeds that trained (seeds: how many). train steps/s: 1 / median "
@@ -281,22 +271,14 @@ def main(argv=None):
         f"own process, capped at {args.memory_cap_gib:g} GiB of address space. On the synthetic "
         "catalogues a run is only a few steps: its metrics are not a quality result, only its "
         "cost and whether it runs. Every run's row (seed, load average at its end) is in "
-        f"`{os.path.relpath(runs_dir, REPO)}/`.",
-        "",
-        "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
-        "",
-        study_table(summaries),
-    ])
+        f"`{os.path.relpath(runs_dir, REPO)}/`.")
     errors = [f"- {r['dataset']}, {r['loss']}: `{r['error']}`" for r in summaries if "error" in r]
-    if errors:
-        report += "\n\nErrors:\n\n" + "\n".join(errors)
-    print(report)
-    write_text(args.out + ".md", report)
-    write_json(args.out + ".json", {"machine": info, "summaries": summaries, "runs": rows})
+    table = study_table(summaries) + ("\n\nErrors:\n\n" + "\n".join(errors) if errors else "")
+    write_results(args.out, "SASRec: every loss, same model, same data, same evaluation", what, None, info, table,
+                  {"summaries": summaries, "runs": rows})
     curves = [r["dataset"] for r in summaries if r.get("ndcg@10_per_epoch")]
     if curves:
         print(f"wrote {plot_curves(summaries, args.out + '.png', curves[0])}")
-    print(f"wrote {args.out}.md and {args.out}.json")
     return summaries
 
 

@@ -1,23 +1,20 @@
 """Per-device memory of a CutBCE train step with the item table sharded 8 ways vs replicated.
 
 On 8 devices (8 simulated CPU devices unless real accelerators are present:
-`XLA_FLAGS=--xla_force_host_platform_device_count=8` is set for the child
-process), compiles `jit(value_and_grad)` of the summed CutBCE loss w.r.t.
-hidden states, table and bias, for:
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` is set for the child process), compiles
+`jit(value_and_grad)` of the summed CutBCE loss w.r.t. hidden states, table and bias, for:
 
-- `replicated`: data parallel, rows split 8 ways, the table and its gradient
-  on every device (the plain chunked kernel; XLA all-reduces the gradient);
-- `sharded`: the table split 8 ways along V (`P("model", None)`), the
-  vocab-sharded path (`keras_cutbce.backends.jax.sharded`);
-- `gspmd`: the same sharded table through the single-device chunked kernel,
-  left to XLA's automatic partitioner (what happens without the sharded
-  path).
+- `replicated`: data parallel, rows split 8 ways, the table and its gradient on every device (the plain
+  chunked kernel; XLA all-reduces the gradient);
+- `sharded`: the table split 8 ways along V (`P("model", None)`), the vocab-sharded path
+  (`keras_cutbce.backends.jax.sharded`);
+- `gspmd`: the same sharded table through the single-device chunked kernel, left to XLA's automatic
+  partitioner (what happens without the sharded path).
 
-Memory comes from the compiled executable's `memory_analysis()` (per device:
-the SPMD program is the per-device program): arguments, outputs (the
-gradients), temporaries, and their sum as the peak bound; plus the table and
-table-gradient bytes one device holds, from the shardings. (`memory_stats()`
-of CPU devices is None, so nothing is executed: only compiled.)
+Memory comes from the compiled executable's `memory_analysis()` (per device: the SPMD program is the
+per-device program): arguments, outputs (the gradients), temporaries, and their sum as the peak bound; plus
+the table and table-gradient bytes one device holds, from the shardings. (`memory_stats()` of CPU devices is
+None, so nothing is executed: only compiled.)
 
 Usage:
     python benchmarks/sharded_memory.py            # writes benchmarks/results/sharded_memory.{md,json}
