@@ -3,66 +3,60 @@ their overlap can exist, what it costs the host, and profiler traces of it.
 
 Models (`--models`):
 
-- `ctr`: the CTR example (`examples/ctr/model.py`): a shared embedding table, six
-  detached towers (DLRM/DCN/FM/wide interactions, `detach_input=False` so the local
-  losses train the table), a top MLP; synthetic Criteo-shaped data
-  (`examples/ctr/data.py`).
-- `mlp30`: the sanity check of ERASE's overlap: a 30-layer MLP cut into 6 detached
-  blocks of 5 Dense layers (a chain, each block with a logistic head and BCE), so
-  each block's backward can overlap the forward of the blocks after it.
+- `ctr`: the CTR example (`examples/ctr/model.py`): a shared embedding table, six detached towers
+  (DLRM/DCN/FM/wide interactions, `detach_input=False` so the local losses train the table), a top MLP;
+  synthetic Criteo-shaped data (`examples/ctr/data.py`).
+- `mlp30`: the sanity check of ERASE's overlap: a 30-layer MLP cut into 6 detached blocks of 5 Dense layers (a
+  chain, each block with a logistic head and BCE), so each block's backward can overlap the forward of the
+  blocks after it.
 
-Modes (`--modes`): the baselines a user has, in rising effort (`benchmarks.erase_gpu_plan.BASELINES`):
-`plain` (the same network without DetachBlocks, Keras's standard step), `plain+jit`
-(`jit_compile=True`: torch.compile), `plain+reduce_overhead` (torch.compile(mode="reduce-overhead")
-on the train step), `plain+graph` (the whole standard step, forward, loss, backward and
-optimizer, as one CUDA Graph: `whole_step_graph`; a cell that does not capture is reported
-as not feasible, with the capture's error), `standard` (the detached model's standard step);
-then the ERASE schedules `blocking`, `threaded`, `streams`, each also as `<mode>+graphs`, and
-`auto` / `auto+graphs` (their cells first run untimed steps until `auto` has chosen). Each cell
-builds its model once and runs `--warmup` untimed steps; each of `--repeats` (default 5) repeats
-is then 1 untimed and `--steps` timed steps of the live model (the clock read after
-`torch.cuda.synchronize()`; the host time until `train_on_batch` returned), the modes of a group
-alternating, so the repeats are paired: every mode's ratio to the best baseline is taken per
-repeat (median and range). NE: the plain and the detached CTR model after `--ne-steps` steps.
+Modes (`--modes`): the baselines a user has, in rising effort (`benchmarks.erase_gpu_plan.BASELINES`): `plain`
+(the same network without DetachBlocks, Keras's standard step), `plain+jit` (`jit_compile=True`:
+torch.compile), `plain+reduce_overhead` (torch.compile(mode="reduce-overhead") on the train step),
+`plain+graph` (the whole standard step, forward, loss, backward and optimizer, as one CUDA Graph:
+`whole_step_graph`; a cell that does not capture is reported as not feasible, with the capture's error),
+`standard` (the detached model's standard step); then the ERASE schedules `blocking`, `threaded`, `streams`,
+each also as `<mode>+graphs`, and `auto` / `auto+graphs` (their cells first run untimed steps until `auto` has
+chosen). Each cell builds its model once and runs `--warmup` untimed steps; each of `--repeats` (default 5)
+repeats is then 1 untimed and `--steps` timed steps of the live model (the clock read after
+`torch.cuda.synchronize()`; the host time until `train_on_batch` returned), the modes of a group alternating,
+so the repeats are paired: every mode's ratio to the best baseline is taken per repeat (median and range). NE:
+the plain and the detached CTR model after `--ne-steps` steps.
 
-Plans (`--plan`): `full` (below), `device` (the GPU check's cells: CTR at 2048 and 32768 with
-plain, plain+graph, plain+jit, standard, auto+graphs and the best fixed schedule;
-`DEVICE_PLAN_SECONDS`, no traces), `sweep` (batch x tower width on the CTR model, the 30-layer
-MLP and a small transformer with two detachment points).
+Plans (`--plan`): `full` (below), `device` (the GPU check's cells: CTR at 2048 and 32768 with plain,
+plain+graph, plain+jit, standard, auto+graphs and the best fixed schedule; `DEVICE_PLAN_SECONDS`, no traces),
+`sweep` (batch x tower width on the CTR model, the 30-layer MLP and a small transformer with two detachment
+points).
 
-Batches (`--batches`, default 2048, middle, 65536): 2048 is host-bound on an H200 (a
-few ms of GPU work per CTR step against tens of ms of host time), 65536 is GPU-bound;
-`middle` is chosen from the traces of the two ends as the power of two where the GPU
-time per step (linear in the batch) meets the host time: where overlap matters most.
+Batches (`--batches`, default 2048, middle, 65536): 2048 is host-bound on an H200 (a few ms of GPU work per
+CTR step against tens of ms of host time), 65536 is GPU-bound; `middle` is chosen from the traces of the two
+ends as the power of two where the GPU time per step (linear in the batch) meets the host time: where overlap
+matters most.
 
-Order (what the budget runs first): the traces (one `--trace-mode` step of the first
-model per batch, ends first: they give each batch's cost and the middle batch), the
-exactness check, then the cell groups by how much they tell: ctr at the middle batch,
-ctr at 65536, mlp30 at the middle, ctr at 2048, mlp30 at 65536 and 2048, the extra
-modes. A group starts only if all its cells, with their repeats, fit in what is left of
-`--budget` (estimated from the traces and the cells run so far); one that does not is
-listed as not run, and a smaller one may still run. Between groups: `gc.collect()` (a
-model's worker thread lives until the cyclic collector runs) and
-`torch.cuda.empty_cache()`.
+Order (what the budget runs first): the traces (one `--trace-mode` step of the first model per batch, ends
+first: they give each batch's cost and the middle batch), the exactness check, then the cell groups by how
+much they tell: ctr at the middle batch, ctr at 65536, mlp30 at the middle, ctr at 2048, mlp30 at 65536 and
+2048, the extra modes. A group starts only if all its cells, with their repeats, fit in what is left of
+`--budget` (estimated from the traces and the cells run so far); one that does not is listed as not run, and a
+smaller one may still run. Between groups: `gc.collect()` (a model's worker thread lives until the cyclic
+collector runs) and `torch.cuda.empty_cache()`.
 
-Measured per cell (`benchmarks.common.QPS_NOTE`): p50/p90 QPS and step times, host
-time per step, `max_memory_allocated` (MiB, reset per cell) and, for graph modes,
-captures, replays and the MiB the graphs' memory pools hold; from one profiled step
-after the timed steps of the first repeat (`tools.gpu_trace.step_metrics`): the
-GPU-busy fraction, the overlapped kernel-time fraction (kernels of two or more streams
-at once, over the GPU-busy time) and the host time of the main thread, the backward
-worker and autograd's device thread.
+Measured per cell (`benchmarks.common.QPS_NOTE`): p50/p90 QPS and step times, host time per step,
+`max_memory_allocated` (MiB, reset per cell) and, for graph modes, captures, replays and the MiB the graphs'
+memory pools hold; from one profiled step after the timed steps of the first repeat
+(`tools.gpu_trace.step_metrics`): the GPU-busy fraction, the overlapped kernel-time fraction (kernels of two
+or more streams at once, over the GPU-busy time) and the host time of the main thread, the backward worker and
+autograd's device thread.
 
-Exactness (after the traces): every early mode's weights after a few SGD steps
-(graph modes: warm-up, capture and replays) from the same weights and batch, against
-the standard step's, with TF32 off; above `EXACTNESS_TOLERANCE` is an error.
+Exactness (after the traces): every early mode's weights after a few SGD steps (graph modes: warm-up, capture
+and replays) from the same weights and batch, against the standard step's, with TF32 off; above
+`EXACTNESS_TOLERANCE` is an error.
 
-`--strict` (what `scripts/gpu_check.sh` runs) fails on what must hold on any GPU: a
-graph mode that did not capture and replay its blocks (or refused one), an exactness
-error, a cell or trace that raised, and, in a trace where the GPU was busy for at
-least `DEVICE_BOUND` of the step (so that both streams had work queued), no block
-backward overlapping a later block's forward. At a host-bound batch the overlap is
-reported, never asserted.
+`--strict` (what `scripts/gpu_check.sh` runs) fails on what must hold on any GPU: a graph mode that did not
+capture and replay its blocks (or refused one), an exactness error, a cell or trace that raised, and, in a
+trace where the GPU was busy for at least `DEVICE_BOUND` of the step (so that both streams had work queued),
+no block backward overlapping a later block's forward. At a host-bound batch the overlap is reported, never
+asserted.
 
 Usage:
 
@@ -88,25 +82,12 @@ if REPO not in sys.path:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import QPS_NOTE  # noqa: E402
-from benchmarks.common import machine_info  # noqa: E402
-from benchmarks.common import markdown_table  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import QPS_NOTE, machine_info, markdown_table, write_results  # noqa: E402
 from keras_erase.throughput import throughput_percentiles  # noqa: E402
 from tools import gpu_trace  # noqa: E402
-from benchmarks.erase_gpu_plan import MIDDLE  # noqa: E402
-from benchmarks.erase_gpu_plan import Budget  # noqa: E402
-from benchmarks.erase_gpu_plan import NotFeasible  # noqa: E402
-from benchmarks.erase_gpu_plan import model_spec  # noqa: E402
-from benchmarks.erase_gpu_plan import auto_window  # noqa: E402
-from benchmarks.erase_gpu_plan import steps_until_chosen  # noqa: E402
-from benchmarks.erase_gpu_plan import summarize  # noqa: E402
-from benchmarks.erase_gpu_plan import build_parser  # noqa: E402
-from benchmarks.erase_gpu_plan import choose_middle  # noqa: E402
-from benchmarks.erase_gpu_plan import graph_problems  # noqa: E402
-from benchmarks.erase_gpu_plan import parse_mode  # noqa: E402
-from benchmarks.erase_gpu_plan import resolve  # noqa: E402
-from benchmarks.erase_gpu_plan import run_cells  # noqa: E402
+from benchmarks.erase_gpu_plan import MIDDLE, Budget, NotFeasible, model_spec, auto_window  # noqa: E402
+from benchmarks.erase_gpu_plan import steps_until_chosen, summarize, build_parser, choose_middle  # noqa: E402
+from benchmarks.erase_gpu_plan import graph_problems, parse_mode, resolve, run_cells  # noqa: E402
 
 MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
 DEVICE_BOUND = 0.9  # GPU-busy fraction of a trace above which the overlap is asserted (--strict)

@@ -1,8 +1,8 @@
 """The plan of `benchmarks/erase_gpu.py`: its modes and arguments, the middle batch, the budget and
 the order of the cell groups (the benchmark's docstring says why); what a CPU test can check of it.
 
-The cells themselves (models, timing, traces) are the benchmark's: `run_cells` is given
-`run_cell(model_name, mode, batch, profile_path)` and `release()` (between cells).
+The cells themselves (models, timing, traces) are the benchmark's: `run_cells` is given `run_cell(model_name,
+mode, batch, profile_path)` and `release()` (between cells).
 """
 
 import argparse
