@@ -7,6 +7,7 @@ from keras_cutbce.metrics import MeanReciprocalRank, OutOfRangeTargets, Threshol
 from keras_cutbce.metrics import TopKRetrieval
 from keras_cutbce.ops import cut_binary_crossentropy
 from keras_cutbce.ops import cut_top_k
+from keras_cutbce.sampled import SampledSoftmaxLoss, cut_sampled_softmax_crossentropy
 from keras_cutbce.softmax import CutSoftmaxLoss, cut_categorical_crossentropy
 from keras_cutbce.version import __version__
 
@@ -16,11 +17,13 @@ __all__ = [
     "ItemEmbedding",
     "MeanReciprocalRank",
     "OutOfRangeTargets",
+    "SampledSoftmaxLoss",
     "ThresholdConfusion",
     "TopKRetrieval",
     "count_out_of_range_ids",
     "cut_binary_crossentropy",
     "cut_categorical_crossentropy",
+    "cut_sampled_softmax_crossentropy",
     "cut_top_k",
     "multi_hot_to_ids",
     "seen_items",

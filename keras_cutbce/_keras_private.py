@@ -12,6 +12,8 @@
    never update is refused; the walk reads code names only.
 7. Metric names in the logs (`CompileMetrics.result`'s `name` local): a
    metric prefixes its dict keys with the name Keras logs it under.
+8. JAX trainer's optimizer state (call stack): `SampledSoftmaxLoss` draws
+   each step's negatives from the step's traced `iterations`.
 Nothing else in `keras_cutbce` imports `keras.src` or inspects the call stack.
 """
 
@@ -76,6 +78,24 @@ def jax_step_state():
         values = list(state[0]) + list(state[1])
         if len(references) == len(values):
             return {id(ref): value for ref, value in zip(references, values)}
+    return None
+
+
+def jax_step_iterations():
+    """The traced `optimizer.iterations` of the JAX trainer step running now, or None."""
+    for frame in _frames_named(*_JAX_STEPS):
+        model, state = frame.f_locals.get("self"), frame.f_locals.get("state")
+        optimizer = getattr(model, "optimizer", None)
+        if not isinstance(model, keras.Model) or optimizer is None:
+            continue
+        if not isinstance(state, (tuple, list)) or len(state) < 3:
+            continue
+        references, values = list(optimizer.variables), list(state[2])
+        if len(references) != len(values):
+            continue
+        for reference, value in zip(references, values):
+            if reference is optimizer.iterations:
+                return value
     return None
 
 

@@ -23,14 +23,17 @@ __all__ = [
     "check_id_list",
     "check_int",
     "check_k",
+    "check_log_q",
     "check_label_smoothing",
     "check_pos_weight",
     "check_probability",
     "check_sample_weight",
+    "check_bool",
     "int32_ids",
     "is_float",
     "is_int",
     "loss_options",
+    "negative_ids",
     "static_dims",
 ]
 
@@ -256,6 +259,13 @@ def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
     return shape
 
 
+def _host_or_tensor(ids):
+    """`(ids, host)`: host integer ids as a NumPy array, anything else as a tensor."""
+    if is_host_array(ids) and np.asarray(ids).dtype.kind in "iu":
+        return np.asarray(ids), True
+    return ops.convert_to_tensor(ids), False
+
+
 def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     """Ids checked for `hidden [..., D]`: int32 `[..., L]`, `EMPTY_ID` outside `[0, V)`, multi-hot refused.
 
@@ -263,11 +273,8 @@ def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     >>> np.asarray(int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")).tolist()
     [[0], [-1], [-1]]
     """
-    host = is_host_array(ids) and np.asarray(ids).dtype.kind in "iu"
-    if host:
-        ids = np.asarray(ids)
-    else:
-        ids = ops.convert_to_tensor(ids)
+    ids, host = _host_or_tensor(ids)
+    if not host:
         if not is_int(ids):
             hint = ""
             if isinstance(vocab_size, int) and static_dims(ids)[-1:] == (vocab_size,):
@@ -304,3 +311,48 @@ def check_sample_weight(weight_dims, loss_dims, received=None):
             "example or per position, with an optional trailing axis of size 1. "
             f"Received: sample_weight.shape={shown}"
         )
+
+
+def check_bool(value, argument):
+    """Returns `value`, a Python (or NumPy) bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{argument}` must be a bool. Received: {argument}={value!r}")
+    return bool(value)
+
+
+def negative_ids(ids, vocab_size):
+    """Negative ids checked: int32 `[S]` shared by every position, `EMPTY_ID` outside `[0, V)`.
+
+    >>> import numpy as np
+    >>> np.asarray(negative_ids(np.array([4, 0, 9]), 5)).tolist()
+    [4, 0, -1]
+    """
+    ids, host = _host_or_tensor(ids)
+    if not host and not is_int(ids):
+        raise TypeError(
+            "`negative_ids` must be integer item ids (outside [0, V): padding). "
+            f"Received: negative_ids.dtype={_dtype(ids)}"
+        )
+    dims = static_dims(ids)
+    if len(dims) != 1:
+        raise ValueError(
+            "`negative_ids` must have shape [S]: one list of negatives shared by every "
+            f"position. Received: negative_ids.shape={dims}"
+        )
+    return ids_as_int32(ids, vocab_size)
+
+
+def check_log_q(log_q, table, argument="log_q"):
+    """Returns None or `log_q` as a float tensor `[V]` for `table [V, D]`."""
+    if log_q is None:
+        return None
+    log_q = ops.convert_to_tensor(log_q)
+    dims, vocab = static_dims(log_q), static_dims(table)[0]
+    if len(dims) != 1 or None not in (dims[0], vocab) and dims[0] != vocab:
+        raise ValueError(
+            f"`{argument}` must have shape [V] = [{vocab}]: the sampler's log-probability of "
+            f"every item. Received: {argument}.shape={dims}"
+        )
+    if not is_float(log_q):
+        raise TypeError(f"`{argument}` must be float. Received: {argument}.dtype={_dtype(log_q)}")
+    return log_q

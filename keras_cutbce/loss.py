@@ -75,15 +75,13 @@ class CutLoss(keras.losses.Loss):
             inputs = cut_ops.loss_inputs(y_pred, table, y_true, bias)
             sample_weight = self._sample_weight(sample_weight, y_pred)
             if self.reduction in (None, "none"):
-                losses = ops.reshape(
-                    cut_ops.per_position_loss(inputs, self._options), inputs.lead_shape
-                )
+                losses = ops.reshape(self._per_position(inputs), inputs.lead_shape)
                 return _keras_private.reduce_weighted_values(
                     losses, sample_weight=self._merge_mask(sample_weight, mask),
                     reduction=self.reduction, dtype=self.dtype,
                 )
             weights = self._row_weights(y_pred, sample_weight, mask)
-            total = cut_ops.loss_sum(inputs, self._options, weights)
+            total = self._loss_sum(inputs, weights)
             total = ops.cast(total, self.dtype)
             if self.reduction != "sum":
                 total = _keras_private.scale_loss_for_distribution(total)
@@ -214,7 +212,15 @@ class CutLoss(keras.losses.Loss):
         """Computes the per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
         y_pred, table, bias = self._tables(y_pred)
         inputs = cut_ops.loss_inputs(y_pred, table, y_true, bias)
-        return ops.reshape(cut_ops.per_position_loss(inputs, self._options), inputs.lead_shape)
+        return ops.reshape(self._per_position(inputs), inputs.lead_shape)
+
+    def _per_position(self, inputs):
+        """The flat float32 loss `[M]` of checked `LossInputs` (a subclass's own op overrides it)."""
+        return cut_ops.per_position_loss(inputs, self._options)
+
+    def _loss_sum(self, inputs, row_weights):
+        """`sum(row_weights * loss)`, fused where the op has it."""
+        return cut_ops.loss_sum(inputs, self._options, row_weights)
 
     def get_config(self):
         """The config, the table (and bias) saved as variable paths (re-bound on `load_model`)."""

@@ -19,6 +19,11 @@ checked: ids int32 with padding `EMPTY_ID`; the kernels trust their inputs):
   reduces its `cut_bce`;
 - `cut_softmax(hidden, table, ids, bias, *, label_smoothing, chunk_size)` and
   `cut_softmax_weighted_sum(...)`: the same for the softmax cross-entropy;
+- `cut_sampled_softmax(hidden, table, ids, bias, negatives [S], *, log_q [V] |
+  None, negative_log_q [S] | None, remove_accidental_hits, temperature) -> loss
+  [M] float32`: the softmax over each row's targets and the shared negatives
+  (`keras_cutbce.math.sampled`); `"gather"` reads only those rows, on every
+  backend, and takes no `chunk_size`;
 - `top_k(hidden, table, k, bias, exclude_ids [M, X] | None, *, chunk_size)
   -> (scores [M, k] float32, ids [M, k] int32)`, sorted descending, ties to
   the lower id; a slot no item can fill gets `-inf` and `EMPTY_ID`; exclusions
@@ -149,6 +154,10 @@ IMPLEMENTATIONS = {
         },
         "triton": {"torch": f"{_TORCH}.triton.launch:cut_softmax_weighted_sum"},
         "pallas": {"jax": f"{_JAX}.pallas:cut_softmax_weighted_sum"},
+    },
+    "cut_sampled_softmax": {
+        "gather": {ANY_BACKEND: "keras_cutbce.math.sampled:cut_sampled_softmax"},
+        "reference": {ANY_BACKEND: "keras_cutbce.math.reference:cut_sampled_softmax"},
     },
     "top_k": {
         "chunked": {
@@ -334,7 +343,7 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
     if not has(op, route, backend):
         return None
     kernel = get(op, route, backend)
-    if route == "reference":
+    if route in ("reference", "gather"):  # no tiles
         return kernel(hidden, table.value, *args, **kwargs)
     if route == "sharded":
         kwargs["sharding"] = table.sharding

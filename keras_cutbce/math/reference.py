@@ -55,3 +55,20 @@ def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0):
     # An item without target weight adds nothing, even at a logit of -inf (not `0 * -inf`).
     loss = ops.logsumexp(z, axis=-1) - ops.sum(ops.where(y > 0, y * z, 0.0), axis=-1)
     return ops.where(count > 0, loss, 0.0)
+
+
+def cut_sampled_softmax(hidden, table, ids, bias, negatives, *, log_q=None, negative_log_q=None,
+                        remove_accidental_hits=True, temperature=1.0):
+    """The dense `cut_sampled_softmax`: the candidates' columns of the dense float32 logits."""
+    from keras_cutbce.math.positives import distinct_targets
+    from keras_cutbce.math.sampled import candidate_logits
+    from keras_cutbce.math.sampled import sampled_softmax_loss
+
+    z = logits(hidden, table, bias)
+    safe, keep = distinct_targets(ids, ops.shape(table)[0])
+    z_n = ops.take(z, ops.where(negatives < 0, ops.zeros_like(negatives), negatives), axis=1)
+    z_t, z_n = candidate_logits(ops.take_along_axis(z, safe, axis=1), z_n, safe, keep, negatives,
+                                log_q=log_q, negative_log_q=negative_log_q,
+                                remove_accidental_hits=remove_accidental_hits,
+                                temperature=temperature)
+    return sampled_softmax_loss(z_t, z_n, keep)
