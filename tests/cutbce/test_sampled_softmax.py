@@ -440,3 +440,21 @@ def test_fit_under_mixed_precision_is_as_exact_as_the_dense_low_precision_model(
                           loss=SampledSoftmaxLoss(items, 8, sampler="log_uniform", seed=2))
             losses[name] = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history["loss"]
     np.testing.assert_allclose(losses[policy], losses["float32"], rtol=2e-2)
+
+
+def test_each_compiled_step_draws_the_seeds_next_negatives():
+    """`train_on_batch` at learning rate 0 (compiled on JAX and TensorFlow): step k's loss is the op's
+    with the seed's k-th draw, so the draws advance inside the compiled step."""
+    rng = np.random.default_rng(5)
+    items, model = _fit_model(2)
+    x, y = rng.integers(0, V, size=(4, 3)), rng.integers(0, V, size=(4, 3, 2))
+    model.compile(optimizer=keras.optimizers.SGD(0.0),
+                  loss=SampledSoftmaxLoss(items, 5, sampler="log_uniform", seed=7))
+    got = [float(np.ravel(model.train_on_batch(x, y))[0]) for _ in range(3)]
+    hidden = model.predict(x, verbose=0)
+    twin = SampledSoftmaxLoss(items, 5, sampler="log_uniform", seed=7)
+    log_q = samplers.make_sampler("log_uniform", V).log_q()
+    want = [float(ops.mean(cut_sampled_softmax_crossentropy(hidden, items, y, twin.draw(V), log_q=log_q)))
+            for _ in range(3)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert len(set(np.round(got, 6))) == 3
