@@ -15,7 +15,7 @@ from examples import (
     unit_interval,
 )
 
-LOSSES = ("cutbce", "dense", "sampled", "softmax", "cutsoftmax")
+LOSSES = ("cutbce", "dense", "sampled", "softmax", "cutsoftmax", "sampledsoftmax")
 DESCRIPTION = (
     "Train and evaluate the multi-label SASRec: every non-padding position predicts its next "
     "8 items; each user's last 8 items are held out and ranked against the whole catalogue, "
@@ -30,9 +30,17 @@ def build_parser():
                              "BCE through the full logits; sampled: BCE on each positive and "
                              "--num-negatives uniform negatives; softmax: full-catalogue "
                              "softmax cross-entropy; cutsoftmax: that softmax without "
-                             "logits (keras_cutbce's CutSoftmaxLoss op)")
-    parser.add_argument("--num-negatives", type=positive_int, default=1,
-                        help="--loss sampled: negatives per target (1: the SASRec recipe)")
+                             "logits (keras_cutbce's CutSoftmaxLoss op); sampledsoftmax: "
+                             "keras_cutbce.SampledSoftmaxLoss, --num-negatives shared negatives")
+    parser.add_argument("--num-negatives", type=int, default=1,
+                        help="--loss sampled: negatives per target (1: the SASRec recipe); "
+                             "sampledsoftmax: negatives per step (0: in-batch only)")
+    parser.add_argument("--sampler", choices=["uniform", "popularity"], default="uniform",
+                        help="--loss sampledsoftmax: uniform, or by training frequency")
+    parser.add_argument("--no-logq-correction", action="store_true",
+                        help="--loss sampledsoftmax: no logQ correction")
+    parser.add_argument("--in-batch-negatives", action="store_true",
+                        help="--loss sampledsoftmax: the batch's targets are negatives too")
     parser.add_argument("--data", choices=["synthetic", "movielens", "yambda"],
                         default="synthetic", help="dataset")
     parser.add_argument("--data-dir", default=None,
@@ -69,8 +77,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.dim % 2:
         parser.error(f"--dim must be even (two attention heads), got {args.dim}")
-    if args.loss != "sampled" and args.num_negatives != 1:
-        parser.error("--num-negatives applies to --loss sampled only")
+    sampled = args.loss in ("sampled", "sampledsoftmax")
+    if not sampled and args.num_negatives != 1:
+        parser.error("--num-negatives applies to --loss sampled and sampledsoftmax only")
+    if args.num_negatives < (0 if args.in_batch_negatives else 1):
+        parser.error(f"--num-negatives must be >= 1 (0 with --in-batch-negatives), got {args.num_negatives}")
     if args.data == "synthetic" and args.num_items < 2:
         parser.error("--num-items must be >= 2")
     if args.data == "yambda" and args.data_dir is None:

@@ -11,6 +11,8 @@ def run_name(results):
     """
     if results.get("loss") == "sampled":
         return f"sampled ({results['num_negatives']} neg.)"
+    if results.get("loss") == "sampledsoftmax":
+        return results["variant"]
     return results.get("loss", results.get("loss_kind"))
 
 

@@ -140,18 +140,31 @@ def retrieval_metrics(model, items, bias, inputs, held_out, seen, batch_size=256
     against the whole item table (the `items` Embedding) plus the output
     `bias`, seen ids excluded.
     """
-    from keras_cutbce.metrics import TopKRetrieval
+    from keras_cutbce.metrics import MeanReciprocalRank, TopKRetrieval
 
     hidden = model.predict(inputs, batch_size=batch_size, verbose=0)[:, -1, :]
-    metric = TopKRetrieval(items, bias=bias, k=KS, exclude_ids=[0])  # row 0 is padding
-    for start in range(0, len(hidden), batch_size):
-        stop = start + batch_size
-        metric.update_state(held_out[start:stop], hidden[start:stop], exclude_ids=seen[start:stop])
-    return {name: float(keras.ops.convert_to_numpy(value)) for name, value in metric.result().items()}
+    metrics = [TopKRetrieval(items, bias=bias, k=KS, exclude_ids=[0]),  # row 0 is padding
+               MeanReciprocalRank(items, bias=bias, exclude_ids=[0])]
+    out = {}
+    for metric in metrics:
+        for start in range(0, len(hidden), batch_size):
+            stop = start + batch_size
+            metric.update_state(held_out[start:stop], hidden[start:stop], exclude_ids=seen[start:stop])
+        out.update({name: float(keras.ops.convert_to_numpy(v)) for name, v in metric.result().items()})
+    return out
 
 
-def make_loss(kind, items, bias, pos_weight=1.0, num_negatives=1):
+def make_loss(kind, items, bias, pos_weight=1.0, num_negatives=1, args=None, counts=None):
     """The `--loss` object, reading the model's item table and output bias."""
+    if kind == "sampledsoftmax":  # row 0 (padding) is never drawn: a count of 0
+        from keras_cutbce import SampledSoftmaxLoss
+
+        uniform = np.ones_like(counts)
+        uniform[0] = 0
+        return SampledSoftmaxLoss(
+            items, num_negatives, bias=bias, sampler=counts if args.sampler == "popularity" else uniform,
+            in_batch_negatives=args.in_batch_negatives, item_counts=counts,
+            logq_correction=not args.no_logq_correction, seed=args.seed)
     if kind == "cutbce":
         from keras_cutbce import CutBCELoss
 
@@ -212,7 +225,8 @@ def run(args, callbacks=()):
     bias = model.get_layer("item_bias").bias
     model.compile(
         optimizer=keras.optimizers.Adam(args.learning_rate),
-        loss=make_loss(args.loss, items, bias, args.pos_weight, args.num_negatives),
+        loss=make_loss(args.loss, items, bias, args.pos_weight, args.num_negatives, args,
+                       data_lib.item_counts(train, num_items)),
     )
 
     def evaluate():
@@ -250,6 +264,8 @@ def run(args, callbacks=()):
         "num_negatives": args.num_negatives if args.loss == "sampled" else None,
         "train_loss": float(history.history["loss"][-1]),
         "hit@8": model_metrics["hit@8"],
+        "hit@10": model_metrics["hit@10"],
+        "mrr": model_metrics["mrr"],
         "ndcg@10": model_metrics["ndcg@10"],
         "recall@10": model_metrics["recall@10"],
         "popularity_hit@8": popular["hit@8"],
@@ -267,10 +283,20 @@ def run(args, callbacks=()):
         "epochs": args.epochs,
         "steps": len(timer.times),
     }
+    if args.loss == "sampledsoftmax":
+        results["variant"] = sampled_softmax_variant(args)
     if per_epoch is not None:
         for key in ("hit@8", "ndcg@10", "recall@10"):
             results[f"{key}_per_epoch"] = [m[key] for m in per_epoch.history]
     return results
+
+
+def sampled_softmax_variant(args):
+    """The row name of a `--loss sampledsoftmax` run: its negatives and correction."""
+    parts = [f"{args.num_negatives} {args.sampler}"] if args.num_negatives else []
+    parts += ["in-batch"] * args.in_batch_negatives
+    correction = "no logQ" if args.no_logq_correction else "logQ"
+    return f"sampled softmax ({' + '.join(parts)}, {correction})"
 
 
 def main(argv=None):

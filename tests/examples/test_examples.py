@@ -270,7 +270,7 @@ def test_popularity_metrics_agree_with_top_k_retrieval():
 
 
 @needs_metrics
-@pytest.mark.parametrize("loss", ["cutbce", "dense", "sampled", "softmax", "cutsoftmax"])
+@pytest.mark.parametrize("loss", ["cutbce", "dense", "sampled", "softmax", "cutsoftmax", "sampledsoftmax"])
 @pytest.mark.slow
 def test_sasrec_end_to_end(tmp_path, loss):
     from examples.sasrec.train import main
@@ -283,7 +283,7 @@ def test_sasrec_end_to_end(tmp_path, loss):
     assert written["num_negatives"] == (1 if loss == "sampled" else None)
     assert written["num_items"] == 150 and written["steps"] == 3
     assert np.isfinite(written["train_loss"]) and written["train_loss"] > 0
-    for key in ("hit@8", "ndcg@10", "recall@10", "popularity_hit@8"):
+    for key in ("hit@8", "hit@10", "mrr", "ndcg@10", "recall@10", "popularity_hit@8"):
         assert 0.0 <= written[key] <= 1.0
     assert written["peak_memory_mb"] > 10 and written["steps_per_second"] > 0
     assert results["hit@8"] == written["hit@8"]
