@@ -458,3 +458,22 @@ def test_each_compiled_step_draws_the_seeds_next_negatives():
             for _ in range(3)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert len(set(np.round(got, 6))) == 3
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="a custom jax.jit loop")
+def test_custom_jax_loop_carries_the_seed_state_through_a_stateless_scope():
+    import jax
+
+    loss = SampledSoftmaxLoss(np.zeros((V, D), "float32"), 6, seed=3)
+
+    @jax.jit
+    def draw(state):
+        with keras.StatelessScope(state_mapping=[(loss.seed_generator.state, state)]) as scope:
+            ids = loss.draw(V)
+        return ids, scope.get_current_value(loss.seed_generator.state)
+
+    first, state = draw(loss.seed_generator.state.value)
+    second, _ = draw(state)
+    twin = SampledSoftmaxLoss(np.zeros((V, D), "float32"), 6, seed=3)
+    np.testing.assert_array_equal(to_numpy(first), to_numpy(twin.draw(V)))
+    np.testing.assert_array_equal(to_numpy(second), to_numpy(twin.draw(V)))
