@@ -71,7 +71,8 @@ def table_row(row):
             "ndcg@10": round(row["ndcg@10"], 4), "mrr": round(row["mrr"], 4),
             "hit@8": round(row["hit@8"], 4), "steps/s": round(row["steps_per_second"], 3),
             "peak RSS (MiB)": round(row["peak_memory_mb"]), "wall (s)": round(row["wall_seconds"]),
-            "load before": round(row["load_before"], 1), "load after": round(row["load_after"], 1)}
+            "load before": round(row.get("load_before", float("nan")), 1),
+            "load after": round(row.get("load_after", float("nan")), 1)}
 
 
 def main():
