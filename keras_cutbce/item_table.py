@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_cutbce import _keras_private
+from keras_cutbce.math.positives import item_logits
 
 __all__ = [
     "ItemTable",
@@ -101,6 +102,8 @@ def resolve_bias(embeddings, bias):
 def static_vocab_size(source):
     """V of a table source when known without reading it, else None."""
     if isinstance(source, ItemTable):
+        if source.layout is not None:
+            return source.layout.vocab
         source = source.value
     if isinstance(source, keras.layers.Embedding):
         return int(source.input_dim)
@@ -149,13 +152,16 @@ class ItemTable:
     (10, True, True)
     """
 
-    __slots__ = ("value", "variable", "source", "_sharding")
+    __slots__ = ("value", "variable", "source", "_sharding", "layout")
 
     def __init__(self, value, variable=None, source=None, sharding=_UNKNOWN):
         self.value = value
         self.variable = variable
         self.source = value if source is None else source
         self._sharding = sharding
+        # A table split over torch.distributed ranks (`ItemEmbedding(vocab_parallel=True)`): its
+        # `VocabLayout`; `value` is this rank's rows.
+        self.layout = getattr(self.source, "vocab_layout", None)
 
     @classmethod
     def read(cls, source, argument="embeddings", value=None):
@@ -174,6 +180,8 @@ class ItemTable:
 
     @property
     def vocab_size(self):
+        if self.layout is not None:
+            return self.layout.vocab
         static = self.value.shape[0]
         try:
             return int(static)
@@ -186,6 +194,17 @@ class ItemTable:
         if self._sharding is _UNKNOWN:
             self._sharding = _vocab_sharding(self.variable, self.value)
         return self._sharding
+
+    def item_logits(self, hidden, bias, ids):
+        """The float32 logits `[M, L]` of `hidden [M, D]` at `ids [M, L]` (`bias`: a value or None).
+
+        A table split over torch.distributed ranks gathers the rows from their ranks (a collective).
+        """
+        if self.layout is None:
+            return item_logits(hidden, self.value, bias, ids)
+        from keras_cutbce.backends.torch import vocab_parallel
+
+        return vocab_parallel.item_logits(hidden, self.value, bias, ids, self.layout)
 
     def unsharded(self):
         """Returns this table's value as an `ItemTable` read as not sharded."""

@@ -10,8 +10,8 @@ from keras_cutbce import checks
 from keras_cutbce.common import filled_like
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import resolve_bias
+from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.math.positives import first_item
-from keras_cutbce.math.positives import item_logits
 from keras_cutbce.registry import dispatch
 
 __all__ = [
@@ -228,7 +228,7 @@ def cut_top_k(
     (4, 5)
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
-    k = checks.check_k(k, checks.static_dims(table.value)[0])
+    k = checks.check_k(k, static_vocab_size(table))
     exclusions = _exclusions(exclude_ids, hidden, table.vocab_size)
     lead_shape = tuple(ops.shape(hidden)[:-1])
     flat_hidden, _ = _flatten(hidden)
@@ -270,7 +270,7 @@ def cut_rank(hidden, embeddings, item_ids, bias=None, exclude_ids=None, chunk_si
     if exclusions is not None:
         excluded = ops.expand_dims(flat_ids, 2) == ops.expand_dims(exclusions, 1)  # [M, L, X]
         keep = ops.logical_and(keep, ops.logical_not(ops.any(excluded, axis=2)))
-    logits = item_logits(flat_hidden, table.value, bias, flat_ids)
+    logits = table.item_logits(flat_hidden, bias, flat_ids)
     score, first = first_item(logits, flat_ids, keep)
     above = dispatch("count_above", "chunked", flat_hidden, table, bias, score, first,
                      exclusions, chunk_size=chunk_size)

@@ -47,13 +47,17 @@ defined (the true value is `+inf`; the implementations differ).
 Retrieval has no ranking for a row any of whose V logits is NaN: `top_k`
 gives it NaN scores and ids `EMPTY_ID`, `count_above` -1.
 
-`"sharded"` (JAX) takes an extra `sharding=` keyword.
+`"sharded"` (JAX) takes an extra `sharding=` keyword; `"vocab_parallel"`
+(torch: a table split along V over torch.distributed ranks) an extra
+`layout=` (its `VocabLayout`), the shard as `table` and the global ids.
 
 The routing (`dispatch`):
 
 - a table split along V over a JAX mesh runs `"sharded"` under `"auto"` and
   `"chunked"` (read from the table's variable, so a traced value inside a
-  compiled step is routed too);
+  compiled step is routed too); a table split over torch.distributed ranks
+  (`ItemEmbedding(vocab_parallel=True)`) runs `"vocab_parallel"` whatever
+  the implementation asked for (no other runs a shard);
 - `"auto"` runs the first implementation of `AUTO_ORDER[platform]` that has
   the op on the backend and whose library (`REQUIRES`) is installed. The
   platform is the one the program is compiled for (on JAX with the TPU
@@ -125,6 +129,7 @@ IMPLEMENTATIONS = {
         "pallas": {"jax": f"{_JAX}.pallas:cut_bce"},
         "triton": {"torch": f"{_TORCH}.triton.launch:cut_bce"},
         "sharded": {"jax": f"{_JAX}.sharded:cut_bce"},
+        "vocab_parallel": {"torch": f"{_TORCH}.vocab_parallel:cut_bce"},
     },
     "cut_bce_weighted_sum": {
         "chunked": {
@@ -145,6 +150,7 @@ IMPLEMENTATIONS = {
         "triton": {"torch": f"{_TORCH}.triton.launch:cut_softmax"},
         "pallas": {"jax": f"{_JAX}.pallas:cut_softmax"},
         "sharded": {"jax": f"{_JAX}.sharded:cut_softmax"},
+        "vocab_parallel": {"torch": f"{_TORCH}.vocab_parallel:cut_softmax"},
     },
     "cut_softmax_weighted_sum": {
         "chunked": {
@@ -166,6 +172,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.retrieval:top_k",
         },
         "sharded": {"jax": f"{_JAX}.sharded:top_k"},
+        "vocab_parallel": {"torch": f"{_TORCH}.vocab_parallel:top_k"},
     },
     "count_above": {
         "chunked": {
@@ -174,6 +181,7 @@ IMPLEMENTATIONS = {
             "tensorflow": f"{_TF}.retrieval:count_above",
         },
         "sharded": {"jax": f"{_JAX}.sharded:count_above"},
+        "vocab_parallel": {"torch": f"{_TORCH}.vocab_parallel:count_above"},
     },
 }
 
@@ -314,9 +322,22 @@ def select_implementation(implementation="auto"):
     return auto("cut_bce", backend, _compiled_platform(backend))
 
 
+def _vocab_parallel(op, hidden, table, *args, chunk_size, **kwargs):
+    backend = keras.backend.backend()
+    if not has(op, "vocab_parallel", backend):
+        return None
+    if chunk_size is None:
+        family = "softmax" if op.startswith("cut_softmax") else "bce"
+        chunk_size = _default_chunk_size(hidden, table.value, family)
+    kernel = get(op, "vocab_parallel", backend)
+    return kernel(hidden, table.value, *args, chunk_size=chunk_size, layout=table.layout, **kwargs)
+
+
 def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
     """Runs `op` on checked 2-D inputs (`table`: an `ItemTable`); None when the choice lacks the op."""
     backend = keras.backend.backend()
+    if table.layout is not None:
+        return _vocab_parallel(op, hidden, table, *args, chunk_size=chunk_size, **kwargs)
     if implementation in ("auto", "chunked") and table.sharding is not None:
         route = "sharded"
     elif implementation == "auto":

@@ -1,5 +1,7 @@
 """`ItemTableMetric`: the base of the metrics that read an item table."""
 
+import functools
+
 import keras
 from keras import ops
 
@@ -76,6 +78,11 @@ class ItemTableMetric(keras.metrics.Metric):
 
     default_name = None  # the subclass's default `name`, whose keys carry no prefix
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "update_state" in cls.__dict__:
+            cls.update_state = _summed_over_ranks(cls.__dict__["update_state"])
+
     def __init__(self, embeddings, bias=None, chunk_size=None, name=None, dtype=None):
         super().__init__(name=name, dtype=dtype or "float32")
         if embeddings is None:
@@ -148,3 +155,28 @@ class ItemTableMetric(keras.metrics.Metric):
     def from_config(cls, config):
         return cls(**tables_from_config(config))
 
+
+
+def _summed_over_ranks(update_state):
+    """`update_state` that, with a table split over torch.distributed ranks, sums every rank's update.
+
+    Each rank passes its own positions; its variables then hold the values
+    of all ranks' positions (one all-reduce per update).
+    """
+
+    @functools.wraps(update_state)
+    def update(self, *args, **kwargs):
+        layout = None if getattr(self, "_updating", False) else self.read_tables()[0].layout
+        if layout is None:
+            return update_state(self, *args, **kwargs)
+        from keras_cutbce.backends.torch import vocab_parallel
+
+        before = vocab_parallel.snapshot(self.variables)
+        object.__setattr__(self, "_updating", True)
+        try:
+            update_state(self, *args, **kwargs)
+        finally:
+            object.__setattr__(self, "_updating", False)
+        vocab_parallel.sum_updates(self.variables, before, layout)
+
+    return update

@@ -61,7 +61,7 @@ class RankingMetric(ItemTableMetric):
     def ranking_inputs(self, y_true, y_pred, sample_weight=None, exclude_ids=None):
         """One update's checked `RankingInputs` (targets, counted, num_targets, exclusions, weights)."""
         table, bias = self.read_tables()
-        vocab_size = int(table.value.shape[0])
+        vocab_size = int(table.vocab_size)
         never = tuple(i for i in self.exclude_ids if 0 <= i < vocab_size)
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size, never)
         exclusions = None

@@ -8,7 +8,6 @@ from keras import ops
 
 from keras_cutbce import checks
 from keras_cutbce import ops as cut_ops
-from keras_cutbce.math.positives import item_logits
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
 from keras_cutbce.metrics.item_table_metric import accumulate
 
@@ -68,7 +67,7 @@ class ThresholdConfusion(ItemTableMetric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         """Accumulates one batch: `y_true` ids `[..., L]`, `y_pred` `[..., D]`, optional `sample_weight`."""
         table, bias = self.read_tables()
-        vocab_size = int(table.value.shape[0])
+        vocab_size = int(table.vocab_size)
         y_pred, targets, counted, mask = self.prepare(y_true, y_pred, vocab_size)
         predicted = cut_ops.cut_count_at_least(
             y_pred, table, self.logit_threshold, bias=bias, chunk_size=self.chunk_size
@@ -76,7 +75,7 @@ class ThresholdConfusion(ItemTableMetric):
 
         hidden = ops.reshape(y_pred, (-1, ops.shape(y_pred)[-1]))
         bias_value = None if bias is None else bias.value
-        logits = item_logits(hidden, table.value, bias_value, targets)
+        logits = table.item_logits(hidden, bias_value, targets)
         hit = ops.logical_and(counted, logits >= self.logit_threshold)
 
         dtype = self.dtype

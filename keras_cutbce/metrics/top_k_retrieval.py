@@ -93,7 +93,7 @@ class TopKRetrieval(RankingMetric):
         """
         inputs = self.ranking_inputs(y_true, y_pred, sample_weight, exclude_ids)
         depth = max(self.k)
-        _check_depth(self.k, int(inputs.table.value.shape[0]))
+        _check_depth(self.k, int(inputs.table.vocab_size))
         top_scores, top_ids = cut_ops.cut_top_k(
             inputs.y_pred, inputs.table, depth, bias=inputs.bias,
             exclude_ids=inputs.exclusions, chunk_size=self.chunk_size,

@@ -25,6 +25,7 @@ class Positives:
             return
         safe, keep = distinct_targets(ids, tiles.vocab_size)
         self.safe, self.keep = safe.long(), keep
+        self.counted = keep  # the ids a family counts per row (a vocab shard's: all of V's)
         self._rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
         self._tile_bounds = tiles.bounds()
 
@@ -154,7 +155,7 @@ def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, gra
     if not positives.empty:
         keep, safe = positives.keep, positives.safe
         rows, zp = positives.logits(h, table, bias, dtype)
-        pos_terms, dz = family.positives(zp, keep, loss=loss, grad=any_grad)
+        pos_terms, dz = family.positives(zp, positives.counted, loss=loss, grad=any_grad)
         if loss:
             terms += torch.where(keep, pos_terms, 0.0).sum(1)  # a padding slot's logit may be -inf
         if any_grad:

@@ -72,6 +72,10 @@ class BCE(NamedTuple):
     def init(self, rows, dtype, device):
         return torch.zeros(rows, dtype=dtype, device=device)
 
+    def merge(self, acc, part):
+        """Two partial row sums combined (two vocabulary shards' `acc`)."""
+        return acc + part
+
     def tile(self, z, acc, stats, *, out, ones):
         """Adds the tile's `softplus(z)` (0 at a positive's `-inf`) to `acc`."""
         acc.addmv_(terms(z, 0.0, 1.0, out=out), ones)
@@ -127,6 +131,13 @@ class Softmax(NamedTuple):
         acc[1].mul_(torch.exp(acc[0] - shift))
         acc[1].addmv_(torch.exp(torch.sub(z, shift[:, None], out=out), out=out), ones)
         acc[0] = top
+
+    def merge(self, acc, part):
+        """Two partial `(max, sum exp)` combined (two vocabulary shards' `acc`), exact at `-inf` maxima."""
+        top = torch.maximum(acc[0], part[0])
+        shift = top.masked_fill(top == float("-inf"), 0.0)
+        total = acc[1] * torch.exp(acc[0] - shift) + part[1] * torch.exp(part[0] - shift)
+        return torch.stack([top, total])
 
     def statistics(self, acc):
         return acc[0] + torch.log(acc[1])

@@ -1,0 +1,118 @@
+"""A table split over torch.distributed ranks (`ItemEmbedding(vocab_parallel=True)`) gives one process's numbers.
+
+Gloo ranks on CPU, each a spawned process (`keras_erase.torch.launch.run_local`);
+R = 3 does not divide V = 31. One process on the concatenated positions is
+the spec: relative error <= 1e-5 for the losses, the hidden, table and bias
+gradients and the lookups.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from tests.cutbce import vocab_parallel_ranks as ranks
+
+torch_only = pytest.mark.skipif(keras.backend.backend() != "torch",
+                                reason="torch.distributed ranks run on the torch backend")
+
+CASES = [
+    ("bce", {}),
+    ("bce", {"label_smoothing": 0.1, "pos_weight": 2.0, "chunk_size": 4}),
+    ("softmax", {}),
+    ("softmax", {"label_smoothing": 0.1, "chunk_size": 4}),
+]
+
+
+def _close(got, want, what):
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    error = float(np.max(np.abs(got - want))) / scale
+    assert error <= 1e-5, f"{what}: relative error {error:.2e}"
+
+
+def _one_process(data, family, options):
+    import torch
+
+    from keras_cutbce import cut_binary_crossentropy
+    from keras_cutbce import cut_categorical_crossentropy
+
+    inputs = [torch.tensor(data[k], requires_grad=True) for k in ("hidden", "table", "bias")]
+    op = cut_binary_crossentropy if family == "bce" else cut_categorical_crossentropy
+    loss = op(inputs[0], inputs[1], data["ids"], inputs[2], **options)
+    grads = torch.autograd.grad((loss * torch.tensor(data["cotangent"])).sum(), inputs)
+    return [loss.detach().numpy()] + [g.numpy() for g in grads]
+
+
+@torch_only
+@pytest.mark.slow
+@pytest.mark.parametrize("world, rows", [(2, 5), (3, (4, 2, 5))])
+def test_losses_and_gradients_match_one_process(world, rows):
+    from keras_erase.torch.launch import run_local
+
+    data = ranks.case(0, 31, 8, rows, 4, world)
+    per_rank = run_local(ranks.op_gradients, world, args=(data, CASES), threads_per_rank=1)
+    for index, (family, options) in enumerate(CASES):
+        want = _one_process(data, family, options)
+        for part, name in enumerate(("loss", "hidden gradient", "table gradient", "bias gradient")):
+            got = np.concatenate([result[index][part] for result in per_rank])
+            _close(got, want[part], f"R={world} {family} {options} {name}")
+
+
+@torch_only
+@pytest.mark.slow
+def test_lookup_matches_one_process_and_sends_gradients_to_the_owner():
+    from keras_erase.torch.launch import run_local
+
+    data = ranks.case(1, 31, 8, (3, 4, 2), 4, 3)
+    per_rank = run_local(ranks.lookups, 3, args=(data,), threads_per_rank=1)
+    ids = np.clip(data["ids"], 0, 30)
+    np.testing.assert_array_equal(np.concatenate([r[0] for r in per_rank]), data["table"][ids])
+    want = np.zeros_like(data["table"])
+    np.add.at(want, ids, np.broadcast_to(data["hidden"][:, None, :], ids.shape + (8,)))
+    _close(np.concatenate([r[1] for r in per_rank]), want, "table gradient of the lookup")
+
+
+@torch_only
+def test_vocab_parallel_without_a_process_group_says_how_to_start_one():
+    from keras_cutbce import ItemEmbedding
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ItemEmbedding(10, 4, vocab_parallel=True)
+
+
+@pytest.mark.skipif(keras.backend.backend() == "torch", reason="the refusal on the other backends")
+def test_vocab_parallel_elsewhere_is_refused_naming_the_way():
+    from keras_cutbce import ItemEmbedding
+
+    way = "ModelParallel" if keras.backend.backend() == "jax" else "torch backend"
+    with pytest.raises(ValueError, match=way):
+        ItemEmbedding(10, 4, vocab_parallel=True)
+
+
+def test_process_group_needs_vocab_parallel():
+    from keras_cutbce import ItemEmbedding
+
+    with pytest.raises(ValueError, match="process_group"):
+        ItemEmbedding(10, 4, process_group=object())
+
+
+@torch_only
+@pytest.mark.slow
+def test_retrieval_ops_and_metrics_match_one_process():
+    from keras_cutbce import ItemEmbedding
+    from keras_erase.torch.launch import run_local
+
+    data = ranks.case(2, 31, 8, (4, 2, 5), 3, 3)
+    per_rank = run_local(ranks.retrieval, 3, args=(data,), threads_per_rank=1)
+    layer = ItemEmbedding(31, 8, use_bias=True)
+    layer.build()
+    layer.embeddings.assign(data["table"])
+    layer.bias.assign(data["bias"])
+    want = ranks.retrieval(0, 1, data, table=layer)
+    for part, name in enumerate(("top-k scores", "top-k ids", "ranks", "counts")):
+        got = np.concatenate([result[part] for result in per_rank])
+        np.testing.assert_allclose(got, want[part], rtol=1e-6, err_msg=name)
+    for part in range(4, 7):
+        for result in per_rank:  # every rank holds the global values
+            assert result[part].keys() == want[part].keys()
+            for key, value in want[part].items():
+                np.testing.assert_allclose(result[part][key], value, rtol=1e-5, err_msg=key)

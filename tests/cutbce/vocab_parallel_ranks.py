@@ -1,0 +1,103 @@
+"""What each torch.distributed rank runs in the vocab-parallel tests (importable by the spawned ranks)."""
+
+import numpy as np
+
+
+def case(seed, vocab, dim, rows, length, world, *, bias=True):
+    """The full inputs of one case: table, bias, hidden `[sum(rows), D]`, ids, cotangents; `rows` per rank."""
+    rows = [rows] * world if isinstance(rows, int) else list(rows)
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(vocab, dim)).astype("float32")
+    ids = rng.integers(-2, vocab + 2, size=(sum(rows), length)).astype("int32")
+    ids[0] = -1  # a position without a target
+    ids[1, :2] = ids[1, 0] if vocab > 0 else 0  # a duplicate
+    return {
+        "table": table,
+        "bias": rng.normal(size=(vocab,)).astype("float32") if bias else None,
+        "hidden": rng.normal(size=(sum(rows), dim)).astype("float32"),
+        "ids": ids,
+        "cotangent": rng.normal(size=(sum(rows),)).astype("float32"),
+        "rows": rows,
+    }
+
+
+def mine(data, rank):
+    """This rank's slice of the positions."""
+    start = sum(data["rows"][:rank])
+    return slice(start, start + data["rows"][rank])
+
+
+def split_layer(data, **kwargs):
+    """A built `ItemEmbedding(vocab_parallel=True)` holding this rank's rows of `data`'s table and bias."""
+    from keras_cutbce import ItemEmbedding
+
+    vocab, dim = data["table"].shape
+    layer = ItemEmbedding(vocab, dim, use_bias=data["bias"] is not None, vocab_parallel=True,
+                          **kwargs)
+    layer.build()
+    start, stop = layer.vocab_layout.start, layer.vocab_layout.stop
+    layer.embeddings.assign(data["table"][start:stop])
+    if layer.bias is not None:
+        layer.bias.assign(data["bias"][start:stop])
+    return layer
+
+
+def op_gradients(rank, world, data, cases):
+    """Per `(family, options)` of `cases`: `family_gradients` on this rank."""
+    return [family_gradients(rank, world, data, family, options) for family, options in cases]
+
+
+def family_gradients(rank, world, data, family, options):
+    """This rank's loss, hidden, table and bias gradients of `family`'s op on its rows of `data`."""
+    import torch
+
+    from keras_cutbce import cut_binary_crossentropy
+    from keras_cutbce import cut_categorical_crossentropy
+
+    layer = split_layer(data)
+    rows = mine(data, rank)
+    hidden = torch.tensor(data["hidden"][rows], requires_grad=True)
+    op = cut_binary_crossentropy if family == "bce" else cut_categorical_crossentropy
+    loss = op(hidden, layer, data["ids"][rows], **options)
+    weights = [w.value for w in layer.weights]
+    grads = torch.autograd.grad((loss * torch.tensor(data["cotangent"][rows])).sum(),
+                                [hidden] + weights)
+    return [g.detach().numpy() for g in [loss] + list(grads)]
+
+
+def lookups(rank, world, data):
+    """This rank's `layer(ids)` rows and the shard's gradient of `sum(rows * g)` (`g`: `hidden` as cotangent)."""
+    import torch
+
+    layer = split_layer(data)
+    rows = mine(data, rank)
+    ids = np.clip(data["ids"][rows], 0, data["table"].shape[0] - 1)
+    out = layer(torch.tensor(ids))
+    cotangent = torch.tensor(data["hidden"][rows])[:, None, :]
+    (grad,) = torch.autograd.grad((out * cotangent).sum(), [layer.embeddings.value])
+    return out.detach().numpy(), grad.numpy()
+
+
+def retrieval(rank, world, data, table=None):
+    """This rank's `cut_top_k`, `cut_rank`, `cut_count_at_least` and the metrics' global results.
+
+    `table`: None for a layer split over the ranks (run by each rank), else one process's table.
+    """
+    import keras_cutbce as kc
+    from keras_cutbce import ops
+
+    layer = split_layer(data) if table is None else table
+    rows = slice(None) if table is not None else mine(data, rank)
+    hidden, ids = data["hidden"][rows], data["ids"][rows]
+    exclude = ids[:, :1]
+    scores, top = kc.cut_top_k(hidden, layer, 5, exclude_ids=exclude, chunk_size=4)
+    ranks = ops.cut_rank(hidden, layer, ids, exclude_ids=exclude)
+    counts = ops.cut_count_at_least(hidden, layer, 0.5)
+    results = [np.asarray(x) for x in (scores, top, ranks, counts)]
+    weights = np.linspace(0.5, 1.5, data["hidden"].shape[0]).astype("float32")[rows]
+    for metric in (kc.TopKRetrieval(layer, k=(3, 5)), kc.MeanReciprocalRank(layer),
+                   kc.ThresholdConfusion(layer, threshold=0.6)):
+        metric.update_state(ids, hidden, sample_weight=weights)
+        metric.update_state(ids[:, ::-1], hidden, sample_weight=2 * weights)
+        results.append({k: float(v) for k, v in metric.result().items()})
+    return results
