@@ -110,6 +110,8 @@ class ItemEmbedding(keras.layers.Embedding):
                 shape=(rows,), initializer=self.bias_initializer, name="bias",
                 regularizer=self.bias_regularizer, constraint=self.bias_constraint, trainable=True,
             )
+        for weight in self.weights:  # each rank holds its rows: the ERASE step never averages them
+            weight.split_over_ranks = True
         self.built = True
 
     def call(self, inputs):

@@ -5,6 +5,12 @@ are issued in the same order on every rank: block reductions in the model's
 block order from the one thread that runs the block backwards, the remainder
 from the main thread after it. One presence flag per weight in each buffer
 makes a gradient missing on some rank count as zero there.
+
+A weight split over the ranks (each rank holds other rows: a variable with
+`split_over_ranks = True`, as `keras_cutbce.ItemEmbedding(vocab_parallel=True)`
+makes) is never averaged nor broadcast: its gradient already sums every
+rank's examples, so it is divided by the world size (the mean over the
+global batch, as the averaged weights).
 """
 
 import torch
@@ -13,7 +19,7 @@ import torch.distributed as dist
 from keras_erase import _keras_private
 from keras_erase.block_weights import block_owned_weights
 
-__all__ = ["GradientSync", "active", "mean_over_ranks"]
+__all__ = ["GradientSync", "active", "mean_over_ranks", "split_over_ranks"]
 
 
 def active(group=None):
@@ -29,6 +35,11 @@ def mean_over_ranks(values, group=None):
         tensor = tensor.cuda()
     dist.all_reduce(tensor, group=group)
     return (tensor / dist.get_world_size(group)).tolist()
+
+
+def split_over_ranks(variable):
+    """Whether each rank holds its own part of `variable` (never averaged, never broadcast)."""
+    return bool(getattr(variable, "split_over_ranks", False))
 
 
 def _flag_dtype(dtype):
@@ -56,6 +67,7 @@ class GradientSync:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._pending = []
+        self._split = []  # this step's weights split over the ranks: scaled, not reduced
         self._owned = {}
         self._owner_key = None
         self._weights = []
@@ -73,6 +85,8 @@ class GradientSync:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for variable in model.weights:
+                if split_over_ranks(variable):
+                    continue
                 value = _keras_private.uncast_value(variable)
                 if isinstance(value, torch.Tensor):
                     dist.broadcast(value.data, src=src, group=self.group)
@@ -82,6 +96,7 @@ class GradientSync:
     def start_step(self, model):
         """Resets the step; maps each block to the weights it owns (again, and checked, when they change)."""
         self._pending = []
+        self._split = []
         self._done = set()
         self.launch_order = []
         self._weights = list(model.trainable_weights)
@@ -150,6 +165,8 @@ class GradientSync:
         self._launch("remainder", rest)
 
     def _launch(self, name, weights):
+        self._split += [v for v in weights if split_over_ranks(v)]
+        weights = [v for v in weights if not split_over_ranks(v)]
         # The parameters, never autocast copies: the inline launcher calls this
         # inside the block's mixed-precision scope.
         params = [_keras_private.uncast_value(v) for v in weights]
@@ -189,8 +206,13 @@ class GradientSync:
     def finish(self):
         """Waits for every reduction, averages and writes the gradients back (a late gradient raises first)."""
         pending, self._pending = self._pending, []
+        split, self._split = self._split, []
         cuda = torch.cuda.is_available()
         with torch.no_grad():
+            for variable in split:
+                grad = _keras_private.uncast_value(variable).grad
+                if grad is not None:
+                    grad.div_(self.world_size)
             for item in pending:
                 for work in item.work if isinstance(item.work, tuple) else (item.work,):
                     work.wait()
@@ -219,6 +241,7 @@ class GradientSync:
 
     def abort(self):
         self._pending = []
+        self._split = []
         self._late = []
         if self._watches:  # the checking step failed: the next step checks again
             self._owner_key = None

@@ -101,3 +101,53 @@ def retrieval(rank, world, data, table=None):
         metric.update_state(ids[:, ::-1], hidden, sample_weight=2 * weights)
         results.append({k: float(v) for k, v in metric.result().items()})
     return results
+
+
+def training_data(seed, vocab, steps, world, batch, length=3, targets=2):
+    """Global batches `[steps, world, batch, ...]` of input ids and target ids."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab, size=(steps, world, batch, length)).astype("int32")
+    y = rng.integers(-1, vocab, size=(steps, world, batch, length, targets)).astype("int32")
+    return x, y
+
+
+def train(rank, world, x, y, initial, family, optimizer, policy, split=True):
+    """Trains a tied-table model on rank `rank`'s part of each global batch; its weights by path (tables whole).
+
+    `split=False`: one process on the whole batches (`rank`, `world` then 0 and 1).
+    """
+    import keras
+
+    from keras_cutbce import CutBCELoss
+    from keras_cutbce import CutSoftmaxLoss
+    from keras_cutbce import ItemEmbedding
+    from keras_erase import EraseModel
+
+    keras.mixed_precision.set_global_policy(policy)
+    vocab, dim = initial["items/embeddings"].shape
+    items = ItemEmbedding(vocab, dim, use_bias=True, vocab_parallel=split, name="items")
+    ids = keras.Input(x.shape[3:], dtype="int32")
+    hidden = keras.layers.Dense(dim, name="dense")(items(ids))
+    model = EraseModel(ids, hidden, dispatch="standard")
+    layout = items.vocab_layout
+    for weight in model.weights:
+        value = initial[weight.path]
+        weight.assign(value[layout.start:layout.stop] if layout is not None and weight.path.startswith("items") else value)
+    loss = (CutBCELoss if family == "bce" else CutSoftmaxLoss)(items)
+    model.compile(optimizer=keras.optimizers.get({"class_name": optimizer, "config": {"learning_rate": 0.5 if optimizer == "SGD" else 0.05}}), loss=loss)
+    if split:
+        x, y = x[:, rank], y[:, rank]
+    batch = int(np.prod(x.shape[1:-1])) if not split else x.shape[1]
+    x = x.reshape((-1,) + x.shape[-1:])
+    y = y.reshape((-1,) + y.shape[-2:])
+    history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    weights = {}
+    for weight in model.weights:
+        value = weight.value
+        if layout is not None and weight.path.startswith("items"):
+            from keras_cutbce.backends.torch import vocab_parallel
+
+            weights[weight.path] = vocab_parallel.gather_table(value, layout)
+        else:
+            weights[weight.path] = keras.ops.convert_to_numpy(value)
+    return weights, history.history["loss"]
