@@ -156,9 +156,25 @@ class ItemEmbedding(keras.layers.Embedding):
             bias_regularizer=keras.regularizers.serialize(self.bias_regularizer),
             bias_constraint=keras.constraints.serialize(self.bias_constraint),
         )
-        if self.vocab_parallel:  # a loaded config splits over the default group of the loading run
+        if self.vocab_parallel:
             config["vocab_parallel"] = True
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        """A saved split table splits over the loading run's world group, or loads whole without one."""
+        config = dict(config)
+        if config.get("vocab_parallel") and not _process_group_ready():
+            config["vocab_parallel"] = False
+        return cls(**config)
+
+
+def _process_group_ready():
+    if keras.backend.backend() != "torch":
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _check_vocab_parallel(vocab_parallel, process_group, layer):

@@ -161,3 +161,24 @@ def test_fit_on_ranks_trains_like_one_process_on_the_global_batch(world, optimiz
             assert update > 0, path
             error = float(np.max(np.abs(weights[path] - value))) / update
             assert error <= bound, f"rank {rank} {path}: {error:.2e} of the update"
+
+
+@torch_only
+@pytest.mark.slow
+def test_saved_under_two_ranks_loads_under_three_and_in_one_process(tmp_path):
+    from keras_erase.torch.launch import run_local
+
+    data = ranks.case(3, 31, 8, 2, 2, 2)
+    saved = run_local(ranks.saved_and_loaded, 2, args=(data, str(tmp_path), True), threads_per_rank=1)
+    for (whole, rows), held in zip(saved, (16, 15)):  # S = ceil(31 / 2)
+        np.testing.assert_array_equal(whole[0], data["table"])
+        assert rows[0].shape == (held, 8)
+    loaded = run_local(ranks.saved_and_loaded, 3, args=(data, str(tmp_path), False), threads_per_rank=1)
+    for rank, (whole, rows) in enumerate(loaded):
+        np.testing.assert_array_equal(whole[0], data["table"])
+        np.testing.assert_array_equal(whole[1], data["bias"])
+        np.testing.assert_array_equal(rows[0], data["table"][rank * 11:(rank + 1) * 11])
+    whole, rows = ranks.saved_and_loaded(0, 1, data, str(tmp_path), False)
+    assert rows is None  # no process group here: the whole table
+    np.testing.assert_array_equal(whole[0], data["table"])
+    np.testing.assert_array_equal(whole[1], data["bias"])

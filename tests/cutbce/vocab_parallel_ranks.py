@@ -151,3 +151,31 @@ def train(rank, world, x, y, initial, family, optimizer, policy, split=True):
         else:
             weights[weight.path] = keras.ops.convert_to_numpy(value)
     return weights, history.history["loss"]
+
+
+def saved_and_loaded(rank, world, data, folder, save):
+    """`save`: a tied model with the split table of `data`, compiled with `CutBCELoss`, saved by every rank
+    (a collective) to `folder/model_{rank}.keras`; else rank 0's file loaded. Returns the whole table and bias.
+    """
+    import keras
+
+    from keras_cutbce import CutBCELoss
+    from keras_cutbce import ItemEmbedding
+
+    if save:
+        items = split_layer(data, name="items")
+        ids = keras.Input((3,), dtype="int32")
+        model = keras.Model(ids, keras.layers.Dense(data["table"].shape[1])(items(ids)))
+        model.compile(optimizer="adam", loss=CutBCELoss(items))
+        model.save(f"{folder}/model_{rank}.keras")
+    else:
+        model = keras.saving.load_model(f"{folder}/model_0.keras")
+        items = model.get_layer("items")
+        assert isinstance(items, ItemEmbedding) and isinstance(model.loss, CutBCELoss)
+    layout = items.vocab_layout
+    if layout is None:
+        return [keras.ops.convert_to_numpy(w.value) for w in items.weights], None
+    from keras_cutbce.backends.torch import vocab_parallel
+
+    rows = [keras.ops.convert_to_numpy(w.value) for w in items.weights]
+    return [vocab_parallel.gather_table(w.value, layout) for w in items.weights], rows
