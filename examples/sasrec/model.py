@@ -142,7 +142,8 @@ class TransformerBlock(layers.Layer):
 
 
 def build_sasrec(
-    num_items, max_len=50, dim=64, num_blocks=2, num_heads=2, dropout=0.2, num_targets=8
+    num_items, max_len=50, dim=64, num_blocks=2, num_heads=2, dropout=0.2, num_targets=8,
+    vocab_parallel=False,
 ):
     """The SASRec model: ids `[B, max_len]` -> hidden states `[B, max_len, dim]`.
 
@@ -156,18 +157,28 @@ def build_sasrec(
         dropout: dropout rate (embeddings, attention, FFN).
         num_targets: positives per position `L`; the output bias starts at
             the prior log-odds `log(L / num_items)`.
+        vocab_parallel: torch, under a torch.distributed process group: the
+            table (and the output bias, its own) is a
+            `keras_cutbce.ItemEmbedding(vocab_parallel=True)` split over the
+            ranks, and the model an `EraseModel`, whose step averages the
+            other weights' gradients over the ranks.
 
     Returns:
         A functional `keras.Model`; its item table is the layer `"items"`
         and its output bias the weight `model.get_layer("item_bias").bias`.
     """
     ids = keras.Input((max_len,), dtype="int32", name="item_ids")
-    items = layers.Embedding(
-        num_items + 1,
-        dim,
-        embeddings_initializer=keras.initializers.RandomNormal(stddev=dim**-0.5),
-        name="items",
-    )
+    initializer = keras.initializers.RandomNormal(stddev=dim**-0.5)
+    prior = math.log(num_targets / num_items)
+    if vocab_parallel:
+        from keras_cutbce import ItemEmbedding
+
+        items = ItemEmbedding(num_items + 1, dim, use_bias=True, vocab_parallel=True,
+                              bias_initializer=keras.initializers.Constant(prior),
+                              embeddings_initializer=initializer, name="items")
+    else:
+        items = layers.Embedding(num_items + 1, dim, embeddings_initializer=initializer,
+                                 name="items")
     x = items(ids)
     x = PositionEmbedding(max_len, name="positions")(x)
     x = layers.Dropout(dropout)(x)
@@ -175,7 +186,10 @@ def build_sasrec(
     for i in range(num_blocks):
         x = TransformerBlock(dim, num_heads, dropout=dropout, name=f"block_{i}")(x, mask)
     hidden = layers.LayerNormalization(epsilon=1e-6, name="final_norm")(x)
-    prior = math.log(num_targets / num_items)
+    if vocab_parallel:
+        from keras_erase import EraseModel
+
+        return EraseModel(ids, hidden, dispatch="standard", name="sasrec")
     hidden = ItemBias(num_items + 1, prior, name="item_bias")(hidden)
     return keras.Model(ids, hidden, name="sasrec")
 

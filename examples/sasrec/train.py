@@ -192,11 +192,24 @@ class EpochRetrieval(keras.callbacks.Callback):
         self.history.append(self.evaluate())
 
 
-def run(args, callbacks=()):
+def _rank_part(arrays, ranks):
+    """Rank `r`'s windows `[r::R]` of each array, all ranks the same count (`ranks`: `(r, R)` or None)."""
+    if ranks is None:
+        return arrays
+    rank, world = ranks
+    count = len(arrays[0]) // world
+    return tuple(a[rank::world][:count] for a in arrays)
+
+
+def run(args, callbacks=(), ranks=None):
     """Trains and evaluates; returns the results dict (the `--json` content).
 
     `callbacks` are extra Keras callbacks for `fit` (e.g. the per-step loss
-    recorder of `examples.sasrec.distributed`).
+    recorder of `examples.sasrec.distributed`). `ranks=(rank, R)`: one rank
+    of a torch.distributed run (`examples.sasrec.torch_distributed`): the
+    table is split over the ranks, each trains on its part of every global
+    batch of `--batch-size` windows and evaluates its part of the users; the
+    metrics are the global ones.
     """
     start = time.perf_counter()
     sequences, num_items = load_sequences(args)
@@ -209,6 +222,10 @@ def run(args, callbacks=()):
         eval_inputs, eval_held_out, seen = (
             a[: args.eval_users] for a in (eval_inputs, eval_held_out, seen)
         )
+    eval_users, all_held_out, all_seen = len(eval_inputs), eval_held_out, seen  # the baseline's
+    inputs, targets, weights = _rank_part((inputs, targets, weights), ranks)
+    eval_inputs, eval_held_out, seen = _rank_part((eval_inputs, eval_held_out, seen), ranks)
+    batch_size = args.batch_size if ranks is None else max(1, args.batch_size // ranks[1])
     negatives = f" num_negatives={args.num_negatives}" if args.loss == "sampled" else ""
     print(
         f"[sasrec] backend={keras.backend.backend()} data={args.data} loss={args.loss}"
@@ -219,10 +236,10 @@ def run(args, callbacks=()):
     keras.utils.set_random_seed(args.seed)
     model = build_sasrec(
         num_items, args.max_len, args.dim, args.blocks, dropout=args.dropout,
-        num_targets=NUM_TARGETS,
+        num_targets=NUM_TARGETS, vocab_parallel=ranks is not None,
     )
     items = model.get_layer("items")
-    bias = model.get_layer("item_bias").bias
+    bias = None if ranks is not None else model.get_layer("item_bias").bias  # split: the table's own
     model.compile(
         optimizer=keras.optimizers.Adam(args.learning_rate),
         loss=make_loss(args.loss, items, bias, args.pos_weight, args.num_negatives, args,
@@ -246,7 +263,7 @@ def run(args, callbacks=()):
         fit_kwargs = {}
     else:
         fit_args = (inputs, targets)
-        fit_kwargs = {"sample_weight": weights, "batch_size": args.batch_size, "shuffle": True}
+        fit_kwargs = {"sample_weight": weights, "batch_size": batch_size, "shuffle": True}
     history = model.fit(
         *fit_args,
         epochs=args.epochs,
@@ -258,7 +275,7 @@ def run(args, callbacks=()):
 
     model_metrics = per_epoch.history[-1] if per_epoch is not None else evaluate()
     counts = data_lib.item_counts(train, num_items)
-    popular = popularity_metrics(counts, eval_held_out, seen)
+    popular = popularity_metrics(counts, all_held_out, all_seen)
     results = {
         "loss": args.loss,
         "num_negatives": args.num_negatives if args.loss == "sampled" else None,
@@ -276,7 +293,7 @@ def run(args, callbacks=()):
         "wall_seconds": time.perf_counter() - start,
         "num_items": int(num_items),
         "num_users": len(train),
-        "eval_users": len(eval_inputs),
+        "eval_users": eval_users,
         "loss_kind": args.loss,
         "data": args.data,
         "backend": keras.backend.backend(),
