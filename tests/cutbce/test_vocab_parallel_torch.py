@@ -182,3 +182,19 @@ def test_saved_under_two_ranks_loads_under_three_and_in_one_process(tmp_path):
     assert rows is None  # no process group here: the whole table
     np.testing.assert_array_equal(whole[0], data["table"])
     np.testing.assert_array_equal(whole[1], data["bias"])
+
+
+@torch_only
+@pytest.mark.slow
+def test_loss_classes_with_sample_weights_match_one_process():
+    """`reduction="sum"`: the ranks' losses add up to one process's; weights of 0 drop positions."""
+    from keras_erase.torch.launch import run_local
+
+    data = ranks.case(4, 31, 8, (3, 5), 4, 2)
+    per_rank = run_local(ranks.loss_class_gradients, 2, args=(data,), threads_per_rank=1)
+    want = ranks.loss_class_gradients(0, 1, data, split=False)
+    for index, name in enumerate(("CutBCELoss", "CutSoftmaxLoss")):
+        _close(sum(r[index][0] for r in per_rank), want[index][0], f"{name} value")
+        for part, what in ((1, "hidden"), (2, "table"), (3, "bias")):
+            got = np.concatenate([r[index][part] for r in per_rank])
+            _close(got, want[index][part], f"{name} {what} gradient")

@@ -179,3 +179,33 @@ def saved_and_loaded(rank, world, data, folder, save):
 
     rows = [keras.ops.convert_to_numpy(w.value) for w in items.weights]
     return [vocab_parallel.gather_table(w.value, layout) for w in items.weights], rows
+
+
+def loss_class_gradients(rank, world, data, split=True):
+    """`CutBCELoss` and `CutSoftmaxLoss` (`reduction="sum"`) with sample weights (some 0): value, hidden and table gradients.
+
+    `split=False`: one process on all positions (`rank`, `world` then 0 and 1).
+    """
+    import torch
+
+    from keras_cutbce import CutBCELoss
+    from keras_cutbce import CutSoftmaxLoss
+    from keras_cutbce import ItemEmbedding
+
+    if split:
+        layer, rows = split_layer(data), mine(data, rank)
+    else:
+        vocab, dim = data["table"].shape
+        layer, rows = ItemEmbedding(vocab, dim, use_bias=True), slice(None)
+        layer.build()
+        layer.embeddings.assign(data["table"])
+        layer.bias.assign(data["bias"])
+    weights = np.where(np.arange(data["hidden"].shape[0]) % 3 == 1, 0.0,
+                       np.abs(data["cotangent"])).astype("float32")[rows]
+    out = []
+    for cls, options in ((CutBCELoss, {"label_smoothing": 0.2}), (CutSoftmaxLoss, {})):
+        hidden = torch.tensor(data["hidden"][rows], requires_grad=True)
+        loss = cls(layer, reduction="sum", **options)(data["ids"][rows], hidden, sample_weight=weights)
+        grads = torch.autograd.grad(loss, [hidden] + [w.value for w in layer.weights])
+        out.append([loss.detach().numpy()] + [g.numpy() for g in grads])
+    return out
