@@ -57,7 +57,10 @@ The routing (`dispatch`):
   `"chunked"` (read from the table's variable, so a traced value inside a
   compiled step is routed too); a table split over torch.distributed ranks
   (`ItemEmbedding(vocab_parallel=True)`) runs `"vocab_parallel"` whatever
-  the implementation asked for (no other runs a shard);
+  the implementation asked for (no other runs a shard): its BCE passes on
+  the shard are the Triton kernels' where `"auto"` or `"triton"` would run
+  them, else (and for softmax, whose shards need the merged statistics
+  between the passes) the chunked loop's;
 - `"auto"` runs the first implementation of `AUTO_ORDER[platform]` that has
   the op on the backend and whose library (`REQUIRES`) is installed. The
   platform is the one the program is compiled for (on JAX with the TPU
@@ -322,10 +325,19 @@ def select_implementation(implementation="auto"):
     return auto("cut_bce", backend, _compiled_platform(backend))
 
 
-def _vocab_parallel(op, hidden, table, *args, chunk_size, **kwargs):
+def _vocab_parallel(op, implementation, hidden, table, *args, chunk_size, **kwargs):
+    """A table split over torch.distributed ranks: the shard's BCE passes by the Triton kernels where
+    `"auto"` (on CUDA) or `"triton"` picks them and they fit, else the chunked loop's."""
     backend = keras.backend.backend()
     if not has(op, "vocab_parallel", backend):
         return None
+    if op == "cut_bce":
+        route = auto(op, backend, _platform(hidden)) if implementation == "auto" else implementation
+        problem = _load(DEVICES[route])(hidden.device) if route in DEVICES else None
+        if problem and implementation == route:
+            raise ValueError(problem)
+        fits = route not in FITS or _load(FITS[route])(hidden, table.value, args[1])
+        kwargs["dense"] = "triton" if route == "triton" and fits and not problem else "chunked"
     if chunk_size is None:
         family = "softmax" if op.startswith("cut_softmax") else "bce"
         chunk_size = _default_chunk_size(hidden, table.value, family)
@@ -337,7 +349,8 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
     """Runs `op` on checked 2-D inputs (`table`: an `ItemTable`); None when the choice lacks the op."""
     backend = keras.backend.backend()
     if table.layout is not None:
-        return _vocab_parallel(op, hidden, table, *args, chunk_size=chunk_size, **kwargs)
+        return _vocab_parallel(op, implementation, hidden, table, *args, chunk_size=chunk_size,
+                               **kwargs)
     if implementation in ("auto", "chunked") and table.sharding is not None:
         route = "sharded"
     elif implementation == "auto":

@@ -198,3 +198,24 @@ def test_loss_classes_with_sample_weights_match_one_process():
         for part, what in ((1, "hidden"), (2, "table"), (3, "bias")):
             got = np.concatenate([r[index][part] for r in per_rank])
             _close(got, want[index][part], f"{name} {what} gradient")
+
+
+@torch_only
+@pytest.mark.slow
+def test_triton_kernels_on_a_shard_match_one_process(monkeypatch):
+    """`implementation="triton"` (what `"auto"` runs on CUDA) for BCE: the fused kernels on each shard,
+    here in the Triton interpreter on CPU (set before the ranks import Triton)."""
+    pytest.importorskip("triton")
+    from keras_erase.torch.launch import run_local
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = [("bce", {"implementation": "triton"}),
+             ("bce", {"implementation": "triton", "label_smoothing": 0.1, "pos_weight": 2.0})]
+    data = ranks.case(5, 31, 8, (4, 2, 5), 4, 3)
+    per_rank = run_local(ranks.op_gradients, 3, args=(data, cases), threads_per_rank=1)
+    for index, (family, options) in enumerate(cases):
+        options = {k: v for k, v in options.items() if k != "implementation"}
+        want = _one_process(data, family, options)
+        for part, name in enumerate(("loss", "hidden gradient", "table gradient", "bias gradient")):
+            got = np.concatenate([result[index][part] for result in per_rank])
+            _close(got, want[part], f"triton {options} {name}")

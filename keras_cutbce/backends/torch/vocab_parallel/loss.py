@@ -12,6 +12,8 @@ the shard: the one-process gradient of the weighted sum of every rank's
 losses. The table is never gathered.
 """
 
+import functools
+
 import torch
 
 from keras_cutbce.backends.torch import chunked
@@ -64,33 +66,33 @@ def _merged(acc, sparse, family, layout):
 class _VocabParallelLoss(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, hidden, shard, bias, ids, family, tile, layout):
+    def forward(ctx, hidden, shard, bias, ids, family, tile, layout, dense):
         dtype = compute_dtype(hidden, shard, bias)
         counts = collectives.row_counts(hidden.shape[0], layout, hidden.device)
         h = collectives.gather_rows(hidden.to(dtype), counts, layout)
         ids = collectives.gather_rows(ids, counts, layout)
         tiles = vocab_tiles(shard.shape[0], tile)
         positives = ShardPositives(ids, layout, tiles)
-        acc, _, _, _ = chunked.dense_pass(h, shard, bias, tiles, positives, loss=True, family=family)
+        acc, _, _, _ = dense(h, shard, bias, tiles, positives, loss=True, family=family)
         sparse = chunked.sparse_terms(h, shard, bias, positives, family, loss=True)
         acc, sparse = _merged(acc, sparse, family, layout)
         targets = _Targets(positives)
         loss = family.finish(acc, sparse, targets, layout.vocab)
         stats = family.statistics(acc) if family.two_pass else None
         ctx.save_for_backward(h, shard, bias)
-        ctx.state = (family, layout, counts, tiles, positives, targets, stats, hidden.dtype)
+        ctx.state = (family, layout, counts, tiles, positives, targets, stats, hidden.dtype, dense)
         start = sum(counts[:layout.rank])
         return loss[start:start + hidden.shape[0]].float()
 
     @staticmethod
     def backward(ctx, row_scale):
         h, shard, bias = ctx.saved_tensors
-        family, layout, counts, tiles, positives, targets, stats, hidden_dtype = ctx.state
+        family, layout, counts, tiles, positives, targets, stats, hidden_dtype, dense = ctx.state
         row_scale = collectives.gather_rows(row_scale.to(h.dtype).contiguous(), counts, layout)
         h = chunked.mask_zero_rows(row_scale, h)
         dense_scale, sparse_scale = family.row_scales(row_scale, targets, layout.vocab)
         need = (True, ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        _, grad_h, grad_e, grad_b = chunked.dense_pass(
+        _, grad_h, grad_e, grad_b = dense(
             h, shard, bias, tiles, positives, loss=False, row_scale=dense_scale, need=need,
             family=family, stats=stats,
         )
@@ -99,19 +101,32 @@ class _VocabParallelLoss(torch.autograd.Function):
         grad_h = collectives.sum_rows_to_owner(grad_h, counts, layout).to(hidden_dtype)
         grad_e = None if grad_e is None else grad_e.contiguous().to(shard.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return (grad_h if ctx.needs_input_grad[0] else None, grad_e, grad_b) + (None,) * 4
+        return (grad_h if ctx.needs_input_grad[0] else None, grad_e, grad_b) + (None,) * 5
 
 
-def _loss(hidden, shard, ids, bias, family, chunk_size, layout):
+def _loss(hidden, shard, ids, bias, family, chunk_size, layout, dense=chunked.dense_pass):
     ids = torch.as_tensor(ids, device=hidden.device)
     ids = ids[:, None] if ids.ndim == 1 else ids
-    return _VocabParallelLoss.apply(hidden, shard, bias, ids, family, int(chunk_size), layout)
+    return _VocabParallelLoss.apply(hidden, shard, bias, ids, family, int(chunk_size), layout, dense)
+
+
+def _triton_dense(hidden, shard):
+    from keras_cutbce.backends.torch.triton import launch
+
+    return functools.partial(launch.dense_pass, operands=launch.operand_dtype(hidden),
+                             stored=(torch.float32, shard.dtype))  # summed over ranks, then cast
 
 
 def cut_bce(hidden, shard, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size,
-            layout):
-    """`cut_bce` (the registry's contract) of this rank's positions over a table split by `layout`."""
+            layout, dense="chunked"):
+    """`cut_bce` (the registry's contract) of this rank's positions over a table split by `layout`.
+
+    `dense`: `"chunked"` (the chunked loop's tiles of `chunk_size`) or `"triton"` (the fused kernels).
+    """
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    if dense == "triton":
+        return _loss(hidden, shard, ids, bias, family, max(1, shard.shape[0]), layout,
+                     _triton_dense(hidden, shard))
     return _loss(hidden, shard, ids, bias, family, chunk_size, layout)
 
 
