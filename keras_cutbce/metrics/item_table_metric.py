@@ -166,7 +166,8 @@ def _summed_over_ranks(update_state):
 
     @functools.wraps(update_state)
     def update(self, *args, **kwargs):
-        layout = None if getattr(self, "_updating", False) else self.read_tables()[0].layout
+        split = keras.backend.backend() == "torch" and not getattr(self, "_updating", False)
+        layout = self.read_tables()[0].layout if split else None
         if layout is None:
             return update_state(self, *args, **kwargs)
         from keras_cutbce.backends.torch import vocab_parallel
