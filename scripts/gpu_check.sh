@@ -230,6 +230,8 @@ step_cutbce_tests() {  # the Triton parity tests compiled on the GPU (the interp
 step_matrix() {  # the mixed precision matrix with real bf16/fp16 kernels, autocast and CUDA Graphs
   run_tests gpu_check_tests.txt -m "" -k policy tests/erase/test_erase_schedules.py \
     tests/cutbce/test_cut_bce.py tests/cutbce/test_loss.py tests/cutbce/test_metrics.py tests/cutbce/test_retrieval.py
+  # A table split over NCCL ranks (skips, saying so, with fewer than 2 GPUs).
+  run_tests gpu_check_tests.txt -m "" -k nccl tests/cutbce/test_vocab_parallel_torch.py
 }
 step_cutbce_rest() {  # the tile sweeps first (kernels, then the chunked loop's CUDA tile), then the rest
   "$PYTHON" benchmarks/cutbce_triton.py --gpu "${CUTBCE_DRY[@]}" --budget "$2" --out "$RESULTS" \

@@ -219,3 +219,26 @@ def test_triton_kernels_on_a_shard_match_one_process(monkeypatch):
         for part, name in enumerate(("loss", "hidden gradient", "table gradient", "bias gradient")):
             got = np.concatenate([result[index][part] for result in per_rank])
             _close(got, want[part], f"triton {options} {name}")
+
+
+def _cuda_devices():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@torch_only
+@pytest.mark.slow
+def test_nccl_ranks_match_one_process():
+    """NCCL, rank r on cuda:r (reduce_scatter for the hidden gradient; BCE on the Triton kernels)."""
+    if _cuda_devices() < 2:
+        pytest.skip(f"NCCL ranks need 2 CUDA GPUs; {_cuda_devices()} present")
+    from keras_erase.torch.launch import run_local
+
+    data = ranks.case(6, 31, 8, (4, 5), 4, 2)
+    per_rank = run_local(ranks.op_gradients, 2, args=(data, CASES), backend="nccl")
+    for index, (family, options) in enumerate(CASES):
+        want = _one_process(data, family, {**options, "implementation": "chunked"})
+        for part, name in enumerate(("loss", "hidden gradient", "table gradient", "bias gradient")):
+            got = np.concatenate([result[index][part] for result in per_rank])
+            _close(got, want[part], f"NCCL {family} {options} {name}")

@@ -56,13 +56,14 @@ def family_gradients(rank, world, data, family, options):
 
     layer = split_layer(data)
     rows = mine(data, rank)
-    hidden = torch.tensor(data["hidden"][rows], requires_grad=True)
+    device = layer.embeddings.value.device  # Keras's: cuda:rank under NCCL
+    hidden = torch.tensor(data["hidden"][rows], requires_grad=True, device=device)
     op = cut_binary_crossentropy if family == "bce" else cut_categorical_crossentropy
     loss = op(hidden, layer, data["ids"][rows], **options)
     weights = [w.value for w in layer.weights]
-    grads = torch.autograd.grad((loss * torch.tensor(data["cotangent"][rows])).sum(),
-                                [hidden] + weights)
-    return [g.detach().numpy() for g in [loss] + list(grads)]
+    cotangent = torch.tensor(data["cotangent"][rows], device=device)
+    grads = torch.autograd.grad((loss * cotangent).sum(), [hidden] + weights)
+    return [g.detach().cpu().numpy() for g in [loss] + list(grads)]
 
 
 def lookups(rank, world, data):
