@@ -114,7 +114,8 @@ def _sharded_loss_programs():
     """How many vocab-sharded loss programs this process built (0: the path was not taken)."""
     from keras_cutbce.backends.jax import sharded
 
-    return sharded.loss._loss_program.cache_info().currsize
+    programs = (sharded.loss._loss_program, sharded.loss._softmax_program)  # BCE's, softmax's
+    return sum(program.cache_info().currsize for program in programs)
 
 
 class _ShardedRun:
@@ -136,6 +137,32 @@ class _ShardedRun:
                 self.table_rows = int(table.addressable_shards[0].data.shape[0])
 
         return Recorder()
+
+
+def _probes(model, train_args, users=16):
+    """After training, on the first `users` evaluation users: `cut_top_k` (k = 10, seen items
+    excluded) and the `MeanReciprocalRank` and `ThresholdConfusion` results, over the sharded table."""
+    import numpy as np
+
+    from examples.sasrec import data as data_lib
+    from examples.sasrec import train
+    from keras_cutbce import MeanReciprocalRank, ThresholdConfusion, cut_top_k
+
+    sequences, _ = train.load_sequences(train_args)
+    kept, held_out = data_lib.split_leave_last_out(sequences, holdout=train.NUM_TARGETS)
+    inputs, held, seen = (a[:users] for a in data_lib.evaluation_arrays(
+        kept, held_out, train_args.max_len))
+    hidden = model.predict(inputs, verbose=0)[:, -1, :]
+    items, bias = model.get_layer("items"), model.get_layer("item_bias").bias
+    scores, ids = cut_top_k(hidden, items, 10, bias=bias, exclude_ids=seen)
+    probes = {"top_k_scores": np.asarray(scores).tolist(), "top_k_ids": np.asarray(ids).tolist()}
+    rank = MeanReciprocalRank(items, bias=bias, exclude_ids=[0])
+    rank.update_state(held, hidden, exclude_ids=seen)
+    confusion = ThresholdConfusion(items, bias=bias, threshold=0.01)
+    confusion.update_state(held, hidden)
+    for metric in (rank, confusion):
+        probes.update({k: float(np.asarray(v)) for k, v in metric.result().items()})
+    return probes
 
 
 def work(args, train_argv):
@@ -161,6 +188,7 @@ def work(args, train_argv):
     if args.process_id:
         train_args.verbose = 0
     results = train.run(train_args, callbacks=[record])
+    results.update(_probes(record.model, train_args))
     results.update(
         step_losses=record.losses, table_rows_per_device=record.table_rows,
         sharded_loss_programs=_sharded_loss_programs(),
