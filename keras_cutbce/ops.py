@@ -80,7 +80,14 @@ def per_position_loss(inputs, options):
             f"{op!r} has no {options.implementation!r} implementation on this backend. "
             f"Received: implementation={options.implementation!r}"
         )
-    return ops.cast(loss, "float32")
+    return ops.cast(loss, "float32") + _non_finite_rows(inputs.hidden)
+
+
+def _non_finite_rows(hidden):
+    """0 a row, NaN where the row's hidden state is not finite: Keras's dense loss is NaN there, with or
+    without a target and at any weight; no gradient (the rows' gradients stay the kernels')."""
+    zeros = ops.zeros_like(ops.cast(hidden[:, 0], "float32"))
+    return ops.where(ops.all(ops.isfinite(hidden), axis=-1), zeros, zeros + float("nan"))
 
 
 def loss_sum(inputs, options, row_weights):
@@ -94,7 +101,7 @@ def loss_sum(inputs, options, row_weights):
     )
     if total is None:  # no fused kernel on this implementation
         return ops.sum(weights * per_position_loss(inputs, options))
-    return ops.cast(total, "float32")
+    return ops.cast(total, "float32") + ops.sum(_non_finite_rows(inputs.hidden))
 
 
 def cut_binary_crossentropy(

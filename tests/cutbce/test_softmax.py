@@ -491,3 +491,44 @@ def test_keras_dtype_case():
     loss = CutSoftmaxLoss(np.eye(3, dtype="float32"), dtype="bfloat16")
     value = loss(np.array([[0], [1], [2]]), np.eye(3, dtype="float32"))
     assert keras.backend.standardize_dtype(value.dtype) == "bfloat16"
+
+
+@pytest.mark.parametrize("implementation", ["reference", "chunked"] + [
+    pytest.param(k, marks=pytest.mark.slow) for k in KERNELS[1:]])
+@pytest.mark.parametrize("family", ["softmax", "bce"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_hidden_state_shows_as_keras_shows_it(bad, family, implementation):
+    """A NaN or infinite hidden row gives NaN, as Keras's dense loss does: with and without a valid
+    target, per position and reduced (at weight 0 too); the other rows' losses and the gradients
+    of the finite rows as with the broken rows at weight 0."""
+    ids = IDS["multi"]  # row 2: no valid id
+    hidden, table, bias = _inputs(scale=2.0)
+    broken = hidden.copy()
+    broken[2, 1] = broken[4, 0] = bad
+    y, _ = _targets(ids)
+    z = ops.matmul(broken, ops.transpose(table)) + ops.convert_to_tensor(bias)
+    if family == "softmax":
+        op, loss_class = cut_categorical_crossentropy, CutSoftmaxLoss
+        keras_rows = keras.losses.categorical_crossentropy(y, z, from_logits=True)
+    else:
+        op, loss_class = keras_cutbce.cut_binary_crossentropy, keras_cutbce.CutBCELoss
+        keras_rows = keras.losses.binary_crossentropy((y > 0).astype("float32"), z, from_logits=True)
+    assert np.isnan(to_numpy(keras_rows)[[2, 4]]).all()
+    kwargs = dict(chunk_size=TILE, implementation=implementation)
+    got = to_numpy(op(broken, table, ids, bias, **kwargs))
+    clean = to_numpy(op(hidden, table, ids, bias, **kwargs))
+    assert np.isnan(got[[2, 4]]).all(), got
+    np.testing.assert_array_equal(got[[0, 1, 3]], clean[[0, 1, 3]])
+    weights = np.array([1.0, 0.5, 0.0, 0.25, 1.5], np.float32)
+    for reduction in ("sum", "sum_over_batch_size"):
+        total = loss_class(table, bias, reduction=reduction, **kwargs)(ids, broken, sample_weight=weights)
+        assert np.isnan(to_numpy(total)), (reduction, total)
+
+    finite = np.array([1.0, 0.5, 0.0, 0.25, 0.0], np.float32)
+
+    def weighted(h):
+        return ops.sum(ops.convert_to_tensor(finite) * op(h, table, ids, bias, **kwargs))
+
+    _, (got_grad,) = value_and_grads(weighted, broken)
+    _, (want_grad,) = value_and_grads(weighted, hidden)
+    np.testing.assert_allclose(got_grad[[0, 1, 3]], want_grad[[0, 1, 3]], rtol=1e-6, atol=1e-7)
