@@ -364,13 +364,13 @@ def test_torch_fused_path_computes_the_loss_once(monkeypatch):
     from keras_cutbce.backends.torch import chunked
 
     passes = []
-    real = chunked.dense_pass
+    real = chunked.tile_pass
 
     def recorded(*args, loss, **kwargs):
         passes.append(loss)
         return real(*args, loss=loss, **kwargs)
 
-    monkeypatch.setattr(chunked, "dense_pass", recorded)
+    monkeypatch.setattr(chunked, "tile_pass", recorded)
     hidden, table, bias = (torch.tensor(x, requires_grad=True) for x in _inputs(seed=7))
     ids = torch.tensor([[3], [-1], [36], [0], [5]])
     weights = torch.ones(5)

@@ -364,7 +364,7 @@ def test_bf16_split_products_keep_fp32_accuracy(family, rng):
     if family == "bce":
         family = fused = math.BCE(bce_coefficients())
     else:  # the loop's two passes against the kernels' one; compared on the rows' log-sum-exp
-        family, fused = math.Softmax(0.1, v), launch._FusedSoftmax(0.1, v)
+        family = fused = math.Softmax(0.1, v)
         stats = torch.logsumexp(h @ e.T, 1)
     got = launch.dense_pass(h, e, None, tiles, positives, loss=True, row_scale=scale, need=need,
                             family=fused, operands=torch.bfloat16)
@@ -404,6 +404,7 @@ def test_softmax_items_with_a_bias_of_minus_inf_drop_out(rng):
     """The kernels' part: items at `-inf` (a whole tile and split of them) are left out exactly."""
     import torch
 
+    from keras_cutbce.backends.torch import math
     from keras_cutbce.backends.torch.chunked import Positives
     from keras_cutbce.backends.torch.triton import launch
     from keras_cutbce.math.tiling import vocab_tiles
@@ -416,7 +417,7 @@ def test_softmax_items_with_a_bias_of_minus_inf_drop_out(rng):
 
     def run(e, b):
         tiles = vocab_tiles(e.shape[0], e.shape[0])
-        family = launch._FusedSoftmax(0.0, e.shape[0])
+        family = math.Softmax(0.0, e.shape[0])
         acc, *grads = launch.dense_pass(h, e, b, tiles, Positives(ids[:, :0], tiles), loss=True,
                                         row_scale=scale, need=(True, True, True), family=family)
         return [family.statistics(acc)] + grads

@@ -64,7 +64,12 @@ def _tile_pass(hidden, hidden_t, table_tile, bias_tile, ids, start, family, stat
     return part, jnp.matmul(dz, table_tile.astype(_F32)), jnp.matmul(hidden_t, dz)
 
 
-def _dense_pass(hidden, table, bias, ids, tile, family, stats=None, *, loss, row_scale=None):
+def dense_pass(hidden, table, bias, ids, tile, family, stats=None, *, loss, row_scale=None):
+    """One pass over the tiles: `(acc | None, (grad_hidden, grad_table, grad_bias) | None)` of the tiles' part.
+
+    `ids`: the positives a masking family sets to `-inf`; `row_scale`: the slopes' factor (the
+    gradients'), `stats` a two-pass family's `statistics`. The sharded path runs it per shard.
+    """
     want_grads = row_scale is not None
     hidden_t = None
     if want_grads:
@@ -156,22 +161,44 @@ def _add_positives(hidden, table, bias, index, keep, family, grads, *, loss, row
     return positive_rows, grads
 
 
+def _add_linear(hidden, table, bias, family, grads, *, loss, row_scale=None):
+    """`-linear * sum_v z_v` a row in closed form (`h . sum_v E_v + sum_v b_v`) and its gradients."""
+    table_sum = jnp.sum(table.astype(_F32), axis=0)
+    rows = None
+    if loss:
+        rows = -family.linear * jnp.matmul(hidden.astype(_F32), table_sum)
+        rows = rows if bias is None else rows - family.linear * jnp.sum(bias.astype(_F32))
+    if grads is not None:
+        const = -family.linear * row_scale
+        grad_hidden, grad_table, grad_bias = grads
+        grad_hidden = grad_hidden + const[:, None] * table_sum
+        grad_table = grad_table + jnp.matmul(const, hidden.astype(_F32))[None, :]
+        grad_bias = None if grad_bias is None else grad_bias + jnp.sum(const)
+        grads = (grad_hidden, grad_table, grad_bias)
+    return rows, grads
+
+
 def _loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_weights=None):
     vocab = table.shape[0]
     index, keep = distinct_targets(ids, vocab)
-    row_scale = None if row_weights is None else family.row_scale(row_weights, keep, vocab)
+    row_scale = positive_scale = None
+    if row_weights is not None:
+        row_scale, positive_scale = family.row_scale(row_weights, keep, vocab)
     acc = stats = None
     if family.two_pass and row_scale is not None:
-        acc, _ = _dense_pass(hidden, table, bias, ids, tile, family, loss=True)
+        acc, _ = dense_pass(hidden, table, bias, ids, tile, family, loss=True)
         stats = family.statistics(acc)
-    dense, grads = _dense_pass(
+    dense, grads = dense_pass(
         hidden, table, bias, ids, tile, family, stats, loss=loss and acc is None,
         row_scale=row_scale,
     )
     acc = dense if acc is None else acc
     positive_rows, grads = _add_positives(
-        hidden, table, bias, index, keep, family, grads, loss=loss, row_scale=row_scale
+        hidden, table, bias, index, keep, family, grads, loss=loss, row_scale=positive_scale
     )
+    if family.linear:
+        rows, grads = _add_linear(hidden, table, bias, family, grads, loss=loss, row_scale=positive_scale)
+        positive_rows = rows if positive_rows is None or rows is None else positive_rows + rows
     return (family.finish(acc, positive_rows, keep, vocab) if loss else None), grads
 
 

@@ -52,12 +52,13 @@ def sorted_positives(ids, vocab_size):
 
 
 class BCE(NamedTuple):
-    """Binary cross-entropy as a loop's loss family (the members: docs/development.md); hashable."""
+    """Binary cross-entropy as a loop's loss family (the protocol: docs/development.md); hashable."""
 
     coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
 
     masks_positives = True
     two_pass = False
+    linear = 0.0  # the tiles hold the whole background
 
     def init(self, rows):
         return jnp.zeros((rows,), jnp.float32)
@@ -72,6 +73,9 @@ class BCE(NamedTuple):
         dz = _drop_masked(slopes(z, *weights, e=e), z, self.coef) if grad else None
         return part, dz
 
+    def statistics(self, acc):
+        return None  # the slopes need no row statistics
+
     def positives(self, z, keep, *, loss, grad):
         """The positives' `(terms [M, L] | None, slopes [M, L] | None)`."""
         e, weights = exp_neg_abs(z), self.coef.positive_weights
@@ -82,7 +86,8 @@ class BCE(NamedTuple):
         return (acc if positive_rows is None else acc + positive_rows) / vocab
 
     def row_scale(self, row_weights, keep, vocab):
-        return row_weights / vocab
+        scale = row_weights / vocab
+        return scale, scale
 
 
 def _drop_masked(values, z, coef):
@@ -103,6 +108,7 @@ class Softmax(NamedTuple):
 
     masks_positives = False
     two_pass = True
+    linear = 0.0  # the smoothing's `a / V` is in the tiles' sums and slopes
 
     def init(self, rows):
         zeros = jnp.zeros((rows,), jnp.float32)
@@ -143,7 +149,8 @@ class Softmax(NamedTuple):
         return jnp.where(jnp.any(keep, axis=1), loss + positive_rows, 0.0)
 
     def row_scale(self, row_weights, keep, vocab):
-        return jnp.where(jnp.any(keep, axis=1), row_weights, 0.0)
+        scale = jnp.where(jnp.any(keep, axis=1), row_weights, 0.0)
+        return scale, scale
 
 
 def _rescaled(total, m_old, m_new):

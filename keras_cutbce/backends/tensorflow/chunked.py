@@ -70,16 +70,14 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss
 
 def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, row_scale=None):
     want_grads = row_scale is not None
-    inv_v = family.scale(tiles.vocab_size)
-    scaled = bias_scale = None
+    scaled = None
     if want_grads:
-        bias_scale = row_scale * inv_v
-        scaled = bias_scale[:, None] * hidden
+        scaled = row_scale[:, None] * hidden
 
     def tile_pass(start, table_tile, bias_tile):
         return _tile_pass(
             hidden, table_tile, bias_tile, ids, start, family, stats,
-            loss=loss, scaled=scaled, bias_scale=bias_scale,
+            loss=loss, scaled=scaled, bias_scale=row_scale,
         )
 
     rows = tf.shape(hidden)[0]
@@ -139,18 +137,20 @@ def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, ro
     if rest is not None:
         dtable = tf.concat([dtable, rest[1][1]], axis=0)
         dbias = tf.concat([dbias, rest[1][2]], axis=0)
-    return loss_rows, ((row_scale * inv_v)[:, None] * dh, dtable, dbias)
+    return loss_rows, (row_scale[:, None] * dh, dtable, dbias)
 
 
 def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=None):
     """The per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m` (when given)."""
     tiles = _tiles_of(table, tile)
-    family = family.sized(tiles.vocab_size)
-    inv_v = family.scale(tiles.vocab_size)
+    vocab = tiles.vocab_size
+    family = math.sized(family, vocab)
     hidden = tf.cast(hidden, tf.float32)
-    safe, keep = distinct_targets(ids, tiles.vocab_size)
+    safe, keep = distinct_targets(ids, vocab)
     keep = tf.cast(keep, tf.float32)
-    row_scale = None if row_scale is None else family.row_scale(tf.cast(row_scale, tf.float32), keep)
+    positive_scale = None
+    if row_scale is not None:
+        row_scale, positive_scale = family.row_scale(tf.cast(row_scale, tf.float32), keep, vocab)
     acc = stats = None
     if family.two_pass and row_scale is not None:  # the row statistics first
         acc, _ = _dense_pass(hidden, table, bias, ids, family, tiles, loss=True)
@@ -160,22 +160,48 @@ def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=No
         row_scale=row_scale,
     )
     acc = dense if acc is None else acc
-    if ids.shape[1] == 0:
-        return (family.finish(acc, None, keep, inv_v) if loss else None), grads
+    positive_rows = None
+    if ids.shape[1] != 0:
+        positive_rows, grads = _add_positives(hidden, table, bias, safe, keep, family, grads,
+                                              loss=loss, row_scale=positive_scale)
+    if family.linear:
+        rows, grads = _add_linear(hidden, table, bias, family, grads, loss=loss,
+                                  row_scale=positive_scale)
+        positive_rows = rows if positive_rows is None or rows is None else positive_rows + rows
+    return (family.finish(acc, positive_rows, keep, vocab) if loss else None), grads
+
+
+def _add_positives(hidden, table, bias, safe, keep, family, grads, *, loss, row_scale):
     z_pos, rows_pos = positive_logits(hidden, table, bias, safe)
     terms, slopes = family.positives(z_pos, keep, loss=loss, grad=grads is not None)
-    if loss:
-        loss_rows = family.finish(acc, tf.reduce_sum(keep * terms, axis=1), keep, inv_v)
+    positive_rows = tf.reduce_sum(keep * terms, axis=1) if loss else None
     if grads is not None:
         dh, dtable, dbias = grads
-        dz = (row_scale * inv_v)[:, None] * keep * slopes
+        dz = row_scale[:, None] * keep * slopes
         dh = dh + tf.einsum("ml,mld->md", dz, rows_pos)
         index = tf.reshape(safe, [-1, 1])
         dtable_pos = tf.reshape(dz[:, :, None] * hidden[:, None, :], [-1, tf.shape(hidden)[1]])
         dtable = tf.tensor_scatter_nd_add(dtable, index, dtable_pos)
         dbias = tf.tensor_scatter_nd_add(dbias, index, tf.reshape(dz, [-1]))
         grads = (dh, dtable, dbias)
-    return (loss_rows if loss else None), grads
+    return positive_rows, grads
+
+
+def _add_linear(hidden, table, bias, family, grads, *, loss, row_scale):
+    """`-linear * sum_v z_v` a row in closed form (`h . sum_v E_v + sum_v b_v`) and its gradients."""
+    table_sum = tf.reduce_sum(tf.cast(table, tf.float32), axis=0)
+    rows = None
+    if loss:
+        rows = -family.linear * tf.linalg.matvec(hidden, table_sum)
+        if bias is not None:
+            rows = rows - family.linear * tf.reduce_sum(tf.cast(bias, tf.float32))
+    if grads is not None:
+        const = -family.linear * row_scale
+        dh, dtable, dbias = grads
+        grads = (dh + const[:, None] * table_sum,
+                 dtable + tf.linalg.matvec(hidden, const, transpose_a=True)[None, :],
+                 dbias + tf.reduce_sum(const))
+    return rows, grads
 
 
 def mask_positives(z, ids, start):

@@ -44,12 +44,13 @@ def drop_masked(values, z, coef):
 
 
 class BCE(NamedTuple):
-    """JAX's `math.BCE` on TensorFlow, plus `scale`: every slope's constant factor `1 / V`."""
+    """JAX's `math.BCE` on TensorFlow (the protocol: docs/development.md)."""
 
     coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
 
     masks_positives = True
     two_pass = False
+    linear = 0.0  # the tiles hold the whole background
 
     def init(self, rows):
         return tf.zeros([rows], tf.float32)
@@ -68,33 +69,32 @@ class BCE(NamedTuple):
             dz = drop_masked(slopes(z, *weights, e=e), z, self.coef)
         return part, dz
 
+    def statistics(self, acc):
+        return None  # the slopes need no row statistics
+
     def positives(self, z, keep, *, loss, grad):
         """Returns the positives' `(terms [M, L] or None, slopes [M, L] or None)`."""
         e = exp_neg_abs(z)
         weights = self.coef.positive_weights
         return (terms(z, *weights, e=e) if loss else None), (slopes(z, *weights, e=e) if grad else None)
 
-    def sized(self, vocab_size):
-        return self
+    def finish(self, acc, positive_rows, keep, vocab):
+        return (acc if positive_rows is None else acc + positive_rows) * _inverse(vocab)
 
-    def scale(self, vocab_size):
-        return 1.0 / tf.cast(vocab_size, tf.float32)
-
-    def finish(self, acc, positive_rows, keep, scale):
-        return (acc if positive_rows is None else acc + positive_rows) * scale
-
-    def row_scale(self, row_weights, keep):
-        return row_weights
+    def row_scale(self, row_weights, keep, vocab):
+        scale = row_weights * _inverse(vocab)
+        return scale, scale
 
 
 class Softmax(NamedTuple):
-    """JAX's `math.Softmax` on TensorFlow (`scale` 1; `keep` is a float32 mask; `vocab` None: unknown when traced)."""
+    """JAX's `math.Softmax` on TensorFlow (`keep` is a float32 mask; `vocab` None: unknown when traced, `sized`)."""
 
     label_smoothing: float
     vocab: Optional[int]
 
     masks_positives = False
     two_pass = True
+    linear = 0.0  # the smoothing's `a / V` is in the tiles' sums and slopes
 
     def init(self, rows):
         zeros = tf.zeros([rows], tf.float32)
@@ -126,14 +126,7 @@ class Softmax(NamedTuple):
             tf.reduce_sum(keep, axis=1, keepdims=True), 1.0)
         return (weight * z if loss else None), (weight * tf.ones_like(z) if grad else None)
 
-    def sized(self, vocab_size):
-        """The family inside a program: `vocab` read from the table where unknown at trace time."""
-        return self if self.vocab is not None else self._replace(vocab=tf.cast(vocab_size, tf.float32))
-
-    def scale(self, vocab_size):
-        return 1.0
-
-    def finish(self, acc, positive_rows, keep, scale):
+    def finish(self, acc, positive_rows, keep, vocab):
         loss = self.statistics(acc)
         if self.label_smoothing:
             loss = loss - (self.label_smoothing / self.vocab) * acc[2]
@@ -141,8 +134,20 @@ class Softmax(NamedTuple):
             return tf.zeros_like(loss)
         return tf.where(tf.reduce_sum(keep, axis=1) > 0, loss + positive_rows, 0.0)
 
-    def row_scale(self, row_weights, keep):
-        return tf.where(tf.reduce_sum(keep, axis=1) > 0, row_weights, 0.0)
+    def row_scale(self, row_weights, keep, vocab):
+        scale = tf.where(tf.reduce_sum(keep, axis=1) > 0, row_weights, 0.0)
+        return scale, scale
+
+
+def sized(family, vocab_size):
+    """`family` inside a program: a `vocab` field unknown at trace time (None) read from the table."""
+    if getattr(family, "vocab", 0) is not None:
+        return family
+    return family._replace(vocab=tf.cast(vocab_size, tf.float32))
+
+
+def _inverse(vocab):
+    return 1.0 / tf.cast(vocab, tf.float32)
 
 
 def _rescaled(total, m_old, m_new):

@@ -66,11 +66,26 @@ def _tile_logits_into(out, hidden, table_tile, bias_tile):
 
 def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
                family, stats=None):
-    """The family's row reduction over the tiles and its gradients: `(acc, grad_h, grad_table, grad_bias)`.
+    """The family's row reduction over the tiles and its gradients: `(acc, grad_h, grad_e, grad_b)`.
 
-    Each None when not asked for; the table's a transposed view of `[D, V]`.
-    The Triton kernels implement this signature.
+    Each None when not asked for; the table's a transposed view of `[D, V]`. A
+    two-pass family's gradients without `stats`: a first pass gives them (and
+    `acc`). The Triton kernels implement this signature.
     """
+    need_h, need_e, need_b = need if row_scale is not None else (False, False, False)
+    grads = need_h or need_e or need_b
+    acc = None
+    if family.two_pass and grads and stats is None:
+        acc = tile_pass(h, table, bias, tiles, positives, loss=True, family=family)[0]
+        stats = family.statistics(acc)
+    out = tile_pass(h, table, bias, tiles, positives, loss=loss and acc is None, row_scale=row_scale,
+                    need=need, family=family, stats=stats)
+    return (out[0] if acc is None or not loss else acc,) + out[1:]
+
+
+def tile_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(False,) * 3,
+              family, stats=None):
+    """One pass over the tiles (`dense_pass`, the statistics given)."""
     dtype, device = h.dtype, h.device
     num_rows, dim = h.shape
     vocab_size, tile = tiles.vocab_size, tiles.tile
@@ -79,12 +94,11 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     # One spare element past the largest tile: where `Positives.flat` points
     # the positives of the other tiles.
     logits_buffer = torch.empty(num_rows * tile + 1, dtype=dtype, device=device)
-    softplus_sum = None
+    acc = None
     if loss:
-        ones = torch.ones(tile, dtype=dtype, device=device)
-        softplus_sum = family.init(num_rows, dtype, device)
-        # With gradients the logits are still needed after softplus.
-        softplus_buffer = (
+        acc = family.init(num_rows, dtype=dtype, device=device)
+        # With gradients the logits are still needed after the terms.
+        terms_buffer = (
             torch.empty(num_rows * tile, dtype=dtype, device=device) if grads else logits_buffer
         )
     grad_h = torch.zeros(num_rows, dim, dtype=dtype, device=device) if need_h else None
@@ -105,10 +119,10 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
         if skip is not None:
             logits_buffer[: size + 1].index_fill_(0, skip, float("-inf"))
         if loss:
-            family.tile(z, softplus_sum, stats, out=softplus_buffer[:size].view(num_rows, stop - start),
-                        ones=ones[: stop - start])
+            family.tile(z, stats, loss=True, grad=False, acc=acc,
+                        out=terms_buffer[:size].view(num_rows, stop - start))
         if grads:
-            s = family.slopes(z, stats)
+            _, s = family.tile(z, stats, loss=False, grad=True, out=z)
             if need_h:
                 grad_h.addmm_(s, table_tile)
             if need_e:
@@ -121,7 +135,7 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     # A transposed view of the `[D, V]` buffer: no second `[V, D]` copy (the
     # optimizer's update, or autograd accumulating into `.grad`, reads it as is).
     grad_e = grad_e_t.T if need_e else None
-    return softplus_sum, grad_h, grad_e, grad_b
+    return acc, grad_h, grad_e, grad_b
 
 
 def sparse_terms(h, table, bias, positives, family, *, loss, row_scale=None, grads=(None,) * 3):
@@ -189,19 +203,17 @@ def row_losses(h, table, bias, ids, family, tile, row_scale=None, need=(False,) 
     """The per-row losses `[M]` and, with a cotangent `row_scale`, their gradients (`dense`: this loop's or Triton's)."""
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
-    dense_scale, sparse_scale = (None, None) if row_scale is None else family.row_scales(
-        row_scale, positives, tiles.vocab_size)
-    acc, stats = _statistics(h, table, bias, tiles, positives, family, dense, row_scale)
-    dense_sum, grad_h, grad_e, grad_b = dense(  # the first pass already gave a two-pass loss
-        h, table, bias, tiles, positives, loss=acc is None, row_scale=dense_scale, need=need,
-        family=family, stats=stats,
+    keep = None if positives.empty else positives.keep
+    dense_scale, sparse_scale = (None, None) if row_scale is None else family.row_scale(
+        row_scale, keep, tiles.vocab_size)
+    acc, grad_h, grad_e, grad_b = dense(
+        h, table, bias, tiles, positives, loss=True, row_scale=dense_scale, need=need, family=family,
     )
-    dense_sum = acc if acc is not None else dense_sum
-    terms = sparse_terms(
+    positive_rows = sparse_terms(
         h, table, bias, positives, family, loss=True, row_scale=sparse_scale,
         grads=(grad_h, grad_e, grad_b),
     )
-    loss = family.finish(dense_sum, terms, positives, tiles.vocab_size)
+    loss = family.finish(acc, positive_rows, keep, tiles.vocab_size)
     return loss, grad_h, grad_e, grad_b
 
 
@@ -209,24 +221,16 @@ def row_gradients(h, table, bias, ids, family, tile, row_scale, need, *, dense=d
     """The gradients of `sum_m row_scale_m * loss_m` (no loss), the table's contiguous."""
     tiles = vocab_tiles(table.shape[0], tile)
     positives = Positives(ids, tiles)
-    dense_scale, sparse_scale = family.row_scales(row_scale, positives, tiles.vocab_size)
-    _, stats = _statistics(h, table, bias, tiles, positives, family, dense, row_scale)
+    keep = None if positives.empty else positives.keep
+    dense_scale, sparse_scale = family.row_scale(row_scale, keep, tiles.vocab_size)
     _, grad_h, grad_e, grad_b = dense(
-        h, table, bias, tiles, positives, loss=False, row_scale=dense_scale, need=need,
-        family=family, stats=stats,
+        h, table, bias, tiles, positives, loss=False, row_scale=dense_scale, need=need, family=family,
     )
     sparse_terms(
         h, table, bias, positives, family, loss=False, row_scale=sparse_scale,
         grads=(grad_h, grad_e, grad_b),
     )
     return grad_h, None if grad_e is None else grad_e.contiguous(), grad_b
-
-
-def _statistics(h, table, bias, tiles, positives, family, dense, row_scale):
-    if not family.two_pass or row_scale is None:
-        return None, None
-    acc, _, _, _ = dense(h, table, bias, tiles, positives, loss=True, family=family)
-    return acc, family.statistics(acc)
 
 
 def mask_zero_rows(weight, hidden):
@@ -312,25 +316,21 @@ def _tile(chunk_size):
     return chunk_size
 
 
-def _as_ids(ids, device):
+def as_ids(ids, device):
+    """Ids as a `[M, L]` tensor on `device` (one id a row: `[M, 1]`)."""
     ids = torch.as_tensor(ids, device=device)
     return ids[:, None] if ids.ndim == 1 else ids
 
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size):
     """The chunked `cut_bce` (the contract: `keras_cutbce.registry`)."""
-    return run_cut_bce(dense_pass, hidden, table, ids, bias, label_smoothing=label_smoothing,
-                       pos_weight=pos_weight, tile=_tile(chunk_size))
-
-
-def run_cut_bce(dense, hidden, table, ids, bias, *, label_smoothing, pos_weight, tile):
-    """`cut_bce` with `dense` computing the background (`dense_pass`'s signature)."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
-    return _per_row(dense, hidden, table, ids, bias, family, tile)
+    return per_row(family, hidden, table, ids, bias, _tile(chunk_size))
 
 
-def _per_row(dense, hidden, table, ids, bias, family, tile):
-    ids = _as_ids(ids, hidden.device)
+def per_row(family, hidden, table, ids, bias, tile, dense=dense_pass):
+    """The per-row losses of `family` (differentiable), `dense` computing the tiles' part (`dense_pass`'s signature)."""
+    ids = as_ids(ids, hidden.device)
     return _CutBCEFunction.apply(hidden, table, bias, ids, family, tile, dense)
 
 
@@ -338,20 +338,13 @@ def cut_bce_weighted_sum(
     hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight, chunk_size
 ):
     """The chunked `cut_bce_weighted_sum`; only the loss without gradients (`torch.no_grad`, no input requiring grad)."""
-    return run_weighted_sum(dense_pass, hidden, table, ids, bias, row_weights,
-                            label_smoothing=label_smoothing, pos_weight=pos_weight,
-                            tile=_tile(chunk_size))
-
-
-def run_weighted_sum(dense, hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
-                     tile):
-    """`cut_bce_weighted_sum` with `dense` computing the background."""
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
-    return _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile)
+    return weighted_sum(family, hidden, table, ids, bias, row_weights, _tile(chunk_size))
 
 
-def _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile):
-    ids = _as_ids(ids, hidden.device)
+def weighted_sum(family, hidden, table, ids, bias, row_weights, tile, dense=dense_pass):
+    """`sum(row_weights * per_row(...))`, the gradients computed with the loss (`per_row`'s arguments)."""
+    ids = as_ids(ids, hidden.device)
     row_weights = torch.as_tensor(row_weights, device=hidden.device).detach().reshape(-1)
     need = (
         hidden.requires_grad,
@@ -373,12 +366,11 @@ def _weighted_sum(dense, hidden, table, ids, bias, row_weights, family, tile):
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size):
     """The chunked `cut_softmax`: `cut_bce`'s loop with `math.Softmax`."""
     family = math.Softmax(float(label_smoothing), table.shape[0])
-    return _per_row(dense_pass, hidden, table, ids, bias, family, _tile(chunk_size))
+    return per_row(family, hidden, table, ids, bias, _tile(chunk_size))
 
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
                              chunk_size):
     """The chunked `cut_softmax_weighted_sum`."""
     family = math.Softmax(float(label_smoothing), table.shape[0])
-    return _weighted_sum(dense_pass, hidden, table, ids, bias, row_weights, family,
-                         _tile(chunk_size))
+    return weighted_sum(family, hidden, table, ids, bias, row_weights, _tile(chunk_size))

@@ -1,7 +1,8 @@
 """torch's loss families (`BCE`, `Softmax`) and BCE's per-logit helpers (as `backends/jax/math.py`).
 
-`out=` instead of a shared `exp(-|z|)`: a `softplus(z)`-only term runs the
-stock `softplus` / `sigmoid` kernels, one pass each over `[M, T]`.
+The protocol's methods, plus in-place variants: `out=` buffers instead of a
+shared `exp(-|z|)` (a `softplus(z)`-only term runs the stock `softplus` /
+`sigmoid` kernels, one pass each over `[M, T]`) and `acc=` in `tile`.
 """
 
 from typing import NamedTuple
@@ -58,7 +59,12 @@ def slopes(z, minus, plus, *, out=None):
 
 
 class BCE(NamedTuple):
-    """JAX's `math.BCE` on torch: `tile` adds in place, `slopes` writes over `z`, `linear` is `neg_target`."""
+    """Binary cross-entropy as a loop's loss family (the protocol: docs/development.md).
+
+    The tiles sum `softplus(z)` alone (the stock kernel): `finish` and
+    `row_scale` apply `neg_scale`, and the loop adds `-linear * sum_v z_v`
+    (`linear = neg_target`) in closed form.
+    """
 
     coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
 
@@ -69,19 +75,29 @@ class BCE(NamedTuple):
     def linear(self):
         return self.coef.neg_target
 
-    def init(self, rows, dtype, device):
+    def init(self, rows, *, dtype=torch.float32, device=None):
         return torch.zeros(rows, dtype=dtype, device=device)
 
-    def merge(self, acc, part):
-        """Two partial row sums combined (two vocabulary shards' `acc`)."""
-        return acc + part
+    def merge(self, acc, part, *, out=None):
+        return torch.add(acc, part, out=out)
 
-    def tile(self, z, acc, stats, *, out, ones):
-        """Adds the tile's `softplus(z)` (0 at a positive's `-inf`) to `acc`."""
-        acc.addmv_(terms(z, 0.0, 1.0, out=out), ones)
+    def tile(self, z, stats, *, loss, grad, acc=None, out=None):
+        """A tile's `(row part | None, slopes | None)`; a positive's `-inf` adds 0.
 
-    def slopes(self, z, stats):
-        return slopes(z, 0.0, 1.0, out=z)
+        `acc`: the part added into it in place; `out`: the `[M, T]` buffer of the
+        terms (with `loss`) or else of the slopes (`z` itself: written over).
+        """
+        part = dz = None
+        if loss:
+            values = terms(z, 0.0, 1.0, out=out)
+            ones = torch.ones(values.shape[1], dtype=values.dtype, device=values.device)
+            part = torch.mv(values, ones) if acc is None else acc.addmv_(values, ones)
+        if grad:
+            dz = slopes(z, 0.0, 1.0, out=None if loss else out)
+        return part, dz
+
+    def statistics(self, acc):
+        return None  # the slopes need no row statistics
 
     def positives(self, z, keep, *, loss, grad):
         """Each positive's `(term, slope)` (or None), with `linear * z` taken back out."""
@@ -96,16 +112,16 @@ class BCE(NamedTuple):
                 slope = slope + self.linear
         return term, slope
 
-    def finish(self, acc, sparse, positives, vocab):
-        return (self.coef.neg_scale * acc + sparse) / vocab
+    def finish(self, acc, positive_rows, keep, vocab):
+        return (self.coef.neg_scale * acc + positive_rows) / vocab
 
-    def row_scales(self, row_weights, positives, vocab):
+    def row_scale(self, row_weights, keep, vocab):
         inv_v = 1.0 / vocab
         return row_weights * (self.coef.neg_scale * inv_v), row_weights * inv_v
 
 
 class Softmax(NamedTuple):
-    """JAX's `math.Softmax` on torch: a `[2, M]` running `(max, sum exp)` in place; `linear = a / V`."""
+    """Softmax cross-entropy as a loop's loss family: a `[2, M]` running `(max, sum exp)`; `linear = a / V`."""
 
     label_smoothing: float
     vocab: int
@@ -117,48 +133,59 @@ class Softmax(NamedTuple):
     def linear(self):
         return self.label_smoothing / self.vocab
 
-    def init(self, rows, dtype, device):
+    def init(self, rows, *, dtype=torch.float32, device=None):
         acc = torch.zeros(2, rows, dtype=dtype, device=device)
         acc[0].fill_(float("-inf"))  # (item assignment makes a tensor of the number first)
         return acc
 
-    def tile(self, z, acc, stats, *, out, ones):
-        """Merges the tile into the running `(max, sum exp)` `acc`, in place."""
-        top = torch.maximum(acc[0], z.amax(1))
-        # The shift is the new max; 0 stands in for it while a row is all `-inf` (items masked by
-        # their bias), so `exp(-inf - shift)` is 0, not NaN, in both products.
-        shift = top.masked_fill(top == float("-inf"), 0.0)
-        acc[1].mul_(torch.exp(acc[0] - shift))
-        acc[1].addmv_(torch.exp(torch.sub(z, shift[:, None], out=out), out=out), ones)
-        acc[0] = top
-
-    def merge(self, acc, part):
-        """Two partial `(max, sum exp)` combined (two vocabulary shards' `acc`), exact at `-inf` maxima."""
+    def merge(self, acc, part, *, out=None):
         top = torch.maximum(acc[0], part[0])
-        shift = top.masked_fill(top == float("-inf"), 0.0)
+        shift = _shift(top)
         total = acc[1] * torch.exp(acc[0] - shift) + part[1] * torch.exp(part[0] - shift)
-        return torch.stack([top, total])
+        if out is None:
+            return torch.stack([top, total])
+        out[1] = total
+        out[0] = top
+        return out
+
+    def tile(self, z, stats, *, loss, grad, acc=None, out=None):
+        """A tile's `((max, sum exp) | None, slopes | None)`; `acc`, `out`: as `BCE.tile`."""
+        part = dz = None
+        if loss:
+            part = self.init(z.shape[0], dtype=z.dtype, device=z.device) if acc is None else acc
+            ones = torch.ones(z.shape[1], dtype=z.dtype, device=z.device)
+            top = torch.maximum(part[0], z.amax(1))
+            shift = _shift(top)
+            part[1].mul_(torch.exp(part[0] - shift))
+            part[1].addmv_(torch.exp(torch.sub(z, shift[:, None], out=out), out=out), ones)
+            part[0] = top
+        if grad:
+            dz = torch.sub(z, stats[:, None], out=None if loss else out).exp_()
+        return part, dz
 
     def statistics(self, acc):
         return acc[0] + torch.log(acc[1])
-
-    def slopes(self, z, stats):
-        return z.sub_(stats[:, None]).exp_()
 
     def positives(self, z, keep, *, loss, grad):
         """The positives' `(terms, slopes)`: `-(1 - a) / |P| z_p` and its slope."""
         weight = -(1.0 - self.label_smoothing) / keep.sum(1, keepdim=True).clamp_min(1).to(z.dtype)
         return (weight * z if loss else None), (weight.expand_as(z) if grad else None)
 
-    def finish(self, acc, sparse, positives, vocab):
-        return torch.where(_has_target(positives), self.statistics(acc) + sparse, 0.0)
+    def finish(self, acc, positive_rows, keep, vocab):
+        return torch.where(_has_target(keep), self.statistics(acc) + positive_rows, 0.0)
 
-    def row_scales(self, row_weights, positives, vocab):
-        scale = torch.where(_has_target(positives), row_weights, 0.0)
+    def row_scale(self, row_weights, keep, vocab):
+        scale = torch.where(_has_target(keep), row_weights, 0.0)
         return scale, scale
 
 
-def _has_target(positives):
-    if positives.empty:
+def _shift(top):
+    # The shift is the new max; 0 stands in for it while a row is all `-inf` (items masked by
+    # their bias), so `exp(-inf - shift)` is 0, not NaN.
+    return top.masked_fill(top == float("-inf"), 0.0)
+
+
+def _has_target(keep):
+    if keep is None:  # no id slots
         return torch.zeros((), dtype=torch.bool)
-    return positives.keep.any(1)
+    return keep.any(1)

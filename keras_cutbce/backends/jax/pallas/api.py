@@ -176,7 +176,7 @@ def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=
     weight = family.positives(stats[0][:, None], keep, loss=False, grad=True)[1][:, 0]
     grads = None
     if grads_pass:
-        row_scale = family.row_scale(row_weights, keep, cfg.vocab_size)
+        row_scale, _ = family.row_scale(row_weights, keep, cfg.vocab_size)  # one factor: no `linear`
         sums, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
                              lse=family.statistics(stats[:2]), weights=weight,
                              positive_sums=loss)

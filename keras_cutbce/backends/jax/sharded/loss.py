@@ -162,10 +162,10 @@ def _softmax_shard_kernels(kernel, tile, pallas_tile):
     family = Softmax(0.0, 1)  # no smoothing: its linear term is the program's own
 
     def xla_statistics(h, t, b):
-        return chunked._dense_pass(h, t, b, None, tile, family, loss=True)[0][:2]
+        return chunked.dense_pass(h, t, b, None, tile, family, loss=True)[0][:2]
 
     def xla_gradients(h, t, b, lse, row_scale):
-        return chunked._dense_pass(h, t, b, None, tile, family, lse, loss=False,
+        return chunked.dense_pass(h, t, b, None, tile, family, lse, loss=False,
                                    row_scale=row_scale)[1]
 
     def pallas_kernels(interpret):

@@ -37,26 +37,19 @@ def fits(hidden, table, bias):
 
 def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size=None):
     family = BCE(bce_coefficients(label_smoothing, pos_weight))
-    return _PerRow.apply(hidden, table, bias, chunked._as_ids(ids, hidden.device), family)
+    return _PerRow.apply(hidden, table, bias, chunked.as_ids(ids, hidden.device), family)
 
 
 def cut_bce_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing, pos_weight,
                          chunk_size=None):
-    return chunked.run_weighted_sum(_dense(hidden, table), hidden, table, ids, bias, row_weights,
-                                    label_smoothing=label_smoothing, pos_weight=pos_weight,
-                                    tile=_whole(table))
-
-
-class _FusedSoftmax(Softmax):
-    """`Softmax` without the loop's first pass: `dense_pass` computes the rows' statistics itself."""
-
-    __slots__ = ()
-    two_pass = False
+    family = BCE(bce_coefficients(label_smoothing, pos_weight))
+    return chunked.weighted_sum(family, hidden, table, ids, bias, row_weights, _whole(table),
+                                _dense(hidden, table))
 
 
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None):
-    family = _FusedSoftmax(float(label_smoothing), table.shape[0])
-    return _PerRow.apply(hidden, table, bias, chunked._as_ids(ids, hidden.device), family)
+    family = Softmax(float(label_smoothing), table.shape[0])
+    return _PerRow.apply(hidden, table, bias, chunked.as_ids(ids, hidden.device), family)
 
 
 class _PerRow(torch.autograd.Function):
@@ -116,9 +109,9 @@ def _whole(table):
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing,
                              chunk_size=None):
-    family = _FusedSoftmax(float(label_smoothing), table.shape[0])
-    return chunked._weighted_sum(_dense(hidden, table), hidden, table, ids, bias, row_weights, family,
-                                 _whole(table))
+    family = Softmax(float(label_smoothing), table.shape[0])
+    return chunked.weighted_sum(family, hidden, table, ids, bias, row_weights, _whole(table),
+                                _dense(hidden, table))
 
 
 def _dense(hidden, table):
@@ -198,13 +191,14 @@ def dense_pass(h, table, bias, tiles, positives, *, loss, row_scale=None, need=(
     `stored`: the dtypes the hidden and table gradients are returned in (`config.split_dot`: a gradient
     stored in `operands` anyway takes one rounding of the slopes, then its own).
 
-    Softmax (`_FusedSoftmax`): the rows' `(max, sum exp)` come with the hidden gradient, in one pass; `lse`
+    Softmax: the rows' `(max, sum exp)` come with the hidden gradient, in one pass (no `stats`); `lse`
     (float32 `[M]`, from an earlier pass) lets the columns kernel run alone.
     """
     softmax = isinstance(family, Softmax)
     if not (softmax or isinstance(family, BCE)) or stats is not None:
         raise NotImplementedError(
-            f"The Triton kernels compute BCE and one-pass softmax. Received: family={family!r}")
+            f"The Triton kernels compute BCE and softmax in one pass. Received: family={family!r}, "
+            f"stats={stats!r}")
     module = kernels(h.device)
     interpret = interpreting()
     num_rows, dim = h.shape

@@ -43,14 +43,6 @@ class ShardPositives(chunked.Positives):
         self._tile_bounds = tiles.bounds()
 
 
-class _Targets:
-    """Every valid target of the gathered rows (`keep`): what `finish` and `row_scales` read."""
-
-    def __init__(self, positives):
-        self.empty = positives.empty
-        self.keep = None if positives.empty else positives.counted
-
-
 def _merged(acc, sparse, family, layout):
     """Every rank's `(acc, sparse)` folded in rank order: `acc` by `family.merge`, `sparse` summed."""
     rows = sparse.shape[0]
@@ -76,7 +68,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         acc, _, _, _ = dense(h, shard, bias, tiles, positives, loss=True, family=family)
         sparse = chunked.sparse_terms(h, shard, bias, positives, family, loss=True)
         acc, sparse = _merged(acc, sparse, family, layout)
-        targets = _Targets(positives)
+        targets = None if positives.empty else positives.counted  # every rank's valid targets
         loss = family.finish(acc, sparse, targets, layout.vocab)
         stats = family.statistics(acc) if family.two_pass else None
         ctx.save_for_backward(h, shard, bias)
@@ -90,7 +82,7 @@ class _VocabParallelLoss(torch.autograd.Function):
         family, layout, counts, tiles, positives, targets, stats, hidden_dtype, dense = ctx.state
         row_scale = collectives.gather_rows(row_scale.to(h.dtype).contiguous(), counts, layout)
         h = chunked.mask_zero_rows(row_scale, h)
-        dense_scale, sparse_scale = family.row_scales(row_scale, targets, layout.vocab)
+        dense_scale, sparse_scale = family.row_scale(row_scale, targets, layout.vocab)
         need = (True, ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         _, grad_h, grad_e, grad_b = dense(
             h, shard, bias, tiles, positives, loss=False, row_scale=dense_scale, need=need,
