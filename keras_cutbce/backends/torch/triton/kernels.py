@@ -98,9 +98,8 @@ def _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile,
             row_ok, cols, col_ok, num_targets, FAMILY: tl.constexpr, HAS_BIAS: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, ITEMS_FIRST: tl.constexpr = False):
-    """The fp32 logits `[M, N]` (`[N, M]`, `E h^T`, with `ITEMS_FIRST`), `-inf` past `V` and, for BCE, at
-    the rows' positives (int32 `[M, L]`, -1 unused): only in the tiles whose flag (int8 `[row blocks,
-    tiles]`) says the row block holds one there."""
+    """The fp32 logits `[M, N]` (`[N, M]`, `E h^T`, with `ITEMS_FIRST`), `-inf` past `V` and where the
+    family masks positives (`_masked_positives`)."""
     if ITEMS_FIRST:
         z = _dot(table_tile, tl.trans(h), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET,
                  PRECISION)
@@ -111,13 +110,8 @@ def _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile,
     if HAS_BIAS:
         offset += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     z += _per_item(offset, ITEMS_FIRST)
-    if FAMILY == "bce":
-        flag = tl.load(tile_flags_ptr + block * tl.cdiv(vocab_size, BLOCK_N) + tile).to(tl.int32)
-        for target in range(num_targets * flag):  # no trip in a tile without a positive
-            ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
-            hit = _per_item(cols, ITEMS_FIRST) == _per_row(ids, ITEMS_FIRST)
-            z = tl.where(hit, float("-inf"), z)
-    return z
+    return _masked_positives(z, positives_ptr, tile_flags_ptr, block, tile, vocab_size, rows, row_ok,
+                             cols, num_targets, FAMILY, BLOCK_N, ITEMS_FIRST)
 
 
 # `log1p(x) / x` on [0, 1] (`x = exp(-|z|)`), degree 9, a near-minimax fit of relative error: with
@@ -176,6 +170,91 @@ def _softplus_sigmoid(z, INTERPRET: tl.constexpr):
     return softplus, sigmoid
 
 
+# -- The loss families' parts (`FAMILY`: "bce" or "softmax"; docs/development.md, the protocol) --------
+
+
+@triton.jit
+def _masked_positives(z, positives_ptr, tile_flags_ptr, block, tile, vocab_size, rows, row_ok, cols,
+                      num_targets, FAMILY: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ITEMS_FIRST: tl.constexpr):
+    """`masks_positives`: BCE's logits `-inf` at the rows' positives (int32 `[M, L]`, -1 unused), only
+    in the tiles whose flag (int8 `[row blocks, tiles]`) says the row block holds one there."""
+    if FAMILY == "bce":
+        flag = tl.load(tile_flags_ptr + block * tl.cdiv(vocab_size, BLOCK_N) + tile).to(tl.int32)
+        for target in range(num_targets * flag):  # no trip in a tile without a positive
+            ids = tl.load(positives_ptr + rows * num_targets + target, mask=row_ok, other=-1)
+            hit = _per_item(cols, ITEMS_FIRST) == _per_row(ids, ITEMS_FIRST)
+            z = tl.where(hit, float("-inf"), z)
+    return z
+
+
+@triton.jit
+def _rows_tile(z, table_tile, row_sum, row_max, grad_h, grad_h_scale, FAMILY: tl.constexpr,
+               LOSS: tl.constexpr, GRAD_H: tl.constexpr, SPLIT_DOT: tl.constexpr,
+               RESCALE: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+               K_INTERLEAVED: tl.constexpr):
+    """`tile` and `merge` in the rows kernel: `(row_sum, row_max, grad_h, grad_h_scale)` with the tile.
+
+    BCE: `sum softplus(z)` and `sigmoid(z) @ E` (`row_max` unused). Softmax: the running
+    `(sum exp(z - max), max)` (`LOSS` always) and `exp(z - max) @ E`, rescaled as the max grows."""
+    if FAMILY == "softmax":
+        # `top` is -inf only while every logit so far is (a bias of -inf): 0 stands in for it.
+        top = tl.maximum(row_max, tl.max(z, axis=1))
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        shrink = _exp(row_max - shift, INTERPRET)
+        slope = _exp(z - shift[:, None], INTERPRET)
+        row_sum = row_sum * shrink + tl.sum(slope, axis=1)
+        row_max = top
+        if GRAD_H:
+            grad_h = _dot_f32_left(slope, table_tile, grad_h * shrink[:, None], SPLIT_DOT,
+                                   INTERPRET, PRECISION, K_INTERLEAVED)
+    else:
+        softplus, sigmoid = _softplus_sigmoid(z, INTERPRET)
+        if LOSS:
+            row_sum += tl.sum(softplus, axis=1)
+        if GRAD_H:
+            if RESCALE:
+                grad_h, grad_h_scale, factor = _rescaled(tl.max(sigmoid, axis=1), grad_h,
+                                                         grad_h_scale)
+                sigmoid = sigmoid * factor[:, None]
+            grad_h = _dot_f32_left(sigmoid, table_tile, grad_h, SPLIT_DOT, INTERPRET, PRECISION,
+                                   K_INTERLEAVED)
+    return row_sum, row_max, grad_h, grad_h_scale
+
+
+@triton.jit
+def _rows_gradient(grad_h, grad_h_scale, FAMILY: tl.constexpr, RESCALE: tl.constexpr):
+    """The rows kernel's hidden gradient at its true scale (BCE's fp16 rescaling undone)."""
+    if FAMILY == "bce":
+        grad_h = _unscaled(grad_h, grad_h_scale, RESCALE)
+    return grad_h
+
+
+@triton.jit
+def _store_row_statistics(parts_ptr, split, num_rows, rows, row_ok, row_sum, row_max,
+                          FAMILY: tl.constexpr):
+    """The rows kernel's partial reduction per split: `[S, M]` sums, and softmax's maxima after them."""
+    tl.store(parts_ptr + split * num_rows + rows, row_sum, mask=row_ok)
+    if FAMILY == "softmax":
+        maxima = parts_ptr + (tl.num_programs(1) + split) * num_rows
+        tl.store(maxima + rows, row_max, mask=row_ok)
+
+
+@triton.jit
+def _column_slopes(z, lse_ptr, rows, row_ok, FAMILY: tl.constexpr, INTERPRET: tl.constexpr,
+                   ITEMS_FIRST: tl.constexpr):
+    """The columns kernel's slopes given the rows' `statistics`: `sigmoid(z)`, or `exp(z - lse)`."""
+    if FAMILY == "softmax":
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        slope = _exp(z - _per_row(lse, ITEMS_FIRST), INTERPRET)
+    else:
+        slope = _sigmoid(z, INTERPRET)
+    return slope
+
+
+# -- The kernels --------------------------------------------------------------------------------------
+
+
 @triton.jit
 def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, softplus_parts_ptr,
                 grad_h_parts_ptr, num_rows, vocab_size, dim, num_targets, tiles_per_split,
@@ -205,36 +284,14 @@ def rows_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_ptr, 
         z = _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size,
                     rows, row_ok, cols, col_ok, num_targets, FAMILY, HAS_BIAS, INTERPRET, PRECISION,
                     BLOCK_M, BLOCK_N)
-        if FAMILY == "softmax":
-            # `top` is -inf only while every logit so far is (a bias of -inf): 0 stands in for it.
-            top = tl.maximum(row_max, tl.max(z, axis=1))
-            shift = tl.where(top == float("-inf"), 0.0, top)
-            shrink = _exp(row_max - shift, INTERPRET)
-            slope = _exp(z - shift[:, None], INTERPRET)
-            row_sum = row_sum * shrink + tl.sum(slope, axis=1)
-            row_max = top
-            if GRAD_H:
-                grad_h = _dot_f32_left(slope, table_tile, grad_h * shrink[:, None], SPLIT_DOT,
-                                       INTERPRET, PRECISION, K_INTERLEAVED)
-        else:
-            softplus, sigmoid = _softplus_sigmoid(z, INTERPRET)
-            if LOSS:
-                row_sum += tl.sum(softplus, axis=1)
-            if GRAD_H:
-                if RESCALE:
-                    grad_h, grad_h_scale, factor = _rescaled(tl.max(sigmoid, axis=1), grad_h,
-                                                             grad_h_scale)
-                    sigmoid = sigmoid * factor[:, None]
-                grad_h = _dot_f32_left(sigmoid, table_tile, grad_h, SPLIT_DOT, INTERPRET, PRECISION,
-                                       K_INTERLEAVED)
+        row_sum, row_max, grad_h, grad_h_scale = _rows_tile(
+            z, table_tile, row_sum, row_max, grad_h, grad_h_scale, FAMILY, LOSS, GRAD_H, SPLIT_DOT,
+            RESCALE, INTERPRET, PRECISION, K_INTERLEAVED)
     if LOSS:
-        tl.store(softplus_parts_ptr + split * num_rows + rows, row_sum, mask=row_ok)
-        if FAMILY == "softmax":
-            maxima = softplus_parts_ptr + (tl.num_programs(1) + split) * num_rows
-            tl.store(maxima + rows, row_max, mask=row_ok)
+        _store_row_statistics(softplus_parts_ptr, split, num_rows, rows, row_ok, row_sum, row_max,
+                              FAMILY)
     if GRAD_H:
-        if FAMILY == "bce":
-            grad_h = _unscaled(grad_h, grad_h_scale, RESCALE)
+        grad_h = _rows_gradient(grad_h, grad_h_scale, FAMILY, RESCALE)
         out = grad_h_parts_ptr + (split * num_rows + rows[:, None]).to(tl.int64) * dim + dims[None, :]
         tl.store(out, grad_h, mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -271,11 +328,7 @@ def columns_kernel(hidden_ptr, table_ptr, bias_ptr, positives_ptr, tile_flags_pt
         z = _logits(h, table_tile, bias_ptr, positives_ptr, tile_flags_ptr, block, tile, vocab_size,
                     rows, row_ok, cols, col_ok, num_targets, FAMILY, HAS_BIAS, INTERPRET, PRECISION,
                     BLOCK_M, BLOCK_N, ITEMS_FIRST)
-        if FAMILY == "softmax":
-            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-            slope = _exp(z - _per_row(lse, ITEMS_FIRST), INTERPRET)
-        else:
-            slope = _sigmoid(z, INTERPRET)
+        slope = _column_slopes(z, lse_ptr, rows, row_ok, FAMILY, INTERPRET, ITEMS_FIRST)
         row_scale = tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0)
         slope = slope * _per_row(row_scale, ITEMS_FIRST)
         if GRAD_E:
