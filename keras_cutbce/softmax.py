@@ -27,7 +27,8 @@ def cut_categorical_crossentropy(
     `keras.losses.categorical_crossentropy(multi_hot(P) / |P|, h @ E.T + b,
     from_logits=True, label_smoothing=a)` for the valid, distinct ids `P`
     (`sparse_categorical_crossentropy` for one id); a position without a valid
-    id has loss 0 and no gradient.
+    id has loss 0 and no gradient (NaN, as in Keras, where its hidden state is
+    not finite).
 
     Args:
         hidden: float `[..., D]`, rank >= 2.
@@ -64,7 +65,8 @@ class CutSoftmaxLoss(CutLoss):
 
     Equals `keras.losses.CategoricalCrossentropy(from_logits=True,
     label_smoothing=a)` with the targets `multi_hot / |P|`; a position without
-    a valid id has loss 0 (and still counts in `"sum_over_batch_size"`).
+    a valid id has loss 0 (and still counts in `"sum_over_batch_size"`). A NaN
+    or infinite hidden state gives NaN, as Keras's dense loss does.
 
     Args:
         embeddings: the item table `[V, D]` (as for `CutBCELoss`).
