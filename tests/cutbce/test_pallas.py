@@ -686,7 +686,7 @@ def test_table_gradient_carried_in_place_across_row_blocks(rng, monkeypatch):
 @pytest.mark.parametrize("label_smoothing,pos_weight", [(0.0, 1.0), (0.1, 1.0), (0.0, 3.0),
                                                         (0.2, 2.5)])
 def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight, base2):
-    """The kernel's few-op loss and slope (`logit_terms`) against the float64 spec table.
+    """The kernel's few-op loss and slope (`kernel.term_and_slope`) against the float64 spec table.
 
     Within 8 float32 ulps (below the smallest normal number, its absolute
     size) at every logit from -inf to +inf, negatives and positives. In
@@ -694,7 +694,7 @@ def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight, ba
     hidden states' copy), so the table is evaluated at the logit that
     rounded product stands for.
     """
-    from keras_cutbce.backends.jax.pallas import logit_terms
+    from keras_cutbce.backends.jax.pallas import kernel
     from keras_cutbce.math import spec
     from keras_cutbce.math.coefficients import bce_coefficients
 
@@ -703,9 +703,9 @@ def test_kernel_logit_terms_match_the_spec_table(label_smoothing, pos_weight, ba
         rows = [r for r in spec.table() if (r.label_smoothing, r.pos_weight, r.positive)
                 == (label_smoothing, pos_weight, positive)]
         z = np.array([r.logit for r in rows], np.float32)
-        loss, slope = logit_terms.term_and_slope(z, positive, coef, base2=base2)
+        loss, slope = kernel.term_and_slope(z, positive, coef, base2=base2)
         if base2:  # the logits the kernel's base-2 products stand for
-            seen = (np.float32(logit_terms.LOG2E) * z).astype(np.float64) / np.log2(np.e)
+            seen = (np.float32(kernel.LOG2E) * z).astype(np.float64) / np.log2(np.e)
             want_loss, want_slope = spec.per_logit(seen, positive, label_smoothing, pos_weight)
         else:
             want_loss, want_slope = [r.loss for r in rows], [r.slope for r in rows]

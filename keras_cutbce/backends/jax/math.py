@@ -2,7 +2,7 @@
 
 `terms` / `slopes(z, minus, plus, *, e=None)` on every backend (tested
 against `keras_cutbce.math.spec`); the Pallas kernel has its own
-(`pallas/logit_terms.py`) and uses `sorted_positives`.
+(`pallas/kernel.py`) and uses `sorted_positives`.
 """
 
 from typing import NamedTuple

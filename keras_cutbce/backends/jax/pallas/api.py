@@ -11,8 +11,8 @@ from jax import lax
 
 from keras_cutbce.backends.jax import compile_platform, math, vjp
 from keras_cutbce.backends.jax.pallas import tiling
+from keras_cutbce.backends.jax.pallas.tiling import Config
 from keras_cutbce.backends.jax.pallas.call import passes
-from keras_cutbce.backends.jax.pallas.config import Config
 from keras_cutbce.common import EMPTY_ID, round_up
 from keras_cutbce.math.coefficients import bce_coefficients
 from keras_cutbce.math.positives import distinct_targets

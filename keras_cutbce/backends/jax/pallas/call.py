@@ -14,11 +14,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from keras_cutbce.backends.jax import math, compile_platform
-from keras_cutbce.backends.jax.pallas.config import Pass
 from keras_cutbce.backends.jax.pallas.kernel import (accumulates_in_place, kernel, scratch_shapes,
                                                      uses_hit_bits)
 from keras_cutbce.backends.jax.pallas import tiling
-from keras_cutbce.backends.jax.pallas.tiling import cores_used, num_tiles, row_blocks
+from keras_cutbce.backends.jax.pallas.tiling import Pass, cores_used, num_tiles, row_blocks
 from keras_cutbce.common import EMPTY_ID
 
 MAX_PREFETCHED_COUNTS = 2**14  # in-tile id counts kept per row tile up to 64 KiB of SMEM

@@ -6,14 +6,124 @@ families find positives from hit bits; softmax keeps a running (max, sum exp)
 or takes `lse`, and may sum its positives' logits. The design: docs/tpu.md.
 """
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from keras_cutbce.backends.jax.pallas import logit_terms
 from keras_cutbce.backends.jax.pallas.tiling import (BCE_PIECE_COLS, LANES, PIECE_COLS,
                                                      PIECE_ROWS, cores_used, num_tiles)
 from keras_cutbce.common import EMPTY_ID, round_up
+
+# -- BCE's per-logit loss and slope (the spec table checks them) --------------------
+#
+# A positive flips its logit's sign by one xor; one `exp`, `log` and
+# reciprocal a logit, `log1p(e) = log(u) + (e - (u - 1))` with `u = 1 + e`.
+# In base 2 the logits come scaled by `log2(e)` (`LOG2E`, folded into the
+# hidden states before the matmul): `exp2` needs no scaling, and the relu
+# parts are summed apart, `LN2` applied to their row sums (`term`).
+
+SIGN_BIT = -(2**31)  # int32 with only the sign bit set
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def flip(z, hits):
+    """Returns `z` with the sign flipped where `hits` (int32) has its sign bit."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(z, jnp.int32) ^ hits, z.dtype)
+
+
+def _weights(coef):
+    """Returns `((A_neg, A_pos), (B_neg, B_pos))` (the section's comment)."""
+    (neg_minus, neg_plus), (pos_minus, pos_plus) = coef.negative_weights, coef.positive_weights
+    return (neg_plus, pos_minus), (neg_minus, pos_plus)
+
+
+def _is(weight, value):
+    """Whether a weight is statically `value` (a Python float, not a per-logit array)."""
+    return isinstance(weight, float) and weight == value
+
+
+def _per_logit(pair, positive):
+    neg, pos = pair
+    return neg if neg == pos else jnp.where(positive, pos, neg)
+
+
+class Exps:
+    """`e = exp(-|f|)`, `u = 1 + e` and `r = 1 / u`; `barrier` keeps XLA from folding `(1 + e) - 1`.
+
+    `base2`: `f` is the logit times `LOG2E`. `newton`: `r` as the approximate
+    reciprocal and one Newton step, the float32 division libtpu compiles for
+    v4, v5e and v5p without its branches for infinite, zero and huge
+    divisors (`u` is in [1, 2]); in a kernel only.
+    """
+
+    def __init__(self, f, barrier=False, base2=False, newton=False):
+        negative_abs = lax.bitcast_convert_type(  # -|f|: one or (the sign bit set)
+            lax.bitcast_convert_type(f, jnp.int32) | SIGN_BIT, f.dtype)
+        # `pow(2, x)`: Mosaic lowers it to exp2 (one transcendental op), and the
+        # CPU (the interpreter) computes it exactly where its `exp2` is `exp(x ln 2)`.
+        # The base a literal of `f`'s dtype (a Python 2.0 is float64 under x64).
+        self.e = lax.pow(f.dtype.type(2.0), negative_abs) if base2 else jnp.exp(negative_abs)
+        self.u = 1.0 + self.e
+        if barrier:
+            self.u = lax.optimization_barrier(self.u)
+        if newton:
+            r = pl.reciprocal(self.u, approx=True)
+            self.r = r + r * (1.0 - r * self.u)
+        else:
+            self.r = 1.0 / self.u
+
+
+def term(f, ex, coef, positive):
+    """Returns `(relus, logs)`: each logit's loss term `A softplus(f) + B softplus(-f)` in two parts.
+
+    `f`: `flip`ped logits. The term is `relus + logs`, or in base 2 (`f`
+    times `LOG2E`, `relus` then in base-2 units) `relus * LN2 + logs`.
+    """
+    a, b = (_per_logit(w, positive) for w in _weights(coef))
+    # log1p(e) = log(u) + the rounding error of u = 1 + e (u - 1 is exact).
+    log1p_e = jnp.log(ex.u) + (ex.e - (ex.u - 1.0))
+    relu = jnp.maximum(f, 0.0)
+    out = relu if _is(a, 1.0) else a * relu
+    if not _is(b, 0.0):
+        out = out + b * jnp.maximum(-f, 0.0)
+    ab = a + b
+    return out, (log1p_e if _is(ab, 1.0) else ab * log1p_e)
+
+
+def slope(f, ex, coef, positive):
+    """Returns `d loss / d f` per logit (xor `hits` gives `d loss / d z`)."""
+    a, b = (_per_logit(w, positive) for w in _weights(coef))
+    nonneg = f >= 0
+    sig = jnp.where(nonneg, 1.0, ex.e) * ex.r  # sigmoid(f)
+    out = sig if _is(a, 1.0) else a * sig
+    if not _is(b, 0.0):
+        out = out - b * (jnp.where(nonneg, ex.e, 1.0) * ex.r)  # sigmoid(-f)
+    return out
+
+
+def needs_mask(coef):
+    """Whether the weights differ between negatives and positives (a per-logit select)."""
+    return any(neg != pos for neg, pos in _weights(coef))
+
+
+def term_and_slope(z, positive, coef, base2=False):
+    """Returns the loss term and `d loss / d z` of logits `z` (for tests; float32).
+
+    `base2`: of the logits `z * LOG2E` rounded to float32, as the kernel gets them.
+    """
+    positive = jnp.broadcast_to(jnp.asarray(positive), z.shape)
+    hits = jnp.where(positive, SIGN_BIT, 0).astype(jnp.int32)
+    f = flip(jnp.float32(LOG2E) * z if base2 else z, hits)
+    ex = Exps(f, barrier=True, base2=base2)
+    mask = positive if needs_mask(coef) else None
+    relus, logs = term(f, ex, coef, mask)
+    return (relus * LN2 if base2 else relus) + logs, flip(slope(f, ex, coef, mask), hits)
+
+
+# -- The kernel ------------------------------------------------------------
 
 # `x @ y.T` ("NT"), `x @ y` ("NN") and `x.T @ y` ("TN") without materialising a transpose.
 _NT = (((1,), (1,)), ((), ()))
@@ -52,7 +162,7 @@ def bias_rows(cfg, ps):
 
 
 def in_base2(cfg):
-    """Whether BCE's logits come in base 2 (`logit_terms.LOG2E` folded into the hidden states).
+    """Whether BCE's logits come in base 2 (`LOG2E` folded into the hidden states).
 
     Float32 matmuls in the `[D, V]` view, whose hidden states are copied
     anyway: a 16-bit copy scaled by `LOG2E` would change the products.
@@ -134,8 +244,8 @@ def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
 
 
 def _hits(bits, block):
-    """Returns the sign bit where bit `block` of `bits` is set, else 0 (`logit_terms.flip`)."""
-    return jnp.left_shift(bits, 31 - block) & logit_terms.SIGN_BIT
+    """Returns the sign bit where bit `block` of `bits` is set, else 0 (`flip`)."""
+    return jnp.left_shift(bits, 31 - block) & SIGN_BIT
 
 
 def _hit_mask(bits, block):
@@ -182,7 +292,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
     """Writes the loss (softmax: max and sum exp) and/or gradients of one block of resident rows.
 
     Refs in the order `call._pass` builds them, scratch as `scratch_shapes`;
-    `interpreted`: traced for the interpreter (`logit_terms.Exps`).
+    `interpreted`: traced for the interpreter (`Exps`).
     """
     refs = list(refs)
     in_tile_ref, hidden_ref = refs.pop(0), refs.pop(0)
@@ -228,7 +338,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
     row_tile = cfg.row_tile
     rows = pl.ds(pl.multiple_of(i * row_tile, row_tile), row_tile)
     piece_rows, piece_cols = piece_shape(cfg)
-    mask_weights = not cfg.softmax and logit_terms.needs_mask(cfg.coef)
+    mask_weights = not cfg.softmax and needs_mask(cfg.coef)
 
     def hidden_rows(ref):
         return ref.at[:, rows] if cfg.dv_view else ref.at[rows, :]
@@ -274,18 +384,18 @@ def kernel(*refs, cfg, ps, interpreted=False):
                         grad = jnp.sum(weighted, axis=0, keepdims=True)
                         bias_grad = grad if bias_grad is None else bias_grad + grad
                 continue
-            f = logit_terms.flip(z, hits)
-            ex = logit_terms.Exps(f, barrier=interpreted, base2=base2,
+            f = flip(z, hits)
+            ex = Exps(f, barrier=interpreted, base2=base2,
                                   newton=cfg.newton_reciprocal)
             positive = hits != 0 if mask_weights else None
             if ps.with_loss:
-                relus, logs = logit_terms.term(f, ex, cfg.coef, positive)
+                relus, logs = term(f, ex, cfg.coef, positive)
                 parts = ((relus_ref, relus), (terms_ref, logs)) if base2 else (
                     (terms_ref, relus + logs),)
                 for ref, x in parts:
                     ref[local, :] += _fold(x if valid is None else jnp.where(valid, x, 0.0))
             if ps.with_grads:
-                dz = logit_terms.flip(logit_terms.slope(f, ex, cfg.coef, positive), hits)
+                dz = flip(slope(f, ex, cfg.coef, positive), hits)
                 if valid is not None:
                     dz = jnp.where(valid, dz, 0.0)
                 slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
@@ -396,7 +506,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
                     items = lax.broadcasted_iota(jnp.int32, bias.shape, 1) + tile_index * cfg.tile
                     bias = jnp.where(items < cfg.vocab_size, bias, 0.0)
                 if base2:
-                    bias = bias * logit_terms.LOG2E
+                    bias = bias * LOG2E
                 bias_parts_ref[...] = _parts(bias, extra).astype(bias_parts_ref.dtype)
 
         lo = tile_index * cfg.tile
@@ -436,7 +546,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         if hidden_t_ref is not None:  # [D, rows] -> [rows, D]: row pieces on the sublanes
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
             if base2:
-                hidden = hidden * logit_terms.LOG2E
+                hidden = hidden * LOG2E
             if extra:  # ones against the bias parts' rows
                 ones = lax.broadcasted_iota(jnp.int32, (extra, row_tile), 0) < BIAS_PARTS
                 hidden = jnp.concatenate([hidden, ones.astype(jnp.float32)], axis=0)
@@ -457,7 +567,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         elif ps.with_loss:
             terms = terms_ref[...]
             if relus_ref is not None:
-                terms = relus_ref[...] * logit_terms.LN2 + terms
+                terms = relus_ref[...] * LN2 + terms
             loss_ref[:, rows] += _as_row(jnp.sum(terms, axis=1, keepdims=True))
         if positive_ref is not None:
             positive_ref[:, rows] += _as_row(jnp.sum(lane_positive_ref[...], axis=1,

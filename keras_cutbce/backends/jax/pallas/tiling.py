@@ -1,9 +1,11 @@
-"""The tile and VMEM rule of the Pallas kernels (docs/tpu.md, "Scoped VMEM").
+"""The static settings of a Pallas call and pass (`Config`, `Pass`), and the kernels' tile and VMEM rule.
 
-Tiles are multiples of 128; a pass's estimate fits 7/8 of the scoped VMEM it
+The rule (docs/tpu.md, "Scoped VMEM"): tiles are multiples of 128; a pass's estimate fits 7/8 of the scoped VMEM it
 asks for (at most 3/4 of the chip's, else 16 MiB); the tiles take 3/4 of
 that budget, resident rows the rest (at most a quarter).
 """
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -22,6 +24,43 @@ BCE_PIECE_COLS = 256  # BCE's pieces: libtpu packs its schedule tighter (docs/tp
 DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20  # the compiler's limit when a kernel asks for none
 
 
+class Config(NamedTuple):
+    """Static (hashable) settings of one call, the same for all its passes (docs/tpu.md)."""
+
+    vocab_size: int  # V
+    coef: object  # BCE's `BCECoefficients`, or softmax's `math.Softmax`
+    row_tile: int  # rows of one kernel step (a multiple of 128)
+    tile: int  # items of one vocabulary tile (a multiple of 128)
+    num_ids: int  # L
+    mm_dtype: str  # the matmul operands' dtype
+    interpret: object  # True, False, or None: decided by the compilation target
+    vmem_capacity: object  # VMEM bytes per TensorCore, None: unknown
+    precision: object  # `lax.Precision` of float32 matmuls (None: default)
+    table_dtype: str  # dtype of the table gradient the kernels write
+    dv_view: bool  # the table read as its `[D, V]` view (D % 128 != 0)
+    cores: int = 1  # TensorCores the vocabulary is split across
+    family: str = "bce"  # the loss family: "bce" or "softmax"
+    positives: bool = True  # softmax: the kernels find the rows' ids (hit bits); False: no ids
+    newton_reciprocal: bool = False  # BCE's `1 / u` as the approximate reciprocal and one Newton step
+
+    @property
+    def softmax(self):
+        return self.family == "softmax"
+
+
+class Pass(NamedTuple):
+    """Static shape of one pass over the table for one block of resident rows."""
+
+    has_bias: bool
+    with_loss: bool  # writes the rows' loss sums (softmax: max and sum exp)
+    with_grads: bool  # writes the gradients, rows weighted by `row_scale`
+    carry: bool  # the table and bias gradients add to earlier blocks' (aliased)
+    block_rows: int  # resident rows of this pass
+    tiles_per_core: int
+    counts_per_row_tile: bool  # in-tile id counts per (tile, row tile), else per tile
+    positive_sums: bool = False  # softmax: writes the sums of the rows' positives' logits
+
+
 def vmem_capacity_bytes():
     """Returns the VMEM bytes of one TensorCore of the target TPU, or None when unknown."""
     chip = compile_platform.compiled_chip()
@@ -29,7 +68,7 @@ def vmem_capacity_bytes():
 
 
 def newton_reciprocal():
-    """Whether the target divides by a reciprocal op and a Newton step (`logit_terms.Exps`): v4, v5e, v5p."""
+    """Whether the target divides by a reciprocal op and a Newton step (`kernel.Exps`): v4, v5e, v5p."""
     chip = compile_platform.compiled_chip()
     return chip is not None and not chip.reciprocal_divides
 
