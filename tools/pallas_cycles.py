@@ -424,7 +424,7 @@ def compile_case(case, dump_dir):
     from tools import tpu_aot
     from keras_cutbce.backends.jax import pallas
     from keras_cutbce.backends.jax import compile_platform
-    from keras_cutbce.backends.jax.pallas import call, tiling
+    from keras_cutbce.backends.jax.pallas import api, tiling
 
     chip = CHIPS[case["chip"]]
     device = tpu_aot.topology_devices(chip.topology)[0]
@@ -467,11 +467,11 @@ def compile_case(case, dump_dir):
         facts = {}
         for with_grads in (True, False):
             count, block_rows = tiling.row_blocks(m, d, np.dtype(dtype).itemsize, cfg, with_grads)
-            _, ids_t, _ = call.row_inputs(jnp.zeros((m, d)), jnp.asarray(ids), None,
+            _, ids_t, _ = api.row_inputs(jnp.zeros((m, d)), jnp.asarray(ids), None,
                                           count * block_rows, cfg)
-            counts = np.asarray(call.in_tile_counts(ids_t, cfg))
+            counts = np.asarray(api.in_tile_counts(ids_t, cfg))
             row_tiles = block_rows // cfg.row_tile
-            if counts.shape[0] * row_tiles > call.MAX_PREFETCHED_COUNTS:  # one count a tile
+            if counts.shape[0] * row_tiles > api.MAX_PREFETCHED_COUNTS:  # one count a tile
                 counts = counts.reshape(counts.shape[0], count, row_tiles).max(axis=2)
                 counts = np.repeat(counts, row_tiles, axis=1)
             per_core = -(-counts.shape[0] // tiling.cores_used(cfg))

@@ -165,7 +165,7 @@ def _compares_per_logit(case, device, ids):
         row_inputs, in_tile_counts = pallas._row_inputs, pallas._in_tile_counts
     else:
         tiling = pallas.tiling
-        row_inputs, in_tile_counts = pallas.call.row_inputs, pallas.call.in_tile_counts
+        row_inputs, in_tile_counts = pallas.api.row_inputs, pallas.api.in_tile_counts
     from types import SimpleNamespace
 
     m, d, v, dtype = case

@@ -291,7 +291,7 @@ def piece_shape(cfg):
 def kernel(*refs, cfg, ps, interpreted=False):
     """Writes the loss (softmax: max and sum exp) and/or gradients of one block of resident rows.
 
-    Refs in the order `call._pass` builds them, scratch as `scratch_shapes`;
+    Refs in the order `api._pass` builds them, scratch as `scratch_shapes`;
     `interpreted`: traced for the interpreter (`Exps`).
     """
     refs = list(refs)
