@@ -40,7 +40,6 @@ import contextlib
 import functools
 import itertools
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
 
+from benchmarks.common import alternate, cuda_clock, paired  # noqa: E402
 from tools import nsight_compute  # noqa: E402
 
 # variant -> (operand dtype, torch's fp32 matmul precision)
@@ -85,6 +85,7 @@ class Run:
                                              variants=tuple(VARIANTS), targets=TARGETS,
                                              repeats=REPEATS, families=FAMILIES)
         self.__dict__.update(sizes)
+        self.ours = ("chunked",) if dry_run else ("triton", "chunked")  # the interpreter's fp16/bf16 are not a GPU's
         self.report = {"sections": {}, "skipped": [], "errors": []}
         self.reserved = 0.0  # seconds the sections after the running one are left (`measure`)
         self.peer_errors = {}  # (family, variant) -> implementation -> its error against float64
@@ -152,9 +153,15 @@ def problem(run, shape, dtype, targets=8, seed=0, logit_range=None):
     return [x.to(dtype).requires_grad_() for x in (h, e, b)] + [ids]
 
 
+def family_op(family):
+    """The family's public op: `cut_categorical_crossentropy` (softmax) or `cut_binary_crossentropy`."""
+    from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy
+
+    return cut_categorical_crossentropy if family == "softmax" else cut_binary_crossentropy
+
+
 def step(implementation, h, e, b, ids, family="bce"):
     """One training step of `family`'s loss: the mean loss and its gradients (into `.grad`)."""
-    from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy
     from keras_cutbce.math import reference
 
     for x in (h, e, b):
@@ -166,8 +173,7 @@ def step(implementation, h, e, b, ids, family="bce"):
         else:
             loss = keras.losses.binary_crossentropy(y, z, from_logits=True)
     else:
-        op = cut_categorical_crossentropy if family == "softmax" else cut_binary_crossentropy
-        loss = op(h, e, ids, b, implementation=implementation)
+        loss = family_op(family)(h, e, ids, b, implementation=implementation)
     loss.mean().backward()
     return loss.detach()
 
@@ -196,14 +202,10 @@ def jit_latency(run):
         for variant in run.variants:
             with precision(variant) as dtype:
                 inputs = problem(run, run.small, dtype)
-                times, outputs = [], []
-                for _ in range(2):
-                    run.sync()
-                    start = time.perf_counter()
-                    loss = step("triton", *inputs, family=family)
-                    run.sync()
-                    times.append(1e3 * (time.perf_counter() - start))
-                    outputs.append([loss] + [x.grad for x in inputs[:3]])
+                outputs = []  # round 0 compiles (cold cache), round 1 is the second call
+                grads = lambda loss: (run.sync(), outputs.append([loss] + [x.grad for x in inputs[:3]]))  # noqa: E731
+                timed = alternate({"triton": functools.partial(step, "triton", *inputs, family=family)}, 1, block=grads)
+                times = [1e3 * timed["triton"]["first_s"], 1e3 * timed["triton"]["times_s"][0]]
             rows.append(dict(family=family, variant=variant, first_call_ms=times[0],
                              second_call_ms=times[1], jit_ms=times[0] - times[1],
                              same_bits=all(map(torch.equal, *outputs))))
@@ -265,24 +267,19 @@ def kernel_times_ms(run, inputs, family):
 
 
 def timed(run, names, inputs, repeats, family="bce"):
-    """Median step ms and peak MiB of each implementation, alternating."""
+    """Median step ms and peak MiB of each implementation, alternating (`common.alternate`)."""
     import torch
 
-    times, peaks = {n: [] for n in names}, {}
+    peaks = {}
     for name in names:  # warm-up (compiles) and peak memory
         if run.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step(name, *inputs, family=family)
         run.sync()
         peaks[name] = torch.cuda.max_memory_allocated() / 2**20 if run.device == "cuda" else None
-    for _ in range(repeats):
-        for name in names:
-            run.sync()
-            start = time.perf_counter()
-            step(name, *inputs, family=family)
-            run.sync()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {n: dict(median_ms=statistics.median(t), min_ms=min(t), peak_mib=peaks[n])
+    cells = {n: functools.partial(step, n, *inputs, family=family) for n in names}
+    times = alternate(cells, repeats, block=lambda _: run.sync(), warmups=0)
+    return {n: dict(median_ms=1e3 * t["wall"]["median"], min_ms=1e3 * t["wall"]["min"], peak_mib=peaks[n])
             for n, t in times.items()}
 
 
@@ -356,7 +353,7 @@ def side_by_side(run, family, shape, dtype, e, b, peers=True):
     import torch
     import torch.nn.functional as F
 
-    from keras_cutbce import CutBCELoss, CutSoftmaxLoss, cut_binary_crossentropy, cut_categorical_crossentropy
+    from keras_cutbce import CutBCELoss, CutSoftmaxLoss
 
     cuda, softmax = run.device == "cuda", family == "softmax"
     rows, dim, vocab = shape
@@ -399,8 +396,7 @@ def side_by_side(run, family, shape, dtype, e, b, peers=True):
         else:
             impls["torch_linear_cross_entropy"] = f"not in torch {torch.__version__}"
     implementation = "auto" if cuda else "triton"
-    op = cut_categorical_crossentropy if softmax else cut_binary_crossentropy
-    impls["ours_op"] = lambda h, e, b, ids: op(h, e, ids, b, implementation=implementation).mean()
+    impls["ours_op"] = lambda h, e, b, ids: family_op(family)(h, e, ids, b, implementation=implementation).mean()
     keras_loss = (CutSoftmaxLoss if softmax else CutBCELoss)(e, b, implementation=implementation)
     impls["ours_keras_loss"] = lambda h, e, b, ids: keras_loss(ids, h)
     return impls
@@ -440,8 +436,6 @@ def _peer_cells(run):
 def peers(run):
     """Each implementation's error against float64 (the parity shape), then step times, side by side."""
     import torch
-
-    from benchmarks.common import alternate, cuda_clock, paired
 
     rows = []
     cuda = run.device == "cuda"
@@ -519,8 +513,7 @@ def _chunked_mean(h, e, b, ids, op, chunk_size):
 
 def chunked_tiles(run):
     """The chunked loop's tile rule on CUDA (`tiling.tile_budget_bytes`) against other tiles and tuned dense."""
-    from benchmarks.common import alternate, cuda_clock, paired
-    from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy, registry
+    from keras_cutbce import registry
 
     rows, cuda = [], run.device == "cuda"
     for shape, family in itertools.product((run.small, run.paper), run.families):
@@ -530,8 +523,7 @@ def chunked_tiles(run):
                 continue
             h, e, b, ids = problem(run, shape, dtype, targets=1 if family == "softmax" else 8)
             rule = registry._default_chunk_size(h, e, family)
-            op = cut_categorical_crossentropy if family == "softmax" else cut_binary_crossentropy
-            cells = {}
+            op, cells = family_op(family), {}
             for tile in dict.fromkeys((rule, *((32, 64) if run.dry_run else CHUNK_TILES))):
                 if tile < shape[2] or tile == rule:
                     loss = functools.partial(_chunked_mean, op=op, chunk_size=tile)
@@ -557,8 +549,7 @@ def float16_zeros(run):
     shape = run.small
     rows = []
     # the interpreter's half-precision products are not the GPU's
-    implementations = ("chunked",) if run.dry_run else ("triton", "chunked")
-    for family, implementation in itertools.product(run.families, implementations):
+    for family, implementation in itertools.product(run.families, run.ours):
         grads = {}
         for dtype in (torch.float16, torch.float32):
             with precision("ieee"):
@@ -601,26 +592,20 @@ def mixed_bfloat16_fit(run):
     x = rng.normal(size=(rows_, dim)).astype("float32")
     y = rng.integers(0, vocab, size=(rows_, 8)).astype("int32")
     results = []
-    implementations = ("chunked",) if run.dry_run else ("triton", "chunked")
     previous = keras.config.dtype_policy()
     try:
         keras.config.set_dtype_policy("mixed_bfloat16")
-        for family, implementation in itertools.product(run.families, implementations):
+        for family, implementation in itertools.product(run.families, run.ours):
             keras.utils.set_random_seed(0)
             model = ItemModel(vocab, dim)
             model.build((None, dim))
             model.compile(keras.optimizers.Adam(1e-3),
                           losses_of[family](model.items, implementation=implementation))
-            model.train_on_batch(x, y)  # compiles
-            times, losses = [], []
-            for _ in range(run.repeats):
-                run.sync()
-                start = time.perf_counter()
-                losses.append(float(model.train_on_batch(x, y)))
-                run.sync()
-                times.append(1e3 * (time.perf_counter() - start))
+            losses = []  # round 0 (untimed) compiles
+            timed = alternate({"fit": lambda: model.train_on_batch(x, y)}, run.repeats,
+                              block=lambda loss: (losses.append(float(loss)), run.sync()))["fit"]
             results.append(dict(family=family, implementation=implementation, rows=rows_, vocab=vocab,
-                                step_ms=statistics.median(times), last_loss=losses[-1],
+                                step_ms=1e3 * timed["wall"]["median"], last_loss=losses[-1],
                                 finite=bool(np.isfinite(losses).all())))
             del model
     finally:
@@ -633,13 +618,10 @@ def mixed_bfloat16_fit(run):
 def graph_breaks(run):
     import torch
 
-    from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy
-
     rows = []
-    implementations = ("chunked",) if run.dry_run else ("triton", "chunked")
-    for family, implementation in itertools.product(run.families, implementations):
+    for family, implementation in itertools.product(run.families, run.ours):
         h, e, b, ids = problem(run, run.parity, torch.float32)
-        op = cut_categorical_crossentropy if family == "softmax" else cut_binary_crossentropy
+        op = family_op(family)
 
         def loss(h, e, b, ids):
             return op(h, e, ids, b, implementation=implementation).sum()

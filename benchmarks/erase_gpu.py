@@ -10,18 +10,13 @@ Models (`--models`):
   chain, each block with a logistic head and BCE), so each block's backward can overlap the forward of the
   blocks after it.
 
-Modes (`--modes`): the baselines a user has, in rising effort (`benchmarks.erase_gpu_plan.BASELINES`): `plain`
-(the same network without DetachBlocks, Keras's standard step), `plain+jit` (`jit_compile=True`:
-torch.compile), `plain+reduce_overhead` (torch.compile(mode="reduce-overhead") on the train step),
-`plain+graph` (the whole standard step, forward, loss, backward and optimizer, as one CUDA Graph:
-`whole_step_graph`; a cell that does not capture is reported as not feasible, with the capture's error),
-`standard` (the detached model's standard step); then the ERASE schedules `blocking`, `threaded`, `streams`,
-each also as `<mode>+graphs`, and `auto` / `auto+graphs` (their cells first run untimed steps until `auto` has
-chosen). Each cell builds its model once and runs `--warmup` untimed steps; each of `--repeats` (default 5)
-repeats is then 1 untimed and `--steps` timed steps of the live model (the clock read after
-`torch.cuda.synchronize()`; the host time until `train_on_batch` returned), the modes of a group alternating,
-so the repeats are paired: every mode's ratio to the best baseline is taken per repeat (median and range). NE:
-the plain and the detached CTR model after `--ne-steps` steps.
+Modes (`--modes`): the baselines a user has (`erase_gpu_plan.BASELINES`, in rising effort; `WHAT` says what
+each is; `plain+graph` is `whole_step_graph`, a cell that does not capture is reported as not feasible), then
+the ERASE schedules `blocking`, `threaded`, `streams`, each also as `<mode>+graphs`, and `auto` / `auto+graphs`
+(their cells first run untimed steps until `auto` has chosen). Each cell builds its model once and runs
+`--warmup` untimed steps; each of `--repeats` repeats is then 1 untimed and `--steps` timed steps of the live
+model, the modes of a group alternating, so the repeats are paired (`WHAT`). NE: the plain and the detached
+CTR model after `--ne-steps` steps.
 
 Plans (`--plan`): `full` (below), `device` (the GPU check's cells: CTR at 2048 and 32768 with plain,
 plain+graph, plain+jit, standard, auto+graphs and the best fixed schedule; `DEVICE_PLAN_SECONDS`, no traces),
@@ -41,12 +36,8 @@ much they tell: ctr at the middle batch, ctr at 65536, mlp30 at the middle, ctr 
 smaller one may still run. Between groups: `gc.collect()` (a model's worker thread lives until the cyclic
 collector runs) and `torch.cuda.empty_cache()`.
 
-Measured per cell (`benchmarks.common.QPS_NOTE`): p50/p90 QPS and step times, host time per step,
-`max_memory_allocated` (MiB, reset per cell) and, for graph modes, captures, replays and the MiB the graphs'
-memory pools hold; from one profiled step after the timed steps of the first repeat
-(`tools.gpu_trace.step_metrics`): the GPU-busy fraction, the overlapped kernel-time fraction (kernels of two
-or more streams at once, over the GPU-busy time) and the host time of the main thread, the backward worker and
-autograd's device thread.
+Measured per cell: `WHAT`'s columns; the trace measures from one profiled step after the timed steps of
+the first repeat (`tools.gpu_trace.step_metrics`).
 
 Exactness (after the traces): every early mode's weights after a few SGD steps (graph modes: warm-up, capture
 and replays) from the same weights and batch, against the standard step's, with TF32 off; above
@@ -82,8 +73,7 @@ if REPO not in sys.path:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import QPS_NOTE, machine_info, markdown_table, write_results  # noqa: E402
-from keras_erase.throughput import throughput_percentiles  # noqa: E402
+from benchmarks.common import QPS_NOTE, machine_info, markdown_table, qps, write_results  # noqa: E402
 from tools import gpu_trace  # noqa: E402
 from benchmarks.erase_gpu_plan import MIDDLE, Budget, NotFeasible, model_spec, auto_window  # noqa: E402
 from benchmarks.erase_gpu_plan import steps_until_chosen, summarize, build_parser, choose_middle  # noqa: E402
@@ -404,10 +394,7 @@ def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
     counts, hook = upstream_counter(model_name, model)
     seconds, host = timed_steps(step, 1, args.steps, torch.cuda.synchronize if cuda else None)
     row = {"model": model_name, "batch": batch, "mode": mode,
-           **throughput_percentiles(seconds, batch),
-           "step_ms_p50": 1e3 * float(np.percentile(seconds, 50)),
-           "step_ms_p90": 1e3 * float(np.percentile(seconds, 90)),
-           "host_ms_p50": 1e3 * float(np.median(host))}
+           **qps(seconds, batch), "host_ms_p50": 1e3 * float(np.median(host))}
     if hook is not None:  # the hand-off: one backward of the shared table per step
         hook.remove()
         row["upstream_backwards_per_step"] = len(counts) / (1 + args.steps)

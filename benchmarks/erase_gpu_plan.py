@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from benchmarks.common import paired_ratios
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = ("ctr", "mlp30", "transformer")  # "ctr-w<width>": the CTR model with towers that wide
@@ -142,22 +144,18 @@ def summarize(rows):
             continue
         best = max(baselines, key=lambda m: same[m]["p90"])
         row["best_baseline"] = best
-        mine, theirs = groups[(row["model"], row["batch"], row["mode"])], groups[(row["model"], row["batch"], best)]
+        repeats = groups[(row["model"], row["batch"], row["mode"])] + groups[(row["model"], row["batch"], best)]
         for key in ("p50", "p90"):
-            ratios = paired_ratios(mine, theirs, key)
+            ratios = paired_ratios(repeats, row["mode"], ("mode", best), key, pair_by="repeat")
             if ratios:
-                row[f"{key}_vs_best"] = float(np.median(ratios))
-                row[f"{key}_vs_best_range"] = f"{min(ratios):.3f}..{max(ratios):.3f}"
+                row[f"{key}_vs_best"] = ratios["median"]
+                row[f"{key}_vs_best_range"] = f"{ratios['min']:.3f}..{ratios['max']:.3f}"
         if "plain" in same:
-            ratios = paired_ratios(mine, groups[(row["model"], row["batch"], "plain")], "p90")
-            row["p90_vs_plain"] = float(np.median(ratios)) if ratios else None
+            ratios = paired_ratios(groups[(row["model"], row["batch"], row["mode"])]
+                                   + groups[(row["model"], row["batch"], "plain")],
+                                   row["mode"], ("mode", "plain"), "p90", pair_by="repeat")
+            row["p90_vs_plain"] = ratios["median"] if ratios else None
     return summary
-
-
-def paired_ratios(rows, baseline_rows, key):
-    """`rows[i][key] / baseline_rows[i][key]` for every repeat both ran (the same repeat: paired)."""
-    base = {r["repeat"]: r[key] for r in baseline_rows if r.get(key)}
-    return [r[key] / base[r["repeat"]] for r in rows if r.get(key) is not None and r["repeat"] in base]
 
 
 def choose_middle(low, high):
