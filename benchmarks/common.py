@@ -12,6 +12,7 @@
 - Processes: `run_cell(argv)` runs this checkout's script in a fresh process and reads the `ROW <json>` line
   its `emit_row` printed; `run_capped` runs a command under an address-space cap and names an out-of-memory
   end as such.
+- Devices: `cuda_sync`, `release_memory` (between cells), `Budget` (what still fits in a run's seconds).
 - Threads: `set_threads` in the process, `thread_env` for a child's XLA.
 - Writing: `write_results(prefix, title, what, command, info, table, payload)` writes `prefix.md` (title, what
   each figure is, the command that reproduces it, the machine line: platform, CPUs, threads, load average,
@@ -147,6 +148,39 @@ def cuda_clock():
         return start.elapsed_time(end) / 1e3
 
     return stop
+
+
+def cuda_sync(cuda=True):
+    """`torch.cuda.synchronize()` where `cuda` (the device finished: a clock may be read), else nothing."""
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def release_memory(cuda):
+    """Between cells: the cyclic collector (a model's worker thread, graphs), then the CUDA cache where `cuda`."""
+    gc.collect()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+class Budget:
+    """Wall-clock budget of a run (`None`: unlimited): whether work expected to take `seconds` still fits."""
+
+    def __init__(self, seconds):
+        self.start, self.seconds = time.monotonic(), seconds
+
+    def elapsed(self):
+        return time.monotonic() - self.start
+
+    def left(self):
+        return float("inf") if self.seconds is None else self.seconds - self.elapsed()
+
+    def fits(self, seconds):
+        return seconds <= self.left()
 
 
 def paired(timed, name, base):

@@ -51,7 +51,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
 
-from benchmarks.common import alternate, cuda_clock, paired  # noqa: E402
+from benchmarks.common import Budget, alternate, cuda_clock, cuda_sync, paired, release_memory  # noqa: E402
 from tools import nsight_compute  # noqa: E402
 
 # variant -> (operand dtype, torch's fp32 matmul precision)
@@ -73,14 +73,13 @@ DRY_RUN = dict(small=(48, 16, 200), paper=(64, 16, 400), parity=(40, 16, 203),
                variants=("ieee",), targets=(1, 8), repeats=2, families=FAMILIES)
 
 
-class Run:
+class Run(Budget):
     """Where the sections run (`device`), their sizes, the budget and what they found."""
 
     def __init__(self, budget, dry_run=False):
+        super().__init__(budget)
         self.dry_run = dry_run
         self.device = "cpu" if dry_run else "cuda"
-        self.start = time.perf_counter()
-        self.budget = budget
         sizes = DRY_RUN if dry_run else dict(small=SMALL, paper=PAPER, parity=(1000, 64, 5003),
                                              variants=tuple(VARIANTS), targets=TARGETS,
                                              repeats=REPEATS, families=FAMILIES)
@@ -90,12 +89,9 @@ class Run:
         self.reserved = 0.0  # seconds the sections after the running one are left (`measure`)
         self.peer_errors = {}  # (family, variant) -> implementation -> its error against float64
 
-    def left(self):
-        return self.budget - (time.perf_counter() - self.start)
-
     def section(self, name, estimate_s, fn):
         """Runs `fn()` if `estimate_s` fits in the budget; its rows go to the report."""
-        if estimate_s > self.left():
+        if not self.fits(estimate_s):
             self.report["skipped"].append(f"{name}: needs ~{estimate_s:.0f} s, "
                                           f"{max(self.left(), 0):.0f} s left")
             return
@@ -108,19 +104,10 @@ class Run:
         self.release()
 
     def sync(self):
-        import torch
-
-        if self.device == "cuda":
-            torch.cuda.synchronize()
+        cuda_sync(self.device == "cuda")
 
     def release(self):
-        import gc
-
-        import torch
-
-        gc.collect()
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(self.device == "cuda")
 
 
 @contextlib.contextmanager
@@ -738,7 +725,7 @@ def measure(budget, dry_run=False, sections=SECTIONS):
         estimate, fn = plan[name]
         run.reserved = sum(plan[later][0] for later in chosen[position + 1:])
         run.section(name, estimate, lambda fn=fn: fn(run))
-    run.report["wall_s"] = time.perf_counter() - run.start
+    run.report["wall_s"] = run.elapsed()
     return run.report
 
 

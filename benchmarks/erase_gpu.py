@@ -59,7 +59,6 @@ Usage:
         graphs through the CPU stand-in capture, tiny sizes, results in /tmp
 """
 
-import gc
 import math
 import os
 import sys
@@ -73,9 +72,10 @@ if REPO not in sys.path:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import QPS_NOTE, machine_info, markdown_table, qps, write_results  # noqa: E402
+from benchmarks.common import QPS_NOTE, Budget, cuda_sync, machine_info, markdown_table, qps  # noqa: E402
+from benchmarks.common import release_memory, write_results  # noqa: E402
 from tools import gpu_trace  # noqa: E402
-from benchmarks.erase_gpu_plan import MIDDLE, Budget, NotFeasible, model_spec, auto_window  # noqa: E402
+from benchmarks.erase_gpu_plan import MIDDLE, NotFeasible, model_spec, auto_window  # noqa: E402
 from benchmarks.erase_gpu_plan import steps_until_chosen, summarize, build_parser, choose_middle  # noqa: E402
 from benchmarks.erase_gpu_plan import graph_problems, parse_mode, resolve, run_cells  # noqa: E402
 
@@ -302,22 +302,6 @@ def timed_steps(step, warmup, steps, sync=None):
     return seconds, host
 
 
-def _sync(cuda):
-    if cuda:
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _release_memory(cuda):
-    """Between models: the cyclic collector (worker threads, graphs) and the CUDA cache."""
-    gc.collect()
-    if cuda:
-        import torch
-
-        torch.cuda.empty_cache()
-
-
 def profile_step(model, x, y, cuda, trace_path):
     """Runs one training step under `torch.profiler` (annotated `gpu_trace.STEP`); writes the trace."""
     import torch
@@ -325,7 +309,7 @@ def profile_step(model, x, y, cuda, trace_path):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(cuda)
+    cuda_sync(cuda)
     try:  # record the backward worker thread too (started before the profiler)
         config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
         kwargs = {"experimental_config": config}
@@ -334,7 +318,7 @@ def profile_step(model, x, y, cuda, trace_path):
     with torch.profiler.profile(activities=activities, **kwargs) as prof:
         with torch.profiler.record_function(gpu_trace.STEP):
             model.train_on_batch(x, y)
-            _sync(cuda)
+            cuda_sync(cuda)
     prof.export_chrome_trace(trace_path)
     return trace_path
 
@@ -350,13 +334,11 @@ def live_cell(model_name, mode, batch, args, cuda):
     Built: a fresh model, `auto`'s untimed steps until it has chosen, then `--warmup` steps. A build
     that failed fails again at every repeat without building again.
     """
-    import torch
-
     from keras_erase.torch.cuda_graphs import runner as graph_runner
 
     if _LIVE.get("group") != (model_name, batch):
         _LIVE.clear()
-        _release_memory(cuda)
+        release_memory(cuda)
         _LIVE["group"] = (model_name, batch)
     if mode not in _LIVE:
         before = set(map(id, graph_runner.live_runners()))
@@ -375,8 +357,7 @@ def live_cell(model_name, mode, batch, args, cuda):
         runners = [r for r in graph_runner.live_runners() if id(r) not in before]
         _LIVE[mode] = {"model": model, "x": x, "y": y, "step": step, "runners": runners,
                        "warmup": measuring + args.warmup}
-        if cuda:
-            torch.cuda.synchronize()
+        cuda_sync(cuda)
     cell = _LIVE[mode]
     if isinstance(cell, Exception):
         raise cell
@@ -392,7 +373,7 @@ def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     counts, hook = upstream_counter(model_name, model)
-    seconds, host = timed_steps(step, 1, args.steps, torch.cuda.synchronize if cuda else None)
+    seconds, host = timed_steps(step, 1, args.steps, cuda_sync if cuda else None)
     row = {"model": model_name, "batch": batch, "mode": mode,
            **qps(seconds, batch), "host_ms_p50": 1e3 * float(np.median(host))}
     if hook is not None:  # the hand-off: one backward of the shared table per step
@@ -434,13 +415,13 @@ def run_trace(args, cuda, batch):
     try:
         model, x, y = prepared(model_name, args.trace_mode, batch, args)
         model.train_on_batch(x, y)
-        _sync(cuda)
+        cuda_sync(cuda)
         result["build_s"] = time.monotonic() - start
         steps = max(3, args.warmup // 3)
         step_start = time.monotonic()
         for _ in range(steps):
             model.train_on_batch(x, y)
-        _sync(cuda)
+        cuda_sync(cuda)
         result["step_s"] = (time.monotonic() - step_start) / steps
         profile_start = time.monotonic()
         profile_step(model, x, y, cuda, trace_path)
@@ -454,7 +435,7 @@ def run_trace(args, cuda, batch):
     except Exception as error:  # noqa: BLE001 - reported; the cells still run
         result["error"] = f"trace at batch {batch}: {type(error).__name__}: {error}"
         print("TRACE FAILED:", result["error"], flush=True)
-    _release_memory(cuda)
+    release_memory(cuda)
     result["seconds"] = time.monotonic() - start
     return result
 
@@ -503,7 +484,7 @@ def ne_check(args, cuda):
                                 batch_size=batch, return_dict=True, verbose=0)
         rows.append({"model": "ctr", "mode": mode, "batch": batch, "steps": steps, "ne": float(scores["ne"])})
         del model
-        _release_memory(cuda)
+        release_memory(cuda)
     rows[1]["ne_gap_vs_plain"] = rows[1]["ne"] / rows[0]["ne"] - 1.0
     print("NE after", steps, "steps:", ", ".join(f"{r['mode']} {r['ne']:.4f}" for r in rows), flush=True)
     return rows
@@ -538,7 +519,7 @@ def exactness_check(args, cuda):
                 model.train_on_batch(x, y)
             finals[mode] = [np.asarray(keras.ops.convert_to_numpy(w)) for w in model.weights]
             del model
-            _release_memory(cuda)
+            release_memory(cuda)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     reference = finals.pop("standard")
@@ -589,7 +570,7 @@ def run_all(args, cuda):
             args, budget, traces,
             lambda model_name, mode, batch, profile: run_cell(model_name, mode, batch, args, cuda,
                                                               profile),
-            lambda: _release_memory(cuda))
+            lambda: release_memory(cuda))
         errors.extend(cell_errors)
     finally:
         _LIVE.clear()

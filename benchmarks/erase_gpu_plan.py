@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import paired_ratios
+from benchmarks.common import Budget, paired_ratios  # noqa: F401 - Budget: the plan's, for erase_gpu.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,23 +179,6 @@ def choose_middle(low, high):
         return min(scored)[1]
     middle = 2 ** round(math.log2(math.sqrt(b0 * b1)))
     return min(max(middle, candidates[0]), candidates[-1])
-
-
-class Budget:
-    """Wall-clock budget of a run: whether work expected to take `seconds` still fits."""
-
-    def __init__(self, seconds):
-        self.start = time.monotonic()
-        self.seconds = seconds
-
-    def elapsed(self):
-        return time.monotonic() - self.start
-
-    def left(self):
-        return math.inf if self.seconds is None else self.seconds - self.elapsed()
-
-    def fits(self, seconds):
-        return seconds <= self.left()
 
 
 def priority_groups(args):
