@@ -18,13 +18,9 @@ On a GPU (the one GPU check, `scripts/gpu_check.sh`):
 
     python benchmarks/cutbce_triton.py --gpu --budget 120
 
-runs the sections of `benchmarks/cutbce_triton_gpu.py` within the budget (seconds): first-call JIT latency,
-parity against float64 (bf16, TF32, IEEE fp32; |z| up to 80), step and per-kernel times at L in {1, 8, 40}
-against the chunked loop and dense at (4096, 64, 100000) and (16384, 64, 876000), the float16 table-gradient
-zero fraction, a `mixed_bfloat16` fit step, graph breaks under `torch.compile`, a tile sweep and, where it
-runs, Nsight Compute's counters. Writes `benchmarks/results/cutbce_triton_gpu.json` and `.md`. `--gpu
---cpu-dry-run` runs the same steps on tiny CPU shapes, the kernels in the Triton interpreter (checks the
-script; the numbers mean nothing).
+runs the sections `benchmarks/cutbce_triton_gpu.py`'s docstring lists within the budget (seconds) and writes
+`benchmarks/results/cutbce_triton_gpu.json` and `.md`; `--gpu --cpu-dry-run` runs them on tiny CPU shapes,
+the kernels in the Triton interpreter (checks the script; the numbers mean nothing).
 """
 
 import argparse

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from benchmarks.common import fmt_spread, paired_ratios, spread
+from benchmarks.common import fmt_spread, paired_ratios, spread, write_json
 
 LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
           ("cutsoftmax", 1)]
@@ -32,12 +32,6 @@ def _mean_sd(values):
     if len(values) < 2:
         return mean, None
     return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-
-
-def _median(values):
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _order(dataset, loss):
@@ -70,7 +64,7 @@ def summarize(rows):
         for key in ("steps_per_second", "peak_memory_mb", "wall_seconds"):
             values = [r[key] for r in (trained or runs) if r.get(key) is not None]
             if values:
-                summary[key] = _median(values)
+                summary[key] = spread(values)["median"]
         curves = [r["ndcg@10_per_epoch"] for r in trained if r.get("ndcg@10_per_epoch")]
         if curves and len({len(c) for c in curves}) == 1:
             columns = list(zip(*curves))
@@ -207,10 +201,7 @@ def run_missing(runs_dir, seeds, cases, losses, run):
                     continue
                 row = run(dataset, loss, negatives, example_args, seed)
                 row["load_average_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
-                os.makedirs(runs_dir, exist_ok=True)
-                with open(path, "w") as f:  # (as benchmarks/common.py's write_json)
-                    json.dump(row, f, indent=2, default=str)
-                    f.write("\n")
+                write_json(path, row)
                 print(json.dumps({k: v for k, v in row.items()
                                   if not k.endswith("_per_epoch")}), flush=True)
 
