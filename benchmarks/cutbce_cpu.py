@@ -33,7 +33,6 @@ Usage:
 """
 
 import argparse
-import gc
 import os
 import sys
 import threading
@@ -55,7 +54,7 @@ SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144);
 
 sys.path.insert(0, ROOT)
 from benchmarks.common import alternate, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
-from benchmarks.common import peak_extra_mb, rss_bytes, run_cell, set_threads, spread  # noqa: E402
+from benchmarks.common import peak_extra_mb, rss_bytes, run_cell, set_threads  # noqa: E402
 from benchmarks.common import thread_env, write_results  # noqa: E402
 
 
@@ -296,18 +295,9 @@ def _alone(run, inputs, repeats):
     base, start = rss_bytes("VmRSS"), time.perf_counter()
     _, first = peak_extra_mb(lambda: _block(run(*inputs)), base)  # the warm-up: tracing and compilation
     first_s = time.perf_counter() - start
-    gc.collect()
-    times = []
-
-    def timed():
-        for _ in range(repeats):
-            gc.collect()  # untimed: the previous result is gone before the next run
-            begin = time.perf_counter()
-            _block(run(*inputs))
-            times.append(time.perf_counter() - begin)
-
-    _, peak = peak_extra_mb(timed, base)  # the timed calls' peak above the inputs' RSS
-    return {"wall": spread(times), "times_s": times, "first_s": first_s, "peak_extra_mb": peak,
+    # the timed calls' peak above the inputs' RSS (`alternate` collects garbage before each, untimed)
+    timed, peak = peak_extra_mb(lambda: alternate({"alone": lambda: run(*inputs)}, repeats, _block, 0)["alone"], base)
+    return {"wall": timed["wall"], "times_s": timed["times_s"], "first_s": first_s, "peak_extra_mb": peak,
             "first_call_peak_extra_mb": first}
 
 
