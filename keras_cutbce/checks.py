@@ -14,6 +14,7 @@ from keras_cutbce.common import ids_as_int32
 from keras_cutbce.common import is_host_array
 from keras_cutbce.common import static_dims
 from keras_cutbce.ids import refuse_multi_hot
+from keras_cutbce.ids import whole_float_ids
 
 __all__ = [
     "LossOptions",
@@ -269,24 +270,16 @@ def _host_or_tensor(ids):
 def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     """Ids checked for `hidden [..., D]`: int32 `[..., L]`, `EMPTY_ID` outside `[0, V)`, multi-hot refused.
 
+    Whole-number float ids are taken where exact (`whole_float_ids`).
+
     >>> import numpy as np
     >>> np.asarray(int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")).tolist()
     [[0], [-1], [-1]]
     """
-    ids, host = _host_or_tensor(ids)
-    if not host:
-        if not is_int(ids):
-            hint = ""
-            if isinstance(vocab_size, int) and static_dims(ids)[-1:] == (vocab_size,):
-                hint = (
-                    " Multi-hot labels [..., V] (the dense binary cross-entropy form) "
-                    "convert with `keras_cutbce.multi_hot_to_ids(labels)`."
-                )
-            raise TypeError(
-                f"`{argument}` must be an integer tensor of item ids (ids outside "
-                "[0, V) are padding); float ids are exact only below 2**24, so keep "
-                f"them integral.{hint} Received: {argument}.dtype={_dtype(ids)}"
-            )
+    host = is_host_array(ids)
+    ids = np.asarray(ids) if host else ops.convert_to_tensor(ids)
+    if not (ids.dtype.kind in "iu" if host else is_int(ids)):
+        ids = whole_float_ids(ids, vocab_size, argument)  # TypeError where floats are not exact
     h_dims, i_dims = static_dims(hidden), static_dims(ids)
     refuse_multi_hot(ids, vocab_size, argument, lead_ndim=len(h_dims) - 1)
     with_labels = _check_id_shape(i_dims, h_dims, argument, one_per_position)

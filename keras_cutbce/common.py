@@ -5,8 +5,8 @@ import numbers
 import numpy as np
 
 __all__ = [
-    "EMPTY_ID", "concrete_values", "filled_like", "ids_as_int32", "is_host_array", "on_tpu", "round_up",
-    "static_dims",
+    "EMPTY_ID", "concrete_values", "filled_like", "ids_as_int32", "is_host_array", "on_host_values",
+    "on_tpu", "round_up", "static_dims",
 ]
 
 EMPTY_ID = -1
@@ -64,6 +64,24 @@ def concrete_values(x):
         return np.asarray(keras.ops.convert_to_numpy(x))
     except Exception:  # any other traced tensor: its values are not known yet
         return None
+
+
+def on_host_values(x):
+    """`x` as NumPy when it is host data or an eager CPU tensor (read without a device sync), else None."""
+    if is_host_array(x):
+        return np.asarray(x)
+    try:  # a JAX array names its devices (a tracer raises)
+        devices = x.devices() if callable(getattr(x, "devices", None)) else None
+    except Exception:
+        return None
+    if devices is not None:
+        names = [d.platform for d in devices]
+    else:
+        device = getattr(x, "device", None)
+        names = [getattr(device, "type", None) or str(device or "")]
+    if not all("cpu" in name.lower() for name in names):
+        return None
+    return concrete_values(x)
 
 
 def ids_as_int32(ids, vocab_size):

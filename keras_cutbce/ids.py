@@ -2,6 +2,7 @@
 
 import numbers
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -9,6 +10,7 @@ from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.common import concrete_values
 from keras_cutbce.common import filled_like
 from keras_cutbce.common import is_host_array
+from keras_cutbce.common import on_host_values
 from keras_cutbce.item_table import ItemTable
 
 __all__ = ["count_out_of_range_ids", "multi_hot_to_ids", "refuse_multi_hot", "seen_items"]
@@ -100,6 +102,52 @@ def seen_items(sequences, causal=True):
     return ops.where(keep, ids, filled_like(ids, EMPTY_ID))
 
 
+# The largest V whose ids are all exact in a float dtype, capped at float32's (Keras's losses cast labels to it).
+_EXACT_FLOAT_IDS = {"float16": 2**11, "bfloat16": 2**8, "float32": 2**24, "float64": 2**24}
+_ID_LIMIT = 2**30  # float ids are clipped to [-_ID_LIMIT, _ID_LIMIT] (outside any V <= 2**24) before the cast
+
+
+def whole_float_ids(ids, vocab_size, argument):
+    """Float ids as integers, as Keras's `SparseCategoricalCrossentropy` takes them, where that is exact.
+
+    Accepted while every id below V is a float of their dtype (V <= 2**24 for
+    float32); readable values (host data, eager CPU tensors) must be whole
+    numbers, traced ones are cast (truncated) as Keras casts them. Values keep
+    their meaning: ids outside `[0, V)` stay outside.
+
+    Returns:
+        int64 NumPy ids for host data, else an int32 tensor.
+
+    Raises:
+        TypeError: V unknown or above the dtype's exact range.
+        ValueError: a readable id that is not a whole number.
+    """
+    host = is_host_array(ids)
+    dtype = str(np.asarray(ids).dtype) if host else keras.backend.standardize_dtype(ids.dtype)
+    limit = _EXACT_FLOAT_IDS.get(dtype)
+    if limit is None or not isinstance(vocab_size, numbers.Integral) or vocab_size > limit:
+        shown = "unknown" if not isinstance(vocab_size, numbers.Integral) else vocab_size
+        raise TypeError(
+            f"`{argument}` must be integer item ids (ids outside [0, V) are padding): float "
+            f"ids are taken only while every id below V is exact ({dtype}: V <= "
+            f"{limit or 'none'}; V here: {shown}), so keep them integral. "
+            f"Received: {argument}.dtype={dtype}"
+        )
+    values = on_host_values(ids)
+    if values is not None:
+        whole = np.isfinite(values) & (values == np.floor(values))
+        if not whole.all():
+            bad = np.unique(values[~whole])[:4].tolist()
+            raise ValueError(
+                f"`{argument}` must be whole-number item ids (float ids are cast to integers, "
+                f"so {bad[0]!r} would be read as another item). Received: {argument} with "
+                f"values {bad}"
+            )
+    if host:
+        return np.clip(values, -_ID_LIMIT, _ID_LIMIT).astype(np.int64)
+    return ops.cast(ops.clip(ids, -_ID_LIMIT, _ID_LIMIT), "int32")
+
+
 def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):
     """Raises on multi-hot labels `[..., V]` given as ids (V >= 2 entries, all 0 or 1; traced: the shape alone)."""
     dims = tuple(ids.shape)
@@ -148,6 +196,8 @@ def count_out_of_range_ids(ids, embeddings) -> dict[int, int]:
     else:
         vocab_size = int(ItemTable.read(embeddings).vocab_size)
     values = np.asarray(ids if is_host_array(ids) else ops.convert_to_numpy(ids))
+    if values.dtype.kind == "f":
+        values = whole_float_ids(values, vocab_size, "ids")
     if values.dtype.kind not in "iu":
         raise TypeError(f"`ids` must be integer item ids. Received: ids.dtype={values.dtype}")
     outside = values[(values < 0) | (values >= vocab_size)]

@@ -11,6 +11,7 @@ from keras_cutbce import _keras_private
 from keras_cutbce import checks
 from keras_cutbce.common import is_host_array
 from keras_cutbce.ids import refuse_multi_hot
+from keras_cutbce.ids import whole_float_ids
 from keras_cutbce.item_table import bind
 from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.item_table import table_config
@@ -102,6 +103,8 @@ class OutOfRangeTargets(keras.metrics.Metric):
         vocab_size = self.vocab_size()
         if is_host_array(y_true):
             ids = np.asarray(y_true)
+            if ids.dtype.kind == "f":
+                ids = whole_float_ids(ids, vocab_size, "y_true")
             if ids.dtype.kind not in "iu":
                 raise TypeError(
                     f"`y_true` must be integer item ids. Received: y_true.dtype={ids.dtype}"
@@ -114,6 +117,8 @@ class OutOfRangeTargets(keras.metrics.Metric):
             padding = np.zeros_like(outside) if self.padding_id is None else ids == self.padding_id
             return ops.convert_to_tensor(outside), ops.convert_to_tensor(padding)
         ids = ops.convert_to_tensor(y_true)
+        if checks.is_float(ids):
+            ids = whole_float_ids(ids, vocab_size, "y_true")
         if not checks.is_int(ids):
             raise TypeError(
                 "`y_true` must be integer item ids. "

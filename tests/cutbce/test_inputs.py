@@ -4,7 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_cutbce import CutBCELoss, TopKRetrieval, cut_binary_crossentropy, cut_top_k
+from keras_cutbce import CutBCELoss, CutSoftmaxLoss, TopKRetrieval, cut_binary_crossentropy
+from keras_cutbce import cut_categorical_crossentropy, cut_top_k
 from keras_cutbce.ops import cut_count_at_least, cut_rank
 from tests.backend_utils import dtype_name, to_numpy
 
@@ -124,3 +125,103 @@ def test_nan_table_row_leaves_no_ranking_on_every_backend(item):
     excluded = np.full((4, 1), item)
     _, top = cut_top_k(hidden, table, 3, exclude_ids=excluded, chunk_size=4)
     assert (to_numpy(top) == -1).all()
+
+
+# -- float ids, as Keras's sparse losses take them -----------------------------------
+
+
+def _id_users(items, hidden, table):
+    """Every loss, op and metric that reads ids: name -> function of the ids."""
+    from keras_cutbce import MeanReciprocalRank, OutOfRangeTargets, ThresholdConfusion
+
+    def metric(cls):
+        def update(ids):
+            m = cls(items)
+            m.update_state(ids, hidden)
+            return m.result()
+        return update
+
+    return {
+        "CutBCELoss": lambda ids: CutBCELoss(items)(ids, hidden),
+        "CutSoftmaxLoss": lambda ids: CutSoftmaxLoss(items, reduction="none")(ids, hidden),
+        "cut_categorical_crossentropy": lambda ids: cut_categorical_crossentropy(hidden, table, ids),
+        "cut_rank": lambda ids: cut_rank(hidden, table, ids[..., :1], exclude_ids=ids),
+        "cut_top_k": lambda ids: cut_top_k(hidden, table, 3, exclude_ids=ids)[1],
+        "TopKRetrieval": metric(lambda t: TopKRetrieval(t, k=(1, 3))),
+        "MeanReciprocalRank": metric(MeanReciprocalRank),
+        "ThresholdConfusion": metric(ThresholdConfusion),
+        "OutOfRangeTargets": metric(OutOfRangeTargets),
+    }
+
+
+def _numbers(value):
+    return {k: to_numpy(v) for k, v in value.items()} if isinstance(value, dict) else to_numpy(value)
+
+
+@pytest.mark.parametrize("form", ["numpy32", "numpy64", "tensor"])
+def test_whole_number_float_ids_give_the_int_ids_numbers(form):
+    """Keras's SparseCategoricalCrossentropy takes `3.0`; so does every id reader here (V <= 2**24)."""
+    hidden, values, ids = case(vocab=11)
+    ids[0, 1] = 13  # outside [0, V): padding, as an int id
+    items = keras.Variable(values)
+    floats = ids.astype("float64" if form == "numpy64" else "float32")
+    if form == "tensor":
+        floats = keras.ops.convert_to_tensor(floats)
+    for name, use in _id_users(items, hidden, values).items():
+        want, got = _numbers(use(ids)), _numbers(use(floats))
+        if isinstance(want, dict):
+            assert want.keys() == got.keys(), name
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+@pytest.mark.parametrize("form", ["numpy", "tensor"])
+def test_fractional_float_ids_are_refused_where_their_values_are_read(form):
+    hidden, values, ids = case(vocab=11)
+    items = keras.Variable(values)
+    fractional = ids.astype("float32")
+    fractional[1, 0] = 2.5
+    if form == "tensor":
+        fractional = keras.ops.convert_to_tensor(fractional)
+    for name, use in _id_users(items, hidden, values).items():
+        with pytest.raises(ValueError, match=r"must be whole-number item ids.*values \[2\.5\]"):
+            use(fractional)
+            pytest.fail(f"{name} took a fractional id")
+
+
+def test_float_ids_beyond_their_exact_range_keep_the_type_error():
+    from keras_cutbce import checks, count_out_of_range_ids
+
+    hidden = np.zeros((2, 4), "float32")
+    with pytest.raises(TypeError, match=r"float32: V <= 16777216; V here: 16777217.*dtype=float32"):
+        checks.int32_ids(np.array([1.0, 2.0], "float32"), hidden, 2**24 + 1, "target_ids")
+    with pytest.raises(TypeError, match=r"float64: V <= 16777216; V here: 16777217"):
+        count_out_of_range_ids(np.array([1.0]), 2**24 + 1)
+    table = np.zeros((2049, 4), "float32")  # float16 holds every id only up to 2048
+    with pytest.raises(TypeError, match=r"`target_ids` must be integer.*float16: V <= 2048"):
+        cut_binary_crossentropy(hidden, table, np.array([[1.0], [2.0]], "float16"))
+    with pytest.raises(TypeError, match=r"V here: unknown"):
+        checks.int32_ids(np.array([1.0]), np.zeros((1, 4), "float32"), None, "target_ids")
+
+
+@pytest.mark.slow
+def test_fit_with_float_targets_trains_as_with_int_targets():
+    """In `fit` (traced on JAX and TensorFlow, eager on torch) float targets give the int targets' steps."""
+    from tests.cutbce.test_training_loops import data, tied_model
+
+    x, y = data()
+    runs = []
+    for targets in (y, y.astype("float32")):
+        model, items = tied_model()
+        model.compile(optimizer="adam", loss=CutSoftmaxLoss(items, chunk_size=8),
+                      metrics=[TopKRetrieval(items, k=3)])
+        history = model.fit(x, targets, batch_size=3, epochs=2, shuffle=False, verbose=0)
+        runs.append((history.history, [to_numpy(w) for w in model.weights]))
+    (h_int, w_int), (h_float, w_float) = runs
+    assert h_int.keys() == h_float.keys()
+    for key in h_int:
+        np.testing.assert_allclose(h_float[key], h_int[key], rtol=1e-6, err_msg=key)
+    for a, b in zip(w_float, w_int):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -89,8 +89,8 @@ def test_table_sources_and_config():
         OutOfRangeTargets(0)
     with pytest.raises(TypeError, match=r"`padding_id` must be an int or None\. Received: padding_id=1\.5"):
         OutOfRangeTargets(VOCAB, padding_id=1.5)
-    with pytest.raises(TypeError, match=r"`y_true` must be integer item ids\. Received: y_true\.dtype=float"):
-        OutOfRangeTargets(VOCAB).update_state(np.array([[1.0]]))
+    with pytest.raises(ValueError, match=r"`y_true` must be whole-number item ids"):
+        OutOfRangeTargets(VOCAB).update_state(np.array([[1.5]]))
 
 
 @pytest.mark.slow
