@@ -14,9 +14,17 @@
    metric prefixes its dict keys with the name Keras logs it under.
 8. JAX trainer's optimizer state (call stack): `SampledSoftmaxLoss` draws
    each step's negatives from the step's traced `iterations`.
+9. A step that refuses its targets (call stack, `Variable._direct_assign`):
+   JAX's `fit`/`evaluate`/`predict` purge the variables' values before the
+   first step and reattach them after the epoch, so a step that raises left
+   them purged (the next use: "'NoneType' object is not callable"); the values
+   the running loop holds are reattached. TensorFlow keeps the failed
+   `tf.function` (the next `fit` traces it again: "Creating variables on a
+   non-first call"); the model's step functions are dropped (public attributes).
 Nothing else in `keras_cutbce` imports `keras.src` or inspects the call stack.
 """
 
+import contextlib
 import inspect
 
 import keras
@@ -128,3 +136,58 @@ def compiled_metric_name(metric):
             output = getattr(local.get("mls"), "output_name", None)
             return (name, output) if isinstance(name, str) else None
     return None
+
+
+# The state tuple each JAX loop passes its step (keras/src/backend/jax/trainer.py).
+_JAX_LOOP_STATE = {
+    "fit": ("trainable", "non_trainable", "optimizer", "metrics"),
+    "evaluate": ("trainable", "non_trainable", "metrics"),
+    "predict": ("trainable", "non_trainable"),
+}
+
+
+def _step_model():
+    for frame in _frames_named(*_JAX_STEPS):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model):
+            return owner
+    return None
+
+
+def _reattach_jax_state(model):
+    for frame, owner in _models_on_stack():
+        parts = _JAX_LOOP_STATE.get(frame.f_code.co_name)
+        state = frame.f_locals.get("state")
+        if owner is not model or parts is None or not isinstance(state, (tuple, list)):
+            continue
+        groups = {
+            "trainable": model.trainable_variables,
+            "non_trainable": model.non_trainable_variables,
+            "optimizer": getattr(model.optimizer, "variables", []),
+            "metrics": model.metrics_variables,
+        }
+        if len(state) != len(parts):
+            return
+        for part, values in zip(parts, state):
+            for variable, value in zip(groups[part], values):
+                if variable._value is None:
+                    variable._direct_assign(value)
+        return
+
+
+@contextlib.contextmanager
+def usable_after_refusal():
+    """Re-raises a `ValueError`/`TypeError` of a train, test or predict step after leaving the model usable (9.)."""
+    try:
+        yield
+    except (ValueError, TypeError):
+        model = _step_model()
+        backend = keras.backend.backend()
+        if model is not None and backend == "jax":
+            _reattach_jax_state(model)
+        elif model is not None and backend == "tensorflow":
+            import tensorflow as tf
+
+            if not tf.executing_eagerly():
+                model.train_function = model.test_function = model.predict_function = None
+        raise

@@ -125,12 +125,17 @@ def whole_float_ids(ids, vocab_size, argument):
     host = is_host_array(ids)
     dtype = str(np.asarray(ids).dtype) if host else keras.backend.standardize_dtype(ids.dtype)
     limit = _EXACT_FLOAT_IDS.get(dtype)
-    if limit is None or not isinstance(vocab_size, numbers.Integral) or vocab_size > limit:
+    if limit is None:
+        raise TypeError(
+            f"`{argument}` must be integer item ids (ids outside [0, V) are padding). "
+            f"Received: {argument}.dtype={dtype}"
+        )
+    if not isinstance(vocab_size, numbers.Integral) or vocab_size > limit:
         shown = "unknown" if not isinstance(vocab_size, numbers.Integral) else vocab_size
         raise TypeError(
             f"`{argument}` must be integer item ids (ids outside [0, V) are padding): float "
             f"ids are taken only while every id below V is exact ({dtype}: V <= "
-            f"{limit or 'none'}; V here: {shown}), so keep them integral. "
+            f"{limit}; V here: {shown}), so keep them integral. "
             f"Received: {argument}.dtype={dtype}"
         )
     values = on_host_values(ids)

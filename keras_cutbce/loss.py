@@ -68,7 +68,7 @@ class CutLoss(keras.losses.Loss):
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         mask = _keras_private.get_keras_mask(y_pred)
-        with keras.name_scope(self.name):
+        with keras.name_scope(self.name), _keras_private.usable_after_refusal():
             y_pred = ops.convert_to_tensor(y_pred)
             y_true = self._integral_ids(y_true)
             y_pred, table, bias = self._tables(y_pred)

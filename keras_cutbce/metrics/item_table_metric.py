@@ -111,6 +111,7 @@ class ItemTableMetric(keras.metrics.Metric):
         bias = None if bias is None else self._read(bias, "bias")
         return table, bias
 
+    @_keras_private.usable_after_refusal()
     def prepare(self, y_true, y_pred, vocab_size, never=()):
         """`(y_pred, safe [M, L] int32, keep [M, L] bool, mask)`: the valid distinct targets not in `never`."""
         mask = _keras_private.get_keras_mask(y_pred)

@@ -99,6 +99,7 @@ class OutOfRangeTargets(keras.metrics.Metric):
             )
         return size
 
+    @_keras_private.usable_after_refusal()
     def _flags(self, y_true, lead_ndim):
         vocab_size = self.vocab_size()
         if is_host_array(y_true):

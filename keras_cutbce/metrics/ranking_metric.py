@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 from keras import ops
 
+from keras_cutbce import _keras_private
 from keras_cutbce import checks
 from keras_cutbce.metrics.item_table_metric import ItemTableMetric
 
@@ -58,6 +59,7 @@ class RankingMetric(ItemTableMetric):
             shape=(), initializer="zeros", dtype=self.dtype, name="total_weight"
         )
 
+    @_keras_private.usable_after_refusal()
     def ranking_inputs(self, y_true, y_pred, sample_weight=None, exclude_ids=None):
         """One update's checked `RankingInputs` (targets, counted, num_targets, exclusions, weights)."""
         table, bias = self.read_tables()

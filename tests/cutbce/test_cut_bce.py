@@ -320,7 +320,8 @@ def test_table_as_variable_and_layer():
     [
         (dict(hidden=np.zeros((8,), "float32")), ValueError, ["hidden", "rank"]),
         (dict(hidden=np.zeros((2, 5), "float32")), ValueError, ["hidden", "D", "(2, 5)"]),
-        (dict(ids=np.zeros((2, 1), "float32")), TypeError, ["target_ids", "integer", "float32"]),
+        (dict(ids=np.zeros((2, 1), "bool")), TypeError, ["target_ids", "integer", "bool"]),
+        (dict(ids=np.full((2, 1), 0.5, "float32")), ValueError, ["target_ids", "whole-number", "0.5"]),
         (dict(ids=np.zeros((3, 1), "int32")), ValueError, ["target_ids", "(3, 1)"]),
         (dict(bias=np.zeros((9,), "float32")), ValueError, ["bias", "[10]", "(9,)"]),
         (dict(implementation="fast"), ValueError, ["implementation", "'fast'"]),

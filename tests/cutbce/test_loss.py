@@ -90,10 +90,12 @@ def test_ids_stay_integers_beyond_float32_precision(softmax):
     assert abs(value - exact) < 0.01 * abs(exact - rounded), (value, exact, rounded)
 
 
-def test_float_ids_are_rejected():
+def test_fractional_and_non_numeric_ids_are_rejected():
     hidden, table, ids = case()
-    with pytest.raises(TypeError, match="target_ids"):
-        CutBCELoss(keras.Variable(table))(ids.astype("float32"), hidden)
+    with pytest.raises(ValueError, match="`target_ids` must be whole-number"):
+        CutBCELoss(keras.Variable(table))(ids.astype("float32") + 0.25, hidden)
+    with pytest.raises(TypeError, match="`target_ids` must be integer"):
+        CutBCELoss(keras.Variable(table))(ids >= 0, hidden)
 
 
 @pytest.mark.parametrize(

@@ -325,8 +325,10 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="`threshold`"):
         ThresholdConfusion(table, threshold=1.0)
     metric = TopKRetrieval(table, k=2)
-    with pytest.raises(TypeError, match="y_true"):
-        metric.update_state(np.zeros((3, 1), "float32"), np.zeros((3, 2), "float32"))
+    with pytest.raises(TypeError, match="`y_true` must be integer item ids"):
+        metric.update_state(np.zeros((3, 1), "bool"), np.zeros((3, 2), "float32"))
+    with pytest.raises(ValueError, match="`y_true` must be whole-number item ids"):
+        metric.update_state(np.full((3, 1), 0.5, "float32"), np.zeros((3, 2), "float32"))
 
 
 @pytest.mark.slow

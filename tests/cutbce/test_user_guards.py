@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_cutbce import CutBCELoss, MeanReciprocalRank, OutOfRangeTargets, ThresholdConfusion
+from keras_cutbce import CutBCELoss, CutSoftmaxLoss, MeanReciprocalRank, OutOfRangeTargets, ThresholdConfusion
 from keras_cutbce import TopKRetrieval, count_out_of_range_ids, cut_binary_crossentropy, cut_top_k
 from keras_cutbce import multi_hot_to_ids, seen_items
 from keras_cutbce.math import reference
@@ -284,6 +284,50 @@ def test_multi_hot_labels_stop_fit_on_every_backend():
         np.testing.assert_array_equal(a, b)
     history = model.fit(x, multi_hot_to_ids(multi_hot(y)), epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def _fit_losses(model, x, y, epochs=1):
+    history = model.fit(x, y, batch_size=3, epochs=epochs, shuffle=False, verbose=0)
+    return history.history["loss"]
+
+
+def _adam_model(loss_class):
+    model, items = model_and_items()
+    model.compile(optimizer="adam", loss=loss_class(items, chunk_size=8),
+                  metrics=[TopKRetrieval(items, k=3)])
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_class", [CutBCELoss, CutSoftmaxLoss])
+def test_a_refused_first_fit_leaves_the_model_usable(loss_class):
+    """TensorFlow traced the refused step into `fit`'s cached function; the next `fit` failed ("Creating variables")."""
+    x, y = data()
+    model = _adam_model(loss_class)
+    before = weights_of(model)
+    with pytest.raises(ValueError, match=r"`(target_ids|y_true)` looks like multi-hot labels"):
+        model.fit(x, multi_hot(y), epochs=1, verbose=0)
+    for a, b in zip(before, weights_of(model)):
+        np.testing.assert_array_equal(a, b)
+    losses = _fit_losses(model, x, y)
+    np.testing.assert_allclose(losses, _fit_losses(_adam_model(loss_class), x, y), rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_class", [CutBCELoss, CutSoftmaxLoss])
+def test_a_refused_fit_after_training_leaves_the_model_usable(loss_class):
+    """JAX purged the model's variables for the refused step ("'NoneType' object is not callable" next)."""
+    x, y = data()
+    model = _adam_model(loss_class)
+    first = _fit_losses(model, x, y)
+    trained = weights_of(model)
+    with pytest.raises(TypeError, match=r"`target_ids` must be (an )?integer.*dtype=bool"):
+        model.fit(x, multi_hot(y) > 0, epochs=1, verbose=0)  # refused inside the step
+    for a, b in zip(trained, weights_of(model)):
+        np.testing.assert_array_equal(a, b)
+    losses = first + _fit_losses(model, x, y)
+    np.testing.assert_allclose(losses, _fit_losses(_adam_model(loss_class), x, y, epochs=2), rtol=1e-5)
+    model.evaluate(x, y, verbose=0)
 
 
 def test_v_item_ids_a_position_pass_where_their_values_are_read():
