@@ -41,6 +41,33 @@ def select_backend(argv):
     known, _ = parser.parse_known_args(argv)
     if known.backend:
         os.environ["KERAS_BACKEND"] = known.backend
+    quiet_start(os.environ.get("KERAS_BACKEND"))
+
+
+def quiet_start(backend):
+    """Environment defaults, set before Keras is imported, that keep a run's stderr to its own backend's lines.
+
+    - With `libtpu` installed (the project's environment has it for the TPU
+      compile tests) but no TPU or GPU attached, JAX would load libtpu and probe
+      for a TPU in every process (its log lines, its lock file): JAX runs on the
+      CPU (`JAX_PLATFORMS=cpu`).
+    - On JAX and torch, `keras.utils.set_random_seed` imports TensorFlow when it
+      is installed (to seed it; it runs no math there), which prints its oneDNN
+      and CPU-feature lines: they are turned off for that import.
+
+    A variable already set is kept.
+    """
+    import glob
+    import importlib.util
+
+    accelerators = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+    if importlib.util.find_spec("libtpu") is not None and not any(
+        glob.glob(pattern) for pattern in accelerators
+    ):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if backend != "tensorflow":
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
 def output_path(text):

@@ -11,21 +11,16 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
-def _pin_cpu_when_libtpu_has_no_tpu():
-    """With libtpu installed (the TPU compile tests) but no TPU or GPU here, JAX
-    would probe for a TPU (and take libtpu's lock) in every process: run the
-    ordinary suite on the CPU. The compile tests' child process unsets this."""
-    import glob
-    import importlib.util
+def _quiet_start():
+    """The examples' quiet start (`examples.quiet_start`): with libtpu but no TPU or GPU here, JAX runs on the
+    CPU instead of probing for a TPU (and taking libtpu's lock) in every process; the TPU compile tests' child
+    process unsets it."""
+    from examples import quiet_start
 
-    if importlib.util.find_spec("libtpu") is None:
-        return
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"):
-        return
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    quiet_start(os.environ["KERAS_BACKEND"])
 
 
-_pin_cpu_when_libtpu_has_no_tpu()
+_quiet_start()
 
 import numpy as np
 import pytest
