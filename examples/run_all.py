@@ -7,6 +7,10 @@
 2. the same SASRec with dense full-logits BCE (`--loss dense`), same seed;
 3. the same SASRec with BCE on one sampled negative per target
    (`--loss sampled`, the original SASRec recipe), same seed;
+   then the softmax users train as often: full-catalogue softmax
+   cross-entropy through the dense logits (`--loss softmax`) and without
+   them (`--loss cutsoftmax`, `CutSoftmaxLoss`), same seed (the same
+   numbers, less memory);
 4. the CTR model in every ERASE mode available here (`--compare`), with
    `erase-auto` (`EraseModel(dispatch="auto")`) on every backend: every mode
    in one process, timed alternating (`examples.ctr.compare`), and the
@@ -38,7 +42,8 @@ import time
 from examples import DEFAULT_OUTPUT_DIR, positive_int
 from examples.sasrec.tables import run_name, sasrec_table
 
-SASREC_RUNS = (("cutbce", []), ("dense", []), ("sampled", ["--num-negatives", "1"]))
+SASREC_RUNS = (("cutbce", []), ("dense", []), ("sampled", ["--num-negatives", "1"]),
+               ("softmax", []), ("cutsoftmax", []))
 
 
 def _run(module, args, env):

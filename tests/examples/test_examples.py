@@ -839,6 +839,8 @@ def test_run_all_docstring_and_output_folder():
     default = run_all.build_parser().get_default("out")
     assert default == DEFAULT_OUTPUT_DIR == os.path.join(ROOT, "runs")
     assert ("sampled", ["--num-negatives", "1"]) in run_all.SASREC_RUNS
+    runs = [loss for loss, _ in run_all.SASREC_RUNS]
+    assert runs.index("cutsoftmax") == runs.index("softmax") + 1  # beside dense softmax
 
 
 @needs_metrics
@@ -861,8 +863,12 @@ def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
     result = run_all.main(["--out", str(out), "--verbose", "0",
                            "--sasrec-args", sasrec_args, "--ctr-args", ctr_args])
     printed = capsys.readouterr().out
-    assert list(result["sasrec"]) == ["cutbce", "dense", "sampled (1 neg.)"]
+    assert list(result["sasrec"]) == ["cutbce", "dense", "sampled (1 neg.)", "softmax", "cutsoftmax"]
+    for cut, dense in (("cutbce", "dense"), ("cutsoftmax", "softmax")):  # the same training, without logits
+        for key in ("hit@8", "ndcg@10", "recall@10"):
+            assert result["sasrec"][cut][key] == pytest.approx(result["sasrec"][dense][key], abs=1e-6), key
     assert "| sampled (1 neg.) |" in printed and "| most popular |" in printed
+    assert "| cutsoftmax |" in printed
     assert "| erase-auto (standard) |" in printed or _cuda_available()
     assert f"results go to {out}" in printed
     for path in result["written"]:
