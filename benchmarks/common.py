@@ -1,30 +1,13 @@
 """The benchmarks' harness: every script times, summarises and writes its table through these.
 
-- Timing: `alternate(cells, repeats)` calls each cell once per round (round 0 a warm-up), so load on a shared
-  machine hits every cell alike; `spread` is a measurement's median, min and max (`fmt_spread`: `median
-  (min-max)`); `paired_ratios` takes a ratio per repeat (two cells of the same round) and summarises those,
-  never a ratio of medians.
-- Throughput (`qps`, the ERASE paper's convention, `keras_erase.throughput`): p50 and p90 of per-step
-  examples/s after warm-up; p90 is the *fast* end. Step-time percentiles (`step_ms_p50/p90`, p90 the slow end)
-  go beside them. `QPS_NOTE` says this in one line for tables.
-- Memory: `peak_extra_mb(call)` is the process's peak RSS during `call()` above its RSS before (Linux
-  `/proc/self/clear_refs` resets the peak).
-- Processes: `run_cell(argv)` runs this checkout's script in a fresh process and reads the `ROW <json>` line
-  its `emit_row` printed; `run_capped` runs a command under an address-space cap and names an out-of-memory
-  end as such.
-- Devices: `cuda_sync`, `release_memory` (between cells), `Budget` (what still fits in a run's seconds).
-- Threads: `set_threads` in the process, `thread_env` for a child's XLA.
-- Writing: `write_results(prefix, title, what, command, info, table, payload)` writes `prefix.md` (title, what
-  each figure is, the command that reproduces it, the machine line: platform, CPUs, threads, load average,
-  commit) and `prefix.json`. Results describe today's code; history lives in git and the CHANGELOG, never in a
-  result's name.
-
-Example:
-
-```python
-print(markdown_table([{"mode": "standard", "p50": 5.1e4, "p90": 5.3e4}], ["mode", "p50", "p90"]))
-print(fmt_spread(spread([0.3, 0.1, 0.2])))
-```
+Timing: `alternate` calls each cell once per round (round 0 a warm-up), so load hits every cell alike;
+`spread` is `{median, min, max, n}`; `paired_ratios` / `paired` take a ratio per repeat, never a ratio of
+medians; `qps` is p50 / p90 examples/s (the ERASE paper's; p90 the fast end) beside step-time percentiles;
+`step_clock` times a Keras `fit`'s steps. Memory: `peak_extra_mb`. Processes: `run_cell` / `emit_row` (a
+fresh process's `ROW <json>` line), `run_capped` (an address-space cap, out of memory named as such).
+Devices: `cuda_sync`, `release_memory`, `Budget` (seconds left, named sections within them). Writing:
+`write_results` (`prefix.md`: title, what each figure is, the command, the machine line; `prefix.json`).
+Results describe today's code: history lives in git and the CHANGELOG, never in a result's name.
 """
 
 import gc
@@ -64,11 +47,8 @@ def fmt_spread(stats, scale=1.0, digits=3):
 
 
 def paired_ratios(rows, key, over, value, pair_by="rep"):
-    """`spread` of `row[value] / other[value]` per repeat, `other` the row of the same `pair_by` with `over`.
-
-    `over` is `(field, name)`, e.g. `("mode", "standard")`; rows without a
-    partner are left out; `None` when none has one.
-    """
+    """`spread` of `row[value] / other[value]` per repeat, `other` the row of the same `pair_by` with `over`
+    (`(field, name)`, e.g. `("mode", "standard")`); rows without a partner are left out (None: none has one)."""
     field, name = over
     base = {r[pair_by]: r for r in rows if r.get(field) == name}
     ratios = [r[value] / base[r[pair_by]][value] for r in rows
@@ -105,14 +85,10 @@ def peak_extra_mb(call, base=None):
 
 
 def alternate(cells, repeats, block=lambda result: result, warmups=1, clock=None):
-    """Times `cells` (name -> zero-argument callable) alternating: one call of each per round.
-
-    The first `warmups` rounds warm up (compilation; round 0's seconds are kept
-    as `first_s`). Returns name -> `{"wall": spread, "cpu": spread, "times_s",
-    "cpu_s", "first_s"}` (CPU: the process's, all threads); `block(result)`
-    waits for an asynchronous result; `clock()` starts a timer and returns its
-    stop (default: wall seconds; `cuda_clock`: CUDA events).
-    """
+    """Times `cells` (name -> zero-argument callable) alternating, one call of each per round, the first
+    `warmups` rounds untimed (round 0's seconds: `first_s`): name -> `{"wall": spread, "cpu": spread (the
+    process's, all threads), "times_s", "cpu_s", "first_s"}`. `block(result)` waits for an asynchronous
+    result; `clock()` starts a timer and returns its stop (default: wall seconds; `cuda_clock`)."""
     out = {name: {"times_s": [], "cpu_s": []} for name in cells}
     for round_ in range(repeats + warmups):
         for name, call in cells.items():
@@ -168,10 +144,14 @@ def release_memory(cuda):
 
 
 class Budget:
-    """Wall-clock budget of a run (`None`: unlimited): whether work expected to take `seconds` still fits."""
+    """Wall-clock budget of a run (`None`: unlimited): whether work expected to take `seconds` still fits, and
+    named sections within it: `report["sections"][name]` holds each one's rows; one whose estimate does not
+    fit what is left is listed in `report["skipped"]`, one that raises in `report["errors"]`."""
 
-    def __init__(self, seconds):
+    def __init__(self, seconds, release=lambda: None):
         self.start, self.seconds = time.monotonic(), seconds
+        self.report = {"sections": {}, "skipped": [], "errors": []}
+        self.release = release  # between sections (`release_memory`)
 
     def elapsed(self):
         return time.monotonic() - self.start
@@ -181,6 +161,34 @@ class Budget:
 
     def fits(self, seconds):
         return seconds <= self.left()
+
+    def section(self, name, estimate_s, fn):
+        """Runs `fn()` if `estimate_s` fits (None: always); returns its rows (None when skipped or failed)."""
+        if estimate_s is not None and not self.fits(estimate_s):
+            self.report["skipped"].append(f"{name}: needs ~{estimate_s:.0f} s, {max(self.left(), 0):.0f} s left")
+            return None
+        start = time.perf_counter()
+        try:
+            self.report["sections"][name] = fn()
+        except Exception as error:  # noqa: BLE001 - listed; the next section runs
+            self.report["errors"].append(f"{name}: {type(error).__name__}: {str(error)[:300]}")
+        print(f"{name} took {time.perf_counter() - start:.1f} s", flush=True)
+        self.release()
+        return self.report["sections"].get(name)
+
+
+def step_clock():
+    """A Keras callback recording `(CPU s, wall s)` at each training step's begin (`.starts`) and end (`.ends`:
+    its logs are read as numbers, so the step has finished) and at the epoch's begin and end (`.epoch`)."""
+    import keras
+
+    def mark(marks):
+        return lambda *_, **__: marks.append((time.process_time(), time.perf_counter()))
+
+    starts, ends, epoch = [], [], []
+    return keras.callbacks.LambdaCallback(
+        on_epoch_begin=mark(epoch), on_epoch_end=mark(epoch), on_train_batch_begin=mark(starts),
+        on_train_batch_end=mark(ends), starts=starts, ends=ends, epoch=epoch)
 
 
 def paired(timed, name, base):
@@ -272,11 +280,8 @@ MEMORY_WORDS = ("out of memory", "memory allocating", "resource_exhausted", "can
 
 
 def run_capped(command, cap_gib, timeout, env=None):
-    """Runs `command` from the repository under an address-space cap: `{"status", "wall_seconds"[, "error"]}`.
-
-    `status` is "ok", "out of memory (cap N GiB)" (a memory error line, or
-    killed), "timed out" or "failed (exit N)", with the line that says why.
-    """
+    """Runs `command` from the repository under an address-space cap: `{"status", "wall_seconds"[, "error"]}`,
+    `status` "ok", "out of memory (cap N GiB)" (a memory error line, or killed), "timed out" or "failed (exit N)"."""
     cap = int(cap_gib * 2**30)
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -309,10 +314,8 @@ def command_line():
 
 
 def write_results(prefix, title, what, command, info, table, payload):
-    """Writes `prefix.md` (title, what each figure is, the command, the machine line, the table) and `prefix.json`.
-
-    `command`: the command that reproduces the table (`None`: this process's, `command_line()`).
-    """
+    """Writes `prefix.md` (title, what each figure is, the `command` that reproduces it (None: this process's),
+    the machine line, the table) and `prefix.json`."""
     command = command or command_line()
     write_text(prefix + ".md", f"# {title}\n\n{what}\n\nCommand: `{command}`\n\n{machine_line(info)}\n\n{table}\n")
     write_json(prefix + ".json", {"title": title, "command": command, "machine": info, **payload})

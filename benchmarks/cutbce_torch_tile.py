@@ -1,28 +1,10 @@
 """The vocabulary tile of CutBCE on torch CPU: time and memory of one training step per tile.
 
-For every shape (M rows, V items; D and L fixed), one process times the loss path `CutBCELoss` runs
-(`weighted_loss_sum`, forward + the gradients of h, E and b) at every tile width of the sweep, alternating
-(`benchmarks.common. alternate`: every tile once per round, after a warm-up round); the table gives medians
-over the rounds with their range. Figures per tile:
+Per shape, the loss path `CutBCELoss` runs (`weighted_loss_sum`, forward + gradients) at every `--tiles`
+width and at `default` (the tile `keras_cutbce.math.tiling` picks), alternating: wall and CPU seconds,
+and one step's peak RSS in a fresh process per tile; ratios are over `default`'s (docs/benchmarks.md).
 
-- wall s: seconds of one step (what a user waits for);
-- CPU s: the process's CPU seconds in that step, all threads together (the steadier figure on a shared
-  machine, and the unit of the tile rule's target);
-- peak MB: one step's peak RSS above the RSS once the inputs exist, in a fresh process per tile: the gradients
-  (the `[V, D]` table's among them) and the tile's buffers. (In the timing process freed buffers are reused by
-  the next tile, so its peaks would not tell the tiles apart.)
-
-The tiles swept are powers of two from 1024 to 65536 (`--tiles`; none whose four float32 `[M, tile]` buffers
-would pass 2 GiB) plus `default`, the tile `keras_cutbce.math.tiling` picks on torch CPU; ratios are over the
-default's.
-
-Usage:
-    python benchmarks/cutbce_torch_tile.py --vocab 100000  # 3 M x 8 tiles (about 40 min, 2 cores)
-    python benchmarks/cutbce_torch_tile.py --quick --out /tmp/tile   # a small grid, to check it runs
-    python benchmarks/cutbce_torch_tile.py --rows 160,1280 --vocab 1000000 --tiles 32768
-        --repeats 2 --out benchmarks/results/cutbce_torch_tile_1m  # 10^6 items (about 15 min)
-
-Writes `benchmarks/results/cutbce_torch_tile.{md,json}` (or `--out PREFIX`).
+    python benchmarks/cutbce_torch_tile.py --vocab 100000      # results/cutbce_torch_tile.{md,json}
 """
 
 import argparse
@@ -32,8 +14,13 @@ import sys
 os.environ.setdefault("KERAS_BACKEND", "torch")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
 from benchmarks.common import RESULTS, alternate, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
 from benchmarks.common import peak_extra_mb, run_cell, write_results  # noqa: E402
+from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes  # noqa: E402
+from keras_cutbce.ops import weighted_loss_sum  # noqa: E402
 
 ROWS = (160, 1280, 5120)  # batch 8, 64, 256 x 20 positions
 VOCABS = (100_000, 1_000_000)
@@ -43,11 +30,6 @@ MAX_BUFFER_BYTES = 2 * 2**30  # tiles whose four [M, tile] float32 buffers pass 
 
 def _step_fn(rows, dim, vocab, labels, seed=0):
     """Returns `step(tile)`: one forward + backward of `weighted_loss_sum` at that tile."""
-    import numpy as np
-    import torch
-
-    from keras_cutbce.ops import weighted_loss_sum
-
     rng = np.random.default_rng(seed)
     hidden = torch.tensor((rng.normal(size=(rows, dim)) / np.sqrt(dim)).astype("float32"))
     table = torch.tensor(rng.normal(size=(vocab, dim)).astype("float32") * 0.1)
@@ -66,8 +48,6 @@ def _step_fn(rows, dim, vocab, labels, seed=0):
 
 def measure(rows, vocab, dim, labels, tiles, repeats):
     """Returns one row per tile: wall s, CPU s (spreads) and peak MB."""
-    from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes
-
     step = _step_fn(rows, dim, vocab, labels)
     default = default_chunk_size(rows, vocab, tile_budget_bytes("torch", "cpu", table_bytes=4 * vocab * dim),
                                  max_tile("torch", "cpu"))
@@ -102,8 +82,6 @@ def main():
         return emit_row({"peak_mb": peak_extra_mb(lambda: step(tile))[1]})
     if args.quick:
         args.rows, args.vocab, args.tiles, args.repeats = "160", "20000", "1024,8192", 1
-    import torch
-
     info = machine_info(threads=f"torch default ({torch.get_num_threads()})")
     rows = []
     for num_rows in map(int, args.rows.split(",")):

@@ -1,26 +1,13 @@
-"""CutBCE on CUDA: the fused Triton kernels, compiled without a GPU, and measured on one.
+"""CutBCE on CUDA: the fused Triton kernels compiled without a GPU, and measured on one (docs/cutbce.md).
 
-Deviceless (any host with Triton, `pip install ".[triton-compile]"`; no GPU, no CUDA driver):
+`--deviceless` (Triton only, no GPU or driver) compiles both kernels of both families with the static
+table's configuration for `config.COMPILED_ARCHS`, D in `DIMS` and every `OPERANDS` type: registers, spills,
+shared memory, SASS instructions per logit and the lower bounds of one training step (`_bounds`);
+`--against JSON` puts another compiler's table beside it. `--gpu --budget S`: `cutbce_triton_gpu.py`'s
+sections (the GPU check; `--cpu-dry-run`: tiny CPU shapes in the Triton interpreter, checking the code).
 
-    python benchmarks/cutbce_triton.py --deviceless
-
-compiles both kernels (their heaviest variants) of both loss families (BCE, softmax) with the static table's
-configuration for the compute capabilities the kernels run on (`config.COMPILED_ARCHS`: sm_80, sm_86, sm_89, sm_90, sm_100; 16-bit
-operands only on `config.HALF_ONLY_ARCHS`) at D in {32, 64, 128, 256}, float32 (at torch's default precision, full fp32, and at TF32), bfloat16 and float16,
-and prints registers, spill bytes, shared memory, the SASS instructions of the tile loop per logit (warp
-instructions of one iteration / logits of the tile; the positives' inner loop counted once) and three lower
-bounds of one training step (loss + all gradients: both kernels) at the CutBCE paper's scale (16384 rows, V =
-876000): instruction issue (4 warp instructions per clock per SM), matmul (the tensor cores' dense peak, or
-the FMA units' for full fp32) and HBM (each kernel re-reads the other operand once per block, an upper bound
-on traffic as L2 catches part of it). Writes `benchmarks/results/cutbce_triton_deviceless.json`.
-
-On a GPU (the one GPU check, `scripts/gpu_check.sh`):
-
-    python benchmarks/cutbce_triton.py --gpu --budget 120
-
-runs the sections `benchmarks/cutbce_triton_gpu.py`'s docstring lists within the budget (seconds) and writes
-`benchmarks/results/cutbce_triton_gpu.json` and `.md`; `--gpu --cpu-dry-run` runs them on tiny CPU shapes,
-the kernels in the Triton interpreter (checks the script; the numbers mean nothing).
+    python benchmarks/cutbce_triton.py --deviceless         # results/cutbce_triton_deviceless.{md,json}
+    python benchmarks/cutbce_triton.py --gpu --budget 120   # results/cutbce_triton_gpu.{md,json}
 """
 
 import argparse
@@ -41,8 +28,12 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cutbce_triton_cache_")
 
+import torch  # noqa: E402
+import triton  # noqa: E402
+
 from benchmarks.common import command_line, markdown_table, write_json, write_text  # noqa: E402
-from tools.triton_deviceless import GPUS  # noqa: E402
+from keras_cutbce.backends.torch.triton import config  # noqa: E402
+from tools.triton_deviceless import GPUS, compile_kernel  # noqa: E402
 
 PAPER = dict(rows=16384, dim=64, vocab=876_000)
 DIMS = (32, 64, 128, 256)
@@ -54,11 +45,9 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 10
 
 
 def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, vocab):
-    """Lower bounds (ms) of one training step (both kernels) at `rows x vocab`, per limiter.
-
-    The matmul bound is at the tensor cores' dense peak (bf16, TF32), or the FMA units' for fp32
-    at `"ieee"` precision (torch's default `"highest"`).
-    """
+    """Lower bounds (ms) of one training step (both kernels) at `rows x vocab`: instruction issue, matmul (the
+    tensor cores' dense peak, or the FMA units' for fp32 at `"ieee"`) and HBM (each kernel re-reads the other
+    operand once per block: an upper bound on traffic, as L2 catches part of it)."""
     _, sms, ghz, bf16, tf32, fp32, hbm = GPUS[arch]
     logits = rows * vocab
     issue = sum(r["instructions_per_logit"] for r in (rows_report, columns_report))
@@ -80,17 +69,9 @@ def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, voca
 
 
 def deviceless(archs=None):
-    """Compiles every (family, arch, D, operands, kernel) of the static table; returns the table's rows.
-
-    `archs`: the compute capabilities (default `config.COMPILED_ARCHS`, those `auto` runs the kernels on).
-    """
-    import torch
-
-    from keras_cutbce.backends.torch.triton import config
-    from tools.triton_deviceless import compile_kernel
-
+    """Compiles every (family, arch, D, operands, kernel) of the static table for `archs` (default
+    `config.COMPILED_ARCHS`, those `auto` runs the kernels on); returns the table's rows."""
     table = []
-    # the compute capabilities the kernels run on (`auto` routes the others to the chunked loop)
     archs = archs or config.COMPILED_ARCHS
     for family, arch, dim, (dtype, precision) in itertools.product(FAMILIES, archs, DIMS, OPERANDS):
         if not config.supports(dim, getattr(torch, dtype), precision, arch):
@@ -126,10 +107,8 @@ _COMPARED = ("registers", "spill_bytes", "instructions_per_logit")
 
 
 def against(table, path):
-    """`table`'s rows with another compiler's figures of the same configuration beside them (`ref_*`).
-
-    `path`: a `--deviceless` JSON, e.g. the committed Triton 3.7.1 table.
-    """
+    """`table`'s rows with the figures of the same configuration in `path` (another compiler's `--deviceless`
+    JSON) beside them (`ref_*`)."""
     with open(path) as f:
         reference = {tuple(r[k] for k in _KEY): r for r in json.load(f)}
     rows = []
@@ -141,8 +120,6 @@ def against(table, path):
 
 
 def _against_markdown(table, path):
-    import triton
-
     columns = list(_KEY) + ["block_m", "block_n", "num_warps"] + [
         c for k in _COMPARED for c in (k, f"ref_{k}")] + ["issue_ms"]
     moved = [r for r in table if (r["block_m"], r["block_n"]) != (r["ref_block_m"], r["ref_block_n"])]
@@ -191,16 +168,12 @@ def main(argv=None):
         payload = deviceless(args.archs and tuple(int(a) for a in args.archs.split(",")))
         stem = "cutbce_triton_deviceless"
         if args.against:
-            import triton
-
             payload = against(payload, args.against)
             text = f"Command: `{command_line()}`\n\n" + _against_markdown(payload, args.against)
             stem += "_triton" + "".join(triton.__version__.split(".")[:2])
         else:
             text = f"Command: `{command_line()}`\n\n" + _deviceless_markdown(payload)
     else:
-        import torch
-
         from benchmarks.cutbce_triton_gpu import SECTIONS, measure
 
         if not (args.cpu_dry_run or torch.cuda.is_available()):

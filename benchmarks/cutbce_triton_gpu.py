@@ -1,43 +1,22 @@
-"""CutBCE's fused Triton kernels on a CUDA GPU: the GPU check's measurements (`cutbce_triton.py --gpu`).
+"""CutBCE's fused Triton kernels on a CUDA GPU: the GPU check's sections (`cutbce_triton.py --gpu`).
 
-Sections, in the order they run (each is skipped, and listed, when the budget left is below
-its estimate; one that raises is listed as an error and the next one runs):
-
-Both loss families run (`FAMILIES`): BCE (`cut_binary_crossentropy`, dense: Keras's binary
-cross-entropy on the logits) and softmax (`cut_categorical_crossentropy`, dense: Keras's
-categorical cross-entropy on `multi_hot / L`).
-
-1. `jit`: first-call latency (Triton's compile, cold cache: a fresh `TRITON_CACHE_DIR`) of
-   one training step (forward + backward) per family and variant, against the second call, and
-   whether the two give the same bits (`same_bits`: the first launch splits as later ones);
-2. `parity`: loss and every gradient of the triton, chunked and dense implementations against
-   the family's formula in float64, per family and variant (bf16 inputs; fp32 at TF32; fp32
-   at full IEEE precision), the logits spread to |z| up to 80; above its limit (the larger of
-   `PARITY_LIMITS` and twice the dense implementation's own error under the variant) is an error;
-3. `timings`: one training step at (4096, 64, 100000) and the paper's (16384, 64, 876000),
-   at L in {1, 8, 40} target ids, per family and variant: triton, the chunked loop and dense
-   (where its logits fit), alternating, median of `REPEATS`, peak memory, and the triton
-   step's two kernels' device times (one profiled step); L = 8 of both families first;
-4. `float16_zeros`: the share of the table gradient that is exactly zero with float16 inputs,
-   against float32 (the 1 / (rows V) scale underflows half precision), per family;
-5. `mixed_bfloat16`: a Keras `fit` step with `CutBCELoss` and with `CutSoftmaxLoss` under
-   `mixed_bfloat16`, triton vs chunked (median step time, the loss finite);
-6. `graph_breaks`: `torch._dynamo.explain` of the loss (triton and chunked, both families):
-   graphs and breaks;
-7. `sweep`: tile configurations at the paper's scale, per family: its static table's tiles, then
-   64x64 with 4 warps, 128x128, ... (for full fp32 the rows tile Triton 3.6 compiles without spills;
-   for softmax the table's tiles with a 1-stage columns kernel);
-8. `ncu`: Nsight Compute, where it runs, on both kernels (bf16, L = 8, the small shape):
-   warp instructions executed per logit, issue-slot activity, active warps per SM and the
-   top warp stall reasons (a child process: `python benchmarks/cutbce_triton_gpu.py --ncu-child`).
-
-`--cpu-dry-run` runs the same sections on tiny CPU shapes with the kernels in the Triton
-interpreter (fp32 at IEEE only: the interpreter's bf16 products are wrong, triton#11584;
-no TF32, no profiler kernels, no ncu): it checks the code, the numbers mean nothing.
+Both families (`FAMILIES`; dense: Keras's BCE on the logits, CCE on `multi_hot / L`), per `VARIANTS` (bf16,
+fp32 at TF32, fp32 at IEEE); sections in the order given, each skipped when its estimate does not fit the
+budget left, listed as an error when it raises (`common.Budget`): `peers` (ours beside tuned dense torch,
+CCE, Liger, `F.linear_cross_entropy`: errors against float64, CUDA event times, paired ratios to the
+fastest exact peer); `chunked_tiles` (the chunked loop's CUDA tile rule against other tiles and dense);
+`jit` (first-call compile latency, cold cache; the first call's bits against the second's); `parity`
+(against float64 at |z| up to 80, within the larger of `PARITY_LIMITS` and twice dense's own error);
+`timings` (a training step at `SMALL` and `PAPER`, L in `TARGETS`: triton, chunked, dense, peak memory, the
+kernels' device times); `float16_zeros` (the table gradient's exact zeros in float16); `mixed_bfloat16` (a
+Keras `fit` step); `graph_breaks` (`torch._dynamo.explain`); `sweep` (tiles at the paper's scale); `ncu`
+(Nsight Compute, in a `--ncu-child` process). `--cpu-dry-run`: tiny CPU shapes in the Triton interpreter
+(fp32 at IEEE only, triton#11584; no TF32, profiler or ncu): it checks the code, the numbers mean nothing.
 """
 
 import contextlib
 import functools
+import inspect
 import itertools
 import os
 import subprocess
@@ -50,8 +29,15 @@ if _REPO not in sys.path:
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import Budget, alternate, cuda_clock, cuda_sync, paired, release_memory  # noqa: E402
+from keras_cutbce import CutBCELoss, CutSoftmaxLoss, registry  # noqa: E402
+from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy  # noqa: E402
+from keras_cutbce.backends.torch.triton import config  # noqa: E402
+from keras_cutbce.math import reference  # noqa: E402
 from tools import nsight_compute  # noqa: E402
 
 # variant -> (operand dtype, torch's fp32 matmul precision)
@@ -69,15 +55,16 @@ SWEEP = (((128, 64, 8, 2), (128, 64, 8, 2)), ((64, 64, 4, 2), (64, 64, 4, 2)),
          ((128, 128, 8, 2), (128, 128, 8, 2)), ((64, 128, 4, 2), (128, 64, 4, 2)))
 # full fp32: the table's tiles, and the rows tile Triton 3.6 compiles without spilling (docs/benchmarks.md)
 SWEEP_IEEE = (SWEEP[0], ((64, 64, 8, 2), (128, 64, 8, 2)))
+FAMILY_OPS = {"bce": cut_binary_crossentropy, "softmax": cut_categorical_crossentropy}
 DRY_RUN = dict(small=(48, 16, 200), paper=(64, 16, 400), parity=(40, 16, 203),
                variants=("ieee",), targets=(1, 8), repeats=2, families=FAMILIES)
 
 
 class Run(Budget):
-    """Where the sections run (`device`), their sizes, the budget and what they found."""
+    """Where the sections run (`device`), their sizes, the budget and what they found (`report`)."""
 
     def __init__(self, budget, dry_run=False):
-        super().__init__(budget)
+        super().__init__(budget, release=lambda: release_memory(not dry_run))
         self.dry_run = dry_run
         self.device = "cpu" if dry_run else "cuda"
         sizes = DRY_RUN if dry_run else dict(small=SMALL, paper=PAPER, parity=(1000, 64, 5003),
@@ -85,36 +72,23 @@ class Run(Budget):
                                              repeats=REPEATS, families=FAMILIES)
         self.__dict__.update(sizes)
         self.ours = ("chunked",) if dry_run else ("triton", "chunked")  # the interpreter's fp16/bf16 are not a GPU's
-        self.report = {"sections": {}, "skipped": [], "errors": []}
         self.reserved = 0.0  # seconds the sections after the running one are left (`measure`)
         self.peer_errors = {}  # (family, variant) -> implementation -> its error against float64
-
-    def section(self, name, estimate_s, fn):
-        """Runs `fn()` if `estimate_s` fits in the budget; its rows go to the report."""
-        if not self.fits(estimate_s):
-            self.report["skipped"].append(f"{name}: needs ~{estimate_s:.0f} s, "
-                                          f"{max(self.left(), 0):.0f} s left")
-            return
-        start = time.perf_counter()
-        try:
-            self.report["sections"][name] = fn()
-        except Exception as error:  # noqa: BLE001 - listed; the next section runs
-            self.report["errors"].append(f"{name}: {type(error).__name__}: {str(error)[:300]}")
-        print(f"cutbce_triton_gpu: {name} took {time.perf_counter() - start:.1f} s", flush=True)
-        self.release()
 
     def sync(self):
         cuda_sync(self.device == "cuda")
 
-    def release(self):
-        release_memory(self.device == "cuda")
+    def spent(self, label, seconds):
+        """Whether `seconds` and the later sections' reserve no longer fit (then `label` is listed as skipped)."""
+        if self.left() >= seconds + self.reserved:
+            return False
+        self.report["skipped"].append(f"{label}: budget spent")
+        return True
 
 
 @contextlib.contextmanager
 def precision(variant):
     """torch's fp32 matmul precision of `variant` (what the kernels' `tl.dot` follows)."""
-    import torch
-
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(VARIANTS[variant][1])
     try:
@@ -125,8 +99,6 @@ def precision(variant):
 
 def problem(run, shape, dtype, targets=8, seed=0, logit_range=None):
     """`(hidden, table, bias, ids)` on the run's device; `logit_range` spreads |z| up to it."""
-    import torch
-
     rows, dim, vocab = shape
     gen = torch.Generator(device=run.device).manual_seed(seed)
     kw = dict(device=run.device, generator=gen)
@@ -140,17 +112,8 @@ def problem(run, shape, dtype, targets=8, seed=0, logit_range=None):
     return [x.to(dtype).requires_grad_() for x in (h, e, b)] + [ids]
 
 
-def family_op(family):
-    """The family's public op: `cut_categorical_crossentropy` (softmax) or `cut_binary_crossentropy`."""
-    from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy
-
-    return cut_categorical_crossentropy if family == "softmax" else cut_binary_crossentropy
-
-
 def step(implementation, h, e, b, ids, family="bce"):
     """One training step of `family`'s loss: the mean loss and its gradients (into `.grad`)."""
-    from keras_cutbce.math import reference
-
     for x in (h, e, b):
         x.grad = None
     if implementation == "dense":
@@ -160,15 +123,13 @@ def step(implementation, h, e, b, ids, family="bce"):
         else:
             loss = keras.losses.binary_crossentropy(y, z, from_logits=True)
     else:
-        loss = family_op(family)(h, e, ids, b, implementation=implementation)
+        loss = FAMILY_OPS[family](h, e, ids, b, implementation=implementation)
     loss.mean().backward()
     return loss.detach()
 
 
 def float64_reference(h, e, b, ids, family="bce"):
     """The contract's per-row loss and its gradients for the mean, in float64 (dense; every id valid)."""
-    import torch
-
     h64, e64, b64 = (None if x is None else x.detach().double().requires_grad_() for x in (h, e, b))
     z = h64 @ e64.T + (0.0 if b is None else b64)
     hot = torch.zeros_like(z).scatter_(1, ids, 1.0)
@@ -180,22 +141,23 @@ def float64_reference(h, e, b, ids, family="bce"):
     return loss.detach(), [None if x is None else x.grad for x in (h64, e64, b64)]
 
 
+def rel_error(got, want):
+    """max |got - want| / max |want| (`want` in float64)."""
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
 def jit_latency(run):
     """The first call's compile time, and whether the first (cold) and second steps give the same bits."""
-    import torch
-
     rows = []
-    for family in run.families:
-        for variant in run.variants:
-            with precision(variant) as dtype:
-                inputs = problem(run, run.small, dtype)
-                outputs = []  # round 0 compiles (cold cache), round 1 is the second call
-                grads = lambda loss: (run.sync(), outputs.append([loss] + [x.grad for x in inputs[:3]]))  # noqa: E731
-                timed = alternate({"triton": functools.partial(step, "triton", *inputs, family=family)}, 1, block=grads)
-                times = [1e3 * timed["triton"]["first_s"], 1e3 * timed["triton"]["times_s"][0]]
-            rows.append(dict(family=family, variant=variant, first_call_ms=times[0],
-                             second_call_ms=times[1], jit_ms=times[0] - times[1],
-                             same_bits=all(map(torch.equal, *outputs))))
+    for family, variant in itertools.product(run.families, run.variants):
+        with precision(variant) as dtype:
+            inputs = problem(run, run.small, dtype)
+            outputs = []  # round 0 compiles (cold cache), round 1 is the second call
+            grads = lambda loss: (run.sync(), outputs.append([loss] + [x.grad for x in inputs[:3]]))  # noqa: E731
+            timed = alternate({"triton": functools.partial(step, "triton", *inputs, family=family)}, 1, block=grads)
+            times = [1e3 * timed["triton"]["first_s"], 1e3 * timed["triton"]["times_s"][0]]
+        rows.append(dict(family=family, variant=variant, first_call_ms=times[0], second_call_ms=times[1],
+                         jit_ms=times[0] - times[1], same_bits=all(map(torch.equal, *outputs))))
     return rows
 
 
@@ -203,28 +165,25 @@ ERRORS = ("loss_rel", "grad_h_rel", "grad_table_rel", "grad_bias_rel")
 
 
 def parity(run):
+    """Loss and gradients of dense, chunked and triton against float64, |z| up to 80, against their limits."""
     rows = []
-    for family in run.families:
-        for variant in run.variants:
-            with precision(variant) as dtype:
-                inputs = problem(run, run.parity, dtype, logit_range=80.0)
-                h, e, b, ids = inputs
-                z_max = float((h.float() @ e.float().T + b.float()).abs().max())
-                want, grads = float64_reference(*inputs, family=family)
-                found = {}
-                for implementation in ("dense", "chunked", "triton"):
-                    got = step(implementation, *inputs, family=family).double()
-                    errors = [float((got - want).abs().max() / want.abs().max())]
-                    errors += [float((x.grad.double() - g).abs().max() / g.abs().max())
-                               for x, g in zip((h, e, b), grads)]
-                    found[implementation] = dict(zip(ERRORS, errors))
-                # each error's limit: the variant's, or twice the dense model's own under the variant
-                limits = {k: max(PARITY_LIMITS[variant], 2 * found["dense"][k]) for k in ERRORS}
-                for implementation, errors in found.items():
-                    rows.append(dict(family=family, variant=variant, implementation=implementation,
-                                     z_max=z_max, **errors,
-                                     worst_over_limit=max(errors[k] / limits[k] for k in ERRORS),
-                                     within_limit=all(errors[k] <= limits[k] for k in ERRORS)))
+    for family, variant in itertools.product(run.families, run.variants):
+        with precision(variant) as dtype:
+            inputs = problem(run, run.parity, dtype, logit_range=80.0)
+            h, e, b, ids = inputs
+            z_max = float((h.float() @ e.float().T + b.float()).abs().max())
+            want, grads = float64_reference(*inputs, family=family)
+            found = {}
+            for implementation in ("dense", "chunked", "triton"):
+                got = step(implementation, *inputs, family=family)
+                errors = [rel_error(got, want)] + [rel_error(x.grad, g) for x, g in zip((h, e, b), grads)]
+                found[implementation] = dict(zip(ERRORS, errors))
+            # each error's limit: the variant's, or twice the dense model's own under the variant
+            limits = {k: max(PARITY_LIMITS[variant], 2 * found["dense"][k]) for k in ERRORS}
+            for implementation, errors in found.items():
+                rows.append(dict(family=family, variant=variant, implementation=implementation, z_max=z_max,
+                                 **errors, worst_over_limit=max(errors[k] / limits[k] for k in ERRORS),
+                                 within_limit=all(errors[k] <= limits[k] for k in ERRORS)))
     bad = [r for r in rows if not r["within_limit"] and r["implementation"] != "dense"]
     if bad:
         run.report["errors"].append(
@@ -235,8 +194,6 @@ def parity(run):
 
 def kernel_times_ms(run, inputs, family):
     """Device time of each Triton kernel in one triton step (`None` without CUDA)."""
-    import torch
-
     if run.device != "cuda":
         return {}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -253,26 +210,35 @@ def kernel_times_ms(run, inputs, family):
     return times
 
 
+def warm_up(run, calls, catch=False):
+    """Each call once, alone (it compiles): name -> its peak MiB (`peak_mib`, None off CUDA), or with `catch`
+    the error of one that raised (`note`: out of memory, a peer refusing)."""
+    found = {}
+    for name, call in calls.items():
+        try:
+            if run.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            call()
+            run.sync()
+            found[name] = dict(peak_mib=torch.cuda.max_memory_allocated() / 2**20 if run.device == "cuda" else None)
+        except Exception as error:  # noqa: BLE001 - listed in the row
+            if not catch:
+                raise
+            found[name] = dict(note=f"{type(error).__name__}: {str(error)[:160]}")
+            run.release()
+    return found
+
+
 def timed(run, names, inputs, repeats, family="bce"):
     """Median step ms and peak MiB of each implementation, alternating (`common.alternate`)."""
-    import torch
-
-    peaks = {}
-    for name in names:  # warm-up (compiles) and peak memory
-        if run.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        step(name, *inputs, family=family)
-        run.sync()
-        peaks[name] = torch.cuda.max_memory_allocated() / 2**20 if run.device == "cuda" else None
     cells = {n: functools.partial(step, n, *inputs, family=family) for n in names}
+    peaks = warm_up(run, cells)
     times = alternate(cells, repeats, block=lambda _: run.sync(), warmups=0)
-    return {n: dict(median_ms=1e3 * t["wall"]["median"], min_ms=1e3 * t["wall"]["min"], peak_mib=peaks[n])
+    return {n: dict(median_ms=1e3 * t["wall"]["median"], min_ms=1e3 * t["wall"]["min"], **peaks[n])
             for n, t in times.items()}
 
 
 def timings(run):
-    import torch
-
     rows = []
     # L = 8 first (the small shape, then the paper's), each family in turn; then the other L
     by_l = sorted(run.targets, key=lambda t: (t != 8, t))
@@ -280,8 +246,7 @@ def timings(run):
              for family in run.families]
     for shape, targets, family in order:
         repeats = run.repeats if shape == run.small else max(2, run.repeats - 2)
-        if run.left() < 4 + run.reserved:
-            run.report["skipped"].append(f"timings {family} {shape} L={targets}: budget spent")
+        if run.spent(f"timings {family} {shape} L={targets}", 4):
             continue
         for variant in run.variants:
             with precision(variant) as dtype:
@@ -309,9 +274,6 @@ _COMPILED = {}  # family -> its torch.compile'd dense step (one per process: sha
 
 def _dense_loss(h, e, b, ids, softmax):
     """The tuned dense step: bf16/TF32 logits by `F.linear`, targets `scatter_`ed into `[M, V]` (never `[M, L, V]`)."""
-    import torch
-    import torch.nn.functional as F
-
     z = F.linear(h, e, b)
     if softmax and ids.shape[1] == 1:
         return F.cross_entropy(z, ids[:, 0])
@@ -322,26 +284,15 @@ def _dense_loss(h, e, b, ids, softmax):
 
 
 def _liger_chunk_mem_const(rows, dim, vocab, chunk_rows=2048):
-    """Liger's `chunk_mem_const` for chunks of about `chunk_rows` rows (at most 2**30 logits).
-
-    Its default sizes a chunk's logits like its input (`BT H` elements): at D = 64 a chunk is a few rows.
-    """
+    """Liger's `chunk_mem_const` for chunks of about `chunk_rows` rows, at most 2**30 logits (its default sizes
+    a chunk's logits like its input, `BT H` elements: at D = 64 a chunk is a few rows)."""
     chunk_rows = max(1, min(chunk_rows, 2**30 // vocab))
     return max(1, -(-vocab * chunk_rows // (dim * rows)))
 
 
 def side_by_side(run, family, shape, dtype, e, b, peers=True):
-    """name -> `loss(h, e, b, ids)` (the rows' mean) of each implementation, or a string saying why it does not run.
-
-    Peers (softmax, one target, no bias: CCE has none) only with `peers`; dense where `[M, V]` x 3 fits.
-    """
-    import inspect
-
-    import torch
-    import torch.nn.functional as F
-
-    from keras_cutbce import CutBCELoss, CutSoftmaxLoss
-
+    """name -> `loss(h, e, b, ids)` (the rows' mean) of each implementation, or a string saying why it does not
+    run; peers (softmax, one target, no bias: CCE has none) only with `peers`; dense where `[M, V]` x 3 fits."""
     cuda, softmax = run.device == "cuda", family == "softmax"
     rows, dim, vocab = shape
     free = torch.cuda.mem_get_info()[0] if cuda else 2**34
@@ -383,7 +334,7 @@ def side_by_side(run, family, shape, dtype, e, b, peers=True):
         else:
             impls["torch_linear_cross_entropy"] = f"not in torch {torch.__version__}"
     implementation = "auto" if cuda else "triton"
-    impls["ours_op"] = lambda h, e, b, ids: family_op(family)(h, e, ids, b, implementation=implementation).mean()
+    impls["ours_op"] = lambda h, e, b, ids: FAMILY_OPS[family](h, e, ids, b, implementation=implementation).mean()
     keras_loss = (CutSoftmaxLoss if softmax else CutBCELoss)(e, b, implementation=implementation)
     impls["ours_keras_loss"] = lambda h, e, b, ids: keras_loss(ids, h)
     return impls
@@ -420,51 +371,43 @@ def _peer_cells(run):
     return cells + ([] if run.dry_run else [(f, WIDE, first, True) for f in ("softmax", "bce")])
 
 
+def peer_errors(run, family, variant, dtype, targets, with_peers):
+    """name -> each implementation's largest error (loss, gradients) against float64 at the parity shape, or
+    the string saying why it does not run."""
+    h, e, b, ids = problem(run, run.parity, dtype, targets=targets)
+    b = None if family == "softmax" else b
+    want, grads = float64_reference(h, e, b, ids, family)
+    exact = [want.mean()] + [g for g in grads if g is not None]
+    errors = {}
+    for name, fn in side_by_side(run, family, run.parity, dtype, e, b, with_peers).items():
+        try:
+            got = [_train(fn, h, e, b, ids).detach()] + [x.grad for x in (h, e, b) if x is not None]
+            errors[name] = max(rel_error(x, w) for x, w in zip(got, exact))
+        except Exception as error:  # noqa: BLE001 - the row says so (a string: it does not run)
+            errors[name] = fn if isinstance(fn, str) else f"{type(error).__name__}: {str(error)[:120]}"
+    return errors
+
+
 def peers(run):
     """Each implementation's error against float64 (the parity shape), then step times, side by side."""
-    import torch
-
     rows = []
     cuda = run.device == "cuda"
     for family, shape, variant, with_peers in _peer_cells(run):
         targets = 1 if family == "softmax" else 8
-        label = f"{family} {variant} {shape} L={targets}"
-        if run.left() < (30 if shape[0] * shape[2] > 10**9 else 12) + run.reserved:
-            run.report["skipped"].append(f"peers {label}: budget spent")
+        if run.spent(f"peers {family} {variant} {shape} L={targets}", 30 if shape[0] * shape[2] > 10**9 else 12):
             continue
         with precision(variant) as dtype:
-            errors = {}
-            if (family, variant) not in run.peer_errors:  # once per family and variant, at the parity shape
-                h, e, b, ids = problem(run, run.parity, dtype, targets=targets)
-                b = None if family == "softmax" else b
-                want, grads = float64_reference(h, e, b, ids, family)
-                for name, fn in side_by_side(run, family, run.parity, dtype, e, b, with_peers).items():
-                    try:
-                        got = [_train(fn, h, e, b, ids).detach()] + [x.grad for x in (h, e, b) if x is not None]
-                        exact = [want.mean()] + [g for g in grads if g is not None]
-                        errors[name] = max(float((x.double() - w).abs().max() / w.abs().max())
-                                           for x, w in zip(got, exact))
-                    except Exception as error:  # noqa: BLE001 - the row says so (a string: it does not run)
-                        errors[name] = fn if isinstance(fn, str) else f"{type(error).__name__}: {str(error)[:120]}"
-                run.peer_errors[(family, variant)] = errors
+            if (family, variant) not in run.peer_errors:  # once per family and variant
+                run.peer_errors[(family, variant)] = peer_errors(run, family, variant, dtype, targets, with_peers)
             errors = run.peer_errors[(family, variant)]
             h, e, b, ids = problem(run, shape, dtype, targets=targets)
             b = None if family == "softmax" else b
-            cells, found = {}, {}
-            for name, fn in side_by_side(run, family, shape, dtype, e, b, with_peers).items():
-                found[name] = dict(note=fn) if isinstance(fn, str) else {}
-                if isinstance(fn, str):
-                    continue
-                try:  # warm-up 1, and the peak memory of this implementation alone
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats()
-                    _train(fn, h, e, b, ids)
-                    run.sync()
-                    found[name]["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
-                    cells[name] = lambda fn=fn: _train(fn, h, e, b, ids)
-                except Exception as error:  # noqa: BLE001 - out of memory, a peer refusing: listed
-                    found[name]["note"] = f"{type(error).__name__}: {str(error)[:160]}"
-                    run.release()
+            calls = side_by_side(run, family, shape, dtype, e, b, with_peers)
+            found = {name: dict(note=fn) if isinstance(fn, str) else {} for name, fn in calls.items()}
+            found.update(warm_up(run, {name: functools.partial(_train, fn, h, e, b, ids)
+                                       for name, fn in calls.items() if not isinstance(fn, str)}, catch=True))
+            cells = {name: functools.partial(_train, calls[name], h, e, b, ids)
+                     for name, entry in found.items() if "peak_mib" in entry}
             clock = [_sm_clock_mhz(run)]
             # cuda_clock's stop waits for its end event: no sync between the call and it
             timed = alternate(cells, max(PEER_REPEATS, run.repeats) if cuda else run.repeats, warmups=1,
@@ -500,17 +443,14 @@ def _chunked_mean(h, e, b, ids, op, chunk_size):
 
 def chunked_tiles(run):
     """The chunked loop's tile rule on CUDA (`tiling.tile_budget_bytes`) against other tiles and tuned dense."""
-    from keras_cutbce import registry
-
     rows, cuda = [], run.device == "cuda"
     for shape, family in itertools.product((run.small, run.paper), run.families):
         with precision(run.variants[0]) as dtype:
-            if run.left() < (30 if shape == run.paper else 10) + run.reserved:
-                run.report["skipped"].append(f"chunked_tiles {family} {shape}: budget spent")
+            if run.spent(f"chunked_tiles {family} {shape}", 30 if shape == run.paper else 10):
                 continue
             h, e, b, ids = problem(run, shape, dtype, targets=1 if family == "softmax" else 8)
             rule = registry._default_chunk_size(h, e, family)
-            op, cells = family_op(family), {}
+            op, cells = FAMILY_OPS[family], {}
             for tile in dict.fromkeys((rule, *((32, 64) if run.dry_run else CHUNK_TILES))):
                 if tile < shape[2] or tile == rule:
                     loss = functools.partial(_chunked_mean, op=op, chunk_size=tile)
@@ -531,8 +471,6 @@ def chunked_tiles(run):
 
 
 def float16_zeros(run):
-    import torch
-
     shape = run.small
     rows = []
     # the interpreter's half-precision products are not the GPU's
@@ -569,10 +507,6 @@ class ItemModel(keras.Model):
 
 
 def mixed_bfloat16_fit(run):
-    import numpy as np
-
-    from keras_cutbce import CutBCELoss, CutSoftmaxLoss
-
     losses_of = {"bce": CutBCELoss, "softmax": CutSoftmaxLoss}
     rows_, dim, vocab = run.small
     rng = np.random.default_rng(0)
@@ -603,12 +537,10 @@ def mixed_bfloat16_fit(run):
 
 
 def graph_breaks(run):
-    import torch
-
     rows = []
     for family, implementation in itertools.product(run.families, run.ours):
         h, e, b, ids = problem(run, run.parity, torch.float32)
-        op = family_op(family)
+        op = FAMILY_OPS[family]
 
         def loss(h, e, b, ids):
             return op(h, e, ids, b, implementation=implementation).sum()
@@ -636,14 +568,10 @@ def graph_breaks(run):
     return rows
 
 
-NCU_S = 30  # the `ncu` section's estimate: the sweep leaves it this much budget
+NCU_S = 30  # the `ncu` section's estimate
 
 
 def sweep(run):
-    import torch
-
-    from keras_cutbce.backends.torch.triton import config
-
     arch = config.device_arch(torch.device(run.device))
     rows = []
     variants = ("bf16", "tf32", "ieee") if not run.dry_run else ("ieee",)
@@ -658,8 +586,7 @@ def sweep(run):
                 # (docs/benchmarks.md): its 1-stage twin issues fewer instructions; a GPU weighs it.
                 candidates = ((table[0], (*table[1][:3], 1)), *candidates)
             for rows_block, columns_block in dict.fromkeys([tuple(table), *candidates]):
-                if run.left() < 5 + NCU_S:  # `ncu` runs after the sweep
-                    run.report["skipped"].append(f"sweep {family} {variant} {rows_block}: budget spent")
+                if run.spent(f"sweep {family} {variant} {rows_block}", 5):  # `ncu`'s reserve after it
                     continue
                 try:
                     with config.overridden((rows_block, columns_block)):
@@ -677,16 +604,13 @@ def nsight(run):
     tool = nsight_compute.ncu_tool()
     if run.dry_run or tool is None:
         return [dict(ran=False, why="dry run" if run.dry_run else "ncu is not installed")]
-    command = [tool, "--clock-control", "none", "--target-processes", "all", "--csv",
-               "--page", "raw", "--print-units", "base", "-k", "regex:rows_kernel|columns_kernel",
-               "--launch-skip", "3", "--launch-count", "3",
-               "--metrics", ",".join(nsight_compute.NCU_METRICS),
+    command = [tool, "--clock-control", "none", "--target-processes", "all", "--csv", "--page", "raw",
+               "--print-units", "base", "-k", "regex:rows_kernel|columns_kernel", "--launch-skip", "3",
+               "--launch-count", "3", "--metrics", ",".join(nsight_compute.NCU_METRICS),
                sys.executable, os.path.abspath(__file__), "--ncu-child"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=max(30, run.left()),
-                          check=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=max(30, run.left()), check=False)
     if done.returncode != 0:
-        return [dict(ran=False, why=f"ncu exit {done.returncode}: "
-                                    f"{(done.stderr or done.stdout)[-400:]}")]
+        return [dict(ran=False, why=f"ncu exit {done.returncode}: {(done.stderr or done.stdout)[-400:]}")]
     rows, _, vocab = run.small
     return nsight_compute.parse_ncu_csv(done.stdout, rows * vocab)
 
@@ -701,16 +625,13 @@ def ncu_child():
             run.sync()
 
 
-SECTIONS = ("peers", "chunked_tiles", "jit", "parity", "timings", "float16_zeros", "mixed_bfloat16", "graph_breaks", "sweep", "ncu")
+SECTIONS = ("peers", "chunked_tiles", "jit", "parity", "timings", "float16_zeros", "mixed_bfloat16", "graph_breaks",
+            "sweep", "ncu")
 
 
 def measure(budget, dry_run=False, sections=SECTIONS):
-    """The `sections` (all by default, in the order given) within `budget` seconds; returns the report.
-
-    `timings` leaves the sections after it their estimates (on the H200 it took the whole budget).
-    """
-    import torch
-
+    """The `sections` (all by default, in the order given) within `budget` seconds, each leaving the sections
+    after it their estimates (`Run.spent`); returns the report."""
     run = Run(budget, dry_run)
     run.report["device"] = torch.cuda.get_device_name() if not dry_run else "cpu (dry run)"
     run.report["budget_s"] = budget

@@ -1,32 +1,16 @@
-"""ERASE on CPU (torch): the examples' CTR model per schedule, examples/s and host time, one section a run.
+"""ERASE on CPU (torch): the examples' CTR model per schedule, examples/s and host time (docs/benchmarks.md).
 
-Every section trains the examples' CTR model (`examples.ctr.model`, six detached towers with
-`detach_input=False`) with `fit`, one fresh process per (repetition, batch, schedule), the schedules
-alternating (`benchmarks.common.run_cell`); its figures are `benchmarks.common.qps` (p50/p90 of per-step
-examples/s after the warm-up; p90 is the fast end, as in the ERASE paper) and each schedule's ratio to
-`standard` per repetition (`paired_ratios`, median (min-max)). Sections (the first argument; none: `epoch`):
+One fresh process per (repetition, batch, schedule), the schedules alternating; `common.qps` and each
+schedule's p90 over `standard`'s per repetition. Sections (the first argument): `epoch` (the default),
+`handoff` (the shared table's backwards per step), `host-time` (every schedule, optionally `+graphs`, on the
+CPU stand-ins for streams and CUDA Graphs).
 
-- `epoch`: `standard`, `blocking`, `threaded` and `auto` at batches 512 and 1024, torch's default threads,
-  3 repetitions; `epoch` is examples/s of the whole `fit`. On a CPU `auto` is the standard step.
-- `handoff`: every schedule and the undetached model, 2 threads: the shared embedding table's backwards per
-  step (a post-accumulate-grad hook, any thread) over `--count-steps` steps, then the timed `fit`.
-- `host-time`: `standard`, `blocking`, `threaded`, `streams`, `inline_streams`, each optionally `+graphs`, 1
-  thread: the step time of a `fit` (on a CPU the whole step is host time). Block streams run on the stand-in
-  `tests/erase/fake_streams.py`, graphs on the stand-in capture `RecordingCapture` (its Python replay, not a
-  CUDA Graph's launch).
-
-Usage:
-
-    KERAS_BACKEND=torch python benchmarks/erase_cpu.py          # benchmarks/results/erase_cpu.{md,json}
-    KERAS_BACKEND=torch python benchmarks/erase_cpu.py --schedules standard auto --batches 512 --reps 4
-    KERAS_BACKEND=torch python benchmarks/erase_cpu.py handoff --threads 2
-    KERAS_BACKEND=torch python benchmarks/erase_cpu.py host-time --steps 20
+    KERAS_BACKEND=torch python benchmarks/erase_cpu.py [handoff|host-time] [--schedules ...] [--reps N]
 """
 
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,29 +18,16 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import keras  # noqa: E402
+import torch  # noqa: E402
 
 from benchmarks.common import QPS_NOTE, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
-from benchmarks.common import paired_ratios, qps, run_cell, spread, write_results  # noqa: E402
-
-
-class StepTimer(keras.callbacks.Callback):
-    """Seconds of every training step (batch begin to batch end) and of the whole epoch."""
-
-    def __init__(self):
-        super().__init__()
-        self.steps = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch_start = time.perf_counter()
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps.append(time.perf_counter() - self.start)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_seconds = time.perf_counter() - self.epoch_start
+from benchmarks.common import paired_ratios, qps, run_cell, spread, step_clock, write_results  # noqa: E402
+from examples.ctr.data import synthetic_ctr  # noqa: E402
+from examples.ctr.model import build_ctr_model  # noqa: E402
+from keras_erase.torch.cuda_graphs import capture  # noqa: E402
+from keras_erase.torch.cuda_graphs.runner import live_runners  # noqa: E402
+from keras_erase.torch.schedules import placements  # noqa: E402
+from tests.erase.fake_streams import CheckedStreams  # noqa: E402
 
 
 def in_process(section, argv):
@@ -64,11 +35,7 @@ def in_process(section, argv):
     return run_cell([os.path.abspath(__file__), section, *map(str, argv)], dict(os.environ, KERAS_BACKEND="torch"))
 
 
-CTR_SCHEDULES = {  # label -> EraseModel keywords (None: the undetached model)
-    "undetached": None, "standard": {"dispatch": "standard"}, "blocking": {"dispatch": "blocking"},
-    "threaded": {"dispatch": "threaded"}, "auto": {"dispatch": "auto"}, "streams": {"dispatch": "streams"},
-    "inline_streams": {"dispatch": "inline_streams"},
-}
+CTR_SCHEDULES = ("undetached", "standard", "blocking", "threaded", "auto", "streams", "inline_streams")
 SECTIONS = {  # section -> (its schedules, defaults; threads 0: torch's default)
     "epoch": (["standard", "blocking", "threaded", "auto"],
               dict(threads=0, batches=[512, 1024], steps=90, warmup=10, count_steps=0, reps=3, out="erase_cpu")),
@@ -83,29 +50,18 @@ SECTIONS = {  # section -> (its schedules, defaults; threads 0: torch's default)
 
 def ctr_model(label, buckets):
     """The examples' CTR model trained with schedule `label` (`+graphs`: the stand-in capture)."""
-    from examples.ctr.model import build_ctr_model as build
-    from keras_erase.torch.cuda_graphs import capture
-    from keras_erase.torch.schedules import placements
-    from tests.erase.fake_streams import CheckedStreams
-
     name, graphs = label.removesuffix("+graphs"), label.endswith("+graphs")
     if graphs:
         capture.set_default_capture(capture.RecordingCapture)
     if "streams" in name:
         placements.set_default_streams(CheckedStreams)
-    keywords = CTR_SCHEDULES[name]
-    if keywords is None:
-        return build(detached=False, buckets=buckets)
-    return build(buckets=buckets, cuda_graphs=graphs, **keywords)
+    if name == "undetached":
+        return build_ctr_model(detached=False, buckets=buckets)
+    return build_ctr_model(buckets=buckets, cuda_graphs=graphs, dispatch=name)
 
 
 def ctr_cell(label, args):
     """One fresh CTR model in this process: the table's backwards per step, then a timed `fit`."""
-    import torch
-
-    from examples.ctr.data import synthetic_ctr
-    from keras_erase.torch.cuda_graphs.runner import live_runners
-
     if args.threads:
         torch.set_num_threads(args.threads)
     keras.utils.set_random_seed(0)
@@ -122,10 +78,12 @@ def ctr_cell(label, args):
         model.fit({k: v[:counted] for k, v in x.items()}, y[:counted], batch_size=args.batch, verbose=0, shuffle=False)
         hook.remove()
         row["backwards_per_step"] = len(backwards) / args.count_steps
-    timer = StepTimer()
+    timer = step_clock()
     model.fit({k: v[counted:] for k, v in x.items()}, y[counted:], batch_size=args.batch, verbose=0, shuffle=False,
               callbacks=[timer])
-    return dict(row, **qps(timer.steps[args.warmup:], args.batch), epoch=args.batch * len(timer.steps) / timer.epoch_seconds,
+    steps = [end[1] - start[1] for start, end in zip(timer.starts, timer.ends)]
+    return dict(row, **qps(steps[args.warmup:], args.batch),
+                epoch=args.batch * len(steps) / (timer.epoch[1][1] - timer.epoch[0][1]),
                 dispatch_choice=getattr(model, "dispatch_choice", None),
                 graphs_captured=sum(r.captures for r in live_runners()),
                 graphs_disabled=any(r.disabled for r in live_runners()))

@@ -1,62 +1,18 @@
-"""ERASE on a CUDA GPU (torch): the early-backward schedules with and without CUDA Graphs, where
-their overlap can exist, what it costs the host, and profiler traces of it.
+"""ERASE on a CUDA GPU (torch): the early-backward schedules, with and without CUDA Graphs, against the
+baselines a user has (`WHAT`); where their overlap exists, what it costs the host, profiler traces of it.
+docs/erase.md ("Where ERASE pays" and "GPU check") says what each part measures.
 
-Models (`--models`):
+Models (`--models`): `ctr` (`examples/ctr`), `mlp30` (6 chained detached blocks of 5 Dense layers),
+`transformer` (two detached blocks of causal layers). Modes (`--modes`, `erase_gpu_plan`): the baselines,
+the schedules with and without `+graphs`, `auto`. Each cell's model is built once; its `--repeats` repeats
+alternate with the other modes of its group (paired). Order: traces of the first model per batch, exactness
+(TF32 off), NE, then the groups most informative first while they fit `--budget`. Plans (`--plan`): `full`,
+`device` (the GPU check's cells, no traces), `sweep`. `--strict` fails on what must hold on any GPU: a graph
+mode that did not capture and replay, an exactness error, a cell or trace that raised, no block overlap in a
+trace where the GPU was busy at least `DEVICE_BOUND` of the step. `--cpu-dry-run`: CPU modes, the stand-in
+capture, tiny sizes, results in /tmp (checks the code; the numbers mean nothing).
 
-- `ctr`: the CTR example (`examples/ctr/model.py`): a shared embedding table, six detached towers
-  (DLRM/DCN/FM/wide interactions, `detach_input=False` so the local losses train the table), a top MLP;
-  synthetic Criteo-shaped data (`examples/ctr/data.py`).
-- `mlp30`: the sanity check of ERASE's overlap: a 30-layer MLP cut into 6 detached blocks of 5 Dense layers (a
-  chain, each block with a logistic head and BCE), so each block's backward can overlap the forward of the
-  blocks after it.
-
-Modes (`--modes`): the baselines a user has (`erase_gpu_plan.BASELINES`, in rising effort; `WHAT` says what
-each is; `plain+graph` is `whole_step_graph`, a cell that does not capture is reported as not feasible), then
-the ERASE schedules `blocking`, `threaded`, `streams`, each also as `<mode>+graphs`, and `auto` / `auto+graphs`
-(their cells first run untimed steps until `auto` has chosen). Each cell builds its model once and runs
-`--warmup` untimed steps; each of `--repeats` repeats is then 1 untimed and `--steps` timed steps of the live
-model, the modes of a group alternating, so the repeats are paired (`WHAT`). NE: the plain and the detached
-CTR model after `--ne-steps` steps.
-
-Plans (`--plan`): `full` (below), `device` (the GPU check's cells: CTR at 2048 and 32768 with plain,
-plain+graph, plain+jit, standard, auto+graphs and the best fixed schedule; `DEVICE_PLAN_SECONDS`, no traces),
-`sweep` (batch x tower width on the CTR model, the 30-layer MLP and a small transformer with two detachment
-points).
-
-Batches (`--batches`, default 2048, middle, 65536): 2048 is host-bound on an H200 (a few ms of GPU work per
-CTR step against tens of ms of host time), 65536 is GPU-bound; `middle` is chosen from the traces of the two
-ends as the power of two where the GPU time per step (linear in the batch) meets the host time: where overlap
-matters most.
-
-Order (what the budget runs first): the traces (one `--trace-mode` step of the first model per batch, ends
-first: they give each batch's cost and the middle batch), the exactness check, then the cell groups by how
-much they tell: ctr at the middle batch, ctr at 65536, mlp30 at the middle, ctr at 2048, mlp30 at 65536 and
-2048, the extra modes. A group starts only if all its cells, with their repeats, fit in what is left of
-`--budget` (estimated from the traces and the cells run so far); one that does not is listed as not run, and a
-smaller one may still run. Between groups: `gc.collect()` (a model's worker thread lives until the cyclic
-collector runs) and `torch.cuda.empty_cache()`.
-
-Measured per cell: `WHAT`'s columns; the trace measures from one profiled step after the timed steps of
-the first repeat (`tools.gpu_trace.step_metrics`).
-
-Exactness (after the traces): every early mode's weights after a few SGD steps (graph modes: warm-up, capture
-and replays) from the same weights and batch, against the standard step's, with TF32 off; above
-`EXACTNESS_TOLERANCE` is an error.
-
-`--strict` (what `scripts/gpu_check.sh` runs) fails on what must hold on any GPU: a graph mode that did not
-capture and replay its blocks (or refused one), an exactness error, a cell or trace that raised, and, in a
-trace where the GPU was busy for at least `DEVICE_BOUND` of the step (so that both streams had work queued),
-no block backward overlapping a later block's forward. At a host-bound batch the overlap is reported, never
-asserted.
-
-Usage:
-
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --budget 200   # CUDA machine
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --plan device --budget 120  # the GPU check
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --plan sweep --budget 1800
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --quick        # one batch, fewer steps
-    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --cpu-dry-run  # no GPU: CPU modes,
-        graphs through the CPU stand-in capture, tiny sizes, results in /tmp
+    KERAS_BACKEND=torch python benchmarks/erase_gpu.py --plan device --strict --budget 120  # the GPU check
 """
 
 import math
@@ -71,38 +27,46 @@ if REPO not in sys.path:
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from benchmarks.common import QPS_NOTE, Budget, cuda_sync, machine_info, markdown_table, qps  # noqa: E402
 from benchmarks.common import release_memory, write_results  # noqa: E402
-from tools import gpu_trace  # noqa: E402
 from benchmarks.erase_gpu_plan import MIDDLE, NotFeasible, model_spec, auto_window  # noqa: E402
 from benchmarks.erase_gpu_plan import steps_until_chosen, summarize, build_parser, choose_middle  # noqa: E402
-from benchmarks.erase_gpu_plan import graph_problems, parse_mode, resolve, run_cells  # noqa: E402
+from benchmarks.erase_gpu_plan import PLAIN_MODES, graph_problems, parse_mode, resolve, run_cells  # noqa: E402
+from examples.ctr.data import synthetic_ctr  # noqa: E402
+from examples.ctr.model import NormalizedEntropy, build_ctr_model  # noqa: E402
+from keras_erase import DetachBlock, EraseModel  # noqa: E402
+from keras_erase.torch.cuda_graphs import capture as graph_capture  # noqa: E402
+from keras_erase.torch.cuda_graphs import runner as graph_runner  # noqa: E402
+from tools import gpu_trace  # noqa: E402
 
 MLP_BLOCKS, MLP_LAYERS_PER_BLOCK = 6, 5
 DEVICE_BOUND = 0.9  # GPU-busy fraction of a trace above which the overlap is asserted (--strict)
 EXACTNESS_TOLERANCE = 1e-4  # max |weight - standard step's| / (1 + |weight|), float32, TF32 off
 
 
+def chain(name, inputs, h, stacks, blocks, head, loss, output, detached, detach_first=True, **model_kwargs):
+    """`h` through `stacks`, the first `blocks` of them detached (a `DetachBlock` with `head()` and `loss()`;
+    block 0 keeps its input gradient unless `detach_first`), then `output`: a plain Keras model (not
+    `detached`: the baseline) or an `EraseModel`."""
+    for b, stack in enumerate(stacks):
+        if detached and b < blocks:
+            stack = DetachBlock(stack, head=head(), name=f"block_{b}", loss=loss(), detach_input=b > 0 or detach_first)
+        h = stack(h)
+    if not detached:
+        return keras.Model(inputs, output(h), name=f"{name}_baseline")
+    return EraseModel(inputs, output(h), name=f"{name}_erase", **model_kwargs)
+
+
 def build_mlp30(width, input_dim, detached=True, **model_kwargs):
     """The 30-layer MLP sanity check: 6 chained detached blocks of 5 Dense layers."""
-    from keras_erase import DetachBlock, EraseModel
-
     inputs = keras.Input((input_dim,))
-    h = inputs
-    for b in range(MLP_BLOCKS):
-        stack = keras.Sequential(
-            [keras.layers.Dense(width, "relu") for _ in range(MLP_LAYERS_PER_BLOCK)],
-            name=f"mlp_{b}",
-        )
-        if detached:
-            stack = DetachBlock(stack, head=keras.layers.Dense(1), name=f"block_{b}",
-                                loss=keras.losses.BinaryCrossentropy(from_logits=True))
-        h = stack(h)
-    outputs = keras.layers.Dense(1, "sigmoid", name="out")(h)
-    if not detached:
-        return keras.Model(inputs, outputs, name="mlp30_baseline")
-    return EraseModel(inputs, outputs, name="mlp30_erase", **model_kwargs)
+    stacks = [keras.Sequential([keras.layers.Dense(width, "relu") for _ in range(MLP_LAYERS_PER_BLOCK)],
+                               name=f"mlp_{b}") for b in range(MLP_BLOCKS)]
+    return chain("mlp30", inputs, inputs, stacks, MLP_BLOCKS, lambda: keras.layers.Dense(1),
+                 lambda: keras.losses.BinaryCrossentropy(from_logits=True),
+                 keras.layers.Dense(1, "sigmoid", name="out"), detached, **model_kwargs)
 
 
 class TransformerLayer(keras.layers.Layer):
@@ -121,25 +85,16 @@ class TransformerLayer(keras.layers.Layer):
 
 
 def build_transformer(width, detached=True, **model_kwargs):
-    """A small next-token transformer cut at two points (the paper's NanoChat trace): two detached
-    blocks of `TRANSFORMER_LAYERS` layers (the first hands its input gradient to the embedding), then
-    the top layers and the output under the main loss."""
-    from keras_erase import DetachBlock, EraseModel
-
+    """A small next-token transformer cut at two points (the paper's NanoChat trace): two detached blocks of
+    `TRANSFORMER_LAYERS` layers (the first hands its input gradient to the embedding), then the top layers
+    and the output under the main loss."""
     ids = keras.Input((TRANSFORMER_SEQ,), dtype="int32")
-    h = keras.layers.Embedding(TRANSFORMER_VOCAB, width)(ids)
-    for b in range(3):
-        stack = keras.Sequential([TransformerLayer(width, 4) for _ in range(TRANSFORMER_LAYERS)],
-                                 name=f"layers_{b}")
-        if detached and b < 2:
-            stack = DetachBlock(stack, head=keras.layers.Dense(TRANSFORMER_VOCAB), name=f"block_{b}",
-                                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                                detach_input=b > 0)
-        h = stack(h)
-    outputs = keras.layers.Dense(TRANSFORMER_VOCAB, name="out")(h)
-    if not detached:
-        return keras.Model(ids, outputs, name="transformer_baseline")
-    return EraseModel(ids, outputs, name="transformer_erase", **model_kwargs)
+    stacks = [keras.Sequential([TransformerLayer(width, 4) for _ in range(TRANSFORMER_LAYERS)], name=f"layers_{b}")
+              for b in range(3)]
+    return chain("transformer", ids, keras.layers.Embedding(TRANSFORMER_VOCAB, width)(ids), stacks, 2,
+                 lambda: keras.layers.Dense(TRANSFORMER_VOCAB),
+                 lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                 keras.layers.Dense(TRANSFORMER_VOCAB, name="out"), detached, detach_first=False, **model_kwargs)
 
 
 TRANSFORMER_VOCAB, TRANSFORMER_SEQ, TRANSFORMER_LAYERS = 1024, 64, 2
@@ -147,7 +102,7 @@ TRANSFORMER_VOCAB, TRANSFORMER_SEQ, TRANSFORMER_LAYERS = 1024, 64, 2
 
 def make_model(model_name, mode, args):
     base, graphs = parse_mode(mode)
-    detached = base not in PLAIN_BASES
+    detached = base not in PLAIN_MODES
     kwargs = {} if not detached else {
         "dispatch": base, "cuda_graphs": graphs, "num_streams": args.num_streams
     }
@@ -155,28 +110,19 @@ def make_model(model_name, mode, args):
     kind, width = model_spec(model_name)
     width = args.width if width is None or args.cpu_dry_run else width  # the dry run: tiny
     if kind == "ctr":
-        from examples.ctr.model import build_ctr_model
-
         return build_ctr_model(detached, buckets=args.buckets, width=width, depth=3, **kwargs)
     if kind == "transformer":
         return build_transformer(min(width, 256), detached, **kwargs)
     return build_mlp30(width, args.input_dim, detached, **kwargs)
 
 
-PLAIN_BASES = ("plain", "plain+jit", "plain+reduce_overhead", "plain+graph")
-
-
 def make_batch(model_name, batch, args):
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kind = model_spec(model_name)[0]
     if kind == "transformer":
         tokens = np.random.default_rng(1).integers(0, TRANSFORMER_VOCAB, (batch, TRANSFORMER_SEQ + 1))
         x, y = tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
     elif kind == "ctr":
-        from examples.ctr.data import synthetic_ctr
-
         data = synthetic_ctr(batch, buckets=args.buckets, seed=1)
         x = {"dense": data["dense"].astype("float32"), "sparse": data["sparse"].astype("int32")}
         y = data["label"].astype("float32").reshape(-1, 1)
@@ -190,8 +136,6 @@ def make_batch(model_name, batch, args):
 
 def prepared(model_name, mode, batch, args):
     """A compiled model of `mode` (the plain baselines: compiled or graphed as the mode says) and a batch."""
-    import torch
-
     model = make_model(model_name, mode, args)
     loss = ("binary_crossentropy" if model_spec(model_name)[0] != "transformer"
             else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -212,15 +156,8 @@ def prepared(model_name, mode, batch, args):
 
 
 def whole_step_graph(model, x, y, warmup=3):
-    """Keras's standard step (forward, loss, backward, optimizer update) captured as one CUDA Graph
-    (the stand-in capture on CPU); returns a `train_function` that replays it and logs the loss.
-
-    Raises `NotFeasible` with the capture's error where the step does not capture.
-    """
-    import torch
-
-    from keras_erase.torch.cuda_graphs.capture import default_capture
-
+    """Keras's standard step (forward, loss, backward, update) captured as one CUDA Graph (the stand-in capture
+    on CPU): a `train_function` replaying it; `NotFeasible` with the capture's error where it does not capture."""
     variables = model.trainable_weights
     params = [v.value for v in variables]
     optimizer = model.optimizer
@@ -238,7 +175,7 @@ def whole_step_graph(model, x, y, warmup=3):
     for _ in range(warmup):  # the optimizer's slots and every lazy state exist before the capture
         step()
     try:
-        graph = default_capture()(step)
+        graph = graph_capture.default_capture()(step)
     except Exception as error:  # noqa: BLE001 - the reason is the result
         raise NotFeasible(f"Keras's standard step does not capture as one graph here: "
                           f"{type(error).__name__}: {str(error)[:300]}") from error
@@ -251,19 +188,13 @@ def whole_step_graph(model, x, y, warmup=3):
 
 
 def graph_counters(runners):
-    captures = sum(r.captures for r in runners)
-    return {
-        "graphs_captured": captures,
-        "graph_replays": sum(r.replays for r in runners),
-        "graphs_disabled": any(r.disabled for r in runners),
-        "graphs_refused": sorted(name for r in runners for name in r.refused),
-    }
+    return {"graphs_captured": sum(r.captures for r in runners), "graph_replays": sum(r.replays for r in runners),
+            "graphs_disabled": any(r.disabled for r in runners),
+            "graphs_refused": sorted(name for r in runners for name in r.refused)}
 
 
 def graph_pool_mib(runners):
     """MiB the caching allocator holds in the runners' graph memory pools (CUDA), else `None`."""
-    import torch
-
     pools = {tuple(pool) for r in runners for pool in r.pools() if isinstance(pool, tuple)}
     if not pools or not torch.cuda.is_available():
         return None
@@ -274,41 +205,33 @@ def graph_pool_mib(runners):
 
 def upstream_counter(model_name, model):
     """`(accumulations list, hook handle)`: the CTR embedding table's backwards (any thread)."""
-    if model_name != "ctr":
-        return [], None
     counts = []
-    table = model.get_layer("embeddings").embeddings.value
-    return counts, table.register_post_accumulate_grad_hook(lambda p: counts.append(1))
+    if model_name != "ctr":
+        return counts, None
+    return counts, model.get_layer("embeddings").embeddings.value.register_post_accumulate_grad_hook(
+        lambda p: counts.append(1))
 
 
-def timed_steps(step, warmup, steps, sync=None):
-    """Runs `warmup` untimed steps, then returns `(step seconds, host seconds)` of `steps` steps.
-
-    A step's time is read after `sync()` (the device finished); its host time
-    is until `step()` returned (what the host spent launching it).
-    """
+def timed_steps(step, warmup, steps, sync=lambda: None):
+    """Runs `warmup` untimed steps, then returns `(step seconds, host seconds)` of `steps` steps (a step's time
+    read after `sync()`, the device finished; its host time until `step()` returned)."""
     for _ in range(warmup):
         step()
     seconds, host = [], []
     for _ in range(steps):
-        if sync is not None:
-            sync()
+        sync()
         start = time.perf_counter()
         step()
         host.append(time.perf_counter() - start)
-        if sync is not None:
-            sync()
+        sync()
         seconds.append(time.perf_counter() - start)
     return seconds, host
 
 
 def profile_step(model, x, y, cuda, trace_path):
     """Runs one training step under `torch.profiler` (annotated `gpu_trace.STEP`); writes the trace."""
-    import torch
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    kinds = torch.profiler.ProfilerActivity
+    activities = [kinds.CPU, kinds.CUDA] if cuda else [kinds.CPU]
     cuda_sync(cuda)
     try:  # record the backward worker thread too (started before the profiler)
         config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
@@ -329,13 +252,8 @@ _LIVE = {}
 
 
 def live_cell(model_name, mode, batch, args, cuda):
-    """The built cell of `mode` in the current group (a new group releases the previous one's models).
-
-    Built: a fresh model, `auto`'s untimed steps until it has chosen, then `--warmup` steps. A build
-    that failed fails again at every repeat without building again.
-    """
-    from keras_erase.torch.cuda_graphs import runner as graph_runner
-
+    """The built cell of `mode` in the current group (a new group releases the previous one's): a fresh model,
+    `auto`'s untimed steps until it has chosen, `--warmup` steps; a failed build fails every repeat."""
     if _LIVE.get("group") != (model_name, batch):
         _LIVE.clear()
         release_memory(cuda)
@@ -349,7 +267,7 @@ def live_cell(model_name, mode, batch, args, cuda):
             measuring = steps_until_chosen(model, step)
             timed_steps(step, args.warmup, 0)
         except Exception as error:  # noqa: BLE001 - kept: every repeat reports it
-            if mode in PLAIN_BASES[1:] and not isinstance(error, NotFeasible):  # a baseline torch
+            if mode in PLAIN_MODES[1:] and not isinstance(error, NotFeasible):  # a baseline torch
                 # cannot compile or capture here is a finding about the baseline, not an ERASE error
                 error = NotFeasible(f"{mode}: {type(error).__name__}: {str(error)[:300]}")
             _LIVE[mode] = error
@@ -364,16 +282,14 @@ def live_cell(model_name, mode, batch, args, cuda):
     return cell
 
 
-def run_cell(model_name, mode, batch, args, cuda, profile_path=None):
+def run_cell(model_name, mode, batch, profile_path=None, *, args, cuda):
     """One repeat of a cell: timed steps of its live model; returns its row (and trace measures)."""
-    import torch
-
     cell = live_cell(model_name, mode, batch, args, cuda)
     model, step = cell["model"], cell["step"]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     counts, hook = upstream_counter(model_name, model)
-    seconds, host = timed_steps(step, 1, args.steps, cuda_sync if cuda else None)
+    seconds, host = timed_steps(step, 1, args.steps, lambda: cuda_sync(cuda))
     row = {"model": model_name, "batch": batch, "mode": mode,
            **qps(seconds, batch), "host_ms_p50": 1e3 * float(np.median(host))}
     if hook is not None:  # the hand-off: one backward of the shared table per step
@@ -459,15 +375,8 @@ def run_traces(args, cuda):
 
 
 def ne_check(args, cuda):
-    """NE of the plain and the detached CTR model after `--ne-steps` Adam steps on fresh batches.
-
-    Normalized entropy on a held-out split of the synthetic CTR data (`examples/ctr`), both models from
-    seed 0, the smallest CTR batch. Every ERASE schedule has the detached model's gradients (the
-    exactness check), so its NE is the detached model's.
-    """
-    from examples.ctr.data import synthetic_ctr
-    from examples.ctr.model import NormalizedEntropy
-
+    """Held-out NE of the plain and the detached CTR model (seed 0, the smallest batch) after `--ne-steps` Adam
+    steps on fresh synthetic batches; every schedule has the detached model's gradients, so its NE."""
     batch = min(b for b in args.batches if b != MIDDLE)
     steps = args.ne_steps
     data = synthetic_ctr(batch * steps + max(4 * batch, 4096), buckets=args.buckets, seed=2)
@@ -491,22 +400,12 @@ def ne_check(args, cuda):
 
 
 def exactness_check(args, cuda):
-    """Every early mode's weights after a few SGD steps vs the standard step's, on the first model.
-
-    The same initial weights and batch (the smallest batch) for every mode; enough
-    steps for the graph modes to warm up, capture and replay. TF32 is off meanwhile
-    (cuBLAS and cuDNN), so that a difference is ERASE's, not TF32's rounding.
-    Returns one row per mode.
-    """
-    import torch
-
-    from keras_erase.torch.cuda_graphs.runner import DEFAULT_WARMUP
-    from keras_erase.torch.cuda_graphs.runner import untimed_steps
-
+    """One row per early mode: its weights after enough SGD steps to capture and replay graphs, from the same
+    weights and batch, against the standard step's, on the first model; TF32 off (a difference is ERASE's)."""
     model_name, batch = args.models[0], min(args.batches)
-    steps = untimed_steps(DEFAULT_WARMUP) + 2
+    steps = graph_runner.untimed_steps(graph_runner.DEFAULT_WARMUP) + 2
     modes = ["standard"] + [m for m in args.modes if parse_mode(m)[0] not in
-                            PLAIN_BASES + ("standard", "auto")]
+                            PLAIN_MODES + ("standard", "auto")]
     flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -546,37 +445,30 @@ def overlap_problems(traces, cuda):
 
 
 def run_all(args, cuda):
-    """Traces, exactness, then the cell groups within `--budget`; always writes the results."""
-    budget = Budget(args.budget)
+    """Traces and exactness (not in the device plan), NE, then the cell groups within `--budget`; always
+    writes the results."""
+    run = Budget(args.budget, release=lambda: release_memory(cuda))
+    errors, traces, rows, exact, ne = run.report["errors"], {}, [], [], []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    traces, rows, skipped, errors, exact, ne = {}, [], [], [], [], []
     try:
-        if args.traces:  # (the device plan's seconds go to its cells)
-            traces = run_traces(args, cuda)
+        if args.traces:
+            traces = run.section("traces", None, lambda: run_traces(args, cuda)) or {}
             errors.extend(t["error"] for t in traces.values() if "error" in t)
-            try:
-                exact = exactness_check(args, cuda)
-            except Exception as error:  # noqa: BLE001 - reported; the cells still run
-                errors.append(f"exactness check: {type(error).__name__}: {error}")
+            exact = run.section("exactness check", None, lambda: exactness_check(args, cuda)) or []
         if any(model_spec(m)[0] == "ctr" for m in args.models):
-            try:
-                ne = ne_check(args, cuda)
-            except Exception as error:  # noqa: BLE001 - reported; the cells still run
-                errors.append(f"NE check: {type(error).__name__}: {error}")
+            ne = run.section("NE check", None, lambda: ne_check(args, cuda)) or []
         errors.extend(f"{r['model']} batch={r['batch']} {r['mode']}: weights differ from the "
                       f"standard step's by {r['max_rel_diff_vs_standard']:.2e} (relative) after "
                       f"{r['steps']} steps" for r in exact if not r["exact"])
         rows, skipped, cell_errors = run_cells(
-            args, budget, traces,
-            lambda model_name, mode, batch, profile: run_cell(model_name, mode, batch, args, cuda,
-                                                              profile),
-            lambda: release_memory(cuda))
+            args, run, traces, lambda *cell: run_cell(*cell, args=args, cuda=cuda), run.release)
+        run.report["skipped"] += skipped
         errors.extend(cell_errors)
     finally:
         _LIVE.clear()
         summary = summarize(rows)
         errors.extend(overlap_problems(traces, cuda))
-        write_report(args, cuda, summary, rows, skipped, errors, traces, budget.elapsed(), exact, ne)
+        write_report(args, cuda, summary, rows, run.report["skipped"], errors, traces, run.elapsed(), exact, ne)
     if errors:
         print("ERRORS:", *errors, sep="\n  ", flush=True)
     if args.strict and errors:
@@ -595,24 +487,24 @@ CELL_COLUMNS = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_sprea
                 "graph_pool_mib", "repeats", "upstream_backwards_per_step", "graphs_captured", "graph_replays",
                 "auto_choice", "auto_timed_measuring_steps"]
 WHAT = (
-    QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best non-blocking row is "
-    "+9.51% p90 QPS (worker thread + CUDA Graphs: +7.38%). Baselines, in rising effort: plain (the "
-    "undetached model, Keras's standard step), plain+jit (`jit_compile=True`: torch.compile), "
-    "plain+reduce_overhead (torch.compile(mode='reduce-overhead') on the train step), plain+graph (the "
-    "whole standard step as one CUDA Graph), standard (the detached model's standard step). *_vs_best: "
-    "the median over the repeats of each repeat's ratio to the best baseline's (the one with the highest "
-    "median p90) in the same repeat (the repeats alternate the modes on the same live models: paired), "
-    "*_vs_best_range the smallest..largest of those ratios; p90_vs_plain likewise against the plain "
-    "model. The columns (the module docstring says how "
-    "each is measured): step_ms, the step's wall time; gpu_busy_fraction, the union of its kernels over "
-    "it; overlapped_fraction, the time kernels of two or more streams ran at once over the GPU-busy time; "
-    "host_*_ms, each thread role's host work in a step (main thread, backward worker, autograd's device "
-    "thread); overlaps, block backward > later block forward on another stream; p50/p90 the median over "
-    "the repeats, *_spread (max - min) / median; host_share = host_ms_p50 / step_ms_p50 (near 1: "
-    "host-bound); max_memory_mib, `torch.cuda.max_memory_allocated`; graph_pool_mib, what the graphs' "
-    "memory pools hold; graphs_captured / graph_replays (a graph mode with 0 did not use graphs); "
-    "upstream_backwards_per_step (ctr), backwards of the shared table per step (1 with the hand-off); "
-    "auto_timed_measuring_steps, `auto`'s measuring steps inside the timed window."
+    QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best non-blocking row is +9.51% p90 "
+               "QPS (worker thread + CUDA Graphs: +7.38%). Baselines, in rising effort: plain (the undetached "
+               "model, Keras's standard step), plain+jit (`jit_compile=True`: torch.compile), "
+               "plain+reduce_overhead (torch.compile(mode='reduce-overhead') on the train step), plain+graph (the "
+               "whole standard step as one CUDA Graph), standard (the detached model's standard step). *_vs_best: "
+               "the median over the repeats of each repeat's ratio to the best baseline's (the one with the "
+               "highest median p90) in the same repeat (the repeats alternate the modes on the same live models: "
+               "paired), *_vs_best_range the smallest..largest of those ratios; p90_vs_plain likewise against the "
+               "plain model. The columns (the module docstring says how each is measured): step_ms, the step's "
+               "wall time; gpu_busy_fraction, the union of its kernels over it; overlapped_fraction, the time "
+               "kernels of two or more streams ran at once over the GPU-busy time; host_*_ms, each thread role's "
+               "host work in a step (main thread, backward worker, autograd's device thread); overlaps, block "
+               "backward > later block forward on another stream; p50/p90 the median over the repeats, *_spread "
+               "(max - min) / median; host_share = host_ms_p50 / step_ms_p50 (near 1: host-bound); max_memory_mib, "
+               "`torch.cuda.max_memory_allocated`; graph_pool_mib, what the graphs' memory pools hold; "
+               "graphs_captured / graph_replays (a graph mode with 0 did not use graphs); "
+               "upstream_backwards_per_step (ctr), backwards of the shared table per step (1 with the hand-off); "
+               "auto_timed_measuring_steps, `auto`'s measuring steps inside the timed window."
 )
 
 
@@ -624,57 +516,46 @@ def _trace_row(trace):
             "error": trace.get("error", "")}
 
 
-def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, exact=(), ne=()):
-    import torch
+def _part(caption, rows, columns, empty="(not run)"):
+    """A report part: its caption, then its table (`empty` without rows)."""
+    return f"{caption}\n\n" + (markdown_table(list(rows), columns) if rows else empty)
 
+
+def write_report(args, cuda, summary, rows, skipped, errors, traces, seconds, exact=(), ne=()):
     info = machine_info(
         torch=torch.__version__, keras=keras.__version__,
         device=torch.cuda.get_device_name(0) if cuda else "cpu (dry run: not a measurement)",
         width=args.width, num_streams=args.num_streams, warmup=args.warmup, steps=args.steps,
         repeats=args.repeats, budget_s=args.budget, wall_s=round(seconds, 1), plan=args.plan)
     middle = getattr(args, "middle", None)
-    auto_rows = [r for r in summary if r.get("auto_timed_measuring_steps")]
-    sections = [
-        "Traces: one profiled step per batch of the first model in the trace mode (`tools/gpu_trace.py`)."
-        + (f" Middle batch {middle}: where the GPU time per step meets the main thread's host time."
-           if middle else ""),
-        markdown_table([_trace_row(t) for t in traces.values()], TRACE_COLUMNS) if traces else "(no trace)",
-        "Exactness (TF32 off): every early mode's weights after a few SGD steps from the same weights and "
-        f"batch, against the standard step's; max |w - w_standard| / (1 + |w_standard|), tolerance "
-        f"{EXACTNESS_TOLERANCE:g}.",
-        markdown_table(list(exact), ["model", "batch", "mode", "steps", "max_rel_diff_vs_standard", "exact"])
-        if exact else "(not run)",
-        f"NE (normalized entropy, held out, lower is better) of the plain and the detached CTR model after "
-        f"{args.ne_steps} Adam steps on fresh batches; every ERASE schedule has the detached model's NE.",
-        markdown_table(list(ne), ["model", "mode", "batch", "steps", "ne", "ne_gap_vs_plain"]) if ne
-        else "(not run)",
-        "Headline: `auto` (the one a user sets) against the best baseline a user has, paired per repeat.",
-        markdown_table([r for r in summary if parse_mode(r["mode"])[0] == "auto"], HEADLINE_COLUMNS)
-        if any(parse_mode(r["mode"])[0] == "auto" for r in summary) else "(no auto cell ran)",
-        f"Cells: one model per cell, built once ({args.warmup} untimed steps after `auto` chose), then "
-        f"{args.repeats} repeats of 1 untimed and {args.steps} timed steps, the modes of a group alternating "
-        "on their live models. auto_timed_measuring_steps: "
-        + ("; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: {r['auto_timed_measuring_steps']} of "
-                     f"{args.steps} (use --warmup >= {r['auto_measuring_steps']} to leave them out)"
-                     for r in auto_rows) or "none in a timed window.")
-        + (" Budget: {} s; not run: {}".format(args.budget, "; ".join(skipped)) if skipped
-           else " Every planned cell ran with its repeats."),
-        markdown_table(summary, CELL_COLUMNS) if summary else "(no cell ran)",
+    auto_timed = "; ".join(f"{r['model']} batch={r['batch']} {r['mode']}: {r['auto_timed_measuring_steps']} of "
+                           f"{args.steps} (use --warmup >= {r['auto_measuring_steps']} to leave them out)"
+                           for r in summary if r.get("auto_timed_measuring_steps"))
+    parts = [
+        _part("Traces: one profiled step per batch of the first model in the trace mode (`tools/gpu_trace.py`)."
+              + (f" Middle batch {middle}: where the GPU time per step meets the main thread's host time."
+                 if middle else ""), [_trace_row(t) for t in traces.values()], TRACE_COLUMNS, "(no trace)"),
+        _part("Exactness (TF32 off): every early mode's weights after a few SGD steps from the same weights and "
+              "batch, against the standard step's; max |w - w_standard| / (1 + |w_standard|), tolerance "
+              f"{EXACTNESS_TOLERANCE:g}.", exact, ["model", "batch", "mode", "steps", "max_rel_diff_vs_standard", "exact"]),
+        _part(f"NE (normalized entropy, held out, lower is better) of the plain and the detached CTR model after "
+              f"{args.ne_steps} Adam steps on fresh batches; every ERASE schedule has the detached model's NE.",
+              ne, ["model", "mode", "batch", "steps", "ne", "ne_gap_vs_plain"]),
+        _part("Headline: `auto` (the one a user sets) against the best baseline a user has, paired per repeat.",
+              [r for r in summary if parse_mode(r["mode"])[0] == "auto"], HEADLINE_COLUMNS, "(no auto cell ran)"),
+        _part(f"Cells: one model per cell, built once ({args.warmup} untimed steps after `auto` chose), then "
+              f"{args.repeats} repeats of 1 untimed and {args.steps} timed steps, the modes of a group alternating "
+              f"on their live models. auto_timed_measuring_steps: {auto_timed or 'none in a timed window.'}"
+              + (" Budget: {} s; not run: {}".format(args.budget, "; ".join(skipped)) if skipped
+                 else " Every planned cell ran with its repeats."), summary, CELL_COLUMNS, "(no cell ran)"),
     ] + (["Errors:\n" + "\n".join(f"- {e}" for e in errors)] if errors else [])
     write_results(args.out, "ERASE on GPU: the early-backward schedules, with and without CUDA Graphs (torch)",
-                  WHAT, None, info, "\n\n".join(sections),
+                  WHAT, None, info, "\n\n".join(parts),
                   {"rows": summary, "repeats": rows, "traces": list(traces.values()), "exactness": list(exact),
-                   "ne": list(ne),
-                   "skipped": skipped, "errors": errors, "middle_batch": middle})
-    with open(args.out + ".md") as f:
-        print(f.read(), f"wrote {args.out}.md, .json and the traces", sep="\n")
+                   "ne": list(ne), "skipped": skipped, "errors": errors, "middle_batch": middle})
 
 
 def main(argv=None):
-    import torch
-
-    from keras_erase.torch.cuda_graphs import capture as graph_capture
-
     args = build_parser().parse_args(argv)
     cuda = torch.cuda.is_available()
     args = resolve(args, cuda)

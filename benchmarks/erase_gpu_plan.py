@@ -1,9 +1,6 @@
-"""The plan of `benchmarks/erase_gpu.py`: its modes and arguments, the middle batch, the budget and
-the order of the cell groups (the benchmark's docstring says why); what a CPU test can check of it.
-
-The cells themselves (models, timing, traces) are the benchmark's: `run_cells` is given `run_cell(model_name,
-mode, batch, profile_path)` and `release()` (between cells).
-"""
+"""The plan of `benchmarks/erase_gpu.py`: its modes and arguments, the middle batch, the budget and the
+order of the cell groups; what a CPU test can check of it. The cells (models, timing, traces) are the
+benchmark's: `run_cells` is given `run_cell(model_name, mode, batch, profile_path)` and `release()`."""
 
 import argparse
 import math
@@ -12,14 +9,12 @@ import time
 
 import numpy as np
 
-from benchmarks.common import Budget, paired_ratios  # noqa: F401 - Budget: the plan's, for erase_gpu.py
+from benchmarks.common import Budget, paired_ratios  # noqa: F401 - Budget: the tests' budget
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = ("ctr", "mlp30", "transformer")  # "ctr-w<width>": the CTR model with towers that wide
-# The baselines a user has, in rising effort: the plain (undetached) model with Keras's standard step,
-# `jit_compile=True` (torch.compile, default mode), torch.compile(mode="reduce-overhead") on the train
-# step, the whole standard step as one CUDA Graph; then the detached model's standard step.
+# The baselines a user has, in rising effort (`erase_gpu.WHAT` says what each is).
 PLAIN_MODES = ("plain", "plain+jit", "plain+reduce_overhead", "plain+graph")
 BASELINES = PLAIN_MODES + ("standard",)
 SCHEDULE_MODES = ("blocking", "blocking+graphs", "threaded", "threaded+graphs", "streams",
@@ -32,17 +27,13 @@ EXTRA_MODES = ("auto", "auto+graphs")
 MIDDLE = "middle"
 GPU_BATCHES = (2048, MIDDLE, 65536)
 CPU_BATCHES = (16, MIDDLE, 64)
-# --plan device: the GPU check's cells (its shared priority list gives ERASE ~120 s). The best fixed
-# schedule is the H200's at both batches (threaded+graphs); auto+graphs is the headline.
+# --plan device: the GPU check's cells; threaded+graphs is the H200's best fixed schedule at both batches.
 DEVICE_MODES = ("plain", "plain+graph", "plain+jit", "standard", "auto+graphs", "threaded+graphs")
 DEVICE_GROUPS = (("ctr", 2048), ("ctr", 32768))
-# Estimated, not measured: per batch ~6 s of builds and graph captures, ~15 s for plain+jit's
-# torch.compile (a guess), 5 repeats x 6 modes x 11 steps (CTR on the H200: ~20 ms a step at 2048, ~35 ms
-# at 32768: 7 s and 12 s), auto's <= 30 measuring steps (1 s), ~3 s of gc between cells; NE: 2 x 60
-# steps at 2048 and two builds, ~5 s. About 31 + 37 + 5 = 73 s; 120 s leaves room for a slower compile.
+# Estimated: per batch ~6 s of builds and captures, ~15 s of torch.compile, 5 repeats x 6 modes x 11 steps
+# (H200: 7 s at 2048, 12 s at 32768), ~4 s of auto and gc; NE ~5 s: about 73 s, and room for a slow compile.
 DEVICE_PLAN_SECONDS = 120
-# --plan sweep: where ERASE pays. Batch x tower width on the CTR model, the 30-layer MLP and a small
-# transformer with two detachment points; each with the baselines, the worker's schedules and auto.
+# --plan sweep: where ERASE pays (batch x tower width, the 30-layer MLP, a small transformer).
 SWEEP_MODES = BASELINES + ("threaded", "threaded+graphs", "streams", "streams+graphs", "auto+graphs")
 SWEEP_GROUPS = tuple(("ctr", b) for b in (2048, 8192, 32768, 65536)) + tuple(
     (f"ctr-w{w}", b) for w in (256, 1024) for b in (2048, 32768)) + (
@@ -80,8 +71,7 @@ AUTO_MEASURING_ESTIMATE = 30  # steps `"auto"` measures before it chooses, for t
 
 def steps_until_chosen(model, step, limit=2 * AUTO_MEASURING_ESTIMATE):
     """Runs `step()` while `model.dispatch_choice` is None (`"auto"` measuring), at most `limit` times;
-    returns how many ran (0 for any other dispatch, for `"auto"` on CPU, which never measures, and for a
-    model that is not an `EraseModel`: the `plain` cells)."""
+    returns how many ran (0 for any other dispatch, for `"auto"` on CPU and for a plain Keras model)."""
     ran = 0
     while getattr(model, "dispatch_choice", "standard") is None and ran < limit:
         step()
@@ -90,11 +80,8 @@ def steps_until_chosen(model, step, limit=2 * AUTO_MEASURING_ESTIMATE):
 
 
 def auto_window(selector, warmup, steps):
-    """`(measuring steps, how many of them were timed)` of an `"auto"` cell.
-
-    The selector measures its first steps; those after the `warmup` untimed
-    steps are inside the timed window (all of them while it has not decided).
-    """
+    """`(measuring steps, how many of them were timed)` of an `"auto"` cell (its measuring steps after the
+    `warmup` untimed steps; all of them while it has not decided)."""
     if selector is None:
         return 0, 0
     measuring = selector.steps if selector.done else warmup + steps
@@ -159,13 +146,9 @@ def summarize(rows):
 
 
 def choose_middle(low, high):
-    """The power of two between two traced batches where GPU time per step comes closest to host time.
-
-    `low` and `high` are `(batch, host_ms, gpu_ms)`; both times are taken as linear
-    in the batch through the two points, and the candidates are the powers of two
-    from twice the low batch to half the high one. Without GPU work (a dry run):
-    their geometric middle.
-    """
+    """The power of two from twice `low`'s batch to half `high`'s where GPU time per step (linear in the
+    batch through `(batch, host_ms, gpu_ms)` `low` and `high`) comes closest to host time; without GPU
+    work (a dry run), their geometric middle."""
     (b0, h0, g0), (b1, h1, g1) = low, high
 
     def at(b, v0, v1):
@@ -241,14 +224,13 @@ def run_cells(args, budget, traces, run_cell, release):
                     row = run_cell(model_name, mode, batch, profile)
                 except NotFeasible as why:
                     skipped.append(f"{cell}: not feasible: {why}")
-                    release()
                     continue
                 except Exception as error:  # noqa: BLE001 - reported, the run goes on
                     errors.append(f"{cell}: {type(error).__name__}: {error}")
                     print("CELL FAILED:", errors[-1], flush=True)
-                    release()
                     continue
-                release()
+                finally:
+                    release()
                 seconds = time.monotonic() - start
                 costs.setdefault((model_name, batch), []).append(seconds)
                 row["repeat"] = repeat
@@ -268,34 +250,28 @@ def _batch(text):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description="ERASE on a CUDA GPU (torch): the early-backward schedules with and without CUDA Graphs")
+    parser = argparse.ArgumentParser(description="ERASE on a CUDA GPU (torch), with and without CUDA Graphs")
     parser.add_argument("--quick", action="store_true", help="one batch size, fewer steps")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU: CPU modes, graphs via the CPU stand-in capture, /tmp output")
-    parser.add_argument("--strict", action="store_true",
-                        help="exit 1 on what must hold on any GPU (see benchmarks/erase_gpu.py)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on what must hold on any GPU")
     parser.add_argument("--plan", choices=("full", "device", "sweep"), default="full",
-                        help="full: the schedules at 3 batches; device: the GPU check's cells "
-                             f"(~{DEVICE_PLAN_SECONDS} s); sweep: where ERASE pays (batch x width, "
-                             "mlp30, transformer)")
+                        help=f"full: 3 batches; device: the GPU check's cells (~{DEVICE_PLAN_SECONDS} s); "
+                             "sweep: batch x width, mlp30, transformer")
     parser.add_argument("--models", nargs="+", default=["ctr", "mlp30"], type=_model)
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--batches", nargs="+", type=_batch, default=None,
                         help=f"batch sizes, or {MIDDLE!r} (chosen from the end traces)")
-    parser.add_argument("--warmup", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--input-dim", type=int, default=512, help="mlp30 input width")
-    parser.add_argument("--buckets", type=int, default=1000, help="ctr hashed ids per feature")
-    parser.add_argument("--num-streams", type=int, default=6)
+    for flag, default, what in (
+            ("--warmup", 6, "untimed steps of a built cell"), ("--steps", 20, "timed steps a repeat"),
+            ("--width", 512, "tower / layer width"), ("--input-dim", 512, "mlp30 input width"),
+            ("--buckets", 1000, "ctr hashed ids per feature"), ("--num-streams", 6, "block streams"),
+            ("--ne-steps", 60, "training steps before the NE of the plain and the detached CTR model"),
+            ("--repeats", 5, "alternating repeats of every cell (median and spread reported)")):
+        parser.add_argument(flag, type=int, default=default, help=what)
     parser.add_argument("--trace-mode", default=None)
-    parser.add_argument("--ne-steps", type=int, default=60,
-                        help="training steps before the NE of the plain and the detached CTR model")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="alternating repeats of every cell (median and spread reported)")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                        help="start no group of cells that would end past SECONDS "
-                             "(results are always written)")
+                        help="start no group of cells that would end past SECONDS (results are always written)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "erase_gpu"))
     return parser
 

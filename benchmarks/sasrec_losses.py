@@ -1,40 +1,16 @@
-"""Which loss should SASRec train with, and what does it cost? Every loss, one model.
+"""Which loss should SASRec train with, and what does it cost? Every loss, one model (docs/benchmarks.md).
 
-Runs `python -m examples.sasrec` once per (dataset, loss), each in its own process (so peak memory is its own)
-under an address-space cap (`--memory-cap-gib`, default 12 GiB), with the same model, seed, batch and
-evaluation for every loss:
+The study: `python -m examples.sasrec` once per (seed, dataset, loss), each in its own process under an
+address-space cap, the same model, seed, batch and evaluation for every `--losses` entry: MovieLens
+ml-latest-small for `--epochs` (the quality), synthetic 10^5 and 10^6 items for a few steps (the cost);
+each run cached in `--runs-dir` (a study resumes). `--speed`: the training step of `--losses` side by side in
+fresh processes, alternating, process CPU seconds per step beside wall seconds and the load. `--sampled`:
+`SampledSoftmaxLoss`'s `--variants` beside the exact losses, one seed (`--synthetic-items N`: a synthetic
+catalogue's cost instead). Results: `results/sasrec_losses*`, `results/sasrec_sampled*`.
 
-- `cutbce` (exact full-catalogue BCE, no logits), `dense` (the same BCE through the logits), `sampled` with 1
-  negative per target (the original SASRec / keras-rs recipe) and with 256, `softmax` (full-catalogue softmax
-  cross-entropy), `cutsoftmax` (the same softmax without logits);
-- on MovieLens `ml-latest-small` (`--movielens-dir`, read in place) for `--epochs` epochs, evaluated after
-  every epoch (leave-last-8-out, whole catalogue, seen items excluded): the quality comparison;
-- on synthetic catalogues of 10^5 and 10^6 items for a few training steps: the cost comparison (steps/s, peak
-  RSS, whether it runs at all under the cap). Quality after so few steps is not a result.
-
-Writes a markdown table and JSON to `benchmarks/results/sasrec_losses.{md,json}` and the ndcg@10-per-epoch
-curves to `benchmarks/results/sasrec_losses.png`.
-
-With `--seeds N` every (dataset, loss) runs with seeds 0..N-1 and the table gives mean +- sd over the seeds
-that trained; each run's row is cached as JSON in `--runs-dir` (default: the output path + `_runs/`), so an
-interrupted study resumes where it stopped and the cached runs are the study's raw record.
-
-With `--speed` it runs no study: the training step of dense `softmax` against `cutsoftmax` (and any
-`--losses`), side by side, at the study's settings on ml-latest-small and at 10^5 synthetic items. Every cell
-is a fresh process (`run_cell`) training `--speed-steps` steps after `--warmup` warm-up steps (compilation),
-at `--threads` intra-op threads; its figure is the process CPU seconds per training step (all threads), with
-wall seconds per step and the load average beside it. The losses alternate within each round, so load from
-other jobs hits each alike; CPU time is less sensitive to that load than wall time. `--steps-1e5 0` leaves out
-the synthetic catalogue, no `--movielens-dir` MovieLens. Results:
-`benchmarks/results/sasrec_losses_speed.{md,json}`.
-
-Usage (hold the benchmark lock; the 20-epoch seeded study takes hours on 2 cores):
-
-    KERAS_BACKEND=jax python benchmarks/sasrec_losses.py \\
-        --movielens-dir ../shared/data/ml-latest-small --epochs 20 --seeds 3
+    KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --movielens-dir DIR --epochs 20 --seeds 3
+    KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --speed|--sampled --movielens-dir DIR
     python benchmarks/sasrec_losses.py --quick     # smoke run, tiny data, results in /tmp
-    KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --speed \\
-        --movielens-dir ../shared/data/ml-latest-small --rounds 3
 """
 
 import argparse
@@ -48,10 +24,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from benchmarks.common import emit_row, machine_info, markdown_table, run_capped, run_cell  # noqa: E402
-from benchmarks.common import set_threads, thread_env, write_results  # noqa: E402
+from benchmarks.common import emit_row, machine_info, markdown_table, run_capped, run_cell, write_json  # noqa: E402
+from benchmarks.common import set_threads, step_clock, thread_env, write_results  # noqa: E402
 from benchmarks.sasrec_study import load_runs, loss_name, parse_losses, plot_curves, run_missing  # noqa: E402
 from benchmarks.sasrec_study import speed_summaries, study_table, summarize  # noqa: E402
+
+
+RESULT_KEYS = ("hit@8", "ndcg@10", "recall@10", "steps_per_second", "peak_memory_mb", "steps", "epochs",
+               "num_items", "num_users", "eval_users", "ndcg@10_per_epoch", "hit@8_per_epoch", "popularity_hit@8",
+               "popularity_ndcg@10", "popularity_recall@10", "train_loss")
+TINY = ["--num-items", "300", "--num-users", "60", "--max-len", "12", "--dim", "16", "--blocks", "1"]
 
 
 def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
@@ -68,30 +50,25 @@ def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
         if row["status"] == "ok":
             with open(path) as f:
                 result = json.load(f)
-            row.update({k: result.get(k) for k in (
-                "hit@8", "ndcg@10", "recall@10", "steps_per_second", "peak_memory_mb", "steps",
-                "epochs", "num_items", "num_users", "eval_users", "ndcg@10_per_epoch",
-                "hit@8_per_epoch", "popularity_hit@8", "popularity_ndcg@10",
-                "popularity_recall@10", "train_loss",
-            )}, status="trained")
+            row.update({k: result.get(k) for k in RESULT_KEYS}, status="trained")
     return row
 
 
 def datasets(args):
-    """`[(name, example arguments)]` of the study."""
-    common = ["--batch-size", str(args.batch_size)]
-    out = []
+    """`[(name, example arguments)]` of the study (`--quick`: a tiny synthetic one)."""
+    if args.quick:
+        return [("synthetic 300 items", TINY + ["--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "16",
+                                                "--eval-each-epoch"])]
+    batch, out = ["--batch-size", str(args.batch_size)], []
     if args.movielens_dir:
-        out.append(("ml-latest-small", [
-            "--data", "movielens", "--data-dir", os.path.abspath(args.movielens_dir),
-            "--max-len", str(args.max_len), "--epochs", str(args.epochs), "--eval-each-epoch",
-            *common]))
+        out.append(("ml-latest-small", ["--data", "movielens", "--data-dir", os.path.abspath(args.movielens_dir),
+                                        "--max-len", str(args.max_len), "--epochs", str(args.epochs),
+                                        "--eval-each-epoch", *batch]))
     for num_items, steps in ((100_000, args.steps_1e5), (1_000_000, args.steps_1e6)):
         if steps:
             out.append((f"synthetic {num_items:,} items", [
-                "--num-items", str(num_items), "--num-users", str(args.num_users),
-                "--max-len", "30", "--epochs", "1", "--steps-per-epoch", str(steps),
-                "--eval-users", str(args.eval_users), *common]))
+                "--num-items", str(num_items), "--num-users", str(args.num_users), "--max-len", "30", "--epochs",
+                "1", "--steps-per-epoch", str(steps), "--eval-users", str(args.eval_users), *batch]))
     return out
 
 
@@ -113,23 +90,12 @@ def speed_cell(argv):
     from examples.sasrec.train import parse_args, run
 
     set_threads(keras.backend.backend(), threads)
-
-    class Clock(keras.callbacks.Callback):
-        """Process CPU and wall seconds from the end of the warm-up steps to the last step's end."""
-
-        def __init__(self):
-            super().__init__()
-            self.marks = []
-
-        def on_train_batch_end(self, batch, logs=None):  # logs arrive as numbers: the step is done
-            self.marks.append((time.process_time(), time.perf_counter()))
-
-    clock = Clock()
+    clock = step_clock()
     load = os.getloadavg()[0]
     example = [a for a in args.example_args if a != "--"]
     result = run(parse_args(example + ["--verbose", "0"]), callbacks=[clock])
-    (cpu0, wall0), (cpu1, wall1) = clock.marks[args.warmup - 1], clock.marks[-1]
-    steps = len(clock.marks) - args.warmup
+    (cpu0, wall0), (cpu1, wall1) = clock.ends[args.warmup - 1], clock.ends[-1]
+    steps = len(clock.ends) - args.warmup
     emit_row({"loss": result["loss"], "steps": steps, "cpu_s_per_step": (cpu1 - cpu0) / steps,
               "wall_s_per_step": (wall1 - wall0) / steps, "threads": args.threads,
               "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
@@ -139,19 +105,16 @@ def speed_cell(argv):
 def speed_cases(args):
     """`[(name, example arguments)]` of `--speed`: the study's settings, a fixed step count."""
     steps = ["--epochs", "1", "--steps-per-epoch", str(args.warmup + args.speed_steps),
-             "--batch-size", str(args.batch_size), "--eval-users", "8"]
+             "--batch-size", str(args.batch_size)]
     if args.quick:
-        return [("synthetic 300 items", ["--num-items", "300", "--num-users", "60",
-                                         "--max-len", "12", "--dim", "16", "--blocks", "1",
-                                         *steps[:-2], "--eval-users", "4"])]
+        return [("synthetic 300 items", TINY + steps + ["--eval-users", "4"])]
     out = []
     if args.movielens_dir:
-        out.append(("ml-latest-small", ["--data", "movielens", "--data-dir",
-                                        os.path.abspath(args.movielens_dir),
-                                        "--max-len", str(args.max_len), *steps]))
+        out.append(("ml-latest-small", ["--data", "movielens", "--data-dir", os.path.abspath(args.movielens_dir),
+                                        "--max-len", str(args.max_len), *steps, "--eval-users", "8"]))
     if args.steps_1e5:
-        out.append(("synthetic 100,000 items", ["--num-items", "100000", "--num-users",
-                                                str(args.num_users), "--max-len", "30", *steps]))
+        out.append(("synthetic 100,000 items", ["--num-items", "100000", "--num-users", str(args.num_users),
+                                                "--max-len", "30", *steps, "--eval-users", "8"]))
     return out
 
 
@@ -188,66 +151,78 @@ def speed(args, backend):
     return summaries
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--speed-cell"]:
-        return speed_cell(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--movielens-dir", default=None,
-                        help="folder of ml-latest-small (ratings.csv); None skips MovieLens")
-    parser.add_argument("--epochs", type=int, default=4, help="MovieLens epochs (every loss)")
-    parser.add_argument("--max-len", type=int, default=50, help="MovieLens sequence length")
-    parser.add_argument("--batch-size", type=int, default=64, help="windows per step")
-    parser.add_argument("--steps-1e5", type=int, default=20,
-                        help="training steps at 10^5 items (0 skips)")
-    parser.add_argument("--steps-1e6", type=int, default=6,
-                        help="training steps at 10^6 items (0 skips)")
-    parser.add_argument("--num-users", type=int, default=1200, help="synthetic users")
-    parser.add_argument("--eval-users", type=int, default=200,
-                        help="synthetic: users evaluated (quality there is not a result)")
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="runs per (dataset, loss), seeds 0..N-1; the table gives mean +- sd")
-    parser.add_argument("--losses", type=parse_losses,
-                        default=parse_losses("cutbce,dense,sampled:1,sampled:256,softmax"),
-                        help="losses to run, in this order (sampled:K = K negatives)")
-    parser.add_argument("--runs-dir", default=None,
-                        help="cache of per-run JSON rows (resume; default: OUT_runs)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="run nothing: report the runs cached in --runs-dir")
-    parser.add_argument("--memory-cap-gib", type=float, default=12.0,
-                        help="address-space cap of every run")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run, results in /tmp")
-    parser.add_argument("--speed", action="store_true",
-                        help="no study: the training step's CPU time per loss, fresh processes, "
-                             "alternating (--losses default softmax,cutsoftmax)")
-    parser.add_argument("--rounds", type=int, default=3, help="--speed: rounds of every cell")
-    parser.add_argument("--speed-steps", type=int, default=10,
-                        help="--speed: timed training steps per cell")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="--speed: untimed steps first (compilation)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="--speed: intra-op threads of every cell (0: the backend's default)")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results",
-                                                      "sasrec_losses"),
-                        help="output path without extension (.md, .json, .png)")
-    args = parser.parse_args(argv)
-    backend = os.environ.get("KERAS_BACKEND", "jax")
-    if args.speed:
-        if args.losses == parser.get_default("losses"):
-            args.losses = parse_losses("softmax,cutsoftmax")
-        if args.out == parser.get_default("out"):
-            args.out = "/tmp/sasrec_losses_speed_quick" if args.quick else args.out + "_speed"
-        return speed(args, backend)
+# ---------------------------------------------------------------- sampled ---
+SAMPLED = ["--loss", "sampledsoftmax", "--num-negatives"]
+VARIANTS = {  # uniform without logQ is uniform with it: a constant shift of every logit
+    "cutsoftmax": ["--loss", "cutsoftmax"],
+    "cutbce": ["--loss", "cutbce"],
+    "s256-uniform": SAMPLED + ["256"],
+    "s4096-uniform": SAMPLED + ["4096"],
+    "s256-popularity": SAMPLED + ["256", "--sampler", "popularity"],
+    "s256-popularity-nologq": SAMPLED + ["256", "--sampler", "popularity", "--no-logq-correction"],
+    "s4096-popularity": SAMPLED + ["4096", "--sampler", "popularity"],
+    "s4096-popularity-nologq": SAMPLED + ["4096", "--sampler", "popularity", "--no-logq-correction"],
+    "in-batch": SAMPLED + ["0", "--in-batch-negatives"],
+}
+SAMPLED_COLUMNS = ["variant", "epochs", "hit@10", "ndcg@10", "mrr", "hit@8", "steps/s", "peak RSS (MiB)",
+                   "wall (s)", "load before", "load after"]
+
+
+def sampled_run(name, args, path):
+    """One `--sampled` variant's example run (its JSON, with the load before and after), cached at `path`."""
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    if args.synthetic_items:
+        data = ["--data", "synthetic", "--num-items", str(args.synthetic_items), "--num-users", "300",
+                "--steps-per-epoch", str(args.synthetic_steps), "--eval-users", "50"]
+    else:
+        data = ["--data", "movielens", "--data-dir", os.path.abspath(args.movielens_dir)]
+    command = [sys.executable, "-m", "examples.sasrec", *data, *VARIANTS[name], "--epochs", str(args.epochs),
+               "--max-len", str(args.max_len), "--seed", "0", "--json", path]
+    before = os.getloadavg()[0]
+    done = run_capped(command, args.memory_cap_gib, args.timeout)
+    if done["status"] != "ok":
+        print(done.get("error", ""), file=sys.stderr)
+        return {"variant": name, "status": done["status"]}
+    with open(path) as f:
+        row = json.load(f)
+    row.update(variant=name, load_before=before, load_after=os.getloadavg()[0])
+    write_json(path, row)
+    return row
+
+
+def sampled_table_row(row):
+    if "status" in row:
+        return {"variant": row["variant"], "epochs": row["status"]}
+    return {"variant": row["variant"], "epochs": row["epochs"], "hit@10": round(row["hit@10"], 4),
+            "ndcg@10": round(row["ndcg@10"], 4), "mrr": round(row["mrr"], 4),
+            "hit@8": round(row["hit@8"], 4), "steps/s": round(row["steps_per_second"], 3),
+            "peak RSS (MiB)": round(row["peak_memory_mb"]), "wall (s)": round(row["wall_seconds"]),
+            "load before": round(row.get("load_before", float("nan")), 1),
+            "load after": round(row.get("load_after", float("nan")), 1)}
+
+
+def sampled(args):
+    """`--sampled`: every variant, one after the other (cached runs kept); writes the table."""
+    prefix = args.out + (f"_{args.synthetic_items}" if args.synthetic_items else "")
+    os.makedirs(prefix + "_runs", exist_ok=True)
+    rows = []
+    for name in args.variants:
+        start = time.time()
+        rows.append(sampled_run(name, args, os.path.join(prefix + "_runs", name + ".json")))
+        print(f"[sampled] {name}: {time.time() - start:.0f} s", sampled_table_row(rows[-1]), flush=True)
+    data = f"synthetic {args.synthetic_items} items" if args.synthetic_items else "ml-latest-small"
+    what = (f"SASRec on {data}, one seed (0), {args.epochs} epoch(s), batch 64, max-len {args.max_len}, "
+            "jax; hit@k / ndcg@10 / MRR over the whole catalogue (seen items excluded), exact metrics; "
+            "steps/s: 1 / median step time after 2 warm-up steps; load: 1-minute load average.")
+    write_results(prefix, "Sampled softmax vs the exact losses (SASRec)", what, None, machine_info(),
+                  markdown_table([sampled_table_row(r) for r in rows], SAMPLED_COLUMNS), {"runs": rows})
+
+
+def study(args, backend):
+    """The study: every missing (seed, dataset, loss) run, then the table and curves of all cached runs."""
     cases = datasets(args)
-    if args.quick:
-        cases = [("synthetic 300 items", ["--num-items", "300", "--num-users", "60",
-                                          "--max-len", "12", "--dim", "16", "--blocks", "1",
-                                          "--epochs", "2", "--steps-per-epoch", "3",
-                                          "--batch-size", "16", "--eval-each-epoch"])]
-        if args.out == parser.get_default("out"):
-            args.out = "/tmp/sasrec_losses_quick"
     runs_dir = args.runs_dir or args.out + "_runs"
     start = time.perf_counter()
     if not args.report_only:
@@ -259,8 +234,7 @@ def main(argv=None):
     info = machine_info(
         backend=backend, epochs=args.epochs, max_len=args.max_len, batch_size=args.batch_size,
         seeds=args.seeds, steps_1e5=args.steps_1e5, steps_1e6=args.steps_1e6,
-        memory_cap_gib=args.memory_cap_gib, runs=len(rows),
-        total_seconds=round(time.perf_counter() - start),
+        memory_cap_gib=args.memory_cap_gib, runs=len(rows), total_seconds=round(time.perf_counter() - start),
         run_seconds=round(sum(r.get("wall_seconds", 0) for r in rows)))
     what = (
         "hit@8, ndcg@10, recall@10: leave-last-8-out (each user's last 8 items held out, the "
@@ -280,6 +254,67 @@ def main(argv=None):
     if curves:
         print(f"wrote {plot_curves(summaries, args.out + '.png', curves[0])}")
     return summaries
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--movielens-dir", default=None,
+                        help="folder of ml-latest-small (ratings.csv); None skips MovieLens")
+    for flag, default, what in (
+            ("--epochs", 4, "MovieLens epochs (every loss)"), ("--max-len", 50, "MovieLens sequence length"),
+            ("--batch-size", 64, "windows per step"), ("--num-users", 1200, "synthetic users"),
+            ("--steps-1e5", 20, "training steps at 10^5 items (0 skips)"),
+            ("--steps-1e6", 6, "training steps at 10^6 items (0 skips)"),
+            ("--eval-users", 200, "synthetic: users evaluated (quality there is not a result)"),
+            ("--seeds", 1, "runs per (dataset, loss), seeds 0..N-1; the table gives mean +- sd"),
+            ("--timeout", None, "seconds per run (None: 900; --sampled: 3600)"),
+            ("--rounds", 3, "--speed: rounds of every cell"), ("--speed-steps", 10, "--speed: timed steps a cell"),
+            ("--warmup", 2, "--speed: untimed steps first (compilation)"),
+            ("--threads", 1, "--speed: intra-op threads of every cell (0: the backend's default)"),
+            ("--synthetic-items", 0, "--sampled: a synthetic catalogue of N items instead of MovieLens"),
+            ("--synthetic-steps", 6, "--sampled --synthetic-items: training steps")):
+        parser.add_argument(flag, type=int, default=default, help=what)
+    parser.add_argument("--losses", type=parse_losses,
+                        default=parse_losses("cutbce,dense,sampled:1,sampled:256,softmax"), help="losses to run, in this order (sampled:K = K negatives)")
+    parser.add_argument("--runs-dir", default=None, help="cache of per-run JSON rows (resume; default: OUT_runs)")
+    parser.add_argument("--report-only", action="store_true", help="run nothing: report the cached runs")
+    parser.add_argument("--memory-cap-gib", type=float, default=12.0, help="address-space cap of every run")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run, results in /tmp")
+    parser.add_argument("--speed", action="store_true", help="no study: the training step's CPU time per loss, "
+                                                             "fresh processes, alternating (default softmax,cutsoftmax)")
+    parser.add_argument("--sampled", action="store_true",
+                        help="no study: sampled softmax variants beside the exact losses (one seed)")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="--sampled: the variants, in this order")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "sasrec_losses"),
+                        help="output path without extension (.md, .json, .png)")
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--speed-cell"]:
+        return speed_cell(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    backend = os.environ.get("KERAS_BACKEND", "jax")
+    args.timeout = args.timeout or (3600 if args.sampled else 900)
+    default_out = args.out == parser.get_default("out")
+    if args.sampled:
+        if not (args.movielens_dir or args.synthetic_items):
+            parser.error("--sampled needs --movielens-dir or --synthetic-items")
+        args.out = os.path.join(REPO, "benchmarks", "results", "sasrec_sampled") if default_out else args.out
+        return sampled(args)
+    if args.speed:
+        if args.losses == parser.get_default("losses"):
+            args.losses = parse_losses("softmax,cutsoftmax")
+        if default_out:
+            args.out = "/tmp/sasrec_losses_speed_quick" if args.quick else args.out + "_speed"
+        return speed(args, backend)
+    if args.quick and default_out:
+        args.out = "/tmp/sasrec_losses_quick"
+    return study(args, backend)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,12 @@
-"""The SASRec loss study's record (`benchmarks/sasrec_losses.py`): which runs it has, their
-cached rows, the summary over seeds, its table and its curves; `--speed`'s per-round ratios.
-
-`run_missing` runs, in study order, every (seed, dataset, loss) without a cached
-row, through the `run` it is given (the benchmark's capped subprocess).
-"""
+"""The SASRec loss study's record (`benchmarks/sasrec_losses.py`): its cached runs (`run_missing` runs the
+missing ones through the `run` it is given), the summary over seeds, its table and curves; `--speed`'s
+per-round ratios."""
 
 import argparse
 import json
 import os
 
-from benchmarks.common import fmt_spread, paired_ratios, spread, write_json
+from benchmarks.common import fmt_spread, markdown_table, paired_ratios, spread, write_json
 
 LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
           ("cutsoftmax", 1)]
@@ -17,10 +14,6 @@ LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softm
 
 def loss_name(loss, num_negatives):
     return f"sampled ({num_negatives} neg.)" if loss == "sampled" else loss
-
-
-def _number(value, fmt):
-    return "" if value is None else format(value, fmt)
 
 
 QUALITY = ("hit@8", "ndcg@10", "recall@10")
@@ -43,12 +36,8 @@ def _order(dataset, loss):
 
 
 def summarize(rows):
-    """One summary per (dataset, loss) over the seeds that trained (real data first, then
-    synthetic catalogues by size; losses in `LOSSES` order).
-
-    Quality metrics and the per-epoch ndcg@10 curve: mean and sample sd over seeds.
-    Cost (steps/s, peak RSS, wall time): median over seeds.
-    """
+    """One summary per (dataset, loss) over the seeds that trained, in `_order`: quality and the per-epoch
+    ndcg@10 curve as mean and sample sd over the seeds, cost (steps/s, peak RSS, wall time) as their median."""
     groups = {}
     for r in rows:
         groups.setdefault((r["dataset"], r["loss"]), []).append(r)
@@ -86,30 +75,26 @@ def _quality(summary, key):
     return f"{mean:.4f}" if sd is None else f"{mean:.4f} +- {sd:.4f}"
 
 
+STUDY_COLUMNS = {"dataset": "data", "loss": "loss", "status": "status", "seeds": "seeds", "hit@8": "hit@8",
+                 "ndcg@10": "ndcg@10", "recall@10": "recall@10", "steps_per_second": "train steps/s",
+                 "peak_memory_mb": "peak RSS (MiB)", "wall_seconds": "wall time (s)"}
+
+
+COST_FORMATS = {"steps_per_second": ".3g", "peak_memory_mb": ",.0f", "wall_seconds": ".0f"}
+
+
 def study_table(summaries):
     """Markdown table: one row per (dataset, loss), plus each dataset's most-popular row."""
-    lines = [
-        "| data | loss | status | seeds | hit@8 | ndcg@10 | recall@10 | train steps/s "
-        "| peak RSS (MiB) | wall time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    popular = {}
+    rows, popular = [], {}
     for r in summaries:
-        lines.append(
-            f"| {r['dataset']} | {r['loss']} | {r['status']} | {len(r['seeds']) or ''} "
-            f"| {_quality(r, 'hit@8')} | {_quality(r, 'ndcg@10')} | {_quality(r, 'recall@10')} "
-            f"| {_number(r.get('steps_per_second'), '.3g')} "
-            f"| {_number(r.get('peak_memory_mb'), ',.0f')} "
-            f"| {_number(r.get('wall_seconds'), '.0f')} |"
-        )
+        rows.append({"dataset": r["dataset"], "loss": r["loss"], "status": r["status"], "seeds": len(r["seeds"]) or "",
+                     **{k: _quality(r, k) for k in QUALITY},
+                     **{k: format(r[k], f) for k, f in COST_FORMATS.items() if r.get(k) is not None}})
         if r.get("popularity_hit@8") is not None:
             popular.setdefault(r["dataset"], r)
-    for dataset, r in popular.items():
-        lines.append(
-            f"| {dataset} | most popular | - | - | {r['popularity_hit@8']:.4f} "
-            f"| {r['popularity_ndcg@10']:.4f} | {r['popularity_recall@10']:.4f} | - | - | - |"
-        )
-    return "\n".join(lines)
+    rows += [{"dataset": dataset, "loss": "most popular", **{k: "-" for k in list(STUDY_COLUMNS)[2:]},
+              **{k: f"{r['popularity_' + k]:.4f}" for k in QUALITY}} for dataset, r in popular.items()]
+    return markdown_table(rows, list(STUDY_COLUMNS), list(STUDY_COLUMNS.values()))
 
 
 def plot_curves(summaries, path, dataset):
@@ -187,11 +172,8 @@ def load_runs(runs_dir):
 
 
 def run_missing(runs_dir, seeds, cases, losses, run):
-    """Runs and caches every `(seed, dataset, loss)` without a row in `runs_dir`, seed by seed.
-
-    `cases` are `(dataset, example arguments)`, `losses` `(loss, negatives)`;
-    `run(dataset, loss, negatives, example_args, seed)` returns the run's row.
-    """
+    """Runs and caches every `(seed, dataset, loss)` without a row in `runs_dir`, seed by seed: `cases` are
+    `(dataset, example arguments)`, `losses` `(loss, negatives)`, `run(dataset, loss, negatives, args, seed)`."""
     for seed in range(seeds):
         for dataset, example_args in cases:
             for loss, negatives in losses:

@@ -1,33 +1,23 @@
-"""Per-device memory of a CutBCE train step with the item table sharded 8 ways vs replicated.
+"""Per-device memory of a CutBCE train step with the item table split over devices (jax) or ranks (torch).
 
-On 8 devices (8 simulated CPU devices unless real accelerators are present:
-`XLA_FLAGS=--xla_force_host_platform_device_count=8` is set for the child process), compiles
-`jit(value_and_grad)` of the summed CutBCE loss w.r.t. hidden states, table and bias, for:
+jax (default): `jit(value_and_grad)` compiled on 8 (simulated CPU) devices for a `replicated` table, a
+`sharded` one (`keras_cutbce.backends.jax.sharded`) and `gspmd` (the split table through the single-device
+kernel), from `memory_analysis()`. `--torch`: `ItemEmbedding(vocab_parallel=True)` over 1, 2, 4 gloo ranks
+(`TORCH_WHAT`).
 
-- `replicated`: data parallel, rows split 8 ways, the table and its gradient on every device (the plain
-  chunked kernel; XLA all-reduces the gradient);
-- `sharded`: the table split 8 ways along V (`P("model", None)`), the vocab-sharded path
-  (`keras_cutbce.backends.jax.sharded`);
-- `gspmd`: the same sharded table through the single-device chunked kernel, left to XLA's automatic
-  partitioner (what happens without the sharded path).
-
-Memory comes from the compiled executable's `memory_analysis()` (per device: the SPMD program is the
-per-device program): arguments, outputs (the gradients), temporaries, and their sum as the peak bound; plus
-the table and table-gradient bytes one device holds, from the shardings. (`memory_stats()` of CPU devices is
-None, so nothing is executed: only compiled.)
-
-Usage:
-    python benchmarks/sharded_memory.py            # writes benchmarks/results/sharded_memory.{md,json}
-    python benchmarks/sharded_memory.py --quick    # one small shape
+    python benchmarks/sharded_memory.py [--quick]        # results/sharded_memory.{md,json}
+    KERAS_BACKEND=torch python benchmarks/sharded_memory.py --torch [--quick]   # cutbce_vocab_parallel.*
 """
 
 import argparse
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import RESULTS, emit_row, machine_info, markdown_table, run_cell, write_results  # noqa: E402
+from benchmarks.common import RESULTS, emit_row, fmt_spread, machine_info, markdown_table, peak_extra_mb  # noqa: E402
+from benchmarks.common import rss_bytes, run_cell, spread, write_results  # noqa: E402
 
 SHAPES = [(4096, 64, 1 << 20), (8192, 128, 1 << 21)]  # (rows M, dim D, vocab V)
 QUICK_SHAPES = [(512, 32, 1 << 14)]
@@ -36,6 +26,7 @@ MIB = 1 << 20
 
 
 def _measure(rows, dim, vocab, variant):
+    """One variant's compiled per-device memory (the jax child process)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -61,35 +52,22 @@ def _measure(rows, dim, vocab, variant):
     def arg(shape, dtype, pspec):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
 
-    args = (
-        arg((rows, dim), jnp.float32, row_spec),
-        arg((vocab, dim), jnp.float32, table_spec),
-        arg((vocab,), jnp.float32, bias_spec),
-        arg((rows, 8), jnp.int32, row_spec),
-    )
-    step = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2)))
-    compiled = step.lower(*args).compile()
+    args = (arg((rows, dim), jnp.float32, row_spec), arg((vocab, dim), jnp.float32, table_spec),
+            arg((vocab,), jnp.float32, bias_spec), arg((rows, 8), jnp.int32, row_spec))
+    compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2))).lower(*args).compile()
     stats = compiled.memory_analysis()
-    out_shardings = compiled.output_shardings
-    grad_table_sharding = jax.tree.leaves(out_shardings)[2]
-    table_bytes = 4 * dim * NamedSharding(mesh, table_spec).shard_shape((vocab, dim))[0]
-    grad_rows = grad_table_sharding.shard_shape((vocab, dim))[0]
+    grad_table_sharding = jax.tree.leaves(compiled.output_shardings)[2]
     result = {
         "rows": rows, "dim": dim, "vocab": vocab, "variant": variant,
         "devices": len(devices), "platform": devices[0].platform,
-        "table_bytes_per_device": table_bytes,
-        "grad_table_bytes_per_device": 4 * dim * grad_rows,
-        "argument_bytes": stats.argument_size_in_bytes,
-        "output_bytes": stats.output_size_in_bytes,
-        "temp_bytes": stats.temp_size_in_bytes,
-        "alias_bytes": stats.alias_size_in_bytes,
+        "table_bytes_per_device": 4 * dim * NamedSharding(mesh, table_spec).shard_shape((vocab, dim))[0],
+        "grad_table_bytes_per_device": 4 * dim * grad_table_sharding.shard_shape((vocab, dim))[0],
+        "argument_bytes": stats.argument_size_in_bytes, "output_bytes": stats.output_size_in_bytes,
+        "temp_bytes": stats.temp_size_in_bytes, "alias_bytes": stats.alias_size_in_bytes,
     }
-    peak = getattr(stats, "peak_memory_in_bytes", None)
-    result["peak_bound_bytes"] = (
-        result["argument_bytes"] + result["output_bytes"] + result["temp_bytes"]
-        - result["alias_bytes"]
-    )
-    result["xla_peak_bytes"] = peak
+    result["peak_bound_bytes"] = (result["argument_bytes"] + result["output_bytes"] + result["temp_bytes"]
+                                  - result["alias_bytes"])
+    result["xla_peak_bytes"] = getattr(stats, "peak_memory_in_bytes", None)
     memory = devices[0].memory_stats()
     result["device_memory_stats"] = None if memory is None else dict(memory)
     return result
@@ -105,6 +83,73 @@ def _run_child(rows, dim, vocab, variant):
                 "error": str(error).strip().splitlines()[-1][:200]}
 
 
+TORCH_WHAT = (
+    "Each rank holds `ItemEmbedding(V, D, vocab_parallel=True)`'s rows and runs steps of "
+    "`mean(cut_binary_crossentropy)` over its `M / R` of the global `M` positions, its backward and a Keras Adam "
+    "update of its rows. Per rank: `table MiB` = its rows' bytes (`ceil(V / R) * D * 4`); `Adam MiB` = its "
+    "optimizer slots; `peak over start MiB` = the process's peak RSS (`VmHWM`) during the steps minus its RSS "
+    "after building everything but the first step's buffers (what the step itself adds: gathered positions, "
+    "tiles, gradients); `peak MiB` = the peak RSS (with torch and Keras loaded). Step time: median (min-max) of "
+    "the timed steps after one warm-up, the slowest rank's (R = 1, 2 only: the machine has 2 cores).")
+
+
+def _rank(rank, world, vocab, dim, rows, steps):
+    """One gloo rank of `--torch`: its table and Adam bytes, the steps' peak RSS and step seconds."""
+    import keras
+    import numpy as np
+    import torch
+
+    from keras_cutbce import ItemEmbedding, cut_binary_crossentropy
+
+    items = ItemEmbedding(vocab, dim, vocab_parallel=True)
+    items.build()
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build([items.embeddings])
+    rng = np.random.default_rng(rank)
+    hidden = torch.tensor(rng.normal(size=(rows // world, dim)).astype("float32"))
+    ids = torch.tensor(rng.integers(0, vocab, size=(rows // world, 8)).astype("int32"))
+
+    def steps_timed():
+        times = []
+        for _ in range(steps + 1):
+            began = time.perf_counter()
+            loss = cut_binary_crossentropy(hidden, items, ids).mean()
+            (grad,) = torch.autograd.grad(loss, [items.embeddings.value])
+            optimizer.apply([grad / world], [items.embeddings])
+            torch.distributed.barrier()
+            times.append(time.perf_counter() - began)
+        return times
+
+    times, extra_mb = peak_extra_mb(steps_timed)
+    slots = sum(int(np.prod(v.shape)) * 4 for v in optimizer.variables if len(v.shape) == 2)
+    return {"table": items.embeddings.value.numel() * 4, "adam": slots, "extra_mb": extra_mb,
+            "peak": rss_bytes("VmHWM"), "times": times[1:]}
+
+
+def torch_ranks(args):
+    """`--torch`: R = 1, 2, 4 ranks (`keras_erase.torch.launch.run_local`), one row per R."""
+    from keras_erase.torch.launch import run_local
+
+    vocab, dim, rows = (10**4 if args.quick else 10**6), 64, 256
+    table, payload = [], []
+    for world in (1, 2, 4):
+        steps = args.steps if world <= 2 else 1
+        ranks = run_local(_rank, world, args=(vocab, dim, rows, steps), threads_per_rank=1, timeout_s=1800)
+        slowest = [max(r["times"][i] for r in ranks) for i in range(steps)]
+        row = {"R": world, "table MiB": max(r["table"] for r in ranks) / MIB,
+               "Adam MiB": max(r["adam"] for r in ranks) / MIB,
+               "peak over start MiB": max(r["extra_mb"] for r in ranks),
+               "peak MiB": max(r["peak"] for r in ranks) / MIB,
+               "step s": fmt_spread(spread(slowest)) if world <= 2 else "-"}
+        table.append(row)
+        payload.append({**row, "step_s": spread(slowest) if world <= 2 else None, "per_rank": ranks})
+        print(row, flush=True)
+    what = TORCH_WHAT + f"\n\nV = {vocab}, D = {dim}, M = {rows} positions (8 targets each)."
+    write_results(os.path.join(RESULTS, "cutbce_vocab_parallel" + ("_quick" if args.quick else "")),
+                  "CutBCE with the table split over torch.distributed ranks (gloo, CPU)", what, None,
+                  machine_info(threads=1), markdown_table(table, list(table[0])), {"rows": payload})
+
+
 COLUMNS = {"rows": "M", "dim": "D", "vocab": "V", "variant": "variant", "table_bytes_per_device": "table / device",
            "grad_table_bytes_per_device": "table grad / device", "argument_bytes": "arguments",
            "output_bytes": "outputs", "temp_bytes": "temporaries", "peak_bound_bytes": "peak bound",
@@ -115,8 +160,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape")
     parser.add_argument("--out", default=os.path.join(RESULTS, "sharded_memory"))
+    parser.add_argument("--torch", action="store_true", help="the table over torch gloo ranks (R = 1, 2, 4)")
+    parser.add_argument("--steps", type=int, default=3, help="--torch: timed steps")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.torch:
+        return torch_ranks(args)
     if args.child:
         rows, dim, vocab, variant = args.child
         return emit_row(_measure(int(rows), int(dim), int(vocab), variant))
