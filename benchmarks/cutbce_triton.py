@@ -148,6 +148,7 @@ def main(argv=None):
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--deviceless", action="store_true", help="compile for config.COMPILED_ARCHS, no GPU")
     mode.add_argument("--gpu", action="store_true", help="parity, timings and sweep on a GPU")
+    mode.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)  # the `ncu` section's
     parser.add_argument("--archs", help="with --deviceless: comma-separated compute capabilities "
                                         "(default: config.COMPILED_ARCHS)")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds for --gpu")
@@ -164,6 +165,10 @@ def main(argv=None):
                                         "cutbce_triton_gpu_sections with --sections)")
     parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
     args = parser.parse_args(argv)
+    if args.ncu_child:
+        from benchmarks.cutbce_triton_gpu import ncu_child
+
+        return ncu_child()
     if args.deviceless:
         payload = deviceless(args.archs and tuple(int(a) for a in args.archs.split(",")))
         stem = "cutbce_triton_deviceless"

@@ -10,7 +10,7 @@ fastest exact peer); `chunked_tiles` (the chunked loop's CUDA tile rule against 
 `timings` (a training step at `SMALL` and `PAPER`, L in `TARGETS`: triton, chunked, dense, peak memory, the
 kernels' device times); `float16_zeros` (the table gradient's exact zeros in float16); `mixed_bfloat16` (a
 Keras `fit` step); `graph_breaks` (`torch._dynamo.explain`); `sweep` (tiles at the paper's scale); `ncu`
-(Nsight Compute, in a `--ncu-child` process). `--cpu-dry-run`: tiny CPU shapes in the Triton interpreter
+(Nsight Compute, on a `cutbce_triton.py --ncu-child` process). `--cpu-dry-run`: tiny CPU shapes in the Triton interpreter
 (fp32 at IEEE only, triton#11584; no TF32, profiler or ncu): it checks the code, the numbers mean nothing.
 """
 
@@ -23,10 +23,7 @@ import subprocess
 import sys
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-os.environ.setdefault("KERAS_BACKEND", "torch")
+os.environ.setdefault("KERAS_BACKEND", "torch")  # (cutbce_triton.py imports this: the repository is on the path)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -607,7 +604,8 @@ def nsight(run):
     command = [tool, "--clock-control", "none", "--target-processes", "all", "--csv", "--page", "raw",
                "--print-units", "base", "-k", "regex:rows_kernel|columns_kernel", "--launch-skip", "3",
                "--launch-count", "3", "--metrics", ",".join(nsight_compute.NCU_METRICS),
-               sys.executable, os.path.abspath(__file__), "--ncu-child"]
+               sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cutbce_triton.py"),
+               "--ncu-child"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=max(30, run.left()), check=False)
     if done.returncode != 0:
         return [dict(ran=False, why=f"ncu exit {done.returncode}: {(done.stderr or done.stdout)[-400:]}")]
@@ -648,14 +646,3 @@ def measure(budget, dry_run=False, sections=SECTIONS):
         run.section(name, estimate, lambda fn=fn: fn(run))
     run.report["wall_s"] = run.elapsed()
     return run.report
-
-
-def main():
-    if "--ncu-child" in sys.argv:
-        ncu_child()
-        return 0
-    raise SystemExit("run benchmarks/cutbce_triton.py --gpu (this module is its GPU part)")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
