@@ -1,12 +1,8 @@
-"""The benchmarks' harness: every script times, summarises and writes its table through these.
+"""The benchmarks' harness: every script times, summarises and writes its table through these (docs/benchmarks.md).
 
-Timing: `alternate` calls each cell once per round (round 0 a warm-up), so load hits every cell alike;
-`spread` is `{median, min, max, n}`; `paired_ratios` / `paired` take a ratio per repeat, never a ratio of
-medians; `qps` is p50 / p90 examples/s (the ERASE paper's; p90 the fast end) beside step-time percentiles;
-`step_clock` times a Keras `fit`'s steps. Memory: `peak_extra_mb`. Processes: `run_cell` / `emit_row` (a
-fresh process's `ROW <json>` line), `run_capped` (an address-space cap, out of memory named as such).
-Devices: `cuda_sync`, `release_memory`, `Budget` (seconds left, named sections within them). Writing:
-`write_results` (`prefix.md`: title, what each figure is, the command, the machine line; `prefix.json`).
+Timing: `alternate` (each cell once per round, round 0 a warm-up), `spread`, `paired_ratios` / `paired` (a
+ratio per repeat, never of medians), `qps`, `step_clock`; memory: `peak_extra_mb`; processes: `run_cell` /
+`emit_row`, `run_capped`; devices: `cuda_sync`, `release_memory`, `Budget`; writing: `write_results`.
 Results describe today's code: history lives in git and the CHANGELOG, never in a result's name.
 """
 
@@ -320,6 +316,12 @@ def write_results(prefix, title, what, command, info, table, payload):
     write_text(prefix + ".md", f"# {title}\n\n{what}\n\nCommand: `{command}`\n\n{machine_line(info)}\n\n{table}\n")
     write_json(prefix + ".json", {"title": title, "command": command, "machine": info, **payload})
     print(f"{title}\n\n{table}\n\nwrote {prefix}.md and {prefix}.json", flush=True)
+
+
+def read_json(path):
+    """The JSON in `path`."""
+    with open(path) as f:
+        return json.load(f)
 
 
 def write_json(path, payload):

@@ -1,8 +1,5 @@
-"""The vocabulary tile of CutBCE on torch CPU: time and memory of one training step per tile.
-
-Per shape, the loss path `CutBCELoss` runs (`weighted_loss_sum`, forward + gradients) at every `--tiles`
-width and at `default` (the tile `keras_cutbce.math.tiling` picks), alternating: wall and CPU seconds,
-and one step's peak RSS in a fresh process per tile; ratios are over `default`'s (docs/benchmarks.md).
+"""The vocabulary tile of CutBCE on torch CPU: one training step per `--tiles` width and the tile rule's
+(`default`), alternating; peak RSS in a fresh process per tile (docs/benchmarks.md).
 
     python benchmarks/cutbce_torch_tile.py --vocab 100000      # results/cutbce_torch_tile.{md,json}
 """

@@ -1,10 +1,6 @@
-"""CutBCE on CUDA: the fused Triton kernels compiled without a GPU, and measured on one (docs/cutbce.md).
-
-`--deviceless` (Triton only, no GPU or driver) compiles both kernels of both families with the static
-table's configuration for `config.COMPILED_ARCHS`, D in `DIMS` and every `OPERANDS` type: registers, spills,
-shared memory, SASS instructions per logit and the lower bounds of one training step (`_bounds`);
-`--against JSON` puts another compiler's table beside it. `--gpu --budget S`: `cutbce_triton_gpu.py`'s
-sections (the GPU check; `--cpu-dry-run`: tiny CPU shapes in the Triton interpreter, checking the code).
+"""CutBCE on CUDA: the fused Triton kernels compiled without a GPU (`--deviceless`: registers, spills, SASS
+instructions per logit, a step's lower bounds), and measured on one (`--gpu`: `cutbce_triton_gpu.py`'s
+sections; `--cpu-dry-run` in the Triton interpreter). docs/benchmarks.md and docs/gpu.md say what each is.
 
     python benchmarks/cutbce_triton.py --deviceless         # results/cutbce_triton_deviceless.{md,json}
     python benchmarks/cutbce_triton.py --gpu --budget 120   # results/cutbce_triton_gpu.{md,json}
@@ -12,14 +8,11 @@ sections (the GPU check; `--cpu-dry-run`: tiny CPU shapes in the Triton interpre
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("KERAS_BACKEND", "torch")
 if "--cpu-dry-run" in sys.argv:  # read when Triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -31,7 +24,8 @@ elif "--gpu" in sys.argv:  # a cold compile cache: the first call's JIT latency 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from benchmarks.common import command_line, markdown_table, write_json, write_text  # noqa: E402
+from benchmarks.common import REPO, RESULTS, command_line, markdown_table, read_json, write_json  # noqa: E402
+from benchmarks.common import write_text  # noqa: E402
 from keras_cutbce.backends.torch.triton import config  # noqa: E402
 from tools.triton_deviceless import GPUS, compile_kernel  # noqa: E402
 
@@ -54,10 +48,7 @@ def _bounds(rows_report, columns_report, arch, dtype, precision, rows, dim, voca
     issue_ms = 1e3 * logits * issue / (4 * sms * ghz * 1e9)
     products = 2 * (1 + (2 if dtype != "float32" else 1))  # logits once + gradient products
     flops = 2.0 * logits * dim * products
-    if dtype != "float32":
-        peak = bf16
-    else:
-        peak = tf32 if precision == "tf32" else fp32
+    peak = bf16 if dtype != "float32" else tf32 if precision == "tf32" else fp32
     matmul_ms = 1e3 * flops / (peak * 1e12)
     size = 2 if dtype != "float32" else 4
     traffic = (-(-rows // rows_report["block_m"]) * vocab * dim
@@ -109,8 +100,7 @@ _COMPARED = ("registers", "spill_bytes", "instructions_per_logit")
 def against(table, path):
     """`table`'s rows with the figures of the same configuration in `path` (another compiler's `--deviceless`
     JSON) beside them (`ref_*`)."""
-    with open(path) as f:
-        reference = {tuple(r[k] for k in _KEY): r for r in json.load(f)}
+    reference = {tuple(r[k] for k in _KEY): r for r in read_json(path)}
     rows = []
     for row in table:
         ref = reference.get(tuple(row[k] for k in _KEY), {})
@@ -124,7 +114,7 @@ def _against_markdown(table, path):
         c for k in _COMPARED for c in (k, f"ref_{k}")] + ["issue_ms"]
     moved = [r for r in table if (r["block_m"], r["block_n"]) != (r["ref_block_m"], r["ref_block_n"])]
     spills = [r for r in table if r["spill_bytes"] != r["ref_spill_bytes"]]
-    return (f"Triton {triton.__version__} (columns without `ref_`) against `{os.path.relpath(path, _REPO)}` "
+    return (f"Triton {triton.__version__} (columns without `ref_`) against `{os.path.relpath(path, REPO)}` "
             f"(`ref_`): {len(table)} configurations compiled, {len(spills)} whose spills differ, "
             f"{len(moved)} whose tiles differ.\n\n" + markdown_table(table, columns)
             + "\n\nissue_ms: this compiler's issue floor of one training step (see the reference's notes).\n")
@@ -163,7 +153,7 @@ def main(argv=None):
                                            "a budget left out; written as cutbce_triton_gpu_sections")
     parser.add_argument("--stem", help="with --gpu: the results' file name (default cutbce_triton_gpu, or "
                                         "cutbce_triton_gpu_sections with --sections)")
-    parser.add_argument("--out", default=os.path.join(_REPO, "benchmarks", "results"))
+    parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     if args.ncu_child:
         from benchmarks.cutbce_triton_gpu import ncu_child

@@ -1,17 +1,7 @@
-"""CutBCE's fused Triton kernels on a CUDA GPU: the GPU check's sections (`cutbce_triton.py --gpu`).
-
-Both families (`FAMILIES`; dense: Keras's BCE on the logits, CCE on `multi_hot / L`), per `VARIANTS` (bf16,
-fp32 at TF32, fp32 at IEEE); sections in the order given, each skipped when its estimate does not fit the
-budget left, listed as an error when it raises (`common.Budget`): `peers` (ours beside tuned dense torch,
-CCE, Liger, `F.linear_cross_entropy`: errors against float64, CUDA event times, paired ratios to the
-fastest exact peer); `chunked_tiles` (the chunked loop's CUDA tile rule against other tiles and dense);
-`jit` (first-call compile latency, cold cache; the first call's bits against the second's); `parity`
-(against float64 at |z| up to 80, within the larger of `PARITY_LIMITS` and twice dense's own error);
-`timings` (a training step at `SMALL` and `PAPER`, L in `TARGETS`: triton, chunked, dense, peak memory, the
-kernels' device times); `float16_zeros` (the table gradient's exact zeros in float16); `mixed_bfloat16` (a
-Keras `fit` step); `graph_breaks` (`torch._dynamo.explain`); `sweep` (tiles at the paper's scale); `ncu`
-(Nsight Compute, on a `cutbce_triton.py --ncu-child` process). `--cpu-dry-run`: tiny CPU shapes in the Triton interpreter
-(fp32 at IEEE only, triton#11584; no TF32, profiler or ncu): it checks the code, the numbers mean nothing.
+"""CutBCE's fused Triton kernels on a CUDA GPU: the GPU check's sections (`SECTIONS`, run by `cutbce_triton.py
+--gpu`; docs/gpu.md says what each measures). Both families (`FAMILIES`), per `VARIANTS`; a section is skipped
+when its estimate does not fit the budget left, listed as an error when it raises (`common.Budget`).
+`--cpu-dry-run`: tiny CPU shapes in the Triton interpreter (fp32 at IEEE only): it checks the code.
 """
 
 import contextlib
@@ -21,7 +11,6 @@ import itertools
 import os
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # (cutbce_triton.py imports this: the repository is on the path)
 

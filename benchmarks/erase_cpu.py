@@ -1,9 +1,5 @@
-"""ERASE on CPU (torch): the examples' CTR model per schedule, examples/s and host time (docs/benchmarks.md).
-
-One fresh process per (repetition, batch, schedule), the schedules alternating; `common.qps` and each
-schedule's p90 over `standard`'s per repetition. Sections (the first argument): `epoch` (the default),
-`handoff` (the shared table's backwards per step), `host-time` (every schedule, optionally `+graphs`, on the
-CPU stand-ins for streams and CUDA Graphs).
+"""ERASE on CPU (torch): the CTR example per schedule, one fresh process a cell (docs/benchmarks.md, "ERASE
+on CPU"). Sections (the first argument): `epoch` (default), `handoff`, `host-time`.
 
     KERAS_BACKEND=torch python benchmarks/erase_cpu.py [handoff|host-time] [--schedules ...] [--reps N]
 """
@@ -13,14 +9,12 @@ import os
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.common import QPS_NOTE, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
+from benchmarks.common import QPS_NOTE, RESULTS, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
 from benchmarks.common import paired_ratios, qps, run_cell, spread, step_clock, write_results  # noqa: E402
 from examples.ctr.data import synthetic_ctr  # noqa: E402
 from examples.ctr.model import build_ctr_model  # noqa: E402
@@ -28,11 +22,6 @@ from keras_erase.torch.cuda_graphs import capture  # noqa: E402
 from keras_erase.torch.cuda_graphs.runner import live_runners  # noqa: E402
 from keras_erase.torch.schedules import placements  # noqa: E402
 from tests.erase.fake_streams import CheckedStreams  # noqa: E402
-
-
-def in_process(section, argv):
-    """One cell (`--cell ...` in `argv`) of `section` in a fresh process."""
-    return run_cell([os.path.abspath(__file__), section, *map(str, argv)], dict(os.environ, KERAS_BACKEND="torch"))
 
 
 CTR_SCHEDULES = ("undetached", "standard", "blocking", "threaded", "auto", "streams", "inline_streams")
@@ -102,7 +91,7 @@ def ctr_main(section, argv):
     parser.add_argument("--count-steps", type=int, default=defaults["count_steps"], help="steps of the backward count")
     parser.add_argument("--buckets", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=defaults["reps"], help="processes per schedule, alternating")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", defaults["out"]))
+    parser.add_argument("--out", default=os.path.join(RESULTS, defaults["out"]))
     parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cell is not None:
@@ -112,9 +101,10 @@ def ctr_main(section, argv):
         for batch in args.batches:
             shift = rep % len(args.schedules)  # the order rotates: no schedule always runs first
             for label in args.schedules[shift:] + args.schedules[:shift]:
-                rows.append(dict(in_process(section, ["--cell", label, "--batch", batch, *(a for key in (
-                    "threads", "steps", "warmup", "count_steps", "buckets")
-                    for a in (f"--{key.replace('_', '-')}", getattr(args, key)))]), rep=rep))
+                cell = ["--cell", label, "--batch", batch, *(a for key in ("threads", "steps", "warmup", "count_steps",
+                        "buckets") for a in (f"--{key.replace('_', '-')}", getattr(args, key)))]
+                rows.append(dict(run_cell([os.path.abspath(__file__), section, *map(str, cell)],
+                                          dict(os.environ, KERAS_BACKEND="torch")), rep=rep))
                 print(rep, {k: v for k, v in rows[-1].items() if not isinstance(v, float)}, flush=True)
     table = []
     for batch in args.batches:

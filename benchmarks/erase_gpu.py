@@ -1,16 +1,7 @@
-"""ERASE on a CUDA GPU (torch): the early-backward schedules, with and without CUDA Graphs, against the
-baselines a user has (`WHAT`); where their overlap exists, what it costs the host, profiler traces of it.
-docs/erase.md ("Where ERASE pays" and "GPU check") says what each part measures.
-
-Models (`--models`): `ctr` (`examples/ctr`), `mlp30` (6 chained detached blocks of 5 Dense layers),
-`transformer` (two detached blocks of causal layers). Modes (`--modes`, `erase_gpu_plan`): the baselines,
-the schedules with and without `+graphs`, `auto`. Each cell's model is built once; its `--repeats` repeats
-alternate with the other modes of its group (paired). Order: traces of the first model per batch, exactness
-(TF32 off), NE, then the groups most informative first while they fit `--budget`. Plans (`--plan`): `full`,
-`device` (the GPU check's cells, no traces), `sweep`. `--strict` fails on what must hold on any GPU: a graph
-mode that did not capture and replay, an exactness error, a cell or trace that raised, no block overlap in a
-trace where the GPU was busy at least `DEVICE_BOUND` of the step. `--cpu-dry-run`: CPU modes, the stand-in
-capture, tiny sizes, results in /tmp (checks the code; the numbers mean nothing).
+"""ERASE on a CUDA GPU (torch): the schedules, with and without CUDA Graphs, against a user's baselines
+(`WHAT`), profiler traces of their overlap; docs/erase.md ("Where ERASE pays", "GPU check") says what each
+part measures. The plan (modes, `--plan`, the budget's order) is `erase_gpu_plan.py`'s. `--strict` fails on
+what must hold on any GPU; `--cpu-dry-run`: CPU modes, the stand-in capture, tiny sizes (checks the code).
 
     KERAS_BACKEND=torch python benchmarks/erase_gpu.py --plan device --strict --budget 120  # the GPU check
 """
@@ -21,9 +12,7 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -47,9 +36,8 @@ EXACTNESS_TOLERANCE = 1e-4  # max |weight - standard step's| / (1 + |weight|), f
 
 
 def chain(name, inputs, h, stacks, blocks, head, loss, output, detached, detach_first=True, **model_kwargs):
-    """`h` through `stacks`, the first `blocks` of them detached (a `DetachBlock` with `head()` and `loss()`;
-    block 0 keeps its input gradient unless `detach_first`), then `output`: a plain Keras model (not
-    `detached`: the baseline) or an `EraseModel`."""
+    """`h` through `stacks`, the first `blocks` of them `DetachBlock`s (with `head()` and `loss()`; block 0 keeps
+    its input gradient unless `detach_first`), then `output`: an `EraseModel`, or the plain baseline."""
     for b, stack in enumerate(stacks):
         if detached and b < blocks:
             stack = DetachBlock(stack, head=head(), name=f"block_{b}", loss=loss(), detach_input=b > 0 or detach_first)
@@ -86,8 +74,7 @@ class TransformerLayer(keras.layers.Layer):
 
 def build_transformer(width, detached=True, **model_kwargs):
     """A small next-token transformer cut at two points (the paper's NanoChat trace): two detached blocks of
-    `TRANSFORMER_LAYERS` layers (the first hands its input gradient to the embedding), then the top layers
-    and the output under the main loss."""
+    `TRANSFORMER_LAYERS` layers (the first hands its input gradient to the embedding), then the top ones."""
     ids = keras.Input((TRANSFORMER_SEQ,), dtype="int32")
     stacks = [keras.Sequential([TransformerLayer(width, 4) for _ in range(TRANSFORMER_LAYERS)], name=f"layers_{b}")
               for b in range(3)]
@@ -103,9 +90,7 @@ TRANSFORMER_VOCAB, TRANSFORMER_SEQ, TRANSFORMER_LAYERS = 1024, 64, 2
 def make_model(model_name, mode, args):
     base, graphs = parse_mode(mode)
     detached = base not in PLAIN_MODES
-    kwargs = {} if not detached else {
-        "dispatch": base, "cuda_graphs": graphs, "num_streams": args.num_streams
-    }
+    kwargs = dict(dispatch=base, cuda_graphs=graphs, num_streams=args.num_streams) if detached else {}
     keras.utils.set_random_seed(0)
     kind, width = model_spec(model_name)
     width = args.width if width is None or args.cpu_dry_run else width  # the dry run: tiny
@@ -187,12 +172,6 @@ def whole_step_graph(model, x, y, warmup=3):
     return train_function
 
 
-def graph_counters(runners):
-    return {"graphs_captured": sum(r.captures for r in runners), "graph_replays": sum(r.replays for r in runners),
-            "graphs_disabled": any(r.disabled for r in runners),
-            "graphs_refused": sorted(name for r in runners for name in r.refused)}
-
-
 def graph_pool_mib(runners):
     """MiB the caching allocator holds in the runners' graph memory pools (CUDA), else `None`."""
     pools = {tuple(pool) for r in runners for pool in r.pools() if isinstance(pool, tuple)}
@@ -201,15 +180,6 @@ def graph_pool_mib(runners):
     total = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
                 if tuple(segment.get("segment_pool_id", ())) in pools)
     return total / 2**20
-
-
-def upstream_counter(model_name, model):
-    """`(accumulations list, hook handle)`: the CTR embedding table's backwards (any thread)."""
-    counts = []
-    if model_name != "ctr":
-        return counts, None
-    return counts, model.get_layer("embeddings").embeddings.value.register_post_accumulate_grad_hook(
-        lambda p: counts.append(1))
 
 
 def timed_steps(step, warmup, steps, sync=lambda: None):
@@ -288,7 +258,10 @@ def run_cell(model_name, mode, batch, profile_path=None, *, args, cuda):
     model, step = cell["model"], cell["step"]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    counts, hook = upstream_counter(model_name, model)
+    counts, hook = [], None
+    if model_name == "ctr":  # the CTR embedding table's backwards (any thread)
+        hook = model.get_layer("embeddings").embeddings.value.register_post_accumulate_grad_hook(
+            lambda p: counts.append(1))
     seconds, host = timed_steps(step, 1, args.steps, lambda: cuda_sync(cuda))
     row = {"model": model_name, "batch": batch, "mode": mode,
            **qps(seconds, batch), "host_ms_p50": 1e3 * float(np.median(host))}
@@ -301,22 +274,17 @@ def run_cell(model_name, mode, batch, profile_path=None, *, args, cuda):
         row["auto_measuring_steps"], row["auto_timed_measuring_steps"] = measuring, timed
     if cuda:
         row["max_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    runners = cell["runners"]
     if parse_mode(mode)[1]:
-        row.update(graph_counters(cell["runners"]))
-        row["graph_pool_mib"] = graph_pool_mib(cell["runners"])
+        row.update(graphs_captured=sum(r.captures for r in runners), graph_replays=sum(r.replays for r in runners),
+                   graphs_disabled=any(r.disabled for r in runners), graph_pool_mib=graph_pool_mib(runners),
+                   graphs_refused=sorted(name for r in runners for name in r.refused))
     if profile_path is not None:  # after the timed steps: the profiler never slows them
         profile_step(model, cell["x"], cell["y"], cuda, profile_path)
-        row.update(flat_metrics(gpu_trace.step_metrics(gpu_trace.load_events(profile_path))))
+        metrics = gpu_trace.step_metrics(gpu_trace.load_events(profile_path))
+        row.update({k: metrics[k] for k in ("gpu_busy_fraction", "overlapped_fraction")},
+                   traced_step_ms=metrics["step_ms"], **{f"host_{k}_ms": v for k, v in metrics["host_ms"].items()})
         os.remove(profile_path)
-    return row
-
-
-def flat_metrics(metrics):
-    """`gpu_trace.step_metrics` as flat row columns."""
-    row = {k: metrics[k] for k in ("gpu_busy_fraction", "overlapped_fraction")}
-    row["traced_step_ms"] = metrics["step_ms"]
-    for role, ms in metrics["host_ms"].items():
-        row[f"host_{role}_ms"] = ms
     return row
 
 
@@ -445,8 +413,7 @@ def overlap_problems(traces, cuda):
 
 
 def run_all(args, cuda):
-    """Traces and exactness (not in the device plan), NE, then the cell groups within `--budget`; always
-    writes the results."""
+    """Traces and exactness (not in the device plan), NE, the cell groups within `--budget`; writes the results."""
     run = Budget(args.budget, release=lambda: release_memory(cuda))
     errors, traces, rows, exact, ne = run.report["errors"], {}, [], [], []
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -486,26 +453,22 @@ CELL_COLUMNS = ["model", "batch", "mode", "p50", "p50_spread", "p90", "p90_sprea
                 "overlapped_fraction", "host_main_ms", "host_worker_ms", "host_autograd_ms", "max_memory_mib",
                 "graph_pool_mib", "repeats", "upstream_backwards_per_step", "graphs_captured", "graph_replays",
                 "auto_choice", "auto_timed_measuring_steps"]
-WHAT = (
-    QPS_NOTE + " Single process: no per-rank figures are combined. The paper's best non-blocking row is +9.51% p90 "
-               "QPS (worker thread + CUDA Graphs: +7.38%). Baselines, in rising effort: plain (the undetached "
-               "model, Keras's standard step), plain+jit (`jit_compile=True`: torch.compile), "
-               "plain+reduce_overhead (torch.compile(mode='reduce-overhead') on the train step), plain+graph (the "
-               "whole standard step as one CUDA Graph), standard (the detached model's standard step). *_vs_best: "
-               "the median over the repeats of each repeat's ratio to the best baseline's (the one with the "
-               "highest median p90) in the same repeat (the repeats alternate the modes on the same live models: "
-               "paired), *_vs_best_range the smallest..largest of those ratios; p90_vs_plain likewise against the "
-               "plain model. The columns (the module docstring says how each is measured): step_ms, the step's "
-               "wall time; gpu_busy_fraction, the union of its kernels over it; overlapped_fraction, the time "
-               "kernels of two or more streams ran at once over the GPU-busy time; host_*_ms, each thread role's "
-               "host work in a step (main thread, backward worker, autograd's device thread); overlaps, block "
-               "backward > later block forward on another stream; p50/p90 the median over the repeats, *_spread "
-               "(max - min) / median; host_share = host_ms_p50 / step_ms_p50 (near 1: host-bound); max_memory_mib, "
-               "`torch.cuda.max_memory_allocated`; graph_pool_mib, what the graphs' memory pools hold; "
-               "graphs_captured / graph_replays (a graph mode with 0 did not use graphs); "
-               "upstream_backwards_per_step (ctr), backwards of the shared table per step (1 with the hand-off); "
-               "auto_timed_measuring_steps, `auto`'s measuring steps inside the timed window."
-)
+WHAT = QPS_NOTE + (
+    " Single process: no per-rank figures are combined. The paper's best non-blocking row is +9.51% p90 QPS (worker "
+    "thread + CUDA Graphs: +7.38%). Baselines, in rising effort: plain (the undetached model, Keras's standard "
+    "step), plain+jit (`jit_compile=True`: torch.compile), plain+reduce_overhead (torch.compile(mode='reduce-"
+    "overhead') on the train step), plain+graph (the whole standard step as one CUDA Graph), standard (the detached "
+    "model's standard step). *_vs_best: the median over the repeats of each repeat's ratio to the best baseline's "
+    "(the highest median p90) in the same repeat (the repeats alternate the modes on the same live models: "
+    "paired), *_vs_best_range the smallest..largest of those ratios; p90_vs_plain likewise against the plain model. "
+    "step_ms: the step's wall time; gpu_busy_fraction: the union of its kernels over it; overlapped_fraction: the "
+    "time kernels of two or more streams ran at once over the GPU-busy time; host_*_ms: each thread role's host "
+    "work in a step (main thread, backward worker, autograd's device thread); overlaps: block backward > later "
+    "block forward on another stream; p50/p90: the median over the repeats, *_spread (max - min) / median; "
+    "host_share = host_ms_p50 / step_ms_p50 (near 1: host-bound); max_memory_mib: `torch.cuda."
+    "max_memory_allocated`; graph_pool_mib: what the graphs' memory pools hold; graphs_captured / graph_replays "
+    "(a graph mode with 0 did not use graphs); upstream_backwards_per_step (ctr): backwards of the shared table per "
+    "step (1 with the hand-off); auto_timed_measuring_steps: `auto`'s measuring steps inside the timed window.")
 
 
 def _trace_row(trace):

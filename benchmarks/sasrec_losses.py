@@ -1,12 +1,6 @@
-"""Which loss should SASRec train with, and what does it cost? Every loss, one model (docs/benchmarks.md).
-
-The study: `python -m examples.sasrec` once per (seed, dataset, loss), each in its own process under an
-address-space cap, the same model, seed, batch and evaluation for every `--losses` entry: MovieLens
-ml-latest-small for `--epochs` (the quality), synthetic 10^5 and 10^6 items for a few steps (the cost);
-each run cached in `--runs-dir` (a study resumes). `--speed`: the training step of `--losses` side by side in
-fresh processes, alternating, process CPU seconds per step beside wall seconds and the load. `--sampled`:
-`SampledSoftmaxLoss`'s `--variants` beside the exact losses, one seed (`--synthetic-items N`: a synthetic
-catalogue's cost instead). Results: `results/sasrec_losses*`, `results/sasrec_sampled*`.
+"""Which loss should SASRec train with, and what does it cost? `python -m examples.sasrec` per (seed, dataset,
+loss) in capped processes, runs cached (docs/benchmarks.md); `--speed`: the training step side by side;
+`--sampled`: `SampledSoftmaxLoss`'s `--variants` beside the exact losses.
 
     KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --movielens-dir DIR --epochs 20 --seeds 3
     KERAS_BACKEND=jax python benchmarks/sasrec_losses.py --speed|--sampled --movielens-dir DIR
@@ -20,15 +14,11 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from benchmarks.common import emit_row, machine_info, markdown_table, run_capped, run_cell, write_json  # noqa: E402
-from benchmarks.common import set_threads, step_clock, thread_env, write_results  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import REPO, RESULTS, emit_row, machine_info, markdown_table, read_json, run_capped  # noqa: E402
+from benchmarks.common import run_cell, set_threads, step_clock, thread_env, write_json, write_results  # noqa: E402
 from benchmarks.sasrec_study import load_runs, loss_name, parse_losses, plot_curves, run_missing  # noqa: E402
 from benchmarks.sasrec_study import speed_summaries, study_table, summarize  # noqa: E402
-
 
 RESULT_KEYS = ("hit@8", "ndcg@10", "recall@10", "steps_per_second", "peak_memory_mb", "steps", "epochs",
                "num_items", "num_users", "eval_users", "ndcg@10_per_epoch", "hit@8_per_epoch", "popularity_hit@8",
@@ -48,8 +38,7 @@ def run_case(dataset, loss, num_negatives, example_args, args, backend, seed=0):
         row = {"dataset": dataset, "loss": loss_name(loss, num_negatives), "seed": seed,
                **run_capped(command, args.memory_cap_gib, args.timeout, dict(os.environ, KERAS_BACKEND=backend))}
         if row["status"] == "ok":
-            with open(path) as f:
-                result = json.load(f)
+            result = read_json(path)
             row.update({k: result.get(k) for k in RESULT_KEYS}, status="trained")
     return row
 
@@ -70,10 +59,6 @@ def datasets(args):
                 "--num-items", str(num_items), "--num-users", str(args.num_users), "--max-len", "30", "--epochs",
                 "1", "--steps-per-epoch", str(steps), "--eval-users", str(args.eval_users), *batch]))
     return out
-
-
-# ------------------------------------------------------------------ speed ---
-# `--speed`: the parent runs cells; `--speed-cell` (one fresh process) trains and times one.
 
 
 def speed_cell(argv):
@@ -151,7 +136,6 @@ def speed(args, backend):
     return summaries
 
 
-# ---------------------------------------------------------------- sampled ---
 SAMPLED = ["--loss", "sampledsoftmax", "--num-negatives"]
 VARIANTS = {  # uniform without logQ is uniform with it: a constant shift of every logit
     "cutsoftmax": ["--loss", "cutsoftmax"],
@@ -171,8 +155,7 @@ SAMPLED_COLUMNS = ["variant", "epochs", "hit@10", "ndcg@10", "mrr", "hit@8", "st
 def sampled_run(name, args, path):
     """One `--sampled` variant's example run (its JSON, with the load before and after), cached at `path`."""
     if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     if args.synthetic_items:
         data = ["--data", "synthetic", "--num-items", str(args.synthetic_items), "--num-users", "300",
                 "--steps-per-epoch", str(args.synthetic_steps), "--eval-users", "50"]
@@ -185,9 +168,7 @@ def sampled_run(name, args, path):
     if done["status"] != "ok":
         print(done.get("error", ""), file=sys.stderr)
         return {"variant": name, "status": done["status"]}
-    with open(path) as f:
-        row = json.load(f)
-    row.update(variant=name, load_before=before, load_after=os.getloadavg()[0])
+    row = dict(read_json(path), variant=name, load_before=before, load_after=os.getloadavg()[0])
     write_json(path, row)
     return row
 
@@ -287,7 +268,7 @@ def build_parser():
                         help="no study: sampled softmax variants beside the exact losses (one seed)")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="--sampled: the variants, in this order")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "sasrec_losses"),
+    parser.add_argument("--out", default=os.path.join(RESULTS, "sasrec_losses"),
                         help="output path without extension (.md, .json, .png)")
     return parser
 
@@ -304,7 +285,7 @@ def main(argv=None):
     if args.sampled:
         if not (args.movielens_dir or args.synthetic_items):
             parser.error("--sampled needs --movielens-dir or --synthetic-items")
-        args.out = os.path.join(REPO, "benchmarks", "results", "sasrec_sampled") if default_out else args.out
+        args.out = os.path.join(RESULTS, "sasrec_sampled") if default_out else args.out
         return sampled(args)
     if args.speed:
         if args.losses == parser.get_default("losses"):

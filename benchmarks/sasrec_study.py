@@ -5,8 +5,9 @@ per-round ratios."""
 import argparse
 import json
 import os
+import statistics
 
-from benchmarks.common import fmt_spread, markdown_table, paired_ratios, spread, write_json
+from benchmarks.common import fmt_spread, markdown_table, paired_ratios, read_json, spread, write_json
 
 LOSSES = [("cutbce", 1), ("dense", 1), ("sampled", 1), ("sampled", 256), ("softmax", 1),
           ("cutsoftmax", 1)]
@@ -21,10 +22,7 @@ QUALITY = ("hit@8", "ndcg@10", "recall@10")
 
 def _mean_sd(values):
     """`(mean, sample sd)` of a list (sd None for one value)."""
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def _order(dataset, loss):
@@ -78,8 +76,6 @@ def _quality(summary, key):
 STUDY_COLUMNS = {"dataset": "data", "loss": "loss", "status": "status", "seeds": "seeds", "hit@8": "hit@8",
                  "ndcg@10": "ndcg@10", "recall@10": "recall@10", "steps_per_second": "train steps/s",
                  "peak_memory_mb": "peak RSS (MiB)", "wall_seconds": "wall time (s)"}
-
-
 COST_FORMATS = {"steps_per_second": ".3g", "peak_memory_mb": ",.0f", "wall_seconds": ".0f"}
 
 
@@ -161,14 +157,8 @@ def run_path(runs_dir, dataset, loss, seed):
 
 def load_runs(runs_dir):
     """Every cached run row in `runs_dir` (sorted by file name)."""
-    if not os.path.isdir(runs_dir):
-        return []
-    rows = []
-    for name in sorted(os.listdir(runs_dir)):
-        if name.endswith(".json"):
-            with open(os.path.join(runs_dir, name)) as f:
-                rows.append(json.load(f))
-    return rows
+    names = sorted(n for n in os.listdir(runs_dir) if n.endswith(".json")) if os.path.isdir(runs_dir) else []
+    return [read_json(os.path.join(runs_dir, name)) for name in names]
 
 
 def run_missing(runs_dir, seeds, cases, losses, run):

@@ -1,9 +1,5 @@
-"""Per-device memory of a CutBCE train step with the item table split over devices (jax) or ranks (torch).
-
-jax (default): `jit(value_and_grad)` compiled on 8 (simulated CPU) devices for a `replicated` table, a
-`sharded` one (`keras_cutbce.backends.jax.sharded`) and `gspmd` (the split table through the single-device
-kernel), from `memory_analysis()`. `--torch`: `ItemEmbedding(vocab_parallel=True)` over 1, 2, 4 gloo ranks
-(`TORCH_WHAT`).
+"""Per-device memory of a CutBCE train step with the item table split: jax (default; `replicated`, `sharded`
+and `gspmd` on 8 simulated devices, `memory_analysis()`) or `--torch` (1, 2, 4 gloo ranks, `TORCH_WHAT`).
 
     python benchmarks/sharded_memory.py [--quick]        # results/sharded_memory.{md,json}
     KERAS_BACKEND=torch python benchmarks/sharded_memory.py --torch [--quick]   # cutbce_vocab_parallel.*
@@ -14,8 +10,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import RESULTS, emit_row, fmt_spread, machine_info, markdown_table, peak_extra_mb  # noqa: E402
 from benchmarks.common import rss_bytes, run_cell, spread, write_results  # noqa: E402
 
@@ -57,20 +52,16 @@ def _measure(rows, dim, vocab, variant):
     compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2))).lower(*args).compile()
     stats = compiled.memory_analysis()
     grad_table_sharding = jax.tree.leaves(compiled.output_shardings)[2]
-    result = {
-        "rows": rows, "dim": dim, "vocab": vocab, "variant": variant,
-        "devices": len(devices), "platform": devices[0].platform,
-        "table_bytes_per_device": 4 * dim * NamedSharding(mesh, table_spec).shard_shape((vocab, dim))[0],
-        "grad_table_bytes_per_device": 4 * dim * grad_table_sharding.shard_shape((vocab, dim))[0],
-        "argument_bytes": stats.argument_size_in_bytes, "output_bytes": stats.output_size_in_bytes,
-        "temp_bytes": stats.temp_size_in_bytes, "alias_bytes": stats.alias_size_in_bytes,
-    }
-    result["peak_bound_bytes"] = (result["argument_bytes"] + result["output_bytes"] + result["temp_bytes"]
-                                  - result["alias_bytes"])
-    result["xla_peak_bytes"] = getattr(stats, "peak_memory_in_bytes", None)
+    sizes = {k: getattr(stats, f"{k}_size_in_bytes") for k in ("argument", "output", "temp", "alias")}
     memory = devices[0].memory_stats()
-    result["device_memory_stats"] = None if memory is None else dict(memory)
-    return result
+    return {"rows": rows, "dim": dim, "vocab": vocab, "variant": variant, "devices": len(devices),
+            "platform": devices[0].platform,
+            "table_bytes_per_device": 4 * dim * NamedSharding(mesh, table_spec).shard_shape((vocab, dim))[0],
+            "grad_table_bytes_per_device": 4 * dim * grad_table_sharding.shard_shape((vocab, dim))[0],
+            **{f"{k}_bytes": v for k, v in sizes.items()},
+            "peak_bound_bytes": sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"],
+            "xla_peak_bytes": getattr(stats, "peak_memory_in_bytes", None),
+            "device_memory_stats": None if memory is None else dict(memory)}
 
 
 def _run_child(rows, dim, vocab, variant):
@@ -145,7 +136,7 @@ def torch_ranks(args):
         payload.append({**row, "step_s": spread(slowest) if world <= 2 else None, "per_rank": ranks})
         print(row, flush=True)
     what = TORCH_WHAT + f"\n\nV = {vocab}, D = {dim}, M = {rows} positions (8 targets each)."
-    write_results(os.path.join(RESULTS, "cutbce_vocab_parallel" + ("_quick" if args.quick else "")),
+    write_results(args.out or os.path.join(RESULTS, "cutbce_vocab_parallel" + ("_quick" if args.quick else "")),
                   "CutBCE with the table split over torch.distributed ranks (gloo, CPU)", what, None,
                   machine_info(threads=1), markdown_table(table, list(table[0])), {"rows": payload})
 
@@ -159,7 +150,8 @@ COLUMNS = {"rows": "M", "dim": "D", "vocab": "V", "variant": "variant", "table_b
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape")
-    parser.add_argument("--out", default=os.path.join(RESULTS, "sharded_memory"))
+    parser.add_argument("--out", help="without extension (default: results/sharded_memory; --torch: "
+                                      "results/cutbce_vocab_parallel)")
     parser.add_argument("--torch", action="store_true", help="the table over torch gloo ranks (R = 1, 2, 4)")
     parser.add_argument("--steps", type=int, default=3, help="--torch: timed steps")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -181,7 +173,8 @@ def main():
         f"on V alone every device sees all M rows. Platform: {results[0].get('platform', '?')} "
         f"({results[0].get('devices', '?')} devices).")
     columns = [c for c in COLUMNS if any(c in r for r in results)]
-    write_results(args.out, "CutBCE per-device memory: table sharded 8 ways vs replicated", what, None,
+    write_results(args.out or os.path.join(RESULTS, "sharded_memory"),
+                  "CutBCE per-device memory: table sharded 8 ways vs replicated", what, None,
                   machine_info(), markdown_table(lines, columns, [COLUMNS[c] for c in columns]), {"rows": results})
 
 

@@ -132,15 +132,15 @@ def test_tests_import_only_the_benchmark_plans_and_tools_never_import_benchmarks
     assert found["tests"] > 20 and found["tools"] > 5  # the walks find the files
 
 
-# benchmarks/*.py in all: fold what scripts share into benchmarks/common.py. Issue 51's goal is 3,500;
-# the scripts are at 4,038 after this session's baselines (not met): a ratchet, lowered as they fold.
-BENCHMARK_LINES = 4040
+# benchmarks/*.py in all: fold what scripts share into benchmarks/common.py. Issue 51's goal is 3,500 (met:
+# 3,479 lines, cutbce_cpu.py's 528 among them); a ratchet, lowered as they fold.
+BENCHMARK_LINES = 3490
 OLDER_CODE = re.compile(r"before|after|round_(?:one|two|three)|session_change|_vs_|_old\b|previous")
 MACHINE_PATH = re.compile(r"(?<![\w.$])/(?:tmp|home|root|Users|work)/")
 
 
 def test_benchmark_scripts_stay_small():
-    """What scripts share lives in the harness, benchmarks/common.py (a ratchet toward issue 51's 3,500 lines)."""
+    """What scripts share lives in the harness, benchmarks/common.py (a ratchet under issue 51's 3,500 lines)."""
     scripts = [os.path.join(REPO, "benchmarks", n) for n in os.listdir(os.path.join(REPO, "benchmarks"))
                if n.endswith(".py")]
     lines = sum(sum(1 for _ in open(p, encoding="utf-8")) for p in scripts)
