@@ -260,11 +260,13 @@ def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
     return shape
 
 
-def _host_or_tensor(ids):
-    """`(ids, host)`: host integer ids as a NumPy array, anything else as a tensor."""
-    if is_host_array(ids) and np.asarray(ids).dtype.kind in "iu":
-        return np.asarray(ids), True
-    return ops.convert_to_tensor(ids), False
+def _integer_ids(ids, vocab_size, argument):
+    """`(ids, host)`: integer ids, host data as NumPy, else a tensor; float ids as `whole_float_ids` takes them."""
+    host = is_host_array(ids)
+    ids = np.asarray(ids) if host else ops.convert_to_tensor(ids)
+    if not (ids.dtype.kind in "iu" if host else is_int(ids)):
+        ids = whole_float_ids(ids, vocab_size, argument)  # TypeError where floats are not exact
+    return ids, host
 
 
 def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
@@ -276,10 +278,7 @@ def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     >>> np.asarray(int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")).tolist()
     [[0], [-1], [-1]]
     """
-    host = is_host_array(ids)
-    ids = np.asarray(ids) if host else ops.convert_to_tensor(ids)
-    if not (ids.dtype.kind in "iu" if host else is_int(ids)):
-        ids = whole_float_ids(ids, vocab_size, argument)  # TypeError where floats are not exact
+    ids, host = _integer_ids(ids, vocab_size, argument)
     h_dims, i_dims = static_dims(hidden), static_dims(ids)
     refuse_multi_hot(ids, vocab_size, argument, lead_ndim=len(h_dims) - 1)
     with_labels = _check_id_shape(i_dims, h_dims, argument, one_per_position)
@@ -314,18 +313,13 @@ def check_bool(value, argument):
 
 
 def negative_ids(ids, vocab_size):
-    """Negative ids checked: int32 `[S]` shared by every position, `EMPTY_ID` outside `[0, V)`.
+    """Negative ids checked: int32 `[S]` shared by every position, `EMPTY_ID` outside `[0, V)`; float ids as in `int32_ids`.
 
     >>> import numpy as np
     >>> np.asarray(negative_ids(np.array([4, 0, 9]), 5)).tolist()
     [4, 0, -1]
     """
-    ids, host = _host_or_tensor(ids)
-    if not host and not is_int(ids):
-        raise TypeError(
-            "`negative_ids` must be integer item ids (outside [0, V): padding). "
-            f"Received: negative_ids.dtype={_dtype(ids)}"
-        )
+    ids, _ = _integer_ids(ids, vocab_size, "negative_ids")
     dims = static_dims(ids)
     if len(dims) != 1:
         raise ValueError(

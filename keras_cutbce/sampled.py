@@ -58,7 +58,8 @@ def cut_sampled_softmax_crossentropy(
         target_ids: integer ids `[..., L]` (or `[...]`); ids outside `[0, V)`
             are padding, duplicates count once.
         negative_ids: integer ids `[S]` shared by every position; outside
-            `[0, V)`: padding (left out); a repeated id is a candidate each time.
+            `[0, V)`: padding (left out); a repeated id is a candidate each time;
+            whole-number float ids as for `target_ids`.
         bias: optional float `[V]`, for a table without its own bias.
         log_q: optional float `[V]`, each item's log-probability under the
             sampler (the logQ correction); any per-item constant added to it

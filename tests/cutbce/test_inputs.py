@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_cutbce import CutBCELoss, CutSoftmaxLoss, TopKRetrieval, cut_binary_crossentropy
-from keras_cutbce import cut_categorical_crossentropy, cut_top_k
+from keras_cutbce import cut_categorical_crossentropy, cut_sampled_softmax_crossentropy, cut_top_k
 from keras_cutbce.ops import cut_count_at_least, cut_rank
 from tests.backend_utils import dtype_name, to_numpy
 
@@ -151,7 +151,16 @@ def _id_users(items, hidden, table):
         "MeanReciprocalRank": metric(MeanReciprocalRank),
         "ThresholdConfusion": metric(ThresholdConfusion),
         "OutOfRangeTargets": metric(OutOfRangeTargets),
+        "cut_sampled_softmax_crossentropy": lambda ids: cut_sampled_softmax_crossentropy(
+            hidden, table, ids, np.arange(4)),
+        "negative_ids": lambda ids: cut_sampled_softmax_crossentropy(
+            hidden, table, np.arange(len(hidden))[:, None], _flat(ids)),
     }
+
+
+def _flat(ids):
+    """The ids as one list `[S]`, NumPy staying NumPy (host data) and a tensor a tensor."""
+    return ids.reshape(-1) if isinstance(ids, np.ndarray) else keras.ops.reshape(ids, (-1,))
 
 
 def _numbers(value):
@@ -204,6 +213,12 @@ def test_float_ids_beyond_their_exact_range_keep_the_type_error():
         cut_binary_crossentropy(hidden, table, np.array([[1.0], [2.0]], "float16"))
     with pytest.raises(TypeError, match=r"V here: unknown"):
         checks.int32_ids(np.array([1.0]), np.zeros((1, 4), "float32"), None, "target_ids")
+    with pytest.raises(TypeError, match=r"`negative_ids` must be integer.*V here: 16777217"):
+        checks.negative_ids(np.array([1.0, 2.0], "float32"), 2**24 + 1)
+    with pytest.raises(TypeError, match=r"`negative_ids` must be integer.*bfloat16: V <= 256"):
+        checks.negative_ids(keras.ops.ones((2,), "bfloat16"), 257)
+    with pytest.raises(TypeError, match=r"`negative_ids` must be integer.*dtype=bool"):
+        checks.negative_ids(np.array([True, False]), 5)
 
 
 @pytest.mark.slow

@@ -252,7 +252,8 @@ def test_family_slopes_are_the_oracle_softmax():
 
 @pytest.mark.parametrize("call,error", [
     (lambda h, e: cut_sampled_softmax_crossentropy(h, e, IDS, NEGATIVES.reshape(3, 3)), ValueError),
-    (lambda h, e: cut_sampled_softmax_crossentropy(h, e, IDS, NEGATIVES.astype("float32")), TypeError),
+    (lambda h, e: cut_sampled_softmax_crossentropy(h, e, IDS, NEGATIVES + 0.5), ValueError),
+    (lambda h, e: cut_sampled_softmax_crossentropy(h, e, IDS, NEGATIVES > 3), TypeError),
     (lambda h, e: cut_sampled_softmax_crossentropy(h, e, IDS, NEGATIVES, log_q=np.zeros(5, "float32")),
      ValueError),
     (lambda h, e: cut_sampled_softmax_crossentropy(h, e, IDS, NEGATIVES, remove_accidental_hits=1),
