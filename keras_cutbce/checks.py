@@ -11,10 +11,9 @@ from keras import ops
 
 from keras_cutbce import registry
 from keras_cutbce.common import ids_as_int32
-from keras_cutbce.common import is_host_array
 from keras_cutbce.common import static_dims
+from keras_cutbce.ids import integer_ids
 from keras_cutbce.ids import refuse_multi_hot
-from keras_cutbce.ids import whole_float_ids
 
 __all__ = [
     "LossOptions",
@@ -260,25 +259,16 @@ def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
     return shape
 
 
-def _integer_ids(ids, vocab_size, argument):
-    """`(ids, host)`: integer ids, host data as NumPy, else a tensor; float ids as `whole_float_ids` takes them."""
-    host = is_host_array(ids)
-    ids = np.asarray(ids) if host else ops.convert_to_tensor(ids)
-    if not (ids.dtype.kind in "iu" if host else is_int(ids)):
-        ids = whole_float_ids(ids, vocab_size, argument)  # TypeError where floats are not exact
-    return ids, host
-
-
 def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     """Ids checked for `hidden [..., D]`: int32 `[..., L]`, `EMPTY_ID` outside `[0, V)`, multi-hot refused.
 
-    Whole-number float ids are taken where exact (`whole_float_ids`).
+    Whole-number float ids are taken where exact (`ids.integer_ids`).
 
     >>> import numpy as np
     >>> np.asarray(int32_ids(np.array([0, 7, -3]), np.zeros((3, 2)), 5, "target_ids")).tolist()
     [[0], [-1], [-1]]
     """
-    ids, host = _integer_ids(ids, vocab_size, argument)
+    ids, host = integer_ids(ids, vocab_size, argument)
     h_dims, i_dims = static_dims(hidden), static_dims(ids)
     refuse_multi_hot(ids, vocab_size, argument, lead_ndim=len(h_dims) - 1)
     with_labels = _check_id_shape(i_dims, h_dims, argument, one_per_position)
@@ -319,7 +309,7 @@ def negative_ids(ids, vocab_size):
     >>> np.asarray(negative_ids(np.array([4, 0, 9]), 5)).tolist()
     [4, 0, -1]
     """
-    ids, _ = _integer_ids(ids, vocab_size, "negative_ids")
+    ids, _ = integer_ids(ids, vocab_size, "negative_ids")
     dims = static_dims(ids)
     if len(dims) != 1:
         raise ValueError(

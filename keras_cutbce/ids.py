@@ -153,6 +153,18 @@ def whole_float_ids(ids, vocab_size, argument):
     return ops.cast(ops.clip(ids, -_ID_LIMIT, _ID_LIMIT), "int32")
 
 
+def integer_ids(ids, vocab_size, argument):
+    """`(ids, host)`: integer ids, host data as NumPy (`host` True), else a tensor; float ids as `whole_float_ids` takes them.
+
+    The one reader of item ids for the losses, the metrics and `count_out_of_range_ids`.
+    """
+    host = is_host_array(ids)
+    ids = np.asarray(ids) if host else ops.convert_to_tensor(ids)
+    if not (ids.dtype.kind in "iu" if host else keras.backend.is_int_dtype(ids.dtype)):
+        ids = whole_float_ids(ids, vocab_size, argument)  # TypeError where floats are not exact
+    return ids, host
+
+
 def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):
     """Raises on multi-hot labels `[..., V]` given as ids (V >= 2 entries, all 0 or 1; traced: the shape alone)."""
     dims = tuple(ids.shape)
@@ -200,11 +212,7 @@ def count_out_of_range_ids(ids, embeddings) -> dict[int, int]:
         vocab_size = int(embeddings)
     else:
         vocab_size = int(ItemTable.read(embeddings).vocab_size)
-    values = np.asarray(ids if is_host_array(ids) else ops.convert_to_numpy(ids))
-    if values.dtype.kind == "f":
-        values = whole_float_ids(values, vocab_size, "ids")
-    if values.dtype.kind not in "iu":
-        raise TypeError(f"`ids` must be integer item ids. Received: ids.dtype={values.dtype}")
+    values, _ = integer_ids(ids if is_host_array(ids) else ops.convert_to_numpy(ids), vocab_size, "ids")
     outside = values[(values < 0) | (values >= vocab_size)]
     found, counts = np.unique(outside, return_counts=True)
     return {int(i): int(c) for i, c in zip(found, counts)}

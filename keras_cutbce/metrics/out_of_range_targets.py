@@ -9,9 +9,8 @@ from keras import ops
 
 from keras_cutbce import _keras_private
 from keras_cutbce import checks
-from keras_cutbce.common import is_host_array
+from keras_cutbce.ids import integer_ids
 from keras_cutbce.ids import refuse_multi_hot
-from keras_cutbce.ids import whole_float_ids
 from keras_cutbce.item_table import bind
 from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.item_table import table_config
@@ -102,30 +101,15 @@ class OutOfRangeTargets(keras.metrics.Metric):
     @_keras_private.usable_after_refusal()
     def _flags(self, y_true, lead_ndim):
         vocab_size = self.vocab_size()
-        if is_host_array(y_true):
-            ids = np.asarray(y_true)
-            if ids.dtype.kind == "f":
-                ids = whole_float_ids(ids, vocab_size, "y_true")
-            if ids.dtype.kind not in "iu":
-                raise TypeError(
-                    f"`y_true` must be integer item ids. Received: y_true.dtype={ids.dtype}"
-                )
-            _refuse_multi_hot(ids, vocab_size, lead_ndim)
+        ids, host = integer_ids(y_true, vocab_size, "y_true")
+        _refuse_multi_hot(ids, vocab_size, lead_ndim)
+        if host:
             if lead_ndim is not None and ids.ndim == lead_ndim:
                 ids = ids[..., None]
             ids = ids.reshape(-1, ids.shape[-1]) if ids.ndim > 1 else ids.reshape(-1, 1)
             outside = (ids < 0) | (ids >= vocab_size)
             padding = np.zeros_like(outside) if self.padding_id is None else ids == self.padding_id
             return ops.convert_to_tensor(outside), ops.convert_to_tensor(padding)
-        ids = ops.convert_to_tensor(y_true)
-        if checks.is_float(ids):
-            ids = whole_float_ids(ids, vocab_size, "y_true")
-        if not checks.is_int(ids):
-            raise TypeError(
-                "`y_true` must be integer item ids. "
-                f"Received: y_true.dtype={keras.backend.standardize_dtype(ids.dtype)}"
-            )
-        _refuse_multi_hot(ids, vocab_size, lead_ndim)
         if lead_ndim is not None and len(ids.shape) == lead_ndim:
             ids = ops.expand_dims(ids, -1)
         if len(ids.shape) < 2:
