@@ -23,6 +23,13 @@ def _safe(ids):
 
 
 def _sampled_loss(inputs, negatives, log_q, negative_log_q, remove_accidental_hits, temperature=1.0):
+    if inputs.table.layout is not None:
+        raise NotImplementedError(
+            "The sampled softmax reads the whole item table, and this one is split over "
+            "torch.distributed ranks (`ItemEmbedding(vocab_parallel=True)`): train it with "
+            "`CutSoftmaxLoss` or `CutBCELoss` (exact, over every item), or build the table with "
+            f"`vocab_parallel=False`. Received: a table split over {inputs.table.layout.world} ranks"
+        )
     loss = dispatch("cut_sampled_softmax", "gather", inputs.hidden, inputs.table, inputs.ids,
                     inputs.bias, negatives, log_q=log_q, negative_log_q=negative_log_q,
                     remove_accidental_hits=remove_accidental_hits, temperature=temperature,
@@ -116,7 +123,8 @@ class SampledSoftmaxLoss(CutLoss):
     target is also one of its negatives.
 
     Args:
-        embeddings: the item table `[V, D]` (as for `CutBCELoss`).
+        embeddings: the item table `[V, D]` (as for `CutBCELoss`; a table split
+            over ranks, `vocab_parallel=True`, raises `NotImplementedError`).
         num_negatives: `S`, ids drawn per call (`>= 0`; 0 needs `in_batch_negatives`).
         sampler: `"uniform"`, `"log_uniform"` (ids by decreasing popularity) or
             item counts `[V]` (see `keras_cutbce.samplers`).

@@ -32,7 +32,7 @@ class Sampler(NamedTuple):
         """Int32 ids `[num]` drawn independently (with replacement) with `seed` (a `SeedGenerator` or a JAX key)."""
         if self.kind == "uniform":
             return ops.cast(keras.random.randint((num,), 0, self.vocab, seed=seed), "int32")
-        u = keras.random.uniform((num,), seed=seed)
+        u = keras.random.uniform((num,), dtype="float32", seed=seed)  # the same draws under any floatx
         if self.kind == "log_uniform":
             ids = ops.floor(ops.exp(u * math.log(self.vocab + 1.0))) - 1.0
         else:

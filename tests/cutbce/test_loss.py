@@ -124,12 +124,12 @@ class DenseLogits(keras.layers.Layer):
         return ops.matmul(hidden, ops.transpose(self.embedding.embeddings))
 
 
-def build_model(vocab, dim, dense=False, seed=0, users=False):
+def build_model(vocab, dim, dense=False, seed=0, users=False, losses=None, vocab_parallel=False):
     """An `Embedding`, a projection and the logits (`dense`) or the hidden states; with
-    `users`, `users_model` (its blocks' local losses: the model's loss, `local_loss`)."""
+    `users`, `users_model` (its blocks' local losses: the model's loss, `losses` or `local_loss`)."""
     keras.utils.set_random_seed(seed)
     if users:
-        return users_model(vocab, dim, dense)
+        return users_model(vocab, dim, dense, losses or local_loss, vocab_parallel)
     inputs = keras.Input((None,), dtype="int32")
     items = keras.layers.Embedding(vocab, dim, name="items")
     hidden = keras.layers.Dense(dim, name="proj")(items(inputs))
@@ -137,23 +137,23 @@ def build_model(vocab, dim, dense=False, seed=0, users=False):
     return keras.Model(inputs, outputs), items
 
 
-def users_model(vocab, dim, dense):
+def users_model(vocab, dim, dense, losses, vocab_parallel=False):
     """The models users have: an `ItemEmbedding` shared by two towers (`DetachBlock`s whose
     local loss also trains it) and the main path; the layer `both` inside `tower_a` and outside
     any block; `tower_b` with an L2-regularized kernel and `BatchNormalization`; the block
-    `reused` met twice; `Dropout` before the projection. The local loss: `local_loss(items)`."""
+    `reused` met twice; `Dropout` before the projection. The local loss: `losses(items, dense)`."""
     from keras_cutbce import ItemEmbedding
     from keras_erase import DetachBlock, EraseModel
 
     inputs = keras.Input((None,), dtype="int32")
-    items = ItemEmbedding(vocab, dim, name="items")
+    items = ItemEmbedding(vocab, dim, name="items", vocab_parallel=vocab_parallel)
     features = items(inputs)
     both = keras.layers.Dense(dim, activation="tanh", name="both")
 
     def block(name, layers, detach_input=False):
         head = [keras.layers.Dense(dim, name=f"{name}_head")] + [DenseLogits(items)] * dense
         return DetachBlock(keras.Sequential(layers, name=f"{name}_mlp"), head=keras.Sequential(head),
-                           loss=local_loss(items, dense), loss_weight=0.5,
+                           loss=losses(items, dense), loss_weight=0.5,
                            detach_input=detach_input, name=name)
 
     regularized = keras.layers.Dense(dim, activation="tanh", name="l2", use_bias=False,
@@ -197,21 +197,27 @@ def fit_data(vocab=53, batch=16, steps=6, labels=3, seed=0):
     return x, y.astype("int32")
 
 
-def first_step(vocab, dim, x, y, policy, dense=False, softmax=False, users=False):
+def first_step(vocab, dim, x, y, policy, dense=False, softmax=False, users=False, losses=None,
+               vocab_parallel=False):
     """The loss and the weight change of one SGD(1) step of `build_model` under `policy`.
 
     BCE (`CutBCELoss` or Keras's dense loss), or with `softmax` the softmax
-    cross-entropy (`CutSoftmaxLoss`, or Keras's on the targets `multi_hot / |P|`).
+    cross-entropy (`CutSoftmaxLoss`, or Keras's on the targets `multi_hot / |P|`), or
+    `losses(items, dense)` on the ids. `vocab_parallel`: the table split over this
+    process group's ranks (its change gathered whole).
     """
     from keras_cutbce import CutSoftmaxLoss
     from tests.backend_utils import dtype_policy
 
     with dtype_policy("float32"):
-        initial = build_model(vocab, dim, users=users)[0].get_weights()  # float64 draws others
+        initial = build_model(vocab, dim, users=users, losses=losses)[0].get_weights()  # float64 draws others
     with dtype_policy(policy), _floatx(policy if users else None):
-        model, items = build_model(vocab, dim, dense=dense, users=users)
-        model.set_weights(initial)
-        if dense:
+        model, items = build_model(vocab, dim, dense=dense, users=users, losses=losses,
+                                   vocab_parallel=vocab_parallel)
+        model.set_weights(_rows_held(model, initial, items))
+        if losses is not None:
+            loss = losses(items, dense)
+        elif dense:
             hot = to_numpy(multi_hot(y.reshape(-1, y.shape[-1]), vocab)).reshape(x.shape + (vocab,))
             if softmax:
                 hot = hot / np.maximum(hot.sum(-1, keepdims=True), 1.0)
@@ -227,8 +233,49 @@ def first_step(vocab, dim, x, y, policy, dense=False, softmax=False, users=False
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
         if policy == "mixed_float16":  # Keras scales the loss: the step goes through the scale
             assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        value = model.train_on_batch(x, np.asarray(y, "float32") if dense else y)
-        return value, [to_numpy(w) - w0 for w, w0 in zip(model.get_weights(), initial)]
+        value = model.train_on_batch(x, np.asarray(y, "float32") if dense and losses is None else y)
+        return value, [_whole(w, items) - w0 for w, w0 in zip(model.weights, initial)]
+
+
+def assert_step_like_dense(cut, dense, true, whole_model=False):
+    """`first_step`'s `(loss, changes)` of `cut` against float64's `true`: no worse than twice `dense`'s.
+
+    The loss and each weight's change by `assert_within_low_precision`; `whole_model` (a mixed
+    policy on `users_model`, whose many small biases move by less than their rounding): ERASE's
+    bound, the worst weight's error relative to its float64 move at most twice the dense worst.
+    """
+    from tests.backend_utils import assert_within_low_precision
+
+    (l_cut, cut), (l_dense, dense), (l_true, true) = cut, dense, true
+    assert_within_low_precision(l_cut, l_dense, l_true, "loss")
+    assert all(np.abs(a).max() > 0 for a in cut)  # every weight trained
+    if whole_model:
+        def worst(changes):
+            return max(np.abs(a - t).max() / np.abs(t).max() for a, t in zip(changes, true))
+
+        assert worst(cut) <= 2.0 * worst(dense), (worst(cut), worst(dense))
+        return
+    for i, (a, b, t) in enumerate(zip(cut, dense, true)):
+        assert_within_low_precision(a, b, t, f"weight #{i} change")
+
+
+def _rows_held(model, weights, items):
+    """`model`'s `weights` with the item table's rows cut to the ones this rank holds."""
+    layout = getattr(items, "vocab_layout", None)
+    if layout is None:
+        return weights
+    return [w[layout.start:layout.stop] if v.path == items.embeddings.path else w
+            for v, w in zip(model.weights, weights)]
+
+
+def _whole(weight, items):
+    """A weight's value; the split item table gathered whole."""
+    layout = getattr(items, "vocab_layout", None)
+    if layout is None or weight.path != items.embeddings.path:
+        return to_numpy(weight)
+    from keras_cutbce.backends.torch import vocab_parallel
+
+    return vocab_parallel.gather_table(weight.value, layout)
 
 
 @pytest.mark.slow

@@ -287,6 +287,13 @@ def test_draws_are_reproducible_with_a_seed(sampler):
     assert first.min() >= 0 and first.max() < V
     if isinstance(sampler, np.ndarray):
         assert np.all(counts[first] > 0)  # an item of count 0 is never drawn
+    previous = keras.config.floatx()
+    keras.config.set_floatx("float64")  # a float64 model (its reference step) draws the same ids
+    try:
+        again = to_numpy(SampledSoftmaxLoss(np.zeros((V, D), "float32"), 64, sampler=sampler, seed=1).draw(V))
+    finally:
+        keras.config.set_floatx(previous)
+    np.testing.assert_array_equal(again, first)
 
 
 def test_sampler_log_q_is_a_distribution():
@@ -441,6 +448,59 @@ def test_fit_under_mixed_precision_is_as_exact_as_the_dense_low_precision_model(
                           loss=SampledSoftmaxLoss(items, 8, sampler="log_uniform", seed=2))
             losses[name] = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history["loss"]
     np.testing.assert_allclose(losses[policy], losses["float32"], rtol=2e-2)
+
+
+def _users_losses(items, dense):
+    """`users_model`'s losses: sampled softmax, popularity draws (logQ corrected) and the batch's targets;
+    `dense`: the same loss on the dense logits `h @ E.T` (computed under the policy) through the
+    identity table, so that only the logits' computation differs."""
+    table = np.eye(items.input_dim, dtype="float32") if dense else items
+    return SampledSoftmaxLoss(table, 16, sampler="log_uniform", in_batch_negatives=True, seed=4)
+
+
+_USERS_FLOAT64 = []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_users_model_first_step_is_as_exact_as_the_dense_model(policy):
+    """`test_loss.users_model` (a shared `ItemEmbedding` upstream of two `DetachBlock` towers with
+    their own sampled loss, a reused block, batch norm, dropout, an L2 kernel regularizer), one SGD
+    step against float64: the loss and the weights' changes no worse than twice the dense model's
+    under the policy (`test_loss.assert_step_like_dense`). Every loss object draws the seed's
+    negatives, so the dense twin and the float64 step see the same ones."""
+    from tests.cutbce.test_loss import assert_step_like_dense, first_step, fit_data
+
+    vocab, dim = 53, 8
+    x, y = fit_data(vocab)
+    cut = first_step(vocab, dim, x, y, policy, users=True, losses=_users_losses)
+    dense = first_step(vocab, dim, x, y, policy, dense=True, users=True, losses=_users_losses)
+    if not _USERS_FLOAT64:
+        _USERS_FLOAT64.append(first_step(vocab, dim, x, y, "float64", users=True, losses=_users_losses))
+    assert_step_like_dense(cut, dense, _USERS_FLOAT64[0], whole_model=policy != "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch.distributed gloo ranks")
+def test_users_model_on_two_data_parallel_ranks_steps_as_one_process():
+    """`test_users_model_first_step_is_as_exact_as_the_dense_model`'s model and losses, one SGD step of
+    `fit` on 2 gloo ranks (the table whole on each, every rank the same batch, so the same seeded
+    draws and the ranks' mean gradient is one process's) under every policy: one process's step."""
+    from keras_erase.torch.launch import run_local
+    from tests.cutbce import vocab_parallel_ranks
+    from tests.cutbce.test_loss import first_step, fit_data
+
+    policies = ("float32", "mixed_bfloat16", "mixed_float16")
+    per_rank = run_local(vocab_parallel_ranks.users_model_steps, 2,
+                         args=(policies, _users_losses, False), threads_per_rank=1)
+    x, y = fit_data(53)
+    for index, policy in enumerate(policies):
+        loss, changes = first_step(53, 8, x, y, policy, users=True, losses=_users_losses)
+        for rank_loss, rank_changes in (result[index] for result in per_rank):
+            np.testing.assert_allclose(rank_loss, loss, rtol=1e-6, err_msg=policy)
+            for i, (got, want) in enumerate(zip(rank_changes, changes)):
+                error = np.abs(got - want).max() / np.abs(want).max()
+                assert error <= 1e-5, f"{policy} weight #{i}: {error:.2e} of its change"
 
 
 def test_each_compiled_step_draws_the_seeds_next_negatives():

@@ -417,26 +417,15 @@ def test_first_fit_step_under_mixed_precision_matches_dense_keras(policy, users)
     dropout). Its many small biases move by less than their low-precision rounding, so under
     a mixed policy the bound is ERASE's (`assert_like_the_standard_step`): the worst weight's
     error relative to its float64 move, at most twice the dense model's worst."""
-    from tests.backend_utils import assert_within_low_precision
-    from tests.cutbce.test_loss import first_step, fit_data
+    from tests.cutbce.test_loss import assert_step_like_dense, first_step, fit_data
 
     vocab, dim = 53, 8
     x, y = fit_data(vocab)
-    l_cut, cut = first_step(vocab, dim, x, y, policy, softmax=True, users=users)
-    l_dense, dense = first_step(vocab, dim, x, y, policy, dense=True, softmax=True, users=users)
+    cut = first_step(vocab, dim, x, y, policy, softmax=True, users=users)
+    dense = first_step(vocab, dim, x, y, policy, dense=True, softmax=True, users=users)
     if users not in _FLOAT64_STEP:  # one float64 step for every policy
         _FLOAT64_STEP[users] = first_step(vocab, dim, x, y, "float64", softmax=True, users=users)
-    l_true, true = _FLOAT64_STEP[users]
-    assert_within_low_precision(l_cut, l_dense, l_true, "loss")
-    assert all(np.abs(a).max() > 0 for a in cut)  # every weight trained
-    if users and policy != "float32":
-        def worst(changes):
-            return max(np.abs(a - t).max() / np.abs(t).max() for a, t in zip(changes, true))
-
-        assert worst(cut) <= 2.0 * worst(dense), (worst(cut), worst(dense))
-        return
-    for i, (a, b, t) in enumerate(zip(cut, dense, true)):
-        assert_within_low_precision(a, b, t, f"weight #{i} change")
+    assert_step_like_dense(cut, dense, _FLOAT64_STEP[users], whole_model=users and policy != "float32")
 
 
 # Keras's own test cases of `CategoricalCrossentropy` and `SparseCategoricalCrossentropy`

@@ -165,6 +165,45 @@ def test_fit_on_ranks_trains_like_one_process_on_the_global_batch(world, optimiz
 
 @torch_only
 @pytest.mark.slow
+def test_users_model_on_two_ranks_steps_as_exactly_as_one_process():
+    """`test_loss.users_model` (the split `ItemEmbedding` shared by two `DetachBlock` towers with
+    their own `CutSoftmaxLoss`, a reused block, batch norm, dropout, an L2 kernel regularizer), one
+    SGD step of `fit` on 2 gloo ranks (each the same batch) under float32, mixed_bfloat16 and
+    mixed_float16 (Keras's loss scaling across ranks), against one process's float64 step: no
+    worse than twice the dense Keras model under the policy (`test_loss.assert_step_like_dense`).
+    float32: also one process's `CutSoftmaxLoss` step, each weight's change within 1e-4 of its
+    float64 move (the ranks merge the softmax statistics in another order; measured: 2.5e-5 for
+    `tower_b`'s head kernel behind batch norm, <= 6e-7 for every other weight)."""
+    from keras_erase.torch.launch import run_local
+    from tests.cutbce.test_loss import assert_step_like_dense, first_step, fit_data
+
+    policies = ("float32", "mixed_bfloat16", "mixed_float16")
+    per_rank = run_local(ranks.users_model_steps, 2, args=(policies,), threads_per_rank=1)
+    x, y = fit_data(53)
+    true = first_step(53, 8, x, y, "float64", softmax=True, users=True)
+    one_loss, one_changes = first_step(53, 8, x, y, "float32", softmax=True, users=True)
+    for index, policy in enumerate(policies):
+        dense = first_step(53, 8, x, y, policy, dense=True, softmax=True, users=True)
+        for result in per_rank:
+            assert_step_like_dense(result[index], dense, true, whole_model=policy != "float32")
+            if policy == "float32":
+                np.testing.assert_allclose(result[index][0], one_loss, rtol=1e-6)
+                for i, (got, want, move) in enumerate(zip(result[index][1], one_changes, true[1])):
+                    error = np.abs(got - want).max() / np.abs(move).max()
+                    assert error <= 1e-4, f"weight #{i}: {error:.2e} of its float64 move"
+
+
+@torch_only
+@pytest.mark.slow
+def test_sampled_softmax_on_a_split_table_names_the_losses_that_run():
+    from keras_erase.torch.launch import run_local
+
+    for message in run_local(ranks.sampled_on_split_table, 2, threads_per_rank=1):
+        assert message is not None and "CutSoftmaxLoss" in message and "vocab_parallel=False" in message
+
+
+@torch_only
+@pytest.mark.slow
 def test_saved_under_two_ranks_loads_under_three_and_in_one_process(tmp_path):
     from keras_erase.torch.launch import run_local
 

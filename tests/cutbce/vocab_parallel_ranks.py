@@ -210,3 +210,34 @@ def loss_class_gradients(rank, world, data, split=True):
         grads = torch.autograd.grad(loss, [hidden] + [w.value for w in layer.weights])
         out.append([loss.detach().numpy()] + [g.numpy() for g in grads])
     return out
+
+
+def users_model_steps(rank, world, policies, losses=None, vocab_parallel=True):
+    """`test_loss.first_step` of `test_loss.users_model` per policy: `CutSoftmaxLoss` (or `losses`),
+    the table split over the ranks (`vocab_parallel`) or whole on each (data parallel).
+
+    Every rank takes the same whole batch, so the step is one process's on that batch: batch norm's
+    statistics and dropout's masks (seeded) are the same as there, and the data-parallel mean of the
+    ranks' equal gradients is one process's gradient.
+    """
+    from tests.cutbce.test_loss import first_step
+    from tests.cutbce.test_loss import fit_data
+
+    x, y = fit_data(53)
+    return [first_step(53, 8, x, y, policy, softmax=True, users=True, losses=losses,
+                       vocab_parallel=vocab_parallel)
+            for policy in policies]
+
+
+def sampled_on_split_table(rank, world):
+    """The error `SampledSoftmaxLoss` raises on a split table."""
+    from keras_cutbce import ItemEmbedding
+    from keras_cutbce import SampledSoftmaxLoss
+
+    items = ItemEmbedding(11, 4, vocab_parallel=True)
+    items.build()
+    try:
+        SampledSoftmaxLoss(items, 5, seed=1)(np.array([[1], [2]]), np.ones((2, 4), "float32"))
+    except NotImplementedError as error:
+        return str(error)
+    return None
