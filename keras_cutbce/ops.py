@@ -80,10 +80,10 @@ def per_position_loss(inputs, options):
             f"{op!r} has no {options.implementation!r} implementation on this backend. "
             f"Received: implementation={options.implementation!r}"
         )
-    return ops.cast(loss, "float32") + _non_finite_rows(inputs.hidden)
+    return ops.cast(loss, "float32") + non_finite_rows(inputs.hidden)
 
 
-def _non_finite_rows(hidden):
+def non_finite_rows(hidden):
     """0 a row, NaN where the row's hidden state is not finite: Keras's dense loss is NaN there, with or
     without a target and at any weight; no gradient (the rows' gradients stay the kernels')."""
     zeros = ops.zeros_like(ops.cast(hidden[:, 0], "float32"))
@@ -101,7 +101,7 @@ def loss_sum(inputs, options, row_weights):
     )
     if total is None:  # no fused kernel on this implementation
         return ops.sum(weights * per_position_loss(inputs, options))
-    return ops.cast(total, "float32") + ops.sum(_non_finite_rows(inputs.hidden))
+    return ops.cast(total, "float32") + ops.sum(non_finite_rows(inputs.hidden))
 
 
 def cut_binary_crossentropy(

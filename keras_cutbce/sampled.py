@@ -34,7 +34,7 @@ def _sampled_loss(inputs, negatives, log_q, negative_log_q, remove_accidental_hi
                     inputs.bias, negatives, log_q=log_q, negative_log_q=negative_log_q,
                     remove_accidental_hits=remove_accidental_hits, temperature=temperature,
                     chunk_size=None)
-    return ops.cast(loss, "float32")
+    return ops.cast(loss, "float32") + cut_ops.non_finite_rows(inputs.hidden)
 
 
 def cut_sampled_softmax_crossentropy(
@@ -53,7 +53,8 @@ def cut_sampled_softmax_crossentropy(
     distinct targets `P`, then `negative_ids`], each logit `h . E_id + b_id`
     minus `log_q[id]` when given; the targets weighted `1 / |P|` (as
     `cut_categorical_crossentropy`), so the loss is `logsumexp(candidates) -
-    mean_{t in P} z_t`. A position without a valid target: 0, no gradient.
+    mean_{t in P} z_t`. A position without a valid target: 0, no gradient; a
+    non-finite hidden state: NaN, as Keras's dense loss gives.
     `tf.nn.sampled_softmax_loss` with unique negatives gives the same number
     (TensorFlow masks one occurrence of a repeated negative per target; this
     masks every occurrence). Memory O(positions x (L + S) + S x D): the

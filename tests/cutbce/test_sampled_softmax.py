@@ -151,6 +151,33 @@ def test_op_loss_and_gradients_match_the_oracle(remove, corrected, temperature):
     assert loss64[2] == 0.0 and np.all(grads[0][0, 2] == 0.0)  # no valid target
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_hidden_state_shows_as_keras_shows_it(bad):
+    """A NaN or infinite hidden state gives NaN, as Keras's dense loss does, also at the position
+    without a valid target and reduced at weight 0; the other positions' losses and gradients as
+    with the broken positions at weight 0."""
+    hidden, table, bias, _ = _inputs()
+    broken = hidden.copy()
+    broken[0, 2, 1] = broken[1, 0, 0] = bad  # (0, 2): no valid target
+    got = to_numpy(cut_sampled_softmax_crossentropy(broken, table, IDS, NEGATIVES, bias))
+    clean = to_numpy(cut_sampled_softmax_crossentropy(hidden, table, IDS, NEGATIVES, bias))
+    keep = np.ones(IDS.shape[:-1], bool)
+    keep[0, 2] = keep[1, 0] = False
+    assert np.isnan(got[~keep]).all(), got
+    np.testing.assert_array_equal(got[keep], clean[keep])
+    weights = keep.astype("float32")
+    total = SampledSoftmaxLoss(table, 4, bias=bias, seed=0, reduction="sum")(IDS, broken, sample_weight=weights)
+    assert np.isnan(to_numpy(total))
+
+    def weighted(h):
+        per = cut_sampled_softmax_crossentropy(h, table, IDS, NEGATIVES, bias)
+        return ops.sum(ops.convert_to_tensor(weights) * per)
+
+    _, (got_grad,) = value_and_grads(weighted, broken)
+    _, (want_grad,) = value_and_grads(weighted, hidden)
+    np.testing.assert_allclose(got_grad[keep], want_grad[keep], rtol=1e-6, atol=1e-7)
+
+
 def _with_negatives(loss, h, corrected, log_q, weights):
     """`loss`'s per-position value with `NEGATIVES` as its draw (the op's inputs, through the class)."""
     from keras_cutbce import ops as cut_ops
