@@ -73,7 +73,7 @@ class ReplayBlock(torch.autograd.Function):
         n = len(graph.static_inputs)
         graph.load(tensors[:n])
         graph.forward.replay()
-        runner._count("replays")
+        runner.count("replays")
         ctx.graph, ctx.runner = graph, runner
         *outputs, loss = graph.forward.outputs
         outputs = [o.clone() for o in outputs]
@@ -90,7 +90,7 @@ class ReplayBlock(torch.autograd.Function):
             else:
                 graph.grad_loss.copy_(grad_loss)
         graph.backward.replay()
-        ctx.runner._count("backward_replays")
+        ctx.runner.count("backward_replays")
         results = graph.backward.outputs
         # Copies, never the static buffers: autograd's AccumulateGrad adopts a
         # returned tensor as `param.grad`, and the next replay (the same block met

@@ -96,7 +96,8 @@ class CudaGraphRunner:
         self._function = ReplayBlock
         _RUNNERS.add(self)
 
-    def _count(self, name):
+    def count(self, name):
+        """Adds one to the counter `name` (`replays`, `backward_replays`, ...), thread-safe."""
         with self._lock:
             setattr(self, name, getattr(self, name) + 1)
 
