@@ -81,6 +81,32 @@ def test_backend_folders_never_import_each_other():
     assert found > 10  # the walk reads the imports
 
 
+def test_no_module_reaches_into_another_modules_private_names():
+    """Code two modules share is imported by its public name (issue 51): no `from m import _f` and no
+    `m._f` on an imported package module, `_keras_private` (the one door to Keras's private API) aside."""
+    imported, wrong = 0, []
+    for path in _modules(("keras_cutbce", "keras_erase")):
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        modules = set()  # the local names of this package's modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("keras_cutbce", "keras_erase"):
+                for alias in node.names:
+                    imported += 1
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and alias.name != "_keras_private":
+                        wrong.append(f"{path}: from {node.module} import {alias.name}")
+                    if _is_module(f"{node.module}.{alias.name}"):
+                        modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules.update(a.asname for a in node.names if a.asname and a.name.startswith("keras_"))
+        modules.discard("_keras_private")
+        wrong += [f"{path}:{node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in modules and node.attr.startswith("_") and not node.attr.startswith("__")]
+    assert imported > 200  # the walk reads the imports
+    assert wrong == []
+
+
 def test_every_keras_erase_module_is_in_the_layout_and_every_listed_one_exists():
     """keras_erase's rule: one job per module, each named with its job in docs/development.md."""
     import re
