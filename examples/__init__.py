@@ -51,9 +51,10 @@ def quiet_start(backend):
       compile tests) but no TPU or GPU attached, JAX would load libtpu and probe
       for a TPU in every process (its log lines, its lock file): JAX runs on the
       CPU (`JAX_PLATFORMS=cpu`).
-    - On JAX and torch, `keras.utils.set_random_seed` imports TensorFlow when it
-      is installed (to seed it; it runs no math there), which prints its oneDNN
-      and CPU-feature lines: they are turned off for that import.
+    - On JAX and torch, TensorFlow imported into the process (by
+      `keras.utils.set_random_seed` when it is installed; the examples seed
+      through `set_random_seed` below, which does not) would print its oneDNN
+      and CPU-feature lines: they are turned off.
 
     A variable already set is kept.
     """
@@ -68,6 +69,34 @@ def quiet_start(backend):
     if backend != "tensorflow":
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+
+def set_random_seed(seed):
+    """Seeds a run as `keras.utils.set_random_seed(seed)` does, without importing TensorFlow on JAX or torch.
+
+    Keras's function also seeds TensorFlow when it is installed (for `tf.data`
+    pipelines), which imports it into a torch or JAX process: about 2 s of CPU
+    and 420 MiB of resident memory in each of the main job's processes (the
+    project's environment has every backend), counted in their peak memory.
+    The examples use no `tf.data`: on JAX and torch this seeds what they draw
+    from as Keras does (Python's `random`, from which Keras's initializers
+    and layers take their seeds; NumPy; torch), on TensorFlow it is Keras's.
+    """
+    import random
+
+    import keras
+    import numpy as np
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        keras.utils.set_random_seed(seed)
+        return
+    random.seed(seed)
+    np.random.seed(seed)
+    if backend == "torch":
+        import torch
+
+        torch.manual_seed(seed)
 
 
 def output_path(text):

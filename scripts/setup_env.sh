@@ -11,11 +11,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.installed-$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[all]"
-  # The TPU compiler (libtpu) for tests/cutbce/test_tpu_compile.py: compiles for
-  # deviceless TPUs; the ordinary JAX tests pin the CPU (tests/conftest.py).
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[tpu-compile]"
+  # Every extra in one resolve and one editable build (Python 3.11's own pip
+  # installs a pyproject project editable: no pip upgrade first). tpu-compile:
+  # the TPU compiler (libtpu) for tests/cutbce/test_tpu_compile.py; it compiles
+  # for deviceless TPUs, and the ordinary JAX tests pin the CPU (tests/conftest.py).
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[all,tpu-compile]"
   # Triton (the CUDA wheels' pin) for the fused CUDA kernels' interpreter and
   # compile tests; --no-deps: it must not replace the CPU torch.
   .venv/bin/python -m pip install --quiet --no-deps -c constraints.txt "triton==3.7.1"

@@ -30,6 +30,7 @@ Example:
 import keras
 import numpy as np
 
+from examples import set_random_seed
 from examples.ctr.model import NormalizedEntropy, build_ctr_model
 from keras_erase.throughput import examples_per_second
 
@@ -52,7 +53,7 @@ def spread_gain(per_repeat):
 
 def build_mode_model(mode, args, train, seed, erase_options):
     """Returns the compiled CTR model of `mode` from the initial weights of `seed`."""
-    keras.utils.set_random_seed(seed)
+    set_random_seed(seed)
     model = build_ctr_model(
         detached=mode != "baseline",
         buckets=args.buckets,

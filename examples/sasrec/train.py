@@ -33,6 +33,7 @@ import keras
 import numpy as np
 
 from examples import default_verbosity  # noqa: F401  (re-exported: the verbosity rule)
+from examples import set_random_seed
 from examples.sasrec import data as data_lib
 from examples.sasrec.cli import LOSSES, build_parser, parse_args  # noqa: F401
 from examples.sasrec.losses import CutSoftmaxCrossEntropyLoss, NegativeSamplingBatches
@@ -233,7 +234,7 @@ def run(args, callbacks=(), ranks=None):
         f"max_len={args.max_len}"
     )
 
-    keras.utils.set_random_seed(args.seed)
+    set_random_seed(args.seed)
     model = build_sasrec(
         num_items, args.max_len, args.dim, args.blocks, dropout=args.dropout,
         num_targets=NUM_TARGETS, vocab_parallel=ranks is not None,

@@ -831,6 +831,35 @@ def test_synchronizer_is_cuda_synchronize_on_a_cuda_device(monkeypatch):
     assert make_synchronizer() is None
 
 
+def _seeded_draws():
+    import random
+
+    layer = keras.layers.Dense(3)
+    layer.build((None, 4))
+    dropped = keras.layers.Dropout(0.5)(np.ones((2, 8), "float32"), training=True)
+    draws = [random.random(), np.random.rand(), keras.ops.convert_to_numpy(layer.kernel),
+             keras.ops.convert_to_numpy(dropped)]
+    if keras.backend.backend() == "torch":
+        import torch
+
+        draws.append(torch.rand(3).numpy())
+    return draws
+
+
+def test_set_random_seed_draws_as_keras_seeds():
+    """The examples' seeding (no TensorFlow import on JAX and torch) gives Keras's seeded draws."""
+    from examples import set_random_seed
+
+    keras.utils.set_random_seed(7)
+    expected = _seeded_draws()
+    set_random_seed(7)
+    got = _seeded_draws()
+    for a, b in zip(expected, got):
+        np.testing.assert_array_equal(a, b)
+    set_random_seed(8)
+    assert _seeded_draws()[0] != got[0]
+
+
 def test_run_all_docstring_and_output_folder():
     from examples import DEFAULT_OUTPUT_DIR, run_all
 
@@ -852,9 +881,13 @@ def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
     from examples.ctr.train import main as ctr_main
     from examples.sasrec.train import main as sasrec_main
 
+    sasrec_runs = []
+
     def run_here(module, args, env):
+        if module == "examples.sasrec":
+            sasrec_runs.append(args)
         (sasrec_main if module == "examples.sasrec" else ctr_main)(args)
-        return 1.0
+        return 1.0, 0.5
 
     monkeypatch.setattr(run_all, "_run", run_here)
     out = tmp_path / "out"
@@ -871,6 +904,11 @@ def test_run_all_tables_and_printed_paths(tmp_path, monkeypatch, capsys):
     assert "| cutsoftmax |" in printed
     assert "| erase-auto (standard) |" in printed or _cuda_available()
     assert f"results go to {out}" in printed
+    assert "sasrec cutbce 1 s (0 s)" in printed  # wall (user + sys CPU) per part
+    for args in sasrec_runs:  # the main job's epochs, unless --sasrec-args names others (the last wins)
+        epochs = [args[i + 1] for i, a in enumerate(args) if a == "--epochs"]
+        assert epochs == [str(run_all.SASREC_EPOCHS), "1"], args
+    assert all(r["epochs"] == 1 for r in result["sasrec"].values())
     for path in result["written"]:
         assert os.path.exists(path) and path in printed
 
