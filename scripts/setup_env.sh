@@ -22,3 +22,14 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+# A quiet start for every Python of .venv (README blocks, your scripts): this
+# machine-wide libtpu would make JAX probe for a TPU at its first op (libtpu's
+# INVALID_ARGUMENT / TPU_WORKER_HOSTNAMES lines, its lock) where none is attached,
+# so JAX_PLATFORMS=cpu unless a TPU or GPU device file exists; under
+# KERAS_BACKEND=jax or torch, TensorFlow (keras.utils.set_random_seed imports it)
+# starts without its oneDNN lines. A variable already set wins (JAX_PLATFORMS=""
+# restores JAX's own choice). Copied on every run: cheap, and current.
+for site in .venv/lib/python3*/site-packages; do
+  cmp -s scripts/quiet_start.pth "$site/keras_cutbce_quiet_start.pth" \
+    || cp scripts/quiet_start.pth "$site/keras_cutbce_quiet_start.pth"
+done

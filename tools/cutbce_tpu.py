@@ -238,7 +238,7 @@ def deviceless_table(args, results):
 def run_deviceless(args):
     env = _env()
     env.update(TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = ""  # JAX's own choice (scripts/quiet_start.pth pins the CPU)
     cmd = [sys.executable, os.path.abspath(__file__), "--deviceless-worker", args.deviceless]
     for name in ("rows", "dim", "labels", "dtype", "variants"):
         cmd += [f"--{name}", str(getattr(args, name))]

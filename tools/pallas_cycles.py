@@ -506,7 +506,7 @@ def _run_child(case, cache, repo):
     env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=os.path.abspath(repo),
                LIBTPU_INIT_ARGS=DUMP_FLAGS.format(dir=dump_dir))
-    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = ""  # JAX's own choice (scripts/quiet_start.pth pins the CPU)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(case),
                           dump_dir], capture_output=True, text=True, env=env, timeout=1800)
     lines = [x for x in out.stdout.splitlines() if x.startswith("FACTS ")]

@@ -94,7 +94,7 @@ def _compile_in_child(cases):
     """`{case id: result}` of `cases`, compiled in one child process."""
     env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    env.pop("JAX_PLATFORMS", None)  # the child must see the TPU compiler
+    env["JAX_PLATFORMS"] = ""  # JAX's own choice, not the quiet start's CPU: the child must see the TPU compiler
     out = subprocess.run(
         [sys.executable, CHILD, json.dumps(cases)], capture_output=True, text=True,
         env=env, timeout=1500,
@@ -212,7 +212,7 @@ def test_fused_kernel_cycles_per_1024_logits(tmp_path, dtype, path):
     env = dict(os.environ, KERAS_BACKEND="jax", TPU_SKIP_MDS_QUERY="1",
                ALLOW_MULTIPLE_LIBTPU_LOAD="1", CUTBCE_DUMP_DIR=str(tmp_path),
                LIBTPU_INIT_ARGS=pallas_cycles.DUMP_FLAGS.format(dir=tmp_path))
-    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = ""  # JAX's own choice (scripts/quiet_start.pth pins the CPU)
     base, _, bias = path.partition(" + ")
     case = dict(CYCLES_CASE, dtype=dtype, path=base, **({"bias": True} if bias else {}))
     out = subprocess.run([sys.executable, CHILD, json.dumps([case])], capture_output=True,
