@@ -21,6 +21,13 @@
    the running loop holds are reattached. TensorFlow keeps the failed
    `tf.function` (the next `fit` traces it again: "Creating variables on a
    non-first call"); the model's step functions are dropped (public attributes).
+   Why in the step and not before it: no public hook sees a batch earlier.
+   Keras builds the loss and metrics on the first batch's shapes and dtypes
+   (`_symbolic_build`, before any trace) only on JAX and torch and only while
+   something is unbuilt; TensorFlow without a distribution strategy defers
+   that build into the first traced step; between `fit`'s call and that
+   step Keras calls only callbacks (no batch), and it picks the data adapter
+   by the data's type (no registration).
 Nothing else in `keras_cutbce` imports `keras.src` or inspects the call stack.
 """
 

@@ -67,6 +67,9 @@ def test_block_extraction_finds_the_readme_blocks():
     assert "Quickstart: CutBCE" in headings and "Quickstart: ERASE" in headings, headings
     pages = {page for page, _, _ in BLOCKS}
     assert {"docs/cutbce.md", "docs/erase.md"} <= pages, pages
+    # Issue 52 items 7 and 4: the runnable answers, not prose alone.
+    cutbce = {h for h, _ in page_blocks(os.path.join(ROOT, "docs", "cutbce.md"))}
+    assert {"A loss rebuilt from its config", "How to check the numbers yourself"} <= cutbce, cutbce
 
 
 @pytest.mark.parametrize(
