@@ -288,9 +288,9 @@ def run_worker(args):
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     result["peak_bytes"] = None if not stats else stats.get("peak_bytes_in_use")
     if args.worker == "pallas":
-        from keras_cutbce.backends.jax.pallas import tiling
+        from keras_cutbce.backends.jax.pallas import api
 
-        result["tiles"] = tiling.choose_tiles(args.rows, args.vocab, args.dim, args.dtype)
+        result["tiles"] = api.choose_tiles(args.rows, args.vocab, args.dim, args.dtype)
     print("RESULT " + json.dumps(result), flush=True)
 
 

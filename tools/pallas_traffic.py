@@ -158,14 +158,18 @@ def _compares_per_logit(case, device, ids):
     from keras_cutbce.common import round_up
 
     pallas = _pallas()
-    if not hasattr(pallas, "call"):  # an older checkout: one module
-        if not hasattr(pallas, "_in_tile_counts"):
-            return float(ids.shape[1])
+    sort_ids = False  # `call.row_inputs` takes each row's ids de-duplicated and sorted
+    if hasattr(pallas, "api"):  # a package: the passes in `call` (`api` before it)
+        tiling = getattr(pallas, "tiling", pallas.api)  # the tile rule (`api` since `call`)
+        calls = getattr(pallas, "call", None)
+        sort_ids = calls is not None and hasattr(calls, "row_inputs")
+        calls = calls if sort_ids else pallas.api
+        row_inputs, in_tile_counts = calls.row_inputs, calls.in_tile_counts
+    elif hasattr(pallas, "_in_tile_counts"):  # an older checkout: one module
         tiling = pallas
         row_inputs, in_tile_counts = pallas._row_inputs, pallas._in_tile_counts
     else:
-        tiling = pallas.tiling
-        row_inputs, in_tile_counts = pallas.api.row_inputs, pallas.api.in_tile_counts
+        return float(ids.shape[1])
     from types import SimpleNamespace
 
     m, d, v, dtype = case
@@ -173,10 +177,13 @@ def _compares_per_logit(case, device, ids):
     budget = getattr(tiling, "tile_budget_bytes", tiling.vmem_budget_bytes)(capacity)
     row_tile, tile = tiling.choose_tiles(m, v, d, dtype, budget)
     cfg = SimpleNamespace(vocab_size=v, tile=tile, vocab_tile=tile, row_tile=row_tile,
-                          dv_view=d % 128 != 0)
+                          dv_view=d % 128 != 0, num_tiles=-(-v // tile))
     rows = round_up(m, row_tile)
     with jax.default_device(jax.devices("cpu")[0]):
-        _, ids_t, _ = row_inputs(jnp.zeros((m, d)), jnp.asarray(ids), None, rows, cfg)
+        rows_ids = jnp.asarray(ids)
+        if sort_ids:
+            rows_ids = pallas.api.sorted_positives(rows_ids, v)[0]
+        _, ids_t, _ = row_inputs(jnp.zeros((m, d)), rows_ids, None, rows, cfg)
         return float(np.mean(np.asarray(in_tile_counts(ids_t, cfg))))
 
 

@@ -246,10 +246,10 @@ def test_interpreter_is_the_default_off_tpu():
 
     if jax.devices()[0].platform == "tpu":
         pytest.skip("on a TPU the kernels are compiled")
-    arg = pallas.api.interpret_arg(None)
+    arg = pallas.call.interpret_arg(None)
     params = getattr(pltpu, "InterpretParams", None)
     assert isinstance(arg, params) if params is not None else arg is True
-    assert pallas.api.interpret_arg(False) is False
+    assert pallas.call.interpret_arg(False) is False
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -261,13 +261,13 @@ def test_interpreter_is_the_default_off_tpu():
 def test_tile_rule(rows, vocab, dim, budget, dtype):
     from keras_cutbce.backends.jax import pallas
 
-    tm, tv = pallas.tiling.choose_tiles(rows, vocab, dim, dtype, budget_bytes=budget)
+    tm, tv = pallas.api.choose_tiles(rows, vocab, dim, dtype, budget_bytes=budget)
     assert tm % 128 == 0 and tv % 128 == 0
     assert 128 <= tm <= max(128, -(-rows // 128) * 128)
     assert 128 <= tv <= -(-vocab // 128) * 128
     itemsize = 2 if dtype == "bfloat16" else 4
     if budget > 1:
-        assert pallas.tiling.footprint_bytes(tm, tv, dim, itemsize) <= budget
+        assert pallas.api.footprint_bytes(tm, tv, dim, itemsize) <= budget
     else:
         assert (tm, tv) == (128, 128)  # nothing fits: the smallest aligned tiles
 
@@ -287,24 +287,24 @@ def test_every_pass_fits_the_scoped_vmem_it_compiles_under(capacity_mib, mm_dtyp
     """
     from types import SimpleNamespace
 
-    from keras_cutbce.backends.jax.pallas import tiling
+    from keras_cutbce.backends.jax.pallas import api
 
     capacity = None if capacity_mib is None else capacity_mib * 2**20
-    limit = tiling.vmem_limit_bytes(capacity)
+    limit = api.vmem_limit_bytes(capacity)
     hidden_itemsize = 2 if mm_dtype == "bfloat16" else 4
     for dim in (32, 64, 96, 128, 192, 256):
         for rows, vocab in ((300, 1000), (4096, 100_000), (16384, 876_000), (32768, 2**21)):
-            row_tile, tile = tiling.choose_tiles(rows, vocab, dim, mm_dtype,
-                                                 tiling.tile_budget_bytes(capacity), table_dtype)
+            row_tile, tile = api.choose_tiles(rows, vocab, dim, mm_dtype,
+                                              api.tile_budget_bytes(capacity), table_dtype)
             cfg = SimpleNamespace(row_tile=row_tile, tile=tile, num_ids=8, vmem_capacity=capacity,
                                   mm_dtype=mm_dtype, table_dtype=table_dtype)
-            _, block_rows = tiling.row_blocks(rows, dim, hidden_itemsize, cfg)
-            footprint = tiling.config_footprint_bytes(cfg, dim)
-            resident = block_rows * tiling.resident_bytes_per_row(dim, 8, hidden_itemsize, True)
-            assert footprint + resident <= tiling.vmem_budget_bytes(capacity) < limit, (
+            _, block_rows = api.row_blocks(rows, dim, hidden_itemsize, cfg)
+            footprint = api.config_footprint_bytes(cfg, dim)
+            resident = block_rows * api.resident_bytes_per_row(dim, 8, hidden_itemsize, True)
+            assert footprint + resident <= api.vmem_budget_bytes(capacity) < limit, (
                 dim, rows, row_tile, tile, block_rows)
             if capacity is not None:
-                request = tiling.vmem_request_bytes(capacity, footprint, resident)
+                request = api.vmem_request_bytes(capacity, footprint, resident)
                 assert footprint + resident < request <= limit
 
 
@@ -443,7 +443,7 @@ def test_ids_at_every_bit_of_a_full_tile(rng):
     bits = np.arange(40 * 4) % 32
     ids = (128 * bits + rng.integers(0, 128, size=40 * 4)).reshape(40, 4)
     ids[::5, 3] = 4096 + 7
-    cfg = pallas.api.prepare(h, t, ids, b, 0.0, 1.0, 10_000, None, None)[0]
+    cfg = pallas.api.prepare(h, t, ids, b, pallas.api.bce_family(0.0, 1.0), 10_000, None, None)[0]
     assert cfg.tile == 4096
     _check((h, t, b, ids, g), ls=0.1, pw=2.0, rtol=2e-5,
            pallas_kwargs=dict(chunk_size=10_000), keras_too=False)
@@ -490,10 +490,10 @@ def test_rows_beyond_one_resident_block(rng, monkeypatch, dtype):
 
     programs = [jax.value_and_grad(fn, argnums=(0, 1, 2)) for fn in (fused, per_row)]
     wants = [fn(h, t, b) for fn in programs]
-    cfg = pallas.api.prepare(h, t, ids, b, 0.1, 1.0, 256, 128, None)[0]
-    assert pallas.tiling.row_blocks(300, 8, h.dtype.itemsize, cfg) == (1, 384)
-    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
-    assert pallas.tiling.row_blocks(300, 8, h.dtype.itemsize, cfg) == (3, 128)
+    cfg = pallas.api.prepare(h, t, ids, b, pallas.api.bce_family(0.1, 1.0), 256, 128, None)[0]
+    assert pallas.api.row_blocks(300, 8, h.dtype.itemsize, cfg) == (1, 384)
+    monkeypatch.setattr(pallas.api, "resident_budget_bytes", lambda cfg, dim: 1)
+    assert pallas.api.row_blocks(300, 8, h.dtype.itemsize, cfg) == (3, 128)
     for grad_fn, (want_value, want_grads) in zip(programs, wants):
         assert _count_pallas_calls(jax.make_jaxpr(grad_fn)(h, t, b).jaxpr) in (3, 6)
         value, grads = grad_fn(h, t, b)
@@ -519,10 +519,10 @@ def test_vocabulary_split_across_two_tensorcores(rng, monkeypatch, vocab):
 
     from keras_cutbce.backends.jax import pallas
 
-    monkeypatch.setattr(pallas.tiling, "tensorcores", lambda: 2)
+    monkeypatch.setattr(pallas.api, "tensorcores", lambda: 2)
     h, t, b, ids, g = _inputs(rng, 130, vocab, 8, 3, bias=True)
-    cfg = pallas.api.prepare(h, t, ids, b, 0.0, 1.0, 256, 128, None)[0]
-    assert cfg.cores == 2 and pallas.tiling.cores_used(cfg) == (1 if vocab == 200 else 2)
+    cfg = pallas.api.prepare(h, t, ids, b, pallas.api.bce_family(0.0, 1.0), 256, 128, None)[0]
+    assert cfg.cores == 2 and pallas.api.cores_used(cfg) == (1 if vocab == 200 else 2)
     _check((h, t, b, ids, g), ls=0.1, pw=2.0, rtol=2e-5,
            pallas_kwargs=dict(chunk_size=256, block_rows=128), keras_too=False)
 
@@ -593,7 +593,7 @@ def test_reciprocal_follows_the_target_division(monkeypatch, kind, newton):
     monkeypatch.setattr(compile_platform, "compiled_chip", lambda: chip)
     zeros = np.zeros((8, 64), np.float32)
     cfg = api.prepare(zeros, np.zeros((300, 64), np.float32), np.zeros((8, 1), np.int32), None,
-                      0.0, 1.0, None, None, True)[0]
+                      api.bce_family(0.0, 1.0), None, None, True)[0]
     assert cfg.newton_reciprocal == newton
 
 
@@ -611,10 +611,10 @@ def test_in_tile_counts_match_a_brute_force_count(rng):
     ids[::3, 2:] = -1  # padding
     ids[1::7, :3] = v + 5  # out of range: padding
     h, t = np.zeros((rows, 8), "float32"), np.zeros((v, 8), "float32")
-    cfg, *_ = pallas.api.prepare(h, t, ids, None, 0.0, 1.0, 256, 128, None)
-    _, ids_t, _ = pallas.api.row_inputs(jnp.asarray(h), jnp.asarray(ids, jnp.int32), None,
-                                         rows, cfg)
-    got = np.asarray(pallas.api.in_tile_counts(ids_t, cfg))
+    cfg, *_, (sorted_ids, _) = pallas.api.prepare(h, t, ids, None, pallas.api.bce_family(0.0, 1.0),
+                                                  256, 128, None)
+    _, ids_t, _ = pallas.call.row_inputs(jnp.asarray(h), sorted_ids, None, rows, cfg)
+    got = np.asarray(pallas.call.in_tile_counts(ids_t, cfg))
     want = np.zeros((4, 3), np.int64)
     for m in range(rows):
         real = np.unique(ids[m][(ids[m] >= 0) & (ids[m] < v)])  # duplicates count once
@@ -637,7 +637,7 @@ def test_rows_with_many_ids_in_one_tile(rng, monkeypatch, per_row_tile):
     from keras_cutbce.backends.jax import pallas
 
     if not per_row_tile:
-        monkeypatch.setattr(pallas.api, "MAX_PREFETCHED_COUNTS", 0)
+        monkeypatch.setattr(pallas.call, "MAX_PREFETCHED_COUNTS", 0)
     h, t, b, ids, g = _inputs(rng, 140, 1000, 8, 6, bias=True, pad_frac=0.1)
     ids[::2] = rng.integers(0, 256, size=(70, 6))
     ids[::6, 3] = ids[::6, 2]
@@ -660,8 +660,8 @@ def test_table_gradient_carried_in_place_across_row_blocks(rng, monkeypatch):
 
     from keras_cutbce.backends.jax import pallas
 
-    monkeypatch.setattr(pallas.api, "INTERPRET_ALIASES", True)
-    monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
+    monkeypatch.setattr(pallas.call, "INTERPRET_ALIASES", True)
+    monkeypatch.setattr(pallas.api, "resident_budget_bytes", lambda cfg, dim: 1)
     h, t, b, ids, g = _inputs(rng, 384, 1024, 8, 3, bias=True)
     w = np.abs(g)
     kwargs = dict(chunk_size=256, block_rows=128, label_smoothing=0.1, interpret=True)
@@ -730,9 +730,9 @@ def test_softmax_matches_the_chunked_loop(rng, monkeypatch, cores, block_rows, s
 
     from keras_cutbce.backends.jax import chunked, pallas
 
-    monkeypatch.setattr(pallas.tiling, "tensorcores", lambda: cores)
+    monkeypatch.setattr(pallas.api, "tensorcores", lambda: cores)
     if block_rows:
-        monkeypatch.setattr(pallas.tiling, "resident_budget_bytes", lambda cfg, dim: 1)
+        monkeypatch.setattr(pallas.api, "resident_budget_bytes", lambda cfg, dim: 1)
     h, t, b, ids, g = _inputs(rng, 300, 700, 8, 3, bias=True)
     h = h * scale
     ids[5] = -1

@@ -159,19 +159,19 @@ def _vmem_case(target):
     from types import SimpleNamespace
 
     from keras_cutbce.backends.jax import compile_platform
-    from keras_cutbce.backends.jax.pallas import tiling
+    from keras_cutbce.backends.jax.pallas import api
 
     topology, _, unknown = target.partition("-")
     info = None if unknown else compile_platform.chip_info(_DEVICE_KINDS[topology.split(":")[0]])
     capacity = None if info is None else info.vmem_bytes
     vocab = 876_000 if unknown else 2**20
-    row_tile, tile = tiling.choose_tiles(2**15, vocab, 64, "float32",
-                                         tiling.tile_budget_bytes(capacity))
+    row_tile, tile = api.choose_tiles(2**15, vocab, 64, "float32",
+                                      api.tile_budget_bytes(capacity))
     cfg = SimpleNamespace(row_tile=row_tile, tile=tile, num_ids=8, vmem_capacity=capacity,
                           mm_dtype="float32", table_dtype="float32")
-    rows = 16384 if unknown else 2 * tiling.rows_per_pass(cfg, 64, 4)
+    rows = 16384 if unknown else 2 * api.rows_per_pass(cfg, 64, 4)
     case = _case("weighted_sum", topology, 64, "float32", vocab, not unknown, rows=rows)
-    return dict(case, ids=8), tiling.row_blocks(rows, 64, 4, cfg)[0]
+    return dict(case, ids=8), api.row_blocks(rows, 64, 4, cfg)[0]
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,12 @@
 
 `terms` / `slopes(z, minus, plus, *, e=None)` on every backend (tested
 against `keras_cutbce.math.spec`); the Pallas kernel has its own
-(`pallas/kernel.py`) and uses `sorted_positives`.
+(`pallas/kernel.py`) and takes these families' parts outside the kernel.
 """
 
 from typing import NamedTuple
 
 import jax.numpy as jnp
-
-from keras_cutbce.common import EMPTY_ID
-from keras_cutbce.math.positives import distinct_targets
 
 
 def exp_neg_abs(z):
@@ -42,13 +39,6 @@ def slopes(z, minus, plus, *, e=None):
     out = jnp.where(z >= 0, r, e * r)  # sigmoid(z)
     out = out if total == 1.0 else total * out
     return out if minus == 0.0 else out - minus
-
-
-def sorted_positives(ids, vocab_size):
-    """Each row's positives sorted ascending, `EMPTY_ID` first for the rest: int32 `[M, L]`."""
-    safe, keep = distinct_targets(ids, vocab_size)
-    return jnp.sort(jnp.where(keep, safe, EMPTY_ID), axis=1)
-
 
 
 class BCE(NamedTuple):

@@ -1,8 +1,9 @@
 """The Pallas TPU (Mosaic) kernels of both loss families, under `jax.custom_vjp`.
 
-Modules: `api` (the entry points and their `pallas_call`s), `kernel` (the
-kernel and BCE's per-logit terms), `tiling` (the static settings, the tile and
-VMEM rule); the design and its measurements: docs/tpu.md.
+One path: `api` (the entry points: the arrays, the static `Config`, the tile
+and VMEM rule, the plan) -> `call` (the passes under the `custom_vjp`, the
+`pallas_call`s) -> `kernel` (the loop, given a loss family: `kernel.BCE`,
+`kernel.Softmax`); the design and its measurements: docs/tpu.md.
 """
 
 from keras_cutbce.backends.jax.pallas.api import (cut_bce, cut_bce_weighted_sum, cut_softmax,

@@ -1,310 +1,207 @@
-"""The Pallas entry points and their `pallas_call`s: settings, the `custom_vjp`, BCE and softmax (contract: `registry`).
+"""The Pallas entry points (contract: `registry`): a call's arrays and static settings, then `call`.
 
-Mosaic when compiled for a TPU, the interpreter otherwise (`compile_platform`);
-16-bit hidden states keep their dtype in the matmuls, float32 accumulation.
-The calls pad only the rows (zero `row_scale`, `EMPTY_ID` ids), never the
-table, one call per resident row block, a block's table gradient aliased into
-the next block's; JAX version shims use `getattr` with a fallback.
+`prepare` checks and normalises the arrays, de-duplicates and sorts each row's
+ids once, and builds the call's static `Config` with its loss family
+(`kernel.BCE`, `kernel.Softmax`) and its plan: tiles, TensorCores, resident
+row blocks and scoped VMEM per pass kind.
+
+The tile and VMEM rule (docs/tpu.md, "Scoped VMEM"): tiles are multiples of
+128; a pass's estimate fits 7/8 of the scoped VMEM it asks for (at most 3/4 of
+the chip's, else 16 MiB); the tiles take 3/4 of that budget, resident rows the
+rest (at most a quarter). Pallas has its own rule beside
+`keras_cutbce.math.tiling`: its tiles must fit VMEM and be 128-aligned.
 """
 
-import functools
+from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from keras_cutbce.backends.jax import compile_platform, math, vjp
-from keras_cutbce.backends.jax.pallas.kernel import (accumulates_in_place, kernel, scratch_shapes,
-                                                     uses_hit_bits)
-from keras_cutbce.backends.jax.pallas import tiling
-from keras_cutbce.backends.jax.pallas.tiling import Config, Pass, cores_used, num_tiles, row_blocks
+from keras_cutbce.backends.jax import compile_platform
+from keras_cutbce.backends.jax.pallas import call, kernel
+from keras_cutbce.backends.jax.pallas.kernel import LANES, PIECE_COLS
 from keras_cutbce.common import EMPTY_ID, round_up
 from keras_cutbce.math.coefficients import bce_coefficients
 from keras_cutbce.math.positives import distinct_targets
 
-# -- The calls: rows laid out, one `pallas_call` per resident row block --------------------
+# -- The static settings of a call, the tile and VMEM rule --------------------------
 
-MAX_PREFETCHED_COUNTS = 2**14  # in-tile id counts kept per row tile up to 64 KiB of SMEM
-# The TPU interpreter mishandles aliased outputs with a partial last block
-# (JAX 0.10.2), so interpreted passes copy the carried gradients instead;
-# a test turns aliasing on at shapes whose blocks are all full.
-INTERPRET_ALIASES = False
-_SQUEEZED = pl.Squeezed() if hasattr(pl, "Squeezed") else None
-
-
-def _traced_over_several_devices():
-    """Whether the current trace's mesh (e.g. a `shard_map` body's) has more than one device."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_mesh() if get_mesh is not None else None
-    return bool(mesh is not None and not getattr(mesh, "empty", True) and mesh.size > 1)
+MAX_ROW_TILE = 512
+MIN_ROW_TILE = 128
+MAX_TILE = 4096  # 32 hit bits x 128 lanes (`kernel._fill_hit_bits`)
+TILE_STEP = 256  # tile widths below the widest: whole 256-wide piece columns
+PIECE_ROWS = 64  # a piece of a step's tile: 64 rows (float32 [64, 256]: 16 vector registers)
+DEFAULT_SCOPED_VMEM_BYTES = 16 * 2**20  # the compiler's limit when a kernel asks for none
 
 
-def interpret_arg(interpret):
-    """Returns `pallas_call`'s `interpret=` (the TPU interpreter; the generic one over several devices)."""
-    if interpret is None:
-        interpret = compile_platform.compiled_platform() != "tpu"
-    if not interpret:
-        return False
-    params = getattr(pltpu, "InterpretParams", None)
-    return params() if params is not None and not _traced_over_several_devices() else True
+class Config(NamedTuple):
+    """Static (hashable) settings of one call, the same for all its passes (docs/tpu.md)."""
+
+    vocab_size: int  # V
+    family: object  # the loss family in the kernel: `kernel.BCE` or `kernel.Softmax`
+    row_tile: int  # rows of one kernel step (a multiple of 128)
+    tile: int  # items of one vocabulary tile (a multiple of 128)
+    num_ids: int  # L
+    mm_dtype: str  # the matmul operands' dtype
+    interpret: object  # True, False, or None: decided by the compilation target
+    vmem_capacity: object  # VMEM bytes per TensorCore, None: unknown
+    precision: object  # `lax.Precision` of float32 matmuls (None: default)
+    table_dtype: str  # dtype of the table gradient the kernels write
+    dv_view: bool  # the table read as its `[D, V]` view (D % 128 != 0)
+    cores: int = 1  # TensorCores the vocabulary is split across
+    newton_reciprocal: bool = False  # BCE's `1 / u` as the approximate reciprocal and one Newton step
+    # The plan of the passes (`plan`): tiles, the cores used, a step's pieces, and
+    # per pass kind (loss only, with gradients) its resident row blocks and scoped VMEM.
+    num_tiles: int = 0
+    active_cores: int = 1
+    piece: tuple = ()  # `(rows, cols)` of a piece of a step's tile (`piece_shape`)
+    blocks: tuple = ()  # `(count, block_rows)` without, then with gradients
+    vmem_limits: tuple = ()  # the VMEM a pass asks for (None: the default), likewise
 
 
-def _compiler_params(semantics, vmem_limit):
-    cls = getattr(pltpu, "CompilerParams", None) or getattr(pltpu, "TPUCompilerParams")
-    kwargs = dict(dimension_semantics=semantics)
-    if vmem_limit is not None:
-        kwargs["vmem_limit_bytes"] = int(vmem_limit)
-    return cls(**kwargs)
+def vmem_capacity_bytes():
+    """Returns the VMEM bytes of one TensorCore of the target TPU, or None when unknown."""
+    chip = compile_platform.compiled_chip()
+    return None if chip is None else chip.vmem_bytes
 
 
-def _vmem_limit(cfg, block_rows, dim, hidden_itemsize, ps):
-    """Returns the VMEM the pass asks for (`tiling.vmem_request_bytes`), or None: the default."""
+def newton_reciprocal():
+    """Whether the target divides by a reciprocal op and a Newton step (`kernel.Exps`): v4, v5e, v5p."""
+    chip = compile_platform.compiled_chip()
+    return chip is not None and not chip.reciprocal_divides
+
+
+def tensorcores():
+    """Returns the TensorCores one device of the target TPU drives (2 on v4 and v5p), else 1."""
+    chip = compile_platform.compiled_chip()
+    return 1 if chip is None else chip.cores
+
+
+def vmem_limit_bytes(capacity=None):
+    """Returns the scoped VMEM a pass compiles under: 3/4 of `capacity`, else the 16 MiB default."""
+    return DEFAULT_SCOPED_VMEM_BYTES if capacity is None else capacity * 3 // 4
+
+
+def vmem_budget_bytes(capacity=None):
+    """Returns what a pass's estimated VMEM may total: 7/8 of its limit (`vmem_limit_bytes`)."""
+    return vmem_limit_bytes(capacity) * 7 // 8
+
+
+def tile_budget_bytes(capacity=None):
+    """Returns the tiles' share of the budget (`footprint_bytes`): three quarters."""
+    return vmem_budget_bytes(capacity) * 3 // 4
+
+
+def footprint_bytes(row_tile, tile, dim, itemsize, table_itemsize=None):
+    """Returns the estimated VMEM bytes of one kernel step (windows, scratch, one `[row_tile, tile]` of spills)."""
+    table_itemsize = itemsize if table_itemsize is None else table_itemsize
+    windows = 3 * 2 * tile * (dim * table_itemsize + 4)  # tiles, gradients, carried
+    accumulator = 0 if table_itemsize == 4 else tile * dim * 4
+    scratch = row_tile * (2 * PIECE_COLS * (itemsize + 4) + 6 * LANES * 4
+                          + 2 * max(dim, LANES) * itemsize)
+    spills = row_tile * tile * 4
+    return windows + accumulator + scratch + spills
+
+
+def vmem_request_bytes(capacity, footprint, resident):
+    """Returns the `vmem_limit_bytes` a kernel asks for: 1.5 x its estimate + 4 MiB, capped."""
+    return int(min(vmem_limit_bytes(capacity), 3 * (footprint + resident) // 2 + 4 * 2**20))
+
+
+def choose_tiles(num_rows, vocab_size, dim, dtype, budget_bytes=None, table_dtype=None):
+    """Returns `(row_tile, tile)`: the largest step within the budget, ties to the wider tile.
+
+    >>> choose_tiles(130, 1000, 64, "float32", budget_bytes=16 * 2**20)
+    (256, 1024)
+    """
+    if budget_bytes is None:
+        budget_bytes = tile_budget_bytes(vmem_capacity_bytes())
+    itemsize = jnp.dtype(dtype).itemsize
+    table_itemsize = jnp.dtype(table_dtype or dtype).itemsize
+    tallest = min(MAX_ROW_TILE, round_up(max(num_rows, 1), LANES))
+    widest = min(MAX_TILE, round_up(max(vocab_size, 1), LANES))
+    widths = [widest] + list(range(widest // TILE_STEP * TILE_STEP, 0, -TILE_STEP))
+    fits = [(row_tile * tile, tile, row_tile)
+            for row_tile in [tallest] + [r for r in (256, MIN_ROW_TILE) if r < tallest]
+            for tile in widths
+            if footprint_bytes(row_tile, tile, dim, itemsize, table_itemsize) <= budget_bytes]
+    if not fits:
+        return min(tallest, MIN_ROW_TILE), LANES
+    _, tile, row_tile = max(fits)
+    return row_tile, tile
+
+
+def num_tiles(cfg):
+    """Returns the number of vocabulary tiles (the last one may be partial)."""
+    return pl.cdiv(cfg.vocab_size, cfg.tile)
+
+
+def cores_used(cfg):
+    """Returns the TensorCores the vocabulary is split across (each gets at least one tile)."""
+    return max(1, min(cfg.cores, num_tiles(cfg)))
+
+
+def resident_bytes_per_row(dim, num_ids, hidden_itemsize, with_grads):
+    """Returns the VMEM bytes a resident row costs a pass (one buffer, sublane-padded)."""
+    per_row = round_up(dim, 16) * hidden_itemsize + round_up(num_ids, 8) * 4 + 8 * 4
+    if with_grads:
+        per_row += 8 * 4 + round_up(dim, 8) * 4  # row_scale, hidden gradient
+    return per_row
+
+
+def config_footprint_bytes(cfg, dim):
+    """Returns `footprint_bytes` of a call's tiles and dtypes (`Config`)."""
+    return footprint_bytes(cfg.row_tile, cfg.tile, dim, jnp.dtype(cfg.mm_dtype).itemsize,
+                           jnp.dtype(cfg.table_dtype).itemsize)
+
+
+def resident_budget_bytes(cfg, dim):
+    """Returns the resident rows' VMEM: what the budget leaves the tiles, at most a quarter."""
+    budget = vmem_budget_bytes(cfg.vmem_capacity)
+    return max(0, min(budget // 4, budget - config_footprint_bytes(cfg, dim)))
+
+
+def rows_per_pass(cfg, dim, hidden_itemsize, with_grads=True):
+    """Returns the most rows one pass holds resident (a multiple of the row tile, at least one)."""
+    per_row = resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize, with_grads)
+    rows = resident_budget_bytes(cfg, dim) // per_row // cfg.row_tile * cfg.row_tile
+    return max(cfg.row_tile, rows)
+
+
+def row_blocks(num_rows, dim, hidden_itemsize, cfg, with_grads=True):
+    """Returns `(count, block_rows)`: the resident row blocks, one pass over the table each."""
+    padded = round_up(max(num_rows, 1), cfg.row_tile)
+    count = pl.cdiv(padded, rows_per_pass(cfg, dim, hidden_itemsize, with_grads))
+    return count, round_up(pl.cdiv(padded, count), cfg.row_tile)
+
+
+def vmem_limit(cfg, block_rows, dim, hidden_itemsize, with_grads):
+    """Returns the VMEM a pass asks for (`vmem_request_bytes`), or None: the default."""
     if cfg.vmem_capacity is None:
         return None
-    resident = block_rows * tiling.resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize,
-                                                          ps.with_grads)
-    return tiling.vmem_request_bytes(cfg.vmem_capacity, tiling.config_footprint_bytes(cfg, dim),
-                                     resident)
+    resident = block_rows * resident_bytes_per_row(dim, cfg.num_ids, hidden_itemsize, with_grads)
+    return vmem_request_bytes(cfg.vmem_capacity, config_footprint_bytes(cfg, dim), resident)
 
 
-def _pad_rows(x, rows, value=0):
-    extra = rows - x.shape[0]
-    if extra == 0:
-        return x
-    return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
+def piece_shape(cfg):
+    """Returns `(rows, cols)` of one piece of a grid step's tile (a few vector registers each)."""
+    cols = next(c for c in (cfg.family.piece_cols, 256, LANES) if cfg.tile % c == 0)
+    return min(PIECE_ROWS, cfg.row_tile), cols
 
 
-def row_inputs(hidden, ids, row_scale, rows, cfg):
-    """Returns the padded rows in the kernel's layout: hidden, sorted positives `[L, rows]`, `row_scale`."""
-    hidden = _pad_rows(hidden, rows)
-    hidden = hidden.T if cfg.dv_view else hidden
-    if ids is not None:
-        ids = _pad_rows(math.sorted_positives(ids, cfg.vocab_size), rows, EMPTY_ID).T
-    if row_scale is not None:
-        row_scale = _pad_rows(row_scale.astype(jnp.float32), rows)[None, :]
-    return hidden, ids, row_scale
+def plan(cfg, num_rows, dim, hidden_itemsize):
+    """Returns `cfg` with its passes planned: tiles, cores, pieces, row blocks and VMEM per pass kind."""
+    cfg = cfg._replace(num_tiles=num_tiles(cfg), active_cores=cores_used(cfg),
+                       piece=piece_shape(cfg))
+    blocks = tuple(row_blocks(num_rows, dim, hidden_itemsize, cfg, with_grads)
+                   for with_grads in (False, True))
+    limits = tuple(vmem_limit(cfg, block_rows, dim, hidden_itemsize, with_grads)
+                   for with_grads, (_, block_rows) in zip((False, True), blocks))
+    return cfg._replace(blocks=blocks, vmem_limits=limits)
 
 
-def in_tile_counts(ids_t, cfg):
-    """Returns `[tiles, row tiles]` int32: the most positives one row of a row tile has in a tile."""
-    ids = ids_t.T
-    rows, length = ids.shape
-    tiles = num_tiles(cfg)
-    tile_of = jnp.where(ids >= 0, ids // cfg.tile, tiles)  # EMPTY_ID: dropped
-    slot = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), ids.shape)
-    starts = jnp.concatenate(
-        [jnp.ones((rows, 1), bool), tile_of[:, 1:] != tile_of[:, :-1]], axis=1)
-    rank = slot - lax.cummax(jnp.where(starts, slot, 0), axis=1)
-    row_tile = jnp.broadcast_to((jnp.arange(rows, dtype=jnp.int32) // cfg.row_tile)[:, None],
-                                ids.shape)
-    counts = jnp.zeros((tiles, rows // cfg.row_tile), jnp.int32)
-    return counts.at[tile_of, row_tile].max(rank + 1, mode="drop")
-
-
-def _bias_row(bias):
-    return None if bias is None else bias.astype(jnp.float32).reshape(1, -1)
-
-
-def table_view(table, cfg):
-    """Returns the table as the kernel reads it: `[D, V]` (a layout bitcast on TPU) or `[V, D]`."""
-    return table.T if cfg.dv_view else table
-
-
-def _cost(cfg, rows, dim, itemsize, ps):
-    """Returns the `pl.CostEstimate` of one pass over the `[rows, V]` logits (for XLA)."""
-    logits = rows * cfg.vocab_size
-    matmuls = 3 if ps.with_grads else 1
-    table = cfg.vocab_size * dim
-    grad_bytes = (table * 4 * (2 if ps.carry else 1)) if ps.with_grads else 0
-    return pl.CostEstimate(
-        flops=int(2 * logits * dim * matmuls + 12 * logits),
-        transcendentals=int(3 * logits),  # exp, log and a reciprocal a logit
-        bytes_accessed=int(table * itemsize + grad_bytes
-                           + rows * (dim * itemsize + 4 * cfg.num_ids + 8 + 4 * dim)),
-    )
-
-
-def _pass(hidden, table, bias, ids, row_scale, counts, carried, block, ps, cfg, lse=None,
-          weights=None):
-    """Runs one `pallas_call`: row block `block` against the whole table.
-
-    Returns `(loss | None, grad_hidden | None, grad_table | None, grad_bias |
-    None)`; softmax's loss is the rows' statistics (`passes`), its
-    slopes take `lse` and the positives' `weights`.
-    """
-    dim = table.shape[1]
-    tile, block_rows, per_core = cfg.tile, ps.block_rows, ps.tiles_per_core
-    tiles, cores = num_tiles(cfg), cores_used(cfg)
-    grid = (cores, per_core, block_rows // cfg.row_tile)
-
-    def tile_of(core, j):
-        return j if cores == 1 else jnp.minimum(core * per_core + j, tiles - 1)
-
-    def table_spec():
-        if cfg.dv_view:
-            return pl.BlockSpec((dim, tile), lambda c, j, i, *_: (0, tile_of(c, j)))
-        return pl.BlockSpec((tile, dim), lambda c, j, i, *_: (tile_of(c, j), 0))
-
-    bias_spec = pl.BlockSpec((1, tile), lambda c, j, i, *_: (0, tile_of(c, j)))
-    hidden_block = (dim, block_rows) if cfg.dv_view else (block_rows, dim)
-    in_specs = [
-        pl.BlockSpec(hidden_block, (lambda c, j, i, *_: (0, block)) if cfg.dv_view
-                     else (lambda c, j, i, *_: (block, 0))),
-    ]
-    inputs = [hidden]
-    if uses_hit_bits(cfg, ps.with_grads, ps.positive_sums):
-        in_specs.append(pl.BlockSpec((ids.shape[0], block_rows), lambda c, j, i, *_: (0, block)))
-        inputs.append(ids)
-    row_spec = pl.BlockSpec((1, block_rows), lambda c, j, i, *_: (0, block))
-    if ps.with_grads:
-        in_specs.append(row_spec)
-        inputs.append(row_scale)
-        if cfg.softmax:
-            in_specs.append(row_spec)
-            inputs.append(lse)
-        if cfg.softmax and cfg.positives:
-            in_specs.append(row_spec)
-            inputs.append(weights)
-    in_specs.append(table_spec())
-    inputs.append(table_view(table, cfg))
-    if ps.has_bias:
-        in_specs.append(bias_spec)
-        inputs.append(_bias_row(bias))
-    if ps.carry:
-        in_specs += [table_spec()] + ([bias_spec] if ps.has_bias else [])
-        inputs += list(carried)
-    out_specs, out_shapes, scratch = [], [], []
-    stats = (2 if cfg.softmax else 1) * ps.with_loss + ps.positive_sums
-    out_specs += [pl.BlockSpec((_SQUEEZED, 1, block_rows), lambda c, j, i, *_: (c, 0, 0))] * stats
-    out_shapes += [jax.ShapeDtypeStruct((cores, 1, block_rows), jnp.float32)] * stats
-    aliases = {}
-    if ps.with_grads:
-        view = (dim, cfg.vocab_size) if cfg.dv_view else (cfg.vocab_size, dim)
-        out_specs += [pl.BlockSpec((_SQUEEZED,) + hidden_block, lambda c, j, i, *_: (c, 0, 0)),
-                      table_spec()]
-        out_shapes += [jax.ShapeDtypeStruct((cores,) + hidden_block, jnp.float32),
-                       jax.ShapeDtypeStruct(view, cfg.table_dtype)]
-        if not accumulates_in_place(cfg):
-            scratch.append(pltpu.VMEM((dim, tile) if cfg.dv_view else (tile, dim), jnp.float32))
-        if ps.has_bias:
-            out_specs.append(bias_spec)
-            out_shapes.append(jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.float32))
-    scratch += scratch_shapes(cfg, ps, dim, jnp.dtype(cfg.mm_dtype))
-    if ps.with_grads and ps.carry:  # accumulate in place: the carried buffers are the outputs
-        first_out = len(out_shapes) - 2 - ps.has_bias
-        carry_in = 1 + len(inputs) - len(carried)  # operand 0: the prefetched counts
-        aliases = {carry_in + k: first_out + 1 + k for k in range(len(carried))}
-    name = "cutbce_fused" if ps.with_loss and ps.with_grads else (
-        "cutbce_grads" if ps.with_grads else "cutbce_forward")
-    if cfg.softmax:
-        name = "cutsoftmax_grads" if ps.with_grads else "cutsoftmax_stats"
-
-    def build(interpret, plain=False):
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=scratch)
-        return pl.pallas_call(
-            functools.partial(kernel, cfg=cfg, ps=ps, interpreted=bool(plain or interpret)),
-            grid_spec=grid_spec,
-            out_shape=out_shapes,
-            # Without aliasing (interpreted) the numbers are the same, only
-            # the carried buffers are not reused (`INTERPRET_ALIASES`).
-            input_output_aliases=aliases if not interpret or INTERPRET_ALIASES else {},
-            compiler_params=_compiler_params(
-                ("parallel", "arbitrary", "arbitrary"),
-                None if interpret else _vmem_limit(cfg, block_rows, dim, hidden.dtype.itemsize,
-                                                   ps)),
-            interpret=True if plain else interpret_arg(interpret),
-            cost_estimate=_cost(cfg, block_rows, dim, table.dtype.itemsize, ps),
-            name=name,
-        )
-
-    if cfg.interpret is None:  # target unknown at trace time: decided at lowering
-        # The plain (effect-free) interpreter: `platform_dependent` cannot drop
-        # the ordered effects of `pltpu.InterpretParams`'s callbacks.
-        outs = compile_platform.by_platform((counts, *inputs), build(False), build(True, plain=True))
-    else:
-        outs = build(cfg.interpret)(counts, *inputs)
-    outs = list(outs)
-    if cfg.softmax:
-        loss = _merge_cores(outs.pop(0)[:, 0], outs.pop(0)[:, 0]) if ps.with_loss else ()
-        loss += (outs.pop(0).sum(axis=0)[0],) if ps.positive_sums else ()
-    else:
-        loss = outs.pop(0).sum(axis=0)[0] if ps.with_loss else None
-    if not ps.with_grads:
-        return loss, None, None, None
-    # The kernel's hidden gradient is before the row scale (`kernel`).
-    scale = row_scale[:, block * block_rows:(block + 1) * block_rows]
-    grad_hidden = outs[0].sum(axis=0) * (scale if cfg.dv_view else scale.T)
-    grad_table = outs[1]
-    return loss, grad_hidden, grad_table, (outs[2] if ps.has_bias else None)
-
-
-def _merge_cores(maxes, sums):
-    """Returns the rows' `(max, sum exp)` `[rows]` of the TensorCores' `[cores, rows]` partials."""
-    m = jnp.max(maxes, axis=0)
-    return m, jnp.sum(sums * jnp.exp(maxes - m), axis=0)
-
-
-def passes(hidden, table, bias, ids, row_scale, cfg, with_loss, lse=None, weights=None,
-           positive_sums=False):
-    """Returns the rows' loss sums `[M]` or None, and the gradients or None.
-
-    Softmax's "loss" is a tuple of row statistics: `(max, sum exp)` with
-    `with_loss`, then the sums of the positives' logits with `positive_sums`.
-    The gradients are those of `sum_m row_scale_m loss_m` (softmax: of its
-    slopes with `lse`, plus `weights_m` at the row's positives); one pass over
-    the table per resident row block.
-    """
-    with_grads = row_scale is not None
-    count, block_rows = row_blocks(hidden.shape[0], hidden.shape[1], hidden.dtype.itemsize, cfg,
-                                   with_grads)
-    padded = count * block_rows
-    hit_bits = uses_hit_bits(cfg, with_grads, positive_sums)
-    hidden_p, ids_p, row_scale_p = row_inputs(hidden, ids if hit_bits else None, row_scale,
-                                              padded, cfg)
-    per_core = pl.cdiv(num_tiles(cfg), cores_used(cfg))
-    if lse is not None:  # padded rows: +inf, their slopes exp(z - inf) = 0
-        lse = _pad_rows(lse.astype(jnp.float32), padded, jnp.inf)[None, :]
-    if weights is not None:
-        weights = _pad_rows(weights.astype(jnp.float32), padded)[None, :]
-    if hit_bits:
-        counts = in_tile_counts(ids_p, cfg)
-    else:  # no ids in the tiles: the prefetched counts are a placeholder
-        counts = jnp.zeros((num_tiles(cfg), padded // cfg.row_tile), jnp.int32)
-    row_tiles = block_rows // cfg.row_tile
-    per_row_tile = counts.shape[0] * row_tiles <= MAX_PREFETCHED_COUNTS
-    losses, hidden_grads, carried = [], [], None
-    for block in range(count):
-        ps = Pass(bias is not None, with_loss, with_grads, carried is not None, block_rows,
-                  per_core, per_row_tile, positive_sums)
-        block_counts = counts[:, block * row_tiles : (block + 1) * row_tiles]
-        block_counts = block_counts.reshape(-1) if per_row_tile else block_counts.max(axis=1)
-        loss, grad_hidden, grad_table, grad_bias = _pass(
-            hidden_p, table, bias, ids_p, row_scale_p, block_counts, carried, block, ps, cfg, lse,
-            weights)
-        losses.append(loss)
-        hidden_grads.append(grad_hidden)
-        if with_grads:
-            carried = (grad_table,) + (() if bias is None else (grad_bias,))
-    num_rows = hidden.shape[0]
-    if cfg.softmax:
-        loss = tuple(jnp.concatenate(parts)[:num_rows] for parts in zip(*losses))
-    else:
-        loss = jnp.concatenate(losses)[:num_rows] if with_loss else None
-    if not with_grads:
-        return loss, None
-    if cfg.dv_view:
-        grad_hidden = jnp.concatenate(hidden_grads, axis=1).T[:num_rows]
-    else:
-        grad_hidden = jnp.concatenate(hidden_grads, axis=0)[:num_rows]
-    grad_bias = None if bias is None else carried[1][0]
-    return loss, (grad_hidden, table_view(carried[0], cfg), grad_bias)
-
-
-# -- The entry points --------------------------------------------------
+# -- The entry points ------------------------------------------------------------
 
 _PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST}
 
@@ -324,37 +221,46 @@ def _resolve_interpret(interpret):
     return None if platform is None else platform != "tpu"
 
 
-def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows,
-            interpret, precision="default", family="bce"):
-    """Returns `(cfg, hidden, table, bias, ids)`: the call's `Config` and its arrays."""
+def sorted_positives(ids, vocab_size):
+    """Returns `(sorted, keep)`: each row's valid distinct ids ascending, `EMPTY_ID` first for the rest.
+
+    `keep`: which of the given ids count (`keras_cutbce.math.positives.distinct_targets`).
+    """
+    safe, keep = distinct_targets(ids, vocab_size)
+    return jnp.sort(jnp.where(keep, safe, EMPTY_ID), axis=1), keep
+
+
+def prepare(hidden, table, ids, bias, family, chunk_size, block_rows, interpret,
+            precision="default"):
+    """Returns `(cfg, hidden, table, bias, (ids, keep))`: the call's planned `Config` and its arrays.
+
+    `family`: the kernel's loss family; `(ids, keep)`: `sorted_positives`.
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(
+            f"`precision` must be one of {sorted(_PRECISIONS)}. Received: precision={precision!r}"
+        )
     hidden = jnp.asarray(hidden)
     table = jnp.asarray(table)
     bias = None if bias is None else jnp.asarray(bias)
     ids = jnp.asarray(ids)
     assert ids.ndim == 2, ids.shape
-    if ids.shape[1] == 0:  # No positives: one padding id keeps shapes non-empty.
-        ids = jnp.full((hidden.shape[0], 1), EMPTY_ID, jnp.int32)
-    if precision not in _PRECISIONS:
-        raise ValueError(
-            f"`precision` must be one of {sorted(_PRECISIONS)}. Received: precision={precision!r}"
-        )
     num_rows, dim = hidden.shape
     vocab_size = table.shape[0]
     mm_dtype = _matmul_dtype(hidden, table)
-    capacity = tiling.vmem_capacity_bytes()
-    tiles = tiling.choose_tiles(num_rows, vocab_size, dim, mm_dtype,
-                                tiling.tile_budget_bytes(capacity), table.dtype)
-    rows_tile, tile = tiles
+    if ids.shape[1] == 0:  # No positives: one padding id keeps shapes non-empty.
+        ids = jnp.full((num_rows, 1), EMPTY_ID, jnp.int32)
+    ids, keep = sorted_positives(ids, vocab_size)
+    capacity = vmem_capacity_bytes()
+    rows_tile, tile = choose_tiles(num_rows, vocab_size, dim, mm_dtype,
+                                   tile_budget_bytes(capacity), table.dtype)
     if chunk_size is not None:
-        tile = min(round_up(chunk_size, tiling.LANES), round_up(vocab_size, tiling.LANES),
-                   tiling.MAX_TILE)
+        tile = min(round_up(chunk_size, LANES), round_up(vocab_size, LANES), MAX_TILE)
     if block_rows is not None:
-        rows_tile = min(round_up(block_rows, tiling.LANES),
-                        round_up(max(num_rows, 1), tiling.LANES))
+        rows_tile = min(round_up(block_rows, LANES), round_up(max(num_rows, 1), LANES))
     cfg = Config(
         vocab_size=int(vocab_size),
-        coef=(math.Softmax(float(label_smoothing), int(vocab_size)) if family == "softmax"
-              else bce_coefficients(label_smoothing, pos_weight)),
+        family=family,
         row_tile=int(rows_tile),
         tile=int(tile),
         num_ids=int(ids.shape[1]),
@@ -363,46 +269,24 @@ def prepare(hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, b
         vmem_capacity=capacity,
         precision=_PRECISIONS[precision],
         table_dtype=jnp.dtype(table.dtype).name,
-        dv_view=dim % tiling.LANES != 0,
-        cores=int(tiling.tensorcores()),
-        family=family,
-        newton_reciprocal=tiling.newton_reciprocal(),
+        dv_view=dim % LANES != 0,
+        cores=int(tensorcores()),
+        newton_reciprocal=newton_reciprocal(),
     )
-    return cfg, hidden, table, bias, ids
+    cfg = plan(cfg, num_rows, dim, hidden.dtype.itemsize)
+    return cfg, hidden, table, bias, (ids, keep)
 
 
-@functools.lru_cache(maxsize=128)
-def _functions(cfg):
-    """Returns the differentiable `(per_row_loss, weighted_sum)` of one configuration."""
-    vocab = cfg.vocab_size
-
-    def loss_fn(hidden, table, ids, bias):
-        return passes(hidden, table, bias, ids, None, cfg, with_loss=True)[0] / vocab
-
-    def grads_fn(hidden, table, ids, bias, row_scale):
-        return passes(hidden, table, bias, ids, row_scale / vocab, cfg, with_loss=False)[1]
-
-    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
-        sums, grads = passes(hidden, table, bias, ids, row_weights / vocab, cfg, with_loss=True)
-        return sums / vocab, grads
-
-    return (vjp.per_row_loss(loss_fn, grads_fn),
-            vjp.weighted_sum(loss_fn, loss_and_grads_fn))
+def bce_family(label_smoothing, pos_weight):
+    return kernel.BCE(bce_coefficients(label_smoothing, pos_weight))
 
 
-def cut_bce(
-    hidden,
-    table,
-    ids,
-    bias=None,
-    *,
-    label_smoothing=0.0,
-    pos_weight=1.0,
-    chunk_size=None,
-    block_rows=None,
-    interpret=None,
-    precision="default",
-):
+def softmax_family(label_smoothing, vocab_size, positives=True):
+    return kernel.Softmax(float(label_smoothing), int(vocab_size), positives)
+
+
+def cut_bce(hidden, table, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0,
+            chunk_size=None, block_rows=None, interpret=None, precision="default"):
     """Per-row CutBCE `[M]` float32 (`registry`'s contract); Pallas options below.
 
     `chunk_size`/`block_rows`: vocabulary/row tile (rounded up to 128; None: the
@@ -415,120 +299,35 @@ def cut_bce(
     True
     """
     cfg, hidden, table, bias, ids = prepare(
-        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
-        precision,
-    )
+        hidden, table, ids, bias, bce_family(label_smoothing, pos_weight), chunk_size, block_rows,
+        interpret, precision)
     if hidden.shape[0] == 0:
         return jnp.zeros((0,), jnp.float32)
-    return _functions(cfg)[0](hidden, table, ids, bias)
+    return call.functions(cfg)[0](hidden, table, ids, bias)
 
 
-def cut_bce_weighted_sum(
-    hidden,
-    table,
-    ids,
-    bias,
-    row_weights,
-    *,
-    label_smoothing=0.0,
-    pos_weight=1.0,
-    chunk_size=None,
-    block_rows=None,
-    interpret=None,
-    precision="default",
-):
+def cut_bce_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
+                         pos_weight=1.0, chunk_size=None, block_rows=None, interpret=None,
+                         precision="default"):
     """`sum_m row_weights[m] * cut_bce(...)[m]`; loss and gradients in one kernel pass."""
     cfg, hidden, table, bias, ids = prepare(
-        hidden, table, ids, bias, label_smoothing, pos_weight, chunk_size, block_rows, interpret,
-        precision,
-    )
+        hidden, table, ids, bias, bce_family(label_smoothing, pos_weight), chunk_size, block_rows,
+        interpret, precision)
     row_weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
     if hidden.shape[0] == 0:
         return jnp.zeros((), jnp.float32)
-    return _functions(cfg)[1](hidden, table, ids, bias, row_weights)
-
-
-def _softmax_loss_and_grads(hidden, table, ids, bias, cfg, *, loss, row_weights=None):
-    """Softmax's loss `[M]` (or None) and gradients (or None), as `chunked`'s loop does.
-
-    A statistics pass gives the log-sum-exp, the gradient pass takes it and adds
-    each row's positive weight at its hit bits; the positives' logit sums come
-    from the last pass (no gather or scatter over the table); label smoothing's
-    sum is exact outside.
-    """
-    family = cfg.coef
-    _, keep = distinct_targets(ids, cfg.vocab_size)
-    grads_pass = row_weights is not None
-    stats, _ = passes(hidden, table, bias, ids, None, cfg, with_loss=True,
-                      positive_sums=loss and not grads_pass)
-    # Each row's positive slope, -(1 - a) / |P|: its positives' loss is `weight * sum z_p`.
-    weight = family.positives(stats[0][:, None], keep, loss=False, grad=True)[1][:, 0]
-    grads = None
-    if grads_pass:
-        row_scale, _ = family.row_scale(row_weights, keep, cfg.vocab_size)  # one factor: no `linear`
-        sums, grads = passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
-                             lse=family.statistics(stats[:2]), weights=weight,
-                             positive_sums=loss)
-        stats += sums
-        grads = (grads[0], grads[1].astype(jnp.float32), grads[2])
-    if not loss:
-        return None, grads
-    m, s, positive_sums = stats
-    positive_rows = weight * positive_sums
-    total = jnp.zeros_like(m)
-    if family.label_smoothing:
-        total = jnp.matmul(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
-                           precision=lax.Precision.HIGHEST)
-        total = total if bias is None else total + jnp.sum(bias.astype(jnp.float32))
-    return family.finish((m, s, total), positive_rows, keep, cfg.vocab_size), grads
-
-
-@functools.lru_cache(maxsize=128)
-def _softmax_functions(cfg):
-    """Returns the differentiable `(per_row_loss, weighted_sum)` of one softmax configuration."""
-
-    def loss_fn(hidden, table, ids, bias):
-        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=True)[0]
-
-    def grads_fn(hidden, table, ids, bias, row_weights):
-        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=False,
-                                       row_weights=row_weights)[1]
-
-    def loss_and_grads_fn(hidden, table, ids, bias, row_weights):
-        return _softmax_loss_and_grads(hidden, table, ids, bias, cfg, loss=True,
-                                       row_weights=row_weights)
-
-    return (vjp.per_row_loss(loss_fn, grads_fn),
-            vjp.weighted_sum(loss_fn, loss_and_grads_fn))
-
-
-def softmax_statistics(hidden, table, bias, *, chunk_size=None, interpret=None):
-    """Returns the rows' `(max, sum_v exp(z_v - max))`, float32 `[M]` each (no gradient)."""
-    cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
-                                            0.0, 1.0, chunk_size, None, interpret,
-                                            family="softmax")
-    return passes(hidden, table, bias, ids, None, cfg._replace(positives=False), with_loss=True)[0]
-
-
-def softmax_gradients(hidden, table, bias, lse, row_scale, *, chunk_size=None, interpret=None):
-    """Returns the float32 gradients of `sum_m row_scale_m sum_v exp(z_mv - lse_m)` (no smoothing)."""
-    cfg, hidden, table, bias, ids = prepare(hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
-                                            0.0, 1.0, chunk_size, None, interpret,
-                                            family="softmax")
-    grads = passes(hidden, table, bias, ids, row_scale, cfg._replace(positives=False),
-                   with_loss=False, lse=lse)[1]
-    return grads[0], grads[1].astype(jnp.float32), grads[2]
+    return call.functions(cfg)[1](hidden, table, ids, bias, row_weights)
 
 
 def cut_softmax(hidden, table, ids, bias=None, *, label_smoothing=0.0, chunk_size=None,
                 block_rows=None, interpret=None, precision="default"):
-    """`cut_bce` for the softmax cross-entropy (`math.Softmax`), float32 `[M]`."""
+    """`cut_bce` for the softmax cross-entropy (`kernel.Softmax`), float32 `[M]`."""
     cfg, hidden, table, bias, ids = prepare(
-        hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
-        precision, family="softmax")
+        hidden, table, ids, bias, softmax_family(label_smoothing, table.shape[0]), chunk_size,
+        block_rows, interpret, precision)
     if hidden.shape[0] == 0:
         return jnp.zeros((0,), jnp.float32)
-    return _softmax_functions(cfg)[0](hidden, table, ids, bias)
+    return call.functions(cfg)[0](hidden, table, ids, bias)
 
 
 def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smoothing=0.0,
@@ -536,9 +335,27 @@ def cut_softmax_weighted_sum(hidden, table, ids, bias, row_weights, *, label_smo
                              precision="default"):
     """`cut_bce_weighted_sum` for softmax: a statistics pass, then the gradient pass."""
     cfg, hidden, table, bias, ids = prepare(
-        hidden, table, ids, bias, label_smoothing, 1.0, chunk_size, block_rows, interpret,
-        precision, family="softmax")
+        hidden, table, ids, bias, softmax_family(label_smoothing, table.shape[0]), chunk_size,
+        block_rows, interpret, precision)
     row_weights = jnp.asarray(row_weights, jnp.float32).reshape(hidden.shape[:1])
     if hidden.shape[0] == 0:
         return jnp.zeros((), jnp.float32)
-    return _softmax_functions(cfg)[1](hidden, table, ids, bias, row_weights)
+    return call.functions(cfg)[1](hidden, table, ids, bias, row_weights)
+
+
+def softmax_statistics(hidden, table, bias, *, chunk_size=None, interpret=None):
+    """Returns the rows' `(max, sum_v exp(z_v - max))`, float32 `[M]` each (no gradient)."""
+    cfg, hidden, table, bias, (ids, _) = prepare(
+        hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
+        softmax_family(0.0, table.shape[0], positives=False), chunk_size, None, interpret)
+    return call.passes(hidden, table, bias, ids, None, cfg, with_loss=True)[0]
+
+
+def softmax_gradients(hidden, table, bias, lse, row_scale, *, chunk_size=None, interpret=None):
+    """Returns the float32 gradients of `sum_m row_scale_m sum_v exp(z_mv - lse_m)` (no smoothing)."""
+    cfg, hidden, table, bias, (ids, _) = prepare(
+        hidden, table, jnp.zeros((hidden.shape[0], 0)), bias,
+        softmax_family(0.0, table.shape[0], positives=False), chunk_size, None, interpret)
+    grads = call.passes(hidden, table, bias, ids, row_scale, cfg, with_loss=False,
+                        slope_inputs=(lse,))[1]
+    return grads[0], grads[1].astype(jnp.float32), grads[2]

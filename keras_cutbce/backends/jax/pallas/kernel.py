@@ -1,20 +1,25 @@
-"""The Pallas TPU kernel: one pass over the table for a block of resident rows.
+"""The Pallas TPU kernel: one pass over the table for a block of resident rows, given a loss family.
 
 Grid `(core, vocabulary tile, row tile)`; the step's tile runs in
-register-sized pieces, software-pipelined between the MXU and the VPU. Both
-families find positives from hit bits; softmax keeps a running (max, sum exp)
-or takes `lse`, and may sum its positives' logits. The design: docs/tpu.md.
+register-sized pieces, software-pipelined between the MXU and the VPU. The
+loop owns the tiles, the matmuls, the gradients and the hit bits (each row's
+ids in the tile); a family (`BCE`, `Softmax`) owns what the loss decides: its
+per-logit terms and slopes (`tile`), the lanes' and rows' reductions (`init`,
+`merge`) and the refs they need. The design: docs/tpu.md.
 """
 
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from keras_cutbce.backends.jax.pallas.tiling import (BCE_PIECE_COLS, LANES, PIECE_COLS,
-                                                     PIECE_ROWS, cores_used, num_tiles)
+from keras_cutbce.backends.jax import math as jax_math
 from keras_cutbce.common import EMPTY_ID, round_up
+
+LANES = 128
+PIECE_COLS = 512  # the widest piece of a step's tile (a family's `piece_cols`: softmax's; BCE's 256)
 
 # -- BCE's per-logit loss and slope (the spec table checks them) --------------------
 #
@@ -123,83 +128,7 @@ def term_and_slope(z, positive, coef, base2=False):
     return (relus * LN2 if base2 else relus) + logs, flip(slope(f, ex, coef, mask), hits)
 
 
-# -- The kernel ------------------------------------------------------------
-
-# `x @ y.T` ("NT"), `x @ y` ("NN") and `x.T @ y` ("TN") without materialising a transpose.
-_NT = (((1,), (1,)), ((), ()))
-_NN = (((1,), (0,)), ((), ()))
-_TN = (((0,), (0,)), ((), ()))
-
-
-def _matmul(x, y, dims, cfg):
-    """Returns `dot_general` in the matmul dtype, accumulated in float32."""
-    dtype = jnp.dtype(cfg.mm_dtype)
-    precision = cfg.precision if dtype == jnp.float32 else None
-    return lax.dot_general(
-        x.astype(dtype), y.astype(dtype), dims, precision=precision,
-        preferred_element_type=jnp.float32,
-    )
-
-
-def _table_piece(table_ref, cols, cfg, edge, item):
-    """Returns the table's `cols` (`[D, n]` or `[n, D]`), items at or past V zeroed on the edge."""
-    table = table_ref[:, cols] if cfg.dv_view else table_ref[cols, :]
-    if edge:
-        items = lax.broadcasted_iota(jnp.int32, table.shape, 1 if cfg.dv_view else 0) + item
-        table = jnp.where(items < cfg.vocab_size, table, jnp.zeros_like(table))
-    return table
-
-
-def bias_rows(cfg, ps):
-    """Returns the rows the bias adds to the `[D, V]` view's matmuls (0: added on the VPU).
-
-    In the `[D, V]` view the bias rides the MXU: `BIAS_PARTS` rows of the
-    table piece (its bfloat16-exact parts) against ones columns of the hidden
-    states, and the row scale's parts as rows of the scaled hidden states give
-    the bias gradient; a whole packed sublane tile of rows (8 float32, 16 bfloat16).
-    """
-    return 32 // jnp.dtype(cfg.mm_dtype).itemsize if ps.has_bias and cfg.dv_view else 0
-
-
-def in_base2(cfg):
-    """Whether BCE's logits come in base 2 (`LOG2E` folded into the hidden states).
-
-    Float32 matmuls in the `[D, V]` view, whose hidden states are copied
-    anyway: a 16-bit copy scaled by `LOG2E` would change the products.
-    """
-    return not cfg.softmax and cfg.dv_view and jnp.dtype(cfg.mm_dtype) == jnp.float32
-
-
-BIAS_PARTS = 3  # bfloat16 parts that sum to a float32 exactly: the MXU's pass precision drops none
-
-
-def _parts(x, rows):
-    """Returns `[1, n]` float32 `x` as `[rows, n]`: its `BIAS_PARTS` bfloat16-exact parts, then zeros."""
-    rest = jnp.broadcast_to(x, (rows, x.shape[1]))
-    row = lax.broadcasted_iota(jnp.int32, rest.shape, 0)
-    out = jnp.zeros_like(rest)
-    for k in range(BIAS_PARTS):
-        part = rest.astype(jnp.bfloat16).astype(jnp.float32)
-        out = jnp.where(row == k, part, out)
-        rest = jnp.where(jnp.abs(part) < jnp.inf, rest - part, 0.0)  # -inf: one part, no NaN
-    return out
-
-
-def _logits(hidden, table, bias, cfg):
-    """Returns the float32 logits `[rows, n]` of `[rows, D]` hidden states: `hidden @ table(.T)`."""
-    z = _matmul(hidden, table, _NN if cfg.dv_view else _NT, cfg)
-    return z if bias is None else z + bias
-
-
-def _grad_hidden_tile(dz, table, cfg):
-    """Returns a tile's hidden gradient in the rows' layout: `table @ dz.T` or `dz @ table`."""
-    return _matmul(table, dz, _NT, cfg) if cfg.dv_view else _matmul(dz, table, _NN, cfg)
-
-
-def _grad_table_tile(hidden, dz, cfg):
-    """Returns a tile's table gradient in the table view's layout: `hidden @ dz` or `dz.T @ h`."""
-    return _matmul(hidden, dz, _NN, cfg) if cfg.dv_view else _matmul(dz, hidden, _TN, cfg)
-
+# -- Lanes and hit bits: what the families read and write ---------------------------
 
 def _as_columns(rows, fill):
     """Returns `[k, n]` as `[n, k]` (one 128-aligned transpose: per-row values to the sublanes)."""
@@ -213,34 +142,6 @@ def _as_columns(rows, fill):
 def _as_row(column):
     """Returns `[n, 1]` as `[1, n]` (per-row values back to the lanes)."""
     return jnp.transpose(jnp.broadcast_to(column, (column.shape[0], LANES)))[0:1, :]
-
-
-def _first_slots(ids, lo):
-    """Returns `[1, n]`: how many of each row's sorted ids lie below the tile's first item `lo`."""
-    return jnp.sum((ids < lo).astype(jnp.int32), axis=0, keepdims=True)
-
-
-def _pick(ids, first, k):
-    """Returns `[1, n]`: each row's id at slot `first + k` (its k-th id from the tile on), or -1."""
-    slot = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-    return jnp.max(jnp.where(slot == first + k, ids, EMPTY_ID), axis=0, keepdims=True)
-
-
-def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
-    """Writes `bits_ref` `[rows, 128]`: bit `b` of lane `l` set where item `lo + 128 b + l` is an id."""
-    lane = lax.broadcasted_iota(jnp.int32, bits_t_ref.shape, 0)
-    bits_t_ref[...] = jnp.zeros(bits_t_ref.shape, jnp.int32)
-
-    def add(k, carry):
-        item = _pick(ids, first, k) - lo  # [1, rows]: past the tile, or -1 - lo
-        inside = (item >= 0) & (item < tile)
-        at = jnp.where(inside, item & (LANES - 1), -1)
-        bit = jnp.left_shift(jnp.ones_like(item), jnp.where(inside, item >> 7, 0))
-        bits_t_ref[...] = bits_t_ref[...] | jnp.where(lane == at, bit, 0)
-        return carry
-
-    lax.fori_loop(0, count, add, 0)
-    bits_ref[...] = jnp.transpose(bits_t_ref[...])
 
 
 def _hits(bits, block):
@@ -281,64 +182,301 @@ def _rescaled(total, m_old, m_new):
     return total * jnp.exp(m_old - m_new)
 
 
-def piece_shape(cfg):
-    """Returns `(rows, cols)` of one piece of a grid step's tile (a few vector registers each)."""
-    widest = PIECE_COLS if cfg.softmax else BCE_PIECE_COLS
-    cols = next(c for c in (widest, 256, LANES) if cfg.tile % c == 0)
-    return min(PIECE_ROWS, cfg.row_tile), cols
+# -- The loss families in the kernel --------------------------------------------------
+#
+# Static (hashable) parts of `api.Config`, one method set (docs/development.md,
+# "Pallas"): the refs a pass needs (`init`, `lanes`, `slope_inputs`), a piece's
+# terms and slopes (`hits`, `tile`), the reductions (`merge`, `merge_cores`),
+# `logit_sums` (the rows' `sum_v z_v` added outside, in closed form), and `xla`,
+# the backend family run around the kernel. A new family is one class here.
 
 
-def kernel(*refs, cfg, ps, interpreted=False):
-    """Writes the loss (softmax: max and sum exp) and/or gradients of one block of resident rows.
+class BCE(NamedTuple):
+    """Binary cross-entropy: a positive flips its logit's sign, the rows sum their terms."""
 
-    Refs in the order `api._pass` builds them, scratch as `scratch_shapes`;
+    coef: object  # `keras_cutbce.math.coefficients.BCECoefficients`
+
+    two_pass = False
+    logit_sums = False  # the tiles hold the whole background
+    piece_cols = 256  # libtpu packs BCE's schedule tighter (docs/tpu.md)
+    hits = staticmethod(_hits)
+
+    @property
+    def xla(self):
+        return jax_math.BCE(self.coef)
+
+    def kernel_name(self, ps):
+        if ps.with_loss:
+            return "cutbce_fused" if ps.with_grads else "cutbce_forward"
+        return "cutbce_grads"
+
+    def finds_positives(self, ps):
+        return True
+
+    def in_base2(self, cfg):
+        """Whether the logits come in base 2 (`LOG2E` folded into the hidden states).
+
+        Float32 matmuls in the `[D, V]` view, whose hidden states are copied
+        anyway: a 16-bit copy scaled by `LOG2E` would change the products.
+        """
+        return cfg.dv_view and jnp.dtype(cfg.mm_dtype) == jnp.float32
+
+    def init(self, ps):
+        return (("loss", 0.0),) if ps.with_loss else ()
+
+    def lanes(self, cfg, ps):
+        if not ps.with_loss:
+            return ()
+        return (("lane_terms", 0.0),) + ((("lane_relus", 0.0),) if self.in_base2(cfg) else ())
+
+    def slope_inputs(self, ps):
+        return ()
+
+    def tile(self, z, hits, valid, local, refs, cfg, ps, interpreted):
+        """Adds a piece's terms to the lanes; returns its slopes `d loss / d z`, or None."""
+        f = flip(z, hits)
+        ex = Exps(f, barrier=interpreted, base2=self.in_base2(cfg), newton=cfg.newton_reciprocal)
+        positive = hits != 0 if needs_mask(self.coef) else None
+        if ps.with_loss:
+            relus, logs = term(f, ex, self.coef, positive)
+            if "lane_relus" in refs:  # base 2: the relu parts apart (`term`)
+                parts = ((refs["lane_relus"], relus), (refs["lane_terms"], logs))
+            else:
+                parts = ((refs["lane_terms"], relus + logs),)
+            for ref, x in parts:
+                ref[local, :] += _fold(x if valid is None else jnp.where(valid, x, 0.0))
+        if not ps.with_grads:
+            return None
+        dz = flip(slope(f, ex, self.coef, positive), hits)
+        return dz if valid is None else jnp.where(valid, dz, 0.0)
+
+    def merge(self, refs, rows):
+        if "loss" not in refs:
+            return
+        terms = refs["lane_terms"][...]
+        if "lane_relus" in refs:
+            terms = refs["lane_relus"][...] * LN2 + terms
+        refs["loss"][:, rows] += _as_row(jnp.sum(terms, axis=1, keepdims=True))
+
+    def merge_cores(self, outs, ps):
+        return tuple(x.sum(axis=0)[0] for x in outs)
+
+
+class Softmax(NamedTuple):
+    """Softmax cross-entropy: the rows' running (max, sum exp), slopes `exp(z - lse) - a / V`."""
+
+    label_smoothing: float
+    vocab: int
+    positives: bool = True  # the kernels find the rows' ids (hit bits); False: no ids
+
+    two_pass = True  # a statistics pass gives `lse`, the gradient pass takes it
+    piece_cols = PIECE_COLS  # the statistics rescale their sums once a piece
+    hits = staticmethod(_hit_mask)
+
+    @property
+    def logit_sums(self):
+        """Whether the loss needs the rows' `sum_v z_v` (smoothing's `a / V`), summed outside."""
+        return bool(self.label_smoothing)
+
+    @property
+    def xla(self):
+        return jax_math.Softmax(self.label_smoothing, self.vocab)
+
+    def kernel_name(self, ps):
+        return "cutsoftmax_grads" if ps.with_grads else "cutsoftmax_stats"
+
+    def finds_positives(self, ps):
+        """Ids in the tiles: the positives' slopes, or their logits' sums (`positive_sums`)."""
+        return self.positives and (ps.with_grads or ps.positive_sums)
+
+    def in_base2(self, cfg):
+        return False
+
+    def init(self, ps):
+        rows = (("max", LOWEST), ("sum_exp", 0.0)) if ps.with_loss else ()
+        return rows + ((("positive", 0.0),) if ps.positive_sums else ())
+
+    def lanes(self, cfg, ps):
+        lanes = (("lane_max", LOWEST), ("lane_sum_exp", 0.0)) if ps.with_loss else ()
+        return lanes + ((("lane_positive", 0.0),) if ps.positive_sums else ())
+
+    def slope_inputs(self, ps):
+        """`lse` (padded rows: `+inf`, slopes 0) and the positives' slope `weight`."""
+        if not ps.with_grads:
+            return ()
+        return (("lse", jnp.inf),) + ((("weight", 0.0),) if self.positives else ())
+
+    def tile(self, z, hits, valid, local, refs, cfg, ps, interpreted):
+        """Adds a piece to the lanes' running (max, sum exp, sum z_p); returns its slopes or None.
+
+        The slopes: `exp(z - lse) - a / V`, plus the row's weight at its positives
+        (`hits`: `_hit_mask`).
+        """
+        if "lane_positive" in refs:
+            refs["lane_positive"][local, :] += _fold(_masked(z, hits))
+        if ps.with_loss:
+            zm = z if valid is None else jnp.where(valid, z, LOWEST)
+            m_old = refs["lane_max"][local, :]
+            m_new = jnp.maximum(m_old, _fold(zm, jnp.maximum))
+            refs["lane_max"][local, :] = m_new
+            refs["lane_sum_exp"][local, :] = (
+                _rescaled(refs["lane_sum_exp"][local, :], m_old, m_new)
+                + _fold(jnp.exp(zm - _lanes(m_new, z.shape[1]))))
+        if not ps.with_grads:
+            return None
+        dz = jnp.exp(z - _lanes(refs["lse_col"][local, :], z.shape[1]))
+        if self.label_smoothing:
+            dz = dz - self.label_smoothing / self.vocab
+        if hits is not None:
+            dz = dz + _masked(_lanes(refs["weight_col"][local, :], z.shape[1]), hits)
+        return dz if valid is None else jnp.where(valid, dz, 0.0)
+
+    def merge(self, refs, rows):
+        """The step's (max, sum exp) merged into the rows'; the positives' sums added."""
+        if "max" in refs:
+            m_lanes = refs["lane_max"][...]
+            m_step = jnp.max(m_lanes, axis=1, keepdims=True)
+            s_step = _as_row(jnp.sum(_rescaled(refs["lane_sum_exp"][...], m_lanes, m_step),
+                                     axis=1, keepdims=True))
+            m_step = _as_row(m_step)
+            m_old = refs["max"][:, rows]
+            m_new = jnp.maximum(m_old, m_step)
+            refs["sum_exp"][:, rows] = (_rescaled(refs["sum_exp"][:, rows], m_old, m_new)
+                                        + _rescaled(s_step, m_step, m_new))
+            refs["max"][:, rows] = m_new
+        if "positive" in refs:
+            refs["positive"][:, rows] += _as_row(jnp.sum(refs["lane_positive"][...], axis=1,
+                                                         keepdims=True))
+
+    def merge_cores(self, outs, ps):
+        """The rows' `(max, sum exp)` of the cores' `[cores, 1, rows]` partials, then the positives' sums."""
+        stats = ()
+        if ps.with_loss:
+            maxes, sums = outs[0][:, 0], outs[1][:, 0]
+            m = jnp.max(maxes, axis=0)
+            stats = (m, jnp.sum(sums * jnp.exp(maxes - m), axis=0))
+        return stats + ((outs[-1].sum(axis=0)[0],) if ps.positive_sums else ())
+
+
+# -- The kernel ------------------------------------------------------------
+
+# `x @ y.T` ("NT"), `x @ y` ("NN") and `x.T @ y` ("TN") without materialising a transpose.
+_NT = (((1,), (1,)), ((), ()))
+_NN = (((1,), (0,)), ((), ()))
+_TN = (((0,), (0,)), ((), ()))
+
+
+def _matmul(x, y, dims, cfg):
+    """Returns `dot_general` in the matmul dtype, accumulated in float32."""
+    dtype = jnp.dtype(cfg.mm_dtype)
+    precision = cfg.precision if dtype == jnp.float32 else None
+    return lax.dot_general(
+        x.astype(dtype), y.astype(dtype), dims, precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _table_piece(table_ref, cols, cfg, edge, item):
+    """Returns the table's `cols` (`[D, n]` or `[n, D]`), items at or past V zeroed on the edge."""
+    table = table_ref[:, cols] if cfg.dv_view else table_ref[cols, :]
+    if edge:
+        items = lax.broadcasted_iota(jnp.int32, table.shape, 1 if cfg.dv_view else 0) + item
+        table = jnp.where(items < cfg.vocab_size, table, jnp.zeros_like(table))
+    return table
+
+
+BIAS_PARTS = 3  # bfloat16 parts that sum to a float32 exactly: the MXU's pass precision drops none
+
+
+def _parts(x, rows):
+    """Returns `[1, n]` float32 `x` as `[rows, n]`: its `BIAS_PARTS` bfloat16-exact parts, then zeros."""
+    rest = jnp.broadcast_to(x, (rows, x.shape[1]))
+    row = lax.broadcasted_iota(jnp.int32, rest.shape, 0)
+    out = jnp.zeros_like(rest)
+    for k in range(BIAS_PARTS):
+        part = rest.astype(jnp.bfloat16).astype(jnp.float32)
+        out = jnp.where(row == k, part, out)
+        rest = jnp.where(jnp.abs(part) < jnp.inf, rest - part, 0.0)  # -inf: one part, no NaN
+    return out
+
+
+def _logits(hidden, table, bias, cfg):
+    """Returns the float32 logits `[rows, n]` of `[rows, D]` hidden states: `hidden @ table(.T)`."""
+    z = _matmul(hidden, table, _NN if cfg.dv_view else _NT, cfg)
+    return z if bias is None else z + bias
+
+
+def _grad_hidden_tile(dz, table, cfg):
+    """Returns a tile's hidden gradient in the rows' layout: `table @ dz.T` or `dz @ table`."""
+    return _matmul(table, dz, _NT, cfg) if cfg.dv_view else _matmul(dz, table, _NN, cfg)
+
+
+def _grad_table_tile(hidden, dz, cfg):
+    """Returns a tile's table gradient in the table view's layout: `hidden @ dz` or `dz.T @ h`."""
+    return _matmul(hidden, dz, _NN, cfg) if cfg.dv_view else _matmul(dz, hidden, _TN, cfg)
+
+
+def _first_slots(ids, lo):
+    """Returns `[1, n]`: how many of each row's sorted ids lie below the tile's first item `lo`."""
+    return jnp.sum((ids < lo).astype(jnp.int32), axis=0, keepdims=True)
+
+
+def _pick(ids, first, k):
+    """Returns `[1, n]`: each row's id at slot `first + k` (its k-th id from the tile on), or -1."""
+    slot = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    return jnp.max(jnp.where(slot == first + k, ids, EMPTY_ID), axis=0, keepdims=True)
+
+
+def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
+    """Writes `bits_ref` `[rows, 128]`: bit `b` of lane `l` set where item `lo + 128 b + l` is an id."""
+    lane = lax.broadcasted_iota(jnp.int32, bits_t_ref.shape, 0)
+    bits_t_ref[...] = jnp.zeros(bits_t_ref.shape, jnp.int32)
+
+    def add(k, carry):
+        item = _pick(ids, first, k) - lo  # [1, rows]: past the tile, or -1 - lo
+        inside = (item >= 0) & (item < tile)
+        at = jnp.where(inside, item & (LANES - 1), -1)
+        bit = jnp.left_shift(jnp.ones_like(item), jnp.where(inside, item >> 7, 0))
+        bits_t_ref[...] = bits_t_ref[...] | jnp.where(lane == at, bit, 0)
+        return carry
+
+    lax.fori_loop(0, count, add, 0)
+    bits_ref[...] = jnp.transpose(bits_t_ref[...])
+
+
+def kernel(*refs, cfg, ps, names, interpreted=False):
+    """Writes the family's row outputs and/or the gradients of one block of resident rows.
+
+    `names`: the refs' names, in the order `call._pass` gives them;
     `interpreted`: traced for the interpreter (`Exps`).
     """
-    refs = list(refs)
-    in_tile_ref, hidden_ref = refs.pop(0), refs.pop(0)
-    hit_bits = uses_hit_bits(cfg, ps.with_grads, ps.positive_sums)
-    ids_ref = refs.pop(0) if hit_bits else None
-    row_scale_ref = refs.pop(0) if ps.with_grads else None
-    lse_ref = refs.pop(0) if ps.with_grads and cfg.softmax else None
-    softmax_positives = cfg.softmax and cfg.positives
-    weight_ref = refs.pop(0) if ps.with_grads and softmax_positives else None
-    table_ref = refs.pop(0)
-    bias_ref = refs.pop(0) if ps.has_bias else None
-    carried_table = refs.pop(0) if ps.carry else None
-    carried_bias = refs.pop(0) if ps.carry and ps.has_bias else None
-    loss_ref = refs.pop(0) if ps.with_loss else None
-    sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None  # loss_ref: the max
-    positive_ref = refs.pop(0) if ps.positive_sums else None
-    grad_hidden_ref = grad_table_ref = grad_bias_ref = acc_table = acc_bias = None
-    if ps.with_grads:
-        grad_hidden_ref, grad_table_ref = refs.pop(0), refs.pop(0)
-        grad_bias_ref = refs.pop(0) if ps.has_bias else None
-        # A float32 table gradient accumulates in its output block (resident
-        # across the row tiles), another dtype in a float32 scratch.
-        acc_table = grad_table_ref if accumulates_in_place(cfg) else refs.pop(0)
-        acc_bias = grad_bias_ref
-    scaled_ref = refs.pop(0) if ps.with_grads else None
-    slopes_refs = (refs.pop(0), refs.pop(0)) if ps.with_grads else None
-    terms_ref = refs.pop(0) if ps.with_loss else None  # softmax: the lanes' running max
-    lane_sum_ref = refs.pop(0) if ps.with_loss and cfg.softmax else None
-    lane_positive_ref = refs.pop(0) if positive_ref is not None else None
-    base2 = in_base2(cfg)
-    relus_ref = refs.pop(0) if ps.with_loss and base2 else None  # the relu parts, base-2 units
-    bits_ref, bits_t_ref = (refs.pop(0), refs.pop(0)) if hit_bits else (None, None)
-    scale_col_ref = refs.pop(0) if needs_scale_column(cfg, ps) else None
-    lse_col_ref = refs.pop(0) if lse_ref is not None else None
-    weight_col_ref = refs.pop(0) if weight_ref is not None else None
-    hidden_t_ref = refs.pop(0) if cfg.dv_view else None
-    extra = bias_rows(cfg, ps)  # the bias on the MXU
+    family = cfg.family
+    refs = dict(zip(names, refs))
+    in_tile_ref, hidden_ref, table_ref = refs["in_tile"], refs["hidden"], refs["table"]
+    ids_ref = refs.get("ids")
+    row_scale_ref = refs.get("row_scale")
+    bias_ref = refs.get("bias")
+    carried_table, carried_bias = refs.get("carried_table"), refs.get("carried_bias")
+    grad_hidden_ref, grad_table_ref = refs.get("grad_hidden"), refs.get("grad_table")
+    # A float32 table gradient accumulates in its output block (resident
+    # across the row tiles), another dtype in a float32 scratch.
+    acc_table = refs.get("acc_table", grad_table_ref)
+    acc_bias = grad_bias_ref = refs.get("grad_bias")
+    scaled_ref = refs.get("scaled")
+    slopes_refs = (refs.get("slopes_0"), refs.get("slopes_1"))
+    bits_ref, bits_t_ref = refs.get("bits"), refs.get("bits_t")
+    scale_col_ref = refs.get("scale_col")
+    hidden_t_ref = refs.get("hidden_t")
+    bias_parts_ref = refs.get("bias_parts")
+    logits_refs = (refs["logits_0"], refs["logits_1"])
+    base2 = family.in_base2(cfg)
+    extra = ps.bias_rows  # the bias on the MXU
     vpu_bias = ps.has_bias and not extra  # the bias added and its gradient summed on the VPU
-    bias_parts_ref = refs.pop(0) if extra else None
-    logits_refs = (refs.pop(0), refs.pop(0))
     core, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tile_index = core * ps.tiles_per_core + j
     row_tile = cfg.row_tile
     rows = pl.ds(pl.multiple_of(i * row_tile, row_tile), row_tile)
-    piece_rows, piece_cols = piece_shape(cfg)
-    mask_weights = not cfg.softmax and needs_mask(cfg.coef)
+    piece_rows, piece_cols = cfg.piece
 
     def hidden_rows(ref):
         return ref.at[:, rows] if cfg.dv_view else ref.at[rows, :]
@@ -358,7 +496,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
         logits_refs[buffer][...] = _logits(hidden, table, bias, cfg)
 
     def elementwise(c, buffer, edge, lo, part):
-        """Returns column `c`'s slopes of rows `part`, or None; adds their loss terms."""
+        """Returns column `c`'s slopes of rows `part`, or None; the family adds their terms."""
         cols_ds = columns(c)
         c0 = cols_ds.start
         valid = None
@@ -370,66 +508,21 @@ def kernel(*refs, cfg, ps, interpreted=False):
             local = slice(r0, r0 + piece_rows)
             z = logits_refs[buffer][local, :]
             hits = None
-            if hit_bits:
+            if ps.hit_bits:
                 bits = bits_ref[local, :]
-                hit = _hit_mask if cfg.softmax else _hits
-                hits = jnp.concatenate([hit(bits, c * piece_cols // LANES + k)
+                hits = jnp.concatenate([family.hits(bits, c * piece_cols // LANES + k)
                                         for k in range(piece_cols // LANES)], axis=1)
-            if cfg.softmax:
-                dz = softmax_piece(z, local, valid, hits)
-                if dz is not None:
-                    slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
-                    if vpu_bias:
-                        weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
-                        grad = jnp.sum(weighted, axis=0, keepdims=True)
-                        bias_grad = grad if bias_grad is None else bias_grad + grad
+            dz = family.tile(z, hits, valid, local, refs, cfg, ps, interpreted)
+            if dz is None:
                 continue
-            f = flip(z, hits)
-            ex = Exps(f, barrier=interpreted, base2=base2,
-                                  newton=cfg.newton_reciprocal)
-            positive = hits != 0 if mask_weights else None
-            if ps.with_loss:
-                relus, logs = term(f, ex, cfg.coef, positive)
-                parts = ((relus_ref, relus), (terms_ref, logs)) if base2 else (
-                    (terms_ref, relus + logs),)
-                for ref, x in parts:
-                    ref[local, :] += _fold(x if valid is None else jnp.where(valid, x, 0.0))
-            if ps.with_grads:
-                dz = flip(slope(f, ex, cfg.coef, positive), hits)
-                if valid is not None:
-                    dz = jnp.where(valid, dz, 0.0)
-                slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
-                if vpu_bias:
-                    weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
-                    grad = jnp.sum(weighted, axis=0, keepdims=True)
-                    bias_grad = grad if bias_grad is None else bias_grad + grad
+            slopes.append(dz.astype(jnp.dtype(cfg.mm_dtype)))
+            if vpu_bias:
+                weighted = _lanes(scale_col_ref[local, :], piece_cols) * dz
+                grad = jnp.sum(weighted, axis=0, keepdims=True)
+                bias_grad = grad if bias_grad is None else bias_grad + grad
         if bias_grad is not None:
             acc_bias[:, cols_ds] += bias_grad
         return jnp.concatenate(slopes, axis=0) if slopes else None
-
-    def softmax_piece(z, local, valid, hits):
-        """Adds a piece to the lanes' running (max, sum exp, sum z_p); returns its slopes or None.
-
-        The slopes: `exp(z - lse) - a / V`, plus the row's weight at its positives
-        (`hits`: `_hit_mask`).
-        """
-        if lane_positive_ref is not None:
-            lane_positive_ref[local, :] += _fold(_masked(z, hits))
-        if ps.with_loss:
-            zm = z if valid is None else jnp.where(valid, z, LOWEST)
-            m_old = terms_ref[local, :]
-            m_new = jnp.maximum(m_old, _fold(zm, jnp.maximum))
-            terms_ref[local, :] = m_new
-            lane_sum_ref[local, :] = (_rescaled(lane_sum_ref[local, :], m_old, m_new)
-                                      + _fold(jnp.exp(zm - _lanes(m_new, piece_cols))))
-        if not ps.with_grads:
-            return None
-        dz = jnp.exp(z - _lanes(lse_col_ref[local, :], piece_cols))
-        if cfg.coef.label_smoothing:
-            dz = dz - cfg.coef.label_smoothing / cfg.vocab_size
-        if hits is not None:
-            dz = dz + _masked(_lanes(weight_col_ref[local, :], piece_cols), hits)
-        return dz if valid is None else jnp.where(valid, dz, 0.0)
 
     def gradients(c, slopes_ref, edge, lo, part):
         """Adds piece column `c`'s slopes of rows `part` to the hidden and table gradients."""
@@ -478,13 +571,8 @@ def kernel(*refs, cfg, ps, interpreted=False):
     def body(edge):
         @pl.when(j == 0)
         def _init_rows():  # this core's first visit of these rows
-            if ps.with_loss:
-                loss_ref[:, rows] = jnp.full((1, row_tile), LOWEST if cfg.softmax else 0.0,
-                                             jnp.float32)
-                if cfg.softmax:
-                    sum_ref[:, rows] = jnp.zeros((1, row_tile), jnp.float32)
-            if positive_ref is not None:
-                positive_ref[:, rows] = jnp.zeros((1, row_tile), jnp.float32)
+            for name, empty in family.init(ps):
+                refs[name][:, rows] = jnp.full((1, row_tile), empty, jnp.float32)
             if ps.with_grads:
                 grad_hidden = hidden_rows(grad_hidden_ref)
                 grad_hidden[...] = jnp.zeros(grad_hidden.shape, jnp.float32)
@@ -510,20 +598,11 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 bias_parts_ref[...] = _parts(bias, extra).astype(bias_parts_ref.dtype)
 
         lo = tile_index * cfg.tile
-        if ps.with_loss:
-            terms_ref[...] = jnp.full(terms_ref.shape, LOWEST if cfg.softmax else 0.0, jnp.float32)
-            if relus_ref is not None:
-                relus_ref[...] = jnp.zeros(relus_ref.shape, jnp.float32)
-            if cfg.softmax:
-                lane_sum_ref[...] = jnp.zeros(lane_sum_ref.shape, jnp.float32)
-        if lane_positive_ref is not None:
-            lane_positive_ref[...] = jnp.zeros(lane_positive_ref.shape, jnp.float32)
-        if lse_col_ref is not None:
-            lse_col_ref[...] = jnp.broadcast_to(_as_columns(lse_ref[:, rows], 0.0),
-                                                lse_col_ref.shape)
-        if weight_col_ref is not None:
-            weight_col_ref[...] = jnp.broadcast_to(_as_columns(weight_ref[:, rows], 0.0),
-                                                   weight_col_ref.shape)
+        for name, empty in family.lanes(cfg, ps):
+            refs[name][...] = jnp.full(refs[name].shape, empty, jnp.float32)
+        for name, _ in family.slope_inputs(ps):
+            column = refs[name + "_col"]
+            column[...] = jnp.broadcast_to(_as_columns(refs[name][:, rows], 0.0), column.shape)
         if scale_col_ref is not None:
             scale_col_ref[...] = jnp.broadcast_to(
                 _as_columns(row_scale_ref[:, rows], 0.0), scale_col_ref.shape)
@@ -536,7 +615,7 @@ def kernel(*refs, cfg, ps, interpreted=False):
             if extra:
                 scaled = jnp.concatenate([scaled, _parts(scale, extra)], axis=0)
             scaled_ref[...] = scaled.astype(scaled_ref.dtype)
-        if hit_bits:
+        if ps.hit_bits:
             ids = ids_ref[:, rows]
             first = _first_slots(ids, lo)
             count_index = (tile_index * pl.num_programs(2) + i if ps.counts_per_row_tile
@@ -552,87 +631,19 @@ def kernel(*refs, cfg, ps, interpreted=False):
                 hidden = jnp.concatenate([hidden, ones.astype(jnp.float32)], axis=0)
             hidden_t_ref[...] = jnp.transpose(hidden).astype(hidden_t_ref.dtype)
         pieces(edge, lo)
-
-        if ps.with_loss and cfg.softmax:  # the step's (max, sum exp) merged into the rows'
-            m_lanes = terms_ref[...]
-            m_step = jnp.max(m_lanes, axis=1, keepdims=True)
-            s_step = _as_row(jnp.sum(_rescaled(lane_sum_ref[...], m_lanes, m_step), axis=1,
-                                     keepdims=True))
-            m_step = _as_row(m_step)
-            m_old = loss_ref[:, rows]
-            m_new = jnp.maximum(m_old, m_step)
-            sum_ref[:, rows] = (_rescaled(sum_ref[:, rows], m_old, m_new)
-                                + _rescaled(s_step, m_step, m_new))
-            loss_ref[:, rows] = m_new
-        elif ps.with_loss:
-            terms = terms_ref[...]
-            if relus_ref is not None:
-                terms = relus_ref[...] * LN2 + terms
-            loss_ref[:, rows] += _as_row(jnp.sum(terms, axis=1, keepdims=True))
-        if positive_ref is not None:
-            positive_ref[:, rows] += _as_row(jnp.sum(lane_positive_ref[...], axis=1,
-                                                     keepdims=True))
-        if ps.with_grads:
-            if not accumulates_in_place(cfg):
-                @pl.when(i == pl.num_programs(2) - 1)
-                def _store():
-                    grad_table_ref[...] = acc_table[...].astype(grad_table_ref.dtype)
+        family.merge(refs, rows)
+        if ps.with_grads and "acc_table" in refs:
+            @pl.when(i == pl.num_programs(2) - 1)
+            def _store():
+                grad_table_ref[...] = acc_table[...].astype(grad_table_ref.dtype)
 
     # The edge masks run on the last tile of an unaligned V only; the last
     # core's steps past the last tile (their blocks clamped) do nothing.
-    tiles = num_tiles(cfg)
+    tiles = cfg.num_tiles
     if cfg.vocab_size % cfg.tile:
         pl.when(tile_index < tiles - 1)(lambda: body(False))
         pl.when(tile_index == tiles - 1)(lambda: body(True))
-    elif ps.tiles_per_core * cores_used(cfg) == tiles:
+    elif ps.tiles_per_core * cfg.active_cores == tiles:
         body(False)
     else:
         pl.when(tile_index < tiles)(lambda: body(False))
-
-
-def accumulates_in_place(cfg):
-    """Whether the table gradient accumulates in its output block (a float32 table)."""
-    return jnp.dtype(cfg.table_dtype) == jnp.float32
-
-
-def uses_hit_bits(cfg, with_grads, positive_sums):
-    """Whether a pass finds the rows' ids in its tiles (BCE; softmax's gradients and positive sums)."""
-    return not cfg.softmax or (cfg.positives and (with_grads or positive_sums))
-
-
-def needs_scale_column(cfg, ps):
-    """Whether the kernel needs the row scale as a column (the `[V, D]` view: rows, VPU bias gradient)."""
-    return ps.with_grads and not cfg.dv_view
-
-
-def scratch_shapes(cfg, ps, dim, mm_dtype):
-    """Returns the kernel's scratch buffers after the table and bias accumulators (in order)."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    shapes = []
-    column = pltpu.VMEM((cfg.row_tile, LANES), jnp.float32)
-    extra = bias_rows(cfg, ps)
-    if ps.with_grads:
-        shapes.append(pltpu.VMEM((dim + extra, cfg.row_tile) if cfg.dv_view
-                                 else (cfg.row_tile, dim), mm_dtype))
-        shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), mm_dtype)] * 2
-    softmax_positives = cfg.softmax and cfg.positives
-    if ps.with_loss:
-        shapes += [column] * (1 + cfg.softmax)
-    if ps.positive_sums:
-        shapes.append(column)
-    if ps.with_loss and in_base2(cfg):
-        shapes.append(column)
-    if uses_hit_bits(cfg, ps.with_grads, ps.positive_sums):
-        shapes += [pltpu.VMEM((cfg.row_tile, LANES), jnp.int32),
-                   pltpu.VMEM((LANES, cfg.row_tile), jnp.int32)]
-    if needs_scale_column(cfg, ps):
-        shapes.append(column)
-    if ps.with_grads and cfg.softmax:
-        shapes += [column] * (1 + softmax_positives)
-    if cfg.dv_view:
-        shapes.append(pltpu.VMEM((cfg.row_tile, dim + extra), mm_dtype))
-    if extra:
-        shapes.append(pltpu.VMEM((extra, cfg.tile), mm_dtype))
-    shapes += [pltpu.VMEM((cfg.row_tile, piece_shape(cfg)[1]), jnp.float32)] * 2
-    return shapes
