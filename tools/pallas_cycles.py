@@ -426,7 +426,7 @@ def compile_case(case, dump_dir):
     from keras_cutbce.backends.jax import compile_platform
     from keras_cutbce.backends.jax.pallas import api
 
-    tiling = getattr(pallas, "tiling", None) or api  # the tile rule (`api` since `call`)
+    tiling = getattr(pallas, "tiling", None) or api  # the tile rule (in `api` in later checkouts)
 
     chip = CHIPS[case["chip"]]
     device = tpu_aot.topology_devices(chip.topology)[0]
@@ -467,15 +467,15 @@ def compile_case(case, dump_dir):
         rng = np.random.default_rng(0)
         ids = rng.integers(0, v, size=(m, num_ids)).astype(np.int32)
         facts = {}
-        calls, rows_ids = _calls(pallas, api, jnp.asarray(ids), v)
+        rows_ids = _sorted_ids(api, jnp.asarray(ids), v)
         cfg.num_tiles = -(-v // tile)
         for with_grads in (True, False):
             count, block_rows = tiling.row_blocks(m, d, np.dtype(dtype).itemsize, cfg, with_grads)
-            _, ids_t, _ = calls.row_inputs(jnp.zeros((m, d)), rows_ids, None, count * block_rows,
-                                           cfg)
-            counts = np.asarray(calls.in_tile_counts(ids_t, cfg))
+            _, ids_t, _ = api.row_inputs(jnp.zeros((m, d)), rows_ids, None, count * block_rows,
+                                         cfg)
+            counts = np.asarray(api.in_tile_counts(ids_t, cfg))
             row_tiles = block_rows // cfg.row_tile
-            if counts.shape[0] * row_tiles > calls.MAX_PREFETCHED_COUNTS:  # one count a tile
+            if counts.shape[0] * row_tiles > api.MAX_PREFETCHED_COUNTS:  # one count a tile
                 counts = counts.reshape(counts.shape[0], count, row_tiles).max(axis=2)
                 counts = np.repeat(counts, row_tiles, axis=1)
             per_core = -(-counts.shape[0] // tiling.cores_used(cfg))
@@ -489,15 +489,10 @@ def compile_case(case, dump_dir):
     return dict(facts=facts, aligned_vocab=aligned, dumps=kernel_dumps(dump_dir))
 
 
-def _calls(pallas, api, ids, vocab):
-    """The module of the passes (`call`; `api` in checkouts before it) and the ids it takes.
-
-    `call.row_inputs` takes each row's ids de-duplicated and sorted (`api.sorted_positives`).
-    """
-    calls = getattr(pallas, "call", None)
-    if calls is None or not hasattr(calls, "row_inputs"):
-        return api, ids
-    return calls, api.sorted_positives(ids, vocab)[0]
+def _sorted_ids(api, ids, vocab):
+    """The ids `api.row_inputs` takes: each row's sorted (`api.sorted_positives`), or as given (older checkouts)."""
+    sort = getattr(api, "sorted_positives", None)
+    return ids if sort is None else sort(ids, vocab)[0]
 
 
 def source_digest(repo):

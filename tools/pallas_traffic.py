@@ -158,13 +158,11 @@ def _compares_per_logit(case, device, ids):
     from keras_cutbce.common import round_up
 
     pallas = _pallas()
-    sort_ids = False  # `call.row_inputs` takes each row's ids de-duplicated and sorted
-    if hasattr(pallas, "api"):  # a package: the passes in `call` (`api` before it)
-        tiling = getattr(pallas, "tiling", pallas.api)  # the tile rule (`api` since `call`)
-        calls = getattr(pallas, "call", None)
-        sort_ids = calls is not None and hasattr(calls, "row_inputs")
-        calls = calls if sort_ids else pallas.api
-        row_inputs, in_tile_counts = calls.row_inputs, calls.in_tile_counts
+    sort_ids = None  # `api.sorted_positives`: `row_inputs` takes each row's ids sorted
+    if hasattr(pallas, "api"):  # a package: the passes in `api`
+        tiling = getattr(pallas, "tiling", None) or pallas.api  # the tile rule (in `api` in later checkouts)
+        sort_ids = getattr(pallas.api, "sorted_positives", None)
+        row_inputs, in_tile_counts = pallas.api.row_inputs, pallas.api.in_tile_counts
     elif hasattr(pallas, "_in_tile_counts"):  # an older checkout: one module
         tiling = pallas
         row_inputs, in_tile_counts = pallas._row_inputs, pallas._in_tile_counts
@@ -181,8 +179,8 @@ def _compares_per_logit(case, device, ids):
     rows = round_up(m, row_tile)
     with jax.default_device(jax.devices("cpu")[0]):
         rows_ids = jnp.asarray(ids)
-        if sort_ids:
-            rows_ids = pallas.api.sorted_positives(rows_ids, v)[0]
+        if sort_ids is not None:
+            rows_ids = sort_ids(rows_ids, v)[0]
         _, ids_t, _ = row_inputs(jnp.zeros((m, d)), rows_ids, None, rows, cfg)
         return float(np.mean(np.asarray(in_tile_counts(ids_t, cfg))))
 

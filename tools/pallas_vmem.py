@@ -57,7 +57,7 @@ def compile_case(case):
     from keras_cutbce.backends.jax import compile_platform
     from keras_cutbce.backends.jax import pallas
 
-    tiling = getattr(pallas, "tiling", None) or pallas.api  # the tile rule (`api` since `call`)
+    tiling = getattr(pallas, "tiling", None) or pallas.api  # the tile rule (in `api` in later checkouts)
 
     device = tpu_aot.topology_devices(CHIPS[case["chip"]].topology)[0]
     known = case["target"] == "known"

@@ -246,10 +246,10 @@ def test_interpreter_is_the_default_off_tpu():
 
     if jax.devices()[0].platform == "tpu":
         pytest.skip("on a TPU the kernels are compiled")
-    arg = pallas.call.interpret_arg(None)
+    arg = pallas.api.interpret_arg(None)
     params = getattr(pltpu, "InterpretParams", None)
     assert isinstance(arg, params) if params is not None else arg is True
-    assert pallas.call.interpret_arg(False) is False
+    assert pallas.api.interpret_arg(False) is False
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -613,8 +613,8 @@ def test_in_tile_counts_match_a_brute_force_count(rng):
     h, t = np.zeros((rows, 8), "float32"), np.zeros((v, 8), "float32")
     cfg, *_, (sorted_ids, _) = pallas.api.prepare(h, t, ids, None, pallas.api.bce_family(0.0, 1.0),
                                                   256, 128, None)
-    _, ids_t, _ = pallas.call.row_inputs(jnp.asarray(h), sorted_ids, None, rows, cfg)
-    got = np.asarray(pallas.call.in_tile_counts(ids_t, cfg))
+    _, ids_t, _ = pallas.api.row_inputs(jnp.asarray(h), sorted_ids, None, rows, cfg)
+    got = np.asarray(pallas.api.in_tile_counts(ids_t, cfg))
     want = np.zeros((4, 3), np.int64)
     for m in range(rows):
         real = np.unique(ids[m][(ids[m] >= 0) & (ids[m] < v)])  # duplicates count once
@@ -637,7 +637,7 @@ def test_rows_with_many_ids_in_one_tile(rng, monkeypatch, per_row_tile):
     from keras_cutbce.backends.jax import pallas
 
     if not per_row_tile:
-        monkeypatch.setattr(pallas.call, "MAX_PREFETCHED_COUNTS", 0)
+        monkeypatch.setattr(pallas.api, "MAX_PREFETCHED_COUNTS", 0)
     h, t, b, ids, g = _inputs(rng, 140, 1000, 8, 6, bias=True, pad_frac=0.1)
     ids[::2] = rng.integers(0, 256, size=(70, 6))
     ids[::6, 3] = ids[::6, 2]
@@ -660,7 +660,7 @@ def test_table_gradient_carried_in_place_across_row_blocks(rng, monkeypatch):
 
     from keras_cutbce.backends.jax import pallas
 
-    monkeypatch.setattr(pallas.call, "INTERPRET_ALIASES", True)
+    monkeypatch.setattr(pallas.api, "INTERPRET_ALIASES", True)
     monkeypatch.setattr(pallas.api, "resident_budget_bytes", lambda cfg, dim: 1)
     h, t, b, ids, g = _inputs(rng, 384, 1024, 8, 3, bias=True)
     w = np.abs(g)

@@ -447,7 +447,7 @@ def _fill_hit_bits(bits_ref, bits_t_ref, ids, first, count, lo, tile):
 def kernel(*refs, cfg, ps, names, interpreted=False):
     """Writes the family's row outputs and/or the gradients of one block of resident rows.
 
-    `names`: the refs' names, in the order `call._pass` gives them;
+    `names`: the refs' names, in the order `api._pass` gives them;
     `interpreted`: traced for the interpreter (`Exps`).
     """
     family = cfg.family
@@ -608,7 +608,7 @@ def kernel(*refs, cfg, ps, names, interpreted=False):
                 _as_columns(row_scale_ref[:, rows], 0.0), scale_col_ref.shape)
         if ps.with_grads:
             # The slopes carry no row scale: it multiplies the hidden states
-            # here (table gradient) and the hidden gradient in `call`.
+            # here (table gradient) and the hidden gradient in `api`.
             scale = row_scale_ref[:, rows] if cfg.dv_view else scale_col_ref[:, 0:1]
             hidden = hidden_rows(hidden_ref)[...].astype(jnp.float32)
             scaled = hidden * scale
