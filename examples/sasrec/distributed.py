@@ -114,8 +114,7 @@ def _sharded_loss_programs():
     """How many vocab-sharded loss programs this process built (0: the path was not taken)."""
     from keras_cutbce.backends.jax import sharded
 
-    programs = (sharded.loss._loss_program, sharded.loss._softmax_program)  # BCE's, softmax's
-    return sum(program.cache_info().currsize for program in programs)
+    return sharded.loss._loss_program.cache_info().currsize  # every family's
 
 
 class _ShardedRun:

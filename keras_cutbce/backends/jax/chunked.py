@@ -16,6 +16,7 @@ from keras_cutbce.math.tiling import default_chunk_size
 from keras_cutbce.math.tiling import tile_budget_bytes
 
 _F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def tile_budget():
@@ -141,12 +142,12 @@ def _positive_logits(hidden, table, bias, index):
     return z, rows
 
 
-def _add_positives(hidden, table, bias, index, keep, family, grads, *, loss, row_scale=None):
+def _add_positives(hidden, table, bias, index, keep, family, grads, *, loss, row_scale, counted):
     if index.shape[-1] == 0:
         return None, grads
     vocab = table.shape[0]
     z, rows = _positive_logits(hidden, table, bias, index)
-    terms, slopes = family.positives(z, keep, loss=loss, grad=grads is not None)
+    terms, slopes = family.positives(z, counted, loss=loss, grad=grads is not None)
     positive_rows = None if terms is None else jnp.sum(jnp.where(keep, terms, 0.0), axis=-1)
     if grads is not None:
         grad_hidden, grad_table, grad_bias = grads
@@ -166,16 +167,33 @@ def _add_linear(hidden, table, bias, family, grads, *, loss, row_scale=None):
     table_sum = jnp.sum(table.astype(_F32), axis=0)
     rows = None
     if loss:
-        rows = -family.linear * jnp.matmul(hidden.astype(_F32), table_sum)
+        rows = -family.linear * jnp.matmul(hidden.astype(_F32), table_sum, precision=_HIGHEST)
         rows = rows if bias is None else rows - family.linear * jnp.sum(bias.astype(_F32))
     if grads is not None:
         const = -family.linear * row_scale
         grad_hidden, grad_table, grad_bias = grads
         grad_hidden = grad_hidden + const[:, None] * table_sum
-        grad_table = grad_table + jnp.matmul(const, hidden.astype(_F32))[None, :]
+        grad_table = grad_table + jnp.matmul(const, hidden.astype(_F32), precision=_HIGHEST)[None, :]
         grad_bias = None if grad_bias is None else grad_bias + jnp.sum(const)
         grads = (grad_hidden, grad_table, grad_bias)
     return rows, grads
+
+
+def sparse_terms(hidden, table, bias, index, keep, family, grads, *, loss, row_scale=None,
+                 counted=None):
+    """The positives' (rows of `index` where `keep`) and `linear` background's row sums and `grads` plus theirs.
+
+    The row sums are None without id slots; `counted`: the mask `family.positives`
+    weighs by (default `keep`; the sharded path: every shard's positives).
+    """
+    positive_rows, grads = _add_positives(
+        hidden, table, bias, index, keep, family, grads, loss=loss, row_scale=row_scale,
+        counted=keep if counted is None else counted,
+    )
+    if family.linear:
+        rows, grads = _add_linear(hidden, table, bias, family, grads, loss=loss, row_scale=row_scale)
+        positive_rows = rows if positive_rows is None or rows is None else positive_rows + rows
+    return positive_rows, grads
 
 
 def _loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_weights=None):
@@ -193,12 +211,9 @@ def _loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_weights
         row_scale=row_scale,
     )
     acc = dense if acc is None else acc
-    positive_rows, grads = _add_positives(
+    positive_rows, grads = sparse_terms(
         hidden, table, bias, index, keep, family, grads, loss=loss, row_scale=positive_scale
     )
-    if family.linear:
-        rows, grads = _add_linear(hidden, table, bias, family, grads, loss=loss, row_scale=positive_scale)
-        positive_rows = rows if positive_rows is None or rows is None else positive_rows + rows
     return (family.finish(acc, positive_rows, keep, vocab) if loss else None), grads
 
 

@@ -91,14 +91,24 @@ class Softmax(NamedTuple):
 
     The tiles reduce to `(max, sum exp(z - max), sum z)`, merged by
     rescaling; the slopes `exp(z - lse) - a / V` need the first pass's `lse`.
+    `closed_form`: the smoothing's `-(a / V) sum_v z_v` is `linear` instead
+    (the sharded path, whose padded rows' `-inf` logits it must not sum).
     """
 
     label_smoothing: float
     vocab: int
+    closed_form: bool = False
 
     masks_positives = False
     two_pass = True
-    linear = 0.0  # the smoothing's `a / V` is in the tiles' sums and slopes
+
+    @property
+    def linear(self):
+        return self.label_smoothing / self.vocab if self.closed_form else 0.0
+
+    @property
+    def _smoothed_tiles(self):
+        return bool(self.label_smoothing) and not self.closed_form
 
     def init(self, rows):
         zeros = jnp.zeros((rows,), jnp.float32)
@@ -114,11 +124,11 @@ class Softmax(NamedTuple):
         part = dz = None
         if loss:
             m = jnp.max(z, axis=1)
-            total = jnp.sum(z, axis=1) if self.label_smoothing else jnp.zeros_like(m)
+            total = jnp.sum(z, axis=1) if self._smoothed_tiles else jnp.zeros_like(m)
             part = (m, jnp.sum(jnp.exp(z - m[:, None]), axis=1), total)
         if grad:
             dz = jnp.exp(z - stats[:, None])
-            if self.label_smoothing:
+            if self._smoothed_tiles:
                 dz = dz - self.label_smoothing / self.vocab
         return part, dz
 
@@ -132,7 +142,7 @@ class Softmax(NamedTuple):
 
     def finish(self, acc, positive_rows, keep, vocab):
         loss = self.statistics(acc)
-        if self.label_smoothing:
+        if self._smoothed_tiles:
             loss = loss - (self.label_smoothing / vocab) * acc[2]
         if positive_rows is None:
             return jnp.zeros_like(loss)

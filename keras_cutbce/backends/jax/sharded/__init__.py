@@ -1,7 +1,7 @@
 """The loss families and top-k with the item table split along V over a JAX mesh.
 
 Each device runs the single-device kernels on its shard inside `shard_map`;
-one collective combines them (docs/tpu.md, "Pod scale").
+one all-gather of the rows' sums combines them (docs/tpu.md, "Pod scale").
 """
 
 from keras_cutbce.backends.jax.sharded.discovery import VocabSharding, vocab_sharding_of

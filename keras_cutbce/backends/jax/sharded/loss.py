@@ -1,23 +1,28 @@
-"""Both loss families with the item table split along V (`registry`'s contract, `sharding=`).
+"""Every loss family with the item table split along V (`registry`'s contract, `sharding=`).
 
-BCE: one `psum` of the shards' sums. Softmax: a global log-sum-exp (`pmax`,
-`psum` of rescaled sums). Table gradients stay sharded. Per-shard kernel
-`"auto"`: Pallas when compiled for a TPU, else chunked. A padded table row
-is a zero row (BCE: its constant term subtracted; softmax: bias `-inf`).
+One program for any family (the protocol: docs/development.md): each shard
+runs the family's pass over its rows (`kernel`: the chunked loop's
+`dense_pass` and `sparse_terms`, or Pallas when compiled for a TPU); the
+rows' `acc` and positive sums of every shard are all-gathered and folded in
+shard order with `merge` (the same numbers on every shard), `finish` gives
+the loss; the gradient pass gets the merged `statistics`. Table gradients
+stay sharded. A padded row is a zero row with bias `-inf`: no family's tiles
+count it.
 """
 
 import functools
-import math
+from math import log
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_cutbce.backends.jax import chunked, pallas, vjp
-from keras_cutbce.backends.jax.math import Softmax
+from keras_cutbce.backends.jax import chunked, math, pallas, vjp
 from keras_cutbce.backends.jax.sharded import mesh as mesh_lib
 from keras_cutbce.backends.jax.sharded.discovery import VocabSharding
+from keras_cutbce.common import EMPTY_ID
 from keras_cutbce.math.coefficients import bce_coefficients
 from keras_cutbce.math.positives import distinct_targets
 from keras_cutbce.math.tiling import default_chunk_size
@@ -25,84 +30,87 @@ from keras_cutbce.math.tiling import default_chunk_size
 KERNELS = ("auto", "chunked", "pallas")
 
 
-def _shard_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile):
-    """Returns `(h, t, ids, b) -> [rows]`: one shard's per-row CutBCE on the target platform."""
-    settings = dict(label_smoothing=label_smoothing, pos_weight=pos_weight)
-
-    def xla(h, t, i, b):
-        return chunked.cut_bce(h, t, i, b, chunk_size=chunk_size, **settings)
-
-    def pallas_kernel(interpret):
-        def run(h, t, i, b):
-            return pallas.cut_bce(h, t, i, b, chunk_size=pallas_tile, interpret=interpret,
-                                  **settings)
-
-        return run
-
-    if kernel == "chunked":
-        return xla
-    default = pallas_kernel(True) if kernel == "pallas" else xla
-
-    def run(h, t, i, b):
-        return jax.lax.platform_dependent(h, t, i, b, tpu=pallas_kernel(False), default=default)
-
-    return run
-
-
-def cut_bce(
-    hidden,
-    table,
-    ids,
-    bias=None,
-    *,
-    sharding,
-    label_smoothing=0.0,
-    pos_weight=1.0,
-    chunk_size=None,
-    kernel="auto",
-):
+def cut_bce(hidden, table, ids, bias=None, *, sharding, label_smoothing=0.0, pos_weight=1.0,
+            chunk_size=None, kernel="auto"):
     """Per-row CutBCE `[M]` over the shards; `kernel`: `"auto"`, `"chunked"` or `"pallas"`."""
+    family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
+    pallas_pass = (_pallas_bce, (float(label_smoothing), float(pos_weight)))
+    return _run(family, pallas_pass, hidden, table, ids, bias, sharding, chunk_size, kernel)
+
+
+def cut_softmax(hidden, table, ids, bias=None, *, sharding, label_smoothing=0.0, chunk_size=None,
+                kernel="auto"):
+    """Per-row softmax cross-entropy `[M]` over the shards (a log-sum-exp merged over them)."""
+    # The smoothing's `-(a / V) sum_v z_v` in closed form: a padded row's -inf is not summed.
+    family = math.Softmax(float(label_smoothing), int(table.shape[0]), closed_form=True)
+    return _run(family, (_pallas_softmax, ()), hidden, table, ids, bias, sharding, chunk_size, kernel)
+
+
+def _run(family, pallas_pass, hidden, table, ids, bias, sharding, chunk_size, kernel):
     if kernel not in KERNELS:
         raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
     program = _loss_program(
-        VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)),
-        int(table.shape[0]),
-        int(hidden.shape[0]),
-        bias is not None,
-        float(label_smoothing),
-        float(pos_weight),
-        None if chunk_size is None else int(chunk_size),
-        kernel,
-    )
+        VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)), family, pallas_pass,
+        int(table.shape[0]), int(hidden.shape[0]), bias is not None,
+        None if chunk_size is None else int(chunk_size), kernel)
     return program(hidden, table, jnp.asarray(ids), bias)
 
 
+class ShardTargets(NamedTuple):
+    """One shard's view of the rows' ids (inside `shard_map`)."""
+
+    index: object  # [M, L] the valid distinct ids moved to the shard (0 elsewhere)
+    here: object  # [M, L] those on this shard
+    keep: object  # [M, L] every valid distinct id, on any shard
+    masked: object  # [M, L] `index` where `here`, else EMPTY_ID: the ids a kernel masks
+    valid: object  # [local] the shard's real (unpadded) rows; None: all
+
+    def real_bias(self, bias):
+        """`bias` with 0 at the padded rows (their `-inf` summed by no closed form)."""
+        return bias if self.valid is None or bias is None else jnp.where(self.valid, bias, 0.0)
+
+
 @functools.lru_cache(maxsize=64)
-def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weight, chunk_size,
-                  kernel="auto"):
-    """Returns the jitted, cached `(hidden, table, ids, bias) -> [M]` sharded BCE."""
+def _loss_program(sharding, family, pallas_pass, vocab, num_rows, has_bias, chunk_size, kernel):
+    """Returns the jitted, cached `(hidden, table, ids, bias) -> [M]` of `family` over the shards."""
     mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
     local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
     pallas_tile = chunk_size  # None: the Pallas kernel's own tile rule
     if chunk_size is None:
         chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
-    shard_loss = _shard_kernel(kernel, label_smoothing, pos_weight, chunk_size, pallas_tile)
+    shard_pass = _shard_pass(kernel, family, pallas_pass, max(1, min(chunk_size, local)),
+                             pallas_tile, has_bias)
+    with_bias = has_bias or pad > 0  # a padded row needs its -inf bias
 
-    def shard_sum(h, t, i, b):
-        """This shard's `sum_v` of the loss terms, `[rows]`."""
-        local_ids = mesh_lib.rebase(i, mesh_lib.shard_offset(vocab_axes, local), local, vocab)
-        return shard_loss(h, t, local_ids, b) * local
+    def targets_of(i):
+        offset = mesh_lib.shard_offset(vocab_axes, local)
+        safe, keep = distinct_targets(i, vocab)
+        here = keep & (safe >= offset) & (safe < offset + local)
+        index = jnp.where(here, safe - offset, 0)
+        valid = jnp.arange(local) + offset < vocab if pad else None
+        return ShardTargets(index, here, keep, jnp.where(here, index, EMPTY_ID), valid)
 
-    row_spec, vocab_spec = mesh_lib.spec(rows, None), P(vocab_axes, None)
-    bias_spec = P(vocab_axes) if has_bias else None
-    in_specs = [row_spec, vocab_spec, row_spec, bias_spec]
+    def merged(h, t, i, b):
+        """Every shard's `(acc, positive_rows)` folded in shard order (the same on each shard)."""
+        acc, positive_rows, _ = shard_pass(h, t, b, targets_of(i), None, loss=True)
+        parts = jax.lax.all_gather((acc, positive_rows), vocab_axes)
+        acc, positive_rows = _shard_part(parts, 0)
+        for shard in range(1, sharding.num_shards):
+            part_acc, part_rows = _shard_part(parts, shard)
+            acc = family.merge(acc, part_acc)
+            positive_rows = None if positive_rows is None else positive_rows + part_rows
+        return acc, positive_rows
 
     def forward(h, t, i, b):
-        return jax.lax.psum(shard_sum(h, t, i, b), vocab_axes)
+        acc, positive_rows = merged(h, t, i, b)
+        return family.finish(acc, positive_rows, targets_of(i).keep, vocab)
 
-    def backward(h, t, i, b, row_scale):
-        _, pullback = jax.vjp(lambda h, t, b: shard_sum(h, t, i, b), h, t, b)
-        grad_h, grad_t, grad_b = pullback(row_scale)
+    def backward(h, t, i, b, row_weights):
+        targets = targets_of(i)
+        stats = family.statistics(merged(h, t, i, b)[0]) if family.two_pass else None
+        row_scale, positive_scale = family.row_scale(row_weights, targets.keep, vocab)
+        _, _, (grad_h, grad_t, grad_b) = shard_pass(
+            h, t, b, targets, stats, loss=False, row_scale=row_scale, positive_scale=positive_scale)
         # One psum over V for the hidden states; table and bias gradients
         # stay sharded along V, summed over the rows' (data) axes only.
         grad_h = jax.lax.psum(grad_h, vocab_axes)
@@ -112,20 +120,19 @@ def _loss_program(sharding, vocab, num_rows, has_bias, label_smoothing, pos_weig
         return grad_h, grad_t, grad_b
 
     def padded(t, b):
-        return mesh_lib.pad_rows(t, pad), None if b is None else mesh_lib.pad_rows(b, pad)
+        if with_bias and b is None:
+            b = jnp.zeros((vocab,), jnp.float32)
+        b = None if b is None else mesh_lib.pad_rows(b, pad, -jnp.inf)
+        return mesh_lib.pad_rows(t, pad), b
 
-    total_of = _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded)
-    neg_scale = bce_coefficients(label_smoothing, pos_weight).neg_scale
+    row_spec, vocab_spec = mesh_lib.spec(rows, None), P(vocab_axes, None)
+    in_specs = [row_spec, vocab_spec, row_spec, P(vocab_axes) if with_bias else None]
+    return jax.jit(_per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded))
 
-    @jax.jit
-    def program(hidden, table, ids, bias):
-        total = total_of(hidden, table, ids, bias)
-        if pad:
-            # A zero row with zero bias has logit 0: a constant term per padded row.
-            total = total - pad * neg_scale * math.log(2.0)
-        return total / vocab
 
-    return program
+def _shard_part(parts, shard):
+    """One shard's part of all-gathered `parts`."""
+    return jax.tree.map(lambda x: x[shard], parts)
 
 
 def _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded):
@@ -157,114 +164,74 @@ def _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded):
     return vjp.per_row_loss(loss_fn, grads_fn)
 
 
-def _softmax_shard_kernels(kernel, tile, pallas_tile):
-    """Returns one shard's `statistics(h, t, b)` and `gradients(h, t, b, lse, row_scale)`."""
-    family = Softmax(0.0, 1)  # no smoothing: its linear term is the program's own
+# -- One shard's pass: `(h, t, b, targets, stats, *, loss, row_scale=None, positive_scale=None)
+# -> (acc | None, positive_rows | None, float32 grads | None)` over the shard's rows. --------
 
-    def xla_statistics(h, t, b):
-        return chunked.dense_pass(h, t, b, None, tile, family, loss=True)[0][:2]
 
-    def xla_gradients(h, t, b, lse, row_scale):
-        return chunked.dense_pass(h, t, b, None, tile, family, lse, loss=False,
-                                   row_scale=row_scale)[1]
-
-    def pallas_kernels(interpret):
-        settings = dict(chunk_size=pallas_tile, interpret=interpret)
-        return (lambda h, t, b: pallas.softmax_statistics(h, t, b, **settings),
-                lambda h, t, b, lse, s: pallas.softmax_gradients(h, t, b, lse, s, **settings))
-
+def _shard_pass(kernel, family, pallas_pass, tile, pallas_tile, has_bias):
+    """The chunked pass, or the family's Pallas pass where compiled for a TPU (`kernel="auto"`)."""
+    xla = functools.partial(_chunked_pass, family=family, tile=tile)
     if kernel == "chunked":
-        return xla_statistics, xla_gradients
-    default = pallas_kernels(True) if kernel == "pallas" else (xla_statistics, xla_gradients)
-    tpu = pallas_kernels(False)
-    return tuple(
-        functools.partial(lambda k, *args: jax.lax.platform_dependent(
-            *args, tpu=tpu[k], default=default[k]), k) for k in range(2))
+        return xla
+    make, settings = pallas_pass  # hashable: the program's cache key
+    default = make(family, settings, pallas_tile, has_bias, True) if kernel == "pallas" else xla
+    tpu = make(family, settings, pallas_tile, has_bias, False)
+
+    def run(*args, **options):
+        return jax.lax.platform_dependent(*args, tpu=functools.partial(tpu, **options),
+                                          default=functools.partial(default, **options))
+
+    return run
 
 
-def cut_softmax(hidden, table, ids, bias=None, *, sharding, label_smoothing=0.0, chunk_size=None,
-                kernel="auto"):
-    """Per-row softmax cross-entropy `[M]` over the shards (a global log-sum-exp)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"`kernel` must be one of {KERNELS}. Received: kernel={kernel!r}")
-    program = _softmax_program(
-        VocabSharding(sharding.mesh, tuple(sharding.vocab_axes)), int(table.shape[0]),
-        int(hidden.shape[0]), bias is not None, float(label_smoothing),
-        None if chunk_size is None else int(chunk_size), kernel)
-    return program(hidden, table, jnp.asarray(ids), bias)
+def _chunked_pass(h, t, b, targets, stats, *, family, tile, loss, row_scale=None,
+                  positive_scale=None):
+    """The chunked loop's tiles, then its sparse terms (the positives weighed by every shard's)."""
+    acc, grads = chunked.dense_pass(h, t, b, targets.masked, tile, family, stats, loss=loss,
+                                    row_scale=row_scale)
+    positive_rows, grads = chunked.sparse_terms(
+        h, t, targets.real_bias(b), targets.index, targets.here, family, grads, loss=loss,
+        row_scale=positive_scale, counted=targets.keep)
+    return acc, positive_rows, grads
 
 
-@functools.lru_cache(maxsize=64)
-def _softmax_program(sharding, vocab, num_rows, has_bias, label_smoothing, chunk_size, kernel):
-    """Returns the jitted `(hidden, table, ids, bias) -> [M]` sharded softmax loss (cached)."""
-    mesh, vocab_axes = sharding.mesh, tuple(sharding.vocab_axes)
-    local, pad, rows, rows_per_device = mesh_lib.shard_layout(sharding, vocab, num_rows)
-    pallas_tile = chunk_size
-    if chunk_size is None:
-        chunk_size = default_chunk_size(rows_per_device, local, chunked.tile_budget())
-    statistics, gradients = _softmax_shard_kernels(kernel, max(1, min(chunk_size, local)),
-                                                   pallas_tile)
-    positive_weight = -(1.0 - label_smoothing)
-    with_bias = has_bias or pad > 0  # a padded row needs its -inf bias
+def _pallas_bce(family, settings, tile, has_bias, interpret):
+    """BCE's Pallas pass: the kernel's sums hold the positives; a padded row is a zero logit's term."""
+    label_smoothing, pos_weight = settings
+    zero_logit = family.coef.neg_scale * log(2.0)
 
-    def lse_of(h, t, b):
-        m, s = statistics(h, t, b)
-        top = jax.lax.pmax(m, vocab_axes)
-        return top + jnp.log(jax.lax.psum(s * jnp.exp(m - top), vocab_axes))
+    def run(h, t, b, targets, stats, *, loss, row_scale=None, positive_scale=None):
+        def total(h, t, b):
+            b = targets.real_bias(b) if has_bias else None
+            rows = t.shape[0] * pallas.cut_bce(
+                h, t, targets.masked, b, label_smoothing=label_smoothing, pos_weight=pos_weight,
+                chunk_size=tile, interpret=interpret)
+            return rows if targets.valid is None else rows - jnp.sum(~targets.valid) * zero_logit
 
-    def positives(h, t, b, i):
-        """This shard's part of `-(1 - a) / |P| sum_p z_p` `[rows]`; `|P|` over every shard."""
-        _, keep_all = distinct_targets(i, vocab)
-        count = jnp.maximum(jnp.sum(keep_all, axis=1), 1).astype(jnp.float32)
-        local_ids = mesh_lib.rebase(i, mesh_lib.shard_offset(vocab_axes, local), local, vocab)
-        index, keep = distinct_targets(local_ids, local)
-        z = jnp.sum(h.astype(jnp.float32)[:, None, :]
-                    * jnp.take(t, index, axis=0).astype(jnp.float32), axis=-1)
-        if b is not None:
-            z = z + jnp.take(b, index, axis=0).astype(jnp.float32)
-        return positive_weight * jnp.sum(jnp.where(keep, z, 0.0), axis=1) / count
+        acc, pullback = jax.vjp(total, h, t, b)
+        grads = None
+        if row_scale is not None:
+            grads = tuple(None if g is None else g.astype(jnp.float32) for g in pullback(row_scale))
+        positive_rows = None if targets.index.shape[-1] == 0 else jnp.zeros_like(acc)  # in `acc`
+        return (acc if loss else None), (positive_rows if loss else None), grads
 
-    def has_target(i):
-        return jnp.any(distinct_targets(i, vocab)[1], axis=1)
+    return run
 
-    row_spec, vocab_spec = mesh_lib.spec(rows, None), P(vocab_axes, None)
-    bias_spec = P(vocab_axes) if with_bias else None
-    in_specs = [row_spec, vocab_spec, row_spec, bias_spec]
 
-    def forward(h, t, i, b):
-        total = lse_of(h, t, b) + jax.lax.psum(positives(h, t, b, i), vocab_axes)
-        return jnp.where(has_target(i), total, 0.0)
+def _pallas_softmax(family, settings, tile, has_bias, interpret):
+    """Softmax's Pallas pass: its statistics and gradient kernels, then `sparse_terms`."""
+    options = dict(chunk_size=tile, interpret=interpret)
 
-    def backward(h, t, i, b, row_scale):
-        row_scale = jnp.where(has_target(i), row_scale, 0.0)
-        grad_h, grad_t, grad_b = gradients(h, t, b, lse_of(h, t, b), row_scale)
-        _, pullback = jax.vjp(lambda h, t, b: positives(h, t, b, i), h, t, b)
-        more_h, more_t, more_b = pullback(row_scale)
-        grad_h = jax.lax.psum(grad_h + more_h, vocab_axes)
-        grad_t = grad_t + more_t
-        grad_b = None if b is None else grad_b + more_b
-        if rows:
-            grad_t = jax.lax.psum(grad_t, rows)
-            grad_b = None if b is None else jax.lax.psum(grad_b, rows)
-        return grad_h, grad_t, grad_b
+    def run(h, t, b, targets, stats, *, loss, row_scale=None, positive_scale=None):
+        acc = grads = None
+        if loss:
+            m, s = pallas.softmax_statistics(h, t, b, **options)
+            acc = (m, s, jnp.zeros_like(m))  # the smoothing's sum is `family.linear`'s
+        if row_scale is not None:
+            grads = pallas.softmax_gradients(h, t, b, stats, row_scale, **options)
+        positive_rows, grads = chunked.sparse_terms(
+            h, t, targets.real_bias(b), targets.index, targets.here, family, grads, loss=loss,
+            row_scale=positive_scale, counted=targets.keep)
+        return acc, positive_rows, grads
 
-    def padded(t, b):
-        if with_bias and b is None:
-            b = jnp.zeros((vocab,), jnp.float32)
-        b = None if b is None else mesh_lib.pad_rows(b, pad, -jnp.inf)
-        return mesh_lib.pad_rows(t, pad), b
-
-    loss_of = _per_row_loss(mesh, rows, vocab, pad, in_specs, forward, backward, padded)
-
-    @jax.jit
-    def program(hidden, table, ids, bias):
-        loss = loss_of(hidden, table, ids, bias)
-        if label_smoothing:
-            total = jnp.dot(hidden.astype(jnp.float32), jnp.sum(table.astype(jnp.float32), axis=0),
-                            precision=jax.lax.Precision.HIGHEST)
-            if bias is not None:
-                total = total + jnp.sum(bias.astype(jnp.float32))
-            loss = loss - jnp.where(has_target(ids), (label_smoothing / vocab) * total, 0.0)
-        return loss
-
-    return program
+    return run
