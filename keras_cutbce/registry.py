@@ -298,13 +298,13 @@ def _platform(tensor):
     return "cpu"
 
 
-def _default_chunk_size(hidden, table, family="bce"):
+def _default_chunk_size(hidden, table):
     lead = static_dims(hidden)[:-1]
     rows = None if None in lead else int(math.prod(lead))
     vocab, dim = static_dims(table)
     vocab = vocab or 2**20
     backend, platform = keras.backend.backend(), _platform(hidden)
-    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0), family=family)
+    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0))
     return default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
 
 
@@ -339,8 +339,7 @@ def _vocab_parallel(op, implementation, hidden, table, *args, chunk_size, **kwar
         fits = route not in FITS or _load(FITS[route])(hidden, table.value, args[1])
         kwargs["dense"] = "triton" if route == "triton" and fits and not problem else "chunked"
     if chunk_size is None:
-        family = "softmax" if op.startswith("cut_softmax") else "bce"
-        chunk_size = _default_chunk_size(hidden, table.value, family)
+        chunk_size = _default_chunk_size(hidden, table.value)
     kernel = get(op, "vocab_parallel", backend)
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, layout=table.layout, **kwargs)
 
@@ -384,6 +383,5 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
             kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
     elif route == "chunked" and chunk_size is None:
-        family = "softmax" if op.startswith("cut_softmax") else "bce"
-        chunk_size = _default_chunk_size(hidden, table.value, family)
+        chunk_size = _default_chunk_size(hidden, table.value)
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, **kwargs)

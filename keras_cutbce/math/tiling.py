@@ -17,9 +17,9 @@ TORCH_CUDA_TILE_BUDGET_BYTES = 2**30
 TORCH_CUDA_MAX_TILE = 65536
 
 
-def tile_budget_bytes(backend, platform, table_bytes=0, family="bce"):
-    """The width rule's budget for a Keras backend on a platform (torch CPU: `table_bytes`, clamped; softmax: the cache's)."""
-    if platform == "cpu" and (backend in ("jax", "tensorflow") or family == "softmax"):
+def tile_budget_bytes(backend, platform, table_bytes=0):
+    """The width rule's budget for a Keras backend on a platform (torch CPU: `table_bytes`, clamped)."""
+    if platform == "cpu" and backend in ("jax", "tensorflow"):
         return CPU_CACHE_TILE_BUDGET_BYTES
     if platform == "cpu" and backend == "torch":
         low, high = TORCH_CPU_TILE_BUDGET_BYTES

@@ -385,7 +385,8 @@ def test_dispatch_table_runs_the_named_implementation(monkeypatch):
     (160, 10**5, 52352, 6528), (160, 1000, 1024, 1024),
 ])
 def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, other_tile):
-    """`chunk_size=None` on CPU: torch's BCE budgets the table gradient (V x D x 4 bytes, D = 64 here)."""
+    """`chunk_size=None` on CPU: torch budgets the table gradient (V x D x 4 bytes, D = 64 here); one rule for
+    both families (softmax's cache-sized tiles made ~17x more tiles, each a dozen thread barriers)."""
     from keras_cutbce import registry
 
     hidden = ops.zeros((rows, 64))
@@ -394,8 +395,6 @@ def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, 
     table = np.broadcast_to(np.float32(0), (vocab, 64))  # no memory: only its shape is read
     want = torch_tile if BACKEND == "torch" else other_tile
     assert registry._default_chunk_size(hidden, table) == want
-    # The softmax family keeps the cache's budget on every backend (two passes re-read each tile).
-    assert registry._default_chunk_size(hidden, table, "softmax") == other_tile
 
 
 @pytest.mark.parametrize("rows, vocab, tile", [

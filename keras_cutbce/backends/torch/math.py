@@ -89,9 +89,8 @@ class BCE(NamedTuple):
         """
         part = dz = None
         if loss:
-            values = terms(z, 0.0, 1.0, out=out)
-            ones = torch.ones(values.shape[1], dtype=values.dtype, device=values.device)
-            part = torch.mv(values, ones) if acc is None else acc.addmv_(values, ones)
+            part = terms(z, 0.0, 1.0, out=out).sum(1)
+            part = part if acc is None else acc.add_(part)
         if grad:
             dz = slopes(z, 0.0, 1.0, out=None if loss else out)
         return part, dz
@@ -152,13 +151,14 @@ class Softmax(NamedTuple):
         """A tile's `((max, sum exp) | None, slopes | None)`; `acc`, `out`: as `BCE.tile`."""
         part = dz = None
         if loss:
+            # Three passes over the `[M, T]` tile (max, shifted exp in place, row sum);
+            # the rest is `[M]` vectors.
             part = self.init(z.shape[0], dtype=z.dtype, device=z.device) if acc is None else acc
-            ones = torch.ones(z.shape[1], dtype=z.dtype, device=z.device)
             top = torch.maximum(part[0], z.amax(1))
             shift = _shift(top)
-            part[1].mul_(torch.exp(part[0] - shift))
-            part[1].addmv_(torch.exp(torch.sub(z, shift[:, None], out=out), out=out), ones)
-            part[0] = top
+            part[1].mul_(part[0].sub_(shift).exp_())
+            part[1].add_(torch.sub(z, shift[:, None], out=out).exp_().sum(1))
+            part[0].copy_(top)
         if grad:
             dz = torch.sub(z, stats[:, None], out=None if loss else out).exp_()
         return part, dz
