@@ -3,26 +3,17 @@
 Every cell runs in a fresh subprocess of this script (`--cell`); sections write `--out`'s prefix plus their
 suffix (`.md` and `.json`, through `benchmarks.common.write_results`):
 
-- the full table (no flag, `cutbce_cpu`): per backend and shape (M, D, V), each variant alone in a fresh
-  process, its times and extra peak RSS: `dense` (`keras.losses.binary_crossentropy(multi_hot, h @ E.T + b,
-  from_logits=True)` and its gradients for h, E, b; jit / tf.function), `loss` (`weighted_loss_sum`, what
-  `CutBCELoss` runs), `op` (`sum(cut_binary_crossentropy)`, exact for any cotangent), the floor `matmuls` (`h
-  @ E.T`, `dZ @ E`, `dZ.T @ h` on the backend) plus `elementwise` (softplus and sigmoid of M x V values, one
-  XLA pass, on JAX), and `topk_dense` / `topk_cut` (`top_k` of the logits vs `cut_top_k`);
-- `--side-by-side` (`_side_by_side`): per backend and thread setting (`--threads`, a comma list, default
-  "default,1"), dense, loss and op (and on JAX a pure-JAX scan-and-checkpoint operator) alternating in one
-  process, wall and CPU time over dense;
-- `--memory` (`_memory`): the extra peak RSS of the loss path at (1024, 128, 262144), `--rounds` fresh
-  processes per backend;
-- `--softmax` (`_softmax`): `CutSoftmaxLoss` and `cut_categorical_crossentropy` against dense Keras softmax
-  cross-entropy (and `F.linear_cross_entropy` on torch), alternating per backend and shape, plus each one's
-  extra peak RSS in a fresh process at (1024, 128, 262144).
+- the full table (no flag, `full_table`): per backend and shape (M, D, V), each variant (`_bce_cells`) alone in
+  a fresh process, its times and extra peak RSS;
+- `--side-by-side` (`_side_by_side`): per backend and thread setting, dense, loss and op alternating;
+- `--memory` (`_memory`): the extra peak RSS of the loss path at (1024, 128, 262144), `--rounds` processes;
+- `--softmax` (`_softmax`): the softmax losses against dense Keras and torch's peers (`_softmax_cells`);
+- `--section load` (`_load`): torch's CutSoftmax and CutBCE steps at 10^6 items, quiet and beside `--busy`
+  spinning processes (about 5 minutes).
 
-Extra peak memory is the process's peak RSS during the timed runs above its RSS once the inputs exist
-(`benchmarks.common.peak_extra_mb`, after the warm-up, so tracing and compilation are left out; the JSON also
-keeps the warm-up's, `first_call_peak_extra_mb`). A cell whose RSS passes `--memory-cap-gb` stops itself and
-is reported as out of memory. `--threads` sets torch's, TensorFlow's and (at 1) XLA's thread counts; "default"
-leaves each backend at its own, as users run it.
+Extra peak memory: the peak RSS of the timed runs above the RSS once the inputs exist (`peak_extra_mb`; the
+JSON keeps the warm-up's too). A cell whose RSS passes `--memory-cap-gb` stops itself (out of memory).
+`--threads` sets torch's, TensorFlow's and (at 1) XLA's threads; "default" leaves each backend's own.
 
 Usage:
     python benchmarks/cutbce_cpu.py            # full table (about 25 min)
@@ -30,6 +21,7 @@ Usage:
     python benchmarks/cutbce_cpu.py --side-by-side --threads 1
     python benchmarks/cutbce_cpu.py --memory --rounds 3 --repeats 2
     python benchmarks/cutbce_cpu.py --softmax --threads 1 --repeats 3
+    python benchmarks/cutbce_cpu.py --section load --repeats 3 --busy 3
 """
 
 import argparse
@@ -50,7 +42,8 @@ SIDE_BY_SIDE_TARGETS = {"loss": "<= 0.35", "op": "<= 0.5"}
 MEMORY_SHAPE = (1024, 128, 262144)
 MEMORY_TARGET_MB = 300
 SOFTMAX_SHAPES = [(4096, 64, 32768), MEMORY_SHAPE]
-SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.linear_cross_entropy"
+SOFTMAX_GOALS = "<= 0.5x dense time; < 300 MB extra peak at (1024, 128, 262144); no slower than F.lce chunked nor CCE"
+LOAD_SHAPE = (640, 64, 10**6)  # batch 32 x 20 positions, issue 52's step
 
 sys.path.insert(0, ROOT)
 from benchmarks.common import alternate, emit_row, fmt_spread, machine_info, markdown_table  # noqa: E402
@@ -64,7 +57,6 @@ from benchmarks.common import thread_env, write_results  # noqa: E402
 
 def _inputs(shape, seed=0):
     import numpy as np
-
     rows, dim, vocab = shape
     rng = np.random.default_rng(seed)
     hidden = (rng.normal(size=(rows, dim)) / np.sqrt(dim)).astype("float32")
@@ -78,11 +70,9 @@ def _compiled(backend, fn):
     """`fn` under `jax.jit` / `tf.function`; eager on torch."""
     if backend == "jax":
         import jax
-
         return jax.jit(fn)
     if backend == "tensorflow":
         import tensorflow as tf
-
         return tf.function(fn)
     return fn
 
@@ -92,26 +82,21 @@ def _value_and_grad_fn(backend, loss_fn):
     arguments, not closures, which a jitted function would embed in its program."""
     if backend == "jax":
         import jax
-
         return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2)))
     if backend == "tensorflow":
         import tensorflow as tf
-
         @tf.function
         def step(h, t, b, *constants):
             with tf.GradientTape() as tape:
                 tape.watch([h, t, b])
                 value = loss_fn(h, t, b, *constants)
             return value, tape.gradient(value, [h, t, b])
-
         return step
     import torch
-
     def step(h, t, b, *constants):
         h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
         value = loss_fn(h, t, b, *constants)
         return value, torch.autograd.grad(value, (h, t, b))
-
     return step
 
 
@@ -127,7 +112,6 @@ def _block(result):
     """Waits until every tensor of `result` is computed without copying it to the host (on TensorFlow
     one element is read: `.numpy()` would copy a 128 MB gradient, which the memory figures would count)."""
     import keras
-
     for x in _leaves(result):
         if hasattr(x, "block_until_ready"):
             x.block_until_ready()
@@ -135,7 +119,6 @@ def _block(result):
             x.detach()
         elif hasattr(x, "numpy"):  # TensorFlow
             import tensorflow as tf
-
             tf.reshape(x, [-1])[:1].numpy()
         else:
             keras.ops.convert_to_numpy(x)
@@ -144,7 +127,6 @@ def _block(result):
 def _tile(backend, shape):
     """The vocabulary tile the public API picks for `shape` on CPU (`chunk_size=None`)."""
     from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes
-
     rows, dim, vocab = shape
     budget = tile_budget_bytes(backend, "cpu", table_bytes=4 * vocab * dim)
     return default_chunk_size(rows, vocab, budget, max_tile(backend, "cpu"))
@@ -156,10 +138,8 @@ def _pure_jax_operator(ids, tile):
     (not exact at saturated positives), autodiff for the backward (recomputing each tile's logits)."""
     import jax
     import jax.numpy as jnp
-
     def loss(h, t, b):
         vocab = t.shape[0]
-
         @jax.checkpoint
         def body(total, start):
             t_tile = jax.lax.dynamic_slice_in_dim(t, start, tile)
@@ -168,11 +148,9 @@ def _pure_jax_operator(ids, tile):
             y = jnp.any(ids[:, :, None] == columns, axis=1).astype(z.dtype)
             terms = jnp.maximum(z, 0.0) - z * y + jnp.log1p(jnp.exp(-jnp.abs(z)))
             return total + jnp.sum(terms, axis=1), None
-
         starts = jnp.arange(0, vocab, tile)
         total, _ = jax.lax.scan(body, jnp.zeros(h.shape[:1], jnp.float32), starts)
         return jnp.sum(total / vocab)
-
     return loss
 
 
@@ -181,10 +159,8 @@ def _bce_cells(backend, shape, names):
     import numpy as np
     import keras
     from keras import ops
-
     from keras_cutbce import cut_binary_crossentropy
     from keras_cutbce.ops import cut_top_k, weighted_loss_sum
-
     hidden, table, bias, ids = (ops.convert_to_tensor(x) for x in _inputs(shape))
     rows, dim, vocab = shape
     weights = ops.ones((rows,), "float32")
@@ -194,48 +170,34 @@ def _bce_cells(backend, shape, names):
         multi_hot = np.zeros((rows, vocab), "float32")
         multi_hot[np.arange(rows)[:, None], _inputs(shape)[3]] = 1.0  # a scatter: no [rows, L, V] one-hot
         targets = ops.convert_to_tensor(multi_hot)
-
         def loss(h, t, b, targets):
             logits = ops.matmul(h, ops.transpose(t)) + b
             return ops.sum(keras.losses.binary_crossentropy(targets, logits, from_logits=True))
-
         return _value_and_grad_fn(backend, loss), (*inputs, targets)
-
     def loss():
         return _value_and_grad_fn(backend, lambda h, t, b: weighted_loss_sum(
             h, t, ids, weights, b, implementation="chunked")), inputs
-
     def op():
         return _value_and_grad_fn(backend, lambda h, t, b: ops.sum(cut_binary_crossentropy(
             h, t, ids, b, implementation="chunked"))), inputs
-
     def pure_jax():
         return _value_and_grad_fn(backend, _pure_jax_operator(ids, _tile(backend, shape))), inputs
-
     def matmuls():
         grad_logits = ops.convert_to_tensor(np.random.default_rng(1).normal(size=(rows, vocab)).astype("float32"))
-
         def three(h, t, dz):
             return (ops.matmul(h, ops.transpose(t)), ops.matmul(dz, t), ops.matmul(ops.transpose(dz), h))
-
         return _compiled(backend, three), (hidden, table, grad_logits)
-
     def elementwise():  # on JAX whatever the backend: the floor's one XLA pass
         import jax.numpy as jnp
-
         def softplus_and_sigmoid(z):
             e = jnp.exp(-jnp.abs(z))
             return jnp.maximum(z, 0) + jnp.log1p(e), jnp.where(z >= 0, 1.0, e) / (1.0 + e)
-
         z = jnp.asarray(np.random.default_rng(1).normal(size=(rows, vocab)).astype("float32"))
         return _compiled("jax", softplus_and_sigmoid), (z,)
-
     def topk_dense():
         return _compiled(backend, lambda h, t, b: ops.top_k(ops.matmul(h, ops.transpose(t)) + b, TOP_K)), inputs
-
     def topk_cut():
         return _compiled(backend, lambda h, t, b: cut_top_k(h, t, TOP_K, bias=b)), inputs
-
     builders = dict(dense=dense, loss=loss, op=op, pure_jax=pure_jax, matmuls=matmuls,
                     elementwise=elementwise, topk_dense=topk_dense, topk_cut=topk_cut)
     return {name: builders[name]() for name in names}
@@ -245,11 +207,9 @@ def _softmax_cells(backend, shape, names):
     """name -> `(run, inputs)`: loss + gradients of h, E, b, one target a position."""
     import keras
     from keras import ops
-
     from keras_cutbce import checks
     from keras_cutbce import cut_categorical_crossentropy
     from keras_cutbce import ops as cut_ops
-
     hidden, table, bias, ids = _inputs(shape)
     ids = ids[:, 0]
     h, t, b, i = (ops.convert_to_tensor(x) for x in (hidden, table, bias, ids))
@@ -259,35 +219,50 @@ def _softmax_cells(backend, shape, names):
     def dense(h, t, b):
         logits = ops.matmul(h, ops.transpose(t)) + b
         return ops.sum(keras.losses.sparse_categorical_crossentropy(i, logits, from_logits=True))
-
     def loss(h, t, b):  # what `CutSoftmaxLoss` runs (its fused weighted sum)
         return cut_ops.loss_sum(cut_ops.loss_inputs(h, t, i, b), options, weights)
-
     def op(h, t, b):
         return ops.sum(cut_categorical_crossentropy(h, t, i, b))
-
     cells = {"dense": dense, "cut_loss": loss, "cut_op": op}
     cells = {name: (_value_and_grad_fn(backend, fn), (h, t, b)) for name, fn in cells.items()}
     if backend == "torch":
         import torch
         import torch.nn.functional as F
-
         target = torch.as_tensor(ids).long()
-
-        def torch_lce(chunked):
-            options = torch.nn.LinearCrossEntropyOptions() if chunked else None
-
+        def peer(loss):
             def run(h, t, b):  # `backward()`: the chunked path's gradients are not `autograd.grad`'s
                 h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
-                value = F.linear_cross_entropy(h, t, target, linear_bias=b, reduction="sum", options=options)
+                value = loss(h, t, b)
                 value.backward()
                 return value, (h.grad, t.grad, b.grad)
-
             return run, (h, t, b)
-
-        cells["torch_lce_chunked"] = torch_lce(True)
-        cells["torch_lce"] = torch_lce(False)
+        lce = lambda options: peer(lambda h, t, b: F.linear_cross_entropy(  # noqa: E731
+            h, t, target, linear_bias=b, reduction="sum", options=options))
+        cells["torch_lce_chunked"], cells["torch_lce"] = lce(torch.nn.LinearCrossEntropyOptions()), lce(None)
+        if "cce" in names:  # no bias in its API: gradients of h and E
+            from cut_cross_entropy import linear_cross_entropy as cce
+            cells["cce"] = peer(lambda h, t, b: cce(h, t, target, reduction="sum", filter_eps=None,
+                                                    impl="torch_compile"))
     return {name: cells[name] for name in names if name in cells}
+
+
+def _step_cells(backend, shape, names):
+    """torch: one Adam step over h and E of `loss_sum` (what the Keras losses run; softmax 1 target, BCE 4)."""
+    import torch
+    from keras_cutbce import checks
+    from keras_cutbce import ops as cut_ops
+    hidden, table, _, ids = (torch.as_tensor(x) for x in _inputs(shape))
+
+    def step(family, targets):
+        params = [torch.nn.Parameter(hidden.clone()), torch.nn.Parameter(table * 0.1)]
+        optimizer, options = torch.optim.Adam(params, 1e-3), checks.loss_options(family=family)
+        def run():
+            optimizer.zero_grad(set_to_none=True)
+            cut_ops.loss_sum(cut_ops.loss_inputs(*params, targets), options, torch.ones(shape[0])).backward()
+            optimizer.step()
+        return run, ()
+    steps = {"cut_softmax_step": ("softmax", ids[:, 0]), "cut_bce_step": ("bce", ids[:, :4])}
+    return {name: step(*steps[name]) for name in names}
 
 
 def _alone(run, inputs, repeats):
@@ -308,7 +283,6 @@ def _stop_above(cap_bytes):
             time.sleep(0.05)
         print(f"out of memory (RSS > {cap_bytes / 2**30:.0f} GiB, stopped)", file=sys.stderr, flush=True)
         os._exit(3)
-
     threading.Thread(target=watch, daemon=True).start()
 
 
@@ -323,7 +297,7 @@ def cell(args):
         row["tile"] = _tile(backend, shape)
         if "pure_jax" in names and (backend != "jax" or shape[2] % row["tile"]):
             names.remove("pure_jax")  # its scan needs whole tiles
-    cells = (_softmax_cells if args.family == "softmax" else _bce_cells)(backend, shape, names)
+    cells = dict(bce=_bce_cells, softmax=_softmax_cells, step=_step_cells)[args.family](backend, shape, names)
     if args.cell == "alone":
         row.update(_alone(*cells[names[0]], args.repeats))
     else:
@@ -398,13 +372,14 @@ def full_table(args):
 
 LABELS = {
     "dense": "dense Keras", "loss": "loss (`weighted_loss_sum`)", "op": "op (`cut_binary_crossentropy`)",
-    "pure_jax": "pure-JAX op (reference)", "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)",
-    "cut_op": "`cut_categorical_crossentropy` (auto)",
+    "pure_jax": "pure-JAX op (reference)", "cut_loss": "`CutSoftmaxLoss` path (`loss_sum`, auto)", "cut_op":
+    "`cut_categorical_crossentropy` (auto)", "cut_softmax_step": "`CutSoftmaxLoss` step", "cut_bce_step":
+    "`CutBCELoss` step (4 targets)", "cce": "Apple's `cut-cross-entropy` 25.1.1, `impl=\"torch_compile\"`, no bias",
     "torch_lce_chunked": "`F.linear_cross_entropy`, chunked options", "torch_lce": "`F.linear_cross_entropy`, reference",
     "matmuls": "matmuls (floor)", "elementwise": "elementwise (floor, JAX)", "topk_dense": "top-k of dense logits",
     "topk_cut": "`cut_top_k`",
 }
-SOFTMAX_VARIANTS = "dense,cut_loss,cut_op,torch_lce_chunked,torch_lce"
+SOFTMAX_VARIANTS = "dense,cut_loss,cut_op,torch_lce_chunked,torch_lce,cce"
 
 
 def _compare(args, variants, shapes, settings, memory_shapes, timed=True):
@@ -430,17 +405,17 @@ def _compare(args, variants, shapes, settings, memory_shapes, timed=True):
                         lines.append(dict(
                             where, variant=LABELS[name], tile=timing.get("tile") or entry.get("tile", "-"),
                             wall=_seconds(entry), cpu=fmt_spread(entry["cpu"]) if "cpu" in entry else "-",
-                            wall_dense=over("dense", "wall"), cpu_dense=over("dense", "cpu"),
-                            cpu_lce=over("torch_lce_chunked", "cpu"),
+                            wall_dense=over("dense", "wall"), cpu_dense=over("dense", "cpu"), wall_cce=over("cce", "wall"),
+                            cpu_lce=over("torch_lce_chunked", "cpu"), cpu_bce=over("cut_bce_step", "cpu"),
                             mb=_fmt(entry.get("peak_extra_mb"), ".0f"), first_mb=_fmt(entry.get("first_call_peak_extra_mb"), ".0f"),
                             target=(SIDE_BY_SIDE_TARGETS.get(name, "") if args.family == "bce" and timed
                                     else f"< {MEMORY_TARGET_MB} MB" if args.memory else ""),
                             error=timing.get("error") or entry.get("error", "")))
     columns = ["backend", "shape", "threads", "round", "tile", "variant", "wall", "cpu", "wall_dense", "cpu_dense",
-               "cpu_lce", "mb", "first_mb", "target", "error"]
+               "wall_cce", "cpu_lce", "cpu_bce", "mb", "first_mb", "target", "error"]
     headers = ["backend", "M, D, V", "threads", "round", "tile", "variant", "wall s, median (min-max)",
-               "CPU s, median (min-max)", "wall / dense", "CPU / dense", "CPU / F.lce chunked", "extra peak MB",
-               "first call MB", "target", "error"]
+               "CPU s, median (min-max)", "wall / dense", "CPU / dense", "wall / CCE", "CPU / F.lce chunked",
+               "CPU / CutBCE step", "extra peak MB", "first call MB", "target", "error"]
     keep = [i for i, c in enumerate(columns) if any(line[c] not in ("-", "", None) for line in lines)]
     return rows, markdown_table(lines, [columns[i] for i in keep], [headers[i] for i in keep])
 
@@ -481,19 +456,42 @@ def _memory(args):
 
 
 def _softmax(args):
-    """Per backend and shape, the implementations alternating in one process; at `MEMORY_SHAPE` each
-    alone in a fresh process for its extra peak RSS."""
+    """Per backend and shape, the implementations alternating; at `MEMORY_SHAPE` each alone (extra peak RSS)."""
     rows, table = _compare(args, args.variants or SOFTMAX_VARIANTS, _shapes(args, SOFTMAX_SHAPES),
                            [args.threads or "1"], [MEMORY_SHAPE])
     what = (
         "Softmax cross-entropy over the full vocabulary, one target id a position, float32: loss plus gradients "
         "of hidden, table and bias. " + TIMING.format(repeats=args.repeats) + "CPU / F.lce chunked: over torch's "
-        "`F.linear_cross_entropy` with chunking options. Extra peak MB (at (1024, 128, 262144)): a fresh process "
+        "`F.linear_cross_entropy` with chunking options; CCE: Apple's peer (compiled in the warm-up, no bias in its "
+        "API: h and E only; it keeps the `[M, V]` logits). Extra peak MB (at (1024, 128, 262144)): a fresh process "
         "per implementation, the peak RSS of the timed calls above the RSS once the inputs exist; first call MB "
         "includes tracing and compilation. `CutSoftmaxLoss` runs `implementation=\"auto\"`: the chunked "
         "implementation on CPU. Goals: " + SOFTMAX_GOALS + ".")
     write_results(args.out + "_softmax", "Softmax cross-entropy without logits vs dense, CPU", what, None,
                   machine_info(threads=args.threads or "1"), table, {"repeats": args.repeats, "rows": rows})
+
+
+def _load(args):
+    """torch's CutSoftmax and CutBCE steps alternating in one process, quiet, then beside `--busy` spinners."""
+    import subprocess
+    args.family, args.backends, lines, rows = "step", "torch", [], []
+    for busy in (0, args.busy):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        load = lambda: open("/proc/loadavg").read().split()[0]  # noqa: E731
+        try:
+            before, (part, table) = load(), _compare(args, args.variants or "cut_softmax_step,cut_bce_step",
+                                                     _shapes(args, [LOAD_SHAPE]), [args.threads or "default"], [])
+        finally:
+            [spinner.kill() for spinner in spinners]
+        lines.append(f"\n{busy} busy processes (1-minute load average {before} at the start, {load()} at the end):"
+                     f"\n\n{table}")
+        rows += [dict(row, busy=busy) for row in part]
+    what = ("One training step at 10^6 items: `loss_sum` (what `CutSoftmaxLoss` / `CutBCELoss` run, `auto`) "
+            "forward + backward + `torch.optim.Adam` over h and E. " + TIMING.format(repeats=args.repeats) +
+            "Goal (issue 52): the softmax step within 1.5x of the BCE step, quiet and busy.")
+    write_results(args.out + "_load", "torch CutSoftmax vs CutBCE steps under load, CPU", what, None,
+                  machine_info(threads=args.threads or "default"), "\n".join(lines),
+                  {"repeats": args.repeats, "rows": rows})
 
 
 def main():
@@ -512,15 +510,17 @@ def main():
     section.add_argument("--memory", action="store_true", help="extra peak RSS of the loss path")
     section.add_argument("--softmax", action="store_true",
                          help="CutSoftmaxLoss / cut_categorical_crossentropy vs dense (and F.linear_cross_entropy)")
+    section.add_argument("--section", choices=("load",), help="load: the CutSoftmax / CutBCE step, quiet and busy")
+    parser.add_argument("--busy", type=int, default=3, help="--section load: spinning processes")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="a cell above this RSS stops")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
     parser.add_argument("--cell", choices=("alone", "alternating"), help=argparse.SUPPRESS)
-    parser.add_argument("--family", choices=("bce", "softmax"), default="bce", help=argparse.SUPPRESS)
+    parser.add_argument("--family", choices=("bce", "softmax", "step"), default="bce", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.softmax:
         args.family = "softmax"
-    (cell if args.cell else _side_by_side if args.side_by_side else _memory if args.memory
+    (cell if args.cell else _load if args.section else _side_by_side if args.side_by_side else _memory if args.memory
      else _softmax if args.softmax else full_table)(args)
 
 
