@@ -50,7 +50,7 @@ def _has_remainder(tiles):
 
 
 def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss, scaled, bias_scale):
-    """One tile: `(loss_rows | None, (hidden_part, table_part, bias_part) | None)`.
+    """One tile: `(loss_rows | None, (hidden_part, table_part, bias_part | None) | None)`.
 
     The table's part is `slopes.T @ scaled`, both contracted on their rows as
     stored: XLA's CPU dot then needs no transpose (`[D, M] @ [M, T]`, then
@@ -64,7 +64,9 @@ def _tile_pass(hidden, table_tile, bias_tile, ids, start, family, stats, *, loss
         return loss_rows, None
     hidden_part = tf.matmul(slopes, tf.cast(table_tile, tf.float32))
     table_part = tf.matmul(slopes, scaled, transpose_a=True)  # [T, D]
-    bias_part = tf.linalg.matvec(slopes, bias_scale, transpose_a=True)
+    bias_part = None
+    if bias_tile is not None:  # without a bias: no third read of the slopes
+        bias_part = tf.linalg.matvec(slopes, bias_scale, transpose_a=True)
     return loss_rows, (hidden_part, table_part, bias_part)
 
 
@@ -93,8 +95,9 @@ def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, ro
             tf.zeros_like(hidden),
             tf.TensorArray(tf.float32, size=tiles.num_full,
                            element_shape=[tiles.tile, table.shape[1]]),
-            tf.TensorArray(tf.float32, size=tiles.num_full, element_shape=[tiles.tile]),
         ]
+        if bias is not None:
+            state.append(tf.TensorArray(tf.float32, size=tiles.num_full, element_shape=[tiles.tile]))
 
     def add(state, tile_out, index=None):
         tile_loss, tile_grads = tile_out
@@ -108,7 +111,8 @@ def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, ro
             state[k] = state[k] + hidden_part
             if index is not None:
                 state[k + 1] = state[k + 1].write(index, table_part)
-                state[k + 2] = state[k + 2].write(index, bias_part)
+                if bias_part is not None:
+                    state[k + 2] = state[k + 2].write(index, bias_part)
         return state
 
     if not (isinstance(tiles.num_full, int) and tiles.num_full == 0):
@@ -130,18 +134,18 @@ def _dense_pass(hidden, table, bias, ids, family, tiles, stats=None, *, loss, ro
     if not want_grads:
         return loss_rows, None
     k = 1 if loss else 0
-    dh, table_tiles, bias_tiles = state[k], state[k + 1], state[k + 2]
+    dh, table_tiles = state[k], state[k + 1]
     # [tiles, tile, D] -> [V, D]: a reshape, no copy.
     dtable = tf.reshape(table_tiles.stack(), [-1, dim])
-    dbias = tf.reshape(bias_tiles.stack(), [-1])
+    dbias = None if bias is None else tf.reshape(state[k + 2].stack(), [-1])
     if rest is not None:
         dtable = tf.concat([dtable, rest[1][1]], axis=0)
-        dbias = tf.concat([dbias, rest[1][2]], axis=0)
+        dbias = None if bias is None else tf.concat([dbias, rest[1][2]], axis=0)
     return loss_rows, (row_scale[:, None] * dh, dtable, dbias)
 
 
 def loss_and_grads(hidden, table, ids, bias, family, tile, *, loss, row_scale=None):
-    """The per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m` (when given)."""
+    """The per-row loss `[M]` and the float32 gradients of `sum_m row_scale_m loss_m` (when given; no bias: its None)."""
     tiles = _tiles_of(table, tile)
     vocab = tiles.vocab_size
     family = math.sized(family, vocab)
@@ -182,7 +186,8 @@ def _add_positives(hidden, table, bias, safe, keep, family, grads, *, loss, row_
         index = tf.reshape(safe, [-1, 1])
         dtable_pos = tf.reshape(dz[:, :, None] * hidden[:, None, :], [-1, tf.shape(hidden)[1]])
         dtable = tf.tensor_scatter_nd_add(dtable, index, dtable_pos)
-        dbias = tf.tensor_scatter_nd_add(dbias, index, tf.reshape(dz, [-1]))
+        if dbias is not None:
+            dbias = tf.tensor_scatter_nd_add(dbias, index, tf.reshape(dz, [-1]))
         grads = (dh, dtable, dbias)
     return positive_rows, grads
 
@@ -200,7 +205,7 @@ def _add_linear(hidden, table, bias, family, grads, *, loss, row_scale):
         dh, dtable, dbias = grads
         grads = (dh + const[:, None] * table_sum,
                  dtable + tf.linalg.matvec(hidden, const, transpose_a=True)[None, :],
-                 dbias + tf.reduce_sum(const))
+                 None if dbias is None else dbias + tf.reduce_sum(const))
     return rows, grads
 
 
@@ -243,7 +248,8 @@ def _scaled(x, factor):
 def _cast_grads(grads, hidden, table, bias, factor=None):
     dh, dtable, dbias = grads
     if factor is not None:
-        dh, dtable, dbias = factor * dh, _scaled(dtable, factor), factor * dbias
+        dh, dtable = factor * dh, _scaled(dtable, factor)
+        dbias = None if dbias is None else factor * dbias
     return (
         tf.cast(dh, hidden.dtype),
         tf.cast(dtable, table.dtype),
