@@ -383,8 +383,7 @@ SOFTMAX_VARIANTS = "dense,cut_loss,cut_op,torch_lce_chunked,torch_lce,cce"
 
 
 def _compare(args, variants, shapes, settings, memory_shapes, timed=True):
-    """Per backend, shape, thread setting and round: the variants alternating in one process (`timed`),
-    and at `memory_shapes` each alone in a fresh process for its extra peak RSS; one line per variant."""
+    """Per backend, shape, threads and round: the variants alternating (`timed`); at `memory_shapes` each alone."""
     rows, lines = [], []
     for backend in args.backends.split(","):
         for shape in shapes:
@@ -406,16 +405,17 @@ def _compare(args, variants, shapes, settings, memory_shapes, timed=True):
                             where, variant=LABELS[name], tile=timing.get("tile") or entry.get("tile", "-"),
                             wall=_seconds(entry), cpu=fmt_spread(entry["cpu"]) if "cpu" in entry else "-",
                             wall_dense=over("dense", "wall"), cpu_dense=over("dense", "cpu"), wall_cce=over("cce", "wall"),
-                            cpu_lce=over("torch_lce_chunked", "cpu"), cpu_bce=over("cut_bce_step", "cpu"),
-                            mb=_fmt(entry.get("peak_extra_mb"), ".0f"), first_mb=_fmt(entry.get("first_call_peak_extra_mb"), ".0f"),
+                            cpu_lce=over("torch_lce_chunked", "cpu"), wall_bce=over("cut_bce_step", "wall"),
+                            cpu_bce=over("cut_bce_step", "cpu"), mb=_fmt(entry.get("peak_extra_mb"), ".0f"),
+                            first_mb=_fmt(entry.get("first_call_peak_extra_mb"), ".0f"),
                             target=(SIDE_BY_SIDE_TARGETS.get(name, "") if args.family == "bce" and timed
                                     else f"< {MEMORY_TARGET_MB} MB" if args.memory else ""),
                             error=timing.get("error") or entry.get("error", "")))
     columns = ["backend", "shape", "threads", "round", "tile", "variant", "wall", "cpu", "wall_dense", "cpu_dense",
-               "wall_cce", "cpu_lce", "cpu_bce", "mb", "first_mb", "target", "error"]
+               "wall_cce", "cpu_lce", "wall_bce", "cpu_bce", "mb", "first_mb", "target", "error"]
     headers = ["backend", "M, D, V", "threads", "round", "tile", "variant", "wall s, median (min-max)",
                "CPU s, median (min-max)", "wall / dense", "CPU / dense", "wall / CCE", "CPU / F.lce chunked",
-               "CPU / CutBCE step", "extra peak MB", "first call MB", "target", "error"]
+               "wall / CutBCE step", "CPU / CutBCE step", "extra peak MB", "first call MB", "target", "error"]
     keep = [i for i, c in enumerate(columns) if any(line[c] not in ("-", "", None) for line in lines)]
     return rows, markdown_table(lines, [columns[i] for i in keep], [headers[i] for i in keep])
 
