@@ -435,7 +435,7 @@ def chunked_tiles(run):
             if run.spent(f"chunked_tiles {family} {shape}", 30 if shape == run.paper else 10):
                 continue
             h, e, b, ids = problem(run, shape, dtype, targets=1 if family == "softmax" else 8)
-            rule = registry._default_chunk_size(h, e)
+            rule = registry._default_chunk_size(h, e, family)
             op, cells = FAMILY_OPS[family], {}
             for tile in dict.fromkeys((rule, *((32, 64) if run.dry_run else CHUNK_TILES))):
                 if tile < shape[2] or tile == rule:

@@ -90,6 +90,7 @@ from keras_cutbce.item_table import ItemTable
 from keras_cutbce.math.tiling import default_chunk_size
 from keras_cutbce.math.tiling import max_tile
 from keras_cutbce.math.tiling import tile_budget_bytes
+from keras_cutbce.math.tiling import torch_cpu_softmax_tile
 
 __all__ = [
     "ANY_BACKEND",
@@ -298,14 +299,21 @@ def _platform(tensor):
     return "cpu"
 
 
-def _default_chunk_size(hidden, table):
+def _family(op):
+    return "softmax" if op.startswith("cut_softmax") else "bce"
+
+
+def _default_chunk_size(hidden, table, family="bce"):
     lead = static_dims(hidden)[:-1]
     rows = None if None in lead else int(math.prod(lead))
     vocab, dim = static_dims(table)
     vocab = vocab or 2**20
     backend, platform = keras.backend.backend(), _platform(hidden)
     budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0))
-    return default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
+    tile = default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
+    if family == "softmax" and (backend, platform) == ("torch", "cpu"):
+        tile = torch_cpu_softmax_tile(rows or 4096, vocab, tile)
+    return tile
 
 
 def _compiled_platform(backend):
@@ -339,7 +347,7 @@ def _vocab_parallel(op, implementation, hidden, table, *args, chunk_size, **kwar
         fits = route not in FITS or _load(FITS[route])(hidden, table.value, args[1])
         kwargs["dense"] = "triton" if route == "triton" and fits and not problem else "chunked"
     if chunk_size is None:
-        chunk_size = _default_chunk_size(hidden, table.value)
+        chunk_size = _default_chunk_size(hidden, table.value, _family(op))
     kernel = get(op, "vocab_parallel", backend)
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, layout=table.layout, **kwargs)
 
@@ -383,5 +391,5 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
             kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
     elif route == "chunked" and chunk_size is None:
-        chunk_size = _default_chunk_size(hidden, table.value)
+        chunk_size = _default_chunk_size(hidden, table.value, _family(op))
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, **kwargs)

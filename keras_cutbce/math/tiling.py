@@ -15,6 +15,9 @@ TORCH_CPU_MAX_TILE = 65536
 # 16384 rows) is launch-bound; 1 GiB of `[M, T]` buffers gives 4096-column tiles at 16384 rows, 32768 at 2048.
 TORCH_CUDA_TILE_BUDGET_BYTES = 2**30
 TORCH_CUDA_MAX_TILE = 65536
+# torch CPU softmax: its two passes re-read each tile, so cache-sized tiles, widened to at most this many a
+# pass (each tile is a dozen thread barriers, which spin when the cores are shared).
+TORCH_CPU_SOFTMAX_MAX_TILES = 32
 
 
 def tile_budget_bytes(backend, platform, table_bytes=0):
@@ -47,6 +50,17 @@ def default_chunk_size(num_rows, vocab_size, budget_bytes=DEFAULT_TILE_BUDGET_BY
     tile = (budget_bytes // per_column) // TILE_MULTIPLE * TILE_MULTIPLE
     tile = min(max(tile, MIN_TILE), widest)
     return min(tile, round_up(max(int(vocab_size), 1), TILE_MULTIPLE))
+
+
+def torch_cpu_softmax_tile(num_rows, vocab_size, widest):
+    """torch CPU softmax's tile: the cache's, widened to at most `TORCH_CPU_SOFTMAX_MAX_TILES`, within `widest`.
+
+    >>> torch_cpu_softmax_tile(4096, 32768, 2048), torch_cpu_softmax_tile(640, 10**6, 26112)
+    (1024, 26112)
+    """
+    cache = default_chunk_size(num_rows, vocab_size, CPU_CACHE_TILE_BUDGET_BYTES, TORCH_CPU_MAX_TILE)
+    few = round_up(-(-max(int(vocab_size), 1) // TORCH_CPU_SOFTMAX_MAX_TILES), TILE_MULTIPLE)
+    return min(max(cache, few), widest)
 
 
 class VocabTiles(NamedTuple):

@@ -380,13 +380,15 @@ def test_dispatch_table_runs_the_named_implementation(monkeypatch):
     np.testing.assert_allclose(to_numpy(got), to_numpy(ref), rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows, vocab, torch_tile, other_tile", [
-    (5120, 10**6, 3072, 128), (1280, 10**6, 12416, 768), (160, 10**6, 65536, 6528),
-    (160, 10**5, 52352, 6528), (160, 1000, 1024, 1024),
+@pytest.mark.parametrize("rows, vocab, torch_tile, other_tile, torch_softmax", [
+    (5120, 10**6, 3072, 128, 3072), (1280, 10**6, 12416, 768, 12416), (160, 10**6, 65536, 6528, 31360),
+    (160, 10**5, 52352, 6528, 6528), (160, 1000, 1024, 1024, 1024), (640, 10**6, 24960, 1536, 24960),
+    (4096, 32768, 2048, 256, 1024),
 ])
-def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, other_tile):
-    """`chunk_size=None` on CPU: torch budgets the table gradient (V x D x 4 bytes, D = 64 here); one rule for
-    both families (softmax's cache-sized tiles made ~17x more tiles, each a dozen thread barriers)."""
+def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, other_tile, torch_softmax):
+    """`chunk_size=None` on CPU: torch budgets the table gradient (V x D x 4 bytes, D = 64 here); torch's
+    softmax takes the cache's tile widened to at most 32 tiles (the cache's alone made 651 at 10^6 items,
+    640 rows: a dozen thread barriers each), within BCE's."""
     from keras_cutbce import registry
 
     hidden = ops.zeros((rows, 64))
@@ -395,6 +397,8 @@ def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, 
     table = np.broadcast_to(np.float32(0), (vocab, 64))  # no memory: only its shape is read
     want = torch_tile if BACKEND == "torch" else other_tile
     assert registry._default_chunk_size(hidden, table) == want
+    softmax = torch_softmax if BACKEND == "torch" else other_tile
+    assert registry._default_chunk_size(hidden, table, "softmax") == softmax
 
 
 @pytest.mark.parametrize("rows, vocab, tile", [
