@@ -25,6 +25,7 @@ Usage:
 """
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -96,7 +97,7 @@ def _value_and_grad_fn(backend, loss_fn):
     def step(h, t, b, *constants):
         h, t, b = (x.detach().requires_grad_(True) for x in (h, t, b))
         value = loss_fn(h, t, b, *constants)
-        return value, torch.autograd.grad(value, (h, t, b))
+        return value, torch.autograd.grad(value, (h, t, b), allow_unused=True)
     return step
 
 
@@ -154,8 +155,10 @@ def _pure_jax_operator(ids, tile):
     return loss
 
 
-def _bce_cells(backend, shape, names):
+def _bce_cells(backend, shape, names, use_bias=True):
     """name -> `(run, inputs)` for the BCE variants in `names`; `run(*inputs)` is the timed call."""
+    def vjp(fn):  # without a bias every variant gets `b=None` (its gradient unused)
+        return _value_and_grad_fn(backend, fn if use_bias else lambda h, t, b, *c: fn(h, t, None, *c))
     import numpy as np
     import keras
     from keras import ops
@@ -171,15 +174,13 @@ def _bce_cells(backend, shape, names):
         multi_hot[np.arange(rows)[:, None], _inputs(shape)[3]] = 1.0  # a scatter: no [rows, L, V] one-hot
         targets = ops.convert_to_tensor(multi_hot)
         def loss(h, t, b, targets):
-            logits = ops.matmul(h, ops.transpose(t)) + b
+            logits = ops.matmul(h, ops.transpose(t)) + (0.0 if b is None else b)
             return ops.sum(keras.losses.binary_crossentropy(targets, logits, from_logits=True))
-        return _value_and_grad_fn(backend, loss), (*inputs, targets)
+        return vjp(loss), (*inputs, targets)
     def loss():
-        return _value_and_grad_fn(backend, lambda h, t, b: weighted_loss_sum(
-            h, t, ids, weights, b, implementation="chunked")), inputs
+        return vjp(lambda h, t, b: weighted_loss_sum(h, t, ids, weights, b, implementation="chunked")), inputs
     def op():
-        return _value_and_grad_fn(backend, lambda h, t, b: ops.sum(cut_binary_crossentropy(
-            h, t, ids, b, implementation="chunked"))), inputs
+        return vjp(lambda h, t, b: ops.sum(cut_binary_crossentropy(h, t, ids, b, implementation="chunked"))), inputs
     def pure_jax():
         return _value_and_grad_fn(backend, _pure_jax_operator(ids, _tile(backend, shape))), inputs
     def matmuls():
@@ -297,7 +298,9 @@ def cell(args):
         row["tile"] = _tile(backend, shape)
         if "pure_jax" in names and (backend != "jax" or shape[2] % row["tile"]):
             names.remove("pure_jax")  # its scan needs whole tiles
-    cells = dict(bce=_bce_cells, softmax=_softmax_cells, step=_step_cells)[args.family](backend, shape, names)
+    family = dict(bce=functools.partial(_bce_cells, use_bias=not args.no_bias), softmax=_softmax_cells,
+                  step=_step_cells)[args.family]
+    cells = family(backend, shape, names)
     if args.cell == "alone":
         row.update(_alone(*cells[names[0]], args.repeats))
     else:
@@ -328,7 +331,8 @@ def _run(args, backend, threads, shape, argv):
     env = thread_env(dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3"), _threads(threads))
     try:
         row = run_cell([SCRIPT, "--threads", str(threads), "--shape", ",".join(map(str, shape)),
-                        "--memory-cap-gb", str(args.memory_cap_gb), "--family", args.family, *argv], env)
+                        "--memory-cap-gb", str(args.memory_cap_gb), "--family", args.family,
+                        *(["--no-bias"] if args.no_bias else []), *argv], env)
     except RuntimeError as error:
         row = {"error": str(error).strip().splitlines()[-1][:200]}
     print(backend, threads, shape, " ".join(argv), row.get("error", "ok"), flush=True)
@@ -432,12 +436,13 @@ def _side_by_side(args):
     """Per backend and thread setting, one process: dense, loss, op (pure-JAX op) alternating."""
     rows, table = _compare(args, args.variants or "dense,loss,op,pure_jax", _shapes(args, [SIDE_BY_SIDE_SHAPE]),
                            [t.strip() for t in (args.threads or "default,1").split(",")], [])
-    what = ("Forward + gradients of h, E, b, float32. " + TIMING.format(repeats=args.repeats) + "dense = Keras BCE "
+    what = ("Forward + gradients of h, E" + (" (no bias)" if args.no_bias else ", b") + ", float32. " + TIMING.format(repeats=args.repeats) + "dense = Keras BCE "
             "on the logits; loss = `weighted_loss_sum` (what `CutBCELoss` runs), op = `sum(cut_binary_crossentropy)` "
             "(exact for any cotangent), both `implementation=\"chunked\"` at the tile the API picks; pure-JAX op = "
             "`lax.scan` over tiles under `jax.checkpoint` with autodiff (a reference written here, not exact at "
             "saturated positives).")
-    write_results(args.out + "_side_by_side", "CutBCE side by side with dense Keras BCE, float32, CPU", what, None,
+    write_results(args.out + "_side_by_side" + "_no_bias" * args.no_bias, "CutBCE side by side with dense Keras "
+                  "BCE, float32, CPU" + ", no bias" * args.no_bias, what, None,
                   machine_info(threads=args.threads or "default,1"), table, {"repeats": args.repeats, "rows": rows})
 
 
@@ -511,6 +516,7 @@ def main():
     section.add_argument("--softmax", action="store_true",
                          help="CutSoftmaxLoss / cut_categorical_crossentropy vs dense (and F.linear_cross_entropy)")
     section.add_argument("--section", choices=("load",), help="load: the CutSoftmax / CutBCE step, quiet and busy")
+    parser.add_argument("--no-bias", action="store_true", help="--side-by-side: BCE without a bias")
     parser.add_argument("--busy", type=int, default=3, help="--section load: spinning processes")
     parser.add_argument("--memory-cap-gb", type=float, default=16.0, help="a cell above this RSS stops")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cutbce_cpu"))
