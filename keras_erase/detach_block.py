@@ -253,15 +253,22 @@ class DetachBlock(keras.layers.Layer):
         )
         outputs = self.forward_layer(inputs, training=training)
         if keep:
-            self._pending_predictions.append(
-                PendingPrediction(self.predict_local(outputs), self.own_losses())
-            )
+            self.add_pending(PendingPrediction(self.predict_local(outputs), self.own_losses()))
         return self.detach(outputs)
 
-    def _pop_pending_predictions(self):
+    def add_pending(self, value):
+        """Keeps a training call's local-loss input (or value) for `EraseModel.compute_loss`."""
+        self._pending_predictions.append(value)
+
+    def pop_pending(self):
+        """The values kept since the last pop, in call order; none is kept after."""
         pending = list(self._pending_predictions)
         self._pending_predictions.clear()
         return pending
+
+    def clear_pending(self):
+        """Drops the kept values (a step that ends without computing its loss)."""
+        self._pending_predictions.clear()
 
     # -- serialization ---------------------------------------------------------
 

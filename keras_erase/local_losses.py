@@ -64,7 +64,7 @@ def add_local_losses(total, blocks, trackers, y, sample_weight, output_names):
     """
     batch = None
     for block in blocks:
-        pending = block._pop_pending_predictions()
+        pending = block.pop_pending()
         if not pending:
             continue
         y_true, weight = select_target(block, y, sample_weight, output_names)

@@ -241,7 +241,7 @@ class EraseModel(keras.Model):
 
     def _clear_pending(self):
         for block in self.detach_blocks():
-            block._pending_predictions.clear()
+            block.clear_pending()
 
     def compute_loss(
         self,

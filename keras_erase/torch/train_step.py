@@ -71,7 +71,7 @@ class BlockRunner:
         outputs, loss = self.schedule_run.run_block(
             block, inputs, y_true, sample_weight, self.scale_loss
         )
-        block._pending_predictions.append(LocalLossValue(loss))
+        block.add_pending(LocalLossValue(loss))
         return outputs
 
 
