@@ -127,10 +127,9 @@ def _block(result):
 
 def _tile(backend, shape):
     """The vocabulary tile the public API picks for `shape` on CPU (`chunk_size=None`)."""
-    from keras_cutbce.math.tiling import default_chunk_size, max_tile, tile_budget_bytes
+    from keras_cutbce.math.tiling import default_tile
     rows, dim, vocab = shape
-    budget = tile_budget_bytes(backend, "cpu", table_bytes=4 * vocab * dim)
-    return default_chunk_size(rows, vocab, budget, max_tile(backend, "cpu"))
+    return default_tile(backend, "cpu", rows, vocab, dim)
 
 
 def _pure_jax_operator(ids, tile):
@@ -210,7 +209,7 @@ def _softmax_cells(backend, shape, names):
     from keras import ops
     from keras_cutbce import checks
     from keras_cutbce import cut_categorical_crossentropy
-    from keras_cutbce import ops as cut_ops
+    from keras_cutbce.registry import run_loss
     hidden, table, bias, ids = _inputs(shape)
     ids = ids[:, 0]
     h, t, b, i = (ops.convert_to_tensor(x) for x in (hidden, table, bias, ids))
@@ -221,7 +220,8 @@ def _softmax_cells(backend, shape, names):
         logits = ops.matmul(h, ops.transpose(t)) + b
         return ops.sum(keras.losses.sparse_categorical_crossentropy(i, logits, from_logits=True))
     def loss(h, t, b):  # what `CutSoftmaxLoss` runs (its fused weighted sum)
-        return cut_ops.loss_sum(cut_ops.loss_inputs(h, t, i, b), options, weights)
+        return run_loss(options.op, options.implementation, checks.loss_inputs(h, t, i, b),
+                        row_weights=weights, **options.keywords)
     def op(h, t, b):
         return ops.sum(cut_categorical_crossentropy(h, t, i, b))
     cells = {"dense": dense, "cut_loss": loss, "cut_op": op}
@@ -248,10 +248,10 @@ def _softmax_cells(backend, shape, names):
 
 
 def _step_cells(backend, shape, names):
-    """torch: one Adam step over h and E of `loss_sum` (what the Keras losses run; softmax 1 target, BCE 4)."""
+    """torch: one Adam step over h and E of `registry.run_loss` (what the Keras losses run; softmax 1 target, BCE 4)."""
     import torch
     from keras_cutbce import checks
-    from keras_cutbce import ops as cut_ops
+    from keras_cutbce.registry import run_loss
     hidden, table, _, ids = (torch.as_tensor(x) for x in _inputs(shape))
 
     def step(family, targets):
@@ -259,7 +259,8 @@ def _step_cells(backend, shape, names):
         optimizer, options = torch.optim.Adam(params, 1e-3), checks.loss_options(family=family)
         def run():
             optimizer.zero_grad(set_to_none=True)
-            cut_ops.loss_sum(cut_ops.loss_inputs(*params, targets), options, torch.ones(shape[0])).backward()
+            run_loss(options.op, options.implementation, checks.loss_inputs(*params, targets),
+                     row_weights=torch.ones(shape[0]), **options.keywords).backward()
             optimizer.step()
         return run, ()
     steps = {"cut_softmax_step": ("softmax", ids[:, 0]), "cut_bce_step": ("bce", ids[:, :4])}

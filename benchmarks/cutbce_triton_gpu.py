@@ -20,10 +20,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.common import Budget, alternate, cuda_clock, cuda_sync, paired, release_memory  # noqa: E402
-from keras_cutbce import CutBCELoss, CutSoftmaxLoss, registry  # noqa: E402
+from keras_cutbce import CutBCELoss, CutSoftmaxLoss  # noqa: E402
 from keras_cutbce import cut_binary_crossentropy, cut_categorical_crossentropy  # noqa: E402
 from keras_cutbce.backends.torch.triton import config  # noqa: E402
 from keras_cutbce.math import reference  # noqa: E402
+from keras_cutbce.math.tiling import default_tile  # noqa: E402
 from tools import nsight_compute  # noqa: E402
 
 # variant -> (operand dtype, torch's fp32 matmul precision)
@@ -435,7 +436,7 @@ def chunked_tiles(run):
             if run.spent(f"chunked_tiles {family} {shape}", 30 if shape == run.paper else 10):
                 continue
             h, e, b, ids = problem(run, shape, dtype, targets=1 if family == "softmax" else 8)
-            rule = registry._default_chunk_size(h, e, family)
+            rule = default_tile("torch", "gpu" if cuda else "cpu", shape[0], shape[2], shape[1], family)
             op, cells = FAMILY_OPS[family], {}
             for tile in dict.fromkeys((rule, *((32, 64) if run.dry_run else CHUNK_TILES))):
                 if tile < shape[2] or tile == rule:

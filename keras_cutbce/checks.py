@@ -1,4 +1,4 @@
-"""The public ops' and metrics' argument checks, once, each returning the value normalised (the kernels trust it)."""
+"""Every argument check, once, each returning the value normalised (the kernels trust it); `loss_inputs` for a loss."""
 
 import math
 import numbers
@@ -10,12 +10,14 @@ import numpy as np
 from keras import ops
 
 from keras_cutbce import registry
+from keras_cutbce.common import concrete_values
 from keras_cutbce.common import ids_as_int32
-from keras_cutbce.common import static_dims
 from keras_cutbce.ids import integer_ids
-from keras_cutbce.ids import refuse_multi_hot
+from keras_cutbce.item_table import ItemTable
+from keras_cutbce.item_table import resolve_bias
 
 __all__ = [
+    "LossInputs",
     "LossOptions",
     "check_chunk_size",
     "check_cutoffs",
@@ -29,16 +31,33 @@ __all__ = [
     "check_probability",
     "check_sample_weight",
     "check_bool",
+    "flat_rows",
     "int32_ids",
     "is_float",
     "is_int",
+    "loss_inputs",
     "loss_options",
     "negative_ids",
+    "read_bias",
+    "refuse_multi_hot",
     "static_dims",
 ]
 
 
 # -- shapes and dtypes --------------------------------------------------------
+
+
+def static_dims(x):
+    """The shape of `x` as a tuple of ints, None where unknown."""
+    shape = getattr(x, "shape", None)
+    shape = tuple(ops.shape(x)) if shape is None else tuple(shape)
+    out = []
+    for d in shape:
+        try:
+            out.append(None if d is None else int(d))
+        except TypeError:
+            out.append(None)
+    return tuple(out)
 
 
 def _dtype(x):
@@ -116,6 +135,19 @@ class LossOptions(NamedTuple):
     chunk_size: Optional[int]
     implementation: str
     family: str = "bce"
+
+    @property
+    def op(self):
+        """The family's per-row op (`registry.IMPLEMENTATIONS`; its fused reduction adds `"_weighted_sum"`)."""
+        return "cut_softmax" if self.family == "softmax" else "cut_bce"
+
+    @property
+    def keywords(self):
+        """The op's keyword arguments."""
+        keywords = {"chunk_size": self.chunk_size, "label_smoothing": self.label_smoothing}
+        if self.family == "bce":
+            keywords["pos_weight"] = self.pos_weight
+        return keywords
 
 
 def loss_options(label_smoothing=0.0, pos_weight=1.0, chunk_size=None, implementation="auto",
@@ -236,6 +268,30 @@ def check_hidden_and_table(hidden, table, bias):
             raise TypeError(f"`bias` must be float. Received: bias.dtype={_dtype(bias)}")
 
 
+def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):
+    """Raises on multi-hot labels `[..., V]` given as ids (V >= 2 entries, all 0 or 1; traced: the shape alone)."""
+    dims = tuple(ids.shape)
+    if not isinstance(vocab_size, int) or vocab_size < 2 or len(dims) != lead_ndim + 1:
+        return
+    if dims[-1] is None or int(dims[-1]) != vocab_size:
+        return
+    values = concrete_values(ids)
+    if values is not None and not np.isin(values, (0, 1)).all():
+        return
+    seen = "its values are all 0 or 1" if values is not None else (
+        "inside a compiled step its values cannot be read, so the shape decides (for V item "
+        "ids a position, pad each list with one -1 so that L != V)"
+    )
+    shape = tuple(None if d is None else int(d) for d in dims)
+    raise ValueError(
+        f"`{argument}` looks like multi-hot labels [..., V] (the dense binary cross-entropy "
+        f"form): its last axis has V = {vocab_size} entries and {seen}. CutBCE takes the "
+        "integer ids of each position's items [..., L], padded with -1, and would read 0/1 "
+        "labels as the ids 0 and 1: convert them with `keras_cutbce.multi_hot_to_ids(labels)`. "
+        f"Received: {argument}.shape={shape}"
+    )
+
+
 def _check_id_shape(i_dims, h_dims, argument, one_per_position=True):
     lead = h_dims[:-1]
     axis = "L" if one_per_position else "X"
@@ -275,6 +331,41 @@ def int32_ids(ids, hidden, vocab_size, argument, one_per_position=True):
     if len(with_labels) != len(i_dims):
         ids = np.expand_dims(ids, -1) if host else ops.expand_dims(ids, -1)
     return ids_as_int32(ids, vocab_size)
+
+
+def read_bias(table, bias):
+    """The bias value of an `ItemTable` (its layer's own, or `bias`), or None."""
+    bias = resolve_bias(table, bias)
+    return None if bias is None else ItemTable.read(bias, "bias").value
+
+
+def flat_rows(hidden, ids=None):
+    """`(hidden [M, D], ids [M, L] | None)`: the positions as rows."""
+    flat_hidden = ops.reshape(hidden, (-1, ops.shape(hidden)[-1]))
+    if ids is None:
+        return flat_hidden, None
+    return flat_hidden, ops.reshape(ids, (ops.shape(flat_hidden)[0], ops.shape(ids)[-1]))
+
+
+class LossInputs(NamedTuple):
+    """A loss's checked tensors as rows (`hidden [M, D]`, int32 `ids [M, L]`) and the positions' shape."""
+
+    hidden: object
+    table: ItemTable
+    ids: object
+    bias: Optional[object]
+    lead_shape: tuple
+
+
+def loss_inputs(hidden, embeddings, target_ids, bias=None):
+    """The loss tensors checked and flattened (`LossInputs`); `embeddings` may be an `ItemTable`."""
+    hidden = ops.convert_to_tensor(hidden)
+    table = ItemTable.read(embeddings)
+    bias = read_bias(table, bias)
+    check_hidden_and_table(hidden, table.value, bias)
+    ids = int32_ids(target_ids, hidden, table.vocab_size, "target_ids")
+    flat_hidden, flat_ids = flat_rows(hidden, ids)
+    return LossInputs(flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1])
 
 
 def check_sample_weight(weight_dims, loss_dims, received=None):

@@ -6,7 +6,7 @@ import numpy as np
 
 __all__ = [
     "EMPTY_ID", "concrete_values", "filled_like", "ids_as_int32", "is_host_array", "on_host_values",
-    "on_tpu", "round_up", "static_dims",
+    "on_tpu", "round_up",
 ]
 
 EMPTY_ID = -1
@@ -112,17 +112,3 @@ def ids_as_int32(ids, vocab_size):
     elif int(vocab_size) <= int(np.iinfo(dtype).max):  # else no id of this dtype reaches V
         inside = ops.logical_and(inside, ids < int(vocab_size))
     return ops.cast(ops.where(inside, ids, filled_like(ids, EMPTY_ID)), "int32")
-
-
-def static_dims(x):
-    from keras import ops
-
-    shape = getattr(x, "shape", None)
-    shape = tuple(ops.shape(x)) if shape is None else tuple(shape)
-    out = []
-    for d in shape:
-        try:
-            out.append(None if d is None else int(d))
-        except TypeError:
-            out.append(None)
-    return tuple(out)

@@ -1,4 +1,4 @@
-"""Your item-id data: `multi_hot_to_ids`, `seen_items`, `count_out_of_range_ids`, and `refuse_multi_hot`."""
+"""Your item-id data: `multi_hot_to_ids`, `seen_items`, `count_out_of_range_ids`, and the id reader `integer_ids`."""
 
 import numbers
 
@@ -13,7 +13,7 @@ from keras_cutbce.common import is_host_array
 from keras_cutbce.common import on_host_values
 from keras_cutbce.item_table import ItemTable
 
-__all__ = ["count_out_of_range_ids", "multi_hot_to_ids", "refuse_multi_hot", "seen_items"]
+__all__ = ["count_out_of_range_ids", "multi_hot_to_ids", "seen_items"]
 
 
 def multi_hot_to_ids(labels, max_ids=None):
@@ -163,30 +163,6 @@ def integer_ids(ids, vocab_size, argument):
     if not (ids.dtype.kind in "iu" if host else keras.backend.is_int_dtype(ids.dtype)):
         ids = whole_float_ids(ids, vocab_size, argument)  # TypeError where floats are not exact
     return ids, host
-
-
-def refuse_multi_hot(ids, vocab_size, argument, lead_ndim):
-    """Raises on multi-hot labels `[..., V]` given as ids (V >= 2 entries, all 0 or 1; traced: the shape alone)."""
-    dims = tuple(ids.shape)
-    if not isinstance(vocab_size, int) or vocab_size < 2 or len(dims) != lead_ndim + 1:
-        return
-    if dims[-1] is None or int(dims[-1]) != vocab_size:
-        return
-    values = concrete_values(ids)
-    if values is not None and not np.isin(values, (0, 1)).all():
-        return
-    seen = "its values are all 0 or 1" if values is not None else (
-        "inside a compiled step its values cannot be read, so the shape decides (for V item "
-        "ids a position, pad each list with one -1 so that L != V)"
-    )
-    shape = tuple(None if d is None else int(d) for d in dims)
-    raise ValueError(
-        f"`{argument}` looks like multi-hot labels [..., V] (the dense binary cross-entropy "
-        f"form): its last axis has V = {vocab_size} entries and {seen}. CutBCE takes the "
-        "integer ids of each position's items [..., L], padded with -1, and would read 0/1 "
-        "labels as the ids 0 and 1: convert them with `keras_cutbce.multi_hot_to_ids(labels)`. "
-        f"Received: {argument}.shape={shape}"
-    )
 
 
 def count_out_of_range_ids(ids, embeddings) -> dict[int, int]:

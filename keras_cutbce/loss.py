@@ -9,7 +9,7 @@ from keras import ops
 
 from keras_cutbce import _keras_private
 from keras_cutbce import checks
-from keras_cutbce import ops as cut_ops
+from keras_cutbce import registry
 from keras_cutbce.item_table import ItemTable
 from keras_cutbce.item_table import resolve_bias
 from keras_cutbce.item_table import tables_config
@@ -70,19 +70,16 @@ class CutLoss(keras.losses.Loss):
         mask = _keras_private.get_keras_mask(y_pred)
         with keras.name_scope(self.name), _keras_private.usable_after_refusal():
             y_pred = ops.convert_to_tensor(y_pred)
-            y_true = self._integral_ids(y_true)
-            y_pred, table, bias = self._tables(y_pred)
-            inputs = cut_ops.loss_inputs(y_pred, table, y_true, bias)
+            table, bias, trained = self._tables()
+            inputs = checks.loss_inputs(y_pred, table, self._integral_ids(y_true), bias)
             sample_weight = self._sample_weight(sample_weight, y_pred)
             if self.reduction in (None, "none"):
-                losses = ops.reshape(self._per_position(inputs), inputs.lead_shape)
                 return _keras_private.reduce_weighted_values(
-                    losses, sample_weight=self._merge_mask(sample_weight, mask),
+                    self._loss(inputs, trained), sample_weight=self._merge_mask(sample_weight, mask),
                     reduction=self.reduction, dtype=self.dtype,
                 )
             weights = self._row_weights(y_pred, sample_weight, mask)
-            total = self._loss_sum(inputs, weights)
-            total = ops.cast(total, self.dtype)
+            total = ops.cast(self._loss(inputs, trained, weights), self.dtype)
             if self.reduction != "sum":
                 total = _keras_private.scale_loss_for_distribution(total)
             return total
@@ -148,8 +145,8 @@ class CutLoss(keras.losses.Loss):
             divisor = ops.cast(ops.size(ones), self.dtype)
         return ops.divide_no_nan(values, divisor)
 
-    def _tables(self, y_pred):
-        """`(y_pred, table, bias)` read now; refuses an untrained table, guards a JAX constant one (`table_guard`)."""
+    def _tables(self):
+        """`(table, bias, trained)` read now; `trained`: their trainable values (the model must train them)."""
         table = ItemTable.read(self.embeddings, "embeddings")
         bias = resolve_bias(table, self.bias)
         bias = None if bias is None else ItemTable.read(bias, "bias")
@@ -161,15 +158,10 @@ class CutLoss(keras.losses.Loss):
             variables = trainable_table_variables(part.source)
             if variables:
                 self._check_trained_by(model, variables, role)
-            trained += [(part.value, variable) for variable in variables]
-        if keras.backend.backend() == "jax" and trained:
-            from keras_cutbce.backends.jax import table_guard
-
-            if table_guard.table_would_be_constant(y_pred, [value for value, _ in trained]) and (
-                not _keras_private.in_symbolic_scope()
-            ):
-                y_pred = table_guard.refuse_differentiation(y_pred)
-        return y_pred, table, bias
+                trained.append(part.value)
+        if _keras_private.in_symbolic_scope():
+            trained = []
+        return table, bias, trained
 
     def _check_trained_by(self, model, variables, role="item table"):
         if model is None or not variables:
@@ -210,17 +202,17 @@ class CutLoss(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         """Computes the per-position loss `y_pred.shape[:-1]` for integer ids `y_true`."""
-        y_pred, table, bias = self._tables(y_pred)
-        inputs = cut_ops.loss_inputs(y_pred, table, y_true, bias)
-        return ops.reshape(self._per_position(inputs), inputs.lead_shape)
+        table, bias, trained = self._tables()
+        inputs = checks.loss_inputs(y_pred, table, self._integral_ids(y_true), bias)
+        options = self._options
+        return registry.run_loss(options.op, options.implementation, inputs, trained=trained,
+                                 **options.keywords)
 
-    def _per_position(self, inputs):
-        """The flat float32 loss `[M]` of checked `LossInputs` (a subclass's own op overrides it)."""
-        return cut_ops.per_position_loss(inputs, self._options)
-
-    def _loss_sum(self, inputs, row_weights):
-        """`sum(row_weights * loss)`, fused where the op has it."""
-        return cut_ops.loss_sum(inputs, self._options, row_weights)
+    def _loss(self, inputs, trained, row_weights=None):
+        """The loss of checked `LossInputs`: per position, or `sum(row_weights * loss)` (`registry.run_loss`)."""
+        options = self._options
+        return registry.run_loss(options.op, options.implementation, inputs, row_weights=row_weights,
+                                 trained=trained, **options.keywords)
 
     def get_config(self):
         """The config, the table (and bias) saved as variable paths (re-bound on `load_model`)."""

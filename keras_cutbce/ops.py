@@ -1,18 +1,17 @@
-"""The public ops: check the inputs once (`checks`), read the table (`ItemTable`), run the registry's choice."""
+"""The public ops: check the inputs once (`checks`), run the registry's choice (`registry`)."""
 
-from typing import NamedTuple
 from typing import Optional
 
-import keras
+import keras  # noqa: F401 - the examples below use it
 from keras import ops
 
 from keras_cutbce import checks
 from keras_cutbce.common import filled_like
 from keras_cutbce.item_table import ItemTable
-from keras_cutbce.item_table import resolve_bias
 from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.math.positives import first_item
 from keras_cutbce.registry import dispatch
+from keras_cutbce.registry import run_loss
 
 __all__ = [
     "cut_binary_crossentropy",
@@ -21,88 +20,6 @@ __all__ = [
     "cut_top_k",
     "weighted_loss_sum",
 ]
-
-def _flatten(hidden, ids=None):
-    d = ops.shape(hidden)[-1]
-    flat_hidden = ops.reshape(hidden, (-1, d))
-    if ids is None:
-        return flat_hidden, None
-    return flat_hidden, ops.reshape(ids, (ops.shape(flat_hidden)[0], ops.shape(ids)[-1]))
-
-
-def _read_bias(table, bias):
-    bias = resolve_bias(table, bias)
-    return None if bias is None else ItemTable.read(bias, "bias").value
-
-
-# -- the loss ---------------------------------------------------------------------
-
-
-class LossInputs(NamedTuple):
-    """Checked, flattened tensors of the loss ops."""
-
-    hidden: object
-    table: ItemTable
-    ids: object
-    bias: Optional[object]
-    lead_shape: tuple
-
-
-def loss_inputs(hidden, embeddings, target_ids, bias=None):
-    """The loss ops' tensors checked and flattened to 2-D (`LossInputs`); tables may be `ItemTable`s."""
-    hidden = ops.convert_to_tensor(hidden)
-    table = ItemTable.read(embeddings)
-    bias = _read_bias(table, bias)
-    checks.check_hidden_and_table(hidden, table.value, bias)
-    ids = checks.int32_ids(target_ids, hidden, table.vocab_size, "target_ids")
-    flat_hidden, flat_ids = _flatten(hidden, ids)
-    return LossInputs(flat_hidden, table, flat_ids, bias, ops.shape(hidden)[:-1])
-
-
-# The per-row op of each loss family (its fused reduction: the name + "_weighted_sum").
-_LOSS_OPS = {"bce": "cut_bce", "softmax": "cut_softmax"}
-
-
-def _loss_kwargs(options):
-    kwargs = {"chunk_size": options.chunk_size, "label_smoothing": options.label_smoothing}
-    if options.family == "bce":
-        kwargs["pos_weight"] = options.pos_weight
-    return kwargs
-
-
-def per_position_loss(inputs, options):
-    """Returns the flat float32 `[M]` loss of checked `LossInputs` and `LossOptions`."""
-    op = _LOSS_OPS[options.family]
-    loss = dispatch(op, options.implementation, inputs.hidden, inputs.table, inputs.ids,
-                    inputs.bias, **_loss_kwargs(options))
-    if loss is None:
-        raise NotImplementedError(
-            f"{op!r} has no {options.implementation!r} implementation on this backend. "
-            f"Received: implementation={options.implementation!r}"
-        )
-    return ops.cast(loss, "float32") + non_finite_rows(inputs.hidden)
-
-
-def non_finite_rows(hidden):
-    """0 a row, NaN where the row's hidden state is not finite: Keras's dense loss is NaN there, with or
-    without a target and at any weight; no gradient (the rows' gradients stay the kernels')."""
-    zeros = ops.zeros_like(ops.cast(hidden[:, 0], "float32"))
-    return ops.where(ops.all(ops.isfinite(hidden), axis=-1), zeros, zeros + float("nan"))
-
-
-def loss_sum(inputs, options, row_weights):
-    """`sum(row_weights * loss)` of checked `LossInputs` and `LossOptions`, float32; the weights get no gradient."""
-    weights = ops.reshape(
-        ops.stop_gradient(ops.cast(row_weights, "float32")), (ops.shape(inputs.hidden)[0],)
-    )
-    total = dispatch(
-        _LOSS_OPS[options.family] + "_weighted_sum", options.implementation, inputs.hidden,
-        inputs.table, inputs.ids, inputs.bias, weights, **_loss_kwargs(options),
-    )
-    if total is None:  # no fused kernel on this implementation
-        return ops.sum(weights * per_position_loss(inputs, options))
-    return ops.cast(total, "float32") + ops.sum(non_finite_rows(inputs.hidden))
-
 
 def cut_binary_crossentropy(
     hidden,
@@ -152,8 +69,8 @@ def cut_binary_crossentropy(
     ((2, 3), 'float32')
     """
     options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
-    inputs = loss_inputs(hidden, embeddings, target_ids, bias)
-    return ops.reshape(per_position_loss(inputs, options), inputs.lead_shape)
+    inputs = checks.loss_inputs(hidden, embeddings, target_ids, bias)
+    return run_loss(options.op, options.implementation, inputs, **options.keywords)
 
 
 def weighted_loss_sum(
@@ -179,8 +96,9 @@ def weighted_loss_sum(
     3.618
     """
     options = checks.loss_options(label_smoothing, pos_weight, chunk_size, implementation)
-    inputs = loss_inputs(hidden, embeddings, target_ids, bias)
-    return loss_sum(inputs, options, row_weights)
+    inputs = checks.loss_inputs(hidden, embeddings, target_ids, bias)
+    return run_loss(options.op, options.implementation, inputs, row_weights=row_weights,
+                    **options.keywords)
 
 
 # -- retrieval --------------------------------------------------------------------
@@ -190,7 +108,7 @@ def _prepare_retrieval(hidden, embeddings, bias, chunk_size):
     chunk_size = checks.check_chunk_size(chunk_size)
     hidden = ops.convert_to_tensor(hidden)
     table = ItemTable.read(embeddings)
-    bias = _read_bias(table, bias)
+    bias = checks.read_bias(table, bias)
     checks.check_hidden_and_table(hidden, table.value, bias)
     return hidden, table, bias, chunk_size
 
@@ -199,7 +117,7 @@ def _exclusions(exclude_ids, hidden, vocab_size):
     if exclude_ids is None:
         return None
     ids = checks.int32_ids(exclude_ids, hidden, vocab_size, "exclude_ids", one_per_position=False)
-    return _flatten(hidden, ids)[1]
+    return checks.flat_rows(hidden, ids)[1]
 
 
 def cut_top_k(
@@ -238,7 +156,7 @@ def cut_top_k(
     k = checks.check_k(k, static_vocab_size(table))
     exclusions = _exclusions(exclude_ids, hidden, table.vocab_size)
     lead_shape = tuple(ops.shape(hidden)[:-1])
-    flat_hidden, _ = _flatten(hidden)
+    flat_hidden, _ = checks.flat_rows(hidden)
     scores, ids = dispatch(
         "top_k", "chunked", flat_hidden, table, k, bias, exclusions, chunk_size=chunk_size
     )
@@ -272,7 +190,7 @@ def cut_rank(hidden, embeddings, item_ids, bias=None, exclude_ids=None, chunk_si
     vocab_size = table.vocab_size
     ids = checks.int32_ids(item_ids, hidden, vocab_size, "item_ids")
     exclusions = _exclusions(exclude_ids, hidden, vocab_size)
-    flat_hidden, flat_ids = _flatten(hidden, ids)
+    flat_hidden, flat_ids = checks.flat_rows(hidden, ids)
     keep = ops.logical_and(flat_ids >= 0, flat_ids < vocab_size)
     if exclusions is not None:
         excluded = ops.expand_dims(flat_ids, 2) == ops.expand_dims(exclusions, 1)  # [M, L, X]
@@ -309,7 +227,7 @@ def cut_count_at_least(hidden, embeddings, threshold, bias=None, chunk_size=None
     """
     hidden, table, bias, chunk_size = _prepare_retrieval(hidden, embeddings, bias, chunk_size)
     lead_shape = ops.shape(hidden)[:-1]
-    flat_hidden, _ = _flatten(hidden)
+    flat_hidden, _ = checks.flat_rows(hidden)
     rows = ops.ones_like(flat_hidden[:, 0], dtype="float32")
     # At (threshold, V) every logit >= threshold ranks above: no item has id V.
     counts = dispatch(

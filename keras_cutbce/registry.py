@@ -74,23 +74,18 @@ The routing (`dispatch`):
   entry accepts (the Triton kernels: CUDA GPUs whose compute capability the
   compile suite tests, sm_80, sm_86, sm_89, sm_90 and sm_100, or CPU in the interpreter): elsewhere
   `"auto"` runs `"chunked"` and naming it raises a `ValueError` saying why;
-- `chunk_size=None` resolves with `math.tiling.default_chunk_size` for the
+- `chunk_size=None` resolves with `math.tiling.default_tile` for the
   chunked kernels (Pallas, Triton and the sharded path choose their own tiles).
 """
 
 import importlib
 import importlib.util
-import math
 import sys
 
 import keras
 
-from keras_cutbce.common import static_dims
 from keras_cutbce.item_table import ItemTable
-from keras_cutbce.math.tiling import default_chunk_size
-from keras_cutbce.math.tiling import max_tile
-from keras_cutbce.math.tiling import tile_budget_bytes
-from keras_cutbce.math.tiling import torch_cpu_softmax_tile
+from keras_cutbce.math.tiling import default_tile
 
 __all__ = [
     "ANY_BACKEND",
@@ -107,6 +102,7 @@ __all__ = [
     "dispatch",
     "get",
     "has",
+    "run_loss",
     "select_implementation",
 ]
 
@@ -299,23 +295,6 @@ def _platform(tensor):
     return "cpu"
 
 
-def _family(op):
-    return "softmax" if op.startswith("cut_softmax") else "bce"
-
-
-def _default_chunk_size(hidden, table, family="bce"):
-    lead = static_dims(hidden)[:-1]
-    rows = None if None in lead else int(math.prod(lead))
-    vocab, dim = static_dims(table)
-    vocab = vocab or 2**20
-    backend, platform = keras.backend.backend(), _platform(hidden)
-    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab * (dim or 0))
-    tile = default_chunk_size(rows or 4096, vocab, budget, max_tile(backend, platform))
-    if family == "softmax" and (backend, platform) == ("torch", "cpu"):
-        tile = torch_cpu_softmax_tile(rows or 4096, vocab, tile)
-    return tile
-
-
 def _compiled_platform(backend):
     if backend != "jax":
         return None
@@ -333,63 +312,107 @@ def select_implementation(implementation="auto"):
     return auto("cut_bce", backend, _compiled_platform(backend))
 
 
-def _vocab_parallel(op, implementation, hidden, table, *args, chunk_size, **kwargs):
-    """A table split over torch.distributed ranks: the shard's BCE passes by the Triton kernels where
-    `"auto"` (on CUDA) or `"triton"` picks them and they fit, else the chunked loop's."""
-    backend = keras.backend.backend()
-    if not has(op, "vocab_parallel", backend):
-        return None
-    if op == "cut_bce":
-        route = auto(op, backend, _platform(hidden)) if implementation == "auto" else implementation
-        problem = _load(DEVICES[route])(hidden.device) if route in DEVICES else None
-        if problem and implementation == route:
-            raise ValueError(problem)
-        fits = route not in FITS or _load(FITS[route])(hidden, table.value, args[1])
-        kwargs["dense"] = "triton" if route == "triton" and fits and not problem else "chunked"
-    if chunk_size is None:
-        chunk_size = _default_chunk_size(hidden, table.value, _family(op))
-    kernel = get(op, "vocab_parallel", backend)
-    return kernel(hidden, table.value, *args, chunk_size=chunk_size, layout=table.layout, **kwargs)
+def _usable(route, implementation, hidden, table, args):
+    """Whether `route`'s `DEVICES` and `FITS` checks take these inputs (a named route's device refusal raises)."""
+    problem = _load(DEVICES[route])(hidden.device) if route in DEVICES else None
+    if problem and implementation == route:
+        raise ValueError(problem)
+    return not problem and (route not in FITS or _load(FITS[route])(hidden, table.value, args[1]))
+
+
+def _route(op, implementation, hidden, table, args, backend, platform):
+    """`(route, keywords)`: what runs `op` (None: nothing), and the keywords the route adds."""
+    if table.layout is not None:  # a table split over torch.distributed ranks
+        if not has(op, "vocab_parallel", backend):
+            return None, {}
+        keywords = {"layout": table.layout}
+        if op == "cut_bce":  # its shard's passes: the Triton kernels' where they would run
+            wanted = auto(op, backend, platform) if implementation == "auto" else implementation
+            usable = wanted == "triton" and _usable(wanted, implementation, hidden, table, args)
+            keywords["dense"] = "triton" if usable else "chunked"
+        return "vocab_parallel", keywords
+    if implementation in ("auto", "chunked") and table.sharding is not None:
+        if not has(op, "sharded", backend):
+            return None, {}
+        keywords = {"sharding": table.sharding}
+        if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
+            keywords["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
+        return "sharded", keywords
+    route = implementation
+    if implementation == "auto":
+        # On torch the tensors' device decides (CUDA: the Triton kernels).
+        compiled = platform if backend == "torch" else _compiled_platform(backend)
+        route = auto(op, backend, compiled)
+        tpu = auto(op, backend, "tpu")
+        if compiled is None and tpu != route:  # JAX: both traced, the lowering keeps one
+            return "by_platform", {"routes": (tpu, route)}
+    if not _usable(route, implementation, hidden, table, args):
+        route = "chunked"
+    return (route if has(op, route, backend) else None), {}
 
 
 def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
     """Runs `op` on checked 2-D inputs (`table`: an `ItemTable`); None when the choice lacks the op."""
     backend = keras.backend.backend()
-    if table.layout is not None:
-        return _vocab_parallel(op, implementation, hidden, table, *args, chunk_size=chunk_size,
-                               **kwargs)
-    if implementation in ("auto", "chunked") and table.sharding is not None:
-        route = "sharded"
-    elif implementation == "auto":
-        # On torch the tensors' device decides (CUDA: the Triton kernels).
-        platform = _platform(hidden) if backend == "torch" else _compiled_platform(backend)
-        tpu, other = auto(op, backend, "tpu"), auto(op, backend, platform)
-        if platform is None and tpu != other:
-            from keras_cutbce.backends.jax import compile_platform
-
-            def run(route):
-                return lambda h, t, *a: dispatch(op, route, h, ItemTable(t, sharding=None),
-                                                   *a, chunk_size=chunk_size, **kwargs)
-
-            return compile_platform.by_platform((hidden, table.value) + args, run(tpu), run(other))
-        route = other
-    else:
-        route = implementation
-    problem = _load(DEVICES[route])(hidden.device) if route in DEVICES else None
-    if problem and implementation == route:
-        raise ValueError(problem)
-    fits = route not in FITS or _load(FITS[route])(hidden, table.value, args[1])  # args: ids, bias, ...
-    if problem or not fits:
-        route = "chunked"
-    if not has(op, route, backend):
+    platform = _platform(hidden)
+    route, keywords = _route(op, implementation, hidden, table, args, backend, platform)
+    if route is None:
         return None
-    kernel = get(op, route, backend)
+    kernel = None if route == "by_platform" else get(op, route, backend)
+    if route == "by_platform":
+        from keras_cutbce.backends.jax import compile_platform
+
+        def run(choice):
+            return lambda h, t, *a: dispatch(op, choice, h, ItemTable(t, sharding=None), *a,
+                                               chunk_size=chunk_size, **kwargs)
+
+        tpu, other = keywords["routes"]
+        return compile_platform.by_platform((hidden, table.value) + args, run(tpu), run(other))
     if route in ("reference", "gather"):  # no tiles
         return kernel(hidden, table.value, *args, **kwargs)
-    if route == "sharded":
-        kwargs["sharding"] = table.sharding
-        if op in ("cut_bce", "cut_softmax") and implementation == "chunked":
-            kwargs["kernel"] = "chunked"  # forced: the XLA loop on every shard, TPU included
-    elif route == "chunked" and chunk_size is None:
-        chunk_size = _default_chunk_size(hidden, table.value, _family(op))
-    return kernel(hidden, table.value, *args, chunk_size=chunk_size, **kwargs)
+    if chunk_size is None and route in ("chunked", "vocab_parallel"):
+        rows, dim = (d if isinstance(d, int) else None for d in tuple(hidden.shape))
+        vocab = table.value.shape[0]  # a split table: this rank's rows
+        family = "softmax" if op.startswith("cut_softmax") else "bce"
+        chunk_size = default_tile(backend, platform, rows, vocab if isinstance(vocab, int) else None,
+                                  dim, family)
+    return kernel(hidden, table.value, *args, chunk_size=chunk_size, **keywords, **kwargs)
+
+
+def run_loss(op, implementation, inputs, *args, row_weights=None, trained=(), **kwargs):
+    """The float32 loss `op` of `LossInputs` per position, or `sum(row_weights * loss)` (fused where the op is).
+
+    NaN for a non-finite hidden state, as Keras's dense loss. `trained`: the trainable tables' values
+    (JAX: differentiating while one is a constant raises, `table_guard`).
+    """
+    h = inputs.hidden
+    zeros = keras.ops.zeros_like(keras.ops.cast(h[:, 0], "float32"))
+    nan_rows = keras.ops.where(keras.ops.all(keras.ops.isfinite(h), axis=-1), zeros, zeros + float("nan"))
+    weights = None
+    if row_weights is not None:  # constants
+        weights = keras.ops.reshape(keras.ops.stop_gradient(keras.ops.cast(row_weights, "float32")),
+                                    keras.ops.shape(zeros))
+    fused = op + "_weighted_sum"
+    choices = [(fused, (weights,))] if weights is not None and fused in IMPLEMENTATIONS else []
+    for name, extra in choices + [(op, ())]:  # the fused reduction where the implementation has it
+        loss = dispatch(name, implementation, h, inputs.table, inputs.ids, inputs.bias, *extra, *args,
+                        **kwargs)
+        if loss is not None:
+            break
+    if loss is None:
+        raise NotImplementedError(
+            f"{op!r} has no {implementation!r} implementation on this backend. "
+            f"Received: implementation={implementation!r}"
+        )
+    loss = keras.ops.cast(loss, "float32")
+    if name == fused:
+        loss = loss + keras.ops.sum(nan_rows)
+    elif weights is None:
+        loss = keras.ops.reshape(loss + nan_rows, inputs.lead_shape)
+    else:
+        loss = keras.ops.sum(weights * (loss + nan_rows))
+    if trained and keras.backend.backend() == "jax":
+        from keras_cutbce.backends.jax import table_guard
+
+        loss = table_guard.guard(loss, trained)
+    return loss

@@ -9,11 +9,10 @@ from keras import ops
 
 from keras_cutbce import _keras_private
 from keras_cutbce import checks
-from keras_cutbce import ops as cut_ops
 from keras_cutbce import samplers
 from keras_cutbce.item_table import tables_config
 from keras_cutbce.loss import CutLoss
-from keras_cutbce.registry import dispatch
+from keras_cutbce.registry import run_loss
 
 __all__ = ["SampledSoftmaxLoss", "cut_sampled_softmax_crossentropy"]
 
@@ -22,7 +21,8 @@ def _safe(ids):
     return ops.where(ids < 0, ops.zeros_like(ids), ids)
 
 
-def _sampled_loss(inputs, negatives, log_q, negative_log_q, remove_accidental_hits, temperature=1.0):
+def _sampled_loss(inputs, negatives, log_q, negative_log_q, remove_accidental_hits, temperature=1.0,
+                  row_weights=None, trained=()):
     if inputs.table.layout is not None:
         raise NotImplementedError(
             "The sampled softmax reads the whole item table, and this one is split over "
@@ -30,11 +30,10 @@ def _sampled_loss(inputs, negatives, log_q, negative_log_q, remove_accidental_hi
             "`CutSoftmaxLoss` or `CutBCELoss` (exact, over every item), or build the table with "
             f"`vocab_parallel=False`. Received: a table split over {inputs.table.layout.world} ranks"
         )
-    loss = dispatch("cut_sampled_softmax", "gather", inputs.hidden, inputs.table, inputs.ids,
-                    inputs.bias, negatives, log_q=log_q, negative_log_q=negative_log_q,
-                    remove_accidental_hits=remove_accidental_hits, temperature=temperature,
-                    chunk_size=None)
-    return ops.cast(loss, "float32") + cut_ops.non_finite_rows(inputs.hidden)
+    return run_loss("cut_sampled_softmax", "gather", inputs, negatives, log_q=log_q,
+                    negative_log_q=negative_log_q, remove_accidental_hits=remove_accidental_hits,
+                    temperature=temperature, chunk_size=None, row_weights=row_weights,
+                    trained=trained)
 
 
 def cut_sampled_softmax_crossentropy(
@@ -86,13 +85,12 @@ def cut_sampled_softmax_crossentropy(
     ...                                              [1, 2, 0])[0]), 4)   # log 3: 0 is masked
     1.0986
     """
-    inputs = cut_ops.loss_inputs(hidden, embeddings, target_ids, bias)
+    inputs = checks.loss_inputs(hidden, embeddings, target_ids, bias)
     negatives = checks.negative_ids(negative_ids, inputs.table.vocab_size)
     log_q = checks.check_log_q(log_q, inputs.table.value)
     remove = checks.check_bool(remove_accidental_hits, "remove_accidental_hits")
     negative_log_q = None if log_q is None else ops.take(log_q, _safe(negatives), axis=0)
-    loss = _sampled_loss(inputs, negatives, log_q, negative_log_q, remove)
-    return ops.reshape(loss, inputs.lead_shape)
+    return _sampled_loss(inputs, negatives, log_q, negative_log_q, remove)
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")
@@ -218,7 +216,13 @@ class SampledSoftmaxLoss(CutLoss):
             groups.append((ids, log_count))
         return groups
 
-    def _per_position(self, inputs):
+    def call(self, y_true, y_pred):
+        """Computes the per-position loss `y_pred.shape[:-1]` for integer ids `y_true` (one draw)."""
+        table, bias, trained = self._tables()
+        inputs = checks.loss_inputs(y_pred, table, self._integral_ids(y_true), bias)
+        return self._loss(inputs, trained)
+
+    def _loss(self, inputs, trained, row_weights=None):
         vocab = inputs.table.vocab_size
         if not isinstance(vocab, int):
             raise ValueError("`SampledSoftmaxLoss` needs a table of static size [V, D].")
@@ -233,11 +237,7 @@ class SampledSoftmaxLoss(CutLoss):
             for _, counts in groups[1:]:
                 log_q = ops.logaddexp(log_q, counts)
         return _sampled_loss(inputs, negatives, log_q, negative_log_q, self.remove_accidental_hits,
-                             self.temperature)
-
-    def _loss_sum(self, inputs, row_weights):
-        weights = ops.reshape(ops.stop_gradient(ops.cast(row_weights, "float32")), (-1,))
-        return ops.sum(weights * self._per_position(inputs))
+                             self.temperature, row_weights, trained)
 
     def get_config(self):
         """The config: the table as for `CutBCELoss`, the sampler and counts as lists."""

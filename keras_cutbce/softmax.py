@@ -3,11 +3,10 @@
 from typing import Optional
 
 import keras
-from keras import ops
 
 from keras_cutbce import checks
-from keras_cutbce import ops as cut_ops
 from keras_cutbce.loss import CutLoss
+from keras_cutbce.registry import run_loss
 
 __all__ = ["CutSoftmaxLoss", "cut_categorical_crossentropy"]
 
@@ -55,8 +54,8 @@ def cut_categorical_crossentropy(
     0.6931
     """
     options = checks.loss_options(label_smoothing, 1.0, chunk_size, implementation, "softmax")
-    inputs = cut_ops.loss_inputs(hidden, embeddings, target_ids, bias)
-    return ops.reshape(cut_ops.per_position_loss(inputs, options), inputs.lead_shape)
+    inputs = checks.loss_inputs(hidden, embeddings, target_ids, bias)
+    return run_loss(options.op, options.implementation, inputs, **options.keywords)
 
 
 @keras.saving.register_keras_serializable(package="keras_cutbce")

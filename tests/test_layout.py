@@ -209,3 +209,93 @@ def test_docstrings_stay_short():
                 if isinstance(node, kinds) and ast.get_docstring(node, clean=False) is not None:
                     docs += node.body[0].end_lineno - node.body[0].lineno + 1
         assert total > 1000 and docs / total <= DOCSTRING_SHARE, f"{package}: {docs}/{total} docstring lines"
+
+
+def _module_index(path):
+    """`(functions, imports)` of a module: `{"f" | "Class.m": FunctionDef}` and `{local name: dotted target}`."""
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    functions = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            functions[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            functions.update({f"{node.name}.{m.name}": m for m in node.body if isinstance(m, ast.FunctionDef)})
+    imports = {alias.asname or alias.name: f"{node.module}.{alias.name}" for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras_cutbce")
+               for alias in node.names}
+    return functions, imports
+
+
+def _path_of(dotted):
+    """The file of a dotted name `pkg.module[.name[.attr]]`, and the name inside it."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = os.path.join(*parts[:cut])
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(os.path.join(REPO, candidate)):
+                return candidate, ".".join(parts[cut:])
+    return None, None
+
+
+def _mentions(node, names):
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+
+
+def _walk(path, name, param, entered, seen):
+    """Appends to `entered` the file of each package function `param` (or a value made from it) is passed to."""
+    if (path, name) in seen:  # walked already
+        return
+    seen.add((path, name))
+    functions, imports = _module_index(path)
+    function = functions[name]
+    tracked = {param}
+    nodes = sorted((n for n in ast.walk(function) if isinstance(n, (ast.Call, ast.Assign))),
+                   key=lambda n: (n.lineno, n.col_offset))
+    for node in nodes:
+        if isinstance(node, ast.Assign):
+            if _mentions(node.value, tracked):
+                tracked |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            continue
+        func, target = node.func, None
+        if isinstance(func, ast.Name):
+            target = (path, func.id) if func.id in functions else _path_of(imports.get(func.id, ""))
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            owner = func.value.id
+            if owner == "self" and "." in name:
+                target = (path, f"{name.split('.')[0]}.{func.attr}")
+            elif owner in imports:
+                target = _path_of(f"{imports[owner]}.{func.attr}")
+        if target is None or target[0] is None:
+            continue
+        callee = _module_index(target[0])[0].get(target[1])
+        if callee is None:
+            continue
+        params = [a.arg for a in callee.args.args]
+        params = params[1:] if params[:1] == ["self"] else params
+        passed = [(params[i], a) for i, a in enumerate(node.args[:len(params)]) if not isinstance(a, ast.Starred)]
+        passed += [(k.arg, k.value) for k in node.keywords if k.arg in params + [a.arg for a in callee.args.kwonlyargs]]
+        for callee_param, argument in passed:
+            if _mentions(argument, tracked) and target not in seen:
+                entered.append(target[0])
+                _walk(target[0], target[1], callee_param, entered, seen)
+
+
+# Each loss's way from its entry to the registry's kernel call, followed along its hidden states.
+LOSS_ENTRIES = [
+    ("keras_cutbce/loss.py", "CutLoss.call", "y_pred"),
+    ("keras_cutbce/ops.py", "cut_binary_crossentropy", "hidden"),
+    ("keras_cutbce/ops.py", "weighted_loss_sum", "hidden"),
+    ("keras_cutbce/softmax.py", "cut_categorical_crossentropy", "hidden"),
+]
+
+
+def test_each_loss_takes_one_straight_path_to_its_kernel():
+    """A loss's hidden states go from its module to the checks, then to the registry, which calls the
+    implementation (docs/development.md): the files they enter, in order, never return to one left."""
+    for path, name, param in LOSS_ENTRIES:
+        entered = [path]
+        _walk(path, name, param, entered, set())
+        files = [f for i, f in enumerate(entered) if i == 0 or f != entered[i - 1]]
+        assert files[:3] == [path, "keras_cutbce/checks.py", "keras_cutbce/registry.py"], (name, files)
+        assert len(files) == len(set(files)), (name, files)

@@ -63,6 +63,20 @@ def torch_cpu_softmax_tile(num_rows, vocab_size, widest):
     return min(max(cache, few), widest)
 
 
+def default_tile(backend, platform, rows, vocab_size, dim, family="bce"):
+    """The chunked loops' tile for `chunk_size=None` (`rows`, `vocab_size`, `dim`: ints, None where unknown).
+
+    >>> default_tile("jax", "cpu", 4096, 131072, 64), default_tile("torch", "cpu", 640, 10**6, 64, "softmax")
+    (256, 24960)
+    """
+    rows, vocab_size = rows or 4096, vocab_size or 2**20
+    budget = tile_budget_bytes(backend, platform, table_bytes=4 * vocab_size * (dim or 0))
+    tile = default_chunk_size(rows, vocab_size, budget, max_tile(backend, platform))
+    if family == "softmax" and (backend, platform) == ("torch", "cpu"):
+        tile = torch_cpu_softmax_tile(rows, vocab_size, tile)
+    return tile
+
+
 class VocabTiles(NamedTuple):
     """The split of `[0, V)`: `num_full = V // tile` full tiles, then a `remainder`-wide one (V may be a tensor)."""
 

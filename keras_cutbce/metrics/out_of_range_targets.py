@@ -10,7 +10,7 @@ from keras import ops
 from keras_cutbce import _keras_private
 from keras_cutbce import checks
 from keras_cutbce.ids import integer_ids
-from keras_cutbce.ids import refuse_multi_hot
+from keras_cutbce.checks import refuse_multi_hot
 from keras_cutbce.item_table import bind
 from keras_cutbce.item_table import static_vocab_size
 from keras_cutbce.item_table import table_config

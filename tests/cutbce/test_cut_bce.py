@@ -380,6 +380,15 @@ def test_dispatch_table_runs_the_named_implementation(monkeypatch):
     np.testing.assert_allclose(to_numpy(got), to_numpy(ref), rtol=1e-5)
 
 
+def _default_tile(hidden, table, family="bce"):
+    """The tile `chunk_size=None` gives the chunked loop for these inputs (the registry's platform)."""
+    from keras_cutbce import registry
+    from keras_cutbce.math.tiling import default_tile
+
+    rows, dim = hidden.shape
+    return default_tile(BACKEND, registry._platform(hidden), rows, table.shape[0], dim, family)
+
+
 @pytest.mark.parametrize("rows, vocab, torch_tile, other_tile, torch_softmax", [
     (5120, 10**6, 3072, 128, 3072), (1280, 10**6, 12416, 768, 12416), (160, 10**6, 65536, 6528, 31360),
     (160, 10**5, 52352, 6528, 6528), (160, 1000, 1024, 1024, 1024), (640, 10**6, 24960, 1536, 24960),
@@ -396,9 +405,9 @@ def test_default_tile_on_cpu_follows_the_backends_rule(rows, vocab, torch_tile, 
         pytest.skip("the CPU rule")
     table = np.broadcast_to(np.float32(0), (vocab, 64))  # no memory: only its shape is read
     want = torch_tile if BACKEND == "torch" else other_tile
-    assert registry._default_chunk_size(hidden, table) == want
+    assert _default_tile(hidden, table) == want
     softmax = torch_softmax if BACKEND == "torch" else other_tile
-    assert registry._default_chunk_size(hidden, table, "softmax") == softmax
+    assert _default_tile(hidden, table, "softmax") == softmax
 
 
 @pytest.mark.parametrize("rows, vocab, tile", [
@@ -414,7 +423,7 @@ def test_default_tile_on_a_cuda_gpu_is_not_launch_bound(rows, vocab, tile, monke
     table = np.broadcast_to(np.float32(0), (vocab, 64))
     want = tile if BACKEND == "torch" else min(max(64 * 2**20 // (16 * rows) // 128 * 128, 128), 8192,
                                                -(-vocab // 128) * 128)
-    assert registry._default_chunk_size(ops.zeros((rows, 64)), table) == want
+    assert _default_tile(ops.zeros((rows, 64)), table) == want
 
 
 def test_registry_entries_of_this_backend_resolve_to_functions():

@@ -180,15 +180,15 @@ def test_a_non_finite_hidden_state_shows_as_keras_shows_it(bad):
 
 def _with_negatives(loss, h, corrected, log_q, weights):
     """`loss`'s per-position value with `NEGATIVES` as its draw (the op's inputs, through the class)."""
-    from keras_cutbce import ops as cut_ops
+    from keras_cutbce import checks
     from keras_cutbce.sampled import _safe, _sampled_loss
 
-    inputs = cut_ops.loss_inputs(h, loss.embeddings, IDS, loss.bias)
+    inputs = checks.loss_inputs(h, loss.embeddings, IDS, loss.bias)
     negatives = ops.convert_to_tensor(np.where(NEGATIVES < V, NEGATIVES, -1).astype("int32"))
     lq = ops.convert_to_tensor(log_q) if corrected else None
     neg = None if lq is None else ops.take(lq, _safe(negatives), axis=0)
     per = _sampled_loss(inputs, negatives, lq, neg, loss.remove_accidental_hits, loss.temperature)
-    return ops.sum(ops.convert_to_tensor(weights.reshape(-1)) * per)
+    return ops.sum(ops.convert_to_tensor(weights.reshape(-1)) * ops.reshape(per, (-1,)))
 
 
 def test_op_without_negatives_or_targets_and_with_one_id_a_position():
@@ -430,10 +430,10 @@ def _fit_model(seed):
 
 
 def _with_log_q(hidden, table, ids, negatives, log_q, negative_log_q):
-    from keras_cutbce import ops as cut_ops
+    from keras_cutbce import checks
     from keras_cutbce.sampled import _sampled_loss
 
-    inputs = cut_ops.loss_inputs(hidden, table, ids)
+    inputs = checks.loss_inputs(hidden, table, ids)
     return _sampled_loss(inputs, ops.convert_to_tensor(negatives.astype("int32")),
                          ops.convert_to_tensor(log_q.astype("float32")),
                          ops.convert_to_tensor(negative_log_q.astype("float32")), True)

@@ -16,15 +16,12 @@ DIFFERENTIATED_WITHOUT_TABLE = (
 )
 
 
-def table_would_be_constant(y_pred, table_values):
-    """Whether `y_pred` is traced while one of the trainable `table_values` is concrete."""
-    return isinstance(y_pred, jax.core.Tracer) and any(
-        not isinstance(value, jax.core.Tracer) for value in table_values
-    )
-
-
-def refuse_differentiation(y_pred):
-    """`y_pred`, whose derivative raises (a `custom_jvp`); `jit`, `vmap` and evaluation run."""
+def guard(loss, table_values):
+    """`loss`, whose derivative raises (`custom_jvp`) where traced beside a concrete trainable table value."""
+    if not isinstance(loss, jax.core.Tracer) or all(
+        isinstance(value, jax.core.Tracer) for value in table_values
+    ):
+        return loss
 
     @jax.custom_jvp
     def guarded(x):
@@ -34,4 +31,4 @@ def refuse_differentiation(y_pred):
     def _refuse(primals, tangents):
         raise RuntimeError(DIFFERENTIATED_WITHOUT_TABLE)
 
-    return guarded(y_pred)
+    return guarded(loss)
