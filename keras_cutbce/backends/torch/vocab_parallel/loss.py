@@ -59,6 +59,7 @@ class _VocabParallelLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, shard, bias, ids, family, tile, layout, dense):
+        dense = _dense_pass(dense, hidden, shard)
         dtype = compute_dtype(hidden, shard, bias)
         counts = collectives.row_counts(hidden.shape[0], layout, hidden.device)
         h = collectives.gather_rows(hidden.to(dtype), counts, layout)
@@ -96,17 +97,21 @@ class _VocabParallelLoss(torch.autograd.Function):
         return (grad_h if ctx.needs_input_grad[0] else None, grad_e, grad_b) + (None,) * 5
 
 
-def _loss(hidden, shard, ids, bias, family, chunk_size, layout, dense=chunked.dense_pass):
-    ids = torch.as_tensor(ids, device=hidden.device)
-    ids = ids[:, None] if ids.ndim == 1 else ids
-    return _VocabParallelLoss.apply(hidden, shard, bias, ids, family, int(chunk_size), layout, dense)
-
-
-def _triton_dense(hidden, shard):
+def _dense_pass(name, hidden, shard):
+    """The shard's dense pass: the chunked loop's, or the Triton kernels' (`name == "triton"`)."""
+    if name != "triton":
+        return chunked.dense_pass
     from keras_cutbce.backends.torch.triton import launch
 
     return functools.partial(launch.dense_pass, operands=launch.operand_dtype(hidden),
                              stored=(torch.float32, shard.dtype))  # summed over ranks, then cast
+
+
+def _loss(hidden, shard, ids, bias, family, chunk_size, layout, dense="chunked"):
+    ids = torch.as_tensor(ids, device=hidden.device)
+    ids = ids[:, None] if ids.ndim == 1 else ids
+    tile = max(1, shard.shape[0]) if dense == "triton" else int(chunk_size)  # Triton: one tile a pass
+    return _VocabParallelLoss.apply(hidden, shard, bias, ids, family, tile, layout, dense)
 
 
 def cut_bce(hidden, shard, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.0, chunk_size,
@@ -116,10 +121,7 @@ def cut_bce(hidden, shard, ids, bias=None, *, label_smoothing=0.0, pos_weight=1.
     `dense`: `"chunked"` (the chunked loop's tiles of `chunk_size`) or `"triton"` (the fused kernels).
     """
     family = math.BCE(bce_coefficients(label_smoothing, pos_weight))
-    if dense == "triton":
-        return _loss(hidden, shard, ids, bias, family, max(1, shard.shape[0]), layout,
-                     _triton_dense(hidden, shard))
-    return _loss(hidden, shard, ids, bias, family, chunk_size, layout)
+    return _loss(hidden, shard, ids, bias, family, chunk_size, layout, dense)
 
 
 def cut_softmax(hidden, shard, ids, bias=None, *, label_smoothing=0.0, chunk_size, layout):
