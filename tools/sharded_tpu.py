@@ -70,8 +70,9 @@ def topology_devices(name):
     return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
 
 
-def compile_sharded_step(devices, rows, dim, vocab, kernel="auto", dtype="float32"):
-    """Compiles the loss-and-gradients step with the table split along V over `devices`.
+def compile_sharded_step(devices, rows, dim, vocab, kernel="auto", dtype="float32", family="bce",
+                         label_smoothing=0.0):
+    """Compiles the loss-and-gradients step (`family`: `"bce"` or `"softmax"`) with the table split along V over `devices`.
 
     Returns:
         The `jax.stages.Compiled` executable.
@@ -93,8 +94,11 @@ def compile_sharded_step(devices, rows, dim, vocab, kernel="auto", dtype="float3
     mesh = Mesh(devices, ("model",))
     spec = sharded.VocabSharding(mesh, ("model",))
 
+    loss = getattr(sharded, f"cut_{family}")
+
     def objective(hidden, table, ids):
-        return jnp.sum(sharded.cut_bce(hidden, table, ids, sharding=spec, kernel=kernel))
+        return jnp.sum(loss(hidden, table, ids, sharding=spec, kernel=kernel,
+                            label_smoothing=label_smoothing))
 
     def arg(shape, dt, pspec):
         return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, pspec))

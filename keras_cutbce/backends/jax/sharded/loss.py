@@ -228,6 +228,10 @@ def _pallas_softmax(family, settings, tile, has_bias, interpret):
             m, s = pallas.softmax_statistics(h, t, b, **options)
             acc = (m, s, jnp.zeros_like(m))  # the smoothing's sum is `family.linear`'s
         if row_scale is not None:
+            # The positives' rows first (the same gather `sparse_terms` makes): the row-major copy of the
+            # shard they come from is then freed before the kernel's gradient of the shard exists.
+            rows = jnp.take(t, targets.index, axis=0)
+            h, rows = jax.lax.optimization_barrier((h, rows))
             grads = pallas.softmax_gradients(h, t, b, stats, row_scale, **options)
         positive_rows, grads = chunked.sparse_terms(
             h, t, targets.real_bias(b), targets.index, targets.here, family, grads, loss=loss,
