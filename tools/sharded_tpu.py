@@ -26,6 +26,8 @@ compiled). `HBM` is the chip's capacity (v5e 16 GiB, v6e 32 GiB per chip).
 Usage:
     TPU_SKIP_MDS_QUERY=1 python tools/sharded_tpu.py         # writes results/sharded_tpu.{md,json}
     TPU_SKIP_MDS_QUERY=1 python tools/sharded_tpu.py --quick # one small compile
+    TPU_SKIP_MDS_QUERY=1 python tools/sharded_tpu.py --family softmax --label-smoothing 0.1 \
+        --out benchmarks/results/sharded_tpu_softmax                 # the softmax cross-entropy
 """
 
 import argparse
@@ -112,13 +114,13 @@ def compile_sharded_step(devices, rows, dim, vocab, kernel="auto", dtype="float3
     return step.lower(*args).compile()
 
 
-def measure(topology, rows, dim, vocab, kernel, dtype="float32"):
+def measure(topology, rows, dim, vocab, kernel, dtype="float32", family="bce", label_smoothing=0.0):
     """One compile: per-chip memory and what the program contains."""
     import numpy as np
 
     devices = topology_devices(topology)
     start = time.perf_counter()
-    compiled = compile_sharded_step(devices, rows, dim, vocab, kernel, dtype)
+    compiled = compile_sharded_step(devices, rows, dim, vocab, kernel, dtype, family, label_smoothing)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     text = compiled.as_text()
@@ -131,6 +133,7 @@ def measure(topology, rows, dim, vocab, kernel, dtype="float32"):
     return {
         "topology": topology, "chips": chips, "device_kind": devices[0].device_kind,
         "kernel": kernel, "rows": rows, "dim": dim, "vocab": vocab, "dtype": dtype,
+        "family": family, "label_smoothing": label_smoothing,
         "table_shard_bytes": shard_bytes,
         "argument_bytes": stats.argument_size_in_bytes,
         "output_bytes": stats.output_size_in_bytes,
@@ -190,8 +193,11 @@ def markdown(results):
 def _write(out, results, machine, rows):
     """Prints and writes the markdown report and the JSON (`machine` has the load average)."""
     load = ", ".join(f"{v:.1f}" for v in machine["load_average"])
+    family, smoothing = results[0].get("family", "bce"), results[0].get("label_smoothing", 0.0)
+    name = "CutBCE" if family == "bce" else "the softmax cross-entropy"
+    name += f" (label smoothing {smoothing})" if smoothing else ""
     note = (
-        f"Per-chip memory (GiB) of `jit(value_and_grad)` of CutBCE (loss; gradients of the "
+        f"Per-chip memory (GiB) of `jit(value_and_grad)` of {name} (loss; gradients of the "
         f"hidden states and the table), M = {rows} rows (replicated), {NUM_IDS} target "
         "ids per row, float32, the table split along V over every chip "
         "(`keras_cutbce.backends.jax.sharded`), compiled by libtpu for deviceless TPU "
@@ -204,7 +210,8 @@ def _write(out, results, machine, rows):
     table = markdown(results)
     print(note + "\n\n" + table)
     with open(out + ".md", "w") as f:
-        f.write("# CutBCE on TPU pods: per-chip HBM, table sharded on V\n\n" + note + "\n\n" + table + "\n")
+        title = "CutBCE" if family == "bce" else "CutSoftmax"
+        f.write(f"# {title} on TPU pods: per-chip HBM, table sharded on V\n\n" + note + "\n\n" + table + "\n")
     with open(out + ".json", "w") as f:
         json.dump({"machine": machine, "rows": rows, "results": results}, f, indent=2, default=str)
 
@@ -217,6 +224,8 @@ def main():
     parser.add_argument("--kernels", nargs="+", default=["auto", "chunked"],
                         choices=["auto", "chunked"])
     parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--family", default="bce", choices=["bce", "softmax"])
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
     parser.add_argument("--quick", action="store_true", help="one small compile")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "sharded_tpu"))
@@ -245,11 +254,12 @@ def main():
             for dim in args.dims:
                 for kernel in args.kernels:
                     config = dict(topology=topology, rows=args.rows, dim=dim, vocab=vocab,
-                                  kernel=kernel)
+                                  kernel=kernel, family=args.family,
+                                  label_smoothing=args.label_smoothing)
                     results.append(_run_child(config))
                     print(json.dumps(results[-1]), flush=True)
     machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-               "loadavg": [round(v, 2) for v in os.getloadavg()],
+               "load_average": [round(v, 2) for v in os.getloadavg()],
                "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write(args.out, results, machine, args.rows)
     return 0
