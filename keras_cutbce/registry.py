@@ -295,6 +295,14 @@ def _platform(tensor):
     return "cpu"
 
 
+def _static(dim):
+    """A dimension as an int, None where unknown (as `checks.static_dims` reads one; checks imports this module)."""
+    try:
+        return None if dim is None else int(dim)
+    except TypeError:
+        return None
+
+
 def _compiled_platform(backend):
     if backend != "jax":
         return None
@@ -320,14 +328,14 @@ def _usable(route, implementation, hidden, table, args):
     return not problem and (route not in FITS or _load(FITS[route])(hidden, table.value, args[1]))
 
 
-def _route(op, implementation, hidden, table, args, backend, platform):
+def _route(op, implementation, hidden, table, args, backend):
     """`(route, keywords)`: what runs `op` (None: nothing), and the keywords the route adds."""
     if table.layout is not None:  # a table split over torch.distributed ranks
         if not has(op, "vocab_parallel", backend):
             return None, {}
         keywords = {"layout": table.layout}
         if op == "cut_bce":  # its shard's passes: the Triton kernels' where they would run
-            wanted = auto(op, backend, platform) if implementation == "auto" else implementation
+            wanted = auto(op, backend, _platform(hidden)) if implementation == "auto" else implementation
             usable = wanted == "triton" and _usable(wanted, implementation, hidden, table, args)
             keywords["dense"] = "triton" if usable else "chunked"
         return "vocab_parallel", keywords
@@ -341,7 +349,7 @@ def _route(op, implementation, hidden, table, args, backend, platform):
     route = implementation
     if implementation == "auto":
         # On torch the tensors' device decides (CUDA: the Triton kernels).
-        compiled = platform if backend == "torch" else _compiled_platform(backend)
+        compiled = _platform(hidden) if backend == "torch" else _compiled_platform(backend)
         route = auto(op, backend, compiled)
         tpu = auto(op, backend, "tpu")
         if compiled is None and tpu != route:  # JAX: both traced, the lowering keeps one
@@ -354,11 +362,15 @@ def _route(op, implementation, hidden, table, args, backend, platform):
 def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
     """Runs `op` on checked 2-D inputs (`table`: an `ItemTable`); None when the choice lacks the op."""
     backend = keras.backend.backend()
-    platform = _platform(hidden)
-    route, keywords = _route(op, implementation, hidden, table, args, backend, platform)
+    route, keywords = _route(op, implementation, hidden, table, args, backend)
     if route is None:
         return None
     kernel = None if route == "by_platform" else get(op, route, backend)
+    tiled = chunk_size is None and route in ("chunked", "vocab_parallel")  # the default tile's inputs
+    if tiled:
+        rows, dim = (_static(d) for d in hidden.shape)
+        vocab = _static(table.value.shape[0])  # a split table: this rank's rows
+        platform = _platform(hidden)
     if route == "by_platform":
         from keras_cutbce.backends.jax import compile_platform
 
@@ -370,12 +382,9 @@ def dispatch(op, implementation, hidden, table, *args, chunk_size, **kwargs):
         return compile_platform.by_platform((hidden, table.value) + args, run(tpu), run(other))
     if route in ("reference", "gather"):  # no tiles
         return kernel(hidden, table.value, *args, **kwargs)
-    if chunk_size is None and route in ("chunked", "vocab_parallel"):
-        rows, dim = (d if isinstance(d, int) else None for d in tuple(hidden.shape))
-        vocab = table.value.shape[0]  # a split table: this rank's rows
+    if tiled:
         family = "softmax" if op.startswith("cut_softmax") else "bce"
-        chunk_size = default_tile(backend, platform, rows, vocab if isinstance(vocab, int) else None,
-                                  dim, family)
+        chunk_size = default_tile(backend, platform, rows, vocab, dim, family)
     return kernel(hidden, table.value, *args, chunk_size=chunk_size, **keywords, **kwargs)
 
 
