@@ -461,7 +461,7 @@ def kernel(*refs, cfg, ps, names, interpreted=False):
     # A float32 table gradient accumulates in its output block (resident
     # across the row tiles), another dtype in a float32 scratch.
     acc_table = refs.get("acc_table", grad_table_ref)
-    acc_bias = grad_bias_ref = refs.get("grad_bias")
+    acc_bias = refs.get("grad_bias")
     scaled_ref = refs.get("scaled")
     slopes_refs = (refs.get("slopes_0"), refs.get("slopes_1"))
     bits_ref, bits_t_ref = refs.get("bits"), refs.get("bits_t")
